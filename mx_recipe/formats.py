@@ -1,0 +1,233 @@
+"""The MX reference: element formats, scale rules, ``to_mx`` and ``MXTensor``.
+
+Pure PyTorch on any device. Every kernel and GEMM backend in this repository is tested
+bit for bit against this file, and this file against the numerics contract of DESIGN.md:
+
+* a block is 32 consecutive elements along the quantized dim; its scale is an E8M0
+  exponent ``e`` (bias 127, 0xFF = NaN) and each element is stored as ``v / 2**e``
+  rounded to nearest even in the element format, saturated to its max normal;
+* ``floor`` (OCP MX v1.0, 6.3): ``e = floor(log2(amax)) - emax``;
+* ``rceil`` (NVIDIA cuBLAS 1D block scaling): ``e = ceil(log2(amax / max_normal))``;
+  both clamped to [-127, 127];
+* a block holding a NaN gets the NaN scale, its fp8 elements are NaN (0x7F) and its
+  fp4 elements 0 (e2m1 has no NaN); it dequantizes to NaN;
+* an all-zero block gets e = -127 and zero elements;
+* a block whose amax is Inf gets e = 127 (log2(inf) = inf, clamped; cuBLAS/TE code
+  0xFE) and its infinities saturate to +-max_normal.
+
+Both rules are computed exactly, on the fp32 bits of amax, with no division and no
+log: for a normal amax = 1.m * 2**E, floor gives E - emax, and rceil gives E - emax
+plus one when the mantissa of amax exceeds the mantissa of max_normal (amax / max_normal
+then lies strictly above 2**(E - emax)). Evaluating ``ceil(log2(fl32(amax / max_normal)))``
+in fp32 gives the same answer for every bf16 amax (tests/test_formats.py checks all of
+them) and for every normal fp32 amax whose quotient is normal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK_SIZE = 32
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+SCALE_EXP_MIN = -127
+SCALE_EXP_MAX = 127
+
+
+@dataclass(frozen=True)
+class ElemFormat:
+    """An MX element format: sign, ``ebits`` exponent bits, ``mbits`` mantissa bits."""
+
+    name: str
+    ebits: int
+    mbits: int
+    emax: int  # exponent of the largest normal
+    max_normal: float
+    torch_dtype: torch.dtype | None  # None for e2m1, stored packed as uint8
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal (1 - bias)."""
+        return 2 - 2 ** (self.ebits - 1)
+
+    @property
+    def max_mantissa_bits(self) -> int:
+        """The 23-bit fp32 mantissa field of max_normal (1.75 -> 0x600000)."""
+        return int((self.max_normal / 2.0**self.emax - 1.0) * 2**23)
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.ebits + self.mbits
+
+
+E4M3 = ElemFormat("e4m3", ebits=4, mbits=3, emax=8, max_normal=448.0, torch_dtype=torch.float8_e4m3fn)
+E5M2 = ElemFormat("e5m2", ebits=5, mbits=2, emax=15, max_normal=57344.0, torch_dtype=torch.float8_e5m2)
+E2M1 = ElemFormat("e2m1", ebits=2, mbits=1, emax=2, max_normal=6.0, torch_dtype=None)
+
+ELEM_FORMATS: dict[str, ElemFormat] = {f.name: f for f in (E4M3, E5M2, E2M1)}
+SCALE_RULES = ("floor", "rceil")
+
+# fp8 NaN encoding used for every element of a NaN block (sign bit clear).
+FP8_NAN_BITS = 0x7F
+# Magnitudes of the 8 non-negative e2m1 codes, in code order.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def elem_format(name: str) -> ElemFormat:
+    if name not in ELEM_FORMATS:
+        raise ValueError(f"unknown MX element format {name!r}; expected one of {sorted(ELEM_FORMATS)}")
+    return ELEM_FORMATS[name]
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in SCALE_RULES:
+        raise ValueError(f"unknown MX scale rule {mode!r}; expected one of {list(SCALE_RULES)}")
+
+
+def scale_exponent(amax: torch.Tensor, fmt: ElemFormat, mode: str) -> torch.Tensor:
+    """Unbiased shared exponent (int32, in [-127, 127]) for fp32 block maxima ``amax >= 0``.
+
+    NaN blocks are not handled here (the caller masks them); +inf gives 127.
+    """
+    _check_mode(mode)
+    bits = amax.to(torch.float32).view(torch.int32)
+    biased = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    # A zero or subnormal amax has biased exponent 0: E = -127 clamps to -127 below,
+    # which is the exact answer for both rules (floor(log2(amax)) - emax < -127 there).
+    e = biased - 127 - fmt.emax
+    if mode == "rceil":
+        e = e + (mantissa > fmt.max_mantissa_bits).to(torch.int32)
+    e = torch.where(biased == 0xFF, SCALE_EXP_MAX, e)  # amax = inf
+    return e.clamp(SCALE_EXP_MIN, SCALE_EXP_MAX)
+
+
+def exp2_fp32(e: torch.Tensor) -> torch.Tensor:
+    """Exact 2**e in fp32 for int32 e in [-149, 127], built from bits (no pow, no rounding)."""
+    normal = ((e + 127).clamp(min=1) << 23).view(torch.float32)
+    subnormal = (torch.ones_like(e) << (e + 149).clamp(0, 22)).view(torch.float32)
+    return torch.where(e >= -126, normal, subnormal)
+
+
+def round_to_format(v: torch.Tensor, fmt: ElemFormat) -> torch.Tensor:
+    """Round fp32 ``v`` to the nearest value of ``fmt`` (ties to even), saturating to
+    +-max_normal. Returns fp32 values that ``fmt`` represents exactly; -0 stays -0."""
+    v = v.clamp(-fmt.max_normal, fmt.max_normal)  # inf saturates; clamp-then-round == round-then-clamp
+    _, exp = torch.frexp(v)  # |v| = m * 2**exp, m in [0.5, 1)
+    k = (exp - 1).clamp(min=fmt.emin)  # exponent of v's binade, subnormals share emin's ulp
+    ulp = exp2_fp32(k - fmt.mbits)
+    return torch.round(v / ulp) * ulp  # power-of-two scaling is exact; torch.round is half-to-even
+
+
+def _encode_e2m1(q: torch.Tensor) -> torch.Tensor:
+    """fp32 values exactly in e2m1 -> 4-bit codes (uint8, 0..15), sign in bit 3."""
+    mag = q.abs()
+    code = torch.zeros_like(mag, dtype=torch.uint8)
+    for i, value in enumerate(E2M1_VALUES[1:], start=1):
+        code = torch.where(mag == value, torch.full_like(code, i), code)
+    return code | (torch.signbit(q).to(torch.uint8) << 3)
+
+
+def _decode_e2m1(code: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=code.device)
+    mag = table[(code & 0x7).long()]
+    return torch.where((code & 0x8) != 0, -mag, mag)
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack 4-bit codes along the last dim, two per byte, first element in the low nibble."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"cannot pack an odd last dim {codes.shape[-1]} into fp4 pairs")
+    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    lo, hi = packed & 0xF, packed >> 4
+    return torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+@dataclass
+class MXTensor:
+    """A tensor in MX form, quantized in blocks of ``block_size`` along ``dim``.
+
+    qdata: float8_e4m3fn / float8_e5m2 with the input's shape, or uint8 for e2m1 with
+    the quantized dim halved (two codes per byte, first element in the low nibble).
+    scale: float8_e8m0fnu with the input's shape, the quantized dim divided by block_size.
+    """
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
+    elem: str
+    dim: int
+    block_size: int = BLOCK_SIZE
+
+    @property
+    def fmt(self) -> ElemFormat:
+        return elem_format(self.elem)
+
+    @property
+    def shape(self) -> torch.Size:
+        shape = list(self.qdata.shape)
+        if self.elem == "e2m1":
+            shape[self.dim] *= 2
+        return torch.Size(shape)
+
+    def t(self) -> MXTensor:
+        """The transpose of a 2D MXTensor (a view; blocks stay along the same data)."""
+        if self.qdata.dim() != 2:
+            raise ValueError(f"MXTensor.t() needs 2 dims, got {self.qdata.dim()}")
+        return MXTensor(self.qdata.t(), self.scale.t(), self.elem, 1 - self.dim, self.block_size)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """element * 2**e in fp32 (exact), NaN where the scale is NaN, then cast to dtype."""
+        if self.elem == "e2m1":
+            elems = _decode_e2m1(unpack_fp4(self.qdata.movedim(self.dim, -1))).movedim(-1, self.dim)
+        else:
+            elems = self.qdata.to(torch.float32)
+        biased = self.scale.view(torch.uint8).to(torch.int32)
+        factor = exp2_fp32(biased - E8M0_BIAS)
+        factor = torch.where(biased == E8M0_NAN, torch.nan, factor)
+        factor = factor.repeat_interleave(self.block_size, dim=self.dim)
+        return (elems * factor).to(dtype)
+
+
+def to_mx(
+    x: torch.Tensor,
+    elem: str = "e4m3",
+    mode: str = "floor",
+    dim: int = -1,
+    block_size: int = BLOCK_SIZE,
+) -> MXTensor:
+    """Quantize ``x`` (bf16 or fp32) to MX along ``dim`` in blocks of ``block_size``."""
+    fmt = elem_format(elem)
+    _check_mode(mode)
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"to_mx takes bf16 or fp32 input, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("to_mx needs at least one dimension")
+    dim = dim % x.dim()
+    if x.shape[dim] % block_size:
+        raise ValueError(
+            f"to_mx: dim {dim} of shape {tuple(x.shape)} has size {x.shape[dim]}, "
+            f"which is not a multiple of the block size {block_size}"
+        )
+    v = x.to(torch.float32).movedim(dim, -1)
+    blocks = v.reshape(*v.shape[:-1], -1, block_size)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)  # NaN propagates into amax
+    is_nan = amax.isnan()
+    e = scale_exponent(torch.where(is_nan, 0.0, amax), fmt, mode)
+    q = round_to_format(blocks * exp2_fp32(-e), fmt)
+    biased = torch.where(is_nan, E8M0_NAN, e + E8M0_BIAS).to(torch.uint8)
+    scale = biased.squeeze(-1).view(torch.float8_e8m0fnu).movedim(-1, dim).contiguous()
+
+    if fmt.torch_dtype is None:
+        codes = torch.where(is_nan, 0, _encode_e2m1(q)).to(torch.uint8)
+        qdata = pack_fp4(codes.reshape(v.shape))
+    else:
+        bits = q.to(fmt.torch_dtype).view(torch.uint8)
+        qdata = torch.where(is_nan, FP8_NAN_BITS, bits).to(torch.uint8)
+        qdata = qdata.reshape(v.shape).view(fmt.torch_dtype)
+    return MXTensor(qdata=qdata.movedim(-1, dim).contiguous(), scale=scale, elem=elem, dim=dim, block_size=block_size)
