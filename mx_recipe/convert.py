@@ -69,7 +69,7 @@ def convert_to_mx(
 def format_conversion_table(records: list[ConversionRecord]) -> str:
     rows = [("fqn", "shape", "result")] + [(r.fqn, "x".join(map(str, r.shape)), r.reason) for r in records]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     converted = sum(r.converted for r in records)
     lines.append(f"{converted} of {len(records)} linear layers converted")
     return "\n".join(lines)
