@@ -1,0 +1,286 @@
+"""Training configuration: TOML files plus ``--section.key value`` overrides, validated strictly.
+
+Every error names the key and the file, so a bad run stops before any model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+DEFAULT_CONFIG = "debug_mxfp8"
+REQUIRED: Any = object()  # sentinel default: the key must be given
+
+
+class ConfigError(ValueError):
+    """A bad config; its message is one line naming the key and the file."""
+
+
+def required() -> Any:
+    return field(default=REQUIRED)
+
+
+@dataclass
+class JobConfig:
+    output_dir: str = required()
+    seed: int = required()
+    description: str = ""
+
+
+@dataclass
+class ModelConfig:
+    name: str = required()
+    flavor: str = required()
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = required()
+    local_batch_size: int = required()
+    seq_len: int = required()
+    lr: float = required()
+    warmup_steps: int = required()
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    max_norm: float = 1.0  # gradient-norm clipping; 0 turns it off
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "python_stdlib"  # the Python installation's own sources: offline, on every machine
+    max_bytes: int = 64 * 2**20  # read at most this much of the corpus
+
+
+@dataclass
+class MXConfig:
+    recipe: str = required()  # an MXRecipe name, or "none" for bf16
+    backend: str = "auto"
+    skip: list[str] = field(default_factory=lambda: ["output"])  # fqn patterns left in bf16
+
+
+@dataclass
+class MetricsConfig:
+    log_freq: int = required()
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    mx: MXConfig = field(default_factory=MXConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    source: str = "<defaults>"  # the file the config came from, for messages
+
+
+_SECTION_TYPES: dict[str, type] = {
+    "job": JobConfig,
+    "model": ModelConfig,
+    "training": TrainingConfig,
+    "data": DataConfig,
+    "mx": MXConfig,
+    "metrics": MetricsConfig,
+}
+_KEY_TYPES: dict[str, dict[str, Any]] = {
+    name: {f.name: f.type for f in dataclasses.fields(cls)} for name, cls in _SECTION_TYPES.items()
+}
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "list[str]": list[str]}
+
+
+def _key_type(section: str, key: str) -> Any:
+    annotation = _KEY_TYPES[section][key]
+    return _TYPES[annotation] if isinstance(annotation, str) else annotation
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is list:
+        return "a list of strings"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[tp]
+
+
+def _check_value(value: Any, tp: Any) -> Any:
+    """``value`` as type ``tp``, or raise TypeError. TOML already gives typed values."""
+    if get_origin(tp) is list:
+        (item,) = get_args(tp)
+        if isinstance(value, list) and all(isinstance(v, item) for v in value):
+            return list(value)
+    elif tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    elif tp is bool and isinstance(value, bool):
+        return value
+    elif tp is str and isinstance(value, str):
+        return value
+    raise TypeError(f"expected {_type_name(tp)}, got {value!r}")
+
+
+def _parse_override(text: str, tp: Any) -> Any:
+    """A command-line string as type ``tp``."""
+    if get_origin(tp) is list:
+        return [s for s in (part.strip() for part in text.split(",")) if s]
+    if tp is bool:
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise TypeError(f"expected true or false, got {text!r}")
+    try:
+        return tp(text)
+    except ValueError:
+        raise TypeError(f"expected {_type_name(tp)}, got {text!r}") from None
+
+
+def resolve_config_path(name_or_path: str | None) -> Path:
+    """A path as given, or NAME / NAME.toml under configs/."""
+    name_or_path = name_or_path or DEFAULT_CONFIG
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    stem = name_or_path.removesuffix(".toml")
+    candidate = CONFIG_DIR / f"{stem}.toml"
+    if candidate.is_file():
+        return candidate
+    known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml")))
+    raise ConfigError(f"{name_or_path}: no such config file (and no configs/{stem}.toml; known: {known})")
+
+
+def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
+    """``--section.key value`` and ``--section.key=value`` pairs, in order."""
+    pairs, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"command line: expected --section.key value, got {arg!r}")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"command line: {arg} needs a value")
+            key, value = arg[2:], argv[i + 1]
+            i += 2
+        pairs.append((key, value))
+    return pairs
+
+
+def load_config(name_or_path: str | None = None, overrides: list[tuple[str, str]] | None = None) -> Config:
+    path = resolve_config_path(name_or_path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return build_config(data, str(path), overrides or [])
+
+
+def build_config(data: dict[str, Any], source: str, overrides: list[tuple[str, str]]) -> Config:
+    values: dict[str, dict[str, Any]] = {name: {} for name in _SECTION_TYPES}
+    for section, table in data.items():
+        if section not in _SECTION_TYPES:
+            raise ConfigError(f"{source}: unknown section [{section}]; known: {', '.join(_SECTION_TYPES)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: '{section}' must be a table ([{section}])")
+        for key, value in table.items():
+            if key not in _KEY_TYPES[section]:
+                raise ConfigError(f"{source}: unknown key '{section}.{key}'")
+            try:
+                values[section][key] = _check_value(value, _key_type(section, key))
+            except TypeError as e:
+                raise ConfigError(f"{source}: key '{section}.{key}': {e}") from None
+    for dotted, text in overrides:
+        section, _, key = dotted.partition(".")
+        if section not in _SECTION_TYPES or key not in _KEY_TYPES[section]:
+            raise ConfigError(f"command line (config {source}): unknown key '{dotted}'")
+        try:
+            values[section][key] = _parse_override(text, _key_type(section, key))
+        except TypeError as e:
+            raise ConfigError(f"command line (config {source}): key '{dotted}': {e}") from None
+    sections = {}
+    for name, cls in _SECTION_TYPES.items():
+        section = cls(**values[name])
+        for f in dataclasses.fields(cls):
+            if getattr(section, f.name) is REQUIRED:
+                raise ConfigError(f"{source}: missing required key '{name}.{f.name}'")
+        sections[name] = section
+    config = Config(**sections, source=source)
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    """Value checks beyond types, so that a bad run stops before any model is built."""
+    # Imported here: the registries live in the library, the config only reads them.
+    from mx_recipe.models import MODEL_FLAVORS
+    from mx_recipe.recipe import BACKENDS, RECIPES
+
+    src = config.source
+
+    def fail(key: str, message: str) -> None:
+        raise ConfigError(f"{src}: key '{key}': {message}")
+
+    t = config.training
+    for key in ("steps", "local_batch_size", "seq_len"):
+        if getattr(t, key) <= 0:
+            fail(f"training.{key}", f"must be positive, got {getattr(t, key)}")
+    if t.warmup_steps < 0:
+        fail("training.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
+    if t.lr <= 0:
+        fail("training.lr", f"must be positive, got {t.lr}")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        fail("training.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
+    if t.max_norm < 0:
+        fail("training.max_norm", f"must be >= 0, got {t.max_norm}")
+    if config.metrics.log_freq <= 0:
+        fail("metrics.log_freq", f"must be positive, got {config.metrics.log_freq}")
+    if config.model.name not in MODEL_FLAVORS:
+        fail("model.name", f"unknown model {config.model.name!r}; known: {', '.join(sorted(MODEL_FLAVORS))}")
+    flavors = MODEL_FLAVORS[config.model.name]
+    if config.model.flavor not in flavors:
+        fail("model.flavor", f"unknown {config.model.name} flavor {config.model.flavor!r}; known: {', '.join(flavors)}")
+    if config.mx.recipe != "none" and config.mx.recipe not in RECIPES:
+        fail("mx.recipe", f"unknown recipe {config.mx.recipe!r}; known: none, {', '.join(RECIPES)}")
+    if config.mx.backend not in BACKENDS:
+        fail("mx.backend", f"unknown backend {config.mx.backend!r}; available: {', '.join(BACKENDS)}")
+    from mx_recipe.train.data import DATASETS
+
+    if config.data.dataset not in DATASETS:
+        fail("data.dataset", f"unknown dataset {config.data.dataset!r}; known: {', '.join(DATASETS)}")
+    if config.data.max_bytes <= t.seq_len + 1:
+        fail("data.max_bytes", f"must exceed training.seq_len + 1, got {config.data.max_bytes}")
+
+
+def config_to_dict(config: Config) -> dict[str, dict[str, Any]]:
+    return {name: dataclasses.asdict(getattr(config, name)) for name in _SECTION_TYPES}
+
+
+def config_to_toml(config: Config) -> str:
+    """The resolved config as TOML (flat sections of strings, numbers, bools and string lists)."""
+
+    def fmt(value: Any) -> str:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, str):
+            return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(value, list):
+            return "[" + ", ".join(fmt(v) for v in value) + "]"
+        return repr(value)
+
+    lines = [f"# resolved from {config.source}"]
+    for section, table in config_to_dict(config).items():
+        lines.append(f"\n[{section}]")
+        lines.extend(f"{key} = {fmt(value)}" for key, value in table.items())
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,119 @@
+"""Strict configs: every bad key, section or type stops the run with one line naming it."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mx_recipe.train.config import (
+    CONFIG_DIR,
+    ConfigError,
+    build_config,
+    config_to_toml,
+    load_config,
+    parse_overrides,
+    resolve_config_path,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+MINIMAL = {
+    "job": {"output_dir": "out", "seed": 0},
+    "model": {"name": "llama", "flavor": "debug"},
+    "training": {"steps": 2, "local_batch_size": 2, "seq_len": 64, "lr": 1e-3, "warmup_steps": 1},
+    "mx": {"recipe": "mxfp8"},
+    "metrics": {"log_freq": 1},
+}
+
+
+def _with(section: str, key: str, value) -> dict:
+    data = {s: dict(t) for s, t in MINIMAL.items()}
+    data.setdefault(section, {})[key] = value
+    return data
+
+
+def test_every_shipped_config_loads():
+    names = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+    assert {"debug_bf16", "debug_mxfp8", "llama_bf16", "llama_mxfp8"} <= set(names)
+    for name in names:
+        config = load_config(name)
+        assert config.source.endswith(f"{name}.toml")
+
+
+def test_name_resolution_with_and_without_suffix():
+    assert resolve_config_path("debug_bf16") == resolve_config_path("debug_bf16.toml")
+    assert resolve_config_path(None).stem == "debug_mxfp8"
+    with pytest.raises(ConfigError, match="no_such_config"):
+        resolve_config_path("no_such_config")
+
+
+def test_minimal_config_and_defaults():
+    config = build_config(MINIMAL, "mem.toml", [])
+    assert config.training.weight_decay == 0.1 and config.mx.skip == ["output"]
+    assert config.training.lr == 1e-3
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (_with("bogus", "x", 1), r"mem.toml: unknown section \[bogus\]"),
+        (_with("training", "stepz", 1), r"mem.toml: unknown key 'training.stepz'"),
+        (_with("training", "steps", "10"), r"mem.toml: key 'training.steps': expected an integer"),
+        (_with("training", "steps", 1.5), r"key 'training.steps'"),
+        (_with("training", "steps", True), r"key 'training.steps'"),
+        (_with("training", "lr", "fast"), r"key 'training.lr': expected a number"),
+        (_with("mx", "skip", "output"), r"key 'mx.skip': expected a list of strings"),
+        (_with("mx", "recipe", "mxfp9"), r"key 'mx.recipe': unknown recipe 'mxfp9'"),
+        (_with("mx", "backend", "cublas"), r"key 'mx.backend'"),
+        (_with("model", "flavor", "13B"), r"key 'model.flavor': unknown llama flavor '13B'"),
+        (_with("training", "steps", 0), r"key 'training.steps': must be positive"),
+        (_with("metrics", "log_freq", -1), r"key 'metrics.log_freq'"),
+    ],
+)
+def test_bad_values_name_the_key_and_file(data, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(data, "mem.toml", [])
+
+
+@pytest.mark.parametrize("missing", ["job.output_dir", "job.seed", "training.lr", "model.flavor", "mx.recipe"])
+def test_required_keys(missing):
+    section, key = missing.split(".")
+    data = {s: dict(t) for s, t in MINIMAL.items()}
+    del data[section][key]
+    with pytest.raises(ConfigError, match=rf"mem.toml: missing required key '{missing}'"):
+        build_config(data, "mem.toml", [])
+
+
+def test_overrides_are_typed():
+    pairs = parse_overrides(["--training.steps", "7", "--training.lr=0.5", "--mx.skip", "output,layers.0.*"])
+    config = build_config(MINIMAL, "mem.toml", pairs)
+    assert config.training.steps == 7 and config.training.lr == 0.5
+    assert config.mx.skip == ["output", "layers.0.*"]
+    with pytest.raises(ConfigError, match=r"command line \(config mem.toml\): key 'training.steps'"):
+        build_config(MINIMAL, "mem.toml", parse_overrides(["--training.steps", "many"]))
+    with pytest.raises(ConfigError, match=r"unknown key 'training.nope'"):
+        build_config(MINIMAL, "mem.toml", parse_overrides(["--training.nope", "1"]))
+    with pytest.raises(ConfigError, match="needs a value"):
+        parse_overrides(["--training.steps"])
+    with pytest.raises(ConfigError, match="expected --section.key"):
+        parse_overrides(["steps"])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = build_config(MINIMAL, "mem.toml", parse_overrides(["--job.description", 'say "hi"']))
+    path = tmp_path / "config.toml"
+    path.write_text(config_to_toml(config))
+    again = load_config(str(path))
+    assert config_to_toml(again).splitlines()[1:] == config_to_toml(config).splitlines()[1:]
+
+
+def test_train_py_bad_config_is_one_line_and_nonzero(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text((CONFIG_DIR / "debug_mxfp8.toml").read_text().replace("seq_len = 256", "seq_len = 256\nseq_lem = 3"))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--config", str(bad)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [f"config error: {bad}: unknown key 'training.seq_lem'"]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "outputs").exists()

@@ -1,0 +1,38 @@
+"""Train a Llama model in bf16 or MX with FSDP2.
+
+python train.py --config debug_mxfp8 --training.steps 40
+torchrun --nproc_per_node=8 train.py --config llama_mxfp8.toml
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mx_recipe.train.config import DEFAULT_CONFIG, ConfigError, load_config, parse_overrides
+from mx_recipe.train.parallel import destroy_distributed, init_distributed
+from mx_recipe.train.trainer import train
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, help=f"configs/NAME[.toml] or a path (default: {DEFAULT_CONFIG})")
+    args, rest = parser.parse_known_args(argv)
+    try:
+        config = load_config(args.config, parse_overrides(rest))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+    info = init_distributed()
+    try:
+        train(config, info)
+    except BaseException:
+        destroy_distributed(barrier=False)
+        raise
+    destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
