@@ -1,0 +1,18 @@
+"""Markers: `gpu` tests need CUDA, `sm100` tests need a Blackwell GPU; both skip cleanly elsewhere."""
+
+import pytest
+import torch
+
+
+def _has_sm100() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (10, 0)
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_sm100 = pytest.mark.skip(reason="needs an sm_100 (Blackwell) GPU")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "sm100" in item.keywords and not _has_sm100():
+            item.add_marker(skip_sm100)
