@@ -70,7 +70,7 @@ class MetricsLogger:
         if self.is_main:
             mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.1f}%"
             print(
-                f"step {step:6d}  loss {loss:8.4f}  tokens/s/gpu {tokens_per_sec:10.0f}  "
+                f"step {step:6d}  loss {loss:8.4f}  tokens/s/device {tokens_per_sec:10.0f}  "
                 f"TFLOP/s {tflops:7.2f}  MFU {mfu:>6}  memory {record['memory_gib']:6.2f} GiB",
                 flush=True,
             )
