@@ -45,7 +45,8 @@ def convert_to_mx(
     are shared, not copied, so optimizers and state_dict keys are unchanged.
     """
     records: list[ConversionRecord] = []
-    for fqn, module in list(model.named_modules()):
+    swapped: dict[int, MXLinear] = {}  # a module registered under several names is swapped everywhere
+    for fqn, module in list(model.named_modules(remove_duplicate=False)):
         if not isinstance(module, nn.Linear) or isinstance(module, MXLinear):
             continue
         shape = (module.out_features, module.in_features)
@@ -57,9 +58,11 @@ def convert_to_mx(
             reason = f"skipped: features not multiples of {recipe.block_size}"
             records.append(ConversionRecord(fqn, shape, False, reason))
             continue
+        if id(module) not in swapped:
+            swapped[id(module)] = MXLinear.from_linear(module, recipe)
         parent_fqn, _, name = fqn.rpartition(".")
         parent = model.get_submodule(parent_fqn) if parent_fqn else model
-        setattr(parent, name, MXLinear.from_linear(module, recipe))
+        setattr(parent, name, swapped[id(module)])
         records.append(ConversionRecord(fqn, shape, True, f"converted: {recipe.name}"))
     if log:
         logger.info("convert_to_mx(%s):\n%s", recipe.name, format_conversion_table(records))

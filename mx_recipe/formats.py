@@ -12,15 +12,18 @@ bit for bit against this file, and this file against the numerics contract of DE
 * a block holding a NaN gets the NaN scale, its fp8 elements are NaN (0x7F) and its
   fp4 elements 0 (e2m1 has no NaN); it dequantizes to NaN;
 * an all-zero block gets e = -127 and zero elements;
-* a block whose amax is Inf gets e = 127 (log2(inf) = inf, clamped; cuBLAS/TE code
-  0xFE) and its infinities saturate to +-max_normal.
+* a block whose amax is Inf gets e = 127 under both rules (log2(inf) = inf, clamped;
+  cuBLAS/TE code 0xFE) and its infinities saturate to +-max_normal;
+* rounding is IEEE: a negative value that rounds to zero keeps its sign (fp8 0x80, e2m1 0x8).
 
 Both rules are computed exactly, on the fp32 bits of amax, with no division and no
 log: for a normal amax = 1.m * 2**E, floor gives E - emax, and rceil gives E - emax
 plus one when the mantissa of amax exceeds the mantissa of max_normal (amax / max_normal
 then lies strictly above 2**(E - emax)). Evaluating ``ceil(log2(fl32(amax / max_normal)))``
 in fp32 gives the same answer for every bf16 amax (tests/test_formats.py checks all of
-them) and for every normal fp32 amax whose quotient is normal.
+them) and for every normal fp32 amax whose quotient is normal; it can differ only for an fp32
+amax below max_normal * 2**-126, whose fp32 quotient is subnormal (e.g. e4m3 and
+amax = (1.75 + 2**-23) * 2**-119: exact -126, fp32 quotient -127).
 """
 
 from __future__ import annotations

@@ -88,6 +88,7 @@ class MXLinear(nn.Linear):
         mx.weight = linear.weight
         mx.bias = linear.bias
         mx.recipe = recipe
+        mx.train(linear.training)
         return mx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
