@@ -1,0 +1,114 @@
+"""Triton device functions: quantize 32-element MX blocks bit for bit as ``mx_recipe.formats.to_mx``.
+
+Every cast kernel loads a tile, arranges it as [R, 32] blocks along the quantized dim and
+calls ``quantize_blocks``. All scale arithmetic is on integer bits (no log2, no division:
+Triton's fp32 ``/`` is approximate), and 2**-e is built from bits, so the multiply by it is
+exact like the reference's.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def to_fp32(x, SOFTWARE_ROUND: tl.constexpr):
+    """Widen a loaded bf16/fp32 tile to fp32. The interpreter's bf16 -> fp32 conversion mangles
+    subnormals, so under SOFTWARE_ROUND the bf16 bits are moved into place by hand (exact)."""
+    if SOFTWARE_ROUND and x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def scale_exponent(amax_bits, EMAX: tl.constexpr, MAX_MANT: tl.constexpr, RCEIL: tl.constexpr):
+    """Unbiased shared exponent from the fp32 bits of amax >= 0, as ``formats.scale_exponent``."""
+    biased = amax_bits >> 23  # the sign bit is clear
+    e = biased - (127 + EMAX)
+    if RCEIL:
+        # amax / max_normal lies strictly above 2**e when amax's mantissa exceeds max_normal's
+        e += ((amax_bits & 0x7FFFFF) > MAX_MANT).to(tl.int32)
+    e = tl.where(biased == 0xFF, 127, e)  # amax = inf
+    return tl.minimum(tl.maximum(e, -127), 127)
+
+
+@triton.jit
+def round_to_fp8_bits(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """fp32 v with |v| <= max_normal -> fp8 bits, round to nearest even, in integer arithmetic.
+
+    For the Triton interpreter only, whose own fp8 conversion is wrong. v's 24-bit significand
+    is shifted down to units of the target ulp at exponent k = max(exponent(v), EMIN), rounded
+    half to even; code = ((k - EMIN) << MBITS) + n covers subnormals and the carry into the next
+    binade (n = 2**(MBITS + 1) lands on the next exponent's first code).
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    biased = mag >> 23
+    significand = tl.where(biased > 0, (mag & 0x7FFFFF) | 0x800000, mag & 0x7FFFFF)
+    exp = tl.where(biased > 0, biased - 127, -126)
+    k = tl.maximum(exp, EMIN)
+    shift = tl.minimum(23 - MBITS + k - exp, 25)  # from 25 on, everything rounds to 0
+    n = significand >> shift
+    rem = significand & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    n += ((rem > half) | ((rem == half) & ((n & 1) == 1))).to(tl.int32)
+    code = ((k - EMIN) << MBITS) + n
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def quantize_blocks(
+    blocks,
+    EMAX: tl.constexpr,
+    MAX_MANT: tl.constexpr,
+    MAX_NORMAL: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    RCEIL: tl.constexpr,
+    SOFTWARE_ROUND: tl.constexpr,
+):
+    """fp32 [R, 32] blocks -> (fp8 bits uint8 [R, 32], biased E8M0 scales uint8 [R])."""
+    # amax on the integer bits of |v|: the order of non-negative floats, and a NaN sorts above
+    # inf, so a block holding a NaN is found without relying on max's NaN semantics.
+    mag_bits = blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    amax_bits = tl.max(mag_bits, axis=1)
+    is_nan = amax_bits > 0x7F800000
+    e = scale_exponent(amax_bits, EMAX, MAX_MANT, RCEIL)
+    # 2**-e from bits; -e = -127 is the one subnormal (0x00400000 = 2**-127)
+    inv_scale = tl.where(e < 127, (127 - e) << 23, 0x400000).to(tl.float32, bitcast=True)
+    v = blocks * inv_scale[:, None]
+    # clamp first: inf saturates, and the result does not depend on cvt's satfinite
+    v = tl.minimum(tl.maximum(v, -MAX_NORMAL), MAX_NORMAL)
+    if SOFTWARE_ROUND:
+        q = round_to_fp8_bits(v, MBITS, EMIN)
+    elif IS_E4M3:
+        q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # cvt.rn.satfinite.e4m3x2.f32
+    else:
+        q = v.to(tl.float8e5).to(tl.uint8, bitcast=True)  # cvt.rn.satfinite.e5m2x2.f32
+    q = tl.where(is_nan[:, None], 0x7F, q).to(tl.uint8)
+    scale = tl.where(is_nan, 0xFF, e + 127).to(tl.uint8)
+    return q, scale
+
+
+@triton.jit
+def blocked_scale_offset(r, c, col_tiles):
+    """Byte of scale (r, c) in the blocked layout (DESIGN.md) of a matrix with ``col_tiles`` 4-column tiles."""
+    tile = (r >> 7) * col_tiles + (c >> 2)
+    return tile * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4 + (c & 3)
+
+
+@triton.jit
+def store_scales(s_ptr, scale, rows, cols, n_rows, n_cols, BLOCKED: tl.constexpr):
+    """Store a [len(rows), len(cols)] tile of an [n_rows, n_cols] scale matrix, plain or blocked.
+
+    Blocked: positions in the padding get zero, and the grid covers the padding, so every
+    byte of the blocked buffer is written by some program."""
+    valid = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    if BLOCKED:
+        col_tiles = (n_cols + 3) >> 2
+        offs = blocked_scale_offset(rows[:, None], cols[None, :], col_tiles)
+        in_buffer = (rows < ((n_rows + 127) >> 7 << 7))[:, None] & (cols < col_tiles * 4)[None, :]
+        tl.store(s_ptr + offs, tl.where(valid, scale, 0), mask=in_buffer)
+    else:
+        tl.store(s_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], scale, mask=valid)

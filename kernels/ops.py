@@ -1,0 +1,79 @@
+"""The MX cast kernels as torch custom ops (namespace ``mx_recipe``), with fake implementations.
+
+torch.compile(fullgraph=True) traces through these as single opaque nodes; the fake
+implementations give output shapes and dtypes without Triton or a GPU (Triton is imported
+only when a real implementation runs). Shapes come from ``mx_kernels.common``, as in the
+launchers, so the two cannot drift apart.
+
+    torch.ops.mx_recipe.cast_dim0(x, elem, mode, blocked) -> (qdata, scale)
+    torch.ops.mx_recipe.cast_dim1(x, elem, mode, blocked) -> (qdata, scale)          # x 2D or 3D
+    torch.ops.mx_recipe.cast_dim0_dim1(x, elem, mode, blocked) -> (q0, s0, q1, s1)
+    torch.ops.mx_recipe.cast_groups_dim1(x, offs, elem, mode) -> (qdata, blocked per-group scale)
+"""
+
+from __future__ import annotations
+
+import torch
+from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, fp8_dtype, groups_dim1_shapes
+from torch import Tensor
+
+
+def _empty_outputs(x: Tensor, elem: str, shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[Tensor, Tensor]:
+    q_shape, s_shape = shapes
+    return x.new_empty(q_shape, dtype=fp8_dtype(elem)), x.new_empty(s_shape, dtype=torch.float8_e8m0fnu)
+
+
+@torch.library.custom_op("mx_recipe::cast_dim0", mutates_args=())
+def cast_dim0(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
+    from mx_kernels.cast_dim0 import cast_dim0 as launch
+
+    return launch(x, elem, mode, blocked)
+
+
+@cast_dim0.register_fake
+def _(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1, op="cast_dim0")
+    return _empty_outputs(x, elem, dim0_shapes(x.shape, blocked))
+
+
+@torch.library.custom_op("mx_recipe::cast_dim1", mutates_args=())
+def cast_dim1(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
+    from mx_kernels.cast_dim1 import cast_dim1 as launch
+
+    return launch(x, elem, mode, blocked)
+
+
+@cast_dim1.register_fake
+def _(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-2, op="cast_dim1")
+    return _empty_outputs(x, elem, dim1_shapes(x.shape, blocked))
+
+
+@torch.library.custom_op("mx_recipe::cast_dim0_dim1", mutates_args=())
+def cast_dim0_dim1(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    from mx_kernels.cast_dim0_dim1 import cast_dim0_dim1 as launch
+
+    return launch(x, elem, mode, blocked)
+
+
+@cast_dim0_dim1.register_fake
+def _(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_dim0_dim1")
+    check_cast(x, elem, mode, ndims=(2,), qdim=1, op="cast_dim0_dim1")
+    return (
+        *_empty_outputs(x, elem, dim0_shapes(x.shape, blocked)),
+        *_empty_outputs(x, elem, dim1_shapes(x.shape, blocked)),
+    )
+
+
+@torch.library.custom_op("mx_recipe::cast_groups_dim1", mutates_args=())
+def cast_groups_dim1(x: Tensor, offs: Tensor, elem: str, mode: str) -> tuple[Tensor, Tensor]:
+    from mx_kernels.cast_groups_dim1 import cast_groups_dim1 as launch
+
+    return launch(x, offs, elem, mode)
+
+
+@cast_groups_dim1.register_fake
+def _(x: Tensor, offs: Tensor, elem: str, mode: str) -> tuple[Tensor, Tensor]:
+    check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_groups_dim1")
+    return _empty_outputs(x, elem, groups_dim1_shapes(x.shape, offs.shape[0], blocked=True))

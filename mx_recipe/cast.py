@@ -1,0 +1,214 @@
+"""MX casts, dispatched: the Triton kernels (``mx_kernels``) on CUDA, the reference ``to_mx`` elsewhere.
+
+Both paths return the same types and the same bits (tests/test_cast_kernels.py checks it):
+
+* ``blocked_scales=False``: an ``MXTensor`` (formats.py), quantized along its last dim;
+* ``blocked_scales=True``: a ``BlockedMXTensor``, whose scales are already in the blocked
+  layout that hardware block-scaled GEMMs read (scale_layout.py), written by the cast kernel
+  itself (no separate swizzle pass).
+
+Orientation: ``cast_dim0(x)`` quantizes x [M, K] along K; ``cast_dim1(x)`` quantizes along M
+and stores the result as the MX form of x.t(): qdata [K, M] row-major, scales [K, M/32],
+equal to ``to_mx(x.t().contiguous())`` (no transpose copy on the GPU). 3D expert weights
+[E, N, K] and token groups along M (MoE grad-weight) have their own entry points.
+
+e2m1 (fp4) has no Triton kernel: on CUDA it takes the reference path too (correct, slow).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mx_kernels.ops  # noqa: F401  (registers torch.ops.mx_recipe.*; imports no Triton)
+import torch
+from mx_kernels.common import KERNEL_ELEMS, check_offs
+
+from mx_recipe.formats import BLOCK_SIZE, MXTensor, to_mx
+from mx_recipe.scale_layout import (
+    from_blocked,
+    from_blocked_3d,
+    from_blocked_groups,
+    group_scale_starts,
+    to_blocked,
+    to_blocked_3d,
+    to_blocked_groups,
+)
+
+__all__ = [
+    "BlockedMXTensor",
+    "cast_3d_dim0",
+    "cast_3d_dim1",
+    "cast_dim0",
+    "cast_dim0_dim1",
+    "cast_dim1",
+    "cast_groups_dim1",
+]
+
+
+@dataclass
+class BlockedMXTensor:
+    """An MX tensor whose scales are in the blocked layout (scale_layout.py).
+
+    qdata: as ``MXTensor.qdata`` (quantized along ``dim``, the last dim).
+    scale: float8_e8m0fnu blocked bytes: 1D for 2D data (``to_blocked``), [E, n] for 3D expert
+        data (``to_blocked_3d``), or 1D per-group (``to_blocked_groups``) when ``group_offs`` is set.
+    scale_shape: the plain scale shape ([rows, cols] or [E, rows, cols]) the blocked bytes hold.
+    group_offs: the int32 group ends the per-group layout was cut by; None otherwise.
+    """
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
+    elem: str
+    dim: int
+    scale_shape: tuple[int, ...]
+    block_size: int = BLOCK_SIZE
+    group_offs: torch.Tensor | None = None
+
+    def group_scale_starts(self) -> torch.Tensor:
+        """Per-group layout: first padded scale column of each group (``scale_layout.group_scale_starts``)."""
+        if self.group_offs is None:
+            raise ValueError("group_scale_starts: this BlockedMXTensor has no token groups")
+        return group_scale_starts(self.group_offs, self.block_size)
+
+    def unblocked(self) -> MXTensor:
+        """The same data as an ``MXTensor`` with plain scales (for checks and the emulated GEMM)."""
+        if self.group_offs is not None:
+            scale = from_blocked_groups(self.scale, *self.scale_shape, self.group_offs, self.block_size)
+        elif len(self.scale_shape) == 3:
+            scale = from_blocked_3d(self.scale, *self.scale_shape[1:])
+        else:
+            scale = from_blocked(self.scale, *self.scale_shape)
+        return MXTensor(self.qdata, scale, self.elem, self.dim, self.block_size)
+
+
+def _use_kernels(x: torch.Tensor, elem: str) -> bool:
+    return x.is_cuda and elem in KERNEL_ELEMS
+
+
+def _check_ndim(x: torch.Tensor, ndim: int, op: str) -> None:
+    if x.dim() != ndim:
+        raise ValueError(f"{op} takes a {ndim}D tensor, got shape {tuple(x.shape)}")
+
+
+def _result(
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    elem: str,
+    blocked: bool,
+    scale_shape: tuple[int, ...],
+    group_offs: torch.Tensor | None = None,
+) -> MXTensor | BlockedMXTensor:
+    dim = qdata.dim() - 1
+    if blocked:
+        return BlockedMXTensor(qdata, scale, elem, dim, scale_shape, group_offs=group_offs)
+    return MXTensor(qdata, scale, elem, dim)
+
+
+def cast_dim0(
+    x: torch.Tensor, elem: str = "e4m3", mode: str = "floor", blocked_scales: bool = False
+) -> MXTensor | BlockedMXTensor:
+    """x [M, K] -> MX along K: qdata [M, K], scales [M, K/32]; equals ``to_mx(x, elem, mode, dim=-1)``."""
+    _check_ndim(x, 2, "cast_dim0")
+    m, k = x.shape
+    if _use_kernels(x, elem):
+        qdata, scale = torch.ops.mx_recipe.cast_dim0(x, elem, mode, blocked_scales)
+    else:
+        ref = to_mx(x, elem, mode, dim=-1)
+        qdata, scale = ref.qdata, to_blocked(ref.scale) if blocked_scales else ref.scale
+    return _result(qdata, scale, elem, blocked_scales, (m, k // BLOCK_SIZE))
+
+
+def cast_dim1(
+    x: torch.Tensor, elem: str = "e4m3", mode: str = "floor", blocked_scales: bool = False
+) -> MXTensor | BlockedMXTensor:
+    """x [M, K] -> MX along M, stored as the MX form of x.t(): qdata [K, M], scales [K, M/32];
+    equals ``to_mx(x.t().contiguous(), elem, mode, dim=-1)``."""
+    _check_ndim(x, 2, "cast_dim1")
+    m, k = x.shape
+    if _use_kernels(x, elem):
+        qdata, scale = torch.ops.mx_recipe.cast_dim1(x, elem, mode, blocked_scales)
+    else:
+        ref = to_mx(x.t().contiguous(), elem, mode, dim=-1)
+        qdata, scale = ref.qdata, to_blocked(ref.scale) if blocked_scales else ref.scale
+    return _result(qdata, scale, elem, blocked_scales, (k, m // BLOCK_SIZE))
+
+
+def cast_dim0_dim1(
+    x: torch.Tensor, elem: str = "e4m3", mode: str = "floor", blocked_scales: bool = False
+) -> tuple[MXTensor | BlockedMXTensor, MXTensor | BlockedMXTensor]:
+    """(cast_dim0(x), cast_dim1(x)) from one read of x on the GPU (one fused kernel)."""
+    _check_ndim(x, 2, "cast_dim0_dim1")
+    if not _use_kernels(x, elem):
+        return cast_dim0(x, elem, mode, blocked_scales), cast_dim1(x, elem, mode, blocked_scales)
+    m, k = x.shape
+    q0, s0, q1, s1 = torch.ops.mx_recipe.cast_dim0_dim1(x, elem, mode, blocked_scales)
+    return (
+        _result(q0, s0, elem, blocked_scales, (m, k // BLOCK_SIZE)),
+        _result(q1, s1, elem, blocked_scales, (k, m // BLOCK_SIZE)),
+    )
+
+
+def cast_3d_dim0(
+    w: torch.Tensor, elem: str = "e4m3", mode: str = "floor", blocked_scales: bool = False
+) -> MXTensor | BlockedMXTensor:
+    """Expert weights [E, N, K] -> MX along K per expert: qdata [E, N, K], scales [E, N, K/32]
+    (blocked: per expert, [E, n])."""
+    _check_ndim(w, 3, "cast_3d_dim0")
+    e, n, k = w.shape
+    if _use_kernels(w, elem):
+        qdata, scale = torch.ops.mx_recipe.cast_dim0(w, elem, mode, blocked_scales)
+    else:
+        ref = to_mx(w, elem, mode, dim=-1)
+        qdata, scale = ref.qdata, to_blocked_3d(ref.scale) if blocked_scales else ref.scale
+    return _result(qdata, scale, elem, blocked_scales, (e, n, k // BLOCK_SIZE))
+
+
+def cast_3d_dim1(
+    w: torch.Tensor, elem: str = "e4m3", mode: str = "floor", blocked_scales: bool = False
+) -> MXTensor | BlockedMXTensor:
+    """Expert weights [E, N, K] -> MX along N per expert, each expert stored transposed:
+    qdata [E, K, N], scales [E, K, N/32]; equals ``to_mx(w.transpose(-2, -1).contiguous())``."""
+    _check_ndim(w, 3, "cast_3d_dim1")
+    e, n, k = w.shape
+    if _use_kernels(w, elem):
+        qdata, scale = torch.ops.mx_recipe.cast_dim1(w, elem, mode, blocked_scales)
+    else:
+        ref = to_mx(w.transpose(-2, -1).contiguous(), elem, mode, dim=-1)
+        qdata, scale = ref.qdata, to_blocked_3d(ref.scale) if blocked_scales else ref.scale
+    return _result(qdata, scale, elem, blocked_scales, (e, k, n // BLOCK_SIZE))
+
+
+def cast_groups_dim1(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    elem: str = "e4m3",
+    mode: str = "floor",
+    blocked_scales: bool = False,
+    validate: bool | None = None,
+) -> MXTensor | BlockedMXTensor:
+    """Token groups x [M_total, K] ending at ``offs`` -> per-group MX along M, as one [K, M_total] tensor.
+
+    Each group is a multiple of 32 rows, so no block straddles groups: qdata [K, M_total] and
+    plain scales [K, M_total/32] are ``cast_dim1(x)``, and columns [offs[g-1], offs[g]) of qdata
+    are group g's ``to_mx(x_g.t().contiguous())``. With ``blocked_scales`` each group's scales are
+    blocked on their own and concatenated (``scale_layout.to_blocked_groups``); the result's
+    ``group_scale_starts()`` says where each group begins.
+
+    Contract on ``offs`` (int32 [G], G >= 1): non-decreasing cumulative ends, each group a
+    multiple of 32 rows (empty groups allowed), offs[-1] == M_total. ``validate`` checks it on
+    the host; by default only for CPU tensors, since on GPU it would sync. On GPU, offs that
+    break the contract give unspecified values but no out-of-bounds access.
+    """
+    _check_ndim(x, 2, "cast_groups_dim1")
+    m, k = x.shape
+    check_offs(offs, m, check_values=not x.is_cuda if validate is None else validate)
+    if _use_kernels(x, elem):
+        if blocked_scales:
+            qdata, scale = torch.ops.mx_recipe.cast_groups_dim1(x, offs, elem, mode)
+        else:
+            qdata, scale = torch.ops.mx_recipe.cast_dim1(x, elem, mode, False)
+    else:
+        ref = to_mx(x.t().contiguous(), elem, mode, dim=-1)
+        qdata, scale = ref.qdata, to_blocked_groups(ref.scale, offs) if blocked_scales else ref.scale
+    group_offs = offs if blocked_scales else None
+    return _result(qdata, scale, elem, blocked_scales, (k, m // BLOCK_SIZE), group_offs)

@@ -1,0 +1,248 @@
+"""Benchmark the MX cast kernels against the HBM roofline and the torch.compile'd reference.
+
+    python scripts/bench_cast.py [--experts 1,4,16,64] [--out results.json] [--sweep]
+
+For each cast: median time (triton.testing.do_bench), GB/s counting bytes read + written
+(input, qdata, scales), % of the device-to-device copy bandwidth measured in the same run,
+and for the 2D casts the speedup over torch.compile of the reference (``to_mx`` for dim0,
+``to_mx(x.t().contiguous())`` for dim1). Then the targets of DESIGN.md: every cast >= 90% of
+copy bandwidth, rceil within 3% of floor, fused >= 1.4x two separate casts, 3D GB/s flat
+across E within 10%. Uses the public API (mx_recipe.cast) like any user; ``--sweep`` also
+times tile configurations of the raw kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+from collections.abc import Callable
+
+import torch
+import triton.testing
+
+from mx_recipe.cast import (
+    cast_3d_dim0,
+    cast_3d_dim1,
+    cast_dim0,
+    cast_dim0_dim1,
+    cast_dim1,
+    cast_groups_dim1,
+)
+from mx_recipe.formats import to_mx
+
+
+def bench_ms(fn: Callable[[], object]) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def timed(fn: Callable, *args, **kwargs) -> tuple[float, object]:
+    """(median ms of fn(*args, **kwargs), one result of it)."""
+    return bench_ms(lambda: fn(*args, **kwargs)), fn(*args, **kwargs)
+
+
+def separate(x: torch.Tensor, elem: str, mode: str, blocked: bool):
+    """The unfused baseline: two casts, two reads of x."""
+    return cast_dim0(x, elem, mode, blocked), cast_dim1(x, elem, mode, blocked)
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def out_bytes(result) -> int:
+    results = result if isinstance(result, tuple) else (result,)
+    return sum(nbytes(r.qdata, r.scale) for r in results)
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy of 1 GiB, counting bytes read + written."""
+    src = torch.randn(2**28, device="cuda")  # 1 GiB fp32
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * nbytes(src) / ms / 1e6
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
+        return out.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("MX_GIT_COMMIT", "unknown")
+
+
+class Results:
+    def __init__(self, copy_gbs: float):
+        self.copy_gbs = copy_gbs
+        self.rows: list[dict] = []
+
+    def add(self, name: str, shape, mode: str, ms: float, bytes_moved: int, ref_ms: float | None = None) -> dict:
+        gbs = bytes_moved / ms / 1e6
+        row = dict(
+            name=name,
+            shape=list(shape),
+            mode=mode,
+            us=ms * 1e3,
+            gbs=gbs,
+            pct_copy=100 * gbs / self.copy_gbs,
+            speedup_vs_compiled_ref=None if ref_ms is None else ref_ms / ms,
+        )
+        self.rows.append(row)
+        ref = "" if ref_ms is None else f"  {ref_ms / ms:5.2f}x vs compiled ref"
+        shape_s = str(tuple(shape))
+        print(f"{name:28s} {shape_s:20s} {mode:6s} {ms * 1e3:9.1f} us {gbs:7.0f} GB/s {gbs / self.copy_gbs:6.1%}{ref}")
+        return row
+
+    def get(self, name: str, mode: str, shape=None) -> dict:
+        for r in self.rows:
+            if r["name"] == name and r["mode"] == mode and (shape is None or r["shape"] == list(shape)):
+                return r
+        raise KeyError((name, mode, shape))
+
+
+def bench_2d(res: Results, m: int, k: int, elem: str, modes: list[str], compile_ref: bool) -> None:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    for mode in modes:
+        ref0 = ref1 = None
+        if compile_ref:
+            ref0, _ = timed(torch.compile(to_mx), x, elem, mode, dim=-1)
+            ref1, _ = timed(torch.compile(lambda t, e, r: to_mx(t.t().contiguous(), e, r, dim=-1)), x, elem, mode)
+        for blocked in (False, True):
+            tag = " blocked" if blocked else ""
+            for name, fn, ref in (
+                ("dim0", cast_dim0, ref0),
+                ("dim1", cast_dim1, ref1),
+                ("dim0_dim1 fused", cast_dim0_dim1, None),
+                ("dim0 + dim1 separate", separate, None if ref0 is None else ref0 + ref1),
+            ):
+                ms, out = timed(fn, x, elem, mode, blocked)
+                reads = 2 if fn is separate else 1
+                res.add(name + tag, x.shape, mode, ms, reads * nbytes(x) + out_bytes(out), None if blocked else ref)
+
+
+def bench_3d(res: Results, experts: list[int], n: int, k: int, elem: str, modes: list[str]) -> None:
+    for e in experts:
+        w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16)
+        for mode in modes:
+            for name, fn in (("3d dim0 blocked", cast_3d_dim0), ("3d dim1 blocked", cast_3d_dim1)):
+                ms, out = timed(fn, w, elem, mode, True)
+                res.add(name, w.shape, mode, ms, nbytes(w) + out_bytes(out))
+                out = None
+        w = None
+        torch.cuda.empty_cache()
+
+
+def bench_groups(res: Results, m: int, k: int, num_groups: int, elem: str, modes: list[str]) -> None:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    # uneven groups, multiples of 32 rows, one empty, summing to m
+    g = torch.Generator().manual_seed(0)
+    weights = torch.rand(num_groups, generator=g)
+    weights[num_groups // 2] = 0
+    sizes = (weights / weights.sum() * (m // 32)).floor().long() * 32
+    sizes[0] += m - sizes.sum()
+    offs = sizes.cumsum(0).to(torch.int32).cuda()
+    for mode in modes:
+        ms, out = timed(cast_groups_dim1, x, offs, elem, mode, blocked_scales=True)
+        res.add(f"groups dim1 blocked G={num_groups}", x.shape, mode, ms, nbytes(x) + out_bytes(out))
+
+
+def sweep(m: int, k: int, elem: str) -> list[dict]:
+    """Tile configurations of the raw kernels on a bf16 [m, k] input, floor rule."""
+    from mx_kernels.cast_dim0 import cast_dim0 as k_dim0
+    from mx_kernels.cast_dim0_dim1 import cast_dim0_dim1 as k_fused
+    from mx_kernels.cast_dim1 import cast_dim1 as k_dim1
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    candidates = {
+        "dim0": (k_dim0, [(32, 128, 4), (64, 128, 4), (128, 128, 8), (32, 256, 4), (64, 256, 8), (128, 64, 4)]),
+        "dim1": (k_dim1, [(128, 64, 4), (128, 64, 8), (64, 64, 4), (128, 128, 8), (64, 128, 4), (256, 32, 4)]),
+        "dim0_dim1": (k_fused, [(64, 64, 4), (128, 64, 4), (128, 64, 8), (64, 128, 4), (128, 128, 8), (32, 128, 4)]),
+    }
+    rows = []
+    for name, (fn, configs) in candidates.items():
+        for bm, bk, warps in configs:
+            cfg = dict(BLOCK_M=bm, BLOCK_K=bk, num_warps=warps)
+            ms, outs = timed(fn, x, elem, "floor", False, cfg)
+            gbs = nbytes(x, *outs) / ms / 1e6
+            rows.append(dict(kernel=name, config=cfg, us=ms * 1e3, gbs=gbs))
+            print(f"sweep {name:10s} BLOCK_M={bm:3d} BLOCK_K={bk:3d} warps={warps}  {ms * 1e3:8.1f} us {gbs:7.0f} GB/s")
+    return rows
+
+
+def check_targets(res: Results, experts: list[int], n: int, k: int, modes: list[str]) -> list[str]:
+    lines = []
+    worst = min(res.rows, key=lambda r: r["pct_copy"] if "separate" not in r["name"] else 1e9)
+    lines.append(f"slowest cast: {worst['name']} {worst['mode']} at {worst['pct_copy']:.1f}% of copy (target >= 90%)")
+    if set(modes) >= {"floor", "rceil"}:
+        for r in res.rows:
+            if r["mode"] == "rceil":
+                f = res.get(r["name"], "floor", r["shape"])
+                lines.append(
+                    f"rceil/floor time {r['name']} {tuple(r['shape'])}: {r['us'] / f['us']:.3f} (target <= 1.03)"
+                )
+    for mode in modes:
+        for tag in ("", " blocked"):
+            sep, fused = res.get("dim0 + dim1 separate" + tag, mode), res.get("dim0_dim1 fused" + tag, mode)
+            lines.append(f"fused speedup over separate{tag} {mode}: {sep['us'] / fused['us']:.2f}x (target >= 1.4x)")
+    for name in ("3d dim0 blocked", "3d dim1 blocked"):
+        for mode in modes:
+            gbs = [res.get(name, mode, (e, n, k))["gbs"] for e in experts]
+            if gbs:
+                lines.append(
+                    f"{name} {mode}: GB/s across E={experts}: max/min {max(gbs) / min(gbs):.3f} (target <= 1.10)"
+                )
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--m", type=int, default=16384)
+    p.add_argument("--k", type=int, default=16384)
+    p.add_argument("--experts", default="1,4,16,64", help="comma-separated E for the 3D [E, N, K] casts")
+    p.add_argument("--n3d", type=int, default=8192)
+    p.add_argument("--k3d", type=int, default=5120)
+    p.add_argument("--elem", default="e4m3")
+    p.add_argument("--modes", default="floor,rceil")
+    p.add_argument("--no-compile-ref", action="store_true", help="skip the torch.compile'd reference")
+    p.add_argument("--sweep", action="store_true", help="also time tile configurations of the raw kernels")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args()
+    experts = [int(e) for e in args.experts.split(",") if e]
+    modes = args.modes.split(",")
+
+    device = torch.cuda.get_device_name()
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"device: {device}; torch {torch.__version__}; device-to-device copy {copy_gbs:.0f} GB/s (read + write)")
+    res = Results(copy_gbs)
+    sweep_rows = sweep(args.m, args.k, args.elem) if args.sweep else []
+    bench_2d(res, args.m, args.k, args.elem, modes, compile_ref=not args.no_compile_ref)
+    bench_3d(res, experts, args.n3d, args.k3d, args.elem, modes)
+    bench_groups(res, 16640, args.k3d, 16, args.elem, modes)
+
+    print(f"\n=== MX cast benchmark: {device}, copy {copy_gbs:.0f} GB/s, elem {args.elem}, bf16 input ===")
+    print(f"{'cast':28s} {'shape':20s} {'mode':6s} {'time':>12s} {'GB/s':>12s} {'%copy':>6s}  vs torch.compile ref")
+    for r in res.rows:
+        ref = "" if r["speedup_vs_compiled_ref"] is None else f"  {r['speedup_vs_compiled_ref']:.2f}x"
+        print(
+            f"{r['name']:28s} {str(tuple(r['shape'])):20s} {r['mode']:6s} {r['us']:9.1f} us "
+            f"{r['gbs']:7.0f} GB/s {r['pct_copy']:5.1f}%{ref}"
+        )
+    targets = check_targets(res, experts, args.n3d, args.k3d, modes)
+    print("\n" + "\n".join(targets))
+    if args.out:
+        meta = dict(
+            device=device,
+            torch=torch.__version__,
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            commit=git_commit(),
+            copy_gbs=copy_gbs,
+            elem=args.elem,
+        )
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, results=res.rows, sweep=sweep_rows, targets=targets), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

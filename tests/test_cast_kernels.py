@@ -1,0 +1,448 @@
+"""The Triton MX cast kernels (mx_kernels) and their dispatch (mx_recipe.cast), bit for bit vs ``to_mx``.
+
+Three groups of tests:
+
+* CPU, in this process: argument errors, the dispatch layer's reference path, and the custom
+  ops traced by torch.compile(fullgraph=True) through their fake implementations.
+* CPU, Triton interpreter (``test_interp_*``): the kernels themselves with SOFTWARE_ROUND. The
+  interpreter is chosen when a kernel module is imported (TRITON_INTERPRET=1 must be set
+  before that), so ``test_kernels_in_triton_interpreter`` runs these tests in a child pytest
+  with the variable set; this process and the rest of the suite never see it. Run them
+  directly with ``TRITON_INTERPRET=1 pytest tests/test_cast_kernels.py -k interp_``.
+* GPU (``@pytest.mark.gpu``): the hardware fp8 conversion path, same checks, more shapes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mx_recipe.cast import (
+    BlockedMXTensor,
+    cast_3d_dim0,
+    cast_3d_dim1,
+    cast_dim0,
+    cast_dim0_dim1,
+    cast_dim1,
+    cast_groups_dim1,
+)
+from mx_recipe.formats import MXTensor, to_mx
+from mx_recipe.scale_layout import blocked_numel, to_blocked, to_blocked_3d, to_blocked_groups
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available()
+
+interp_only = pytest.mark.skipif(not (INTERP and HAS_TRITON), reason="runs in the Triton interpreter child process")
+
+DTYPES = [torch.bfloat16, torch.float32]
+ELEMS = ["e4m3", "e5m2"]
+MODES = ["floor", "rceil"]
+
+
+# ---------------------------------------------------------------------------------------
+# inputs and comparisons
+
+
+def special_input(
+    shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device, seed: int = 0
+) -> torch.Tensor:
+    """Random data over a wide dynamic range, with the cases the contract names planted where
+    blocks along both the last and the second-to-last dim see them: NaN, +-inf, an all-zero
+    block, fp32/bf16 subnormals, -0, the largest finite values (saturation under floor)."""
+    g = torch.Generator().manual_seed(seed)
+    *batch, m, k = shape
+    x = torch.randn(*batch, m, k, generator=g)
+    # per-row and per-column magnitudes from 2**-100 to 2**100: scale exponents near both ends
+    x *= torch.exp2(torch.randint(-100, 100, (*batch, m, 1), generator=g).float())
+    x *= torch.exp2(torch.randint(-8, 8, (*batch, 1, k), generator=g).float())
+    x = x.to(dtype).to(torch.float32)
+    if m >= 32 and k >= 96:
+        x[..., 0, 0] = float("nan")
+        x[..., 1, 33] = float("inf")
+        x[..., 2, 34] = -float("inf")
+        x[..., 3, 64:96] = 0.0  # an all-zero dim0 block
+        x[..., 32:64, 64] = 0.0  # an all-zero dim1 block (if m >= 64)
+        x[..., 4, 35:40] = torch.tensor([1e-39, -3e-40, 5e-45, -0.0, 2e-38])  # subnormals, -0
+        x[..., 5, 40:44] = torch.tensor([3.3e38, -3.38e38, 1.0, 2.0**-126])  # near fp32 max
+        x[..., 6:10, 70] = torch.tensor([448.0, 480.0, -57344.0, 61440.0])  # max normals, ties above them
+    return x.to(dtype).to(device)
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Compare raw bytes (NaN-safe, -0 vs +0 distinguished); report the first mismatch."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, e = actual.contiguous().view(torch.uint8).cpu(), expected.contiguous().view(torch.uint8).cpu()
+    bad = (a != e).nonzero()
+    if len(bad):
+        idx = tuple(bad[0].tolist())
+        raise AssertionError(
+            f"{what}: {len(bad)} bytes differ; first at {idx}: got {a[idx].item()}, want {e[idx].item()}"
+        )
+
+
+def check_mx(actual: MXTensor | BlockedMXTensor, expected: MXTensor, blocked_ref: torch.Tensor | None, what: str):
+    assert actual.dim == expected.dim, f"{what}: dim {actual.dim} != {expected.dim}"
+    assert actual.qdata.dtype == expected.qdata.dtype, what
+    assert_bits_equal(actual.qdata, expected.qdata, f"{what} qdata")
+    if blocked_ref is None:
+        assert isinstance(actual, MXTensor)
+        assert actual.scale.dtype == torch.float8_e8m0fnu
+        assert_bits_equal(actual.scale, expected.scale, f"{what} scale")
+    else:
+        assert isinstance(actual, BlockedMXTensor)
+        assert_bits_equal(actual.scale, blocked_ref, f"{what} blocked scale")
+        assert_bits_equal(actual.unblocked().scale, expected.scale, f"{what} unblocked scale")
+
+
+# ---------------------------------------------------------------------------------------
+# the kernel checks, shared by the interpreter and GPU tests (they call the public API on
+# `device`; on CUDA and in the interpreter child the mx_kernels launchers run)
+
+
+def _launch_all(name: str):
+    """The raw launcher of one kernel (so interpreter tests exercise the kernels on CPU tensors)."""
+    import mx_kernels.cast_dim0
+    import mx_kernels.cast_dim0_dim1
+    import mx_kernels.cast_dim1
+    import mx_kernels.cast_groups_dim1
+
+    return {
+        "dim0": mx_kernels.cast_dim0.cast_dim0,
+        "dim1": mx_kernels.cast_dim1.cast_dim1,
+        "dim0_dim1": mx_kernels.cast_dim0_dim1.cast_dim0_dim1,
+        "groups_dim1": mx_kernels.cast_groups_dim1.cast_groups_dim1,
+    }[name]
+
+
+def run_dim0(x: torch.Tensor, elem: str, mode: str, blocked: bool):
+    if x.is_cuda:
+        return cast_dim0(x, elem, mode, blocked) if x.dim() == 2 else cast_3d_dim0(x, elem, mode, blocked)
+    q, s = _launch_all("dim0")(x, elem, mode, blocked)
+    shape = (*x.shape[:-1], x.shape[-1] // 32)
+    return BlockedMXTensor(q, s, elem, x.dim() - 1, shape) if blocked else MXTensor(q, s, elem, x.dim() - 1)
+
+
+def run_dim1(x: torch.Tensor, elem: str, mode: str, blocked: bool):
+    if x.is_cuda:
+        return cast_dim1(x, elem, mode, blocked) if x.dim() == 2 else cast_3d_dim1(x, elem, mode, blocked)
+    q, s = _launch_all("dim1")(x, elem, mode, blocked)
+    shape = (*x.shape[:-2], x.shape[-1], x.shape[-2] // 32)
+    return BlockedMXTensor(q, s, elem, x.dim() - 1, shape) if blocked else MXTensor(q, s, elem, x.dim() - 1)
+
+
+def run_dim0_dim1(x: torch.Tensor, elem: str, mode: str, blocked: bool):
+    if x.is_cuda:
+        return cast_dim0_dim1(x, elem, mode, blocked)
+    q0, s0, q1, s1 = _launch_all("dim0_dim1")(x, elem, mode, blocked)
+    m, k = x.shape
+    if blocked:
+        return BlockedMXTensor(q0, s0, elem, 1, (m, k // 32)), BlockedMXTensor(q1, s1, elem, 1, (k, m // 32))
+    return MXTensor(q0, s0, elem, 1), MXTensor(q1, s1, elem, 1)
+
+
+def run_groups(x: torch.Tensor, offs: torch.Tensor, elem: str, mode: str):
+    if x.is_cuda:
+        return cast_groups_dim1(x, offs, elem, mode, blocked_scales=True, validate=True)
+    q, s = _launch_all("groups_dim1")(x, offs, elem, mode)
+    return BlockedMXTensor(q, s, elem, 1, (x.shape[1], x.shape[0] // 32), group_offs=offs)
+
+
+def ref_scale_blocked(scale: torch.Tensor) -> torch.Tensor:
+    return to_blocked(scale) if scale.dim() == 2 else to_blocked_3d(scale)
+
+
+def check_dim0(shape, dtype, elem, mode, blocked, device, seed=0):
+    x = special_input(shape, dtype, device, seed)
+    ref = to_mx(x.cpu(), elem, mode, dim=-1)
+    out = run_dim0(x, elem, mode, blocked)
+    check_mx(out, ref, ref_scale_blocked(ref.scale) if blocked else None, f"dim0 {shape} {dtype} {elem} {mode}")
+
+
+def check_dim1(shape, dtype, elem, mode, blocked, device, seed=0):
+    x = special_input(shape, dtype, device, seed)
+    ref = to_mx(x.cpu().transpose(-2, -1).contiguous(), elem, mode, dim=-1)
+    out = run_dim1(x, elem, mode, blocked)
+    check_mx(out, ref, ref_scale_blocked(ref.scale) if blocked else None, f"dim1 {shape} {dtype} {elem} {mode}")
+
+
+def check_dim0_dim1(shape, dtype, elem, mode, blocked, device, seed=0):
+    x = special_input(shape, dtype, device, seed)
+    ref0 = to_mx(x.cpu(), elem, mode, dim=-1)
+    ref1 = to_mx(x.cpu().t().contiguous(), elem, mode, dim=-1)
+    out0, out1 = run_dim0_dim1(x, elem, mode, blocked)
+    what = f"dim0_dim1 {shape} {dtype} {elem} {mode}"
+    check_mx(out0, ref0, to_blocked(ref0.scale) if blocked else None, what + " (dim0)")
+    check_mx(out1, ref1, to_blocked(ref1.scale) if blocked else None, what + " (dim1)")
+
+
+def check_groups(group_sizes, k, dtype, elem, mode, device, seed=0):
+    offs = torch.tensor(group_sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+    m = int(offs[-1])
+    x = special_input((m, k), dtype, device, seed)
+    ref = to_mx(x.cpu().t().contiguous(), elem, mode, dim=-1)
+    out = run_groups(x, offs.to(device), elem, mode)
+    what = f"groups {group_sizes} k={k} {dtype} {elem} {mode}"
+    check_mx(out, ref, to_blocked_groups(ref.scale, offs), what)
+    # each group's slice is that group's own dim1 cast
+    start = 0
+    for end in offs.tolist():
+        if end > start:
+            ref_g = to_mx(x.cpu()[start:end].t().contiguous(), elem, mode, dim=-1)
+            assert_bits_equal(out.qdata[:, start:end], ref_g.qdata, f"{what} group qdata [{start}, {end})")
+        start = end
+
+
+# ---------------------------------------------------------------------------------------
+# CPU, this process
+
+
+def test_dispatch_reference_path_types():
+    x = special_input((64, 96), torch.bfloat16, "cpu")
+    a = cast_dim0(x, "e4m3", "rceil")
+    assert isinstance(a, MXTensor) and a.qdata.shape == (64, 96) and a.scale.shape == (64, 3)
+    b = cast_dim1(x, "e5m2", "floor", blocked_scales=True)
+    assert isinstance(b, BlockedMXTensor) and b.qdata.shape == (96, 64) and b.scale.shape == (blocked_numel(96, 2),)
+    check_mx(b, to_mx(x.t().contiguous(), "e5m2", "floor"), to_blocked(to_mx(x.t().contiguous(), "e5m2").scale), "b")
+    w = special_input((2, 64, 96), torch.float32, "cpu")
+    c = cast_3d_dim1(w, blocked_scales=True)
+    assert c.qdata.shape == (2, 96, 64) and c.scale.shape == (2, blocked_numel(96, 2))
+    d0, d1 = cast_dim0_dim1(x, "e2m1")  # fp4 takes the reference path everywhere
+    assert d0.qdata.shape == (64, 48) and d1.qdata.shape == (96, 32)
+
+
+def test_offs_validation():
+    x = torch.randn(96, 64)
+    ok = torch.tensor([32, 32, 96], dtype=torch.int32)
+    cast_groups_dim1(x, ok)
+    with pytest.raises(ValueError, match="int32"):
+        cast_groups_dim1(x, ok.long())
+    with pytest.raises(ValueError, match="non-decreasing"):
+        cast_groups_dim1(x, torch.tensor([64, 32, 96], dtype=torch.int32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cast_groups_dim1(x, torch.tensor([48, 96], dtype=torch.int32))
+    with pytest.raises(ValueError, match="M_total = 96"):
+        cast_groups_dim1(x, torch.tensor([32, 64], dtype=torch.int32))
+    with pytest.raises(ValueError, match="non-empty"):
+        cast_groups_dim1(x, torch.tensor([], dtype=torch.int32))
+
+
+def test_kernel_argument_errors():
+    from mx_kernels.common import check_cast
+
+    x = torch.randn(33, 64)
+    with pytest.raises(ValueError, match=r"dim 0 of shape \(33, 64\) has size 33"):
+        check_cast(x, "e4m3", "floor", ndims=(2,), qdim=-2, op="cast_dim1")
+    check_cast(x, "e4m3", "floor", ndims=(2,), qdim=-1, op="cast_dim0")  # 33 rows are fine along K
+    with pytest.raises(ValueError, match="e2m1 is not supported"):
+        check_cast(x, "e2m1", "floor", ndims=(2,), qdim=-1, op="cast_dim0")
+    with pytest.raises(ValueError, match="unknown MX element format"):
+        check_cast(x, "e3m4", "floor", ndims=(2,), qdim=-1, op="cast_dim0")
+    with pytest.raises(ValueError, match="unknown MX scale rule"):
+        check_cast(x, "e4m3", "ceil", ndims=(2,), qdim=-1, op="cast_dim0")
+    with pytest.raises(TypeError, match="bf16 or fp32"):
+        check_cast(x.half(), "e4m3", "floor", ndims=(2,), qdim=-1, op="cast_dim0")
+    with pytest.raises(ValueError, match="2D or 3D"):
+        check_cast(torch.randn(32), "e4m3", "floor", ndims=(2, 3), qdim=-1, op="cast_dim0")
+    with pytest.raises(ValueError, match="has size 33"):
+        cast_dim1(torch.randn(33, 64))  # the reference path raises the same error
+
+
+def test_fake_impls_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(96, 160, dtype=torch.bfloat16)
+        q, s = torch.ops.mx_recipe.cast_dim0(x, "e4m3", "floor", True)
+        assert q.shape == (96, 160) and q.dtype == torch.float8_e4m3fn and s.shape == (blocked_numel(96, 5),)
+        q, s = torch.ops.mx_recipe.cast_dim1(x, "e5m2", "rceil", False)
+        assert q.shape == (160, 96) and q.dtype == torch.float8_e5m2 and s.shape == (160, 3)
+        w = torch.empty(4, 96, 160)
+        q, s = torch.ops.mx_recipe.cast_dim1(w, "e4m3", "floor", True)
+        assert q.shape == (4, 160, 96) and s.shape == (4, blocked_numel(160, 3))
+        outs = torch.ops.mx_recipe.cast_dim0_dim1(x, "e4m3", "floor", False)
+        assert [tuple(t.shape) for t in outs] == [(96, 160), (96, 5), (160, 96), (160, 3)]
+        offs = torch.empty(3, dtype=torch.int32)
+        q, s = torch.ops.mx_recipe.cast_groups_dim1(x, offs, "e4m3", "floor")
+        assert q.shape == (160, 96) and s.shape == (256 * 4 * (1 + 3),)
+
+
+class _GraphCaptured(Exception):
+    pass
+
+
+def test_ops_trace_fullgraph_without_running():
+    """torch.compile(fullgraph=True) sees each op as one node, shapes from the fake impls; the
+    backend stops before anything runs, so no kernel (and no Triton) is needed."""
+    graphs = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm)
+
+        def stop(*args):
+            raise _GraphCaptured
+
+        return stop
+
+    def f(x, w, offs):
+        a = torch.ops.mx_recipe.cast_dim0(x, "e4m3", "rceil", True)
+        b = torch.ops.mx_recipe.cast_dim0_dim1(x, "e5m2", "floor", False)
+        c = torch.ops.mx_recipe.cast_dim1(w, "e4m3", "floor", True)
+        d = torch.ops.mx_recipe.cast_groups_dim1(x, offs, "e4m3", "floor")
+        return a[0].float().sum() + b[2].float().sum(), a[1], c, d
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    with pytest.raises(_GraphCaptured):
+        compiled(torch.randn(96, 160), torch.randn(2, 64, 96), torch.tensor([32, 96], dtype=torch.int32))
+    assert len(graphs) == 1
+    ops = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function" and "mx_recipe" in str(n.target)]
+    assert len(ops) == 4, ops
+
+
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
+def test_kernels_in_triton_interpreter():
+    """Run the test_interp_* tests in a child pytest with TRITON_INTERPRET=1 (see module doc)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interp_"]
+    proc = subprocess.run(cmd, env=env, cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-3000:]
+
+
+# ---------------------------------------------------------------------------------------
+# CPU, Triton interpreter (child process): the kernels with SOFTWARE_ROUND
+
+
+@interp_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("elem", ELEMS)
+@pytest.mark.parametrize("mode", MODES)
+def test_interp_all_kernels(dtype, elem, mode):
+    for blocked in (False, True):
+        check_dim0((96, 160), dtype, elem, mode, blocked, "cpu")
+        check_dim1((96, 160), dtype, elem, mode, blocked, "cpu")
+        check_dim0_dim1((64, 96), dtype, elem, mode, blocked, "cpu")
+    check_groups([32, 0, 160, 0, 64], 96, dtype, elem, mode, "cpu")
+
+
+@interp_only
+def test_interp_ragged_3d_and_strided():
+    check_dim0((33, 96), torch.bfloat16, "e4m3", "rceil", True, "cpu")  # 33 rows: fine along K
+    check_dim0((2, 40, 64), torch.bfloat16, "e4m3", "floor", True, "cpu")
+    check_dim1((3, 64, 96), torch.float32, "e5m2", "rceil", True, "cpu")
+    check_dim1((1, 32, 32), torch.bfloat16, "e4m3", "floor", False, "cpu")
+    x = special_input((96, 64), torch.bfloat16, "cpu").t()  # non-contiguous: read through strides
+    q, s = _launch_all("dim0")(x, "e4m3", "floor")
+    ref = to_mx(x, "e4m3", "floor")
+    assert_bits_equal(q, ref.qdata, "strided dim0 qdata")
+    assert_bits_equal(s, ref.scale, "strided dim0 scale")
+    with pytest.raises(ValueError, match=r"dim 0 of shape \(33, 64\)"):
+        _launch_all("dim1")(torch.randn(33, 64), "e4m3", "floor")
+
+
+@interp_only
+def test_interp_every_bf16_value_rounds_like_the_reference():
+    """All 65536 bf16 bit patterns, in blocks that share one scale, through the software rounding."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16).reshape(-1, 32 * 16)  # [128, 512]: 16 blocks per row
+    for elem in ELEMS:
+        for mode in MODES:
+            q, s = _launch_all("dim0")(x, elem, mode)
+            ref = to_mx(x, elem, mode)
+            assert_bits_equal(q, ref.qdata, f"all bf16 {elem} {mode} qdata")
+            assert_bits_equal(s, ref.scale, f"all bf16 {elem} {mode} scale")
+
+
+@interp_only
+def test_interp_opcheck():
+    x = torch.randn(64, 96, dtype=torch.bfloat16)  # no NaN: opcheck compares outputs by value
+    torch.library.opcheck(torch.ops.mx_recipe.cast_dim0.default, (x, "e4m3", "floor", True))
+    torch.library.opcheck(torch.ops.mx_recipe.cast_dim0_dim1.default, (x, "e5m2", "rceil", False))
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: the hardware cvt.rn.satfinite path
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("elem", ELEMS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("blocked", [False, True])
+@pytest.mark.parametrize("kernel", ["dim0", "dim1", "dim0_dim1", "3d_dim0", "3d_dim1"])
+def test_gpu_bit_exact(kernel, blocked, mode, elem, dtype):
+    if kernel == "dim0":
+        for shape in [(96, 160), (4128, 160), (33, 96), (1000, 4096)]:
+            check_dim0(shape, dtype, elem, mode, blocked, "cuda")
+    elif kernel == "dim1":
+        for shape in [(96, 160), (4128, 160), (160, 4128), (1024, 4096)]:
+            check_dim1(shape, dtype, elem, mode, blocked, "cuda")
+    elif kernel == "dim0_dim1":
+        for shape in [(96, 160), (4128, 160), (160, 4128), (1024, 4096)]:
+            check_dim0_dim1(shape, dtype, elem, mode, blocked, "cuda")
+    elif kernel == "3d_dim0":
+        for shape in [(1, 96, 160), (3, 200, 96), (5, 128, 256)]:
+            check_dim0(shape, dtype, elem, mode, blocked, "cuda")
+    else:
+        for shape in [(1, 96, 160), (3, 224, 96), (5, 128, 256)]:
+            check_dim1(shape, dtype, elem, mode, blocked, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("elem", ELEMS)
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_groups_bit_exact(mode, elem, dtype):
+    check_groups([32, 0, 160, 0, 64], 96, dtype, elem, mode, "cuda")
+    check_groups([0, 0, 4096, 256, 32, 0], 160, dtype, elem, mode, "cuda")
+    check_groups([128] * 7 + [96], 4128, dtype, elem, mode, "cuda", seed=1)
+    # plain scales: the dim1 cast
+    offs = torch.tensor([64, 64, 192], dtype=torch.int32, device="cuda")
+    x = special_input((192, 96), dtype, "cuda")
+    out = cast_groups_dim1(x, offs, elem, mode)
+    check_mx(out, to_mx(x.cpu().t().contiguous(), elem, mode), None, "groups plain")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_every_bf16_value_and_rejections():
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16).reshape(-1, 32 * 16)
+    for elem in ELEMS:
+        for mode in MODES:
+            for cast, ref in ((cast_dim0, to_mx(x, elem, mode)), (cast_dim1, to_mx(x.t().contiguous(), elem, mode))):
+                check_mx(cast(x.cuda(), elem, mode), ref, None, f"all bf16 {cast.__name__} {elem} {mode}")
+    with pytest.raises(ValueError, match=r"dim 0 of shape \(33, 64\) has size 33"):
+        cast_dim1(torch.randn(33, 64, device="cuda"))
+    with pytest.raises(ValueError, match="dim 1 of shape"):
+        cast_3d_dim1(torch.randn(2, 33, 64, device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_strided_input_and_compile():
+    x = special_input((256, 512), torch.bfloat16, "cuda")
+    xt = x.t()  # non-contiguous [512, 256]
+    check_mx(cast_dim0(xt, "e4m3", "rceil"), to_mx(xt.cpu(), "e4m3", "rceil"), None, "strided dim0")
+    check_mx(cast_dim1(xt, "e4m3", "rceil"), to_mx(x.cpu(), "e4m3", "rceil"), None, "strided dim1")
+
+    def f(x):
+        a, b = cast_dim0_dim1(x, "e4m3", "floor", blocked_scales=True)
+        return a.qdata, a.scale, b.qdata, b.scale
+
+    torch._dynamo.reset()
+    outs = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    ref0, ref1 = to_mx(x.cpu(), "e4m3", "floor"), to_mx(x.cpu().t().contiguous(), "e4m3", "floor")
+    assert_bits_equal(outs[0], ref0.qdata, "compiled q0")
+    assert_bits_equal(outs[1], to_blocked(ref0.scale), "compiled s0")
+    assert_bits_equal(outs[2], ref1.qdata, "compiled q1")
+    assert_bits_equal(outs[3], to_blocked(ref1.scale), "compiled s1")
