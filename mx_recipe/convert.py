@@ -6,21 +6,37 @@ import fnmatch
 import logging
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
+from mx_recipe.grouped import mx_grouped_mm
 from mx_recipe.linear import MXLinear
+from mx_recipe.models.moe import GroupedExperts
 from mx_recipe.recipe import MXRecipe
 
 logger = logging.getLogger(__name__)
 
-# The output projection stays in high precision by default: its logits feed the loss directly.
-DEFAULT_SKIP = ("output",)
+# Stay in high precision by default: the output projection (its logits feed the loss directly)
+# and MoE router gates (tiny GEMMs whose top-k choice is sensitive to rounding).
+DEFAULT_SKIP = ("output", "*router.gate")
+
+
+class MXGroupedExperts(GroupedExperts):
+    """GroupedExperts whose three grouped GEMMs run in MX. Made by swapping the class in place."""
+
+    recipe: MXRecipe
+
+    def grouped_mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return mx_grouped_mm(x, w, offs, self.recipe)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.w1.shape[0]}, recipe={self.recipe.name}"
 
 
 @dataclass(frozen=True)
 class ConversionRecord:
     fqn: str
-    shape: tuple[int, int]  # (out_features, in_features), as the weight
+    shape: tuple[int, ...]  # the weight's: (out, in) for a linear, w1's (E, hidden, dim) for experts
     converted: bool
     reason: str
 
@@ -38,7 +54,8 @@ def convert_to_mx(
     skip: list[str] | tuple[str, ...] = DEFAULT_SKIP,
     log: bool = True,
 ) -> list[ConversionRecord]:
-    """Replace every ``nn.Linear`` (and subclass) of ``model`` by an ``MXLinear`` in place.
+    """Replace every ``nn.Linear`` (and subclass) of ``model`` by an ``MXLinear``, and every MoE
+    ``GroupedExperts`` by ``MXGroupedExperts``, in place.
 
     ``skip`` holds fqn patterns (fnmatch, e.g. ``"output"``, ``"layers.*.attention.wq"``).
     Layers whose features are not multiples of the block size are skipped too. Parameters
@@ -47,7 +64,12 @@ def convert_to_mx(
     records: list[ConversionRecord] = []
     swapped: dict[int, MXLinear] = {}  # a module registered under several names is swapped everywhere
     for fqn, module in list(model.named_modules(remove_duplicate=False)):
-        if not isinstance(module, nn.Linear) or isinstance(module, MXLinear):
+        if isinstance(module, (MXLinear, MXGroupedExperts)):
+            continue
+        if isinstance(module, GroupedExperts):
+            records.append(_convert_experts(fqn, module, recipe, skip))
+            continue
+        if not isinstance(module, nn.Linear):
             continue
         shape = (module.out_features, module.in_features)
         pattern = _matches(fqn, skip)
@@ -69,10 +91,24 @@ def convert_to_mx(
     return records
 
 
+def _convert_experts(
+    fqn: str, experts: GroupedExperts, recipe: MXRecipe, skip: list[str] | tuple[str, ...]
+) -> ConversionRecord:
+    shape = tuple(experts.w1.shape)
+    pattern = _matches(fqn, skip)
+    if pattern is not None:
+        return ConversionRecord(fqn, shape, False, f"skipped: matches {pattern!r}")
+    if any(d % recipe.block_size for d in shape[1:]):
+        return ConversionRecord(fqn, shape, False, f"skipped: features not multiples of {recipe.block_size}")
+    experts.__class__ = MXGroupedExperts  # parameters, hooks and FSDP state stay as they are
+    experts.recipe = recipe
+    return ConversionRecord(fqn, shape, True, f"converted: {recipe.name}")
+
+
 def format_conversion_table(records: list[ConversionRecord]) -> str:
     rows = [("fqn", "shape", "result")] + [(r.fqn, "x".join(map(str, r.shape)), r.reason) for r in records]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     converted = sum(r.converted for r in records)
-    lines.append(f"{converted} of {len(records)} linear layers converted")
+    lines.append(f"{converted} of {len(records)} layers converted (linear layers and expert groups)")
     return "\n".join(lines)

@@ -143,13 +143,13 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     """Pack 4-bit codes along the last dim, two per byte, first element in the low nibble."""
     if codes.shape[-1] % 2:
         raise ValueError(f"cannot pack an odd last dim {codes.shape[-1]} into fp4 pairs")
-    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     lo, hi = packed & 0xF, packed >> 4
-    return torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], -1)
+    return torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 @dataclass
@@ -218,7 +218,7 @@ def to_mx(
             f"which is not a multiple of the block size {block_size}"
         )
     v = x.to(torch.float32).movedim(dim, -1)
-    blocks = v.reshape(*v.shape[:-1], -1, block_size)
+    blocks = v.reshape(*v.shape[:-1], v.shape[-1] // block_size, block_size)
     amax = blocks.abs().amax(dim=-1, keepdim=True)  # NaN propagates into amax
     is_nan = amax.isnan()
     e = scale_exponent(torch.where(is_nan, 0.0, amax), fmt, mode)

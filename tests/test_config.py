@@ -49,7 +49,7 @@ def test_name_resolution_with_and_without_suffix():
 
 def test_minimal_config_and_defaults():
     config = build_config(MINIMAL, "mem.toml", [])
-    assert config.training.weight_decay == 0.1 and config.mx.skip == ["output"]
+    assert config.training.weight_decay == 0.1 and config.mx.skip == ["output", "*router.gate"]
     assert config.training.lr == 1e-3
 
 

@@ -172,7 +172,7 @@ def test_log_table(caplog):
         fqn, shape, *result = line.split()
         assert (fqn, shape, " ".join(result)) == (r.fqn, f"{r.shape[0]}x{r.shape[1]}", r.reason)
     assert "layers.0.attention.wo  48x64" in msgs[0]  # columns padded to one width
-    assert lines[-1] == "8 of 13 linear layers converted"
+    assert lines[-1] == "8 of 13 layers converted (linear layers and expert groups)"
     assert format_conversion_table(records) == "\n".join(lines[1:])
 
 
@@ -188,7 +188,7 @@ def test_top_level_linear_and_empty_model():
     assert records == [ConversionRecord("0", (32, 32), True, "converted: mxfp4")]
     assert type(model[0]) is MXLinear and model[0].recipe.name == "mxfp4"
     assert convert_to_mx(nn.ReLU(), MXFP8, log=False) == []
-    assert format_conversion_table([]).splitlines()[-1] == "0 of 0 linear layers converted"
+    assert format_conversion_table([]).splitlines()[-1] == "0 of 0 layers converted (linear layers and expert groups)"
 
 
 def test_converted_layer_keeps_training_mode():

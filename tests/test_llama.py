@@ -76,5 +76,7 @@ def test_forward_is_causal_and_init_is_deterministic():
 
 def test_flops_per_token_formula():
     args = model_args("llama", "8B", vocab_size=128256, max_seq_len=8192)
+    with torch.device("meta"):
+        model = Transformer(args)
     n = 8_030_261_248
-    assert flops_per_token(args, n, 8192) == 6 * (n - 128256 * 4096) + 12 * 32 * 32 * 128 * 8192
+    assert flops_per_token(args, model, 8192) == 6 * (n - 128256 * 4096) + 12 * 32 * 32 * 128 * 8192

@@ -38,7 +38,7 @@ def test_single_process_mxfp8_run_logs_metrics(tmp_path):
             *SMALL,
         ]
     )
-    assert "28 of 29 linear layers converted" in proc.stdout
+    assert "28 of 29 layers converted" in proc.stdout
     records = _metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:
@@ -75,3 +75,23 @@ def test_two_process_fsdp2_gloo_matches_one_process_first_step(tmp_path):
     assert abs(a[0]["loss"] - b[0]["loss"]) <= 1e-6 * a[0]["loss"]
     for ra, rb in zip(a, b, strict=True):
         assert abs(ra["loss"] - rb["loss"]) <= 1e-3 * ra["loss"]
+
+
+def test_moe_mxfp8_run_trains_experts_in_mx(tmp_path):
+    out = tmp_path / "moe"
+    proc = _run(
+        [
+            sys.executable,
+            "train.py",
+            "--config",
+            "debug_moe_mxfp8",
+            "--training.steps",
+            "4",
+            "--job.output_dir",
+            str(out),
+            *SMALL,
+        ]
+    )
+    assert "layers.1.moe.experts" in proc.stdout and "31 of 35 layers converted" in proc.stdout
+    records = _metrics(out)
+    assert records[-1]["loss"] < records[0]["loss"]

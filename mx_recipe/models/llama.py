@@ -131,15 +131,16 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Llama 3 decoder. ``layers`` is a ModuleDict keyed "0".."L-1" (fqns layers.N...), as torchtitan."""
+    """Llama 3 decoder. ``layers`` is a ModuleDict keyed "0".."L-1" (fqns layers.N...), as torchtitan.
+    ``block_cls`` builds each layer (the MoE model passes its own)."""
 
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, block_cls: type[nn.Module] = TransformerBlock):
         super().__init__()
         if args.vocab_size <= 0:
             raise ValueError("LlamaArgs.vocab_size must be set (from the tokenizer) before building the model")
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): block_cls(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)

@@ -67,7 +67,7 @@ class DataConfig:
 class MXConfig:
     recipe: str = required()  # an MXRecipe name, or "none" for bf16
     backend: str = "auto"
-    skip: list[str] = field(default_factory=lambda: ["output"])  # fqn patterns left in bf16
+    skip: list[str] = field(default_factory=lambda: ["output", "*router.gate"])  # fqn patterns left in bf16
 
 
 @dataclass

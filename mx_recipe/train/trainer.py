@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mx_recipe.convert import convert_to_mx, format_conversion_table
-from mx_recipe.models import build_model, flops_per_token, model_args
+from mx_recipe.models import build_model, flops_per_token, model_args, moe_layers
 from mx_recipe.recipe import MXRecipe
 from mx_recipe.train.config import Config, config_to_toml
 from mx_recipe.train.data import DATASETS, ByteTokenizer, TokenBatches
@@ -24,6 +24,18 @@ def lr_lambda(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: floa
         return step / max(warmup_steps, 1)
     progress = (step - warmup_steps) / max(total_steps - warmup_steps, 1)
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+@torch.no_grad()
+def update_expert_biases(model: torch.nn.Module) -> None:
+    """Auxiliary-loss-free load balancing: one bias update per step from the global expert loads."""
+    layers = [m for m in moe_layers(model) if m.bias_update_speed > 0]
+    if not layers:
+        return
+    loads = torch.stack([m.tokens_per_expert for m in layers])
+    torch.distributed.all_reduce(loads)  # every rank applies the same update
+    for m, load in zip(layers, loads, strict=True):
+        m.update_expert_bias(load)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int = 64) -> int:
@@ -66,7 +78,7 @@ def train(config: Config, info: DistInfo) -> list[dict]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda i: lr_lambda(i + 1, t.warmup_steps, t.steps, t.min_lr_ratio)
     )
-    metrics = MetricsLogger(output_dir, info.device, flops_per_token(args, num_params, t.seq_len), info.is_main)
+    metrics = MetricsLogger(output_dir, info.device, flops_per_token(args, model, t.seq_len), info.is_main)
     records: list[dict] = []
     for step in range(1, t.steps + 1):
         inputs, targets = (b.to(info.device, non_blocking=True) for b in batches.batch(step))
@@ -76,6 +88,7 @@ def train(config: Config, info: DistInfo) -> list[dict]:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm if t.max_norm > 0 else math.inf)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        update_expert_biases(model)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         metrics.add_tokens(inputs.numel())

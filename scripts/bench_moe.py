@@ -1,0 +1,119 @@
+"""The seed's grouped-GEMM table: bf16 vs MX forward and forward+backward of one expert GEMM.
+
+A (16640, 5120) routed evenly to E experts, B (E, 8192, 5120), E in 1, 4, 16, 64
+(shared/seeds/003_*.txt). Prints the device, then one row per E with the seed's columns;
+e2e means forward + backward. Both sides are compiled with torch.compile unless --eager.
+
+    python scripts/bench_moe.py [--experts 1 4 16 64] [--recipe mxfp8] [--eager] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from triton.testing import do_bench
+
+from mx_recipe import MXRecipe
+from mx_recipe.grouped import mx_grouped_mm
+
+
+def bf16_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
+
+
+def even_offsets(m: int, experts: int, device: torch.device) -> torch.Tensor:
+    sizes = [m // experts + (1 if e < m % experts else 0) for e in range(experts)]
+    return torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+
+
+def time_us(fn, a, b, offs, grad_out: torch.Tensor | None) -> float:
+    def step():
+        out = fn(a, b, offs)
+        if grad_out is not None:
+            out.backward(grad_out)
+
+    if grad_out is None:
+        with torch.no_grad():
+            return do_bench(step, warmup=25, rep=100, return_mode="median") * 1e3
+    return do_bench(step, warmup=25, rep=100, return_mode="median", grad_to_none=[a, b]) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--experts", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--m", type=int, default=16640)
+    parser.add_argument("--n", type=int, default=8192)
+    parser.add_argument("--k", type=int, default=5120)
+    parser.add_argument("--recipe", default="mxfp8")
+    parser.add_argument("--eager", action="store_true", help="do not torch.compile either side")
+    parser.add_argument("--out", help="write the rows as JSON here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_moe.py needs a CUDA GPU")
+    device = torch.device("cuda")
+    recipe = MXRecipe.from_name(args.recipe)
+    mx_fn = lambda a, b, offs: mx_grouped_mm(a, b, offs, recipe)
+    bf16_fn = bf16_grouped_mm
+    if not args.eager:
+        mx_fn, bf16_fn = torch.compile(mx_fn), torch.compile(bf16_fn)
+    print(
+        f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, recipe {recipe.name}, "
+        f"{'eager' if args.eager else 'torch.compile'}"
+    )
+    header = (
+        "A_shape",
+        "B_shape",
+        "recipe",
+        "bf16_e2e_us",
+        "scaled_e2e_us",
+        "scaled_e2e_speedup",
+        "bf16_fwd_us",
+        "scaled_fwd_us",
+        "scaled_fwd_speedup",
+    )
+    rows = []
+    for experts in args.experts:
+        torch.manual_seed(0)
+        a = torch.randn(args.m, args.k, device=device, dtype=torch.bfloat16, requires_grad=True)
+        b = (torch.randn(experts, args.n, args.k, device=device, dtype=torch.bfloat16) * 0.02).requires_grad_()
+        offs = even_offsets(args.m, experts, device)
+        grad_out = torch.randn(args.m, args.n, device=device, dtype=torch.bfloat16)
+        bf16_e2e, mx_e2e = time_us(bf16_fn, a, b, offs, grad_out), time_us(mx_fn, a, b, offs, grad_out)
+        bf16_fwd, mx_fwd = time_us(bf16_fn, a, b, offs, None), time_us(mx_fn, a, b, offs, None)
+        rows.append(
+            {
+                "A_shape": str((args.m, args.k)),
+                "B_shape": str((experts, args.n, args.k)),
+                "recipe": recipe.name,
+                "bf16_e2e_us": bf16_e2e,
+                "scaled_e2e_us": mx_e2e,
+                "scaled_e2e_speedup": bf16_e2e / mx_e2e,
+                "bf16_fwd_us": bf16_fwd,
+                "scaled_fwd_us": mx_fwd,
+                "scaled_fwd_speedup": bf16_fwd / mx_fwd,
+            }
+        )
+        del a, b, grad_out
+        torch.cuda.empty_cache()
+
+    def fmt(key: str, value) -> str:
+        if key.endswith("_speedup"):
+            return f"{value:.3f}x"
+        return f"{value:.1f}" if isinstance(value, float) else value
+
+    print("  ".join(f"{h:>18}" for h in header))
+    for row in rows:
+        print("  ".join(f"{fmt(h, row[h]):>18}" for h in header))
+    for row in rows:
+        ratio = row["scaled_e2e_us"] / row["bf16_e2e_us"]
+        verdict = "meets" if ratio <= 1.15 else "misses"
+        print(f"B {row['B_shape']}: MX fwd+bwd takes {ratio:.2f}x the bf16 time ({verdict} the Hopper target <= 1.15x)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

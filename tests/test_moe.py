@@ -1,0 +1,184 @@
+"""MoE: mx_grouped_mm against a per-group reference, routing against a per-token loop,
+load balancing, conversion, and training on the CPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mx_recipe import MXRecipe, convert_to_mx, to_mx
+from mx_recipe.convert import MXGroupedExperts
+from mx_recipe.grouped import mx_grouped_mm, padded_group_layout
+from mx_recipe.models import build_model, flops_per_token, model_args, moe_layers
+from mx_recipe.models.moe import MOE_FLAVORS, MoE, MoEArgs
+
+RECIPES = ["mxfp8", "mxfp8_rceil", "mxfp8_wgrad_bf16", "mxfp8_e5m2_grads", "mxfp4"]
+# Group sizes: ragged (not multiples of 32), empty in the middle and at the ends.
+GROUP_SIZES = [[40, 0, 60, 60], [0, 32, 1, 95], [17, 0, 0, 0], [0, 0, 0, 64]]
+
+
+def _deq(t: torch.Tensor, elem: str, rule: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if elem == "bf16" else to_mx(t, elem, rule, dim=dim).dequantize(dtype)
+
+
+def _pad32(t: torch.Tensor) -> torch.Tensor:
+    return F.pad(t, (0, 0, 0, -t.shape[0] % 32))
+
+
+def reference(x, w, sizes, g, recipe: MXRecipe):
+    """Per expert, with to_mx and torch.mm only: y, dx, dw."""
+    r, dt = recipe, x.dtype
+    ys, dxs, dws, start = [], [], [], 0
+    for e, size in enumerate(sizes):
+        xe, ge = x[start : start + size], g[start : start + size]
+        start += size
+        ys.append(torch.mm(_deq(xe, r.forward, r.scale_rule, -1, dt), _deq(w[e], r.forward, r.scale_rule, -1, dt).t()))
+        dxs.append(
+            torch.mm(
+                _deq(ge, r.grad_elem(r.grad_input), r.scale_rule, -1, dt), _deq(w[e], r.grad_input, r.scale_rule, 0, dt)
+            )
+        )
+        # Blocks along M inside the group: pad the group alone to a multiple of 32.
+        gq = _deq(_pad32(ge), r.grad_elem(r.grad_weight), r.scale_rule, 0, dt)
+        xq = _deq(_pad32(xe), r.grad_weight, r.scale_rule, 0, dt)
+        dws.append(torch.mm(gq.t(), xq))
+    return torch.cat(ys), torch.cat(dxs), torch.stack(dws)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("sizes", GROUP_SIZES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mx_grouped_mm_matches_per_group_reference(name, sizes, dtype):
+    torch.manual_seed(sum(sizes))
+    recipe = MXRecipe.from_name(name)
+    m, n, k = sum(sizes), 96, 64
+    x = torch.randn(m, k, dtype=dtype, requires_grad=True)
+    w = (torch.randn(len(sizes), n, k) * 0.1).to(dtype).requires_grad_()
+    g = torch.randn(m, n, dtype=dtype)
+    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
+    y = mx_grouped_mm(x, w, offs, recipe)
+    y.backward(g)
+    ry, rdx, rdw = reference(x.detach(), w.detach(), sizes, g, recipe)
+    # _grouped_mm and torch.mm may sum in different orders: equal to fp32 accumulation error.
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(y, ry, **tol)
+    torch.testing.assert_close(x.grad, rdx, **tol)
+    torch.testing.assert_close(w.grad, rdw, **tol)
+    for e, size in enumerate(sizes):
+        if size == 0:
+            assert torch.count_nonzero(w.grad[e]) == 0  # an empty expert gets a zero gradient
+
+
+def test_padded_group_layout_by_hand():
+    # Groups of 40, 0, 60, 60 rows -> padded to 64, 0, 64, 64: starts 0, 64, 64, 128.
+    dest, padded_offs, size = padded_group_layout(torch.tensor([40, 40, 100, 160], dtype=torch.int32), 160, 32)
+    assert padded_offs.tolist() == [64, 64, 128, 192] and size == 160 + 4 * 32  # 160 is a multiple of 32
+    assert dest[:40].tolist() == list(range(40))
+    assert dest[40:100].tolist() == list(range(64, 124))
+    assert dest[100:].tolist() == list(range(128, 188))
+
+
+def test_mx_grouped_mm_input_errors():
+    recipe = MXRecipe.from_name("mxfp8")
+    x, w = torch.randn(64, 64), torch.randn(2, 96, 64)
+    with pytest.raises(TypeError, match="int32"):
+        mx_grouped_mm(x, w, torch.tensor([32, 64]), recipe)
+    with pytest.raises(ValueError, match="offs"):
+        mx_grouped_mm(x, w, torch.tensor([64], dtype=torch.int32), recipe)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        mx_grouped_mm(torch.randn(64, 48), torch.randn(2, 96, 48), torch.tensor([32, 64], dtype=torch.int32), recipe)
+
+
+def _small_moe_args(**kw) -> MoEArgs:
+    base = dict(
+        dim=64,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=2,
+        multiple_of=32,
+        vocab_size=64,
+        max_seq_len=16,
+        n_routed_experts=4,
+        top_k=2,
+        n_shared_experts=1,
+        moe_hidden_dim=32,
+    )
+    return MoEArgs(**{**base, **kw})
+
+
+@pytest.mark.parametrize("score_func, route_norm", [("softmax", False), ("sigmoid", True)])
+def test_moe_matches_per_token_loop(score_func, route_norm):
+    torch.manual_seed(0)
+    moe = MoE(_small_moe_args(score_func=score_func, route_norm=route_norm))
+    moe.init_weights(0.02)
+    moe.expert_bias.copy_(torch.tensor([0.3, -0.1, 0.0, 0.05]))  # steers the choice, not the weights
+    x = torch.randn(3, 5, 64)
+    out = moe(x)
+    flat, expected = x.reshape(-1, 64), []
+    probs = moe.router.gate(flat).float()
+    probs = probs.softmax(-1) if score_func == "softmax" else probs.sigmoid()
+    for t in range(flat.shape[0]):
+        chosen = (probs[t] + moe.expert_bias).topk(2).indices
+        weights = probs[t, chosen] / (probs[t, chosen].sum() if route_norm else 1)
+        acc = moe.shared_experts(flat[t : t + 1])[0]
+        for e, wt in zip(chosen.tolist(), weights, strict=True):
+            ex = moe.experts
+            h = F.silu(flat[t] @ ex.w1[e].t()) * (flat[t] @ ex.w3[e].t())
+            acc = acc + wt * (h @ ex.w2[e].t())
+        expected.append(acc)
+    torch.testing.assert_close(out.reshape(-1, 64), torch.stack(expected), rtol=1e-5, atol=1e-5)
+    assert moe.tokens_per_expert.sum() == 15 * 2
+
+
+def test_expert_bias_update_moves_toward_balance():
+    moe = MoE(_small_moe_args(bias_update_speed=0.01))
+    moe.init_weights(0.02)
+    moe.update_expert_bias(torch.tensor([10.0, 2.0, 2.0, 2.0]))
+    assert moe.expert_bias[0] < 0 and (moe.expert_bias[1:] > 0).all()
+    assert abs(moe.expert_bias.sum()) < 1e-6 and moe.tokens_per_expert.sum() == 0
+
+
+def test_public_moe_dims_and_active_flops():
+    a = MOE_FLAVORS["moe_16B"]
+    assert (a.dim, a.n_layers, a.n_routed_experts, a.top_k, a.n_shared_experts, a.moe_hidden_dim) == (
+        2048,
+        28,
+        64,
+        6,
+        2,
+        1408,
+    )
+    s = MOE_FLAVORS["moe_scout"]
+    assert (s.dim, s.n_layers, s.n_heads, s.n_kv_heads, s.n_routed_experts, s.top_k, s.moe_hidden_dim) == (
+        5120,
+        48,
+        40,
+        8,
+        16,
+        1,
+        8192,
+    )
+    args = model_args("moe", "moe_16B", vocab_size=102400, max_seq_len=4096)
+    with torch.device("meta"):
+        model = build_model(args)
+    total = sum(p.numel() for p in model.parameters())
+    assert 16.3e9 < total < 16.5e9  # DeepSeek-MoE 16B: 16.4B parameters
+    routed = sum(p.numel() for m in moe_layers(model) for p in m.experts.parameters())
+    active = total - 102400 * 2048 - routed * (1 - 6 / 64)
+    assert flops_per_token(args, model, 4096) == 6 * active + 12 * 28 * 16 * 128 * 4096
+
+
+def test_converter_swaps_experts_and_keeps_router_gate():
+    args = model_args("moe", "debug_moe", vocab_size=320, max_seq_len=32)
+    model = build_model(args)
+    model.init_weights()
+    params = {n: p for n, p in model.named_parameters()}
+    records = convert_to_mx(model, MXRecipe.from_name("mxfp8"))
+    by_fqn = {r.fqn: r for r in records}
+    assert by_fqn["layers.1.moe.experts"].converted and by_fqn["layers.1.moe.experts"].shape == (8, 128, 256)
+    assert isinstance(model.layers["1"].moe.experts, MXGroupedExperts)
+    assert not by_fqn["layers.1.moe.router.gate"].converted
+    assert "layers.0.feed_forward.w1" in by_fqn  # the dense first layer
+    assert all(p is params[n] for n, p in model.named_parameters())
+    logits = model(torch.randint(0, 320, (2, 32)))
+    logits.float().mean().backward()
+    assert model.layers["1"].moe.experts.w1.grad is not None
