@@ -15,7 +15,7 @@ from mx_kernels.common import check_cast, dim0_shapes, format_constexprs, fp8_dt
 from mx_kernels.mx_quantize import quantize_blocks, store_scales, to_fp32
 
 # Tuned on an H200 for a bf16 16384^2 input (docs/notes_cast_kernels.md).
-DIM0_CONFIG = dict(BLOCK_M=64, BLOCK_K=128, num_warps=4)
+DIM0_CONFIG = dict(BLOCK_M=32, BLOCK_K=256, num_warps=4)
 
 
 @triton.jit

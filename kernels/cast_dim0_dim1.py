@@ -14,8 +14,8 @@ import triton.language as tl
 from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, format_constexprs, fp8_dtype, software_round
 from mx_kernels.mx_quantize import quantize_blocks, store_scales, to_fp32
 
-# Tuned on an H200 for a bf16 16384^2 input (docs/notes_cast_kernels.md).
-DIM0_DIM1_CONFIG = dict(BLOCK_M=64, BLOCK_K=64, num_warps=4)
+# One warp per program, as in cast_dim1.py: the dim1 blocks then reduce without shared memory.
+DIM0_DIM1_CONFIG = dict(BLOCK_M=32, BLOCK_K=64, num_warps=1)
 
 
 @triton.jit

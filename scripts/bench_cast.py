@@ -167,12 +167,13 @@ def sweep(m: int, k: int, elem: str) -> list[dict]:
     from mx_kernels.cast_dim0 import cast_dim0 as k_dim0
     from mx_kernels.cast_dim0_dim1 import cast_dim0_dim1 as k_fused
     from mx_kernels.cast_dim1 import cast_dim1 as k_dim1
+    from mx_kernels.cast_groups_dim1 import cast_groups_dim1 as k_groups
 
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     candidates = {
-        "dim0": (k_dim0, [(32, 128, 4), (64, 128, 4), (128, 128, 8), (32, 256, 4), (64, 256, 8), (128, 64, 4)]),
-        "dim1": (k_dim1, [(128, 64, 4), (128, 64, 8), (64, 64, 4), (128, 128, 8), (64, 128, 4), (256, 32, 4)]),
-        "dim0_dim1": (k_fused, [(64, 64, 4), (128, 64, 4), (128, 64, 8), (64, 128, 4), (128, 128, 8), (32, 128, 4)]),
+        "dim0": (k_dim0, [(32, 256, 4), (64, 256, 4), (32, 512, 4), (16, 512, 4), (32, 128, 1), (32, 256, 2)]),
+        "dim1": (k_dim1, [(32, 64, 1), (32, 128, 1), (64, 64, 1), (32, 32, 1), (64, 32, 1), (128, 32, 1)]),
+        "dim0_dim1": (k_fused, [(32, 64, 1), (32, 128, 1), (64, 64, 1), (32, 32, 1), (64, 32, 1)]),
     }
     rows = []
     for name, (fn, configs) in candidates.items():
@@ -182,6 +183,19 @@ def sweep(m: int, k: int, elem: str) -> list[dict]:
             gbs = nbytes(x, *outs) / ms / 1e6
             rows.append(dict(kernel=name, config=cfg, us=ms * 1e3, gbs=gbs))
             print(f"sweep {name:10s} BLOCK_M={bm:3d} BLOCK_K={bk:3d} warps={warps}  {ms * 1e3:8.1f} us {gbs:7.0f} GB/s")
+    xg = torch.randn(16640, 5120, device="cuda", dtype=torch.bfloat16)
+    offs = torch.arange(1, 17, device="cuda", dtype=torch.int32) * 1040
+    for bk, warps in ((32, 1), (64, 1), (64, 4)):
+        cfg = dict(BLOCK_K=bk, num_warps=warps)
+        ms, outs = timed(k_groups, xg, offs, elem, "floor", cfg)
+        gbs = nbytes(xg, *outs) / ms / 1e6
+        rows.append(dict(kernel="groups_dim1", config=cfg, us=ms * 1e3, gbs=gbs))
+        print(f"sweep groups_dim1 BLOCK_K={bk:3d} warps={warps}  {ms * 1e3:8.1f} us {gbs:7.0f} GB/s")
+    # is rceil slower than floor, or is it drift? alternate them
+    for mode in ("floor", "rceil", "floor", "rceil"):
+        ms, _ = timed(k_dim0, x, elem, mode, False)
+        print(f"sweep dim0 default config {mode}: {ms * 1e3:.1f} us")
+        rows.append(dict(kernel="dim0 alternation", mode=mode, us=ms * 1e3))
     return rows
 
 
