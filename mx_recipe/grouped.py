@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from mx_recipe.formats import to_mx
+from mx_recipe.cast import cast_3d_dim0, cast_3d_dim1, cast_dim0, cast_dim1
 from mx_recipe.recipe import HIGH_PRECISION, MXRecipe
 
 
@@ -52,34 +52,36 @@ class _MXGroupedMMFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: MXRecipe) -> torch.Tensor:
         ctx.save_for_backward(x, w, offs)
         ctx.recipe = recipe
-        if recipe.forward == HIGH_PRECISION:
-            return _grouped(x, w.transpose(-2, -1), offs, x.dtype)
-        x_mx = to_mx(x, recipe.forward, recipe.scale_rule, dim=-1)
-        w_mx = to_mx(w, recipe.forward, recipe.scale_rule, dim=-1)
-        return _grouped(x_mx.dequantize(x.dtype), w_mx.dequantize(x.dtype).transpose(-2, -1), offs, x.dtype)
+        elem, rule, dtype = recipe.forward, recipe.scale_rule, x.dtype
+        if elem == HIGH_PRECISION:
+            return _grouped(x, w.transpose(-2, -1), offs, dtype)
+        # x along K; each expert's w along K.
+        x_deq, w_deq = cast_dim0(x, elem, rule).dequantize(dtype), cast_3d_dim0(w, elem, rule).dequantize(dtype)
+        return _grouped(x_deq, w_deq.transpose(-2, -1), offs, dtype)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         x, w, offs = ctx.saved_tensors
         recipe: MXRecipe = ctx.recipe
+        rule, dtype = recipe.scale_rule, g.dtype
         g = g.contiguous()
         gx = gw = None
         if ctx.needs_input_grad[0]:
             if recipe.grad_input == HIGH_PRECISION:
-                gx = _grouped(g, w, offs, g.dtype)
-            else:
-                g_mx = to_mx(g, recipe.grad, recipe.scale_rule, dim=-1)
-                w_mx = to_mx(w, recipe.grad_input, recipe.scale_rule, dim=1)  # each expert along N
-                gx = _grouped(g_mx.dequantize(g.dtype), w_mx.dequantize(g.dtype), offs, g.dtype)
+                gx = _grouped(g, w, offs, dtype)
+            else:  # g along N; each expert's w along N, written [E, K, N] by the 3D dim1 cast
+                g_deq = cast_dim0(g, recipe.grad, rule).dequantize(dtype)
+                w_deq = cast_3d_dim1(w, recipe.grad_input, rule).dequantize(dtype)
+                gx = _grouped(g_deq, w_deq.transpose(-2, -1), offs, dtype)
         if ctx.needs_input_grad[1]:
             if recipe.grad_weight == HIGH_PRECISION:
-                gw = _grouped(g.t(), x, offs, g.dtype)
-            else:
+                gw = _grouped(g.t(), x, offs, dtype)
+            else:  # g and x along M inside each group, groups padded to multiples of 32
                 dest, padded_offs, size = padded_group_layout(offs, x.shape[0], recipe.block_size)
                 g_pad, x_pad = pad_groups(g, dest, size), pad_groups(x, dest, size)
-                g_mx = to_mx(g_pad, recipe.grad, recipe.scale_rule, dim=0)
-                x_mx = to_mx(x_pad, recipe.grad_weight, recipe.scale_rule, dim=0)
-                gw = _grouped(g_mx.dequantize(g.dtype).t(), x_mx.dequantize(g.dtype), padded_offs, g.dtype)
+                g_deq = cast_dim1(g_pad, recipe.grad, rule).dequantize(dtype)  # [N, M_pad]
+                x_deq = cast_dim1(x_pad, recipe.grad_weight, rule).dequantize(dtype)  # [K, M_pad]
+                gw = _grouped(g_deq, x_deq.t(), padded_offs, dtype)
         return (
             None if gx is None else gx.to(x.dtype),
             None if gw is None else gw.to(w.dtype),

@@ -13,18 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mx_recipe.formats import to_mx
+from mx_recipe.cast import cast_dim0, cast_dim1
 from mx_recipe.gemm import mx_mm
 from mx_recipe.recipe import HIGH_PRECISION, MXRecipe
-
-
-def _gemm(a: torch.Tensor, b: torch.Tensor, a_elem: str, b_elem: str, recipe: MXRecipe, out_dtype: torch.dtype):
-    """a @ b.T, with a: [M, K], b: [N, K], each quantized along K unless its GEMM is bf16."""
-    if a_elem == HIGH_PRECISION:
-        return torch.mm(a.to(out_dtype), b.to(out_dtype).t())
-    a_mx = to_mx(a, a_elem, recipe.scale_rule, dim=-1)
-    b_mx = to_mx(b, b_elem, recipe.scale_rule, dim=-1)
-    return mx_mm(a_mx, b_mx, out_dtype, recipe.backend)
 
 
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -34,26 +25,39 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 class _MXLinearFunction(torch.autograd.Function):
+    """Each GEMM is ``mx_mm(a, b) = a @ b.T`` of two operands quantized along the GEMM's K:
+    cast_dim0 quantizes a tensor along its last dim, cast_dim1 along its first (stored transposed)."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: MXRecipe) -> torch.Tensor:
         ctx.save_for_backward(x, w)
         ctx.recipe = recipe
-        return _gemm(x, w, recipe.forward, recipe.forward, recipe, x.dtype)
+        elem, rule = recipe.forward, recipe.scale_rule
+        if elem == HIGH_PRECISION:
+            return torch.mm(x, w.to(x.dtype).t())
+        # y = x @ w.T: x along K, w along K.
+        return mx_mm(cast_dim0(x, elem, rule), cast_dim0(w, elem, rule), x.dtype, recipe.backend)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         x, w = ctx.saved_tensors
         recipe: MXRecipe = ctx.recipe
+        rule = recipe.scale_rule
         g = g.contiguous()
         gx = gw = None
         if ctx.needs_input_grad[0]:
-            # gx = g @ w: g [M, N] along N, w along N (w.t() is [K, N]).
-            gx = _gemm(g, w.t(), recipe.grad_elem(recipe.grad_input), recipe.grad_input, recipe, g.dtype)
+            if recipe.grad_input == HIGH_PRECISION:
+                gx = torch.mm(g, w.to(g.dtype))
+            else:  # gx = g @ w: g along N, w along N (as [K, N])
+                g_mx, w_mx = cast_dim0(g, recipe.grad, rule), cast_dim1(w, recipe.grad_input, rule)
+                gx = mx_mm(g_mx, w_mx, g.dtype, recipe.backend)
         if ctx.needs_input_grad[1]:
-            # gw = g.T @ x: both along M; pad M with zero rows (they add nothing to the sum).
-            g_t = _pad_rows(g, recipe.block_size).t()
-            x_t = _pad_rows(x, recipe.block_size).t()
-            gw = _gemm(g_t, x_t, recipe.grad_elem(recipe.grad_weight), recipe.grad_weight, recipe, g.dtype)
+            if recipe.grad_weight == HIGH_PRECISION:
+                gw = torch.mm(g.t(), x.to(g.dtype))
+            else:  # gw = g.T @ x: both along M; zero rows pad M and add nothing to the sum
+                g_pad, x_pad = _pad_rows(g, recipe.block_size), _pad_rows(x, recipe.block_size)
+                g_mx, x_mx = cast_dim1(g_pad, recipe.grad, rule), cast_dim1(x_pad, recipe.grad_weight, rule)
+                gw = mx_mm(g_mx, x_mx, g.dtype, recipe.backend)
         return (
             None if gx is None else gx.to(x.dtype),
             None if gw is None else gw.to(w.dtype),
