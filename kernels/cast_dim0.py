@@ -52,7 +52,7 @@ def _cast_dim0_kernel(
     x = to_fp32(tl.load(x_ptr + x_offs, mask=mask, other=0.0), SOFTWARE_ROUND)
 
     blocks = tl.reshape(x, (BLOCK_M * BLOCK_K // 32, 32))
-    q, scale = quantize_blocks(blocks, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND)
+    q, scale = quantize_blocks(blocks, 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND)
 
     q_offs = pid_b * stride_qb + rows.to(tl.int64)[:, None] * K + cols[None, :]
     tl.store(q_ptr + q_offs, tl.reshape(q, (BLOCK_M, BLOCK_K)), mask=mask)

@@ -14,8 +14,8 @@ import triton.language as tl
 from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, format_constexprs, fp8_dtype, software_round
 from mx_kernels.mx_quantize import quantize_blocks, store_scales, to_fp32
 
-# One warp per program, as in cast_dim1.py: the dim1 blocks then reduce without shared memory.
-DIM0_DIM1_CONFIG = dict(BLOCK_M=32, BLOCK_K=64, num_warps=1)
+# One warp per program and NUM_SUB 32-row sub-tiles, as in cast_dim1.py.
+DIM0_DIM1_CONFIG = dict(BLOCK_K=64, NUM_SUB=4, num_warps=1)
 
 
 @triton.jit
@@ -29,8 +29,8 @@ def _cast_dim0_dim1_kernel(
     K,
     stride_xm,
     stride_xk,
-    BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NUM_SUB: tl.constexpr,
     BLOCKED: tl.constexpr,
     EMAX: tl.constexpr,
     MAX_MANT: tl.constexpr,
@@ -43,31 +43,29 @@ def _cast_dim0_dim1_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
-    x_offs = rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
-    x = to_fp32(tl.load(x_ptr + x_offs, mask=mask, other=0.0), SOFTWARE_ROUND)
-
-    # dim0: blocks of 32 along K, row-major [M, K] output, scales [M, K/32]
-    q0, s0 = quantize_blocks(
-        tl.reshape(x, (BLOCK_M * BLOCK_K // 32, 32)),
-        EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND,
-    )  # fmt: skip
-    q0_offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    tl.store(q0_ptr + q0_offs, tl.reshape(q0, (BLOCK_M, BLOCK_K)), mask=mask)
     s0_cols = pid_k * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
-    store_scales(s0_ptr, tl.reshape(s0, (BLOCK_M, BLOCK_K // 32)), rows, s0_cols, M, K >> 5, BLOCKED)
+    sub = tl.arange(0, NUM_SUB)
+    s1_tile = tl.zeros((BLOCK_K, NUM_SUB), dtype=tl.uint8)
+    for i in tl.static_range(NUM_SUB):
+        rows = (pid_m * NUM_SUB + i) * 32 + tl.arange(0, 32)
+        mask = (rows < M)[:, None] & (cols < K)[None, :]
+        x_offs = rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
+        x = to_fp32(tl.load(x_ptr + x_offs, mask=mask, other=0.0), SOFTWARE_ROUND)
 
-    # dim1: blocks of 32 along M, transposed [K, M] output, scales [K, M/32]
-    q1, s1 = quantize_blocks(
-        tl.reshape(tl.trans(x), (BLOCK_K * BLOCK_M // 32, 32)),
-        EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND,
-    )  # fmt: skip
-    q1_offs = cols.to(tl.int64)[:, None] * M + rows[None, :]
-    tl.store(q1_ptr + q1_offs, tl.reshape(q1, (BLOCK_K, BLOCK_M)), mask=tl.trans(mask))
-    s1_cols = pid_m * (BLOCK_M // 32) + tl.arange(0, BLOCK_M // 32)
-    store_scales(s1_ptr, tl.reshape(s1, (BLOCK_K, BLOCK_M // 32)), cols, s1_cols, K, M >> 5, BLOCKED)
+        # dim0: blocks of 32 along K, row-major [M, K] output, scales [M, K/32]
+        q0, s0 = quantize_blocks(
+            tl.reshape(x, (BLOCK_K, 32)),
+            1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND,
+        )  # fmt: skip
+        tl.store(q0_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], tl.reshape(q0, (32, BLOCK_K)), mask=mask)
+        store_scales(s0_ptr, tl.reshape(s0, (32, BLOCK_K // 32)), rows, s0_cols, M, K >> 5, BLOCKED)
+
+        # dim1: one block of 32 along M per column, transposed [K, M] output, scales [K, M/32]
+        q1, s1 = quantize_blocks(x, 0, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND)
+        tl.store(q1_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], q1, mask=mask)
+        s1_tile = tl.where(sub[None, :] == i, s1[:, None], s1_tile)
+    store_scales(s1_ptr, s1_tile, cols, pid_m * NUM_SUB + sub, K, M >> 5, BLOCKED)
 
 
 def cast_dim0_dim1(
@@ -86,7 +84,7 @@ def cast_dim0_dim1(
     if m == 0 or k == 0:
         return q0, s0, q1, s1
     cfg = {**DIM0_DIM1_CONFIG, **(config or {})}
-    block_m, block_k = cfg["BLOCK_M"], cfg["BLOCK_K"]
+    block_m, block_k = 32 * cfg["NUM_SUB"], cfg["BLOCK_K"]
     pad = 128 if blocked else 1  # blocked: the grid covers the padding too, to zero it
     grid = (triton.cdiv(triton.cdiv(m, pad) * pad, block_m), triton.cdiv(triton.cdiv(k, pad) * pad, block_k))
     _cast_dim0_dim1_kernel[grid](
@@ -99,8 +97,8 @@ def cast_dim0_dim1(
         k,
         x.stride(0),
         x.stride(1),
-        BLOCK_M=block_m,
         BLOCK_K=block_k,
+        NUM_SUB=cfg["NUM_SUB"],
         BLOCKED=blocked,
         SOFTWARE_ROUND=software_round(x, "cast_dim0_dim1"),
         num_warps=cfg["num_warps"],

@@ -1,8 +1,9 @@
 """MX cast along the first dim ("dim1"), written transposed: x [M, K] -> qdata [K, M] + scales [K, M/32].
 
 The result is ``to_mx(x.t().contiguous(), dim=-1)`` without the transpose copy: a program
-loads a [BLOCK_M, BLOCK_K] tile contiguous along K, transposes it in registers / shared
-memory, reduces blocks of 32 along M and stores rows of the [K, M] output contiguous along M.
+loads [32, BLOCK_K] sub-tiles contiguous along K, reduces each column (one block of 32
+along M) and stores rows of the [K, M] output contiguous along M (the transpose happens in
+registers / shared memory on the way to the store).
 3D expert weights [E, N, K] take the same path per expert (grid axis 2): each expert's
 [K, N] slice is written directly, so the cost does not grow with E (seed 003).
 """
@@ -17,8 +18,10 @@ from mx_kernels.mx_quantize import quantize_blocks, store_scales, to_fp32
 
 # One warp per program: Triton spreads warps along M, and a 32-row block split across warps
 # needs a shared-memory reduction with barriers (40% of copy BW on an H200). With one warp
-# the block reduces in registers and shuffles (docs/notes_cast_kernels.md).
-DIM1_CONFIG = dict(BLOCK_M=32, BLOCK_K=64, num_warps=1)
+# a block reduces in registers and shuffles. NUM_SUB 32-row sub-tiles per program, so each
+# program stores NUM_SUB contiguous scale bytes per row of [K, M/32] instead of one byte
+# (one-byte scattered stores cost ~30%: docs/notes_cast_kernels.md).
+DIM1_CONFIG = dict(BLOCK_K=64, NUM_SUB=4, num_warps=1)
 
 
 @triton.jit
@@ -33,8 +36,8 @@ def _cast_dim1_kernel(
     stride_xk,
     stride_qb,
     stride_sb,
-    BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NUM_SUB: tl.constexpr,
     BLOCKED: tl.constexpr,
     EMAX: tl.constexpr,
     MAX_MANT: tl.constexpr,
@@ -48,23 +51,23 @@ def _cast_dim1_kernel(
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)  # E * M * K can pass 2**31
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    x_ptr += pid_b * stride_xb
+    q_ptr += pid_b * stride_qb
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
-    x_offs = pid_b * stride_xb + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
-    x = to_fp32(tl.load(x_ptr + x_offs, mask=mask, other=0.0), SOFTWARE_ROUND)
-
-    # [BLOCK_K, BLOCK_M]: each row of the transposed tile holds BLOCK_M / 32 blocks along M
-    blocks = tl.reshape(tl.trans(x), (BLOCK_K * BLOCK_M // 32, 32))
-    q, scale = quantize_blocks(blocks, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND)
-
-    q_offs = pid_b * stride_qb + cols.to(tl.int64)[:, None] * M + rows[None, :]
-    tl.store(q_ptr + q_offs, tl.reshape(q, (BLOCK_K, BLOCK_M)), mask=tl.trans(mask))
-
-    scale = tl.reshape(scale, (BLOCK_K, BLOCK_M // 32))
-    scale_cols = M >> 5
-    s_cols = pid_m * (BLOCK_M // 32) + tl.arange(0, BLOCK_M // 32)
-    store_scales(s_ptr + pid_b * stride_sb, scale, cols, s_cols, K, scale_cols, BLOCKED)
+    sub = tl.arange(0, NUM_SUB)
+    scales = tl.zeros((BLOCK_K, NUM_SUB), dtype=tl.uint8)
+    for i in tl.static_range(NUM_SUB):
+        # a [32, BLOCK_K] sub-tile: one MX block per column
+        rows = (pid_m * NUM_SUB + i) * 32 + tl.arange(0, 32)
+        mask = (rows < M)[:, None] & (cols < K)[None, :]
+        x_offs = rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
+        x = to_fp32(tl.load(x_ptr + x_offs, mask=mask, other=0.0), SOFTWARE_ROUND)
+        q, scale = quantize_blocks(x, 0, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND)
+        # transposed store: out[k, m], 32 contiguous bytes per k
+        tl.store(q_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], q, mask=mask)
+        scales = tl.where(sub[None, :] == i, scale[:, None], scales)
+    s_cols = pid_m * NUM_SUB + sub
+    store_scales(s_ptr + pid_b * stride_sb, scales, cols, s_cols, K, M >> 5, BLOCKED)
 
 
 def cast_dim1(
@@ -84,7 +87,7 @@ def cast_dim1(
     if qdata.numel() == 0 and scale.numel() == 0:
         return qdata, scale
     cfg = {**DIM1_CONFIG, **(config or {})}
-    block_m, block_k = cfg["BLOCK_M"], cfg["BLOCK_K"]
+    block_m, block_k = 32 * cfg["NUM_SUB"], cfg["BLOCK_K"]
     pad = 128 if blocked else 1  # blocked: the grid covers the padding too, to zero it
     grid = (triton.cdiv(triton.cdiv(m, pad) * pad, block_m), triton.cdiv(triton.cdiv(k, pad) * pad, block_k), num_batch)
     _cast_dim1_kernel[grid](
@@ -98,8 +101,8 @@ def cast_dim1(
         x3.stride(2),
         m * k,
         scale[0].numel() if x.dim() == 3 else 0,
-        BLOCK_M=block_m,
         BLOCK_K=block_k,
+        NUM_SUB=cfg["NUM_SUB"],
         BLOCKED=blocked,
         SOFTWARE_ROUND=software_round(x, "cast_dim1"),
         num_warps=cfg["num_warps"],

@@ -50,7 +50,6 @@ def _cast_groups_dim1_kernel(
     RCEIL: tl.constexpr,
     SOFTWARE_ROUND: tl.constexpr,
 ):
-    BLOCK_M: tl.constexpr = 128
     t = tl.program_id(0)  # tile column of the scale buffer
     pid_k = tl.program_id(1)
 
@@ -69,28 +68,30 @@ def _cast_groups_dim1_kernel(
     tile_start = tl.where(is_group, tl.sum(tl.where(this, tiles_end - tiles, 0), axis=0), used_tiles)
     group_tiles = tl.where(is_group, tl.sum(tl.where(this, tiles, 0), axis=0), max_tile_cols - used_tiles)
     row_end = tl.multiple_of(tl.where(is_group, tl.sum(tl.where(this, ends, 0), axis=0), 0), 32)
-    row0 = tl.where(is_group, tl.sum(tl.where(this, starts, 0), axis=0), 0) + (t - tile_start) * BLOCK_M
+    row0 = tl.where(is_group, tl.sum(tl.where(this, starts, 0), axis=0), 0) + (t - tile_start) * 128
+    row0 = tl.multiple_of(row0, 32)  # group starts are rounded down to 32 rows above
 
-    rows = tl.multiple_of(row0, 32) + tl.arange(0, BLOCK_M)
+    # four 32-row sub-tiles (one warp each, as in cast_dim1.py): the group's four scale columns
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows < row_end)[:, None] & (cols < K)[None, :]
-    x_offs = rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
-    x = to_fp32(tl.load(x_ptr + x_offs, mask=mask, other=0.0), SOFTWARE_ROUND)
+    c = tl.arange(0, 4)
+    scales = tl.zeros((BLOCK_K, 4), dtype=tl.uint8)
+    for i in tl.static_range(4):
+        rows = row0 + i * 32 + tl.arange(0, 32)
+        mask = (rows < row_end)[:, None] & (cols < K)[None, :]
+        x_offs = rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
+        x = to_fp32(tl.load(x_ptr + x_offs, mask=mask, other=0.0), SOFTWARE_ROUND)
+        q, scale = quantize_blocks(x, 0, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND)
+        tl.store(q_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], q, mask=mask)
+        scales = tl.where(c[None, :] == i, scale[:, None], scales)
 
-    blocks = tl.reshape(tl.trans(x), (BLOCK_K * BLOCK_M // 32, 32))
-    q, scale = quantize_blocks(blocks, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND)
-    q_offs = cols.to(tl.int64)[:, None] * M + rows[None, :]
-    tl.store(q_ptr + q_offs, tl.reshape(q, (BLOCK_K, BLOCK_M)), mask=tl.trans(mask))
-
-    # This program's [BLOCK_K, 4] scales form part of tile (k // 128, t - tile_start) of its group.
-    scale = tl.reshape(scale, (BLOCK_K, BLOCK_M // 32))
-    c = tl.arange(0, BLOCK_M // 32)
+    # This program's [BLOCK_K, 4] scales: rows of tile (k // 128, t - tile_start) of its group,
+    # 4 contiguous bytes per k.
     valid = (cols < K)[:, None] & (row0 + c * 32 < row_end)[None, :]
     padded_k = (K + 127) >> 7 << 7
     group_base = padded_k.to(tl.int64) * 4 * tile_start
     s_offs = group_base + blocked_scale_offset(cols[:, None], (t - tile_start) * 4 + c[None, :], group_tiles)
     in_buffer = (cols < padded_k)[:, None] & (s_offs < padded_k.to(tl.int64) * 4 * max_tile_cols)
-    tl.store(s_ptr + s_offs, tl.where(valid, scale, 0), mask=in_buffer)
+    tl.store(s_ptr + s_offs, tl.where(valid, scales, 0), mask=in_buffer)
 
 
 def cast_groups_dim1(

@@ -57,8 +57,14 @@ def round_to_fp8_bits(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
 
 
 @triton.jit
+def _max_propagating_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)  # max.NaN.f32: a NaN wins
+
+
+@triton.jit
 def quantize_blocks(
     blocks,
+    AXIS: tl.constexpr,
     EMAX: tl.constexpr,
     MAX_MANT: tl.constexpr,
     MAX_NORMAL: tl.constexpr,
@@ -68,16 +74,21 @@ def quantize_blocks(
     RCEIL: tl.constexpr,
     SOFTWARE_ROUND: tl.constexpr,
 ):
-    """fp32 [R, 32] blocks -> (fp8 bits uint8 [R, 32], biased E8M0 scales uint8 [R])."""
-    # amax on the integer bits of |v|: the order of non-negative floats, and a NaN sorts above
-    # inf, so a block holding a NaN is found without relying on max's NaN semantics.
-    mag_bits = blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    amax_bits = tl.max(mag_bits, axis=1)
+    """fp32 blocks of 32 along AXIS (the tile's whole extent there) -> (fp8 bits uint8, same
+    shape; biased E8M0 scales uint8, AXIS reduced away)."""
+    if SOFTWARE_ROUND:
+        # the interpreter runs a custom-combine reduce in Python: use the integer max of |bits|
+        # (non-negative floats order like their bits, and a NaN sorts above inf)
+        amax_bits = tl.max(blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=AXIS)
+    else:
+        # max of |v| that propagates NaN: one FMNMX.NaN with |.| operands per element
+        amax = tl.reduce(tl.abs(blocks), AXIS, _max_propagating_nan)
+        amax_bits = amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     is_nan = amax_bits > 0x7F800000
     e = scale_exponent(amax_bits, EMAX, MAX_MANT, RCEIL)
     # 2**-e from bits; -e = -127 is the one subnormal (0x00400000 = 2**-127)
     inv_scale = tl.where(e < 127, (127 - e) << 23, 0x400000).to(tl.float32, bitcast=True)
-    v = blocks * inv_scale[:, None]
+    v = blocks * tl.expand_dims(inv_scale, AXIS)
     # clamp first: inf saturates, and the result does not depend on cvt's satfinite
     v = tl.minimum(tl.maximum(v, -MAX_NORMAL), MAX_NORMAL)
     if SOFTWARE_ROUND:
@@ -86,7 +97,7 @@ def quantize_blocks(
         q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # cvt.rn.satfinite.e4m3x2.f32
     else:
         q = v.to(tl.float8e5).to(tl.uint8, bitcast=True)  # cvt.rn.satfinite.e5m2x2.f32
-    q = tl.where(is_nan[:, None], 0x7F, q).to(tl.uint8)
+    q = tl.where(tl.expand_dims(is_nan, AXIS), 0x7F, q).to(tl.uint8)
     scale = tl.where(is_nan, 0xFF, e + 127).to(tl.uint8)
     return q, scale
 
