@@ -20,8 +20,9 @@ from mx_kernels.mx_quantize import quantize_blocks, store_scales, to_fp32
 # needs a shared-memory reduction with barriers (40% of copy BW on an H200). With one warp
 # a block reduces in registers and shuffles. NUM_SUB 32-row sub-tiles per program, so each
 # program stores NUM_SUB contiguous scale bytes per row of [K, M/32] instead of one byte
-# (one-byte scattered stores cost ~30%: docs/notes_cast_kernels.md).
-DIM1_CONFIG = dict(BLOCK_K=64, NUM_SUB=4, num_warps=1)
+# (one-byte scattered stores cost ~30%: docs/notes_cast_kernels.md). More sub-tiles cost
+# registers and occupancy: 2 beat 4 and 8 on an H200.
+DIM1_CONFIG = dict(BLOCK_K=64, NUM_SUB=2, num_warps=1)  # best of the H200 sweep in the notes
 
 
 @triton.jit

@@ -23,7 +23,7 @@ import triton.language as tl
 from mx_kernels.common import check_cast, format_constexprs, fp8_dtype, groups_dim1_shapes, software_round
 from mx_kernels.mx_quantize import blocked_scale_offset, quantize_blocks, to_fp32
 
-GROUPS_DIM1_CONFIG = dict(BLOCK_K=32, num_warps=1)  # one warp: see cast_dim1.py
+GROUPS_DIM1_CONFIG = dict(BLOCK_K=64, num_warps=1)  # one warp: see cast_dim1.py
 GROUP_TILE_M = 128  # source rows per program: one 4-column tile of scales
 
 
