@@ -77,7 +77,7 @@ def emulate(x, w, b, g, r: MXRecipe):
 
 def run_mx(x, w, b, g, recipe):
     x = x.clone().requires_grad_(True)
-    lin = MXLinear(K, N, bias=b is not None, recipe=recipe, dtype=x.dtype)
+    lin = MXLinear(K, N, bias=b is not None, recipe=recipe, dtype=x.dtype, device=x.device)
     with torch.no_grad():
         lin.weight.copy_(w)
         if b is not None:
