@@ -68,6 +68,12 @@ def test_minimal_config_and_defaults():
         (_with("model", "flavor", "13B"), r"key 'model.flavor': unknown llama flavor '13B'"),
         (_with("training", "steps", 0), r"key 'training.steps': must be positive"),
         (_with("metrics", "log_freq", -1), r"key 'metrics.log_freq'"),
+        (_with("activation_checkpoint", "mode", "some"), r"key 'activation_checkpoint.mode': unknown mode 'some'"),
+        (_with("training", "gradient_accumulation_steps", 0), r"key 'training.gradient_accumulation_steps'"),
+        (_with("checkpoint", "keep_latest_k", -1), r"key 'checkpoint.keep_latest_k'"),
+        (_with("compile", "enable", "yes"), r"key 'compile.enable': expected true or false"),
+        (_with("data", "validation_fraction", 1.0), r"key 'data.validation_fraction'"),
+        (_with("data", "dataset", "imagenet"), r"key 'data.dataset': unknown dataset 'imagenet'"),
     ],
 )
 def test_bad_values_name_the_key_and_file(data, message):

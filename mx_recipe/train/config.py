@@ -19,6 +19,7 @@ else:  # pragma: no cover
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = "debug_mxfp8"
 REQUIRED: Any = object()  # sentinel default: the key must be given
+AC_MODES = ("none", "selective", "full")
 
 
 class ConfigError(ValueError):
@@ -55,12 +56,36 @@ class TrainingConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     max_norm: float = 1.0  # gradient-norm clipping; 0 turns it off
+    gradient_accumulation_steps: int = 1  # microbatches of local_batch_size per optimizer step
+    skip_nan_steps: int = 0  # skip up to this many steps with a NaN/Inf loss before stopping
 
 
 @dataclass
 class DataConfig:
-    dataset: str = "python_stdlib"  # the Python installation's own sources: offline, on every machine
-    max_bytes: int = 64 * 2**20  # read at most this much of the corpus
+    dataset: str = "python_stdlib"  # python_stdlib (offline), files (path glob), hf (Hugging Face, streaming)
+    path: str = ""  # for files: a glob of .txt, .jsonl or .parquet files
+    hf_name: str = "allenai/c4"  # for hf
+    hf_config: str = "en"
+    hf_split: str = "train"
+    text_field: str = "text"  # the text column of jsonl, parquet and hf rows
+    tokenizer: str = "byte"  # byte, or the path of a Hugging Face tokenizer.json
+    max_bytes: int = 64 * 2**20  # read at most this much of a local corpus
+    validation_fraction: float = 0.01  # documents held out for validation
+
+
+@dataclass
+class ValidationConfig:
+    enable: bool = False
+    interval: int = 100  # steps between validations
+    steps: int = 10  # batches per validation
+
+
+@dataclass
+class CheckpointConfig:
+    enable: bool = False
+    interval: int = 500  # steps between checkpoints; one is also written at the end
+    keep_latest_k: int = 3  # 0 keeps all
+    folder: str = "checkpoints"  # under job.output_dir
 
 
 @dataclass
@@ -73,6 +98,25 @@ class MXConfig:
 @dataclass
 class MetricsConfig:
     log_freq: int = required()
+    tensorboard: bool = False  # event files under job.output_dir/tb
+    wandb: bool = False  # offline mode when no API key is set
+    wandb_project: str = "mx-recipe"
+
+
+@dataclass
+class CompileConfig:
+    enable: bool = False  # torch.compile each transformer block
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    mode: str = "none"  # none, selective (per op), full
+
+
+@dataclass
+class ParallelConfig:
+    reshard_after_forward: bool = True
+    dp_replicate: int = 1  # HSDP: replicate x shard mesh; 1 is plain FSDP
 
 
 @dataclass
@@ -81,8 +125,13 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     mx: MXConfig = field(default_factory=MXConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     source: str = "<defaults>"  # the file the config came from, for messages
 
 
@@ -91,8 +140,13 @@ _SECTION_TYPES: dict[str, type] = {
     "model": ModelConfig,
     "training": TrainingConfig,
     "data": DataConfig,
+    "validation": ValidationConfig,
+    "checkpoint": CheckpointConfig,
     "mx": MXConfig,
     "metrics": MetricsConfig,
+    "compile": CompileConfig,
+    "activation_checkpoint": ActivationCheckpointConfig,
+    "parallel": ParallelConfig,
 }
 _KEY_TYPES: dict[str, dict[str, Any]] = {
     name: {f.name: f.type for f in dataclasses.fields(cls)} for name, cls in _SECTION_TYPES.items()
@@ -255,12 +309,36 @@ def validate(config: Config) -> None:
         fail("mx.recipe", f"unknown recipe {config.mx.recipe!r}; known: none, {', '.join(RECIPES)}")
     if config.mx.backend not in BACKENDS:
         fail("mx.backend", f"unknown backend {config.mx.backend!r}; available: {', '.join(BACKENDS)}")
-    from mx_recipe.train.data import DATASETS
-
-    if config.data.dataset not in DATASETS:
-        fail("data.dataset", f"unknown dataset {config.data.dataset!r}; known: {', '.join(DATASETS)}")
+    positive = [
+        ("training.gradient_accumulation_steps", t.gradient_accumulation_steps),
+        ("validation.interval", config.validation.interval),
+        ("validation.steps", config.validation.steps),
+        ("checkpoint.interval", config.checkpoint.interval),
+        ("parallel.dp_replicate", config.parallel.dp_replicate),
+    ]
+    for key, value in positive:
+        if value <= 0:
+            fail(key, f"must be positive, got {value}")
+    for key, value in (
+        ("training.skip_nan_steps", t.skip_nan_steps),
+        ("checkpoint.keep_latest_k", config.checkpoint.keep_latest_k),
+    ):
+        if value < 0:
+            fail(key, f"must be >= 0, got {value}")
+    if not 0.0 <= config.data.validation_fraction < 1.0:
+        fail("data.validation_fraction", f"must be in [0, 1), got {config.data.validation_fraction}")
+    if config.activation_checkpoint.mode not in AC_MODES:
+        fail(
+            "activation_checkpoint.mode",
+            f"unknown mode {config.activation_checkpoint.mode!r}; known: {', '.join(AC_MODES)}",
+        )
     if config.data.max_bytes <= t.seq_len + 1:
         fail("data.max_bytes", f"must exceed training.seq_len + 1, got {config.data.max_bytes}")
+    from mx_recipe.train.data import check_data_config
+
+    problem = check_data_config(config.data)  # (key, message) of a bad data source or tokenizer, or None
+    if problem is not None:
+        fail(*problem)
 
 
 def config_to_dict(config: Config) -> dict[str, dict[str, Any]]:

@@ -52,6 +52,16 @@ def load_python_stdlib(tokenizer: ByteTokenizer, max_bytes: int) -> np.ndarray:
 DATASETS = {"python_stdlib": load_python_stdlib}
 
 
+def check_data_config(data) -> tuple[str, str] | None:
+    """(key, message) for a data source or tokenizer that cannot work, checked before any model
+    is built; None when the data config is usable."""
+    if data.dataset not in DATASETS:
+        return "data.dataset", f"unknown dataset {data.dataset!r}; known: {', '.join(DATASETS)}"
+    if data.tokenizer != "byte":
+        return "data.tokenizer", f"unknown tokenizer {data.tokenizer!r}; known: byte"
+    return None
+
+
 class TokenBatches:
     """Random windows of ``seq_len + 1`` tokens, indexed by step; deterministic and resumable."""
 
