@@ -9,6 +9,7 @@ batch, so runs at equal global batch see the same tokens whatever the world size
 from __future__ import annotations
 
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -80,3 +81,41 @@ class TokenBatches:
         mine = starts[self.rank * self.local_batch_size : (self.rank + 1) * self.local_batch_size]
         windows = torch.stack([self.tokens[s : s + self.seq_len + 1] for s in mine])
         return windows[:, :-1], windows[:, 1:]
+
+
+class TrainBatches:
+    """The training stream of one rank: ``next_batch()`` and a resumable position.
+
+    The interface every data source keeps: next_batch() -> (inputs, targets) int64 CPU tensors
+    [local_batch_size, seq_len]; state_dict() / load_state_dict() hold the position, so that a
+    resumed run continues with exactly the batches an uninterrupted run would have seen.
+    """
+
+    def __init__(self, windows: TokenBatches):
+        self.windows, self.step = windows, 0
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.step += 1
+        return self.windows.batch(self.step)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+@dataclass
+class Datasets:
+    tokenizer: ByteTokenizer
+    train: TrainBatches
+    validation: None = None  # held-out batches: not built yet for this source
+
+
+def build_datasets(config, rank: int, world_size: int) -> Datasets:
+    """The tokenizer and this rank's training (and validation) batches for ``config`` (a Config)."""
+    t = config.training
+    tokenizer = ByteTokenizer()
+    tokens = DATASETS[config.data.dataset](tokenizer, config.data.max_bytes)
+    windows = TokenBatches(tokens, t.seq_len, t.local_batch_size, rank, world_size, config.job.seed)
+    return Datasets(tokenizer, TrainBatches(windows))

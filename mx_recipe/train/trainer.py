@@ -13,7 +13,7 @@ from mx_recipe.convert import convert_to_mx, format_conversion_table
 from mx_recipe.models import build_model, flops_per_token, model_args, moe_layers
 from mx_recipe.recipe import MXRecipe
 from mx_recipe.train.config import Config, config_to_toml
-from mx_recipe.train.data import DATASETS, ByteTokenizer, TokenBatches
+from mx_recipe.train.data import build_datasets
 from mx_recipe.train.metrics import MetricsLogger
 from mx_recipe.train.parallel import DistInfo, all_reduce_mean, materialize_and_shard
 
@@ -51,9 +51,8 @@ def train(config: Config, info: DistInfo) -> list[dict]:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.toml").write_text(config_to_toml(config))
 
-    tokenizer = ByteTokenizer()
-    tokens = DATASETS[config.data.dataset](tokenizer, config.data.max_bytes)
-    batches = TokenBatches(tokens, t.seq_len, t.local_batch_size, info.rank, info.world_size, config.job.seed)
+    data = build_datasets(config, info.rank, info.world_size)
+    tokenizer = data.tokenizer
 
     torch.manual_seed(config.job.seed)
     args = model_args(config.model.name, config.model.flavor, padded_vocab_size(tokenizer.vocab_size), t.seq_len)
@@ -81,7 +80,7 @@ def train(config: Config, info: DistInfo) -> list[dict]:
     metrics = MetricsLogger(output_dir, info.device, flops_per_token(args, model, t.seq_len), info.is_main)
     records: list[dict] = []
     for step in range(1, t.steps + 1):
-        inputs, targets = (b.to(info.device, non_blocking=True) for b in batches.batch(step))
+        inputs, targets = (b.to(info.device, non_blocking=True) for b in data.train.next_batch())
         logits = model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # loss in fp32
         loss.backward()
