@@ -14,14 +14,12 @@ times tile configurations of the raw kernels.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import subprocess
 from collections.abc import Callable
 
 import torch
 import triton.testing
+from bench_meta import run_meta
 
 from mx_recipe.cast import (
     cast_3d_dim0,
@@ -63,14 +61,6 @@ def copy_bandwidth_gbs() -> float:
     dst = torch.empty_like(src)
     ms = bench_ms(lambda: dst.copy_(src))
     return 2 * nbytes(src) / ms / 1e6
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
-        return out.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MX_GIT_COMMIT", "unknown")
 
 
 class Results:
@@ -248,14 +238,7 @@ def main() -> None:
     bench_2d(res, args.m, args.k, args.elem, modes)
     bench_3d(res, experts, args.n3d, args.k3d, args.elem, modes)
     bench_groups(res, 16640, args.k3d, 16, args.elem, modes)
-    meta = dict(
-        device=device,
-        torch=torch.__version__,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        commit=git_commit(),
-        copy_gbs=copy_gbs,
-        elem=args.elem,
-    )
+    meta = run_meta(copy_gbs=copy_gbs, elem=args.elem)
     write_json(args.out, meta, res, sweep_rows, [])  # in case the compiled references run out of time
     if not args.no_compile_ref:
         try:

@@ -13,6 +13,7 @@ import argparse
 import json
 
 import torch
+from bench_meta import run_meta
 from triton.testing import do_bench
 
 from mx_recipe import MXRecipe
@@ -112,7 +113,8 @@ def main() -> None:
         print(f"B {row['B_shape']}: MX fwd+bwd takes {ratio:.2f}x the bf16 time ({verdict} the Hopper target <= 1.15x)")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+            meta = run_meta(recipe=recipe.name, compiled=not args.eager)
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

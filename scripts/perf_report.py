@@ -1,0 +1,136 @@
+"""Render the measured tables of docs/PERFORMANCE.md from the result files in docs/results/.
+
+Every figure in that document comes from a file a benchmark or a training run wrote:
+``*_bench_cast.json`` (scripts/bench_cast.py), ``*_bench_moe.json`` (scripts/bench_moe.py) and
+``*_train_*/`` folders holding a ``meta.json`` and one ``metrics.jsonl`` per run (train.py).
+
+    python scripts/perf_report.py            # print the tables
+    python scripts/perf_report.py --write    # replace the generated part of docs/PERFORMANCE.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+DOC = ROOT / "docs" / "PERFORMANCE.md"
+BEGIN, END = "<!-- perf_report: begin -->", "<!-- perf_report: end -->"
+
+
+def source_line(meta: dict, name: str) -> str:
+    when = f"{meta['device']}, torch {meta['torch']}, {meta['date'][:10]}, commit {meta['commit'][:7]}"
+    return f"Source: `docs/results/{name}`: {when}."
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)] + [
+        "| " + " | ".join(r) + " |" for r in rows
+    ]
+
+
+def cast_section(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    meta = data["meta"]
+    rows = [
+        [
+            r["name"],
+            "x".join(map(str, r["shape"])),
+            r["mode"],
+            f"{r['us']:.1f}",
+            f"{r['gbs']:.0f}",
+            f"{r['pct_copy']:.1f}%",
+            "" if r.get("speedup_vs_compiled_ref") is None else f"{r['speedup_vs_compiled_ref']:.2f}x",
+        ]
+        for r in data["results"]
+    ]
+    lines = [f"### MX casts, {meta['elem']}, bf16 input (copy bandwidth {meta['copy_gbs']:.0f} GB/s, same run)", ""]
+    lines += table(["cast", "shape", "rule", "time (us)", "GB/s", "% of copy", "vs torch.compile reference"], rows)
+    lines += ["", "Targets as the benchmark judged them:", ""] + [f"- {t}" for t in data.get("targets", [])]
+    return lines + ["", source_line(meta, path.name), ""]
+
+
+def moe_section(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    meta, keys = (
+        data["meta"],
+        [
+            "A_shape",
+            "B_shape",
+            "recipe",
+            "bf16_e2e_us",
+            "scaled_e2e_us",
+            "scaled_e2e_speedup",
+            "bf16_fwd_us",
+            "scaled_fwd_us",
+            "scaled_fwd_speedup",
+        ],
+    )
+    fmt = lambda k, v: f"{v:.3f}x" if k.endswith("speedup") else (f"{v:.1f}" if isinstance(v, float) else v)
+    rows = [[fmt(k, r[k]) for k in keys] + [f"{r['scaled_e2e_us'] / r['bf16_e2e_us']:.2f}x"] for r in data["rows"]]
+    lines = ["### MoE grouped GEMM, the seed's table (e2e = forward + backward; both sides torch.compile'd)", ""]
+    lines += table(keys + ["MX/bf16 e2e time (target <= 1.15x)"], rows)
+    return lines + ["", source_line(meta, path.name), ""]
+
+
+def run_summary(run: Path) -> list[str]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in records if "loss" in r]
+    steady = [r["tokens_per_sec"] for r in train if r["step"] > 1] or [train[-1]["tokens_per_sec"]]
+    mfu = [r["mfu"] for r in train if r["step"] > 1 and r.get("mfu") is not None]
+    return [
+        run.name,
+        str(train[-1]["step"]),
+        f"{train[0]['loss']:.4f}",
+        f"{train[-1]['loss']:.4f}",
+        f"{statistics.median(steady):,.0f}",
+        f"{statistics.median(mfu):.1f}%" if mfu else "n/a",
+        f"{max(r['memory_gib'] for r in train):.2f}",
+    ]
+
+
+def train_section(folder: Path) -> list[str]:
+    meta = json.loads((folder / "meta.json").read_text())
+    runs = sorted(p for p in folder.iterdir() if (p / "metrics.jsonl").is_file())
+    lines = [f"### Training runs, MX casts: {meta['casts']}", ""]
+    lines += table(
+        ["run", "steps", "loss at step 1", "final loss", "median tokens/s per GPU", "median MFU", "peak memory (GiB)"],
+        [run_summary(r) for r in runs],
+    )
+    lines += ["", "Commands:", ""] + [f"- `{k}`: `{v}`" for k, v in meta["commands"].items()]
+    return lines + ["", source_line(meta, folder.name), ""]
+
+
+def render() -> str:
+    lines: list[str] = []
+    for path in sorted(RESULTS.glob("*_bench_cast.json")):
+        lines += cast_section(path)
+    for path in sorted(RESULTS.glob("*_bench_moe.json")):
+        lines += moe_section(path)
+    for folder in sorted(p for p in RESULTS.glob("*_train_*") if p.is_dir()):
+        lines += train_section(folder)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true", help=f"replace the part between the markers in {DOC}")
+    args = parser.parse_args()
+    generated = render()
+    if not args.write:
+        print(generated, end="")
+        return
+    text = DOC.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{DOC}: the markers {BEGIN} and {END} are missing")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    DOC.write_text(f"{head}{BEGIN}\n{generated}{END}{tail}")
+    print(f"wrote {DOC}")
+
+
+if __name__ == "__main__":
+    main()
