@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 from mx_kernels.common import check_cast, dim0_shapes, format_constexprs, fp8_dtype, software_round
-from mx_kernels.mx_quantize import quantize_blocks, store_scales, to_fp32
+from mx_kernels.mx_quantize import bf16_bits_rne, dequantize_blocks, quantize_blocks, store_scales, to_fp32
 
 # Tuned on an H200 for a bf16 16384^2 input (docs/notes_cast_kernels.md).
 DIM0_CONFIG = dict(BLOCK_M=32, BLOCK_K=256, num_warps=4)
@@ -41,6 +41,8 @@ def _cast_dim0_kernel(
     IS_E4M3: tl.constexpr,
     RCEIL: tl.constexpr,
     SOFTWARE_ROUND: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    OUT_BF16_BITS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -55,12 +57,18 @@ def _cast_dim0_kernel(
     q, scale = quantize_blocks(blocks, 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND)
 
     q_offs = pid_b * stride_qb + rows.to(tl.int64)[:, None] * K + cols[None, :]
-    tl.store(q_ptr + q_offs, tl.reshape(q, (BLOCK_M, BLOCK_K)), mask=mask)
-
-    scale = tl.reshape(scale, (BLOCK_M, BLOCK_K // 32))
-    scale_cols = K >> 5
-    s_cols = pid_k * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
-    store_scales(s_ptr + pid_b * stride_sb, scale, rows, s_cols, M, scale_cols, BLOCKED)
+    if DEQUANT:
+        # fake quant: store element * 2**e in the output's dtype, no qdata and no scales
+        v = tl.reshape(dequantize_blocks(q, scale, 1, MBITS, EMIN), (BLOCK_M, BLOCK_K))
+        if OUT_BF16_BITS:
+            v = bf16_bits_rne(v)
+        tl.store(q_ptr + q_offs, v, mask=mask)
+    else:
+        tl.store(q_ptr + q_offs, tl.reshape(q, (BLOCK_M, BLOCK_K)), mask=mask)
+        scale = tl.reshape(scale, (BLOCK_M, BLOCK_K // 32))
+        scale_cols = K >> 5
+        s_cols = pid_k * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+        store_scales(s_ptr + pid_b * stride_sb, scale, rows, s_cols, M, scale_cols, BLOCKED)
 
 
 def cast_dim0(
@@ -75,30 +83,51 @@ def cast_dim0(
     q_shape, s_shape = dim0_shapes(x.shape, blocked)
     qdata = torch.empty(q_shape, dtype=fp8_dtype(elem), device=x.device)
     scale = torch.empty(s_shape, dtype=torch.float8_e8m0fnu, device=x.device)
+    if qdata.numel() or scale.numel():
+        _launch(x, qdata.view(torch.uint8), scale.view(torch.uint8), elem, mode, blocked, False, config)
+    return qdata, scale
+
+
+def fake_quant_dim0(x: torch.Tensor, elem: str, mode: str, config: dict | None = None) -> torch.Tensor:
+    """x [M, K] or [E, M, K] -> the dequantized MX form along K, in x's dtype:
+    ``to_mx(x, elem, mode, dim=-1).dequantize(x.dtype)`` in one pass (read x, write the result)."""
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1, op="fake_quant_dim0")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel():
+        bits = software_round(x, "fake_quant_dim0") and x.dtype == torch.bfloat16
+        target = out.view(torch.int16) if bits else out
+        _launch(x, target, target, elem, mode, False, True, config)
+    return out
+
+
+def _launch(
+    x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, elem: str, mode: str, blocked: bool, dequant: bool,
+    config: dict | None,
+) -> None:  # fmt: skip
     x3 = x if x.dim() == 3 else x.unsqueeze(0)
     num_batch, m, k = x3.shape
-    if qdata.numel() == 0 and scale.numel() == 0:
-        return qdata, scale
     cfg = {**DIM0_CONFIG, **(config or {})}
     block_m, block_k = cfg["BLOCK_M"], cfg["BLOCK_K"]
     pad = 128 if blocked else 1  # blocked: the grid covers the padding too, to zero it
     grid = (triton.cdiv(triton.cdiv(m, pad) * pad, block_m), triton.cdiv(triton.cdiv(k, pad) * pad, block_k), num_batch)
+    software = software_round(x, "cast_dim0")
     _cast_dim0_kernel[grid](
         x3,
-        qdata.view(torch.uint8),
-        scale.view(torch.uint8),
+        q,
+        s,
         m,
         k,
         x3.stride(0),
         x3.stride(1),
         x3.stride(2),
         m * k,
-        scale[0].numel() if x.dim() == 3 else 0,
+        s[0].numel() if (x.dim() == 3 and not dequant) else 0,
         BLOCK_M=block_m,
         BLOCK_K=block_k,
         BLOCKED=blocked,
-        SOFTWARE_ROUND=software_round(x, "cast_dim0"),
+        SOFTWARE_ROUND=software,
+        DEQUANT=dequant,
+        OUT_BF16_BITS=dequant and software and x.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"],
         **format_constexprs(elem, mode),
     )
-    return qdata, scale

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 from mx_kernels.common import check_cast, dim1_shapes, format_constexprs, fp8_dtype, software_round
-from mx_kernels.mx_quantize import quantize_blocks, store_scales, to_fp32
+from mx_kernels.mx_quantize import bf16_bits_rne, dequantize_blocks, quantize_blocks, store_scales, to_fp32
 
 # One warp per program: Triton spreads warps along M, and a 32-row block split across warps
 # needs a shared-memory reduction with barriers (40% of copy BW on an H200). With one warp
@@ -48,6 +48,8 @@ def _cast_dim1_kernel(
     IS_E4M3: tl.constexpr,
     RCEIL: tl.constexpr,
     SOFTWARE_ROUND: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    OUT_BF16_BITS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -64,11 +66,20 @@ def _cast_dim1_kernel(
         x_offs = rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
         x = to_fp32(tl.load(x_ptr + x_offs, mask=mask, other=0.0), SOFTWARE_ROUND)
         q, scale = quantize_blocks(x, 0, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND)
-        # transposed store: out[k, m], 32 contiguous bytes per k
-        tl.store(q_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], q, mask=mask)
-        scales = tl.where(sub[None, :] == i, scale[:, None], scales)
-    s_cols = pid_m * NUM_SUB + sub
-    store_scales(s_ptr + pid_b * stride_sb, scales, cols, s_cols, K, M >> 5, BLOCKED)
+        # transposed store: out[k, m], 32 contiguous elements per k
+        out_offs = cols.to(tl.int64)[None, :] * M + rows[:, None]
+        if DEQUANT:
+            # fake quant: element * 2**e in the output's dtype, no qdata and no scales
+            v = dequantize_blocks(q, scale, 0, MBITS, EMIN)
+            if OUT_BF16_BITS:
+                v = bf16_bits_rne(v)
+            tl.store(q_ptr + out_offs, v, mask=mask)
+        else:
+            tl.store(q_ptr + out_offs, q, mask=mask)
+            scales = tl.where(sub[None, :] == i, scale[:, None], scales)
+    if not DEQUANT:
+        s_cols = pid_m * NUM_SUB + sub
+        store_scales(s_ptr + pid_b * stride_sb, scales, cols, s_cols, K, M >> 5, BLOCKED)
 
 
 def cast_dim1(
@@ -83,30 +94,51 @@ def cast_dim1(
     q_shape, s_shape = dim1_shapes(x.shape, blocked)
     qdata = torch.empty(q_shape, dtype=fp8_dtype(elem), device=x.device)
     scale = torch.empty(s_shape, dtype=torch.float8_e8m0fnu, device=x.device)
+    if qdata.numel() or scale.numel():
+        _launch(x, qdata.view(torch.uint8), scale.view(torch.uint8), elem, mode, blocked, False, config)
+    return qdata, scale
+
+
+def fake_quant_dim1(x: torch.Tensor, elem: str, mode: str, config: dict | None = None) -> torch.Tensor:
+    """x [M, K] or [E, M, K] -> the dequantized MX form along M, written transposed ([.., K, M]),
+    in x's dtype: ``to_mx(x.transpose(-2, -1).contiguous(), elem, mode).dequantize(x.dtype)`` in one pass."""
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-2, op="fake_quant_dim1")
+    out = torch.empty((*x.shape[:-2], x.shape[-1], x.shape[-2]), dtype=x.dtype, device=x.device)
+    if out.numel():
+        bits = software_round(x, "fake_quant_dim1") and x.dtype == torch.bfloat16
+        target = out.view(torch.int16) if bits else out
+        _launch(x, target, target, elem, mode, False, True, config)
+    return out
+
+
+def _launch(
+    x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, elem: str, mode: str, blocked: bool, dequant: bool,
+    config: dict | None,
+) -> None:  # fmt: skip
     x3 = x if x.dim() == 3 else x.unsqueeze(0)
     num_batch, m, k = x3.shape
-    if qdata.numel() == 0 and scale.numel() == 0:
-        return qdata, scale
     cfg = {**DIM1_CONFIG, **(config or {})}
     block_m, block_k = 32 * cfg["NUM_SUB"], cfg["BLOCK_K"]
     pad = 128 if blocked else 1  # blocked: the grid covers the padding too, to zero it
     grid = (triton.cdiv(triton.cdiv(m, pad) * pad, block_m), triton.cdiv(triton.cdiv(k, pad) * pad, block_k), num_batch)
+    software = software_round(x, "cast_dim1")
     _cast_dim1_kernel[grid](
         x3,
-        qdata.view(torch.uint8),
-        scale.view(torch.uint8),
+        q,
+        s,
         m,
         k,
         x3.stride(0),
         x3.stride(1),
         x3.stride(2),
         m * k,
-        scale[0].numel() if x.dim() == 3 else 0,
+        s[0].numel() if (x.dim() == 3 and not dequant) else 0,
         BLOCK_K=block_k,
         NUM_SUB=cfg["NUM_SUB"],
         BLOCKED=blocked,
-        SOFTWARE_ROUND=software_round(x, "cast_dim1"),
+        SOFTWARE_ROUND=software,
+        DEQUANT=dequant,
+        OUT_BF16_BITS=dequant and software and x.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"],
         **format_constexprs(elem, mode),
     )
-    return qdata, scale

@@ -123,3 +123,32 @@ def store_scales(s_ptr, scale, rows, cols, n_rows, n_cols, BLOCKED: tl.constexpr
         tl.store(s_ptr + offs, tl.where(valid, scale, 0), mask=in_buffer)
     else:
         tl.store(s_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], scale, mask=valid)
+
+
+@triton.jit
+def dequantize_blocks(q, scale, AXIS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """fp8 bits (uint8) and biased scales -> fp32 element * 2**(scale - 127), NaN where the scale
+    is 0xFF: ``MXTensor.dequantize`` in fp32, built from bits (no fp8 conversion instruction, so
+    the interpreter computes it exactly too)."""
+    bits = q.to(tl.int32)
+    exp_field = (bits >> MBITS) & ((1 << (7 - MBITS)) - 1)
+    mant = bits & ((1 << MBITS) - 1)
+    # |element| = (implicit one + mantissa) * 2**(max(exp_field, 1) - bias - MBITS), bias = 1 - EMIN
+    significand = (mant + tl.where(exp_field > 0, 1 << MBITS, 0)).to(tl.float32)
+    unit = ((tl.maximum(exp_field, 1) + EMIN - 1 - MBITS + 127) << 23).to(tl.float32, bitcast=True)
+    # the sign goes in by bits: Triton's -x is 0 - x, which would turn -0 into +0
+    element = ((significand * unit).to(tl.int32, bitcast=True) | ((bits & 0x80) << 24)).to(tl.float32, bitcast=True)
+    s = scale.to(tl.int32)
+    factor = tl.where(s > 0, s << 23, 0x400000).to(tl.float32, bitcast=True)  # 2**(s - 127); s = 0: 2**-127
+    value = element * tl.expand_dims(factor, AXIS)
+    return tl.where(tl.expand_dims(s == 0xFF, AXIS), float("nan"), value)
+
+
+@triton.jit
+def bf16_bits_rne(v):
+    """fp32 -> bf16 bits (int16), round to nearest even, NaN kept NaN. For the interpreter, whose
+    own bf16 conversion is not trusted here; the GPU converts with cvt.rn.bf16.f32."""
+    bits = v.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(is_nan, 0x7FC0, rounded).to(tl.int16)

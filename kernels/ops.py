@@ -9,6 +9,8 @@ launchers, so the two cannot drift apart.
     torch.ops.mx_recipe.cast_dim1(x, elem, mode, blocked) -> (qdata, scale)          # x 2D or 3D
     torch.ops.mx_recipe.cast_dim0_dim1(x, elem, mode, blocked) -> (q0, s0, q1, s1)
     torch.ops.mx_recipe.cast_groups_dim1(x, offs, elem, mode) -> (qdata, blocked per-group scale)
+    torch.ops.mx_recipe.fake_quant_dim0(x, elem, mode) -> dequantized MX along K, x's dtype and shape
+    torch.ops.mx_recipe.fake_quant_dim1(x, elem, mode) -> dequantized MX along M, transposed ([.., K, M])
 """
 
 from __future__ import annotations
@@ -77,3 +79,29 @@ def cast_groups_dim1(x: Tensor, offs: Tensor, elem: str, mode: str) -> tuple[Ten
 def _(x: Tensor, offs: Tensor, elem: str, mode: str) -> tuple[Tensor, Tensor]:
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_groups_dim1")
     return _empty_outputs(x, elem, groups_dim1_shapes(x.shape, offs.shape[0], blocked=True))
+
+
+@torch.library.custom_op("mx_recipe::fake_quant_dim0", mutates_args=())
+def fake_quant_dim0(x: Tensor, elem: str, mode: str) -> Tensor:
+    from mx_kernels.cast_dim0 import fake_quant_dim0 as launch
+
+    return launch(x, elem, mode)
+
+
+@fake_quant_dim0.register_fake
+def _(x: Tensor, elem: str, mode: str) -> Tensor:
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1, op="fake_quant_dim0")
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("mx_recipe::fake_quant_dim1", mutates_args=())
+def fake_quant_dim1(x: Tensor, elem: str, mode: str) -> Tensor:
+    from mx_kernels.cast_dim1 import fake_quant_dim1 as launch
+
+    return launch(x, elem, mode)
+
+
+@fake_quant_dim1.register_fake
+def _(x: Tensor, elem: str, mode: str) -> Tensor:
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-2, op="fake_quant_dim1")
+    return x.new_empty((*x.shape[:-2], x.shape[-1], x.shape[-2]))

@@ -12,6 +12,10 @@ and stores the result as the MX form of x.t(): qdata [K, M] row-major, scales [K
 equal to ``to_mx(x.t().contiguous())`` (no transpose copy on the GPU). 3D expert weights
 [E, N, K] and token groups along M (MoE grad-weight) have their own entry points.
 
+``fake_quant_dim0`` / ``fake_quant_dim1`` return the dequantized values instead (in the input's
+dtype, same orientations): what the emulated GEMM backend multiplies. On CUDA one kernel reads
+the input once and writes the result, with no qdata, scales or fp32 intermediates in between.
+
 e2m1 (fp4) has no Triton kernel: on CUDA it takes the reference path too (correct, slow).
 """
 
@@ -42,6 +46,8 @@ __all__ = [
     "cast_dim0_dim1",
     "cast_dim1",
     "cast_groups_dim1",
+    "fake_quant_dim0",
+    "fake_quant_dim1",
 ]
 
 
@@ -212,3 +218,22 @@ def cast_groups_dim1(
         qdata, scale = ref.qdata, to_blocked_groups(ref.scale, offs) if blocked_scales else ref.scale
     group_offs = offs if blocked_scales else None
     return _result(qdata, scale, elem, blocked_scales, (k, m // BLOCK_SIZE), group_offs)
+
+
+def fake_quant_dim0(x: torch.Tensor, elem: str = "e4m3", mode: str = "floor") -> torch.Tensor:
+    """x [M, K] or [E, M, K] -> ``to_mx(x, elem, mode, dim=-1).dequantize(x.dtype)``, bit for bit."""
+    if x.dim() not in (2, 3):
+        raise ValueError(f"fake_quant_dim0 takes a 2D or 3D tensor, got shape {tuple(x.shape)}")
+    if _use_kernels(x, elem):
+        return torch.ops.mx_recipe.fake_quant_dim0(x, elem, mode)
+    return to_mx(x, elem, mode, dim=-1).dequantize(x.dtype)
+
+
+def fake_quant_dim1(x: torch.Tensor, elem: str = "e4m3", mode: str = "floor") -> torch.Tensor:
+    """x [M, K] or [E, M, K] -> the same along M, transposed: [.., K, M], equal to
+    ``to_mx(x.transpose(-2, -1).contiguous(), elem, mode).dequantize(x.dtype)``, bit for bit."""
+    if x.dim() not in (2, 3):
+        raise ValueError(f"fake_quant_dim1 takes a 2D or 3D tensor, got shape {tuple(x.shape)}")
+    if _use_kernels(x, elem):
+        return torch.ops.mx_recipe.fake_quant_dim1(x, elem, mode)
+    return to_mx(x.transpose(-2, -1).contiguous(), elem, mode, dim=-1).dequantize(x.dtype)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from mx_recipe.cast import cast_3d_dim0, cast_3d_dim1, cast_dim0, cast_dim1
+from mx_recipe.cast import fake_quant_dim0, fake_quant_dim1
 from mx_recipe.recipe import HIGH_PRECISION, MXRecipe
 
 
@@ -56,7 +56,7 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         if elem == HIGH_PRECISION:
             return _grouped(x, w.transpose(-2, -1), offs, dtype)
         # x along K; each expert's w along K.
-        x_deq, w_deq = cast_dim0(x, elem, rule).dequantize(dtype), cast_3d_dim0(w, elem, rule).dequantize(dtype)
+        x_deq, w_deq = fake_quant_dim0(x, elem, rule).to(dtype), fake_quant_dim0(w, elem, rule).to(dtype)
         return _grouped(x_deq, w_deq.transpose(-2, -1), offs, dtype)
 
     @staticmethod
@@ -70,8 +70,8 @@ class _MXGroupedMMFunction(torch.autograd.Function):
             if recipe.grad_input == HIGH_PRECISION:
                 gx = _grouped(g, w, offs, dtype)
             else:  # g along N; each expert's w along N, written [E, K, N] by the 3D dim1 cast
-                g_deq = cast_dim0(g, recipe.grad, rule).dequantize(dtype)
-                w_deq = cast_3d_dim1(w, recipe.grad_input, rule).dequantize(dtype)
+                g_deq = fake_quant_dim0(g, recipe.grad, rule).to(dtype)
+                w_deq = fake_quant_dim1(w, recipe.grad_input, rule).to(dtype)  # [E, K, N]
                 gx = _grouped(g_deq, w_deq.transpose(-2, -1), offs, dtype)
         if ctx.needs_input_grad[1]:
             if recipe.grad_weight == HIGH_PRECISION:
@@ -79,8 +79,8 @@ class _MXGroupedMMFunction(torch.autograd.Function):
             else:  # g and x along M inside each group, groups padded to multiples of 32
                 dest, padded_offs, size = padded_group_layout(offs, x.shape[0], recipe.block_size)
                 g_pad, x_pad = pad_groups(g, dest, size), pad_groups(x, dest, size)
-                g_deq = cast_dim1(g_pad, recipe.grad, rule).dequantize(dtype)  # [N, M_pad]
-                x_deq = cast_dim1(x_pad, recipe.grad_weight, rule).dequantize(dtype)  # [K, M_pad]
+                g_deq = fake_quant_dim1(g_pad, recipe.grad, rule).to(dtype)  # [N, M_pad]
+                x_deq = fake_quant_dim1(x_pad, recipe.grad_weight, rule).to(dtype)  # [K, M_pad]
                 gw = _grouped(g_deq, x_deq.t(), padded_offs, dtype)
         return (
             None if gx is None else gx.to(x.dtype),

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mx_recipe.cast import cast_dim0, cast_dim1
-from mx_recipe.gemm import mx_mm
+from mx_recipe.cast import fake_quant_dim0, fake_quant_dim1
+from mx_recipe.gemm import resolve_backend
 from mx_recipe.recipe import HIGH_PRECISION, MXRecipe
 
 
@@ -24,40 +24,52 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, pad)) if pad else t
 
 
+def _along_last(t: torch.Tensor, elem: str, rule: str, dtype: torch.dtype) -> torch.Tensor:
+    """t [R, C] quantized along C and dequantized: the emulated backend's operand."""
+    return fake_quant_dim0(t, elem, rule).to(dtype)
+
+
+def _along_first(t: torch.Tensor, elem: str, rule: str, dtype: torch.dtype) -> torch.Tensor:
+    """t [R, C] quantized along R and dequantized, written transposed: [C, R]."""
+    return fake_quant_dim1(t, elem, rule).to(dtype)
+
+
 class _MXLinearFunction(torch.autograd.Function):
-    """Each GEMM is ``mx_mm(a, b) = a @ b.T`` of two operands quantized along the GEMM's K:
-    cast_dim0 quantizes a tensor along its last dim, cast_dim1 along its first (stored transposed)."""
+    """Each GEMM is ``a @ b.T`` of two operands quantized along the GEMM's K and dequantized
+    exactly (the emulated backend: a hardware MX GEMM up to summation order)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: MXRecipe) -> torch.Tensor:
+        resolve_backend(recipe.backend, x.device)
         ctx.save_for_backward(x, w)
         ctx.recipe = recipe
-        elem, rule = recipe.forward, recipe.scale_rule
+        elem, rule, dtype = recipe.forward, recipe.scale_rule, x.dtype
         if elem == HIGH_PRECISION:
-            return torch.mm(x, w.to(x.dtype).t())
+            return torch.mm(x, w.to(dtype).t())
         # y = x @ w.T: x along K, w along K.
-        return mx_mm(cast_dim0(x, elem, rule), cast_dim0(w, elem, rule), x.dtype, recipe.backend)
+        return torch.mm(_along_last(x, elem, rule, dtype), _along_last(w, elem, rule, dtype).t())
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         x, w = ctx.saved_tensors
         recipe: MXRecipe = ctx.recipe
-        rule = recipe.scale_rule
+        rule, dtype = recipe.scale_rule, g.dtype
         g = g.contiguous()
         gx = gw = None
         if ctx.needs_input_grad[0]:
             if recipe.grad_input == HIGH_PRECISION:
-                gx = torch.mm(g, w.to(g.dtype))
+                gx = torch.mm(g, w.to(dtype))
             else:  # gx = g @ w: g along N, w along N (as [K, N])
-                g_mx, w_mx = cast_dim0(g, recipe.grad, rule), cast_dim1(w, recipe.grad_input, rule)
-                gx = mx_mm(g_mx, w_mx, g.dtype, recipe.backend)
+                g_q, w_q = _along_last(g, recipe.grad, rule, dtype), _along_first(w, recipe.grad_input, rule, dtype)
+                gx = torch.mm(g_q, w_q.t())
         if ctx.needs_input_grad[1]:
             if recipe.grad_weight == HIGH_PRECISION:
-                gw = torch.mm(g.t(), x.to(g.dtype))
+                gw = torch.mm(g.t(), x.to(dtype))
             else:  # gw = g.T @ x: both along M; zero rows pad M and add nothing to the sum
                 g_pad, x_pad = _pad_rows(g, recipe.block_size), _pad_rows(x, recipe.block_size)
-                g_mx, x_mx = cast_dim1(g_pad, recipe.grad, rule), cast_dim1(x_pad, recipe.grad_weight, rule)
-                gw = mx_mm(g_mx, x_mx, g.dtype, recipe.backend)
+                g_q = _along_first(g_pad, recipe.grad, rule, dtype)  # [N, M]
+                x_q = _along_first(x_pad, recipe.grad_weight, rule, dtype)  # [K, M]
+                gw = torch.mm(g_q, x_q.t())
         return (
             None if gx is None else gx.to(x.dtype),
             None if gw is None else gw.to(w.dtype),

@@ -31,6 +31,8 @@ from mx_recipe.cast import (
     cast_dim0_dim1,
     cast_dim1,
     cast_groups_dim1,
+    fake_quant_dim0,
+    fake_quant_dim1,
 )
 from mx_recipe.formats import MXTensor, to_mx
 from mx_recipe.scale_layout import blocked_numel, to_blocked, to_blocked_3d, to_blocked_groups
@@ -199,6 +201,30 @@ def check_groups(group_sizes, k, dtype, elem, mode, device, seed=0):
         start = end
 
 
+def assert_values_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Same NaN positions, and the same bits everywhere else (-0 vs +0 distinguished). NaN
+    payloads are not compared: CPU and GPU multiplies produce different NaN bit patterns."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
+    nan_a, nan_e = actual.isnan().cpu(), expected.isnan().cpu()
+    assert torch.equal(nan_a, nan_e), f"{what}: NaN positions differ"
+    assert_bits_equal(actual.cpu().masked_fill(nan_a, 0), expected.cpu().masked_fill(nan_e, 0), what)
+
+
+def check_fake_quant(shape, dtype, elem, mode, device, seed=0):
+    """fake_quant_dim0/dim1 (the kernels on `device`) against the reference's dequantize."""
+    import mx_kernels.cast_dim0
+    import mx_kernels.cast_dim1
+
+    x = special_input(shape, dtype, device, seed)
+    dim0 = fake_quant_dim0 if x.is_cuda else mx_kernels.cast_dim0.fake_quant_dim0
+    dim1 = fake_quant_dim1 if x.is_cuda else mx_kernels.cast_dim1.fake_quant_dim1
+    ref0 = to_mx(x.cpu(), elem, mode, dim=-1).dequantize(dtype)
+    ref1 = to_mx(x.cpu().transpose(-2, -1).contiguous(), elem, mode, dim=-1).dequantize(dtype)
+    what = f"fake quant {shape} {dtype} {elem} {mode}"
+    assert_values_equal(dim0(x, elem, mode), ref0, what + " dim0")
+    assert_values_equal(dim1(x, elem, mode), ref1, what + " dim1")
+
+
 # ---------------------------------------------------------------------------------------
 # CPU, this process
 
@@ -271,6 +297,18 @@ def test_fake_impls_shapes():
         offs = torch.empty(3, dtype=torch.int32)
         q, s = torch.ops.mx_recipe.cast_groups_dim1(x, offs, "e4m3", "floor")
         assert q.shape == (160, 96) and s.shape == (256 * 4 * (1 + 3),)
+        y = torch.ops.mx_recipe.fake_quant_dim0(x, "e4m3", "floor")
+        assert y.shape == (96, 160) and y.dtype == torch.bfloat16
+        y = torch.ops.mx_recipe.fake_quant_dim1(w, "e5m2", "rceil")
+        assert y.shape == (4, 160, 96) and y.dtype == torch.float32
+
+
+def test_fake_quant_reference_path():
+    """Off CUDA the dispatch layer's fake quant is the reference's dequantize, in the input dtype."""
+    x = special_input((96, 160), torch.bfloat16, "cpu")
+    assert_values_equal(fake_quant_dim0(x), to_mx(x).dequantize(torch.bfloat16), "cpu fake quant dim0")
+    assert_values_equal(fake_quant_dim1(x), to_mx(x.t().contiguous()).dequantize(torch.bfloat16), "cpu dim1")
+    assert fake_quant_dim1(torch.randn(2, 64, 96)).shape == (2, 96, 64)
 
 
 class _GraphCaptured(Exception):
@@ -330,6 +368,15 @@ def test_interp_all_kernels(dtype, elem, mode):
         check_dim1((96, 160), dtype, elem, mode, blocked, "cpu")
         check_dim0_dim1((64, 96), dtype, elem, mode, blocked, "cpu")
     check_groups([32, 0, 160, 0, 64], 96, dtype, elem, mode, "cpu")
+
+
+@interp_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("elem", ELEMS)
+@pytest.mark.parametrize("mode", MODES)
+def test_interp_fake_quant(dtype, elem, mode):
+    check_fake_quant((96, 160), dtype, elem, mode, "cpu")
+    check_fake_quant((2, 64, 96), dtype, elem, mode, "cpu")
 
 
 @interp_only
@@ -410,6 +457,20 @@ def test_gpu_groups_bit_exact(mode, elem, dtype):
     x = special_input((192, 96), dtype, "cuda")
     out = cast_groups_dim1(x, offs, elem, mode)
     check_mx(out, to_mx(x.cpu().t().contiguous(), elem, mode), None, "groups plain")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("elem", ELEMS)
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_fake_quant_bit_exact(mode, elem, dtype):
+    for shape in [(96, 160), (4128, 160), (160, 4128), (1024, 4096), (3, 224, 96), (5, 128, 256)]:
+        check_fake_quant(shape, dtype, elem, mode, "cuda")
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16).reshape(-1, 32 * 16)
+    ref = to_mx(x, elem, mode).dequantize(torch.bfloat16)
+    assert_values_equal(fake_quant_dim0(x.cuda(), elem, mode), ref, f"all bf16 fake quant {elem} {mode}")
 
 
 @pytest.mark.gpu
