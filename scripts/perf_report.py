@@ -1,7 +1,8 @@
 """Render the measured tables of docs/PERFORMANCE.md from the result files in docs/results/.
 
 Every figure in that document comes from a file a benchmark or a training run wrote:
-``*_bench_cast.json`` (scripts/bench_cast.py), ``*_bench_moe.json`` (scripts/bench_moe.py) and
+``*_bench_cast.json`` (scripts/bench_cast.py), ``*_bench_linear.json`` (scripts/bench_linear.py),
+``*_bench_moe.json`` (scripts/bench_moe.py) and
 ``*_train_*/`` folders holding a ``meta.json`` and one ``metrics.jsonl`` per run (train.py).
 
     python scripts/perf_report.py            # print the tables
@@ -50,6 +51,42 @@ def cast_section(path: Path) -> list[str]:
     lines = [f"### MX casts, {meta['elem']}, bf16 input (copy bandwidth {meta['copy_gbs']:.0f} GB/s, same run)", ""]
     lines += table(["cast", "shape", "rule", "time (us)", "GB/s", "% of copy", "vs torch.compile reference"], rows)
     lines += ["", "Targets as the benchmark judged them:", ""] + [f"- {t}" for t in data.get("targets", [])]
+    return lines + ["", source_line(meta, path.name), ""]
+
+
+def linear_section(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    meta = data["meta"]
+    rows = [
+        [
+            str(r["M"]),
+            str(r["K"]),
+            str(r["N"]),
+            f"{r['bf16_ms']:.3f}",
+            f"{r['mx_ms']:.3f}",
+            f"{r['ratio']:.2f}x",
+            f"{r['bf16_tflops']:.0f}",
+            f"{r['bf16_peak_gib']:.2f}",
+            f"{r['mx_peak_gib']:.2f}",
+        ]
+        for r in data["rows"]
+    ]
+    how = "torch.compile'd" if meta.get("compiled", True) else "eager"
+    lines = [f"### MX linear forward + backward, {meta['recipe']} against bf16 nn.Linear (both {how})", ""]
+    lines += table(
+        [
+            "M",
+            "K",
+            "N",
+            "bf16 ms",
+            "MX ms",
+            "MX/bf16 (target <= 1.10x)",
+            "bf16 TFLOP/s",
+            "bf16 peak GiB",
+            "MX peak GiB",
+        ],
+        rows,
+    )
     return lines + ["", source_line(meta, path.name), ""]
 
 
@@ -108,6 +145,8 @@ def render() -> str:
     lines: list[str] = []
     for path in sorted(RESULTS.glob("*_bench_cast.json")):
         lines += cast_section(path)
+    for path in sorted(RESULTS.glob("*_bench_linear.json")):
+        lines += linear_section(path)
     for path in sorted(RESULTS.glob("*_bench_moe.json")):
         lines += moe_section(path)
     for folder in sorted(p for p in RESULTS.glob("*_train_*") if p.is_dir()):
