@@ -92,20 +92,7 @@ def linear_section(path: Path) -> list[str]:
 
 def moe_section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
-    meta, keys = (
-        data["meta"],
-        [
-            "A_shape",
-            "B_shape",
-            "recipe",
-            "bf16_e2e_us",
-            "scaled_e2e_us",
-            "scaled_e2e_speedup",
-            "bf16_fwd_us",
-            "scaled_fwd_us",
-            "scaled_fwd_speedup",
-        ],
-    )
+    meta, keys = data["meta"], list(data["rows"][0])  # the seed's columns, in bench_moe.py's order
     fmt = lambda k, v: f"{v:.3f}x" if k.endswith("speedup") else (f"{v:.1f}" if isinstance(v, float) else v)
     rows = [[fmt(k, r[k]) for k in keys] + [f"{r['scaled_e2e_us'] / r['bf16_e2e_us']:.2f}x"] for r in data["rows"]]
     lines = ["### MoE grouped GEMM, the seed's table (e2e = forward + backward; both sides torch.compile'd)", ""]
