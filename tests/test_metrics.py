@@ -1,0 +1,164 @@
+"""MetricsLogger: metrics.jsonl (fresh or appended), validation records, progress with an ETA,
+TensorBoard event files, wandb (offline without a key, a clear message when it is missing)."""
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from mx_recipe.train.config import MetricsConfig
+from mx_recipe.train.metrics import MetricsLogger, check_metrics_config
+
+CPU = torch.device("cpu")
+TRAIN_KEYS = {"step", "loss", "tokens_per_sec", "tflops", "mfu", "memory_gib", "time", "elapsed_s"}
+
+
+def _records(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _logger(out, **kw) -> MetricsLogger:
+    return MetricsLogger(out, CPU, 1e6, True, **kw)
+
+
+def _log(logger: MetricsLogger, step: int, loss: float = 2.0) -> dict:
+    logger.add_tokens(128)
+    return logger.log(step, loss, {"lr": 1e-3, "grad_norm": 0.5})
+
+
+def test_log_keeps_every_key_and_a_fresh_run_truncates(tmp_path):
+    logger = _logger(tmp_path)
+    record = _log(logger, 1)
+    assert TRAIN_KEYS | {"lr", "grad_norm"} == set(record)
+    assert record["tokens_per_sec"] > 0 and record["mfu"] is None
+    _log(logger, 2)
+    logger.close()
+    assert [r["step"] for r in _records(tmp_path)] == [1, 2]
+    _log(_logger(tmp_path), 1)
+    assert [r["step"] for r in _records(tmp_path)] == [1]
+
+
+def test_resumed_run_appends(tmp_path):
+    first = _logger(tmp_path)
+    _log(first, 1)
+    _log(first, 2)
+    first.close()
+    resumed = _logger(tmp_path, append=True)
+    _log(resumed, 3)
+    resumed.log_validation(3, 1.5)
+    resumed.close()
+    records = _records(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 3]
+    assert set(records[-1]) == {"step", "val_loss", "time"} and records[-1]["val_loss"] == 1.5
+
+
+def test_validation_record_and_line(tmp_path, capsys):
+    logger = _logger(tmp_path)
+    record = logger.log_validation(10, 2.25)
+    assert record["step"] == 10 and record["val_loss"] == 2.25
+    assert _records(tmp_path) == [record]
+    assert "validation loss   2.2500" in capsys.readouterr().out
+
+
+def test_progress_and_eta(tmp_path, capsys):
+    logger = _logger(tmp_path, total_steps=100)
+    _log(logger, 1)
+    _log(logger, 50)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("step      1/100 (  1%)") and "eta" in lines[0]
+    assert lines[1].startswith("step     50/100 ( 50%)") and "eta 0:00:00" in lines[1]
+    resumed = _logger(tmp_path, append=True, total_steps=100)
+    _log(resumed, 51)  # the steps before were not timed by this process: no ETA yet
+    _log(resumed, 60)
+    lines = capsys.readouterr().out.splitlines()
+    assert "eta" not in lines[0] and "eta" in lines[1]
+    _log(_logger(tmp_path), 1)  # without total_steps the line is as before
+    assert capsys.readouterr().out.startswith("step      1  loss")
+
+
+def test_only_rank_zero_writes(tmp_path, capsys):
+    out = tmp_path / "run"
+    logger = MetricsLogger(out, CPU, 1e6, False, metrics_config=MetricsConfig(log_freq=1, tensorboard=True))
+    _log(logger, 1)
+    logger.log_validation(1, 1.0)
+    logger.close()
+    assert not out.exists() and capsys.readouterr().out == ""
+
+
+def test_tensorboard_event_files(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = _logger(tmp_path, metrics_config=MetricsConfig(log_freq=1, tensorboard=True))
+    _log(logger, 1, loss=3.0)
+    _log(logger, 2, loss=2.5)
+    logger.log_validation(2, 2.75)
+    logger.close()
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 3.0), (2, 2.5)]
+    assert [(e.step, e.value) for e in events.Scalars("val/loss")] == [(2, 2.75)]
+    assert {"train/tokens_per_sec", "train/lr", "train/grad_norm"} <= set(events.Tags()["scalars"])
+
+
+def test_missing_tensorboard_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ImportError, match="needs the tensorboard package: pip install tensorboard"):
+        _logger(tmp_path, metrics_config=MetricsConfig(log_freq=1, tensorboard=True))
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    key, message = check_metrics_config(MetricsConfig(log_freq=1, tensorboard=True))
+    assert key == "metrics.tensorboard" and "dev extra" in message
+
+
+def test_missing_wandb_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"needs the wandb package: pip install -e '.\[wandb\]' \(the wandb extra\)"):
+        _logger(tmp_path, metrics_config=MetricsConfig(log_freq=1, wandb=True))
+    key, message = check_metrics_config(MetricsConfig(log_freq=1, wandb=True))
+    assert key == "metrics.wandb" and "wandb extra" in message
+    assert check_metrics_config(MetricsConfig(log_freq=1)) is None
+
+
+class FakeRun:
+    def __init__(self, **kwargs):
+        self.kwargs, self.logged, self.finished = kwargs, [], False
+
+    def log(self, values, step):
+        self.logged.append((step, values))
+
+    def finish(self):
+        self.finished = True
+
+
+def _fake_wandb(monkeypatch) -> list[FakeRun]:
+    runs: list[FakeRun] = []
+    ids = iter(["id1", "id2"])
+    module = types.ModuleType("wandb")
+    module.init = lambda **kw: runs.append(FakeRun(**kw)) or runs[-1]
+    module.util = types.SimpleNamespace(generate_id=lambda: next(ids))
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    return runs
+
+
+def test_wandb_offline_without_a_key_and_resumed_into_the_same_run(tmp_path, monkeypatch):
+    runs = _fake_wandb(monkeypatch)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    out = tmp_path / "my_run"
+    config = MetricsConfig(log_freq=1, wandb=True, wandb_project="proj")
+    logger = _logger(out, metrics_config=config)
+    _log(logger, 1, loss=3.0)
+    logger.log_validation(1, 2.0)
+    logger.close()
+    run = runs[0]
+    assert run.finished
+    assert run.kwargs["mode"] == "offline" and run.kwargs["project"] == "proj" and run.kwargs["name"] == "my_run"
+    assert run.logged[0][0] == 1 and run.logged[0][1]["train/loss"] == 3.0 and "train/mfu" not in run.logged[0][1]
+    assert run.logged[1] == (1, {"val/loss": 2.0})
+    monkeypatch.setenv("WANDB_API_KEY", "x")
+    _logger(out, append=True, metrics_config=config).close()
+    assert runs[1].kwargs["mode"] == "online" and runs[1].kwargs["id"] == run.kwargs["id"] == "id1"
+    _logger(out, metrics_config=config).close()  # a fresh run in the same folder is a new wandb run
+    assert runs[2].kwargs["id"] == "id2"
