@@ -74,6 +74,11 @@ def test_minimal_config_and_defaults():
         (_with("compile", "enable", "yes"), r"key 'compile.enable': expected true or false"),
         (_with("data", "validation_fraction", 1.0), r"key 'data.validation_fraction'"),
         (_with("data", "dataset", "imagenet"), r"key 'data.dataset': unknown dataset 'imagenet'"),
+        (
+            _with("data", "path", "/no/such/dir/*.txt") | {"data": {"dataset": "files", "path": "/no/such/*.txt"}},
+            r"key 'data.path'",
+        ),
+        (_with("data", "tokenizer", "/no/such/tokenizer.json"), r"key 'data.tokenizer'"),
     ],
 )
 def test_bad_values_name_the_key_and_file(data, message):

@@ -335,10 +335,12 @@ def validate(config: Config) -> None:
     if config.data.max_bytes <= t.seq_len + 1:
         fail("data.max_bytes", f"must exceed training.seq_len + 1, got {config.data.max_bytes}")
     from mx_recipe.train.data import check_data_config
+    from mx_recipe.train.metrics import check_metrics_config
 
-    problem = check_data_config(config.data)  # (key, message) of a bad data source or tokenizer, or None
-    if problem is not None:
-        fail(*problem)
+    # (key, message) of a bad data source, tokenizer or missing logging package, or None
+    for problem in (check_data_config(config.data), check_metrics_config(config.metrics)):
+        if problem is not None:
+            fail(*problem)
 
 
 def config_to_dict(config: Config) -> dict[str, dict[str, Any]]:
