@@ -111,6 +111,7 @@ class MXPath:
     dequant_passes: bool  # emulated: each operand dequantized to bf16 in memory before the GEMM
     group_pad_copy: bool  # MoE grad weight: g and x copied into 32-row padded groups first
     description: str
+    fake_quant: bool = False  # emulated: the cast itself writes the dequantized bf16 (no MX copy in memory)
 
 
 PATHS: dict[str, MXPath] = {
@@ -120,11 +121,14 @@ PATHS: dict[str, MXPath] = {
         MXPath("native_fused", True, True, False, False, "sm_100 MX GEMM; fused dim0+dim1 casts, no padding copy"),
         MXPath("emulated", False, False, True, True, "bf16-rate GEMM after dequantize passes"),
         MXPath("emulated_fused", False, False, False, True, "bf16-rate GEMM with the dequantize fused into it"),
+        MXPath(
+            "fake_quant", False, False, False, True, "casts write dequantized bf16, bf16-rate GEMM", fake_quant=True
+        ),
     )
 }
-# gemm.py has only the emulated backend (dequantize, then torch.mm / torch._grouped_mm), on every
-# device; linear.py and grouped.py call cast_dim0 and cast_dim1 separately (the fused kernel is slower).
-OURS_TODAY = "emulated"
+# linear.py and grouped.py run the emulated backend through fake-quant kernels (mx_recipe.cast:
+# one read of bf16, one write of the dequantized bf16, dim0 and dim1 separately), on every device.
+OURS_TODAY = "fake_quant"
 
 
 @dataclass(frozen=True)
@@ -152,9 +156,11 @@ def mx_bytes(elem: str) -> float:
     return ELEM_BYTES[elem] + SCALE_BYTES
 
 
-def cast_op(name: str, numel: float, elem: str, fused: bool = False) -> Op:
-    """bf16 -> MX: read the input once, write one (or, fused, two) MX copies."""
-    return Op(name, 0.0, numel * (BF16_BYTES + (2 if fused else 1) * mx_bytes(elem)), None)
+def cast_op(name: str, numel: float, elem: str, fused: bool = False, fake_quant: bool = False) -> Op:
+    """bf16 -> MX: read the input once, write one (or, fused, two) MX copies; a fake-quant cast
+    writes the dequantized values in bf16 instead."""
+    written = BF16_BYTES if fake_quant else mx_bytes(elem)
+    return Op(name, 0.0, numel * (BF16_BYTES + (2 if fused else 1) * written), None)
 
 
 def dequant_op(name: str, numel: float, elem: str) -> Op:
@@ -218,6 +224,8 @@ def _mx_gemm(name: str, flops: float, a: tuple[float, str], b: tuple[float, str]
     if path.native_gemm:
         fmt = "fp4" if a_elem == b_elem == "e2m1" else "fp8"  # mixed fp4 x fp8 runs at the fp8 rate
         return [gemm_op(name, flops, a_mx, b_mx, out, fmt)]
+    if path.fake_quant:  # the operands are already dequantized bf16
+        return [gemm_op(name, flops, (a_numel, BF16_BYTES), (b_numel, BF16_BYTES), out, "bf16")]
     if not path.dequant_passes:
         return [gemm_op(name, flops, a_mx, b_mx, out, "bf16")]
     short = name.removesuffix(" GEMM")
@@ -252,12 +260,12 @@ def mx_ops(g: Gemm, recipe: MXRecipe, path: MXPath) -> list[Op]:
     for t, numel0, e0, numel1, e1 in needs:
         d0, d1 = e0 != HIGH_PRECISION, e1 != HIGH_PRECISION
         if path.fused_casts and d0 and d1 and e0 == e1 and numel0 == numel1:
-            ops.append(cast_op(f"cast {t} dim0+dim1", numel0, e0, fused=True))
+            ops.append(cast_op(f"cast {t} dim0+dim1", numel0, e0, fused=True, fake_quant=path.fake_quant))
             continue
         if d0:
-            ops.append(cast_op(f"cast {t} dim0", numel0, e0))
+            ops.append(cast_op(f"cast {t} dim0", numel0, e0, fake_quant=path.fake_quant))
         if d1:
-            ops.append(cast_op(f"cast {t} dim1", numel1, e1))
+            ops.append(cast_op(f"cast {t} dim1", numel1, e1, fake_quant=path.fake_quant))
     # operand formats of forward (x, w), grad input (g, w), grad weight (g, x)
     formats = [(fwd, fwd), (g_gi, gi), (g_gw, gw)]
     for (name, flops, a, b, out), (ea, eb) in zip(_three_gemms(g, m_gw), formats, strict=True):

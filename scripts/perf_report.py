@@ -19,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 DOC = ROOT / "docs" / "PERFORMANCE.md"
+ROOFLINE_DOC = ROOT / "docs" / "ROOFLINE.md"
 BEGIN, END = "<!-- perf_report: begin -->", "<!-- perf_report: end -->"
 
 
@@ -128,8 +129,22 @@ def train_section(folder: Path) -> list[str]:
     return lines + ["", source_line(meta, folder.name), ""]
 
 
+def projection_section() -> list[str]:
+    """The B200 projection's summary, as scripts/roofline.py generated it into docs/ROOFLINE.md."""
+    text = ROOFLINE_DOC.read_text()
+    summary = text.split("### Summary", 1)[1].split("\n### ", 1)[0].strip()
+    return [
+        "### Projected (roofline model, not a measurement)",
+        "",
+        summary,
+        "",
+        "Assumptions, per-layer tables and the plot: [ROOFLINE.md](ROOFLINE.md) (`scripts/roofline.py`).",
+        "",
+    ]
+
+
 def render() -> str:
-    lines: list[str] = []
+    lines: list[str] = projection_section()
     for path in sorted(RESULTS.glob("*_bench_cast.json")):
         lines += cast_section(path)
     for path in sorted(RESULTS.glob("*_bench_linear.json")):

@@ -126,7 +126,7 @@ def shape_section(recipe: MXRecipe) -> list[str]:
     cases = [
         (DEVICES["b200"], PATHS["native"]),
         (DEVICES["b200"], PATHS["native_fused"]),
-        (DEVICES["h200"], PATHS["emulated"]),
+        (DEVICES["h200"], PATHS[OURS_TODAY]),
     ]
     rows = []
     for kn in PLOT_KN:
@@ -188,11 +188,12 @@ def model_cases() -> list[tuple[Device, MXPath]]:
         (b200, PATHS["native_fused"]),
         (b200.derated(H200_ACHIEVED), PATHS["native"]),
         (b200.derated(H200_ACHIEVED), PATHS["native_fused"]),
-        (b200, PATHS["emulated"]),
+        (b200, PATHS[OURS_TODAY]),
+        (h200, PATHS[OURS_TODAY]),
         (h200, PATHS["emulated"]),
         (h200, PATHS["emulated_fused"]),
-        (h200.measured(), PATHS["emulated"]),
-        (h100, PATHS["emulated"]),
+        (h200.measured(), PATHS[OURS_TODAY]),
+        (h100, PATHS[OURS_TODAY]),
     ]
 
 
@@ -302,7 +303,7 @@ def summary_line(config_name: str, results: dict) -> str:
         f"casts as they are, {s[(b200, 'native_fused')]:.2f}x with fused casts (no group padding copy); "
         f"{s[(derated, 'native')]:.2f}x / "
         f"{s[(derated, 'native_fused')]:.2f}x at the fractions of peak reached on H200; our code today "
-        f"(emulated) {s[(b200, 'emulated')]:.2f}x on B200 and {s[(h200, 'emulated')]:.2f}x on H200"
+        f"({OURS_TODAY}) {s[(b200, OURS_TODAY)]:.2f}x on B200 and {s[(h200, OURS_TODAY)]:.2f}x on H200"
     )
 
 
@@ -340,7 +341,7 @@ def plot(path: Path) -> None:
     cases = [
         (DEVICES["b200"], PATHS["native"], "-", "B200 native MX GEMM"),
         (DEVICES["b200"], PATHS["native_fused"], ":", "B200 native, fused casts"),
-        (DEVICES["h200"], PATHS["emulated"], "--", "H200 emulated (our code today)"),
+        (DEVICES["h200"], PATHS[OURS_TODAY], "--", "H200 emulated, fake quant (our code today)"),
     ]
     colors = ("tab:blue", "tab:orange", "tab:green")
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
@@ -408,7 +409,7 @@ def observe(out: str | None, device_key: str | None) -> None:
     recipe = MXRecipe.from_name("mxfp8")
     elem, rule = recipe.forward, recipe.scale_rule
     backend = resolve_backend(recipe.backend, torch.device("cuda"))
-    path = PATHS["emulated" if backend == "emulated" else "native"]
+    path = PATHS[OURS_TODAY if backend == "emulated" else "native"]
     bench = lambda fn, **kw: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median", **kw) * 1e-3
 
     src = torch.randn(2**28, device="cuda")  # 1 GiB fp32: copy bandwidth, read + write
@@ -506,7 +507,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=1, help="local batch size (sequences per GPU)")
     p.add_argument("--vocab-size", type=int, default=128256)
     p.add_argument("--device", choices=sorted(DEVICES), help="roofline device (default: b200; --observe: the GPU's)")
-    p.add_argument("--path", choices=sorted(PATHS), help="MX path (default: native on B200, emulated elsewhere)")
+    p.add_argument("--path", choices=sorted(PATHS), help=f"MX path (default: native on B200, {OURS_TODAY} elsewhere)")
     p.add_argument("--recipe", default="mxfp8")
     p.add_argument("--project", action="store_true", help="the B200 projections of docs/ROOFLINE.md")
     p.add_argument("--write", metavar="DOC", help="with --project: replace the generated part of DOC")
@@ -519,7 +520,7 @@ def main(argv: list[str] | None = None) -> None:
         observe(args.out, args.device)
         return
     dev = DEVICES[args.device or "b200"]
-    path = PATHS[args.path or ("native" if dev.native_mx else "emulated")]
+    path = PATHS[args.path or ("native" if dev.native_mx else OURS_TODAY)]
     recipe = MXRecipe.from_name(args.recipe)
     did = False
     if args.shape:
