@@ -1,22 +1,207 @@
 """MX GEMM backends: ``mx_mm(a, b)`` computes ``a @ b.T`` for two MXTensors quantized along K.
 
-Only the ``emulated`` backend exists today: dequantize both operands (exact in bf16 within
-its range) and run a high-precision matmul with fp32 accumulation. It reproduces a hardware
-MX GEMM up to summation order, on any device.
+* ``emulated``: dequantize both operands (exact in bf16 within its range) and run a
+  high-precision matmul with fp32 accumulation. It reproduces a hardware MX GEMM up to summation
+  order, on any device. (The MX linear's emulated path fuses the dequantization into its casts.)
+* ``cublas``: PyTorch's MXFP8 block-scaled GEMMs on sm_100 and later, with float8_e8m0fnu scales
+  in the blocked layout (scale_layout.py): ``torch.nn.functional.scaled_mm`` where the installed
+  torch has it (BlockWise1x32 scales, SWIZZLE_32_4_4), else ``torch._scaled_mm``; for MoE,
+  ``torch.nn.functional.scaled_grouped_mm`` / ``torch._scaled_grouped_mm``.
+* ``auto``: ``cublas`` where the device and the recipe allow it, else ``emulated``.
+
+Entry points of the cublas path, each taking an optional ``scaled_mm`` / ``scaled_grouped_mm``
+callable with the real op's signature (tests pass mx_recipe.scaled_mm_emulator's):
+
+* ``mx_scaled_mm(a_q, a_scale_blocked, b_q, b_scale_blocked, out_dtype)``: a [M, K] @ b[N, K].T;
+* ``mx_mm_blocked(a, b, out_dtype)``: the same from two ``BlockedMXTensor`` cast outputs;
+* ``mx_grouped_mm_2d_3d(a, w, offs, out_dtype)``: MoE forward / grad-input;
+* ``mx_grouped_mm_2d_2d(a, b, out_dtype)``: MoE grad-weight, groups along the contraction dim.
+
+``validate_backend(recipe, device)`` resolves a recipe's backend once, at startup, and raises a
+clear error when a forced backend cannot run there.
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
-from mx_recipe.formats import MXTensor
+import torch
+import torch.nn.functional as F
+
+from mx_recipe.cast import BlockedMXTensor
+from mx_recipe.formats import BLOCK_SIZE, MXTensor
+from mx_recipe.recipe import HIGH_PRECISION, MXRecipe
+from mx_recipe.scale_layout import SCALE_TILE_BYTES, SCALE_TILE_COLS, SCALE_TILE_ROWS, blocked_numel, to_blocked
+
+ScaledMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+ScaledGroupedMM = Callable[..., torch.Tensor]
+
+CUBLAS_MIN_CAPABILITY = (10, 0)
+CUBLAS_ELEMS = ("e4m3", "e5m2")  # fp8 elements; e2m1 (packed fp4) has no cublas path here
+
+
+# --- backend selection ---
+
+
+def _device_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, None for anything else (CPU, ROCm, no CUDA)."""
+    if device.type != "cuda" or not torch.cuda.is_available() or torch.version.hip is not None:
+        return None
+    props = torch.cuda.get_device_properties(device)  # dynamo constant-folds this one
+    return props.major, props.minor
+
+
+def _describe(device: torch.device) -> str:
+    cap = _device_capability(device)
+    if cap is None:
+        return f"{device} is not an NVIDIA CUDA device"
+    return f"{device} has compute capability {cap[0]}.{cap[1]} (sm_{cap[0]}{cap[1]})"
+
+
+def cublas_available(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` runs MXFP8 on ``device``: CUDA sm_100 or later."""
+    cap = _device_capability(device)
+    return cap is not None and cap >= CUBLAS_MIN_CAPABILITY and hasattr(torch, "_scaled_mm")
+
+
+def cublas_grouped_available(device: torch.device) -> bool:
+    """Whether ``torch._scaled_grouped_mm`` runs MXFP8 on ``device``.
+
+    It needs sm_100 (the op allows only sm_90 and sm_10x, and MXFP8 only on sm_10x) and a torch
+    built with the MSLK (formerly FBGEMM GenAI) kernels; PyTorch's own tests check the build the
+    same way, through ``torch.__config__.show()``.
+    """
+    cap = _device_capability(device)
+    if cap is None or cap[0] != 10 or not hasattr(torch, "_scaled_grouped_mm"):
+        return False
+    config = torch.__config__.show()
+    return "USE_MSLK" in config or "USE_FBGEMM_GENAI" in config
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """The concrete backend for ``backend`` on ``device``; 'auto' picks the best one there."""
-    if backend in ("auto", "emulated"):
+    """The concrete backend for ``backend`` on ``device``; 'auto' picks cublas where it runs, else emulated."""
+    if backend == "emulated":
         return "emulated"
-    raise ValueError(f"MX GEMM backend {backend!r} is not available on {device}")
+    if backend == "auto":
+        return "cublas" if cublas_available(device) else "emulated"
+    if backend == "cublas":
+        if not cublas_available(device):
+            raise ValueError(
+                f"MX GEMM backend 'cublas' needs an NVIDIA GPU of compute capability 10.0 or later (sm_100, "
+                f"Blackwell) for torch._scaled_mm with float8_e8m0fnu block scales, but {_describe(device)}. "
+                "Use backend 'emulated' (or 'auto') here."
+            )
+        return "cublas"
+    raise ValueError(f"unknown MX GEMM backend {backend!r}; expected 'auto', 'emulated' or 'cublas'")
+
+
+def _mx_elems(recipe: MXRecipe) -> set[str]:
+    """Element formats of the MX operands of the recipe's GEMMs (bf16 GEMMs have none)."""
+    elems = {recipe.forward} - {HIGH_PRECISION}
+    for gemm in (recipe.grad_input, recipe.grad_weight):  # backward GEMMs also quantize the gradient
+        if gemm != HIGH_PRECISION:
+            elems |= {gemm, recipe.grad}
+    return elems
+
+
+def _cublas_gaps(recipe: MXRecipe, device: torch.device, grouped: bool) -> list[str]:
+    """What in ``recipe`` the cublas path cannot run on ``device`` (empty when it can run all of it)."""
+    elems = _mx_elems(recipe)
+    gaps = []
+    if "e2m1" in elems:
+        gaps.append("MXFP4 (e2m1) GEMMs have no cublas path here (only fp8 MX operands are wired)")
+    if grouped and not cublas_grouped_available(device):
+        gaps.append(f"MXFP8 torch._scaled_grouped_mm needs sm_100 and a torch built with MSLK; {_describe(device)}")
+    if grouped and "e5m2" in elems:
+        gaps.append("MXFP8 torch._scaled_grouped_mm takes float8_e4m3fn operands only (the recipe uses e5m2)")
+    return gaps
+
+
+def validate_backend(recipe: MXRecipe, device: torch.device, grouped: bool = False) -> str:
+    """Resolve ``recipe.backend`` for ``device`` once, before building: the concrete backend name.
+
+    ``grouped``: the model has MoE experts (grouped GEMMs). A forced 'cublas' that the device or the
+    recipe cannot run is a ValueError here. 'auto' takes cublas only for what it is known to run:
+    e4m3 operands (PyTorch's MXFP8 tests and the scaled_mm v2 MXFP8 recipe check cover e4m3 only);
+    anything else stays emulated. A forced 'cublas' runs e5m2 dense GEMMs through torch._scaled_mm,
+    whose checks accept it (unverified on hardware).
+    """
+    backend = resolve_backend(recipe.backend, device)
+    if backend != "cublas":
+        return backend
+    gaps = _cublas_gaps(recipe, device, grouped)
+    if recipe.backend == "auto":
+        return "emulated" if gaps or _mx_elems(recipe) - {"e4m3"} else "cublas"
+    if gaps:
+        raise ValueError(f"MX recipe {recipe.name!r} cannot use backend 'cublas' on {device}: " + "; ".join(gaps))
+    return "cublas"
+
+
+# --- the cublas path: dense ---
+
+
+def _torch_scaled_mm(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The real MXFP8 op: a [M, K] row-major @ b [K, N] column-major, blocked e8m0 scales."""
+    e4m3 = a.dtype == b.dtype == torch.float8_e4m3fn
+    if hasattr(F, "scaled_mm") and e4m3:  # the documented API; its MXFP8 recipe takes e4m3 only
+        return F.scaled_mm(
+            a,
+            b,
+            scale_a,
+            F.ScalingType.BlockWise1x32,
+            scale_b,
+            F.ScalingType.BlockWise1x32,
+            swizzle_a=F.SwizzleType.SWIZZLE_32_4_4,
+            swizzle_b=F.SwizzleType.SWIZZLE_32_4_4,
+            output_dtype=out_dtype,
+        )
+    # Infers MXFP8 from the e8m0 scale dtype and their blocked element count; accepts e5m2 too.
+    return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype)
+
+
+def mx_scaled_mm(
+    a_q: torch.Tensor,
+    a_scale_blocked: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scale_blocked: torch.Tensor,
+    out_dtype: torch.dtype,
+    scaled_mm: ScaledMM | None = None,
+) -> torch.Tensor:
+    """``a @ b.T`` for MX fp8 operands a [M, K] and b [N, K], both row-major and quantized along K.
+
+    Scales: float8_e8m0fnu in the blocked layout (``to_blocked`` of [M, K/32] and [N, K/32]).
+    b goes to the op as ``b_q.t()``, the column-major [K, N] operand it wants (no copy).
+    """
+    if a_q.dim() != 2 or b_q.dim() != 2 or a_q.shape[1] != b_q.shape[1]:
+        raise ValueError(f"mx_scaled_mm: expected a [M, K] and b [N, K], got {tuple(a_q.shape)} and {tuple(b_q.shape)}")
+    op = _torch_scaled_mm if scaled_mm is None else scaled_mm
+    return op(a_q, b_q.t(), a_scale_blocked, b_scale_blocked, out_dtype)
+
+
+def _check_operand(name: str, t: BlockedMXTensor, ndim: int, grouped: bool) -> None:
+    if not isinstance(t, BlockedMXTensor):
+        raise TypeError(f"{name} must be a BlockedMXTensor (a cast with blocked_scales=True), got {type(t).__name__}")
+    if t.elem not in CUBLAS_ELEMS:
+        raise ValueError(f"{name}: the cublas path takes fp8 MX elements {CUBLAS_ELEMS}, got {t.elem!r}")
+    if t.qdata.dim() != ndim or t.dim != ndim - 1 or t.block_size != BLOCK_SIZE:
+        raise ValueError(f"{name}: expected {ndim}D data quantized along its last dim, got {tuple(t.qdata.shape)}")
+    if (t.group_offs is not None) != grouped:
+        raise ValueError(f"{name}: {'expected' if grouped else 'unexpected'} per-group blocked scales")
+
+
+def mx_mm_blocked(
+    a: BlockedMXTensor, b: BlockedMXTensor, out_dtype: torch.dtype, scaled_mm: ScaledMM | None = None
+) -> torch.Tensor:
+    """``a @ b.T`` from two cast outputs (``cast_dim0`` / ``cast_dim1`` with ``blocked_scales=True``)."""
+    _check_operand("a", a, 2, grouped=False)
+    _check_operand("b", b, 2, grouped=False)
+    for name, t in (("a", a), ("b", b)):
+        rows, k = t.qdata.shape
+        if t.scale_shape != (rows, k // BLOCK_SIZE) or t.scale.numel() != blocked_numel(*t.scale_shape):
+            raise ValueError(f"{name}: scales {tuple(t.scale.shape)} do not hold blocked [{rows}, {k // BLOCK_SIZE}]")
+    return mx_scaled_mm(a.qdata, a.scale, b.qdata, b.scale, out_dtype, scaled_mm)
 
 
 def mx_mm(a: MXTensor, b: MXTensor, out_dtype: torch.dtype, backend: str = "auto") -> torch.Tensor:
@@ -25,5 +210,119 @@ def mx_mm(a: MXTensor, b: MXTensor, out_dtype: torch.dtype, backend: str = "auto
         raise ValueError(f"mx_mm needs both operands quantized along K (their last dim); got dims {a.dim}, {b.dim}")
     if a.shape[-1] != b.shape[-1]:
         raise ValueError(f"mx_mm: K differs, a {tuple(a.shape)} vs b {tuple(b.shape)}")
-    resolve_backend(backend, a.qdata.device)
+    resolved = resolve_backend(backend, a.qdata.device)
+    fp8 = {a.elem, b.elem} <= set(CUBLAS_ELEMS)
+    if backend == "cublas" and not fp8:
+        raise ValueError(f"mx_mm: backend 'cublas' takes fp8 MX operands {CUBLAS_ELEMS}, got {a.elem!r}, {b.elem!r}")
+    # 'auto' takes cublas for e4m3 only, as validate_backend does
+    if resolved == "cublas" and (backend == "cublas" or a.elem == b.elem == "e4m3"):
+        a_q, b_q = a.qdata.contiguous(), b.qdata.contiguous()
+        return mx_scaled_mm(a_q, to_blocked(a.scale), b_q, to_blocked(b.scale), out_dtype)
     return torch.mm(a.dequantize(out_dtype), b.dequantize(out_dtype).t())
+
+
+# --- the cublas path: grouped (MoE) ---
+
+
+def blocked_row_groups(scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Plain scales [M_total, C] of token groups along M -> the 2d-3d grouped GEMM's A-scale layout.
+
+    Each group's [M_g, C] scales are blocked on their own (rows padded to 128, columns to 4), group
+    g starting at row sum_{h<g} round_up(M_g, 128). Returns 2D [M_total + 128 * G, round_up(C, 4)]
+    (a static bound, so nothing waits for ``offs``; unused rows are zero). Device ops only.
+    """
+    if scale.dim() != 2 or offs.dim() != 1:
+        raise ValueError(f"blocked_row_groups: expected [M, C] scales and 1D offs, got {tuple(scale.shape)}")
+    m_total, cols = scale.shape
+    padded_cols = -(-cols // SCALE_TILE_COLS) * SCALE_TILE_COLS
+    out_rows = m_total + SCALE_TILE_ROWS * offs.numel()
+    device = scale.device
+    ends = offs.to(torch.int64)
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded = (sizes + SCALE_TILE_ROWS - 1) // SCALE_TILE_ROWS * SCALE_TILE_ROWS
+    padded_starts = torch.cumsum(padded, 0) - padded
+    r = torch.arange(m_total, device=device)
+    group = torch.searchsorted(ends, r, right=True)
+    valid = group < offs.numel()  # rows past offs[-1] belong to no group
+    group = group.clamp(max=offs.numel() - 1)
+    local = r - (ends[group] - sizes[group])
+    c = torch.arange(cols, device=device)
+    # blocked offset of (local, c) inside the group's own tiles, plus the group's base byte
+    tile = (local[:, None] // SCALE_TILE_ROWS) * (padded_cols // SCALE_TILE_COLS) + c // SCALE_TILE_COLS
+    inner = local[:, None] % SCALE_TILE_ROWS
+    byte = tile * SCALE_TILE_BYTES + (inner % 32) * 16 + (inner // 32) * 4 + c % SCALE_TILE_COLS
+    byte = byte + (padded_starts[group] * padded_cols)[:, None]
+    trash = out_rows * padded_cols  # one spare byte takes the rows of no group
+    byte = torch.where(valid[:, None], byte, trash)
+    out = torch.zeros(trash + 1, dtype=torch.uint8, device=device)
+    out.index_copy_(0, byte.reshape(-1), scale.reshape(-1).view(torch.uint8).contiguous())
+    return out[:trash].view(out_rows, padded_cols).view(scale.dtype)
+
+
+def _torch_scaled_grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    if hasattr(F, "scaled_grouped_mm"):
+        return F.scaled_grouped_mm(
+            a,
+            b,
+            scale_a,
+            F.ScalingType.BlockWise1x32,
+            scale_b,
+            F.ScalingType.BlockWise1x32,
+            swizzle_a=F.SwizzleType.SWIZZLE_32_4_4,
+            swizzle_b=F.SwizzleType.SWIZZLE_32_4_4,
+            offs=offs,
+            output_dtype=out_dtype,
+        )
+    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype)
+
+
+def mx_grouped_mm_2d_3d(
+    a: MXTensor,
+    w: BlockedMXTensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    scaled_grouped_mm: ScaledGroupedMM | None = None,
+) -> torch.Tensor:
+    """Token groups a [M_total, K] (plain scales, groups ending at ``offs``, each a multiple of 32 rows)
+    times expert weights w [E, N, K] quantized along K with per-expert blocked scales -> [M_total, N].
+
+    MoE forward: ``a = cast_dim0(x)``, ``w = cast_3d_dim0(w, blocked_scales=True)``.
+    MoE grad input: ``a = cast_dim0(g)``, ``w = cast_3d_dim1(w, blocked_scales=True)`` ([E, K, N]).
+    """
+    if not isinstance(a, MXTensor) or a.qdata.dim() != 2 or a.dim != 1:
+        raise ValueError("mx_grouped_mm_2d_3d: a must be a 2D MXTensor with plain scales, quantized along K")
+    _check_operand("w", w, 3, grouped=False)
+    if a.elem not in CUBLAS_ELEMS:
+        raise ValueError(f"a: the cublas path takes fp8 MX elements {CUBLAS_ELEMS}, got {a.elem!r}")
+    op = _torch_scaled_grouped_mm if scaled_grouped_mm is None else scaled_grouped_mm
+    a_scale = blocked_row_groups(a.scale, offs)
+    return op(a.qdata, w.qdata.transpose(-2, -1), a_scale, w.scale, offs, out_dtype)
+
+
+def mx_grouped_mm_2d_2d(
+    a: BlockedMXTensor,
+    b: BlockedMXTensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    scaled_grouped_mm: ScaledGroupedMM | None = None,
+) -> torch.Tensor:
+    """Per group e: ``a[:, group e] @ b[:, group e].T`` -> [E, rows of a, rows of b].
+
+    Both from ``cast_groups_dim1(..., blocked_scales=True)`` with the same ``offs`` (MoE grad
+    weight: a = cast_groups_dim1(g) [N, M], b = cast_groups_dim1(x) [K, M] -> [E, N, K]).
+    """
+    _check_operand("a", a, 2, grouped=True)
+    _check_operand("b", b, 2, grouped=True)
+    if a.qdata.shape[1] != b.qdata.shape[1]:
+        raise ValueError(f"mx_grouped_mm_2d_2d: token dims differ, {tuple(a.qdata.shape)} vs {tuple(b.qdata.shape)}")
+    op = _torch_scaled_grouped_mm if scaled_grouped_mm is None else scaled_grouped_mm
+    # The op wants 2D scales with >= rows rows: each per-group buffer, viewed [padded rows, -1].
+    a_scale = a.scale.view(-(-a.qdata.shape[0] // SCALE_TILE_ROWS) * SCALE_TILE_ROWS, -1)
+    b_scale = b.scale.view(-(-b.qdata.shape[0] // SCALE_TILE_ROWS) * SCALE_TILE_ROWS, -1)
+    return op(a.qdata, b.qdata.t(), a_scale, b_scale, a.group_offs, out_dtype)

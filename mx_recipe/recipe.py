@@ -9,8 +9,9 @@ from mx_recipe.formats import ELEM_FORMATS, SCALE_RULES
 HIGH_PRECISION = "bf16"  # keep that GEMM in bf16: no casts at all
 GEMM_FORMATS = (*ELEM_FORMATS, HIGH_PRECISION)
 GRAD_FORMATS = ("e4m3", "e5m2", "e2m1")
-# "cublas" and "triton" arrive with the GEMM-backend issue; forcing them today is an error.
-BACKENDS = ("auto", "emulated")
+# "cublas": torch's MXFP8 block-scaled GEMMs, sm_100 and later (mx_recipe.gemm.validate_backend
+# checks the device at startup). "triton" is not built; naming it is an error.
+BACKENDS = ("auto", "emulated", "cublas")
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class MXRecipe:
         if self.backend not in BACKENDS:
             raise ValueError(
                 f"MXRecipe.backend={self.backend!r}: expected one of {list(BACKENDS)} "
-                "(cublas and triton backends are not built yet)"
+                "(the triton backend is not built yet)"
             )
         if self.block_size != 32:
             raise ValueError(f"MXRecipe.block_size={self.block_size}: MX blocks are 32 elements")
