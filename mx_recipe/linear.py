@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mx_recipe.cast import fake_quant_dim0, fake_quant_dim1
-from mx_recipe.gemm import resolve_backend
+from mx_recipe.cast import cast_dim0, cast_dim1, fake_quant_dim0, fake_quant_dim1
+from mx_recipe.gemm import mx_mm_blocked, validate_backend
 from mx_recipe.recipe import HIGH_PRECISION, MXRecipe
 
 
@@ -34,19 +34,30 @@ def _along_first(t: torch.Tensor, elem: str, rule: str, dtype: torch.dtype) -> t
     return fake_quant_dim1(t, elem, rule).to(dtype)
 
 
+def _cublas_mm(a: torch.Tensor, b: torch.Tensor, a_elem: str, b_elem: str, rule: str, a_first: bool, b_first: bool):
+    """a @ b.T on the hardware MX GEMM: each operand cast along its first dim (``*_first``, written
+    transposed) or its last, with scales straight into the blocked layout."""
+    a_mx = (cast_dim1 if a_first else cast_dim0)(a, a_elem, rule, blocked_scales=True)
+    b_mx = (cast_dim1 if b_first else cast_dim0)(b, b_elem, rule, blocked_scales=True)
+    return mx_mm_blocked(a_mx, b_mx, a.dtype)
+
+
 class _MXLinearFunction(torch.autograd.Function):
-    """Each GEMM is ``a @ b.T`` of two operands quantized along the GEMM's K and dequantized
-    exactly (the emulated backend: a hardware MX GEMM up to summation order)."""
+    """Each GEMM is ``a @ b.T`` of two operands quantized along the GEMM's K. Emulated backend:
+    both dequantized exactly by the fake-quant casts, then a bf16 GEMM (a hardware MX GEMM up to
+    summation order). cublas backend (sm_100): fp8 operands and blocked scales to torch's MX GEMM."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: MXRecipe) -> torch.Tensor:
-        resolve_backend(recipe.backend, x.device)
+        ctx.cublas = validate_backend(recipe, x.device) == "cublas"
         ctx.save_for_backward(x, w)
         ctx.recipe = recipe
         elem, rule, dtype = recipe.forward, recipe.scale_rule, x.dtype
         if elem == HIGH_PRECISION:
             return torch.mm(x, w.to(dtype).t())
         # y = x @ w.T: x along K, w along K.
+        if ctx.cublas:
+            return _cublas_mm(x, w.to(dtype), elem, elem, rule, False, False)
         return torch.mm(_along_last(x, elem, rule, dtype), _along_last(w, elem, rule, dtype).t())
 
     @staticmethod
@@ -59,7 +70,9 @@ class _MXLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             if recipe.grad_input == HIGH_PRECISION:
                 gx = torch.mm(g, w.to(dtype))
-            else:  # gx = g @ w: g along N, w along N (as [K, N])
+            elif ctx.cublas:  # gx = g @ w: g along N, w along N (as [K, N])
+                gx = _cublas_mm(g, w.to(dtype), recipe.grad, recipe.grad_input, rule, False, True)
+            else:
                 g_q, w_q = _along_last(g, recipe.grad, rule, dtype), _along_first(w, recipe.grad_input, rule, dtype)
                 gx = torch.mm(g_q, w_q.t())
         if ctx.needs_input_grad[1]:
@@ -67,9 +80,12 @@ class _MXLinearFunction(torch.autograd.Function):
                 gw = torch.mm(g.t(), x.to(dtype))
             else:  # gw = g.T @ x: both along M; zero rows pad M and add nothing to the sum
                 g_pad, x_pad = _pad_rows(g, recipe.block_size), _pad_rows(x, recipe.block_size)
-                g_q = _along_first(g_pad, recipe.grad, rule, dtype)  # [N, M]
-                x_q = _along_first(x_pad, recipe.grad_weight, rule, dtype)  # [K, M]
-                gw = torch.mm(g_q, x_q.t())
+                if ctx.cublas:
+                    gw = _cublas_mm(g_pad, x_pad.to(dtype), recipe.grad, recipe.grad_weight, rule, True, True)
+                else:
+                    g_q = _along_first(g_pad, recipe.grad, rule, dtype)  # [N, M]
+                    x_q = _along_first(x_pad, recipe.grad_weight, rule, dtype)  # [K, M]
+                    gw = torch.mm(g_q, x_q.t())
         return (
             None if gx is None else gx.to(x.dtype),
             None if gw is None else gw.to(w.dtype),

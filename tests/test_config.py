@@ -64,7 +64,7 @@ def test_minimal_config_and_defaults():
         (_with("training", "lr", "fast"), r"key 'training.lr': expected a number"),
         (_with("mx", "skip", "output"), r"key 'mx.skip': expected a list of strings"),
         (_with("mx", "recipe", "mxfp9"), r"key 'mx.recipe': unknown recipe 'mxfp9'"),
-        (_with("mx", "backend", "cublas"), r"key 'mx.backend'"),
+        (_with("mx", "backend", "triton"), r"key 'mx.backend'"),
         (_with("model", "flavor", "13B"), r"key 'model.flavor': unknown llama flavor '13B'"),
         (_with("training", "steps", 0), r"key 'training.steps': must be positive"),
         (_with("metrics", "log_freq", -1), r"key 'metrics.log_freq'"),
