@@ -1,20 +1,24 @@
-"""Process group, device and FSDP2.
+"""Process group, device mesh, activation checkpointing, compile and FSDP2.
 
-Every run, one process included, goes through FSDP2 on a 1-D mesh: the numerics of one GPU
-and of N GPUs then differ only in the order of the gradient reduction. bf16 compute with fp32
-master weights and fp32 gradient reduction, through FSDP2's MixedPrecisionPolicy.
+Every run, one process included, goes through FSDP2: the numerics of one GPU and of N GPUs
+then differ only in the order of the gradient reduction. bf16 compute with fp32 master weights
+and fp32 gradient reduction, through FSDP2's MixedPrecisionPolicy. The order per block is
+torchtitan's: activation checkpointing, then torch.compile, then fully_shard.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 
 @dataclass(frozen=True)
@@ -56,30 +60,120 @@ def destroy_distributed(barrier: bool = True) -> None:
         dist.destroy_process_group()
 
 
+def mesh_shape(world_size: int, dp_replicate: int) -> tuple[int, ...]:
+    """(shard,) for FSDP; (replicate, shard) for HSDP. Raises ValueError on a bad split."""
+    if world_size % dp_replicate:
+        raise ValueError(
+            f"parallel.dp_replicate = {dp_replicate} does not divide the world size {world_size}: "
+            f"HSDP needs world_size = dp_replicate x shard group size"
+        )
+    return (world_size,) if dp_replicate == 1 else (dp_replicate, world_size // dp_replicate)
+
+
+def build_mesh(info: DistInfo, dp_replicate: int = 1) -> DeviceMesh:
+    """A 1-D ("dp_shard",) mesh, or a 2-D ("dp_replicate", "dp_shard") mesh for HSDP: parameters
+    sharded inside each group of world_size / dp_replicate ranks, replicated across groups."""
+    shape = mesh_shape(info.world_size, dp_replicate)
+    names = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
+    return init_device_mesh(info.device.type, shape, mesh_dim_names=names)
+
+
+# Selective AC keeps the outputs of the expensive ops (GEMMs, grouped GEMMs, attention) and
+# recomputes the cheap elementwise ones (norms, activations, MX casts) in backward. Ops missing
+# from an older torch are left out.
+_AC_SAVE_OPS = [
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "_grouped_mm",
+        "_scaled_mm",
+        "_scaled_grouped_mm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(torch.ops.aten, name)
+]
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Checkpoint every block of ``model.layers``: ``full`` recomputes the whole block in
+    backward, ``selective`` recomputes all but the ops of _AC_SAVE_OPS, ``none`` does nothing.
+
+    The block's ``forward`` is replaced in place (no wrapper module), so parameter names and
+    checkpoints are the same for every mode.
+    """
+    if mode == "none":
+        return
+    if mode not in ("selective", "full"):
+        raise ValueError(f"unknown activation checkpointing mode {mode!r}; known: none, selective, full")
+    if mode == "selective":
+        context_fn = functools.partial(create_selective_checkpoint_contexts, _AC_SAVE_OPS)
+    else:
+        context_fn = noop_context_fn
+    for block in model.layers.values():
+        block.forward = _checkpointed(block.forward, context_fn)
+
+
+def _checkpointed(forward: Callable, context_fn: Callable) -> Callable:
+    # A plain function of this file, not a functools.partial of checkpoint: torch.compile starts
+    # tracing at this frame and turns checkpoint into its graph op (it does not trace into
+    # checkpoint when that is the outermost frame).
+    def checkpointed_forward(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    return checkpointed_forward
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each block in place (``nn.Module.compile``: same names, same state dict)."""
+    for block in model.layers.values():
+        block.compile()
+
+
 @torch.no_grad()
-def materialize_and_shard(model: nn.Module, info: DistInfo, param_dtype: torch.dtype = torch.bfloat16) -> DeviceMesh:
+def materialize_and_shard(
+    model: nn.Module,
+    info: DistInfo,
+    mesh: DeviceMesh | None = None,
+    param_dtype: torch.dtype = torch.bfloat16,
+    reshard_after_forward: bool = True,
+) -> DeviceMesh:
     """Turn a model built on the meta device into an FSDP2 model on ``info.device``.
 
     Each block is materialized in full, initialized, then sharded with ``fully_shard``, one at a
     time; then the root (embeddings, final norm, output). Every rank draws the same full values
     from the same seed, so the initial weights do not depend on the world size, and no rank ever
-    holds more than one full block.
+    holds more than one full block. ``mesh`` defaults to a 1-D mesh over all ranks; a 2-D mesh
+    (build_mesh with dp_replicate > 1) gives HSDP.
     """
-    mesh = init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp_shard",))
+    mesh = mesh if mesh is not None else build_mesh(info)
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     layers = list(model.layers.values())
     for i, block in enumerate(layers):
         block.to_empty(device=info.device)
         block.init_weights()
         # The last block's parameters are gathered again at once by backward: keep them.
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=i < len(layers) - 1)
+        reshard = reshard_after_forward and i < len(layers) - 1
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     for name, child in model.named_children():
         if name != "layers":
             child.to_empty(device=info.device)
     model.to_empty(device=info.device, recurse=False)
     model.init_root_weights()
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     return mesh
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every FSDP module's gathered parameters (a forward without backward, as in
+    evaluation, leaves some gathered)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
