@@ -1,0 +1,193 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): sharded, loadable at another world size, atomic.
+
+Under ``<job.output_dir>/<checkpoint.folder>``:
+
+    step-N/        a committed checkpoint: DCP shards and .metadata
+    step-N.tmp/    being written; never loaded, removed by the next run
+    step-N.old/    being pruned; never loaded
+
+A save writes ``step-N.tmp`` on every rank, waits until every rank has finished, then rank 0
+renames it to ``step-N``. The rename is atomic, so a crash in the middle of a save leaves the
+previous checkpoint the latest.
+
+What a checkpoint holds: the model and optimizer (``get_state_dict``: FSDP2's sharded DTensors,
+so DCP reshards them on load; the model's persistent buffers, such as the MoE expert biases,
+come with it), the LR scheduler, the train state (step, NaN skips), and per rank a pickled blob
+of its data position and RNG states.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import shutil
+import signal
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+# Test hook: SIGKILL this process inside the save of this step, after the shards are written and
+# before the commit (tests/test_checkpoint.py).
+TEST_KILL_ENV = "MX_RECIPE_TEST_KILL_IN_SAVE_AT_STEP"
+
+_COMMITTED = re.compile(r"step-(\d+)")
+_RANK_KEY = re.compile(r"rank_(\d+)")
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps taken (skipped NaN steps count)
+    nan_skips: int = 0  # NaN/Inf steps skipped so far
+
+
+def committed_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every committed checkpoint under ``folder``, oldest first."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in folder.iterdir():
+        match = _COMMITTED.fullmatch(path.name)
+        if match and (path / ".metadata").is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    found = committed_checkpoints(folder)
+    return found[-1][1] if found else None
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    """Rename, then delete: a half-deleted directory never looks like a checkpoint."""
+    doomed = path.with_name(path.name + ".old")
+    shutil.rmtree(doomed, ignore_errors=True)
+    path.rename(doomed)
+    shutil.rmtree(doomed)
+
+
+class Checkpointer:
+    """Saves and loads checkpoints for one run; every method is collective (all ranks call it)."""
+
+    def __init__(self, folder: Path, keep_latest_k: int, rank: int, world_size: int, device: torch.device):
+        self.folder, self.keep_latest_k = Path(folder), keep_latest_k
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.last: Path | None = None  # the latest committed checkpoint, saved or loaded by this run
+        self.last_step = -1
+
+    def _broadcast(self, value: Any) -> Any:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def prepare(self) -> bool:
+        """Create the folder and clear what an interrupted save or prune left; True when the
+        folder can be written. Rank 0 decides, every rank gets the answer."""
+        ok = True
+        if self.rank == 0:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                for path in self.folder.iterdir():
+                    if path.is_dir() and path.suffix in (".tmp", ".old"):
+                        shutil.rmtree(path, ignore_errors=True)
+                ok = os.access(self.folder, os.W_OK)
+            except OSError:
+                ok = False
+        return self._broadcast(ok)
+
+    def latest(self) -> Path | None:
+        """The latest committed checkpoint, as rank 0 sees it."""
+        return self._broadcast(latest_checkpoint(self.folder) if self.rank == 0 else None)
+
+    def _state(self, model, optimizer, scheduler, train_state: TrainState) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {
+            "model": model_sd,
+            "optimizer": optim_sd,
+            "scheduler": scheduler.state_dict(),
+            "train_state": asdict(train_state),
+        }
+
+    def save(self, model, optimizer, scheduler, data, train_state: TrainState) -> Path:
+        step = train_state.step
+        final = self.folder / f"step-{step}"
+        tmp = self.folder / f"step-{step}.tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        state = self._state(model, optimizer, scheduler, train_state)
+        # Each rank's data position and RNG: a leaf of bytes, so its structure is the data source's business.
+        state[f"rank_{self.rank}"] = pickle.dumps({"data": data.state_dict(), "rng": _rng_state(self.device)})
+        dcp.save(state, checkpoint_id=tmp)
+        if os.environ.get(TEST_KILL_ENV) == str(step):
+            os.kill(os.getpid(), signal.SIGKILL)  # no handler, no cleanup, as a node failure
+        dist.barrier()  # every rank's shards are on disk
+        if self.rank == 0:
+            if final.exists():  # only from a run that ended at this very step: replace it
+                _remove(final)
+            tmp.rename(final)
+            _fsync_dir(self.folder)
+            self._prune()
+        dist.barrier()
+        self.last, self.last_step = final, step
+        return final
+
+    def _prune(self) -> None:
+        if self.keep_latest_k <= 0:
+            return
+        for _, path in committed_checkpoints(self.folder)[: -self.keep_latest_k]:
+            _remove(path)
+
+    def load(self, path: Path, model, optimizer, scheduler, data, train_state: TrainState) -> str | None:
+        """Load ``path`` into the given objects in place. Returns a note when the checkpoint was
+        written at another world size (data position and RNG then come from its rank 0)."""
+        saved_ranks = sorted(
+            int(m.group(1))
+            for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+            if (m := _RANK_KEY.fullmatch(key))
+        )
+        source = self.rank if len(saved_ranks) == self.world_size else 0
+        state = self._state(model, optimizer, scheduler, train_state)
+        state[f"rank_{source}"] = b""
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        for key, value in state["train_state"].items():
+            setattr(train_state, key, value)
+        blob = pickle.loads(state[f"rank_{source}"])
+        data.load_state_dict(blob["data"])
+        _set_rng_state(blob["rng"], self.device)
+        self.last, self.last_step = path, train_state.step
+        if len(saved_ranks) != self.world_size:
+            return (
+                f"checkpoint written by {len(saved_ranks)} ranks, loaded by {self.world_size}: "
+                "model and optimizer resharded; data position and RNG from its rank 0"
+            )
+        return None
