@@ -1,7 +1,11 @@
-"""Train a Llama model in bf16 or MX with FSDP2.
+"""Train a Llama or MoE model in bf16 or MX with FSDP2.
 
 python train.py --config debug_mxfp8 --training.steps 40
 torchrun --nproc_per_node=8 train.py --config llama_mxfp8.toml
+
+A run pointed at an output_dir that holds checkpoints resumes from the latest. Exit status: 0
+when done, and also after SIGTERM/SIGUSR1 (a checkpoint is saved first, so SLURM can requeue);
+1 for a NaN/Inf loss or out of memory; 2 for a bad config or a run that cannot start.
 """
 
 from __future__ import annotations
@@ -9,9 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
 from mx_recipe.train.config import DEFAULT_CONFIG, ConfigError, load_config, parse_overrides
 from mx_recipe.train.parallel import destroy_distributed, init_distributed
-from mx_recipe.train.trainer import train
+from mx_recipe.train.trainer import TrainingError, memory_report, train
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     info = init_distributed()
     try:
         train(config, info)
+    except TrainingError as e:  # every rank stops at the same point, for the same reason
+        if info.is_main:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        destroy_distributed()
+        return e.exit_code
+    except torch.OutOfMemoryError:
+        print(f"out of memory on rank {info.rank}: {memory_report(info.device)}", file=sys.stderr, flush=True)
+        destroy_distributed(barrier=False)
+        return 1
     except BaseException:
         destroy_distributed(barrier=False)
         raise

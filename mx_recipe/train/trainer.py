@@ -1,21 +1,83 @@
-"""The training loop: build, convert to MX, shard, train, log."""
+"""The training loop: build, convert to MX, shard, resume, train, validate, checkpoint, log.
+
+A run is a function of its config: the initial weights come from the seed, the batches from the
+data position, everything else from the checkpoint it resumes from. So a run stopped and resumed
+logs the same losses as one that never stopped (exactly, on CPU).
+"""
 
 from __future__ import annotations
 
 import math
+import os
+import random
+import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from mx_recipe.convert import convert_to_mx, format_conversion_table
 from mx_recipe.models import build_model, flops_per_token, model_args, moe_layers
 from mx_recipe.recipe import MXRecipe
+from mx_recipe.train.checkpoint import Checkpointer, TrainState
 from mx_recipe.train.config import Config, config_to_toml
 from mx_recipe.train.data import build_datasets
-from mx_recipe.train.metrics import MetricsLogger
-from mx_recipe.train.parallel import DistInfo, all_reduce_mean, materialize_and_shard
+from mx_recipe.train.metrics import MetricsLogger, peak_memory_gib
+from mx_recipe.train.parallel import (
+    DistInfo,
+    all_reduce_mean,
+    apply_activation_checkpointing,
+    apply_compile,
+    build_mesh,
+    materialize_and_shard,
+    reshard,
+)
+
+# Test hooks (tests/test_train_features.py), read once per run:
+TEST_NAN_ENV = "MX_RECIPE_TEST_NAN_AT_STEP"  # comma-separated steps whose loss is made NaN
+TEST_SIGNAL_ENV = "MX_RECIPE_TEST_SIGNAL_AT_STEP"  # rank 0 sends itself SIGTERM during this step
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class TrainingError(RuntimeError):
+    """Stops the run with one line on stderr and ``exit_code``."""
+
+    exit_code = 1
+
+
+class SetupError(TrainingError):
+    """A run that cannot start; raised before any model is built where possible."""
+
+    exit_code = 2
+
+
+class NonFiniteLossError(TrainingError):
+    pass
+
+
+class StopSignals:
+    """SIGTERM and SIGUSR1 only set a flag: the loop checks it at each step boundary (all ranks
+    agree through an all-reduce), saves a checkpoint and returns, so SLURM can requeue the job."""
+
+    def __init__(self) -> None:
+        self.received = 0  # the signal number, 0 for none
+        self._previous: dict[int, object] = {}
+
+    def _handler(self, signum: int, frame) -> None:
+        self.received = signum
+
+    def __enter__(self) -> StopSignals:
+        self._previous = {s: signal.signal(s, self._handler) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
 
 
 def lr_lambda(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -33,7 +95,7 @@ def update_expert_biases(model: torch.nn.Module) -> None:
     if not layers:
         return
     loads = torch.stack([m.tokens_per_expert for m in layers])
-    torch.distributed.all_reduce(loads)  # every rank applies the same update
+    dist.all_reduce(loads)  # every rank applies the same update
     for m, load in zip(layers, loads, strict=True):
         m.update_expert_bias(load)
 
@@ -42,20 +104,121 @@ def padded_vocab_size(vocab_size: int, multiple: int = 64) -> int:
     return multiple * math.ceil(vocab_size / multiple)
 
 
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # CPU and every CUDA device
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    inject_nan: bool = False,
+) -> torch.Tensor:
+    """Forward and backward over one step's microbatches; returns their mean loss (fp32, detached).
+
+    Each microbatch's loss is scaled by 1/n, so the accumulated gradient is that of the mean over
+    all of them. FSDP reduce-scatters the gradients once, after the last microbatch.
+    """
+    n = len(microbatches)
+    total = torch.zeros((), device=device)
+    for i, (inputs, targets) in enumerate(microbatches):
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(i == n - 1)
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # loss in fp32
+        if inject_nan:
+            loss = loss * float("nan")
+        (loss / n).backward()
+        total += loss.detach() / n
+    return total
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches, device: torch.device) -> float:
+    """Mean loss per token over ``batches`` (an iterable of (inputs, targets)) and over all ranks.
+
+    Eval mode and no grad; the model goes back to train mode and its MoE token counts are left as
+    they were, so a validation changes nothing a later training step sees.
+    """
+    was_training = model.training
+    model.eval()
+    counts = [(m, m.tokens_per_expert.clone()) for m in moe_layers(model)]
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, tokens
+    for inputs, targets in batches:
+        inputs, targets = inputs.to(device), targets.to(device)
+        logits = model(inputs)
+        totals[0] += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum").double()
+        totals[1] += targets.numel()
+    dist.all_reduce(totals)
+    for m, saved in counts:
+        m.tokens_per_expert.copy_(saved)
+    reshard(model)  # a forward without backward leaves the root and the last block gathered
+    model.train(was_training)
+    return (totals[0] / totals[1]).item()
+
+
+def memory_report(device: torch.device) -> str:
+    """The memory figures an out-of-memory error is reported with."""
+    if device.type != "cuda":
+        return f"{device}: peak resident memory {peak_memory_gib(device):.2f} GiB"
+    gib = 2**30
+    total = torch.cuda.get_device_properties(device).total_memory
+    return (
+        f"{torch.cuda.get_device_name(device)} ({device}): allocated {torch.cuda.memory_allocated(device) / gib:.2f} "
+        f"GiB, reserved {torch.cuda.memory_reserved(device) / gib:.2f} GiB, max allocated "
+        f"{torch.cuda.max_memory_allocated(device) / gib:.2f} GiB, device total {total / gib:.2f} GiB"
+    )
+
+
+def _test_steps(name: str) -> set[int]:
+    return {int(s) for s in os.environ.get(name, "").split(",") if s.strip()}
+
+
+def _agree(loss: torch.Tensor, grad_norm: torch.Tensor, signum: int) -> tuple[bool, bool, int]:
+    """(loss non-finite on any rank, grad norm non-finite, the signal any rank received): one
+    small all-reduce, so every rank takes the same branch."""
+    flags = torch.stack(
+        [(~torch.isfinite(loss)).float(), (~torch.isfinite(grad_norm)).float(), torch.full_like(loss, signum)]
+    )
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    bad_loss, bad_grad, sig = flags.tolist()
+    return bool(bad_loss), bool(bad_grad), int(sig)
+
+
 def train(config: Config, info: DistInfo) -> list[dict]:
-    """Run ``config`` on this rank; returns the logged records (identical on every rank)."""
+    """Run ``config`` on this rank; returns the logged records (identical on every rank).
+
+    Returns early, after saving a checkpoint, when SIGTERM or SIGUSR1 arrives. Raises
+    TrainingError (one-line message, exit code) for a run that cannot go on.
+    """
     log = print if info.is_main else (lambda *a, **k: None)
-    t = config.training
+    t, ckpt = config.training, config.checkpoint
     output_dir = Path(config.job.output_dir)
     if info.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.toml").write_text(config_to_toml(config))
 
+    # Everything that can fail fast does so before the model is built.
     data = build_datasets(config, info.rank, info.world_size)
-    tokenizer = data.tokenizer
+    if config.validation.enable and data.validation is None:
+        raise SetupError(
+            f"validation.enable is true but data.dataset {config.data.dataset!r} has no validation split "
+            f"(data.validation_fraction = {config.data.validation_fraction}); raise it or set validation.enable false"
+        )
+    try:
+        mesh = build_mesh(info, config.parallel.dp_replicate)
+    except ValueError as e:
+        raise SetupError(str(e)) from None
+    checkpointer = Checkpointer(output_dir / ckpt.folder, ckpt.keep_latest_k, info.rank, info.world_size, info.device)
+    can_checkpoint = checkpointer.prepare()
+    if ckpt.enable and not can_checkpoint:
+        raise SetupError(f"checkpoint.folder: cannot write {checkpointer.folder}")
 
-    torch.manual_seed(config.job.seed)
-    args = model_args(config.model.name, config.model.flavor, padded_vocab_size(tokenizer.vocab_size), t.seq_len)
+    seed_everything(config.job.seed)
+    args = model_args(config.model.name, config.model.flavor, padded_vocab_size(data.tokenizer.vocab_size), t.seq_len)
     with torch.device("meta"):
         model = build_model(args)
     if config.mx.recipe != "none":
@@ -63,12 +226,17 @@ def train(config: Config, info: DistInfo) -> list[dict]:
         records = convert_to_mx(model, recipe, skip=config.mx.skip, log=False)
         log(format_conversion_table(records))
     num_params = sum(p.numel() for p in model.parameters())
-    torch.manual_seed(config.job.seed)  # the same initial weights on every world size
-    materialize_and_shard(model, info)
+    apply_activation_checkpointing(model, config.activation_checkpoint.mode)
+    if config.compile.enable:
+        apply_compile(model)
+    seed_everything(config.job.seed)  # the same initial weights on every world size
+    materialize_and_shard(model, info, mesh, reshard_after_forward=config.parallel.reshard_after_forward)
+    global_batch = t.local_batch_size * info.world_size * t.gradient_accumulation_steps
     log(
         f"model {config.model.name} {config.model.flavor}: {num_params / 1e6:.1f}M parameters, "
-        f"mx recipe {config.mx.recipe}, {info.world_size} x {info.device.type}, "
-        f"global batch {t.local_batch_size * info.world_size} x {t.seq_len} tokens"
+        f"mx recipe {config.mx.recipe}, {info.world_size} x {info.device.type} (mesh {tuple(mesh.shape)}), "
+        f"global batch {global_batch} x {t.seq_len} tokens, activation checkpointing "
+        f"{config.activation_checkpoint.mode}, compile {'on' if config.compile.enable else 'off'}"
     )
 
     optimizer = torch.optim.AdamW(
@@ -77,27 +245,84 @@ def train(config: Config, info: DistInfo) -> list[dict]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda i: lr_lambda(i + 1, t.warmup_steps, t.steps, t.min_lr_ratio)
     )
-    metrics = MetricsLogger(output_dir, info.device, flops_per_token(args, model, t.seq_len), info.is_main)
+    state = TrainState()
+    resume_from = checkpointer.latest()
+    if resume_from is not None:
+        try:
+            note = checkpointer.load(resume_from, model, optimizer, scheduler, data.train, state)
+        except ValueError as e:  # e.g. a data position that cannot move to this world size
+            raise SetupError(f"cannot resume from {resume_from}: {e}") from None
+        log(f"resuming from checkpoint {resume_from} (step {state.step} of {t.steps})" + (f"; {note}" if note else ""))
+    metrics = MetricsLogger(
+        output_dir,
+        info.device,
+        flops_per_token(args, model, t.seq_len),
+        info.is_main,
+        append=resume_from is not None,
+        total_steps=t.steps,
+        metrics_config=config.metrics,
+    )
+    done_file = output_dir / "DONE"
+    if info.is_main:
+        done_file.unlink(missing_ok=True)
+
+    nan_steps, signal_step = _test_steps(TEST_NAN_ENV), _test_steps(TEST_SIGNAL_ENV)
+    max_norm = t.max_norm if t.max_norm > 0 else math.inf
     records: list[dict] = []
-    for step in range(1, t.steps + 1):
-        inputs, targets = (b.to(info.device, non_blocking=True) for b in data.train.next_batch())
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # loss in fp32
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm if t.max_norm > 0 else math.inf)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        update_expert_biases(model)
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
-        metrics.add_tokens(inputs.numel())
-        if step % config.metrics.log_freq == 0 or step == 1 or step == t.steps:
-            global_loss = all_reduce_mean(loss).item()
-            if not math.isfinite(global_loss):
-                raise FloatingPointError(f"loss is {global_loss} at step {step}")
-            if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
-                grad_norm = grad_norm.full_tensor()
-            extra = {"lr": lr, "grad_norm": grad_norm.item()}
-            records.append(metrics.log(step, global_loss, extra))
+    try:
+        with StopSignals() as signals:
+            for step in range(state.step + 1, t.steps + 1):
+                microbatches = [data.train.next_batch() for _ in range(t.gradient_accumulation_steps)]
+                loss = forward_backward(model, microbatches, info.device, inject_nan=step in nan_steps)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+                    grad_norm = grad_norm.full_tensor()
+                if step in signal_step and info.is_main:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                bad_loss, bad_grad, signum = _agree(loss, grad_norm, signals.received)
+                state.step = step
+                skipped = bad_loss or bad_grad
+                if skipped:
+                    what = "loss" if bad_loss else "gradient norm"
+                    value = all_reduce_mean(loss).item() if bad_loss else grad_norm.item()
+                    if state.nan_skips >= t.skip_nan_steps:
+                        raise NonFiniteLossError(
+                            f"{what} is {value} at step {step}; last good checkpoint: {checkpointer.last or 'none'}"
+                            + (f" ({state.nan_skips} of {t.skip_nan_steps} skips used)" if t.skip_nan_steps else "")
+                        )
+                    state.nan_skips += 1
+                    log(
+                        f"step {step}: {what} is {value}: skipped without an update "
+                        f"({state.nan_skips} of {t.skip_nan_steps} skips used)"
+                    )
+                    for m in moe_layers(model):
+                        m.tokens_per_expert.zero_()
+                else:
+                    optimizer.step()
+                    update_expert_biases(model)
+                optimizer.zero_grad(set_to_none=True)
+                lr = scheduler.get_last_lr()[0]
+                scheduler.step()
+                metrics.add_tokens(sum(inputs.numel() for inputs, _ in microbatches))
+                if not skipped and (step % config.metrics.log_freq == 0 or step == 1 or step == t.steps):
+                    extra = {"lr": lr, "grad_norm": grad_norm.item()}
+                    records.append(metrics.log(step, all_reduce_mean(loss).item(), extra))
+                if config.validation.enable and step % config.validation.interval == 0:
+                    val_loss = evaluate(model, data.validation.batches(config.validation.steps), info.device)
+                    metrics.log_validation(step, val_loss)
+                periodic = ckpt.enable and (step % ckpt.interval == 0 or step == t.steps)
+                if (periodic or signum) and can_checkpoint and checkpointer.last_step != step:
+                    path = checkpointer.save(model, optimizer, scheduler, data.train, state)
+                    log(f"saved checkpoint {path}")
+                if signum and step < t.steps:
+                    name = signal.Signals(signum).name
+                    saved = f"checkpoint {checkpointer.last}" if can_checkpoint else "no checkpoint (cannot write one)"
+                    log(f"received {name}: stopped after step {step} of {t.steps}; {saved}; exiting 0 for a requeue")
+                    return records
+    finally:
+        metrics.close()
+    dist.barrier()
+    if info.is_main:
+        done_file.write_text(f"{t.steps} steps\n")
     log(f"done: {t.steps} steps in {time.perf_counter() - metrics.start:.1f} s, metrics in {metrics.path}")
     return records
