@@ -1,0 +1,115 @@
+"""Checkpoints: atomic commits, a kill in the middle of a save, exact resume over 2 processes, and
+a checkpoint written by 2 processes loaded by 1 (DCP resharding)."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_train import BF16_ARGS, ENV, REPO, SMALL, TORCHRUN, _run, bf16_reference, last_losses, run_in_process
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from mx_recipe.train.checkpoint import TEST_KILL_ENV, committed_checkpoints, latest_checkpoint
+
+
+def test_latest_is_the_newest_committed_checkpoint(tmp_path):
+    for name in ("step-2", "step-10", "step-30.tmp", "step-40.old", "step-50", "notes"):
+        (tmp_path / name).mkdir()
+    for name in ("step-2", "step-10", "step-30.tmp", "step-40.old"):
+        (tmp_path / name / ".metadata").write_bytes(b"")
+    # step-50 has no .metadata: not a checkpoint DCP finished writing.
+    assert committed_checkpoints(tmp_path) == [(2, tmp_path / "step-2"), (10, tmp_path / "step-10")]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-10"
+    assert latest_checkpoint(tmp_path / "absent") is None
+
+
+def test_kill_during_a_save_leaves_the_previous_checkpoint_latest(tmp_path):
+    """SIGKILL after the step-3 shards are written, before the commit: step-2 stays the latest,
+    the rerun resumes from it, clears the debris, prunes to keep_latest_k, and logs the losses of
+    a run that never stopped."""
+    run = tmp_path / "run"
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2"]
+    cmd = [sys.executable, "train.py", *BF16_ARGS, *ckpt, "--job.output_dir", str(run)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env={**ENV, TEST_KILL_ENV: "3"})
+    assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-2000:]
+    folder = run / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-1", "step-2", "step-3.tmp"]
+    assert any((folder / "step-3.tmp").iterdir())  # shards written, never committed
+    assert latest_checkpoint(folder) == folder / "step-2"
+
+    code, out, err = run_in_process([*BF16_ARGS, *ckpt, "--job.output_dir", str(run)])
+    assert code == 0, err
+    assert f"resuming from checkpoint {folder / 'step-2'} (step 2 of 4)" in out
+    assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-4"]
+    assert (run / "DONE").is_file()
+    assert last_losses(run) == bf16_reference()
+
+
+def _died_after_step_2(finished: Path, copy: Path) -> None:
+    """``copy``: ``finished`` as a run that died right after saving step 2 would have left it."""
+    shutil.copytree(finished, copy)
+    shutil.rmtree(copy / "checkpoints" / "step-4")
+    (copy / "DONE").unlink()
+    lines = (copy / "metrics.jsonl").read_text().splitlines()
+    (copy / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= 2))
+
+
+@pytest.mark.slow
+def test_two_process_resume_is_exact_and_reshards(tmp_path):
+    """MoE (its expert biases are model state), FSDP2 over 2 gloo processes, checkpoints at steps
+    2 and 4. From step 2:
+    - 2 processes resume to the uninterrupted run's losses bit for bit;
+    - 1 process at the same global batch (DCP reshards) stays within 1e-3 relative: only the
+      order of the reductions differs (measured: about 1e-4 after 4 steps);
+    - 2 processes as HSDP (dp_replicate 2: a (2, 1) mesh) resume too, and when rank 0 alone gets
+      SIGTERM in step 3, both ranks stop after it and save."""
+    ref, run, one, hsdp = (tmp_path / name for name in ("ref", "run", "one", "hsdp"))
+    args = ["--config", "debug_moe_bf16", "--training.steps", "4", *SMALL]
+    two = [*TORCHRUN, *args, "--training.local_batch_size", "2"]
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
+    _run([*two, *ckpt, "--job.output_dir", str(ref)])
+    expected = last_losses(ref)
+    for copy in (run, one, hsdp):
+        _died_after_step_2(ref, copy)
+
+    # The expert biases are in the checkpoint and have moved from their initial zeros.
+    dcp_to_torch_save(ref / "checkpoints" / "step-2", tmp_path / "step-2.pt")
+    saved = torch.load(tmp_path / "step-2.pt", weights_only=False)
+    assert saved["model"]["layers.1.moe.expert_bias"].abs().sum() > 0
+
+    # The two 2-process resumes side by side: each torchrun leaves a core idle much of the time.
+    procs = [
+        subprocess.Popen([*two, "--job.output_dir", str(run)], **_POPEN),
+        subprocess.Popen(
+            [*two, "--parallel.dp_replicate", "2", "--job.output_dir", str(hsdp)],
+            **{**_POPEN, "env": {**ENV, "MX_RECIPE_TEST_SIGNAL_AT_STEP": "3"}},
+        ),
+    ]
+    (out_run, err_run), (out_hsdp, err_hsdp) = (p.communicate(timeout=300) for p in procs)
+    assert procs[0].returncode == 0, out_run[-3000:] + err_run[-3000:]
+    assert procs[1].returncode == 0, out_hsdp[-3000:] + err_hsdp[-3000:]
+
+    assert f"resuming from checkpoint {run / 'checkpoints' / 'step-2'} (step 2 of 4)" in out_run
+    assert (run / "DONE").is_file()
+    assert last_losses(run) == expected
+
+    assert "2 x cpu (mesh (2, 1))" in out_hsdp
+    assert "received SIGTERM: stopped after step 3 of 4" in out_hsdp
+    assert latest_checkpoint(hsdp / "checkpoints") == hsdp / "checkpoints" / "step-3"
+    assert not (hsdp / "DONE").exists()
+    assert abs(last_losses(hsdp)[3] - expected[3]) <= 1e-3 * expected[3]
+
+    code, out, err = run_in_process([*args, "--training.local_batch_size", "4", "--job.output_dir", str(one)])
+    assert code == 0, err
+    assert "checkpoint written by 2 ranks, loaded by 1" in out
+    resharded = last_losses(one)
+    assert sorted(resharded) == sorted(expected)
+    for step, loss in expected.items():
+        assert abs(resharded[step] - loss) <= 1e-3 * loss, (step, resharded[step], loss)
+
+
+_POPEN = {"cwd": REPO, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": ENV}
