@@ -188,6 +188,23 @@ def _agree(loss: torch.Tensor, grad_norm: torch.Tensor, signum: int) -> tuple[bo
     return bool(bad_loss), bool(bad_grad), int(sig)
 
 
+def build_sharded_model(config: Config, args, info: DistInfo, mesh, log) -> torch.nn.Module:
+    """The model on the meta device, converted to MX, with activation checkpointing and compile
+    per block, then materialized block by block from the seed and sharded (torchtitan's order)."""
+    seed_everything(config.job.seed)
+    with torch.device("meta"):
+        model = build_model(args)
+    if config.mx.recipe != "none":
+        recipe = MXRecipe.from_name(config.mx.recipe, backend=config.mx.backend)
+        log(format_conversion_table(convert_to_mx(model, recipe, skip=config.mx.skip, log=False)))
+    apply_activation_checkpointing(model, config.activation_checkpoint.mode)
+    if config.compile.enable:
+        apply_compile(model)
+    seed_everything(config.job.seed)  # the same initial weights on every world size
+    materialize_and_shard(model, info, mesh, reshard_after_forward=config.parallel.reshard_after_forward)
+    return model
+
+
 def train(config: Config, info: DistInfo) -> list[dict]:
     """Run ``config`` on this rank; returns the logged records (identical on every rank).
 
@@ -217,20 +234,9 @@ def train(config: Config, info: DistInfo) -> list[dict]:
     if ckpt.enable and not can_checkpoint:
         raise SetupError(f"checkpoint.folder: cannot write {checkpointer.folder}")
 
-    seed_everything(config.job.seed)
     args = model_args(config.model.name, config.model.flavor, padded_vocab_size(data.tokenizer.vocab_size), t.seq_len)
-    with torch.device("meta"):
-        model = build_model(args)
-    if config.mx.recipe != "none":
-        recipe = MXRecipe.from_name(config.mx.recipe, backend=config.mx.backend)
-        records = convert_to_mx(model, recipe, skip=config.mx.skip, log=False)
-        log(format_conversion_table(records))
-    num_params = sum(p.numel() for p in model.parameters())
-    apply_activation_checkpointing(model, config.activation_checkpoint.mode)
-    if config.compile.enable:
-        apply_compile(model)
-    seed_everything(config.job.seed)  # the same initial weights on every world size
-    materialize_and_shard(model, info, mesh, reshard_after_forward=config.parallel.reshard_after_forward)
+    model = build_sharded_model(config, args, info, mesh, log)
+    num_params = sum(p.numel() for p in model.parameters())  # DTensors: numel() is the global size
     global_batch = t.local_batch_size * info.world_size * t.gradient_accumulation_steps
     log(
         f"model {config.model.name} {config.model.flavor}: {num_params / 1e6:.1f}M parameters, "
