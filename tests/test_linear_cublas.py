@@ -51,3 +51,18 @@ def test_forced_cublas_is_a_clear_error_off_sm100():
     layer = MXLinear(64, 64, recipe=MXRecipe.from_name("mxfp8", backend="cublas"))
     with pytest.raises(ValueError, match=r"backend 'cublas' needs .*sm_100"):
         layer(torch.randn(32, 64))
+
+
+def test_train_py_forced_cublas_stops_at_startup(tmp_path):
+    """Forcing a backend the device lacks is one clear line and exit 2, before any step runs."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "train.py", "--config", "debug_mxfp8", "--mx.backend", "cublas",
+           "--job.output_dir", str(tmp_path / "run"), "--data.max_bytes", "2000000"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "mx.backend: MX GEMM backend 'cublas' needs" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or (tmp_path / "run" / "metrics.jsonl").read_text() == ""

@@ -123,7 +123,10 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         scores, idx = self.router(x, self.expert_bias if self.bias_update_speed > 0 else None)
         flat_idx = idx.flatten()
-        counts = torch.bincount(flat_idx, minlength=self.n_experts)
+        # A fixed-size count (bincount's size depends on the data, which breaks torch.compile graphs).
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat_idx, torch.ones_like(flat_idx)
+        )
         with torch.no_grad():
             self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
         # Sort the (token, choice) pairs by expert: a stable sort keeps token order inside a group.

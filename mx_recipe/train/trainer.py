@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
 from mx_recipe.convert import convert_to_mx, format_conversion_table
+from mx_recipe.gemm import validate_backend
 from mx_recipe.models import build_model, flops_per_token, model_args, moe_layers
 from mx_recipe.recipe import MXRecipe
 from mx_recipe.train.checkpoint import Checkpointer, TrainState
@@ -196,6 +197,12 @@ def build_sharded_model(config: Config, args, info: DistInfo, mesh, log) -> torc
         model = build_model(args)
     if config.mx.recipe != "none":
         recipe = MXRecipe.from_name(config.mx.recipe, backend=config.mx.backend)
+        # A backend this device or recipe cannot run stops the run here, not mid-step.
+        try:
+            backend = validate_backend(recipe, info.device, grouped=bool(moe_layers(model)))
+        except ValueError as e:
+            raise SetupError(f"mx.backend: {e}") from None
+        log(f"mx recipe {recipe.name}: GEMM backend {recipe.backend} -> {backend} on {info.device}")
         log(format_conversion_table(convert_to_mx(model, recipe, skip=config.mx.skip, log=False)))
     apply_activation_checkpointing(model, config.activation_checkpoint.mode)
     if config.compile.enable:
