@@ -461,7 +461,7 @@ def test_gpu_groups_bit_exact(mode, elem, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16])  # fp32: the kernels refuse it on the GPU (see below)
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("mode", MODES)
 def test_gpu_fake_quant_bit_exact(mode, elem, dtype):
@@ -471,6 +471,20 @@ def test_gpu_fake_quant_bit_exact(mode, elem, dtype):
     x = bits.view(torch.bfloat16).reshape(-1, 32 * 16)
     ref = to_mx(x, elem, mode).dequantize(torch.bfloat16)
     assert_values_equal(fake_quant_dim0(x.cuda(), elem, mode), ref, f"all bf16 fake quant {elem} {mode}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_fake_quant_fp32_refused_by_kernel_and_exact_through_dispatch():
+    """The fp32 GPU kernel path gave wrong values on an H200: the launcher refuses it and the
+    dispatch layer takes the reference, so fp32 results stay exact."""
+    import mx_kernels.cast_dim1
+
+    x = special_input((96, 160), torch.float32, "cuda")
+    with pytest.raises(NotImplementedError, match="takes bf16 input"):
+        mx_kernels.cast_dim1.fake_quant_dim1(x, "e4m3", "floor")
+    ref = to_mx(x.cpu().t().contiguous(), "e4m3", "floor").dequantize(torch.float32)
+    assert_values_equal(fake_quant_dim1(x, "e4m3", "floor"), ref, "fp32 dispatch")
 
 
 @pytest.mark.gpu
