@@ -25,7 +25,8 @@ BEGIN, END = "<!-- perf_report: begin -->", "<!-- perf_report: end -->"
 
 def source_line(meta: dict, name: str) -> str:
     when = f"{meta['device']}, torch {meta['torch']}, {meta['date'][:10]}, commit {meta['commit'][:7]}"
-    return f"Source: `docs/results/{name}`: {when}."
+    note = f" {meta['note']}." if meta.get("note") else ""
+    return f"Source: `docs/results/{name}`: {when}.{note}"
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
