@@ -31,7 +31,14 @@ import torch.nn.functional as F
 from mx_recipe.cast import BlockedMXTensor
 from mx_recipe.formats import BLOCK_SIZE, MXTensor
 from mx_recipe.recipe import HIGH_PRECISION, MXRecipe
-from mx_recipe.scale_layout import SCALE_TILE_BYTES, SCALE_TILE_COLS, SCALE_TILE_ROWS, blocked_numel, to_blocked
+from mx_recipe.scale_layout import (
+    SCALE_TILE_COLS,
+    SCALE_TILE_ROWS,
+    blocked_byte_offset,
+    blocked_numel,
+    padded_group_layout,
+    to_blocked,
+)
 
 ScaledMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 ScaledGroupedMM = Callable[..., torch.Tensor]
@@ -236,25 +243,14 @@ def blocked_row_groups(scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     m_total, cols = scale.shape
     padded_cols = -(-cols // SCALE_TILE_COLS) * SCALE_TILE_COLS
     out_rows = m_total + SCALE_TILE_ROWS * offs.numel()
-    device = scale.device
-    ends = offs.to(torch.int64)
-    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
-    padded = (sizes + SCALE_TILE_ROWS - 1) // SCALE_TILE_ROWS * SCALE_TILE_ROWS
-    padded_starts = torch.cumsum(padded, 0) - padded
-    r = torch.arange(m_total, device=device)
-    group = torch.searchsorted(ends, r, right=True)
-    valid = group < offs.numel()  # rows past offs[-1] belong to no group
-    group = group.clamp(max=offs.numel() - 1)
-    local = r - (ends[group] - sizes[group])
-    c = torch.arange(cols, device=device)
-    # blocked offset of (local, c) inside the group's own tiles, plus the group's base byte
-    tile = (local[:, None] // SCALE_TILE_ROWS) * (padded_cols // SCALE_TILE_COLS) + c // SCALE_TILE_COLS
-    inner = local[:, None] % SCALE_TILE_ROWS
-    byte = tile * SCALE_TILE_BYTES + (inner % 32) * 16 + (inner // 32) * 4 + c % SCALE_TILE_COLS
-    byte = byte + (padded_starts[group] * padded_cols)[:, None]
+    # Row r of group g goes to row r - start(g) + padded_start(g) of groups padded to 128 rows;
+    # since each padded start is a whole tile row, the blocked byte of that row is the group's own.
+    rows, _, _ = padded_group_layout(offs, m_total, SCALE_TILE_ROWS)
+    valid = torch.arange(m_total, device=scale.device) < offs[-1].to(torch.int64)  # rows past offs[-1]: no group
+    byte = blocked_byte_offset(rows[:, None], torch.arange(cols, device=scale.device)[None, :], cols)
     trash = out_rows * padded_cols  # one spare byte takes the rows of no group
     byte = torch.where(valid[:, None], byte, trash)
-    out = torch.zeros(trash + 1, dtype=torch.uint8, device=device)
+    out = torch.zeros(trash + 1, dtype=torch.uint8, device=scale.device)
     out.index_copy_(0, byte.reshape(-1), scale.reshape(-1).view(torch.uint8).contiguous())
     return out[:trash].view(out_rows, padded_cols).view(scale.dtype)
 

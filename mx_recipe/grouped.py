@@ -18,27 +18,11 @@ import torch
 
 from mx_recipe.cast import fake_quant_dim0, fake_quant_dim1
 from mx_recipe.recipe import HIGH_PRECISION, MXRecipe
+from mx_recipe.scale_layout import padded_group_layout
 
 
 def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return torch._grouped_mm(a.to(out_dtype), b.to(out_dtype), offs=offs)
-
-
-def padded_group_layout(offs: torch.Tensor, total_rows: int, block: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Where each row goes when every group is padded to a multiple of ``block``.
-
-    Returns (destination row of each of the ``total_rows`` rows, padded cumulative group ends,
-    padded buffer size). The size is a static bound, so nothing waits for the device.
-    """
-    offs = offs.to(torch.int64)
-    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
-    padded_ends = torch.cumsum((sizes + block - 1) // block * block, 0)
-    starts, padded_starts = offs - sizes, padded_ends - (sizes + block - 1) // block * block
-    rows = torch.arange(total_rows, device=offs.device)
-    group = torch.searchsorted(offs, rows, right=True).clamp(max=len(offs) - 1)
-    dest = rows - starts[group] + padded_starts[group]
-    size = -(-total_rows // block) * block + block * len(offs)  # >= sum of padded sizes, a multiple of block
-    return dest, padded_ends.to(torch.int32), size
 
 
 def pad_groups(t: torch.Tensor, dest: torch.Tensor, size: int) -> torch.Tensor:

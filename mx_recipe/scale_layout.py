@@ -42,8 +42,9 @@ def blocked_numel(rows: int, cols: int) -> int:
     return padded_rows * padded_cols
 
 
-def blocked_byte_offset(r: int, c: int, cols: int) -> int:
-    """Byte of scale (r, c) of a [*, cols] matrix in the blocked layout (the DESIGN.md formula)."""
+def blocked_byte_offset(r, c, cols: int):
+    """Byte of scale (r, c) of a [*, cols] matrix in the blocked layout (the DESIGN.md formula).
+    ``r`` and ``c`` are ints or integer tensors (broadcast together)."""
     col_tiles = _ceil_div(cols, SCALE_TILE_COLS)
     tile = (r // SCALE_TILE_ROWS) * col_tiles + c // SCALE_TILE_COLS
     inner = r % SCALE_TILE_ROWS
@@ -175,3 +176,20 @@ def from_blocked_groups(
             out[:, col_start:col_end] = from_blocked(buf[base : base + n], rows, col_end - col_start)
         col_start = col_end
     return out.view(blocked.dtype)
+
+
+def padded_group_layout(offs: torch.Tensor, total_rows: int, block: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each row goes when every group is padded to a multiple of ``block``.
+
+    Returns (destination row of each of the ``total_rows`` rows, padded cumulative group ends,
+    padded buffer size). The size is a static bound, so nothing waits for the device.
+    """
+    offs = offs.to(torch.int64)
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    padded_ends = torch.cumsum((sizes + block - 1) // block * block, 0)
+    starts, padded_starts = offs - sizes, padded_ends - (sizes + block - 1) // block * block
+    rows = torch.arange(total_rows, device=offs.device)
+    group = torch.searchsorted(offs, rows, right=True).clamp(max=len(offs) - 1)
+    dest = rows - starts[group] + padded_starts[group]
+    size = -(-total_rows // block) * block + block * len(offs)  # >= sum of padded sizes, a multiple of block
+    return dest, padded_ends.to(torch.int32), size

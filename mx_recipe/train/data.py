@@ -230,13 +230,8 @@ class TrainBatches:
         self.step = int(state["step"])
 
 
-class StreamBatches:
-    """One rank's share of a document stream (documents i with i % world_size == rank), packed into
-    consecutive windows of ``seq_len + 1`` tokens; same interface as TrainBatches.
-
-    Position: ``documents`` (this rank's documents wholly used) and ``offset`` (tokens of the next
-    one already used, BOS included). Documents shorter than a window share it with the next ones.
-    """
+class _PackedDocuments:
+    """What a packer of a document stream into ``seq_len + 1`` windows for one rank needs."""
 
     def __init__(
         self,
@@ -250,6 +245,18 @@ class StreamBatches:
         self.open_documents, self.tokenizer = open_documents, tokenizer
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.rank, self.world_size = rank, world_size
+
+
+class StreamBatches(_PackedDocuments):
+    """One rank's share of a document stream (documents i with i % world_size == rank), packed into
+    consecutive windows of ``seq_len + 1`` tokens; same interface as TrainBatches.
+
+    Position: ``documents`` (this rank's documents wholly used) and ``offset`` (tokens of the next
+    one already used, BOS included). Documents shorter than a window share it with the next ones.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.documents, self.offset = 0, 0
         self._reset()
 
@@ -298,23 +305,13 @@ class StreamBatches:
 # ----------------------------------------------------------------------------- validation batches
 
 
-class ValidationBatches:
+class ValidationBatches(_PackedDocuments):
     """Held-out documents packed into consecutive ``seq_len + 1`` windows. ``batches(n)`` yields the
     same n batches on every call; rank r takes its slice of each global batch, so every world size
     sees the same windows at equal global batch. A split smaller than n global batches is cycled."""
 
-    def __init__(
-        self,
-        open_documents: OpenDocuments,
-        tokenizer: Tokenizer,
-        seq_len: int,
-        local_batch_size: int,
-        rank: int,
-        world_size: int,
-    ):
-        self.open_documents, self.tokenizer = open_documents, tokenizer
-        self.seq_len, self.local_batch_size = seq_len, local_batch_size
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._iter: Iterator[Document] | None = None
         self._parts: list[np.ndarray] = []
         self._length, self._exhausted = 0, False
