@@ -47,6 +47,12 @@ MOE_FLAVORS: dict[str, MoEArgs] = {
         dim=256, n_layers=4, n_heads=8, n_kv_heads=4, multiple_of=64, n_routed_experts=8, top_k=2,
         n_shared_experts=1, moe_hidden_dim=128, n_dense_layers=1,
     ),
+    # About 0.9B parameters (0.2B active): 16 routed experts top-2 and a shared one, for parity runs
+    # that fit one GPU (configs/parity_moe1b.toml).
+    "moe_1B": MoEArgs(
+        dim=1024, n_layers=16, n_heads=16, n_kv_heads=8, multiple_of=64, n_routed_experts=16, top_k=2,
+        n_shared_experts=1, moe_hidden_dim=1024, n_dense_layers=1,
+    ),
     "moe_16B": MoEArgs(
         dim=2048, n_layers=28, n_heads=16, n_kv_heads=16, multiple_of=64, rope_theta=10000.0, norm_eps=1e-6,
         n_routed_experts=64, top_k=6, n_shared_experts=2, moe_hidden_dim=1408, dense_hidden_dim=10944,
