@@ -1,4 +1,4 @@
-"""The MX cast kernels as torch custom ops (namespace ``mx_recipe``), with fake implementations.
+"""The MX cast and GEMM kernels as torch custom ops (namespace ``mx_recipe``), with fake implementations.
 
 torch.compile(fullgraph=True) traces through these as single opaque nodes; the fake
 implementations give output shapes and dtypes without Triton or a GPU (Triton is imported
@@ -11,6 +11,7 @@ launchers, so the two cannot drift apart.
     torch.ops.mx_recipe.cast_groups_dim1(x, offs, elem, mode) -> (qdata, blocked per-group scale)
     torch.ops.mx_recipe.fake_quant_dim0(x, elem, mode) -> dequantized MX along K, x's dtype and shape
     torch.ops.mx_recipe.fake_quant_dim1(x, elem, mode) -> dequantized MX along M, transposed ([.., K, M])
+    torch.ops.mx_recipe.mx_gemm(a_q, a_scale, a_elem, b_q, b_scale, b_elem, out_dtype) -> a @ b.T (mx_gemm.py)
 """
 
 from __future__ import annotations
@@ -105,3 +106,17 @@ def fake_quant_dim1(x: Tensor, elem: str, mode: str) -> Tensor:
 def _(x: Tensor, elem: str, mode: str) -> Tensor:
     check_cast(x, elem, mode, ndims=(2, 3), qdim=-2, op="fake_quant_dim1")
     return x.new_empty((*x.shape[:-2], x.shape[-1], x.shape[-2]))
+
+
+@torch.library.custom_op("mx_recipe::mx_gemm", mutates_args=())
+def mx_gemm(
+    a_q: Tensor, a_scale: Tensor, a_elem: str, b_q: Tensor, b_scale: Tensor, b_elem: str, out_dtype: torch.dtype
+) -> Tensor:
+    from mx_kernels.mx_gemm import mx_gemm as launch
+
+    return launch(a_q, a_scale, a_elem, b_q, b_scale, b_elem, out_dtype)
+
+
+@mx_gemm.register_fake
+def _(a_q: Tensor, a_scale: Tensor, a_elem: str, b_q: Tensor, b_scale: Tensor, b_elem: str, out_dtype: torch.dtype):
+    return a_q.new_empty((a_q.shape[0], b_q.shape[0]), dtype=out_dtype)

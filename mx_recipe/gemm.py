@@ -7,7 +7,12 @@
   in the blocked layout (scale_layout.py): ``torch.nn.functional.scaled_mm`` where the installed
   torch has it (BlockWise1x32 scales, SWIZZLE_32_4_4), else ``torch._scaled_mm``; for MoE,
   ``torch.nn.functional.scaled_grouped_mm`` / ``torch._scaled_grouped_mm``.
-* ``auto``: ``cublas`` where the device and the recipe allow it, else ``emulated``.
+* ``triton``: ``tl.dot_scaled`` (mx_kernels/mx_gemm.py) on NVIDIA GPUs of sm_89 and later, for
+  e4m3, e5m2 and e2m1 operands in any pairing, plain (not blocked) scales. Native block-scaled MMA
+  on sm_100; on sm_90 Triton upcasts both tiles to bf16 (exact, as in ``emulated``) and runs a bf16
+  MMA. Dense GEMMs only (no MoE grouped GEMM).
+* ``auto``: ``cublas`` where the device and the recipe allow it, else ``emulated``; never ``triton``
+  (see ``resolve_backend``).
 
 Entry points of the cublas path, each taking an optional ``scaled_mm`` / ``scaled_grouped_mm``
 callable with the real op's signature (tests pass mx_recipe.scaled_mm_emulator's):
@@ -17,14 +22,20 @@ callable with the real op's signature (tests pass mx_recipe.scaled_mm_emulator's
 * ``mx_grouped_mm_2d_3d(a, w, offs, out_dtype)``: MoE forward / grad-input;
 * ``mx_grouped_mm_2d_2d(a, b, out_dtype)``: MoE grad-weight, groups along the contraction dim.
 
+The triton path: ``mx_mm_triton(a, b, out_dtype)`` from two ``MXTensor`` cast outputs
+(``cast_dim0`` / ``cast_dim1`` with plain scales), through the custom op
+``torch.ops.mx_recipe.mx_gemm`` (opaque to torch.compile).
+
 ``validate_backend(recipe, device)`` resolves a recipe's backend once, at startup, and raises a
 clear error when a forced backend cannot run there.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 
+import mx_kernels.ops  # noqa: F401  (registers torch.ops.mx_recipe.mx_gemm; imports no Triton)
 import torch
 import torch.nn.functional as F
 
@@ -45,6 +56,9 @@ ScaledGroupedMM = Callable[..., torch.Tensor]
 
 CUBLAS_MIN_CAPABILITY = (10, 0)
 CUBLAS_ELEMS = ("e4m3", "e5m2")  # fp8 elements; e2m1 (packed fp4) has no cublas path here
+# tl.dot_scaled takes fp8 operands from sm_89 on (Triton's own tests skip below that).
+TRITON_MIN_CAPABILITY = (8, 9)
+TRITON_ELEMS = ("e4m3", "e5m2", "e2m1")
 
 
 # --- backend selection ---
@@ -85,12 +99,32 @@ def cublas_grouped_available(device: torch.device) -> bool:
     return "USE_MSLK" in config or "USE_FBGEMM_GENAI" in config
 
 
+def triton_available(device: torch.device) -> bool:
+    """Whether the triton backend runs on ``device``: an NVIDIA GPU of sm_89 or later, triton importable."""
+    cap = _device_capability(device)
+    return cap is not None and cap >= TRITON_MIN_CAPABILITY and importlib.util.find_spec("triton") is not None
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     """The concrete backend for ``backend`` on ``device``; 'auto' picks cublas where it runs, else emulated."""
     if backend == "emulated":
         return "emulated"
     if backend == "auto":
+        # Never triton. On sm_100 cublas is the vendor MX GEMM. On sm_90 tl.dot_scaled has no MX MMA
+        # to use: Triton upcasts both tiles to bf16 in the kernel, measured at 120-200 TFLOP/s on an
+        # H200 (DESIGN.md), while emulated (dequantize, then a 740-770 TFLOP/s bf16 torch.mm) costs
+        # 0.91-1.01x of a bf16 mm's time under torch.compile.
         return "cublas" if cublas_available(device) else "emulated"
+    if backend == "triton":
+        if not triton_available(device):
+            cap = _device_capability(device)
+            gpu_ok = cap is not None and cap >= TRITON_MIN_CAPABILITY
+            why = f"triton is not importable ({_describe(device)})" if gpu_ok else _describe(device)
+            raise ValueError(
+                "MX GEMM backend 'triton' needs an NVIDIA GPU of compute capability 8.9 or later (sm_89+) and an "
+                f"importable triton for tl.dot_scaled, but {why}. Use backend 'emulated' (or 'auto') here."
+            )
+        return "triton"
     if backend == "cublas":
         if not cublas_available(device):
             raise ValueError(
@@ -99,7 +133,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
                 "Use backend 'emulated' (or 'auto') here."
             )
         return "cublas"
-    raise ValueError(f"unknown MX GEMM backend {backend!r}; expected 'auto', 'emulated' or 'cublas'")
+    raise ValueError(f"unknown MX GEMM backend {backend!r}; expected 'auto', 'emulated', 'cublas' or 'triton'")
 
 
 def _mx_elems(recipe: MXRecipe) -> set[str]:
@@ -128,12 +162,21 @@ def validate_backend(recipe: MXRecipe, device: torch.device, grouped: bool = Fal
     """Resolve ``recipe.backend`` for ``device`` once, before building: the concrete backend name.
 
     ``grouped``: the model has MoE experts (grouped GEMMs). A forced 'cublas' that the device or the
-    recipe cannot run is a ValueError here. 'auto' takes cublas only for what it is known to run:
-    e4m3 operands (PyTorch's MXFP8 tests and the scaled_mm v2 MXFP8 recipe check cover e4m3 only);
-    anything else stays emulated. A forced 'cublas' runs e5m2 dense GEMMs through torch._scaled_mm,
-    whose checks accept it (unverified on hardware).
+    recipe cannot run is a ValueError here; so is a forced 'triton' off sm_89+ GPUs or with experts
+    (it runs every element format, mixed too, but dense GEMMs only). 'auto' never takes triton, and
+    takes cublas only for what it is known to run: e4m3 operands (PyTorch's MXFP8 tests and the
+    scaled_mm v2 MXFP8 recipe check cover e4m3 only); anything else stays emulated. A forced
+    'cublas' runs e5m2 dense GEMMs through torch._scaled_mm, whose checks accept it (unverified on
+    hardware).
     """
     backend = resolve_backend(recipe.backend, device)
+    if backend == "triton":  # every element format works; only the dense GEMMs are built
+        if grouped:
+            raise ValueError(
+                f"MX recipe {recipe.name!r} cannot use backend 'triton' for this model: the triton backend has no "
+                "MoE grouped GEMM. Use backend 'emulated' (or 'auto')."
+            )
+        return "triton"
     if backend != "cublas":
         return backend
     gaps = _cublas_gaps(recipe, device, grouped)
@@ -218,6 +261,8 @@ def mx_mm(a: MXTensor, b: MXTensor, out_dtype: torch.dtype, backend: str = "auto
     if a.shape[-1] != b.shape[-1]:
         raise ValueError(f"mx_mm: K differs, a {tuple(a.shape)} vs b {tuple(b.shape)}")
     resolved = resolve_backend(backend, a.qdata.device)
+    if resolved == "triton":
+        return mx_mm_triton(a, b, out_dtype)
     fp8 = {a.elem, b.elem} <= set(CUBLAS_ELEMS)
     if backend == "cublas" and not fp8:
         raise ValueError(f"mx_mm: backend 'cublas' takes fp8 MX operands {CUBLAS_ELEMS}, got {a.elem!r}, {b.elem!r}")
@@ -226,6 +271,38 @@ def mx_mm(a: MXTensor, b: MXTensor, out_dtype: torch.dtype, backend: str = "auto
         a_q, b_q = a.qdata.contiguous(), b.qdata.contiguous()
         return mx_scaled_mm(a_q, to_blocked(a.scale), b_q, to_blocked(b.scale), out_dtype)
     return torch.mm(a.dequantize(out_dtype), b.dequantize(out_dtype).t())
+
+
+# --- the triton path ---
+
+
+TRITON_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def mx_mm_triton(a: MXTensor, b: MXTensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b.T`` on ``tl.dot_scaled``: a [M, K] and b [N, K], 2D MXTensors quantized along K
+    (their last dim) with plain scales, e.g. ``cast_dim0`` / ``cast_dim1`` outputs. Any element
+    formats of TRITON_ELEMS, mixed too; fp32 accumulation; bf16, fp16 or fp32 out.
+
+    Checks the operands, not the device: callers resolve the backend first (``mx_mm``,
+    ``validate_backend``). On sm_90 the result equals ``emulated`` up to summation order, except
+    where an element * 2**e leaves bf16's normal range (mx_kernels/mx_gemm.py).
+    """
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, MXTensor):
+            raise TypeError(f"mx_mm_triton: {name} must be an MXTensor with plain scales, got {type(t).__name__}")
+        if t.qdata.dim() != 2 or t.dim != 1 or t.block_size != BLOCK_SIZE:
+            raise ValueError(
+                f"mx_mm_triton: {name} must be 2D, quantized along its last dim in blocks of {BLOCK_SIZE}; got "
+                f"qdata {tuple(t.qdata.shape)}, dim {t.dim}, block_size {t.block_size}"
+            )
+        if t.elem not in TRITON_ELEMS:
+            raise ValueError(f"mx_mm_triton: {name} has element format {t.elem!r}; triton takes {TRITON_ELEMS}")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"mx_mm_triton: K differs, a {tuple(a.shape)} vs b {tuple(b.shape)}")
+    if out_dtype not in TRITON_OUT_DTYPES:
+        raise ValueError(f"mx_mm_triton: out_dtype must be one of {TRITON_OUT_DTYPES}, got {out_dtype}")
+    return torch.ops.mx_recipe.mx_gemm(a.qdata, a.scale, a.elem, b.qdata, b.scale, b.elem, out_dtype)
 
 
 # --- the cublas path: grouped (MoE) ---

@@ -388,8 +388,10 @@ def test_resolve_on_cpu():
     assert resolve_backend("auto", CPU) == "emulated"
     with pytest.raises(ValueError, match=r"'cublas' needs .*compute capability 10\.0.*cpu is not an NVIDIA CUDA"):
         resolve_backend("cublas", CPU)
-    with pytest.raises(ValueError, match="unknown MX GEMM backend 'triton'"):
+    with pytest.raises(ValueError, match=r"'triton' needs .*cpu is not an NVIDIA CUDA"):  # tests/test_gemm_triton.py
         resolve_backend("triton", CPU)
+    with pytest.raises(ValueError, match="unknown MX GEMM backend 'tpu'"):
+        resolve_backend("tpu", CPU)
 
 
 def test_resolve_on_hopper_names_the_device(fake_gpu):
@@ -432,8 +434,9 @@ def test_validate_backend_grouped_needs_the_build(fake_gpu):
 
 def test_recipe_backends():
     assert MXRecipe(backend="cublas").backend == "cublas"
-    with pytest.raises(ValueError, match="triton backend is not built"):
-        MXRecipe(backend="triton")
+    assert MXRecipe(backend="triton").backend == "triton"
+    with pytest.raises(ValueError, match=r"MXRecipe\.backend='tpu'"):
+        MXRecipe(backend="tpu")
 
 
 def test_mx_mm_backends_on_cpu():

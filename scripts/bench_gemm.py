@@ -1,0 +1,175 @@
+"""MX GEMM backends against a bf16 torch.mm, in the same run: TFLOP/s and the time ratio to bf16.
+
+out = a @ b.T for a [M, K] and b [N, K], both cast along K (``cast_dim0``, e4m3 by default), at
+8192^3 and at M = 16384 with (K, N) in (4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192).
+Per shape, what the device offers:
+
+* bf16:        torch.mm of the bf16 inputs (the baseline);
+* emulated:    dequantize both MX operands to bf16, then torch.mm (mx_mm's emulated backend), timed
+               as a whole, under torch.compile (``--eager``: not);
+* emulated_mm: that torch.mm alone, of the already dequantized operands;
+* triton:      tl.dot_scaled (``mx_mm_triton``), NVIDIA sm_89 and later;
+* cublas:      torch's MXFP8 GEMM with blocked scales (``mx_mm_blocked``), sm_100, fp8 elements.
+
+Before timing, each MX result is compared with the emulated one computed in fp32:
+max |MX - emulated| / max |emulated|: summation order and one bf16 rounding, a few 1e-3 at most.
+``--sweep`` also times a few triton tile configs per shape (kernels/mx_gemm.py's default is
+chosen from compiler output, not from timings). ``--out`` writes JSON with provenance for
+docs/results/ (rendered by scripts/perf_report.py).
+
+    python scripts/bench_gemm.py [--elem e4m3] [--rule floor] [--eager] [--sweep] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+import torch
+from bench_meta import run_meta
+from triton.testing import do_bench
+
+from mx_recipe.cast import cast_dim0
+from mx_recipe.formats import ELEM_FORMATS, SCALE_RULES, MXTensor
+from mx_recipe.gemm import CUBLAS_ELEMS, cublas_available, mx_mm, mx_mm_blocked, mx_mm_triton, triton_available
+
+SHAPES = [(8192, 8192, 8192)] + [(16384, k, n) for k, n in [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192)]]
+BACKEND_TITLES = {  # perf_report.py renders these column titles
+    "emulated": "emulated (dequantize + mm)",
+    "emulated_mm": "emulated, mm alone",
+    "triton": "triton dot_scaled",
+    "cublas": "cublas",
+}
+# Tile configs for --sweep (GROUP_M = 8 throughout); the first is SM90_CONFIG. The 128 x 256 one
+# spills a little on sm_90 (ptxas), the others do not.
+SWEEP = [
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+]
+
+
+def bench_ms(fn: Callable[[], torch.Tensor]) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def tflops(m: int, k: int, n: int, ms: float) -> float:
+    return 2 * m * k * n / ms / 1e9
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref|: 0 for the same sums, ~2**-8 for one bf16 rounding apart."""
+    return ((out.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def make_row(m: int, k: int, n: int, bf16_ms: float, mx: dict[str, tuple[float, float]]) -> dict:
+    """One result row: ``mx`` maps backend -> (ms, rel_err); times are per GEMM, medians."""
+    return {
+        "M": m,
+        "K": k,
+        "N": n,
+        "bf16_ms": bf16_ms,
+        "bf16_tflops": tflops(m, k, n, bf16_ms),
+        "mx": {
+            name: {"ms": ms, "tflops": tflops(m, k, n, ms), "ratio": ms / bf16_ms, "rel_err": err}
+            for name, (ms, err) in mx.items()
+        },
+    }
+
+
+def bench_shape(
+    m: int,
+    k: int,
+    n: int,
+    elem: str,
+    rule: str,
+    compiled: bool,
+    sweep: bool,
+    device: torch.device | None = None,
+    timer: Callable[[Callable[[], torch.Tensor]], float] = bench_ms,
+) -> dict:
+    """One row (``make_row``) for one shape. ``device`` and ``timer`` let tests run it on the CPU."""
+    device = device or torch.device("cuda")
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=g)
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=g)
+    a, b = cast_dim0(x, elem, rule), cast_dim0(w, elem, rule)
+    ref = mx_mm(a, b, torch.float32, "emulated")  # exact products, fp32 sums
+
+    bf16_ms = timer(lambda: torch.mm(x, w.t()))
+    mx: dict[str, tuple[float, float]] = {}
+
+    def emulated(aq: torch.Tensor, a_s: torch.Tensor, bq: torch.Tensor, b_s: torch.Tensor) -> torch.Tensor:
+        return mx_mm(MXTensor(aq, a_s, elem, 1), MXTensor(bq, b_s, elem, 1), torch.bfloat16, "emulated")
+
+    emulated_fn = torch.compile(emulated, fullgraph=True) if compiled else emulated
+    # Scales as their uint8 bytes (dequantize reads them so): inductor (torch 2.13, CPU) has no float8_e8m0fnu.
+    args = (a.qdata, a.scale.view(torch.uint8), b.qdata, b.scale.view(torch.uint8))
+    out = emulated_fn(*args)
+    mx["emulated"] = timer(lambda: emulated_fn(*args)), rel_err(out, ref)
+    ad, bd = a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16)
+    mx["emulated_mm"] = timer(lambda: torch.mm(ad, bd.t())), rel_err(torch.mm(ad, bd.t()), ref)
+
+    sweep_rows = []
+    if triton_available(device):
+        out = mx_mm_triton(a, b, torch.bfloat16)
+        mx["triton"] = timer(lambda: mx_mm_triton(a, b, torch.bfloat16)), rel_err(out, ref)
+        if sweep:
+            from mx_kernels.mx_gemm import mx_gemm
+
+            for cfg in SWEEP:
+                cfg = {**cfg, "GROUP_M": 8}
+                fn = lambda cfg=cfg: mx_gemm(a.qdata, a.scale, elem, b.qdata, b.scale, elem, torch.bfloat16, cfg)
+                ms, err = timer(fn), rel_err(fn(), ref)
+                sweep_rows.append({"config": cfg, "ms": ms, "tflops": tflops(m, k, n, ms), "rel_err": err})
+    if cublas_available(device) and elem in CUBLAS_ELEMS:
+        ab, bb = cast_dim0(x, elem, rule, blocked_scales=True), cast_dim0(w, elem, rule, blocked_scales=True)
+        try:
+            out = mx_mm_blocked(ab, bb, torch.bfloat16)
+            mx["cublas"] = timer(lambda: mx_mm_blocked(ab, bb, torch.bfloat16)), rel_err(out, ref)
+        except (RuntimeError, NotImplementedError) as err:  # e5m2: torch's checks accept it, cuBLAS may not
+            print(f"cublas failed at {m}x{k}x{n} ({elem}): {err}")
+    row = make_row(m, k, n, bf16_ms, mx)
+    if sweep_rows:
+        row["triton_sweep"] = sweep_rows
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--elem", default="e4m3", choices=list(ELEM_FORMATS))
+    parser.add_argument("--rule", default="floor", choices=list(SCALE_RULES))
+    parser.add_argument("--eager", action="store_true", help="do not torch.compile the emulated dequantize + mm")
+    parser.add_argument("--sweep", action="store_true", help="also time the triton tile configs in SWEEP")
+    parser.add_argument("--out", help="write the rows as JSON here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gemm.py needs a CUDA GPU")
+    print(
+        f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, elem {args.elem}, rule {args.rule}, "
+        f"emulated {'eager' if args.eager else 'under torch.compile'}; TFLOP/s (time / bf16 time), "
+        "[max |MX - emulated fp32| / max |emulated|]"
+    )
+    rows = []
+    for m, k, n in SHAPES:
+        rows.append(bench_shape(m, k, n, args.elem, args.rule, not args.eager, args.sweep))
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        r = rows[-1]
+        cells = [f"{name} {v['tflops']:.0f} ({v['ratio']:.2f}x) [{v['rel_err']:.1e}]" for name, v in r["mx"].items()]
+        print(f"{m:>6} {k:>6} {n:>6}  bf16 {r['bf16_tflops']:.0f}  " + "  ".join(cells))
+        for s in r.get("triton_sweep", []):
+            print(f"{'':>22}triton {s['config']}: {s['tflops']:.0f} TFLOP/s [{s['rel_err']:.1e}]")
+    if args.out:
+        backends = [name for name in BACKEND_TITLES if any(name in r["mx"] for r in rows)]
+        meta = run_meta(elem=args.elem, rule=args.rule, compiled=not args.eager)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "backends": backends, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
