@@ -18,6 +18,10 @@ one kernel reads the input once and writes the result, with no qdata, scales or 
 intermediates in between; fp32 input takes the reference (see _use_fake_quant_kernels).
 
 e2m1 (fp4) has no Triton kernel: on CUDA it takes the reference path too (correct, slow).
+
+``rounding="stochastic"`` (the 2D casts and fake-quants; recipe.py allows it for e2m1 gradients)
+always takes the reference: the kernels round to nearest. Its random bits come from ``generator``,
+or the default generator of the input's device when it is None (formats.to_mx).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import mx_kernels.ops  # noqa: F401  (registers torch.ops.mx_recipe.*; imports n
 import torch
 from mx_kernels.common import KERNEL_ELEMS, check_offs
 
-from mx_recipe.formats import BLOCK_SIZE, MXTensor, to_mx
+from mx_recipe.formats import BLOCK_SIZE, MXTensor, fake_quant, to_mx
 from mx_recipe.scale_layout import (
     from_blocked,
     from_blocked_3d,
@@ -88,8 +92,8 @@ class BlockedMXTensor:
         return MXTensor(self.qdata, scale, self.elem, self.dim, self.block_size)
 
 
-def _use_kernels(x: torch.Tensor, elem: str) -> bool:
-    return x.is_cuda and elem in KERNEL_ELEMS
+def _use_kernels(x: torch.Tensor, elem: str, rounding: str = "nearest") -> bool:
+    return x.is_cuda and elem in KERNEL_ELEMS and rounding == "nearest"
 
 
 def _check_ndim(x: torch.Tensor, ndim: int, op: str) -> None:
@@ -112,30 +116,40 @@ def _result(
 
 
 def cast_dim0(
-    x: torch.Tensor, elem: str = "e4m3", mode: str = "floor", blocked_scales: bool = False
+    x: torch.Tensor,
+    elem: str = "e4m3",
+    mode: str = "floor",
+    blocked_scales: bool = False,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
 ) -> MXTensor | BlockedMXTensor:
     """x [M, K] -> MX along K: qdata [M, K], scales [M, K/32]; equals ``to_mx(x, elem, mode, dim=-1)``."""
     _check_ndim(x, 2, "cast_dim0")
     m, k = x.shape
-    if _use_kernels(x, elem):
+    if _use_kernels(x, elem, rounding):
         qdata, scale = torch.ops.mx_recipe.cast_dim0(x, elem, mode, blocked_scales)
     else:
-        ref = to_mx(x, elem, mode, dim=-1)
+        ref = to_mx(x, elem, mode, dim=-1, rounding=rounding, generator=generator)
         qdata, scale = ref.qdata, to_blocked(ref.scale) if blocked_scales else ref.scale
     return _result(qdata, scale, elem, blocked_scales, (m, k // BLOCK_SIZE))
 
 
 def cast_dim1(
-    x: torch.Tensor, elem: str = "e4m3", mode: str = "floor", blocked_scales: bool = False
+    x: torch.Tensor,
+    elem: str = "e4m3",
+    mode: str = "floor",
+    blocked_scales: bool = False,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
 ) -> MXTensor | BlockedMXTensor:
     """x [M, K] -> MX along M, stored as the MX form of x.t(): qdata [K, M], scales [K, M/32];
     equals ``to_mx(x.t().contiguous(), elem, mode, dim=-1)``."""
     _check_ndim(x, 2, "cast_dim1")
     m, k = x.shape
-    if _use_kernels(x, elem):
+    if _use_kernels(x, elem, rounding):
         qdata, scale = torch.ops.mx_recipe.cast_dim1(x, elem, mode, blocked_scales)
     else:
-        ref = to_mx(x.t().contiguous(), elem, mode, dim=-1)
+        ref = to_mx(x.t().contiguous(), elem, mode, dim=-1, rounding=rounding, generator=generator)
         qdata, scale = ref.qdata, to_blocked(ref.scale) if blocked_scales else ref.scale
     return _result(qdata, scale, elem, blocked_scales, (k, m // BLOCK_SIZE))
 
@@ -221,26 +235,38 @@ def cast_groups_dim1(
     return _result(qdata, scale, elem, blocked_scales, (k, m // BLOCK_SIZE), group_offs)
 
 
-def _use_fake_quant_kernels(x: torch.Tensor, elem: str) -> bool:
+def _use_fake_quant_kernels(x: torch.Tensor, elem: str, rounding: str) -> bool:
     # bf16 only: on an H200 the fake-quant kernels gave wrong values for fp32 input (bit-exact in
     # the Triton interpreter and for bf16 on the GPU; cause not found yet). fp32 takes the reference.
-    return _use_kernels(x, elem) and x.dtype == torch.bfloat16
+    return _use_kernels(x, elem, rounding) and x.dtype == torch.bfloat16
 
 
-def fake_quant_dim0(x: torch.Tensor, elem: str = "e4m3", mode: str = "floor") -> torch.Tensor:
+def fake_quant_dim0(
+    x: torch.Tensor,
+    elem: str = "e4m3",
+    mode: str = "floor",
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """x [M, K] or [E, M, K] -> ``to_mx(x, elem, mode, dim=-1).dequantize(x.dtype)``, bit for bit."""
     if x.dim() not in (2, 3):
         raise ValueError(f"fake_quant_dim0 takes a 2D or 3D tensor, got shape {tuple(x.shape)}")
-    if _use_fake_quant_kernels(x, elem):
+    if _use_fake_quant_kernels(x, elem, rounding):
         return torch.ops.mx_recipe.fake_quant_dim0(x, elem, mode)
-    return to_mx(x, elem, mode, dim=-1).dequantize(x.dtype)
+    return fake_quant(x, elem, mode, dim=-1, rounding=rounding, generator=generator)
 
 
-def fake_quant_dim1(x: torch.Tensor, elem: str = "e4m3", mode: str = "floor") -> torch.Tensor:
+def fake_quant_dim1(
+    x: torch.Tensor,
+    elem: str = "e4m3",
+    mode: str = "floor",
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """x [M, K] or [E, M, K] -> the same along M, transposed: [.., K, M], equal to
     ``to_mx(x.transpose(-2, -1).contiguous(), elem, mode).dequantize(x.dtype)``, bit for bit."""
     if x.dim() not in (2, 3):
         raise ValueError(f"fake_quant_dim1 takes a 2D or 3D tensor, got shape {tuple(x.shape)}")
-    if _use_fake_quant_kernels(x, elem):
+    if _use_fake_quant_kernels(x, elem, rounding):
         return torch.ops.mx_recipe.fake_quant_dim1(x, elem, mode)
-    return to_mx(x.transpose(-2, -1).contiguous(), elem, mode, dim=-1).dequantize(x.dtype)
+    return fake_quant(x.transpose(-2, -1).contiguous(), elem, mode, dim=-1, rounding=rounding, generator=generator)

@@ -16,6 +16,13 @@ bit for bit against this file, and this file against the numerics contract of DE
   cuBLAS/TE code 0xFE) and its infinities saturate to +-max_normal;
 * rounding is IEEE: a negative value that rounds to zero keeps its sign (fp8 0x80, e2m1 0x8).
 
+Stochastic rounding (``rounding="stochastic"``, for MXFP4 gradients; recipe.py) changes only
+the element rounding: a scaled value between adjacent grid points lo < |v| < hi of the element
+format goes to hi with probability (|v| - lo) / (hi - lo), else to lo, so its expectation is v.
+Scales, saturation to max_normal, NaN, Inf and zero (and -0) are exactly as above, and a value
+on the grid never moves. The random bits are a uniform [0, 1) fp32 tensor, given or drawn from
+a ``torch.Generator`` (the device's default one when none is given).
+
 Both rules are computed exactly, on the fp32 bits of amax, with no division and no
 log: for a normal amax = 1.m * 2**E, floor gives E - emax, and rceil gives E - emax
 plus one when the mantissa of amax exceeds the mantissa of max_normal (amax / max_normal
@@ -71,6 +78,7 @@ E2M1 = ElemFormat("e2m1", ebits=2, mbits=1, emax=2, max_normal=6.0, torch_dtype=
 
 ELEM_FORMATS: dict[str, ElemFormat] = {f.name: f for f in (E4M3, E5M2, E2M1)}
 SCALE_RULES = ("floor", "rceil")
+ROUNDINGS = ("nearest", "stochastic")
 
 # fp8 NaN encoding used for every element of a NaN block (sign bit clear).
 FP8_NAN_BITS = 0x7F
@@ -122,6 +130,26 @@ def round_to_format(v: torch.Tensor, fmt: ElemFormat) -> torch.Tensor:
     k = (exp - 1).clamp(min=fmt.emin)  # exponent of v's binade, subnormals share emin's ulp
     ulp = exp2_fp32(k - fmt.mbits)
     return torch.round(v / ulp) * ulp  # power-of-two scaling is exact; torch.round is half-to-even
+
+
+def round_to_format_stochastic(v: torch.Tensor, fmt: ElemFormat, uniform: torch.Tensor) -> torch.Tensor:
+    """Round fp32 ``v`` to one of the two values of ``fmt`` around it, lo <= |v| <= hi: up to hi when
+    ``uniform < (|v| - lo) / (hi - lo)``, so with probability (|v| - lo) / (hi - lo) for a uniform
+    [0, 1) draw. Saturates to +-max_normal like ``round_to_format``; -0 stays -0; a value of the
+    grid has fraction 0 and never moves. ``uniform``: fp32 in [0, 1), the shape of ``v``.
+
+    The probability is P(u < f) for the fraction f: exactly f for a continuous draw. torch.rand's
+    CPU draws are multiples of 2**-24, exact for every f on that grid (any fp32 v in a normal binade
+    of the format) and at most 2**-24 above f otherwise."""
+    v = v.clamp(-fmt.max_normal, fmt.max_normal)  # inf saturates; max_normal is on the grid
+    mag = v.abs()
+    _, exp = torch.frexp(mag)
+    k = (exp - 1).clamp(min=fmt.emin)  # as in round_to_format: the ulp of |v|'s binade
+    ulp = exp2_fp32(k - fmt.mbits)
+    units = mag / ulp  # exact (power-of-two scaling); lo = floor(units) * ulp, hi = lo + ulp
+    lo = torch.floor(units)
+    up = (uniform < units - lo).to(torch.float32)  # units - lo is exact: the fraction in [0, 1)
+    return torch.copysign((lo + up) * ulp, v)  # copysign keeps -0 for negatives that go to zero
 
 
 def _encode_e2m1(q: torch.Tensor) -> torch.Tensor:
@@ -197,16 +225,43 @@ class MXTensor:
         return (elems * factor).to(dtype)
 
 
-def to_mx(
+@torch.library.custom_op("mx_recipe::uniform_like", mutates_args=(), tags=torch.Tag.nondeterministic_seeded)
+def uniform_like(x: torch.Tensor) -> torch.Tensor:
+    """``torch.rand(x.shape)`` in fp32 on x's device, from the default generator: stochastic
+    rounding's random bits. An op that takes x, so that under torch.compile the draw stays where x
+    is made: AOTAutograd moves a random op that reads nothing of the backward (torch.rand(shape))
+    into the forward graph and saves its output for backward, 4 bytes per element of the gradient."""
+    return torch.rand(x.shape, dtype=torch.float32, device=x.device)
+
+
+@uniform_like.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+def _check_rounding(rounding: str, generator: torch.Generator | None, uniform: torch.Tensor | None) -> None:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"unknown MX rounding {rounding!r}; expected one of {list(ROUNDINGS)}")
+    if rounding == "nearest" and (generator is not None or uniform is not None):
+        raise ValueError("to_mx: generator and uniform are random bits for rounding='stochastic' only")
+
+
+def _quantize_blocks(
     x: torch.Tensor,
-    elem: str = "e4m3",
-    mode: str = "floor",
-    dim: int = -1,
-    block_size: int = BLOCK_SIZE,
-) -> MXTensor:
-    """Quantize ``x`` (bf16 or fp32) to MX along ``dim`` in blocks of ``block_size``."""
+    elem: str,
+    mode: str,
+    dim: int,
+    block_size: int,
+    rounding: str,
+    generator: torch.Generator | None,
+    uniform: torch.Tensor | None,
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MX math shared by ``to_mx`` and ``fake_quant``, with ``dim`` moved last and cut in blocks:
+    (dim as a non-negative index, elements q (fp32 values of the format) [..., n, block_size],
+    exponents e (int32) [..., n, 1], NaN-block mask [..., n, 1])."""
     fmt = elem_format(elem)
     _check_mode(mode)
+    _check_rounding(rounding, generator, uniform)
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"to_mx takes bf16 or fp32 input, got {x.dtype}")
     if x.dim() == 0:
@@ -222,15 +277,70 @@ def to_mx(
     amax = blocks.abs().amax(dim=-1, keepdim=True)  # NaN propagates into amax
     is_nan = amax.isnan()
     e = scale_exponent(torch.where(is_nan, 0.0, amax), fmt, mode)
-    q = round_to_format(blocks * exp2_fp32(-e), fmt)
+    scaled = blocks * exp2_fp32(-e)
+    if rounding == "nearest":
+        q = round_to_format(scaled, fmt)
+    else:
+        if uniform is None and generator is None:
+            uniform = uniform_like(x.detach())
+        elif uniform is None:
+            uniform = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+        elif uniform.shape != x.shape or uniform.dtype != torch.float32:
+            raise ValueError(
+                f"to_mx: uniform must be fp32 of the input's shape {tuple(x.shape)}, "
+                f"got {uniform.dtype} {tuple(uniform.shape)}"
+            )
+        q = round_to_format_stochastic(scaled, fmt, uniform.movedim(dim, -1).reshape(blocks.shape))
+    return dim, q, e, is_nan
+
+
+def fake_quant(
+    x: torch.Tensor,
+    elem: str = "e4m3",
+    mode: str = "floor",
+    dim: int = -1,
+    block_size: int = BLOCK_SIZE,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``to_mx(x, ...).dequantize(x.dtype)``, bit for bit, without the MXTensor in between.
+
+    Elements times 2**e in fp32, NaN for NaN blocks: the same products ``dequantize`` forms.
+    No e8m0 scales and no packed fp4 on the way, which skips the e2m1 encode and decode and lets
+    inductor's CPU backend compile it (its C++ code generation has no float8_e8m0fnu type).
+    """
+    dim, q, e, is_nan = _quantize_blocks(x, elem, mode, dim, block_size, rounding, generator, uniform)
+    out = torch.where(is_nan, torch.nan, q * exp2_fp32(e))
+    return out.reshape(*out.shape[:-2], -1).movedim(-1, dim).contiguous().to(x.dtype)
+
+
+def to_mx(
+    x: torch.Tensor,
+    elem: str = "e4m3",
+    mode: str = "floor",
+    dim: int = -1,
+    block_size: int = BLOCK_SIZE,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
+) -> MXTensor:
+    """Quantize ``x`` (bf16 or fp32) to MX along ``dim`` in blocks of ``block_size``.
+
+    ``rounding``: "nearest" (ties to even) or "stochastic", whose random bits are ``uniform`` (fp32
+    in [0, 1), x's shape) when given, else ``torch.rand`` from ``generator`` (None: the default one).
+    """
+    fmt = elem_format(elem)
+    dim, q, e, is_nan = _quantize_blocks(x, elem, mode, dim, block_size, rounding, generator, uniform)
+    v_shape = (*q.shape[:-2], q.shape[-2] * block_size)
     biased = torch.where(is_nan, E8M0_NAN, e + E8M0_BIAS).to(torch.uint8)
     scale = biased.squeeze(-1).view(torch.float8_e8m0fnu).movedim(-1, dim).contiguous()
 
     if fmt.torch_dtype is None:
         codes = torch.where(is_nan, 0, _encode_e2m1(q)).to(torch.uint8)
-        qdata = pack_fp4(codes.reshape(v.shape))
+        qdata = pack_fp4(codes.reshape(v_shape))
     else:
         bits = q.to(fmt.torch_dtype).view(torch.uint8)
         qdata = torch.where(is_nan, FP8_NAN_BITS, bits).to(torch.uint8)
-        qdata = qdata.reshape(v.shape).view(fmt.torch_dtype)
+        qdata = qdata.reshape(v_shape).view(fmt.torch_dtype)
     return MXTensor(qdata=qdata.movedim(-1, dim).contiguous(), scale=scale, elem=elem, dim=dim, block_size=block_size)

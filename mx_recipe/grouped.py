@@ -48,13 +48,14 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         x, w, offs = ctx.saved_tensors
         recipe: MXRecipe = ctx.recipe
         rule, dtype = recipe.scale_rule, g.dtype
+        rounding = recipe.grad_rounding  # of g only: the upstream gradient
         g = g.contiguous()
         gx = gw = None
         if ctx.needs_input_grad[0]:
             if recipe.grad_input == HIGH_PRECISION:
                 gx = _grouped(g, w, offs, dtype)
             else:  # g along N; each expert's w along N, written [E, K, N] by the 3D dim1 cast
-                g_deq = fake_quant_dim0(g, recipe.grad, rule).to(dtype)
+                g_deq = fake_quant_dim0(g, recipe.grad, rule, rounding).to(dtype)
                 w_deq = fake_quant_dim1(w, recipe.grad_input, rule).to(dtype)  # [E, K, N]
                 gx = _grouped(g_deq, w_deq.transpose(-2, -1), offs, dtype)
         if ctx.needs_input_grad[1]:
@@ -63,7 +64,7 @@ class _MXGroupedMMFunction(torch.autograd.Function):
             else:  # g and x along M inside each group, groups padded to multiples of 32
                 dest, padded_offs, size = padded_group_layout(offs, x.shape[0], recipe.block_size)
                 g_pad, x_pad = pad_groups(g, dest, size), pad_groups(x, dest, size)
-                g_deq = fake_quant_dim1(g_pad, recipe.grad, rule).to(dtype)  # [N, M_pad]
+                g_deq = fake_quant_dim1(g_pad, recipe.grad, rule, rounding).to(dtype)  # [N, M_pad]
                 x_deq = fake_quant_dim1(x_pad, recipe.grad_weight, rule).to(dtype)  # [K, M_pad]
                 gw = _grouped(g_deq, x_deq.t(), padded_offs, dtype)
         return (

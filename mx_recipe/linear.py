@@ -5,6 +5,10 @@ For y = x @ w.T with x: [M, K], w: [N, K] and the upstream gradient g: [M, N]:
     forward      y  = x @ w.T   x along K, w along K
     grad input   gx = g @ w     g along N, w along N
     grad weight  gw = g.T @ x   g along M, x along M
+
+With ``recipe.save_mx_input`` the forward also casts x along M (for the grad-weight GEMM) and
+saves that MX tensor for backward instead of x: the same operand backward would have cast, so
+the gradients are bit-identical, and the saved activation is ~1.03 bytes per element, not 2.
 """
 
 from __future__ import annotations
@@ -13,9 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mx_recipe.cast import cast_dim0, cast_dim1, fake_quant_dim0, fake_quant_dim1
-from mx_recipe.gemm import mx_mm_blocked, validate_backend
+from mx_recipe.cast import BlockedMXTensor, cast_dim0, cast_dim0_dim1, cast_dim1, fake_quant_dim0, fake_quant_dim1
+from mx_recipe.formats import E2M1_VALUES, E8M0_BIAS, E8M0_NAN, MXTensor, exp2_fp32, unpack_fp4
+from mx_recipe.gemm import mx_mm_blocked, mx_mm_triton, validate_backend
 from mx_recipe.recipe import HIGH_PRECISION, MXRecipe
+
+MXOperand = MXTensor | BlockedMXTensor
 
 
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -24,73 +31,144 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, pad)) if pad else t
 
 
-def _along_last(t: torch.Tensor, elem: str, rule: str, dtype: torch.dtype) -> torch.Tensor:
+def _along_last(t: torch.Tensor, elem: str, rule: str, dtype: torch.dtype, rounding: str = "nearest") -> torch.Tensor:
     """t [R, C] quantized along C and dequantized: the emulated backend's operand."""
-    return fake_quant_dim0(t, elem, rule).to(dtype)
+    return fake_quant_dim0(t, elem, rule, rounding).to(dtype)
 
 
-def _along_first(t: torch.Tensor, elem: str, rule: str, dtype: torch.dtype) -> torch.Tensor:
+def _along_first(t: torch.Tensor, elem: str, rule: str, dtype: torch.dtype, rounding: str = "nearest") -> torch.Tensor:
     """t [R, C] quantized along R and dequantized, written transposed: [C, R]."""
-    return fake_quant_dim1(t, elem, rule).to(dtype)
+    return fake_quant_dim1(t, elem, rule, rounding).to(dtype)
 
 
-def _cublas_mm(a: torch.Tensor, b: torch.Tensor, a_elem: str, b_elem: str, rule: str, a_first: bool, b_first: bool):
-    """a @ b.T on the hardware MX GEMM: each operand cast along its first dim (``*_first``, written
-    transposed) or its last, with scales straight into the blocked layout."""
-    a_mx = (cast_dim1 if a_first else cast_dim0)(a, a_elem, rule, blocked_scales=True)
-    b_mx = (cast_dim1 if b_first else cast_dim0)(b, b_elem, rule, blocked_scales=True)
-    return mx_mm_blocked(a_mx, b_mx, a.dtype)
+def _dequantize(t: MXTensor, dtype: torch.dtype) -> torch.Tensor:
+    """A 2D MXTensor quantized along its last dim -> values in ``dtype``, bit for bit
+    ``t.dequantize(dtype)``, with per-block scales broadcast rather than repeated and no full-size
+    fp32 temporaries for fp8 (this runs in backward, where memory peaks).
+
+    Elements and 2**e (e in [-127, 127]) are exact in bf16, and their product is exact in fp32,
+    which is how PyTorch multiplies bf16: one rounding to dtype, as ``dequantize`` does."""
+    rows, cols = t.shape
+    if t.elem == "e2m1":
+        codes = unpack_fp4(t.qdata)
+        table = torch.tensor(E2M1_VALUES, dtype=dtype, device=codes.device)
+        mag = table[(codes & 0x7).long()]
+        elems = torch.where((codes & 0x8) != 0, -mag, mag)
+    else:
+        elems = t.qdata.to(dtype)
+    biased = t.scale.view(torch.uint8).to(torch.int32)
+    factor = torch.where(biased == E8M0_NAN, torch.nan, exp2_fp32(biased - E8M0_BIAS)).to(dtype)
+    return (elems.view(rows, cols // t.block_size, t.block_size) * factor[..., None]).view(rows, cols)
+
+
+def _cast(backend: str, t: torch.Tensor, elem: str, rule: str, first: bool, rounding: str = "nearest") -> MXOperand:
+    """t quantized along its first dim (``first``: written transposed, [C, R]) or its last, in the
+    form the backend's GEMM reads: blocked scales for cublas, plain ones for triton."""
+    cast = cast_dim1 if first else cast_dim0
+    return cast(t, elem, rule, blocked_scales=backend == "cublas", rounding=rounding)
+
+
+def _mx_mm(backend: str, a: MXOperand, b: MXOperand, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b.T on the backend's MX GEMM kernel; both operands quantized along their last dim."""
+    if backend == "cublas":
+        return mx_mm_blocked(a, b, out_dtype)
+    return mx_mm_triton(a, b, out_dtype)
 
 
 class _MXLinearFunction(torch.autograd.Function):
     """Each GEMM is ``a @ b.T`` of two operands quantized along the GEMM's K. Emulated backend:
     both dequantized exactly by the fake-quant casts, then a bf16 GEMM (a hardware MX GEMM up to
-    summation order). cublas backend (sm_100): fp8 operands and blocked scales to torch's MX GEMM."""
+    summation order). cublas backend (sm_100): fp8 operands and blocked scales to torch's MX GEMM.
+    triton backend: the same casts with plain scales to ``tl.dot_scaled`` (gemm.mx_mm_triton)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: MXRecipe) -> torch.Tensor:
-        ctx.cublas = validate_backend(recipe, x.device) == "cublas"
-        ctx.save_for_backward(x, w)
-        ctx.recipe = recipe
-        elem, rule, dtype = recipe.forward, recipe.scale_rule, x.dtype
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: MXRecipe, save_mx: bool) -> torch.Tensor:
+        backend = validate_backend(recipe, x.device)
+        ctx.backend, ctx.recipe, ctx.save_mx, ctx.x_dtype = backend, recipe, save_mx, x.dtype
+        elem, rule, dtype, bs = recipe.forward, recipe.scale_rule, x.dtype, recipe.block_size
+        wgrad_elem = recipe.grad_weight
+        x_m = None  # x along M in MX form ([K, M padded to 32]), when it is saved that way
         if elem == HIGH_PRECISION:
-            return torch.mm(x, w.to(dtype).t())
-        # y = x @ w.T: x along K, w along K.
-        if ctx.cublas:
-            return _cublas_mm(x, w.to(dtype), elem, elem, rule, False, False)
-        return torch.mm(_along_last(x, elem, rule, dtype), _along_last(w, elem, rule, dtype).t())
+            y = torch.mm(x, w.to(dtype).t())
+        elif backend == "emulated":
+            # y = x @ w.T: x along K, w along K. Not the fused cast_dim0_dim1 for a saved x: it gives x
+            # along K as MX data, to dequantize in another pass, where fake_quant_dim0 reads x and
+            # writes the GEMM operand in one kernel; the saved x along M is cast below.
+            y = torch.mm(_along_last(x, elem, rule, dtype), _along_last(w, elem, rule, dtype).t())
+        else:
+            w_k = _cast(backend, w.to(dtype), elem, rule, first=False)
+            if save_mx and wgrad_elem == elem and x.shape[0] % bs == 0:
+                # one read of x for both orientations (no padding needed, so the forward operand
+                # is the very one cast_dim0 gives)
+                x_k, x_m = cast_dim0_dim1(x, elem, rule, blocked_scales=backend == "cublas")
+            else:
+                x_k = _cast(backend, x, elem, rule, first=False)
+            y = _mx_mm(backend, x_k, w_k, dtype)
+        if save_mx and x_m is None:
+            x_m = _cast(backend, _pad_rows(x, bs), wgrad_elem, rule, first=True)  # emulated: plain scales
+        if x_m is None:
+            ctx.save_for_backward(x, w)
+        else:
+            ctx.save_for_backward(x_m.qdata, x_m.scale, w)
+        return y
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        x, w = ctx.saved_tensors
         recipe: MXRecipe = ctx.recipe
-        rule, dtype = recipe.scale_rule, g.dtype
+        backend: str = ctx.backend
+        if ctx.save_mx:
+            xm_data, xm_scale, w = ctx.saved_tensors
+            x = None
+        else:
+            x, w = ctx.saved_tensors
+        rule, dtype, bs = recipe.scale_rule, g.dtype, recipe.block_size
+        rounding = recipe.grad_rounding  # of g only: the upstream gradient
         g = g.contiguous()
         gx = gw = None
         if ctx.needs_input_grad[0]:
             if recipe.grad_input == HIGH_PRECISION:
                 gx = torch.mm(g, w.to(dtype))
-            elif ctx.cublas:  # gx = g @ w: g along N, w along N (as [K, N])
-                gx = _cublas_mm(g, w.to(dtype), recipe.grad, recipe.grad_input, rule, False, True)
-            else:
-                g_q, w_q = _along_last(g, recipe.grad, rule, dtype), _along_first(w, recipe.grad_input, rule, dtype)
+            elif backend == "emulated":  # gx = g @ w: g along N, w along N (as [K, N])
+                g_q = _along_last(g, recipe.grad, rule, dtype, rounding)
+                w_q = _along_first(w, recipe.grad_input, rule, dtype)
                 gx = torch.mm(g_q, w_q.t())
+            else:
+                g_n = _cast(backend, g, recipe.grad, rule, first=False, rounding=rounding)
+                gx = _mx_mm(backend, g_n, _cast(backend, w.to(dtype), recipe.grad_input, rule, first=True), dtype)
         if ctx.needs_input_grad[1]:
             if recipe.grad_weight == HIGH_PRECISION:
                 gw = torch.mm(g.t(), x.to(dtype))
             else:  # gw = g.T @ x: both along M; zero rows pad M and add nothing to the sum
-                g_pad, x_pad = _pad_rows(g, recipe.block_size), _pad_rows(x, recipe.block_size)
-                if ctx.cublas:
-                    gw = _cublas_mm(g_pad, x_pad.to(dtype), recipe.grad, recipe.grad_weight, rule, True, True)
-                else:
-                    g_q = _along_first(g_pad, recipe.grad, rule, dtype)  # [N, M]
-                    x_q = _along_first(x_pad, recipe.grad_weight, rule, dtype)  # [K, M]
+                g_pad = _pad_rows(g, bs)
+                if backend == "emulated":
+                    g_q = _along_first(g_pad, recipe.grad, rule, dtype, rounding)  # [N, M]
+                    if x is None:  # the cast forward saved, dequantized as fake_quant_dim1 gives it
+                        x_mx = MXTensor(xm_data, xm_scale, recipe.grad_weight, 1, bs)
+                        x_q = _dequantize(x_mx, ctx.x_dtype).to(dtype)  # [K, M]
+                    else:
+                        x_q = _along_first(_pad_rows(x, bs), recipe.grad_weight, rule, dtype)  # [K, M]
                     gw = torch.mm(g_q, x_q.t())
+                else:
+                    g_m = _cast(backend, g_pad, recipe.grad, rule, first=True, rounding=rounding)  # [N, M]
+                    if x is None:
+                        x_m = _saved_operand(backend, xm_data, xm_scale, recipe.grad_weight, bs)
+                    else:
+                        x_m = _cast(backend, _pad_rows(x, bs).to(dtype), recipe.grad_weight, rule, first=True)
+                    gw = _mx_mm(backend, g_m, x_m, dtype)
         return (
-            None if gx is None else gx.to(x.dtype),
+            None if gx is None else gx.to(ctx.x_dtype),
             None if gw is None else gw.to(w.dtype),
             None,
+            None,
         )
+
+
+def _saved_operand(backend: str, qdata: torch.Tensor, scale: torch.Tensor, elem: str, bs: int) -> MXOperand:
+    """The saved x along M ([K, M_pad], quantized along its last dim) as the backend's GEMM operand."""
+    if backend == "cublas":  # fp8 only (one element per byte); the blocked bytes hold [K, M_pad / 32]
+        rows, cols = qdata.shape
+        return BlockedMXTensor(qdata, scale, elem, 1, (rows, cols // bs), bs)
+    return MXTensor(qdata, scale, elem, 1, bs)
 
 
 def mx_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: MXRecipe) -> torch.Tensor:
@@ -100,7 +178,10 @@ def mx_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recip
         raise ValueError(
             f"mx_linear: weight shape {tuple(w.shape)} needs in and out features divisible by {recipe.block_size}"
         )
-    y = _MXLinearFunction.apply(x.reshape(-1, k), w, recipe).reshape(*x.shape[:-1], n)
+    # Cast x for grad weight in forward only when that gradient will be computed (not under
+    # no_grad, as in evaluation, nor for a frozen weight).
+    save_mx = recipe.save_mx_input and torch.is_grad_enabled() and w.requires_grad
+    y = _MXLinearFunction.apply(x.reshape(-1, k), w, recipe, save_mx).reshape(*x.shape[:-1], n)
     return y if bias is None else y + bias.to(y.dtype)
 
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from mx_recipe.formats import ELEM_FORMATS, SCALE_RULES
+from mx_recipe.formats import ELEM_FORMATS, ROUNDINGS, SCALE_RULES
 
 HIGH_PRECISION = "bf16"  # keep that GEMM in bf16: no casts at all
 GEMM_FORMATS = (*ELEM_FORMATS, HIGH_PRECISION)
 GRAD_FORMATS = ("e4m3", "e5m2", "e2m1")
 # "cublas": torch's MXFP8 block-scaled GEMMs, sm_100 and later (mx_recipe.gemm.validate_backend
-# checks the device at startup). "triton" is not built; naming it is an error.
-BACKENDS = ("auto", "emulated", "cublas")
+# checks the device at startup). "triton": tl.dot_scaled, NVIDIA sm_89 and later, dense GEMMs only
+# (mx_recipe/gemm.py; "auto" never picks it: on sm_90 it is slower than "emulated").
+BACKENDS = ("auto", "emulated", "cublas", "triton")
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,16 @@ class MXRecipe:
     forward:     y  = x @ w.T   -- element format of x and w (or "bf16")
     grad_input:  gx = g @ w     -- element format of w (or "bf16"); g uses ``grad``
     grad_weight: gw = g.T @ x   -- element format of x (or "bf16"); g uses ``grad``
+
+    grad_rounding: how g is rounded to ``grad`` in the backward GEMMs: "nearest" (ties to even) or
+        "stochastic" (formats.py; unbiased), which needs grad="e2m1": it is for MXFP4 gradients, whose
+        1-bit mantissa makes round-to-nearest's bias matter; the fp8 cast kernels round to nearest.
+        Random bits come from the default generator of g's device (torch.manual_seed repeats them).
+    save_mx_input: save x for backward in MX form, x along M as the grad-weight GEMM quantizes it
+        (fp8 + e8m0 scales, about 1.03 bytes per element instead of bf16's 2; e2m1 about 0.53), cast in
+        forward, instead of x in bf16. Bit-identical gradients, since that GEMM quantizes x along M
+        anyway. Needs an MX grad_weight (with "bf16" the GEMM reads x itself). MXLinear only: the
+        MoE grouped GEMM saves x as it is.
     """
 
     name: str = "custom"
@@ -31,6 +42,8 @@ class MXRecipe:
     scale_rule: str = "floor"
     backend: str = "auto"
     block_size: int = 32
+    grad_rounding: str = "nearest"
+    save_mx_input: bool = False
 
     def __post_init__(self) -> None:
         for field in ("forward", "grad_input", "grad_weight"):
@@ -42,15 +55,26 @@ class MXRecipe:
         if self.scale_rule not in SCALE_RULES:
             raise ValueError(f"MXRecipe.scale_rule={self.scale_rule!r}: expected one of {list(SCALE_RULES)}")
         if self.backend not in BACKENDS:
-            raise ValueError(
-                f"MXRecipe.backend={self.backend!r}: expected one of {list(BACKENDS)} "
-                "(the triton backend is not built yet)"
-            )
+            raise ValueError(f"MXRecipe.backend={self.backend!r}: expected one of {list(BACKENDS)}")
         if self.block_size != 32:
             raise ValueError(f"MXRecipe.block_size={self.block_size}: MX blocks are 32 elements")
+        if self.grad_rounding not in ROUNDINGS:
+            raise ValueError(f"MXRecipe.grad_rounding={self.grad_rounding!r}: expected one of {list(ROUNDINGS)}")
+        if self.grad_rounding == "stochastic" and self.grad != "e2m1":
+            raise ValueError(
+                f"MXRecipe.grad_rounding='stochastic' needs grad='e2m1', got grad={self.grad!r}: stochastic "
+                "rounding is for MXFP4 gradients (fp8 gradients round to nearest)"
+            )
+        if not isinstance(self.save_mx_input, bool):
+            raise ValueError(f"MXRecipe.save_mx_input={self.save_mx_input!r}: expected True or False")
+        if self.save_mx_input and self.grad_weight == HIGH_PRECISION:
+            raise ValueError(
+                f"MXRecipe.save_mx_input=True needs an MX grad_weight, got grad_weight={self.grad_weight!r}: "
+                "that GEMM reads x in bf16, so x is saved as it is"
+            )
 
     @staticmethod
-    def from_name(name: str, **overrides: str) -> MXRecipe:
+    def from_name(name: str, **overrides: str | bool) -> MXRecipe:
         if name not in RECIPES:
             raise ValueError(f"unknown MX recipe {name!r}; expected one of {sorted(RECIPES)}")
         return replace(RECIPES[name], **overrides)
@@ -68,5 +92,8 @@ RECIPES: dict[str, MXRecipe] = {
         MXRecipe("mxfp8_wgrad_bf16", grad_weight=HIGH_PRECISION),
         MXRecipe("mxfp8_e5m2_grads", grad="e5m2"),
         MXRecipe("mxfp4", forward="e2m1", grad_input="e2m1", grad_weight="e2m1", grad="e2m1"),
+        MXRecipe(
+            "mxfp4_sr", forward="e2m1", grad_input="e2m1", grad_weight="e2m1", grad="e2m1", grad_rounding="stochastic"
+        ),
     )
 }

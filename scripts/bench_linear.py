@@ -4,12 +4,18 @@ For M = 16384 and (K, N) in (4096, 4096), (4096, 14336), (14336, 4096), (8192, 8
 targets: MX time <= 1.10x bf16 on Hopper), prints the device, each time, the ratio and the peak
 memory of one step; --out writes JSON with provenance for docs/results/.
 
+Activation memory, for bf16, MX and MX with ``save_mx_input`` (x saved for backward in MX form,
+recipe.py): the bytes autograd saves for backward per layer (saved_tensors_hooks on an eager
+forward, parameters not counted), the memory a forward leaves allocated until its backward (output
+and saved tensors, of the benchmarked, possibly compiled, layer) and the peak of one step.
+
     python scripts/bench_linear.py [--recipe mxfp8] [--m 16384] [--eager] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -19,6 +25,7 @@ from triton.testing import do_bench
 from mx_recipe import MXLinear, MXRecipe
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192)]
+MIB, GIB = 2**20, 2**30
 
 
 def fwd_bwd_ms(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[float, float]:
@@ -33,7 +40,37 @@ def fwd_bwd_ms(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> t
     base = torch.cuda.memory_allocated()
     step()
     torch.cuda.synchronize()
-    return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
+    return ms, (torch.cuda.max_memory_allocated() - base) / GIB
+
+
+def saved_bytes(layer: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes autograd saves for backward in one forward of ``layer``, its parameters not counted
+    (a saved weight is the parameter itself, no extra memory). Run it eagerly: under torch.compile
+    AOTAutograd decides what to save, and the held memory below measures that."""
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        if t.untyped_storage().data_ptr() not in params:
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    del y
+    return total
+
+
+def fwd_held_gib(layer: torch.nn.Module, x: torch.Tensor) -> float:
+    """Memory a forward leaves allocated until its backward (output + saved tensors), GiB."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    y = layer(x)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    del y
+    return held / GIB
 
 
 def main() -> None:
@@ -46,6 +83,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_linear.py needs a CUDA GPU")
     recipe = MXRecipe.from_name(args.recipe)
+    # save_mx_input needs an MX grad-weight GEMM (recipe.py); without one that column stays empty
+    save_recipe = None if recipe.grad_weight == "bf16" else dataclasses.replace(recipe, save_mx_input=True)
     print(
         f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, recipe {recipe.name}, "
         f"{'eager' if args.eager else 'torch.compile'}, M = {args.m}"
@@ -54,27 +93,24 @@ def main() -> None:
     for k, n in SHAPES:
         torch.manual_seed(0)
         bf16 = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-        mx = MXLinear.from_linear(bf16, recipe)
+        layers = {"bf16": bf16, "mx": MXLinear.from_linear(bf16, recipe)}
+        if save_recipe is not None:
+            layers["mx_save"] = MXLinear.from_linear(bf16, save_recipe)
         x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn(args.m, n, device="cuda", dtype=torch.bfloat16)
         wrap = (lambda m: m) if args.eager else torch.compile
-        bf16_ms, bf16_gib = fwd_bwd_ms(wrap(bf16), x, grad)
-        mx_ms, mx_gib = fwd_bwd_ms(wrap(mx), x, grad)
-        flops = 3 * 2 * args.m * k * n
-        rows.append(
-            {
-                "M": args.m,
-                "K": k,
-                "N": n,
-                "bf16_ms": bf16_ms,
-                "mx_ms": mx_ms,
-                "ratio": mx_ms / bf16_ms,
-                "bf16_tflops": flops / bf16_ms / 1e9,
-                "bf16_peak_gib": bf16_gib,
-                "mx_peak_gib": mx_gib,
-            }
-        )
-        del bf16, mx, x, grad
+        row = {"M": args.m, "K": k, "N": n}
+        for name, layer in layers.items():
+            row[f"{name}_saved_mib"] = saved_bytes(layer, x) / MIB
+            run = wrap(layer)
+            row[f"{name}_ms"], row[f"{name}_peak_gib"] = fwd_bwd_ms(run, x, grad)
+            row[f"{name}_held_gib"] = fwd_held_gib(run, x)
+        row["ratio"] = row["mx_ms"] / row["bf16_ms"]
+        row["bf16_tflops"] = 3 * 2 * args.m * k * n / row["bf16_ms"] / 1e9
+        if save_recipe is not None:
+            row["mx_save_ratio"] = row["mx_save_ms"] / row["bf16_ms"]
+        rows.append(row)
+        del bf16, layers, x, grad
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     print(
@@ -87,9 +123,22 @@ def main() -> None:
             f"{r['M']:>6} {r['K']:>6} {r['N']:>6} {r['bf16_ms']:>9.3f} {r['mx_ms']:>9.3f} {r['ratio']:>7.2f}x "
             f"{r['bf16_tflops']:>13.0f} {r['bf16_peak_gib']:>9.2f} {r['mx_peak_gib']:>8.2f}  ({verdict} <= 1.10x)"
         )
+    variants = [v for v in ("bf16", "mx", "mx_save") if f"{v}_ms" in rows[0]]
+    print("\nactivation memory per layer: saved for backward (MiB, eager hooks), held from forward to backward")
+    print("(GiB, output included) and step peak (GiB); mx_save = MX with save_mx_input (x saved in MX form)")
+    header = " ".join(f"{f'{v} {what}':>16}" for v in variants for what in ("saved", "held", "peak"))
+    print(f"{'M':>6} {'K':>6} {'N':>6} {header}")
+    for r in rows:
+        cells = " ".join(
+            f"{r[f'{v}_saved_mib']:>16.1f} {r[f'{v}_held_gib']:>16.3f} {r[f'{v}_peak_gib']:>16.3f}" for v in variants
+        )
+        print(f"{r['M']:>6} {r['K']:>6} {r['N']:>6} {cells}")
+    if "mx_save_ms" in rows[0]:
+        print("mx_save time / bf16: " + ", ".join(f"{r['mx_save_ratio']:.2f}x" for r in rows))
     if args.out:
+        meta = run_meta(recipe=recipe.name, compiled=not args.eager, save_mx_input_column=save_recipe is not None)
         with open(args.out, "w") as f:
-            json.dump({"meta": run_meta(recipe=recipe.name, compiled=not args.eager), "rows": rows}, f, indent=1)
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,14 @@ def test_minimal_config_and_defaults():
         (_with("training", "lr", "fast"), r"key 'training.lr': expected a number"),
         (_with("mx", "skip", "output"), r"key 'mx.skip': expected a list of strings"),
         (_with("mx", "recipe", "mxfp9"), r"key 'mx.recipe': unknown recipe 'mxfp9'"),
-        (_with("mx", "backend", "triton"), r"key 'mx.backend'"),
+        (_with("mx", "backend", "tpu"), r"key 'mx.backend'"),
+        (_with("mx", "save_mx_input", "yes"), r"key 'mx.save_mx_input': expected true or false"),
+        (_with("mx", "grad_rounding", "random"), r"key 'mx.grad_rounding': unknown rounding 'random'"),
+        (_with("mx", "grad_rounding", "stochastic"), r"key 'mx.grad_rounding': .*needs grad='e2m1'.*'mxfp8'"),
+        (
+            _with("mx", "save_mx_input", True) | {"mx": {"recipe": "mxfp8_wgrad_bf16", "save_mx_input": True}},
+            r"key 'mx.save_mx_input': .*needs an MX grad_weight",
+        ),
         (_with("model", "flavor", "13B"), r"key 'model.flavor': unknown llama flavor '13B'"),
         (_with("training", "steps", 0), r"key 'training.steps': must be positive"),
         (_with("metrics", "log_freq", -1), r"key 'metrics.log_freq'"),
@@ -128,3 +135,25 @@ def test_train_py_bad_config_is_one_line_and_nonzero(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert lines == [f"config error: {bad}: unknown key 'training.seq_lem'"]
     assert "Traceback" not in proc.stderr and not (tmp_path / "outputs").exists()
+
+
+def test_mx_keys_build_the_recipe():
+    """[mx] save_mx_input and grad_rounding set the MXRecipe fields; an empty grad_rounding keeps the
+    named recipe's; with recipe "none" there is no recipe and the keys go unused (as mx.backend)."""
+    from mx_recipe.train.config import build_mx_recipe
+
+    config = build_config(_with("mx", "save_mx_input", True), "mem.toml", [])
+    recipe = build_mx_recipe(config.mx)
+    assert (recipe.name, recipe.save_mx_input, recipe.grad_rounding) == ("mxfp8", True, "nearest")
+    assert build_mx_recipe(build_config(MINIMAL, "mem.toml", []).mx).save_mx_input is False
+
+    sr = {**MINIMAL, "mx": {"recipe": "mxfp4_sr"}}
+    assert build_mx_recipe(build_config(sr, "mem.toml", []).mx).grad_rounding == "stochastic"
+    pairs = parse_overrides(["--mx.grad_rounding", "nearest", "--mx.save_mx_input", "true", "--mx.backend", "emulated"])
+    recipe = build_mx_recipe(build_config(sr, "mem.toml", pairs).mx)
+    assert (recipe.grad_rounding, recipe.save_mx_input, recipe.backend) == ("nearest", True, "emulated")
+    pairs = parse_overrides(["--mx.recipe", "mxfp4", "--mx.grad_rounding", "stochastic"])
+    assert build_mx_recipe(build_config(MINIMAL, "mem.toml", pairs).mx).grad_rounding == "stochastic"
+
+    none = {**MINIMAL, "mx": {"recipe": "none", "save_mx_input": True, "grad_rounding": "stochastic"}}
+    assert build_mx_recipe(build_config(none, "mem.toml", []).mx) is None

@@ -21,7 +21,15 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from mx_recipe.formats import ELEM_FORMATS, MXTensor, elem_format, round_to_format, scale_exponent, to_mx
+from mx_recipe.formats import (
+    ELEM_FORMATS,
+    MXTensor,
+    elem_format,
+    fake_quant,
+    round_to_format,
+    scale_exponent,
+    to_mx,
+)
 
 INF = math.inf
 NAN = math.nan
@@ -792,3 +800,43 @@ def test_floor_does_saturate_on_typical_data(elem):
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
     assert bool(_check_round_trip(x, elem, "floor").any())
     _check_round_trip(x, elem, "rceil")
+
+
+# ---------------------------------------------------------------------------------------------
+# fake_quant: to_mx(...).dequantize(x.dtype) without the MXTensor in between, bit for bit.
+# ---------------------------------------------------------------------------------------------
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape, NaN positions and bit patterns elsewhere (so -0 differs from +0)."""
+    if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.isnan(), b.isnan()):
+        return False
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    keep = ~a.isnan()
+    return torch.equal(a.view(ints)[keep], b.view(ints)[keep])
+
+
+def _special_blocks(dtype: torch.dtype) -> torch.Tensor:
+    """Rows of 64: the CASES vectors that dtype holds exactly, a NaN block, an Inf block, zeros, -0."""
+    rows = [torch.cat([block(values), block([])]) for _, _, _, values, _, _ in CASES if exactly_in_bf16(values)]
+    rows.append(torch.cat([block([1.0, NAN, -2.0]), block([INF, -INF, 3.0, -0.0])]))
+    rows.append(torch.cat([block([]), block([-0.0, -(P**-140), 0.0])]))
+    return torch.stack(rows).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("elem", FORMATS)
+def test_fake_quant_is_to_mx_dequantize(elem, rule, dtype):
+    g = torch.Generator().manual_seed(11)
+    random = (torch.randn(6, 64, generator=g) * torch.exp(4 * torch.randn(6, 1, generator=g))).to(dtype)
+    for x in (_special_blocks(dtype), random):
+        for dim in (-1, 0):
+            if x.shape[dim] % 32:
+                continue
+            want = to_mx(x, elem, rule, dim=dim).dequantize(dtype)
+            got = fake_quant(x, elem, rule, dim=dim)
+            assert same_bits(got, want), (elem, rule, dim)
+            assert got.is_contiguous()
+            # stochastic rounding: the same random bits give the same values on both paths
+            u = torch.rand(x.shape, generator=g)
+            want = to_mx(x, elem, rule, dim=dim, rounding="stochastic", uniform=u).dequantize(dtype)
+            assert same_bits(fake_quant(x, elem, rule, dim=dim, rounding="stochastic", uniform=u), want)

@@ -40,11 +40,30 @@ def pad_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(-t.shape[0] % 32, t.shape[1])])
 
 
+SR_SEED = 1234  # run_mx seeds the default generator with it before backward
+
+
+def grad_operands(g2: torch.Tensor, r: MXRecipe, dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantized upstream gradient of the backward GEMMs: (g along N [M, N], g along M [Mp, N]).
+
+    Stochastic rounding replays the backward's draws from the default generator: seeded with
+    SR_SEED, grad input's first (one per element of g [M, N]), then grad weight's, one per element
+    of the padded g read transposed ([N, Mp], the layout its cast quantizes)."""
+    rule = r.scale_rule
+    if r.grad_rounding == "nearest":
+        return deq(g2, r.grad, rule, 1, dt), deq(pad_rows(g2), r.grad, rule, 0, dt)
+    torch.manual_seed(SR_SEED)
+    g_n = to_mx(g2, r.grad, rule, dim=1, rounding="stochastic").dequantize(dt) if r.grad_input != "bf16" else None
+    g_m = to_mx(pad_rows(g2).t().contiguous(), r.grad, rule, dim=1, rounding="stochastic").dequantize(dt).t()
+    return g_n, g_m
+
+
 def emulate(x, w, b, g, r: MXRecipe):
     """(y, gx, gw, gb) of F.linear(x, w, b) with upstream gradient g, each GEMM per recipe ``r``."""
     dt = x.dtype
     x2, g2 = x.reshape(-1, K), g.reshape(-1, N)
     rule = r.scale_rule
+    g_along_n, g_along_m = grad_operands(g2, r, dt)
 
     # forward: x [M, K] and w [N, K] both along K (dim 1); y = xq @ wq.T
     if r.forward == "bf16":
@@ -56,7 +75,7 @@ def emulate(x, w, b, g, r: MXRecipe):
     if r.grad_input == "bf16":
         gx = torch.mm(g2, w)
     else:
-        gq = deq(g2, r.grad, rule, 1, dt)
+        gq = g_along_n
         wq = deq(w, r.grad_input, rule, 0, dt)
         gx = torch.mm(gq, wq.t().contiguous().t())  # layout: w's copy is [K, N] row-major
 
@@ -64,7 +83,7 @@ def emulate(x, w, b, g, r: MXRecipe):
     if r.grad_weight == "bf16":
         gw = torch.mm(g2.t(), x2)
     else:
-        gq = deq(pad_rows(g2), r.grad, rule, 0, dt)  # [Mp, N]
+        gq = g_along_m  # [Mp, N]
         xq = deq(pad_rows(x2), r.grad_weight, rule, 0, dt)  # [Mp, K]
         gw = torch.mm(gq.t().contiguous(), xq.t().contiguous().t())  # layout: [N, Mp] @ ([K, Mp]).T
 
@@ -83,6 +102,7 @@ def run_mx(x, w, b, g, recipe):
         if b is not None:
             lin.bias.copy_(b)
     y = lin(x)
+    torch.manual_seed(SR_SEED)  # the random bits of stochastic rounding (grad_operands replays them)
     y.backward(g)
     return y.detach(), x.grad, lin.weight.grad, None if b is None else lin.bias.grad
 
@@ -136,7 +156,7 @@ def test_padding_rows_is_the_unpadded_math(recipe, dtype):
     M = 40
     x, w, b, gy = make_inputs((M,), dtype, seed=2)
     _, _, gw, _ = run_mx(x, w, b, gy, recipe)
-    gq = deq(pad_rows(gy), recipe.grad, recipe.scale_rule, 0, torch.float32)
+    gq = grad_operands(gy, recipe, torch.float32)[1]
     xq = deq(pad_rows(x), recipe.grad_weight, recipe.scale_rule, 0, torch.float32)
     assert not bool(gq[M:].any()) and not bool(xq[M:].any())  # padded rows quantize to exact zeros
     # the second block along M holds rows 32..39 only; its scale is set by those 8 rows: check a
@@ -267,3 +287,208 @@ def test_mx_linear_matches_functional_shape_semantics():
     x = torch.randn(2, 3, 4, K)
     y = mx_linear(x, w, None, RECIPES["mxfp8"])
     assert y.shape == F.linear(x, w).shape
+
+
+# ---------------------------------------------------------------------------------------------
+# save_mx_input: x saved for backward in MX form (along M, as the grad-weight GEMM casts it).
+# ---------------------------------------------------------------------------------------------
+SAVE_MX_RECIPES = [r for r in ALL_RECIPES if r.grad_weight != "bf16"]
+
+
+def with_save_mx(r: MXRecipe) -> MXRecipe:
+    return MXRecipe(**{**r.__dict__, "save_mx_input": True})
+
+
+def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Equal bit patterns (so -0 differs from +0), NaNs in the same places."""
+    if a is None or b is None:
+        return a is b
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    nan = a.isnan()
+    return a.dtype == b.dtype and torch.equal(nan, b.isnan()) and torch.equal(a.view(ints)[~nan], b.view(ints)[~nan])
+
+
+def special_input(lead, dtype, seed=7):
+    """x whose rows span many binades: bf16-subnormal and huge blocks, zero rows, -0, one Inf."""
+    x, w, b, gy = make_inputs(lead, dtype, seed=seed)
+    x2 = x.reshape(-1, K)
+    exps = torch.tensor([-130.0, -100.0, -20.0, 0.0, 20.0, 60.0])
+    x2.mul_(torch.pow(2.0, exps[torch.arange(x2.shape[0]) % len(exps)]).to(dtype)[:, None])
+    x2[1::7] = 0.0
+    x2[2::7, :5] = -0.0
+    if x2.shape[0] > 4:
+        x2[4, 3] = float("inf")
+    return x, w, b, gy
+
+
+SAVE_MX_CASES = {**{f"randn-{k}": (v, False) for k, v in LEADS.items()}, "special-2d-M40": ((40,), True),
+                 "special-3d-M70": ((2, 35), True)}  # fmt: skip
+
+
+@pytest.mark.parametrize("lead, special", SAVE_MX_CASES.values(), ids=SAVE_MX_CASES.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("recipe", SAVE_MX_RECIPES, ids=lambda r: r.name)
+def test_save_mx_input_is_bit_identical(recipe, dtype, lead, special):
+    """The grad-weight GEMM quantizes x along M anyway: saving that cast changes no bit of y, gx, gw, gb."""
+    inputs = special_input(lead, dtype) if special else make_inputs(lead, dtype, seed=6)
+    base = run_mx(*inputs, recipe)
+    saved = run_mx(*inputs, with_save_mx(recipe))
+    for what, a, b in zip(("y", "gx", "gw", "gb"), base, saved, strict=True):
+        assert same_bits(a, b), what
+
+
+def test_save_mx_input_needs_mx_grad_weight():
+    """With grad_weight='bf16' x is needed in bf16: the recipe refuses the option (tests/test_recipe.py)."""
+    with pytest.raises(ValueError, match=r"save_mx_input=True needs an MX grad_weight"):
+        with_save_mx(RECIPES["mxfp8_wgrad_bf16"])
+
+
+def saved_bytes(lin: nn.Module, x: torch.Tensor) -> int:
+    """Bytes that autograd saves for backward in one forward, parameters not counted."""
+    params = {p.untyped_storage().data_ptr() for p in lin.parameters()}
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        if t.untyped_storage().data_ptr() not in params:
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lin(x).sum().backward()
+    return total
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        # x [64, 64] in bf16: 8192 bytes. MX: x.T's fp8 data [64, 64] + e8m0 scales [64, 2]: 4224.
+        ("mxfp8", 4224),
+        ("mxfp8_e5m2_grads", 4224),
+        # fp4: two elements per byte, [64, 32] + [64, 2] scales: 2176
+        ("mxfp4", 2176),
+    ],
+)
+def test_save_mx_input_saves_fewer_bytes(name, expected):
+    x = torch.randn(64, K, dtype=torch.bfloat16, requires_grad=True)
+    lin = MXLinear(K, 64, bias=False, recipe=RECIPES[name], dtype=torch.bfloat16)
+    assert saved_bytes(lin, x) == 64 * K * 2
+    lin.recipe = with_save_mx(RECIPES[name])
+    assert saved_bytes(lin, x) == expected
+    # M = 40 pads to 64 rows for the blocks along M: the same bytes as 64 rows, vs 5120 in bf16
+    lin.recipe = with_save_mx(RECIPES["mxfp8"])
+    assert saved_bytes(lin, x[:40].detach().requires_grad_()) == 4224
+
+
+def test_save_mx_input_casts_only_when_grad_weight_is_needed(monkeypatch):
+    """No cast of x along M in forward under no_grad (evaluation) or for a frozen weight."""
+    import mx_recipe.linear as linear
+
+    calls = []
+
+    def counting_cast_dim1(t, *args, **kwargs):
+        calls.append(tuple(t.shape))
+        return linear.cast_dim1.__wrapped__(t, *args, **kwargs)
+
+    counting_cast_dim1.__wrapped__ = linear.cast_dim1
+    monkeypatch.setattr(linear, "cast_dim1", counting_cast_dim1)
+    lin = MXLinear(K, N, recipe=with_save_mx(RECIPES["mxfp8"]))
+    x = torch.randn(40, K, requires_grad=True)
+    with torch.no_grad():
+        lin(x)
+    assert calls == []
+    lin.weight.requires_grad_(False)
+    lin(x).sum().backward()
+    assert calls == [] and x.grad is not None
+    lin.weight.requires_grad_(True)
+    lin(x)
+    assert calls == [(64, K)]  # in forward: x padded to 64 rows, along M
+
+
+# ---------------------------------------------------------------------------------------------
+# The hardware backends' wiring on the CPU: which casts reach which GEMM.
+# ---------------------------------------------------------------------------------------------
+def fake_triton_mm(calls: list):
+    """A stand-in for gemm.mx_mm_triton that records its operands and multiplies them emulated.
+
+    Only for the orientation and formats of the operands: the kernel is tested elsewhere."""
+    from mx_recipe.cast import BlockedMXTensor
+    from mx_recipe.formats import MXTensor
+
+    def mm(a, b, out_dtype):
+        for t in (a, b):
+            assert isinstance(t, MXTensor) and not isinstance(t, BlockedMXTensor)
+            assert t.qdata.dim() == 2 and t.dim == 1 and t.scale.shape == (t.shape[0], t.shape[1] // 32)
+        calls.append((a.elem, b.elem, tuple(a.shape), tuple(b.shape)))
+        return torch.mm(a.dequantize(out_dtype), b.dequantize(out_dtype).t())
+
+    return mm
+
+
+@pytest.mark.parametrize("save_mx", [False, True], ids=["save_x", "save_mx"])
+@pytest.mark.parametrize("lead", [(64,), (40,)], ids=["M64", "M40"])
+@pytest.mark.parametrize("recipe", ALL_RECIPES, ids=lambda r: r.name)
+def test_triton_backend_operands(monkeypatch, recipe, lead, save_mx):
+    """Each GEMM gets a @ b.T of plain-scale casts along its K: forward x [M, K] and w [N, K] in the
+    forward format; grad input g [M, N] in ``grad`` and w along N ([K, N]) in grad_input's; grad
+    weight g and x along M, padded to a multiple of 32 ([N, Mp], [K, Mp]). With that stand-in the
+    results are the emulated backend's bit for bit."""
+    import mx_recipe.linear as linear
+
+    if save_mx and recipe.grad_weight == "bf16":
+        pytest.skip("save_mx_input needs an MX grad_weight")
+    r = with_save_mx(recipe) if save_mx else recipe
+    x, w, b, gy = make_inputs(lead, torch.bfloat16, seed=8)
+    want = emulate(x, w, b, gy, r)
+    calls, fused = [], []
+    cast_dim0_dim1 = linear.cast_dim0_dim1
+    monkeypatch.setattr(linear, "validate_backend", lambda recipe, device: "triton")
+    monkeypatch.setattr(linear, "mx_mm_triton", fake_triton_mm(calls))
+    monkeypatch.setattr(linear, "cast_dim0_dim1", lambda *a, **kw: fused.append(1) or cast_dim0_dim1(*a, **kw))
+    got = run_mx(x, w, b, gy, r)
+    # x read once for both orientations where the formats agree and M needs no padding
+    assert len(fused) == int(save_mx and r.forward == r.grad_weight and lead[0] % 32 == 0)
+    for what, a, e in zip(("y", "gx", "gw", "gb"), got, want, strict=True):
+        assert torch.equal(a, e), what
+    m = lead[0]
+    mp = -(-m // 32) * 32
+    expected = []
+    if r.forward != "bf16":
+        expected.append((r.forward, r.forward, (m, K), (N, K)))
+    if r.grad_input != "bf16":
+        expected.append((r.grad, r.grad_input, (m, N), (K, N)))
+    if r.grad_weight != "bf16":
+        expected.append((r.grad, r.grad_weight, (N, mp), (K, mp)))
+    assert calls == expected
+
+
+@pytest.mark.parametrize("m", [64, 200])  # 64: one fused cast of x for both orientations; 200: padded along M
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp8_e5m2_grads"])
+def test_cublas_save_mx_input_is_bit_identical(monkeypatch, name, m):
+    """The cublas path (sm_100), its op replaced by the layout-faithful emulator as in
+    tests/test_linear_cublas.py: the blocked x saved in forward gives the same bits."""
+    import mx_recipe.gemm
+    import mx_recipe.linear as linear
+    from mx_recipe.scaled_mm_emulator import scaled_mm as emulated_scaled_mm
+
+    monkeypatch.setattr(linear, "validate_backend", lambda recipe, device: "cublas")
+    monkeypatch.setattr(mx_recipe.gemm, "_torch_scaled_mm", emulated_scaled_mm)
+    x, w, b, gy = make_inputs((m,), torch.bfloat16, seed=9)
+    base = run_mx(x, w, b, gy, RECIPES[name])
+    saved = run_mx(x, w, b, gy, with_save_mx(RECIPES[name]))
+    for what, a, e in zip(("y", "gx", "gw", "gb"), base, saved, strict=True):
+        assert same_bits(a, e), what
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("lead", [(64,), (40,)], ids=["M64", "M40"])
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp8_e5m2_grads", "mxfp4", "mxfp4_sr"])
+def test_save_mx_input_is_bit_identical_cuda(name, lead, backend):
+    """On the GPU: the cast kernels (fused dim0+dim1 for triton and M64) and the hardware GEMM paths."""
+    recipe = MXRecipe(**{**RECIPES[name].__dict__, "backend": backend})
+    inputs = [None if t is None else t.cuda() for t in make_inputs(lead, torch.bfloat16, seed=10)]
+    base = run_mx(*inputs, recipe)
+    saved = run_mx(*inputs, with_save_mx(recipe))
+    for what, a, b in zip(("y", "gx", "gw", "gb"), base, saved, strict=True):
+        assert same_bits(a, b), what

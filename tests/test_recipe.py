@@ -15,7 +15,10 @@ DOCUMENTED = {
     "mxfp8_wgrad_bf16": ("e4m3", "e4m3", "bf16", "e4m3", "floor"),
     "mxfp8_e5m2_grads": ("e4m3", "e4m3", "e4m3", "e5m2", "floor"),
     "mxfp4": ("e2m1", "e2m1", "e2m1", "e2m1", "floor"),
+    "mxfp4_sr": ("e2m1", "e2m1", "e2m1", "e2m1", "floor"),
 }
+# grad_rounding of each named recipe (MXFP4 with stochastically rounded gradients: mxfp4_sr).
+ROUNDING = {name: "stochastic" if name == "mxfp4_sr" else "nearest" for name in DOCUMENTED}
 
 
 @pytest.mark.parametrize("name", sorted(DOCUMENTED))
@@ -25,6 +28,8 @@ def test_from_name_gives_documented_formats(name):
     assert (r.forward, r.grad_input, r.grad_weight, r.grad, r.scale_rule) == DOCUMENTED[name]
     assert r.backend == "auto"
     assert r.block_size == 32
+    assert r.grad_rounding == ROUNDING[name]
+    assert r.save_mx_input is False  # an option, on in no named recipe
 
 
 def test_registry_is_exactly_the_documented_recipes():
@@ -79,17 +84,23 @@ def test_bad_scale_rule_names_the_field(value):
     assert repr(value) in str(err.value)
 
 
-@pytest.mark.parametrize("backend", ["triton", "cuda", ""])
+@pytest.mark.parametrize("backend", ["Triton", "cuda", "", "tl"])
 def test_unsupported_backend_names_the_field(backend):
     with pytest.raises(ValueError, match=r"MXRecipe\.backend=") as err:
         MXRecipe(backend=backend)
     assert repr(backend) in str(err.value)
 
 
-@pytest.mark.parametrize("backend", ["triton"])
+@pytest.mark.parametrize("backend", ["cutlass"])
 def test_unsupported_backend_via_from_name(backend):
     with pytest.raises(ValueError, match=r"MXRecipe\.backend="):
         MXRecipe.from_name("mxfp8", backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["auto", "emulated", "cublas", "triton"])
+def test_every_backend_name_is_accepted(backend):
+    # whether the device can run it is validate_backend's question (mx_recipe/gemm.py), at startup
+    assert MXRecipe.from_name("mxfp8", backend=backend).backend == backend
 
 
 @pytest.mark.parametrize("block_size", [16, 64, 0])
@@ -112,3 +123,36 @@ def test_valid_custom_recipe(backend):
         backend=backend,
     )  # fmt: skip
     assert (r.grad_elem(r.grad_input), r.grad_elem(r.grad_weight)) == ("bf16", "e5m2")
+
+
+@pytest.mark.parametrize("value", ["round", "Stochastic", "", "rne"])
+def test_bad_grad_rounding_names_the_field(value):
+    with pytest.raises(ValueError, match=r"MXRecipe\.grad_rounding=") as err:
+        MXRecipe.from_name("mxfp4", grad_rounding=value)
+    assert repr(value) in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp8_e5m2_grads", "mxfp8_wgrad_bf16"])
+def test_stochastic_rounding_needs_fp4_gradients(name):
+    """Stochastic rounding is for e2m1 gradients only: the fp8 cast kernels round to nearest."""
+    with pytest.raises(ValueError, match=r"MXRecipe\.grad_rounding='stochastic' needs grad='e2m1'") as err:
+        MXRecipe.from_name(name, grad_rounding="stochastic")
+    assert repr(RECIPES[name].grad) in str(err.value)
+    # e2m1 gradients with fp8 GEMM formats are fine
+    r = MXRecipe.from_name(name, grad="e2m1", grad_rounding="stochastic")
+    assert (r.grad, r.grad_rounding) == ("e2m1", "stochastic")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in DOCUMENTED if DOCUMENTED[n][2] != "bf16"))
+def test_save_mx_input_accepted_with_mx_grad_weight(name):
+    r = MXRecipe.from_name(name, save_mx_input=True)
+    assert r.save_mx_input is True and r.grad_weight == DOCUMENTED[name][2]
+
+
+def test_save_mx_input_rejected_with_bf16_grad_weight():
+    """With grad_weight='bf16' the grad-weight GEMM reads x in bf16: nothing to save in MX form."""
+    with pytest.raises(ValueError, match=r"MXRecipe\.save_mx_input=True needs an MX grad_weight") as err:
+        MXRecipe.from_name("mxfp8_wgrad_bf16", save_mx_input=True)
+    assert "grad_weight='bf16'" in str(err.value)
+    with pytest.raises(ValueError, match=r"MXRecipe\.save_mx_input="):
+        MXRecipe(save_mx_input="yes")

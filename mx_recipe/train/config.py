@@ -9,7 +9,10 @@ import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import TYPE_CHECKING, Any, get_args, get_origin
+
+if TYPE_CHECKING:
+    from mx_recipe.recipe import MXRecipe
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -93,6 +96,8 @@ class MXConfig:
     recipe: str = required()  # an MXRecipe name, or "none" for bf16
     backend: str = "auto"
     skip: list[str] = field(default_factory=lambda: ["output", "*router.gate"])  # fqn patterns left in bf16
+    save_mx_input: bool = False  # save x for backward in MX form (MXRecipe.save_mx_input)
+    grad_rounding: str = ""  # nearest or stochastic (MXRecipe.grad_rounding); "" keeps the recipe's
 
 
 @dataclass
@@ -278,8 +283,9 @@ def build_config(data: dict[str, Any], source: str, overrides: list[tuple[str, s
 def validate(config: Config) -> None:
     """Value checks beyond types, so that a bad run stops before any model is built."""
     # Imported here: the registries live in the library, the config only reads them.
+    from mx_recipe.formats import ROUNDINGS
     from mx_recipe.models import MODEL_FLAVORS
-    from mx_recipe.recipe import BACKENDS, RECIPES
+    from mx_recipe.recipe import BACKENDS, RECIPES, MXRecipe
 
     src = config.source
 
@@ -309,6 +315,15 @@ def validate(config: Config) -> None:
         fail("mx.recipe", f"unknown recipe {config.mx.recipe!r}; known: none, {', '.join(RECIPES)}")
     if config.mx.backend not in BACKENDS:
         fail("mx.backend", f"unknown backend {config.mx.backend!r}; available: {', '.join(BACKENDS)}")
+    if config.mx.grad_rounding not in ("", *ROUNDINGS):
+        fail("mx.grad_rounding", f"unknown rounding {config.mx.grad_rounding!r}; known: {', '.join(ROUNDINGS)}")
+    if config.mx.recipe != "none":  # with "none" the MX keys go unused, as mx.backend does
+        # the recipe's own checks (e.g. stochastic rounding needs e2m1 gradients), one key at a time
+        for key, value in _mx_overrides(config.mx).items():
+            try:
+                MXRecipe.from_name(config.mx.recipe, **{key: value})
+            except ValueError as e:
+                fail(f"mx.{key}", f"{e} (recipe {config.mx.recipe!r})")
     positive = [
         ("training.gradient_accumulation_steps", t.gradient_accumulation_steps),
         ("validation.interval", config.validation.interval),
@@ -341,6 +356,24 @@ def validate(config: Config) -> None:
     for problem in (check_data_config(config.data), check_metrics_config(config.metrics)):
         if problem is not None:
             fail(*problem)
+
+
+def _mx_overrides(mx: MXConfig) -> dict[str, str | bool]:
+    """The MXRecipe fields that [mx] sets on top of the named recipe."""
+    overrides: dict[str, str | bool] = {"backend": mx.backend, "save_mx_input": mx.save_mx_input}
+    if mx.grad_rounding:
+        overrides["grad_rounding"] = mx.grad_rounding
+    return overrides
+
+
+def build_mx_recipe(mx: MXConfig) -> MXRecipe | None:
+    """The MXRecipe that [mx] describes (the named recipe with backend, save_mx_input and
+    grad_rounding set from the config), or None for recipe "none"."""
+    from mx_recipe.recipe import MXRecipe
+
+    if mx.recipe == "none":
+        return None
+    return MXRecipe.from_name(mx.recipe, **_mx_overrides(mx))
 
 
 def config_to_dict(config: Config) -> dict[str, dict[str, Any]]:

@@ -23,9 +23,8 @@ from torch.distributed.fsdp import FSDPModule
 from mx_recipe.convert import convert_to_mx, format_conversion_table
 from mx_recipe.gemm import validate_backend
 from mx_recipe.models import build_model, flops_per_token, model_args, moe_layers
-from mx_recipe.recipe import MXRecipe
 from mx_recipe.train.checkpoint import Checkpointer, TrainState
-from mx_recipe.train.config import Config, config_to_toml
+from mx_recipe.train.config import Config, build_mx_recipe, config_to_toml
 from mx_recipe.train.data import build_datasets
 from mx_recipe.train.metrics import MetricsLogger, peak_memory_gib
 from mx_recipe.train.parallel import (
@@ -196,7 +195,7 @@ def build_sharded_model(config: Config, args, info: DistInfo, mesh, log) -> torc
     with torch.device("meta"):
         model = build_model(args)
     if config.mx.recipe != "none":
-        recipe = MXRecipe.from_name(config.mx.recipe, backend=config.mx.backend)
+        recipe = build_mx_recipe(config.mx)
         # A backend this device or recipe cannot run stops the run here, not mid-step.
         try:
             backend = validate_backend(recipe, info.device, grouped=bool(moe_layers(model)))
