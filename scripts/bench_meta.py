@@ -10,12 +10,14 @@ import torch
 
 
 def git_commit() -> str:
-    """The checkout's commit; MX_GIT_COMMIT where the tree travels without .git (the GPU machines)."""
+    """MX_GIT_COMMIT when set (a tree copied to a GPU machine may carry a stale .git), else the checkout's."""
+    if os.environ.get("MX_GIT_COMMIT"):
+        return os.environ["MX_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
         return out.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MX_GIT_COMMIT", "unknown")
+        return "unknown"
 
 
 def run_meta(**extra) -> dict:

@@ -192,7 +192,7 @@ def compare(run: Run, base: Run, window: int, warmup: int, threshold: float) -> 
 def verdict_part(r: dict[str, Any], base: dict[str, Any], threshold: float) -> str:
     what = "final val loss" if r["compared_on"] == "val_loss" else "final smoothed train loss"
     at = "" if r["compared_at_step"] in (r["last_step"], base["last_step"]) else f" at step {r['compared_at_step']}"
-    ratio = "n/a" if r["tokens_per_sec_ratio"] is None else f"{r['tokens_per_sec_ratio']:.2f}x"
+    ratio = "n/a" if r["tokens_per_sec_ratio"] is None else f"{r['tokens_per_sec_ratio']:.3f}x"
     return (
         f"{r['label']} {what} {r['rel_delta']:+.2%}{at} vs {base['label']} "
         f"(threshold {threshold:.2%}), {ratio} tokens/s"
@@ -237,7 +237,7 @@ def summary_markdown(results: list[dict[str, Any]], meta: dict[str, Any], verdic
             f"{fmt(r['final_val_loss'], '.4f')} | {delta} | "
             f"{'' if baseline else fmt(r['max_rel_deviation_after_warmup'], '.2%')} | "
             f"{fmt(r['median_tokens_per_sec'], ',.0f')} | "
-            f"{'1.00x' if baseline else fmt(r['tokens_per_sec_ratio'], '.2f', 'x')} | "
+            f"{'1.000x' if baseline else fmt(r['tokens_per_sec_ratio'], '.3f', 'x')} | "
             f"{fmt(r['peak_memory_gib'], '.2f')} | {'' if baseline else r['parity']} |"
         )
     lines += ["", "Run directories:", ""]

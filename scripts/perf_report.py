@@ -1,8 +1,8 @@
 """Render the measured tables of docs/PERFORMANCE.md from the result files in docs/results/.
 
 Every figure in that document comes from a file a benchmark or a training run wrote:
-``*_bench_cast.json`` (scripts/bench_cast.py), ``*_bench_linear.json`` (scripts/bench_linear.py),
-``*_bench_moe.json`` (scripts/bench_moe.py) and
+``*_bench_cast.json`` (scripts/bench_cast.py), ``*_bench_gemm.json`` (scripts/bench_gemm.py),
+``*_bench_linear.json`` (scripts/bench_linear.py), ``*_bench_moe.json`` (scripts/bench_moe.py) and
 ``*_train_*/`` folders holding a ``meta.json`` and one ``metrics.jsonl`` per run (train.py).
 
     python scripts/perf_report.py            # print the tables
@@ -53,6 +53,39 @@ def cast_section(path: Path) -> list[str]:
     lines = [f"### MX casts, {meta['elem']}, bf16 input (copy bandwidth {meta['copy_gbs']:.0f} GB/s, same run)", ""]
     lines += table(["cast", "shape", "rule", "time (us)", "GB/s", "% of copy", "vs torch.compile reference"], rows)
     lines += ["", "Targets as the benchmark judged them:", ""] + [f"- {t}" for t in data.get("targets", [])]
+    return lines + ["", source_line(meta, path.name), ""]
+
+
+GEMM_TITLES = {  # scripts/bench_gemm.py's backend names
+    "emulated": "emulated (dequantize + mm)",
+    "emulated_mm": "emulated, mm alone",
+    "triton": "triton dot_scaled",
+    "cublas": "cublas",
+}
+
+
+def gemm_section(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    meta, backends = data["meta"], data["backends"]
+    rows = []
+    for r in data["rows"]:
+        cells = [
+            f"{r['mx'][b]['tflops']:.0f} ({r['mx'][b]['ratio']:.2f}x)" if b in r["mx"] else "n/a" for b in backends
+        ]
+        rows.append([str(r["M"]), str(r["K"]), str(r["N"]), f"{r['bf16_tflops']:.0f}"] + cells)
+    how = "under torch.compile" if meta.get("compiled", True) else "eager"
+    lines = [f"### MX GEMM out = a @ b.T, {meta['elem']} ({meta['rule']}) operands, against bf16 torch.mm", ""]
+    lines += [
+        f"TFLOP/s, and in parentheses the time relative to bf16 from the same run. The emulated backend "
+        f"dequantizes both operands to bf16, then multiplies ({how}).",
+        "",
+    ]
+    lines += table(["M", "K", "N", "bf16 TFLOP/s"] + [f"{GEMM_TITLES.get(b, b)} TFLOP/s" for b in backends], rows)
+    errors = [
+        f"{GEMM_TITLES.get(b, b)} {max(r['mx'][b]['rel_err'] for r in data['rows'] if b in r['mx']):.1e}"
+        for b in backends
+    ]
+    lines += ["", "Largest max |MX - emulated in fp32| / max |emulated| over the shapes: " + ", ".join(errors) + "."]
     return lines + ["", source_line(meta, path.name), ""]
 
 
@@ -130,6 +163,65 @@ def train_section(folder: Path) -> list[str]:
     return lines + ["", source_line(meta, folder.name), ""]
 
 
+def parity_section(folder: Path) -> list[str]:
+    """Throughput of a parity set (scripts/results_report.py writes its summary.json; RESULTS.md has the curves)."""
+    meta = json.loads((folder / "meta.json").read_text())
+    summary = json.loads((folder / "summary.json").read_text())
+    name = folder.name.split("_parity_", 1)[1]
+    rows = [
+        [
+            r["label"],
+            str(r["last_step"]),
+            f"{r['median_tokens_per_sec']:,.0f}",
+            "1.000x" if r["is_baseline"] else f"{r['tokens_per_sec_ratio']:.3f}x",
+            f"{r['peak_memory_gib']:.2f}",
+            "baseline" if r["is_baseline"] else f"{r['rel_delta']:+.2%}",
+        ]
+        for r in summary["runs"]
+    ]
+    lines = [f"### Parity runs, {name}: tokens/s against bf16 (curves in [RESULTS.md](RESULTS.md))", ""]
+    lines += table(
+        ["run", "steps", "median tokens/s per GPU", "ratio to bf16", "peak memory (GiB)", "final val loss"], rows
+    )
+    return lines + ["", f"Command: `{meta['commands']['all']}`", "", source_line(meta, folder.name), ""]
+
+
+def observe_section(path: Path) -> list[str]:
+    """scripts/roofline.py --observe: our casts and GEMMs, measured against the roofline of the same device."""
+    data = json.loads(path.read_text())
+    meta = data["meta"]
+    rows = [
+        [
+            r["kind"],
+            r["op"],
+            "x".join(map(str, r["shape"])),
+            f"{r['measured_us']:.1f}",
+            f"{r['roofline_us']:.1f}",
+            f"{r['pct_of_roofline']:.1f}%",
+            f"{r['pct_of_copy_roofline']:.1f}%",
+            r["bound"],
+        ]
+        for r in data["rows"]
+    ]
+    lines = [f"### Observed against the roofline ({meta['roofline_device']} peaks; {meta['elem']}, {meta['mode']})", ""]
+    lines += table(
+        ["kind", "op", "shape", "measured (us)", "roofline (us)", "of roofline", "of copy roofline", "bound"], rows
+    )
+    lines += ["", "MX time / bf16 time, measured and by the roofline (same device):", ""]
+    lines += table(
+        ["kind", "shape", "measured", "roofline"],
+        [
+            [r["kind"], "x".join(map(str, r["shape"])), f"{r['measured']:.2f}x", f"{r['roofline']:.2f}x"]
+            for r in data["ratios"]
+        ],
+    )
+    note = (
+        f" Roofline: published dense peaks and the measured copy bandwidth ({meta['copy_gbs']:,.0f} GB/s);"
+        " 'of copy roofline' sets memory-bound ops against that copy rate instead of the datasheet bandwidth."
+    )
+    return lines + ["", f"Command: `{meta['command']}`.{note}", "", source_line(meta, path.name), ""]
+
+
 def projection_section() -> list[str]:
     """The B200 projection's summary, as scripts/roofline.py generated it into docs/ROOFLINE.md."""
     text = ROOFLINE_DOC.read_text()
@@ -146,14 +238,20 @@ def projection_section() -> list[str]:
 
 def render() -> str:
     lines: list[str] = projection_section()
+    for path in sorted(RESULTS.glob("*_roofline_observe.json")):
+        lines += observe_section(path)
     for path in sorted(RESULTS.glob("*_bench_cast.json")):
         lines += cast_section(path)
+    for path in sorted(RESULTS.glob("*_bench_gemm.json")):
+        lines += gemm_section(path)
     for path in sorted(RESULTS.glob("*_bench_linear.json")):
         lines += linear_section(path)
     for path in sorted(RESULTS.glob("*_bench_moe.json")):
         lines += moe_section(path)
     for folder in sorted(p for p in RESULTS.glob("*_train_*") if p.is_dir()):
         lines += train_section(folder)
+    for folder in sorted(p for p in RESULTS.glob("*_parity_*") if p.is_dir()):
+        lines += parity_section(folder)
     return "\n".join(lines).rstrip() + "\n"
 
 

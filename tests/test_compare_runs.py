@@ -81,7 +81,7 @@ def test_parity_pass_writes_plot_and_summaries(tmp_path, capsys):
     rc, lines, _ = run_main(capsys, bf16, mx, "--out", out)
     assert rc == 0
     assert lines[-1].startswith("PARITY PASS: debug mxfp8 final val loss +0.")
-    assert "vs debug bf16 (threshold 0.50%), 0.93x tokens/s" in lines[-1]
+    assert "vs debug bf16 (threshold 0.50%), 0.930x tokens/s" in lines[-1]
     png = (out / "loss.png").read_bytes()
     assert png.startswith(b"\x89PNG") and 1000 < len(png) < 200_000
     summary = json.loads((out / "summary.json").read_text())
