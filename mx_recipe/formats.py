@@ -225,7 +225,7 @@ class MXTensor:
         return (elems * factor).to(dtype)
 
 
-@torch.library.custom_op("mx_recipe::uniform_like", mutates_args=(), tags=torch.Tag.nondeterministic_seeded)
+@torch.library.custom_op("mx_recipe::uniform_like", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def uniform_like(x: torch.Tensor) -> torch.Tensor:
     """``torch.rand(x.shape)`` in fp32 on x's device, from the default generator: stochastic
     rounding's random bits. An op that takes x, so that under torch.compile the draw stays where x
