@@ -58,6 +58,7 @@ def section(folder: Path, summary_md: str) -> list[str]:
         "",
         f"Source: `docs/{rel}/`: {meta['device']}, torch {meta['torch']}, {meta['date'][:10]}, "
         f"commit {meta['commit']}. Command: `{meta['commands']['all']}`.",
+        *(f"Run `{name}`: {what}." for name, what in meta["commands"].items() if name != "all"),
         "",
         *(line for block in body for line in (block, "")),
         f"![{folder.name}]({rel}/loss.png)",
