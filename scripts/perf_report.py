@@ -233,6 +233,8 @@ def projection_section() -> list[str]:
         "",
         "Assumptions, per-layer tables and the plot: [ROOFLINE.md](ROOFLINE.md) (`scripts/roofline.py`).",
         "",
+        "![projected B200 speedup of an MX linear against M](roofline_speedup.png)",
+        "",
     ]
 
 
