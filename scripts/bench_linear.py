@@ -23,6 +23,7 @@ from bench_meta import run_meta
 from triton.testing import do_bench
 
 from mx_recipe import MXLinear, MXRecipe
+from mx_recipe.saved_memory import saved_bytes
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192)]
 MIB, GIB = 2**20, 2**30
@@ -41,25 +42,6 @@ def fwd_bwd_ms(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> t
     step()
     torch.cuda.synchronize()
     return ms, (torch.cuda.max_memory_allocated() - base) / GIB
-
-
-def saved_bytes(layer: torch.nn.Module, x: torch.Tensor) -> int:
-    """Bytes autograd saves for backward in one forward of ``layer``, its parameters not counted
-    (a saved weight is the parameter itself, no extra memory). Run it eagerly: under torch.compile
-    AOTAutograd decides what to save, and the held memory below measures that."""
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        if t.untyped_storage().data_ptr() not in params:
-            total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = layer(x)
-    del y
-    return total
 
 
 def fwd_held_gib(layer: torch.nn.Module, x: torch.Tensor) -> float:

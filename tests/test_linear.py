@@ -21,6 +21,7 @@ from torch import nn
 from mx_recipe.formats import to_mx
 from mx_recipe.linear import MXLinear, mx_linear
 from mx_recipe.recipe import RECIPES, MXRecipe
+from mx_recipe.saved_memory import saved_bytes
 
 K, N = 64, 96
 CUSTOM = MXRecipe(
@@ -341,22 +342,6 @@ def test_save_mx_input_needs_mx_grad_weight():
     """With grad_weight='bf16' x is needed in bf16: the recipe refuses the option (tests/test_recipe.py)."""
     with pytest.raises(ValueError, match=r"save_mx_input=True needs an MX grad_weight"):
         with_save_mx(RECIPES["mxfp8_wgrad_bf16"])
-
-
-def saved_bytes(lin: nn.Module, x: torch.Tensor) -> int:
-    """Bytes that autograd saves for backward in one forward, parameters not counted."""
-    params = {p.untyped_storage().data_ptr() for p in lin.parameters()}
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        if t.untyped_storage().data_ptr() not in params:
-            total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lin(x).sum().backward()
-    return total
 
 
 @pytest.mark.parametrize(
