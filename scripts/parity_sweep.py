@@ -61,8 +61,8 @@ def launch(run: Run, config: str, overrides: list[str], gpus: str | None) -> Non
     run.run_dir.mkdir(parents=True, exist_ok=True)
     where = f"GPU {gpus}" if gpus is not None else "default device"
     print(f"parity_sweep: {run_name(run.recipe)} on {where}: {' '.join(cmd + overrides)}", flush=True)
-    log = open(run.run_dir / "train.log", "w")  # noqa: SIM115 (the child holds it; closed when it ends)
-    run.proc = subprocess.Popen(cmd + overrides, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(run.run_dir / "train.log", "w") as log:  # the child keeps its own copy of the descriptor
+        run.proc = subprocess.Popen(cmd + overrides, env=env, stdout=log, stderr=subprocess.STDOUT)
     run.gpus = gpus
 
 
