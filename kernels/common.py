@@ -17,8 +17,9 @@ from mx_recipe.scale_layout import blocked_groups_numel, blocked_numel
 KERNEL_ELEMS = ("e4m3", "e5m2")
 
 
-def check_cast(x: torch.Tensor, elem: str, mode: str, ndims: tuple[int, ...], qdim: int, op: str) -> None:
-    """Raise the reference's errors (and the kernels' own limits) before any launch."""
+def check_cast(x: torch.Tensor, elem: str, mode: str, ndims: tuple[int, ...], qdim: int | None, op: str) -> None:
+    """Raise the reference's errors (and the kernels' own limits) before any launch. ``qdim``: the
+    quantized dim, whose size must be a multiple of 32 (None: the kernel pads it)."""
     if elem == "e2m1":
         raise ValueError(
             f"{op}: the Triton MX cast kernels write fp8 (e4m3, e5m2) only; e2m1 is not supported "
@@ -34,6 +35,8 @@ def check_cast(x: torch.Tensor, elem: str, mode: str, ndims: tuple[int, ...], qd
     if x.dim() not in ndims:
         dims = " or ".join(f"{n}D" for n in ndims)
         raise ValueError(f"{op} takes a {dims} tensor, got shape {tuple(x.shape)}")
+    if qdim is None:
+        return
     qdim = qdim % x.dim()
     if x.shape[qdim] % BLOCK_SIZE:
         raise ValueError(

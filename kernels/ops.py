@@ -11,13 +11,15 @@ launchers, so the two cannot drift apart.
     torch.ops.mx_recipe.cast_groups_dim1(x, offs, elem, mode) -> (qdata, blocked per-group scale)
     torch.ops.mx_recipe.fake_quant_dim0(x, elem, mode) -> dequantized MX along K, x's dtype and shape
     torch.ops.mx_recipe.fake_quant_dim1(x, elem, mode) -> dequantized MX along M, transposed ([.., K, M])
+    torch.ops.mx_recipe.fake_quant_2d(x, elem, mode, along_k, along_m) -> (along K [.., M, K], along M
+        [.., ceil32(M), K], x's layout); one read of x for both, an output not asked for is empty
     torch.ops.mx_recipe.mx_gemm(a_q, a_scale, a_elem, b_q, b_scale, b_elem, out_dtype) -> a @ b.T (mx_gemm.py)
 """
 
 from __future__ import annotations
 
 import torch
-from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, fp8_dtype, groups_dim1_shapes
+from mx_kernels.common import BLOCK_SIZE, check_cast, dim0_shapes, dim1_shapes, fp8_dtype, groups_dim1_shapes
 from torch import Tensor
 
 
@@ -106,6 +108,21 @@ def fake_quant_dim1(x: Tensor, elem: str, mode: str) -> Tensor:
 def _(x: Tensor, elem: str, mode: str) -> Tensor:
     check_cast(x, elem, mode, ndims=(2, 3), qdim=-2, op="fake_quant_dim1")
     return x.new_empty((*x.shape[:-2], x.shape[-1], x.shape[-2]))
+
+
+@torch.library.custom_op("mx_recipe::fake_quant_2d", mutates_args=())
+def fake_quant_2d(x: Tensor, elem: str, mode: str, along_k: bool, along_m: bool) -> tuple[Tensor, Tensor]:
+    from mx_kernels.fake_quant_2d import fake_quant_2d as launch
+
+    return launch(x, elem, mode, along_k, along_m)
+
+
+@fake_quant_2d.register_fake
+def _(x: Tensor, elem: str, mode: str, along_k: bool, along_m: bool) -> tuple[Tensor, Tensor]:
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1 if along_k else None, op="fake_quant_2d")
+    *batch, m, k = x.shape
+    m_pad = -(-m // BLOCK_SIZE) * BLOCK_SIZE
+    return x.new_empty((*batch, m, k) if along_k else (0,)), x.new_empty((*batch, m_pad, k) if along_m else (0,))
 
 
 @torch.library.custom_op("mx_recipe::mx_gemm", mutates_args=())

@@ -16,6 +16,9 @@ equal to ``to_mx(x.t().contiguous())`` (no transpose copy on the GPU). 3D expert
 dtype, same orientations): what the emulated GEMM backend multiplies. On CUDA, for bf16 input,
 one kernel reads the input once and writes the result, with no qdata, scales or fp32
 intermediates in between; fp32 input takes the reference (see _use_fake_quant_kernels).
+``fake_quant_along_m`` is ``fake_quant_dim1`` left in the input's layout ([.., M padded, K]), and
+``fake_quant_dim0_dim1`` returns both fake-quants from one read of the input: a bf16 GEMM takes
+either operand transposed, so nothing needs writing transposed.
 
 e2m1 (fp4) has no Triton kernel: on CUDA it takes the reference path too (correct, slow).
 
@@ -270,3 +273,42 @@ def fake_quant_dim1(
     if _use_fake_quant_kernels(x, elem, rounding):
         return torch.ops.mx_recipe.fake_quant_dim1(x, elem, mode)
     return fake_quant(x.transpose(-2, -1).contiguous(), elem, mode, dim=-1, rounding=rounding, generator=generator)
+
+
+def _pad_m(x: torch.Tensor) -> torch.Tensor:
+    """Zero rows appended along M (dim -2) up to a multiple of 32."""
+    pad = -x.shape[-2] % BLOCK_SIZE
+    return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
+
+
+def fake_quant_along_m(
+    x: torch.Tensor,
+    elem: str = "e4m3",
+    mode: str = "floor",
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """x [M, K] or [E, M, K] zero-padded along M to a multiple of 32, quantized along M and
+    dequantized, in x's layout: [.., ceil32(M), K], row-major. Equal, bit for bit, to
+    ``fake_quant_dim1(pad(x)).transpose(-2, -1)``; stochastic rounding draws in that order too."""
+    if x.dim() not in (2, 3):
+        raise ValueError(f"fake_quant_along_m takes a 2D or 3D tensor, got shape {tuple(x.shape)}")
+    if _use_fake_quant_kernels(x, elem, rounding):
+        return torch.ops.mx_recipe.fake_quant_2d(x, elem, mode, False, True)[1]
+    return fake_quant_dim1(_pad_m(x), elem, mode, rounding, generator).transpose(-2, -1).contiguous()
+
+
+def fake_quant_dim0_dim1(
+    x: torch.Tensor,
+    elem: str = "e4m3",
+    mode: str = "floor",
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``fake_quant_dim0(x)``, ``fake_quant_along_m(x)``): on CUDA one kernel, one read of x.
+    Stochastic rounding draws along K first, then along M."""
+    if x.dim() not in (2, 3):
+        raise ValueError(f"fake_quant_dim0_dim1 takes a 2D or 3D tensor, got shape {tuple(x.shape)}")
+    if _use_fake_quant_kernels(x, elem, rounding):
+        return torch.ops.mx_recipe.fake_quant_2d(x, elem, mode, True, True)
+    return fake_quant_dim0(x, elem, mode, rounding, generator), fake_quant_along_m(x, elem, mode, rounding, generator)

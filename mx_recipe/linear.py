@@ -17,7 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mx_recipe.cast import BlockedMXTensor, cast_dim0, cast_dim0_dim1, cast_dim1, fake_quant_dim0, fake_quant_dim1
+from mx_recipe.cast import (
+    BlockedMXTensor,
+    cast_dim0,
+    cast_dim0_dim1,
+    cast_dim1,
+    fake_quant_along_m,
+    fake_quant_dim0,
+    fake_quant_dim0_dim1,
+)
 from mx_recipe.formats import E2M1_VALUES, E8M0_BIAS, E8M0_NAN, MXTensor, exp2_fp32, unpack_fp4
 from mx_recipe.gemm import mx_mm_blocked, mx_mm_triton, validate_backend
 from mx_recipe.recipe import HIGH_PRECISION, MXRecipe
@@ -34,11 +42,6 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
 def _along_last(t: torch.Tensor, elem: str, rule: str, dtype: torch.dtype, rounding: str = "nearest") -> torch.Tensor:
     """t [R, C] quantized along C and dequantized: the emulated backend's operand."""
     return fake_quant_dim0(t, elem, rule, rounding).to(dtype)
-
-
-def _along_first(t: torch.Tensor, elem: str, rule: str, dtype: torch.dtype, rounding: str = "nearest") -> torch.Tensor:
-    """t [R, C] quantized along R and dequantized, written transposed: [C, R]."""
-    return fake_quant_dim1(t, elem, rule, rounding).to(dtype)
 
 
 def _dequantize(t: MXTensor, dtype: torch.dtype) -> torch.Tensor:
@@ -121,46 +124,92 @@ class _MXLinearFunction(torch.autograd.Function):
             x = None
         else:
             x, w = ctx.saved_tensors
-        rule, dtype, bs = recipe.scale_rule, g.dtype, recipe.block_size
-        rounding = recipe.grad_rounding  # of g only: the upstream gradient
+        bs = recipe.block_size
         g = g.contiguous()
-        gx = gw = None
-        if ctx.needs_input_grad[0]:
-            if recipe.grad_input == HIGH_PRECISION:
-                gx = torch.mm(g, w.to(dtype))
-            elif backend == "emulated":  # gx = g @ w: g along N, w along N (as [K, N])
-                g_q = _along_last(g, recipe.grad, rule, dtype, rounding)
-                w_q = _along_first(w, recipe.grad_input, rule, dtype)
-                gx = torch.mm(g_q, w_q.t())
-            else:
-                g_n = _cast(backend, g, recipe.grad, rule, first=False, rounding=rounding)
-                gx = _mx_mm(backend, g_n, _cast(backend, w.to(dtype), recipe.grad_input, rule, first=True), dtype)
-        if ctx.needs_input_grad[1]:
-            if recipe.grad_weight == HIGH_PRECISION:
-                gw = torch.mm(g.t(), x.to(dtype))
-            else:  # gw = g.T @ x: both along M; zero rows pad M and add nothing to the sum
-                g_pad = _pad_rows(g, bs)
-                if backend == "emulated":
-                    g_q = _along_first(g_pad, recipe.grad, rule, dtype, rounding)  # [N, M]
-                    if x is None:  # the cast forward saved, dequantized as fake_quant_dim1 gives it
-                        x_mx = MXTensor(xm_data, xm_scale, recipe.grad_weight, 1, bs)
-                        x_q = _dequantize(x_mx, ctx.x_dtype).to(dtype)  # [K, M]
-                    else:
-                        x_q = _along_first(_pad_rows(x, bs), recipe.grad_weight, rule, dtype)  # [K, M]
-                    gw = torch.mm(g_q, x_q.t())
-                else:
-                    g_m = _cast(backend, g_pad, recipe.grad, rule, first=True, rounding=rounding)  # [N, M]
-                    if x is None:
-                        x_m = _saved_operand(backend, xm_data, xm_scale, recipe.grad_weight, bs)
-                    else:
-                        x_m = _cast(backend, _pad_rows(x, bs).to(dtype), recipe.grad_weight, rule, first=True)
-                    gw = _mx_mm(backend, g_m, x_m, dtype)
+        if backend == "emulated":
+            x_m = None if x is not None else MXTensor(xm_data, xm_scale, recipe.grad_weight, 1, bs)
+            gx, gw = _emulated_backward(ctx.needs_input_grad, g, x, x_m, w, recipe, ctx.x_dtype)
+        else:
+            x_m = None if x is not None else _saved_operand(backend, xm_data, xm_scale, recipe.grad_weight, bs)
+            gx, gw = _mx_backward(backend, ctx.needs_input_grad, g, x, x_m, w, recipe)
         return (
             None if gx is None else gx.to(ctx.x_dtype),
             None if gw is None else gw.to(w.dtype),
             None,
             None,
         )
+
+
+def _emulated_backward(
+    needs_grad: tuple[bool, ...],
+    g: torch.Tensor,
+    x: torch.Tensor | None,
+    x_saved: MXTensor | None,
+    w: torch.Tensor,
+    recipe: MXRecipe,
+    x_dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(gx, gw) of the emulated backend. Every fake-quant result stays in its input's layout, and
+    each GEMM takes its operands in the layouts of nn.Linear's own backward (gx = g @ w, gw = g.T @ x):
+    the bf16 GEMMs run as fast as bf16 training's. When both GEMMs are MX, g is read once for both
+    of its fake-quants (fake_quant_dim0_dim1). ``x_saved``: x along M as forward saved it (save_mx_input)."""
+    rule, dtype, rounding = recipe.scale_rule, g.dtype, recipe.grad_rounding  # rounding: of g only
+    mx_gx = needs_grad[0] and recipe.grad_input != HIGH_PRECISION
+    mx_gw = needs_grad[1] and recipe.grad_weight != HIGH_PRECISION
+    g_n = g_m = None  # g along N [M, N]; g along M, rows zero-padded to a multiple of 32 [Mp, N]
+    if mx_gx and mx_gw:
+        g_n, g_m = fake_quant_dim0_dim1(g, recipe.grad, rule, rounding)
+    elif mx_gx:
+        g_n = fake_quant_dim0(g, recipe.grad, rule, rounding)
+    elif mx_gw:
+        g_m = fake_quant_along_m(g, recipe.grad, rule, rounding)
+    gx = gw = None
+    if needs_grad[0]:
+        if mx_gx:  # g along N, w along N: [N, K]
+            gx = torch.mm(g_n.to(dtype), fake_quant_along_m(w, recipe.grad_input, rule).to(dtype))
+        else:
+            gx = torch.mm(g, w.to(dtype))
+    if needs_grad[1]:
+        if not mx_gw:
+            gw = torch.mm(g.t(), x.to(dtype))
+        else:  # g and x along M; their zero rows padding M add nothing to the sum
+            if x_saved is not None:  # forward's cast, dequantized as fake_quant_along_m gives it
+                x_m = _dequantize(x_saved, x_dtype).to(dtype).t().contiguous()  # [Mp, K]
+            else:
+                x_m = fake_quant_along_m(x, recipe.grad_weight, rule).to(dtype)  # [Mp, K]
+            gw = torch.mm(g_m.to(dtype).t(), x_m)
+    return gx, gw
+
+
+def _mx_backward(
+    backend: str,
+    needs_grad: tuple[bool, ...],
+    g: torch.Tensor,
+    x: torch.Tensor | None,
+    x_saved: MXOperand | None,
+    w: torch.Tensor,
+    recipe: MXRecipe,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(gx, gw) on an MX GEMM kernel (cublas, triton): each GEMM ``a @ b.T`` of two casts along its K."""
+    rule, dtype, bs = recipe.scale_rule, g.dtype, recipe.block_size
+    rounding = recipe.grad_rounding  # of g only: the upstream gradient
+    gx = gw = None
+    if needs_grad[0]:
+        if recipe.grad_input == HIGH_PRECISION:
+            gx = torch.mm(g, w.to(dtype))
+        else:  # gx = g @ w: g along N, w along N
+            g_n = _cast(backend, g, recipe.grad, rule, first=False, rounding=rounding)
+            gx = _mx_mm(backend, g_n, _cast(backend, w.to(dtype), recipe.grad_input, rule, first=True), dtype)
+    if needs_grad[1]:
+        if recipe.grad_weight == HIGH_PRECISION:
+            gw = torch.mm(g.t(), x.to(dtype))
+        else:  # gw = g.T @ x: both along M; zero rows pad M and add nothing to the sum
+            g_m = _cast(backend, _pad_rows(g, bs), recipe.grad, rule, first=True, rounding=rounding)  # [N, M]
+            x_m = x_saved
+            if x_m is None:
+                x_m = _cast(backend, _pad_rows(x, bs).to(dtype), recipe.grad_weight, rule, first=True)
+            gw = _mx_mm(backend, g_m, x_m, dtype)
+    return gx, gw
 
 
 def _saved_operand(backend: str, qdata: torch.Tensor, scale: torch.Tensor, elem: str, bs: int) -> MXOperand:

@@ -28,6 +28,10 @@ from mx_recipe.cast import (
     cast_dim0_dim1,
     cast_dim1,
     cast_groups_dim1,
+    fake_quant_along_m,
+    fake_quant_dim0,
+    fake_quant_dim0_dim1,
+    fake_quant_dim1,
 )
 from mx_recipe.formats import to_mx
 
@@ -107,6 +111,28 @@ def bench_2d(res: Results, m: int, k: int, elem: str, modes: list[str]) -> None:
                 res.add(name + tag, x.shape, mode, ms, reads * nbytes(x) + out_bytes(out))
 
 
+def fake_quant_separate(x: torch.Tensor, elem: str, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused fake-quants the emulated linear's backward used before: two reads of x."""
+    return fake_quant_dim0(x, elem, mode), fake_quant_dim1(x, elem, mode)
+
+
+def bench_fake_quant(res: Results, shape: tuple[int, ...], elem: str, modes: list[str]) -> None:
+    """The emulated backend's casts (bf16 in, dequantized bf16 out): bytes = input + outputs."""
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    for mode in modes:
+        for name, fn in (
+            ("fq dim0", fake_quant_dim0),
+            ("fq dim1 (transposed)", fake_quant_dim1),
+            ("fq along M", fake_quant_along_m),
+            ("fq dim0 + along M fused", fake_quant_dim0_dim1),
+            ("fq dim0 + dim1 separate", fake_quant_separate),
+        ):
+            ms, out = timed(fn, x, elem, mode)
+            outs = out if isinstance(out, tuple) else (out,)
+            reads = 2 if fn is fake_quant_separate else 1
+            res.add(name, x.shape, mode, ms, reads * nbytes(x) + nbytes(*outs))
+
+
 def bench_compiled_refs(res: Results, m: int, k: int, elem: str, modes: list[str]) -> None:
     """torch.compile of the reference, last (compiling takes a while): fills the speedup column."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -173,6 +199,19 @@ def sweep(m: int, k: int, elem: str) -> list[dict]:
             gbs = nbytes(x, *outs) / ms / 1e6
             rows.append(dict(kernel=name, config=cfg, us=ms * 1e3, gbs=gbs))
             print(f"sweep {name:10s} {m_key}={bm:3d} BLOCK_K={bk:3d} warps={warps}  {ms * 1e3:8.1f} us {gbs:7.0f} GB/s")
+    from mx_kernels.fake_quant_2d import fake_quant_2d as k_fq2d
+
+    for bm, bk, warps in [(32, 128, 4), (32, 256, 4), (32, 256, 8), (64, 64, 4), (64, 128, 4), (64, 128, 8),
+                          (64, 256, 8), (128, 64, 8), (128, 128, 8)]:  # fmt: skip
+        cfg = dict(BLOCK_M=bm, BLOCK_K=bk, num_warps=warps)
+        for along_k in (True, False):
+            ms, outs = timed(k_fq2d, x, elem, "floor", along_k, True, cfg)
+            gbs = nbytes(x, *outs) / ms / 1e6
+            kernel = "fake_quant_2d " + ("both" if along_k else "along M")
+            rows.append(dict(kernel=kernel, config=cfg, us=ms * 1e3, gbs=gbs))
+            print(
+                f"sweep {kernel:22s} BLOCK_M={bm:3d} BLOCK_K={bk:3d} warps={warps}  {ms * 1e3:8.1f} us {gbs:7.0f} GB/s"
+            )
     xg = torch.randn(16640, 5120, device="cuda", dtype=torch.bfloat16)
     offs = torch.arange(1, 17, device="cuda", dtype=torch.int32) * 1040
     for bk, warps in ((32, 1), (64, 1)):
@@ -192,6 +231,9 @@ def sweep(m: int, k: int, elem: str) -> list[dict]:
 def check_targets(res: Results, experts: list[int], n: int, k: int, modes: list[str]) -> list[str]:
     lines = []
     worst = min(res.rows, key=lambda r: r["pct_copy"] if "separate" not in r["name"] else 1e9)
+    for mode in modes:
+        sep, fused = res.get("fq dim0 + dim1 separate", mode), res.get("fq dim0 + along M fused", mode)
+        lines.append(f"fake-quant fused speedup over separate {mode}: {sep['us'] / fused['us']:.2f}x")
     lines.append(f"slowest cast: {worst['name']} {worst['mode']} at {worst['pct_copy']:.1f}% of copy (target >= 90%)")
     if set(modes) >= {"floor", "rceil"}:
         for r in res.rows:
@@ -236,6 +278,8 @@ def main() -> None:
     res = Results(copy_gbs)
     sweep_rows = sweep(args.m, args.k, args.elem) if args.sweep else []
     bench_2d(res, args.m, args.k, args.elem, modes)
+    bench_fake_quant(res, (args.m, args.k), args.elem, modes)
+    bench_fake_quant(res, (max(experts), args.n3d, args.k3d), args.elem, modes[:1])
     bench_3d(res, experts, args.n3d, args.k3d, args.elem, modes)
     bench_groups(res, 16640, args.k3d, 16, args.elem, modes)
     meta = run_meta(copy_gbs=copy_gbs, elem=args.elem)

@@ -31,7 +31,9 @@ from mx_recipe.cast import (
     cast_dim0_dim1,
     cast_dim1,
     cast_groups_dim1,
+    fake_quant_along_m,
     fake_quant_dim0,
+    fake_quant_dim0_dim1,
     fake_quant_dim1,
 )
 from mx_recipe.formats import MXTensor, to_mx
@@ -225,6 +227,33 @@ def check_fake_quant(shape, dtype, elem, mode, device, seed=0):
     assert_values_equal(dim1(x, elem, mode), ref1, what + " dim1")
 
 
+def ref_along_m(x: torch.Tensor, elem: str, mode: str) -> torch.Tensor:
+    """x zero-padded along M to a multiple of 32, fake-quantized along M, in x's layout (row-major)."""
+    x = x.cpu()
+    pad = x.new_zeros(*x.shape[:-2], -x.shape[-2] % 32, x.shape[-1])
+    xt = torch.cat([x, pad], dim=-2).transpose(-2, -1).contiguous()
+    return to_mx(xt, elem, mode, dim=-1).dequantize(x.dtype).transpose(-2, -1).contiguous()
+
+
+def check_fake_quant_2d(shape, dtype, elem, mode, device, seed=0, config=None):
+    """The fused fake-quant kernel (both outputs, and each alone) against the reference."""
+    import mx_kernels.fake_quant_2d
+
+    x = special_input(shape, dtype, device, seed)
+    launch = mx_kernels.fake_quant_2d.fake_quant_2d
+    ref_k = to_mx(x.cpu(), elem, mode, dim=-1).dequantize(dtype) if shape[-1] % 32 == 0 else None
+    ref_m = ref_along_m(x, elem, mode)
+    what = f"fake quant 2d {shape} {dtype} {elem} {mode} {config}"
+    if ref_k is not None:
+        along_k, along_m = launch(x, elem, mode, True, True, config)
+        assert_values_equal(along_k, ref_k, what + " along K")
+        assert_values_equal(along_m, ref_m, what + " along M")
+        assert launch(x, elem, mode, True, False, config)[1].numel() == 0
+    along_k, along_m = launch(x, elem, mode, False, True, config)
+    assert along_k.numel() == 0
+    assert_values_equal(along_m, ref_m, what + " along M alone")
+
+
 # ---------------------------------------------------------------------------------------
 # CPU, this process
 
@@ -301,6 +330,10 @@ def test_fake_impls_shapes():
         assert y.shape == (96, 160) and y.dtype == torch.bfloat16
         y = torch.ops.mx_recipe.fake_quant_dim1(w, "e5m2", "rceil")
         assert y.shape == (4, 160, 96) and y.dtype == torch.float32
+        a, b = torch.ops.mx_recipe.fake_quant_2d(x, "e4m3", "floor", True, True)
+        assert a.shape == (96, 160) and b.shape == (96, 160) and a.dtype == b.dtype == torch.bfloat16
+        a, b = torch.ops.mx_recipe.fake_quant_2d(torch.empty(2, 40, 48), "e4m3", "rceil", False, True)
+        assert a.numel() == 0 and b.shape == (2, 64, 48) and b.dtype == torch.float32
 
 
 def test_fake_quant_reference_path():
@@ -309,6 +342,19 @@ def test_fake_quant_reference_path():
     assert_values_equal(fake_quant_dim0(x), to_mx(x).dequantize(torch.bfloat16), "cpu fake quant dim0")
     assert_values_equal(fake_quant_dim1(x), to_mx(x.t().contiguous()).dequantize(torch.bfloat16), "cpu dim1")
     assert fake_quant_dim1(torch.randn(2, 64, 96)).shape == (2, 96, 64)
+
+
+def test_fake_quant_along_m_and_dim0_dim1_reference_path():
+    """Off CUDA: fake_quant_along_m is fake_quant_dim1 of the zero-padded input, transposed back to a
+    row-major [Mp, K]; fake_quant_dim0_dim1 is the pair (dim0, along M)."""
+    for shape in [(96, 160), (40, 64), (2, 70, 96)]:
+        x = special_input(shape, torch.bfloat16, "cpu")
+        along_m = fake_quant_along_m(x, "e5m2", "rceil")
+        assert along_m.is_contiguous() and along_m.shape[-2] == -(-shape[-2] // 32) * 32
+        assert_values_equal(along_m, ref_along_m(x, "e5m2", "rceil"), f"along m {shape}")
+        d0, dm = fake_quant_dim0_dim1(x, "e4m3", "floor")
+        assert_values_equal(d0, fake_quant_dim0(x, "e4m3", "floor"), f"dim0 of pair {shape}")
+        assert_values_equal(dm, ref_along_m(x, "e4m3", "floor"), f"along m of pair {shape}")
 
 
 class _GraphCaptured(Exception):
@@ -377,6 +423,31 @@ def test_interp_all_kernels(dtype, elem, mode):
 def test_interp_fake_quant(dtype, elem, mode):
     check_fake_quant((96, 160), dtype, elem, mode, "cpu")
     check_fake_quant((2, 64, 96), dtype, elem, mode, "cpu")
+
+
+@interp_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("elem", ELEMS)
+@pytest.mark.parametrize("mode", MODES)
+def test_interp_fake_quant_2d(dtype, elem, mode):
+    small = dict(BLOCK_M=32, BLOCK_K=64, num_warps=4)
+    check_fake_quant_2d((96, 160), dtype, elem, mode, "cpu", config=small)
+    check_fake_quant_2d((2, 70, 96), dtype, elem, mode, "cpu", config=dict(BLOCK_M=64, BLOCK_K=32, num_warps=4))
+    check_fake_quant_2d((40, 80), dtype, elem, mode, "cpu", config=small)  # K not a multiple of 32: along M only
+
+
+@interp_only
+def test_interp_fake_quant_2d_strided_and_errors():
+    import mx_kernels.fake_quant_2d
+
+    x = special_input((160, 96), torch.bfloat16, "cpu").t()  # [96, 160], column-major
+    along_k, along_m = mx_kernels.fake_quant_2d.fake_quant_2d(x, "e4m3", "floor", True, True)
+    assert_values_equal(along_k, to_mx(x.contiguous(), "e4m3", "floor").dequantize(torch.bfloat16), "strided K")
+    assert_values_equal(along_m, ref_along_m(x, "e4m3", "floor"), "strided M")
+    with pytest.raises(ValueError, match="ask for along_k, along_m or both"):
+        mx_kernels.fake_quant_2d.fake_quant_2d(x, "e4m3", "floor", False, False)
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        mx_kernels.fake_quant_2d.fake_quant_2d(torch.zeros(32, 48), "e4m3", "floor", True, True)
 
 
 @interp_only
@@ -471,6 +542,24 @@ def test_gpu_fake_quant_bit_exact(mode, elem, dtype):
     x = bits.view(torch.bfloat16).reshape(-1, 32 * 16)
     ref = to_mx(x, elem, mode).dequantize(torch.bfloat16)
     assert_values_equal(fake_quant_dim0(x.cuda(), elem, mode), ref, f"all bf16 fake quant {elem} {mode}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("elem", ELEMS)
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_fake_quant_2d_bit_exact(mode, elem):
+    for shape in [(96, 160), (4130, 160), (160, 4128), (1024, 4096), (3, 224, 96), (5, 100, 256), (64, 80)]:
+        check_fake_quant_2d(shape, torch.bfloat16, elem, mode, "cuda")
+    check_fake_quant_2d(
+        (4130, 160), torch.bfloat16, elem, mode, "cuda", config=dict(BLOCK_M=32, BLOCK_K=64, num_warps=4)
+    )
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16).reshape(-1, 32 * 16)
+    for t in (x, x.reshape(32 * 16, -1)):  # every bf16 value in blocks along K, then along M
+        along_k, along_m = fake_quant_dim0_dim1(t.cuda(), elem, mode)
+        assert_values_equal(along_k, to_mx(t, elem, mode).dequantize(torch.bfloat16), f"all bf16 K {elem} {mode}")
+        assert_values_equal(along_m, ref_along_m(t, elem, mode), f"all bf16 M {elem} {mode}")
 
 
 @pytest.mark.gpu

@@ -7,8 +7,9 @@ For y = x @ w.T with x: [M, K], w: [N, K] and upstream gradient g: [M, N]:
     grad weight  gw = g.T @ x   g along M, x along M   (M padded with zero rows to a multiple of 32)
 
 The emulation below builds each GEMM from ``to_mx`` + ``dequantize`` + ``torch.mm`` and feeds
-``torch.mm`` operands with the same memory layout as the emulated backend, so that CPU matmul
-runs the same summation order and the comparison can be bit for bit (``torch.equal``).
+``torch.mm`` operands with the same memory layout as the emulated backend (nn.Linear's own:
+every operand row-major in its tensor's layout, g and x transposed as views for grad weight), so
+that matmul runs the same summation order and the comparison can be bit for bit (``torch.equal``).
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ def grad_operands(g2: torch.Tensor, r: MXRecipe, dt: torch.dtype) -> tuple[torch
     of the padded g read transposed ([N, Mp], the layout its cast quantizes)."""
     rule = r.scale_rule
     if r.grad_rounding == "nearest":
-        return deq(g2, r.grad, rule, 1, dt), deq(pad_rows(g2), r.grad, rule, 0, dt)
+        return deq(g2, r.grad, rule, 1, dt), deq(pad_rows(g2), r.grad, rule, 0, dt).contiguous()
     torch.manual_seed(SR_SEED)
     g_n = to_mx(g2, r.grad, rule, dim=1, rounding="stochastic").dequantize(dt) if r.grad_input != "bf16" else None
     g_m = to_mx(pad_rows(g2).t().contiguous(), r.grad, rule, dim=1, rounding="stochastic").dequantize(dt).t()
-    return g_n, g_m
+    return g_n, g_m.contiguous()
 
 
 def emulate(x, w, b, g, r: MXRecipe):
@@ -77,16 +78,16 @@ def emulate(x, w, b, g, r: MXRecipe):
         gx = torch.mm(g2, w)
     else:
         gq = g_along_n
-        wq = deq(w, r.grad_input, rule, 0, dt)
-        gx = torch.mm(gq, wq.t().contiguous().t())  # layout: w's copy is [K, N] row-major
+        wq = deq(w, r.grad_input, rule, 0, dt).contiguous()  # [N, K] row-major, as w
+        gx = torch.mm(gq, wq)
 
     # grad weight: g and x along M (dim 0), M padded with zero rows; gw = gq.T @ xq
     if r.grad_weight == "bf16":
         gw = torch.mm(g2.t(), x2)
     else:
-        gq = g_along_m  # [Mp, N]
-        xq = deq(pad_rows(x2), r.grad_weight, rule, 0, dt)  # [Mp, K]
-        gw = torch.mm(gq.t().contiguous(), xq.t().contiguous().t())  # layout: [N, Mp] @ ([K, Mp]).T
+        gq = g_along_m  # [Mp, N] row-major
+        xq = deq(pad_rows(x2), r.grad_weight, rule, 0, dt).contiguous()  # [Mp, K] row-major
+        gw = torch.mm(gq.t(), xq)
 
     y = y.reshape(*x.shape[:-1], N)
     if b is not None:

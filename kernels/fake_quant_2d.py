@@ -1,0 +1,132 @@
+"""Fake-quant along K and/or along M in one read of x, both results in x's own layout.
+
+The emulated MX linear's backward needs the upstream gradient g [M, N] quantized along N (grad
+input) and along M (grad weight), each dequantized to bf16 for a bf16 GEMM. A bf16 GEMM takes
+either operand transposed for free, so the along-M result need not be written transposed (as
+``fake_quant_dim1`` does, a transpose in registers): it can stay in g's layout, [M, N]. Then one
+program quantizes its tile [BLOCK_M, BLOCK_K] as row blocks (32 along K) and as column blocks
+(32 along M) from the same registers and writes two coalesced tiles: g read once, not twice.
+
+Along M, rows past M read as zeros and the result has ceil(M / 32) * 32 rows: the zero-padded
+operand the grad-weight GEMM uses (zero rows add nothing to its sum).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from mx_kernels.common import BLOCK_SIZE, check_cast, format_constexprs, interpreting, software_round
+from mx_kernels.mx_quantize import bf16_bits_rne, dequantize_blocks, quantize_blocks, to_fp32
+
+# Tile and warps: the best of the H200 sweep in scripts/bench_cast.py --fake-quant-sweep.
+FAKE_QUANT_2D_CONFIG = dict(BLOCK_M=64, BLOCK_K=128, num_warps=8)
+
+
+@triton.jit
+def _fake_quant_2d_kernel(
+    x_ptr,
+    k_ptr,
+    m_ptr,
+    M,
+    M_PAD,
+    K,
+    stride_xb,
+    stride_xm,
+    stride_xk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ALONG_K: tl.constexpr,
+    ALONG_M: tl.constexpr,
+    EMAX: tl.constexpr,
+    MAX_MANT: tl.constexpr,
+    MAX_NORMAL: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    RCEIL: tl.constexpr,
+    SOFTWARE_ROUND: tl.constexpr,
+    OUT_BF16_BITS: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)  # E * M * K can pass 2**31
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    in_x = (rows < M)[:, None] & (cols < K)[None, :]
+    x_offs = pid_b * stride_xb + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
+    x = to_fp32(tl.load(x_ptr + x_offs, mask=in_x, other=0.0), SOFTWARE_ROUND)
+    if ALONG_K:  # blocks of 32 along K: [BLOCK_M * BLOCK_K / 32, 32]
+        blocks = tl.reshape(x, (BLOCK_M * BLOCK_K // 32, 32))
+        q, s = quantize_blocks(blocks, 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND)
+        v = tl.reshape(dequantize_blocks(q, s, 1, MBITS, EMIN), (BLOCK_M, BLOCK_K))
+        if OUT_BF16_BITS:
+            v = bf16_bits_rne(v)
+        k_offs = pid_b * M * K + rows.to(tl.int64)[:, None] * K + cols[None, :]
+        tl.store(k_ptr + k_offs, v, mask=in_x)
+    if ALONG_M:  # blocks of 32 along M: [BLOCK_M / 32, 32, BLOCK_K], reduced over the middle dim
+        blocks = tl.reshape(x, (BLOCK_M // 32, 32, BLOCK_K))
+        q, s = quantize_blocks(blocks, 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND)
+        v = tl.reshape(dequantize_blocks(q, s, 1, MBITS, EMIN), (BLOCK_M, BLOCK_K))
+        if OUT_BF16_BITS:
+            v = bf16_bits_rne(v)
+        m_offs = pid_b * M_PAD * K + rows.to(tl.int64)[:, None] * K + cols[None, :]
+        tl.store(m_ptr + m_offs, v, mask=(rows < M_PAD)[:, None] & (cols < K)[None, :])
+
+
+def fake_quant_2d(
+    x: torch.Tensor, elem: str, mode: str, along_k: bool, along_m: bool, config: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] or [E, M, K] (bf16; any strides) -> (along K, along M), each dequantized in x's dtype.
+
+    - along K: [.., M, K] = ``to_mx(x, elem, mode, dim=-1).dequantize(x.dtype)``;
+    - along M: [.., ceil32(M), K], x zero-padded along M and quantized along it, not transposed:
+      ``to_mx(pad(x).transpose(-2, -1).contiguous(), elem, mode).dequantize(x.dtype).transpose(-2, -1)``.
+
+    An output not asked for is an empty tensor. Bit for bit the reference's."""
+    if not (along_k or along_m):
+        raise ValueError("fake_quant_2d: ask for along_k, along_m or both")
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1 if along_k else None, op="fake_quant_2d")
+    if x.dtype != torch.bfloat16 and not interpreting():
+        raise NotImplementedError(f"fake_quant_2d: the GPU kernel takes bf16 input, got {x.dtype}")
+    *batch, m, k = x.shape
+    m_pad = -(-m // BLOCK_SIZE) * BLOCK_SIZE
+    out_k = x.new_empty((*batch, m, k) if along_k else (0,))
+    out_m = x.new_empty((*batch, m_pad, k) if along_m else (0,))
+    if x.numel():
+        _launch(x, out_k, out_m, elem, mode, along_k, along_m, m_pad, config)
+    return out_k, out_m
+
+
+def _launch(
+    x: torch.Tensor, out_k: torch.Tensor, out_m: torch.Tensor, elem: str, mode: str, along_k: bool, along_m: bool,
+    m_pad: int, config: dict | None,
+) -> None:  # fmt: skip
+    x3 = x if x.dim() == 3 else x.unsqueeze(0)
+    num_batch, m, k = x3.shape
+    cfg = {**FAKE_QUANT_2D_CONFIG, **(config or {})}
+    block_m, block_k = cfg["BLOCK_M"], cfg["BLOCK_K"]
+    if block_m % BLOCK_SIZE or block_k % BLOCK_SIZE:
+        raise ValueError(f"fake_quant_2d: BLOCK_M and BLOCK_K must be multiples of {BLOCK_SIZE}, got {cfg}")
+    software = software_round(x, "fake_quant_2d")
+    bits = software and x.dtype == torch.bfloat16  # the interpreter: bf16 bits rounded by hand
+    grid = (triton.cdiv(m_pad if along_m else m, block_m), triton.cdiv(k, block_k), num_batch)
+    _fake_quant_2d_kernel[grid](
+        x3,
+        out_k.view(torch.int16) if bits and along_k else out_k,
+        out_m.view(torch.int16) if bits and along_m else out_m,
+        m,
+        m_pad,
+        k,
+        x3.stride(0),
+        x3.stride(1),
+        x3.stride(2),
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        ALONG_K=along_k,
+        ALONG_M=along_m,
+        SOFTWARE_ROUND=software,
+        OUT_BF16_BITS=bits,
+        num_warps=cfg["num_warps"],
+        **format_constexprs(elem, mode),
+    )
