@@ -59,7 +59,7 @@ def _cast_dim0_kernel(
     q_offs = pid_b * stride_qb + rows.to(tl.int64)[:, None] * K + cols[None, :]
     if DEQUANT:
         # fake quant: store element * 2**e in the output's dtype, no qdata and no scales
-        v = tl.reshape(dequantize_blocks(q, scale, 1, MBITS, EMIN), (BLOCK_M, BLOCK_K))
+        v = tl.reshape(dequantize_blocks(q, scale, 1, MBITS, EMIN, IS_E4M3, SOFTWARE_ROUND), (BLOCK_M, BLOCK_K))
         if OUT_BF16_BITS:
             v = bf16_bits_rne(v)
         tl.store(q_ptr + q_offs, v, mask=mask)

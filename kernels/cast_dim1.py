@@ -70,7 +70,7 @@ def _cast_dim1_kernel(
         out_offs = cols.to(tl.int64)[None, :] * M + rows[:, None]
         if DEQUANT:
             # fake quant: element * 2**e in the output's dtype, no qdata and no scales
-            v = dequantize_blocks(q, scale, 0, MBITS, EMIN)
+            v = dequantize_blocks(q, scale, 0, MBITS, EMIN, IS_E4M3, SOFTWARE_ROUND)
             if OUT_BF16_BITS:
                 v = bf16_bits_rne(v)
             tl.store(q_ptr + out_offs, v, mask=mask)

@@ -59,7 +59,7 @@ def _fake_quant_2d_kernel(
     if ALONG_K:  # blocks of 32 along K: [BLOCK_M * BLOCK_K / 32, 32]
         blocks = tl.reshape(x, (BLOCK_M * BLOCK_K // 32, 32))
         q, s = quantize_blocks(blocks, 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND)
-        v = tl.reshape(dequantize_blocks(q, s, 1, MBITS, EMIN), (BLOCK_M, BLOCK_K))
+        v = tl.reshape(dequantize_blocks(q, s, 1, MBITS, EMIN, IS_E4M3, SOFTWARE_ROUND), (BLOCK_M, BLOCK_K))
         if OUT_BF16_BITS:
             v = bf16_bits_rne(v)
         k_offs = pid_b * M * K + rows.to(tl.int64)[:, None] * K + cols[None, :]
@@ -67,7 +67,7 @@ def _fake_quant_2d_kernel(
     if ALONG_M:  # blocks of 32 along M: [BLOCK_M / 32, 32, BLOCK_K], reduced over the middle dim
         blocks = tl.reshape(x, (BLOCK_M // 32, 32, BLOCK_K))
         q, s = quantize_blocks(blocks, 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND)
-        v = tl.reshape(dequantize_blocks(q, s, 1, MBITS, EMIN), (BLOCK_M, BLOCK_K))
+        v = tl.reshape(dequantize_blocks(q, s, 1, MBITS, EMIN, IS_E4M3, SOFTWARE_ROUND), (BLOCK_M, BLOCK_K))
         if OUT_BF16_BITS:
             v = bf16_bits_rne(v)
         m_offs = pid_b * M_PAD * K + rows.to(tl.int64)[:, None] * K + cols[None, :]

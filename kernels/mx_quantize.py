@@ -126,22 +126,31 @@ def store_scales(s_ptr, scale, rows, cols, n_rows, n_cols, BLOCKED: tl.constexpr
 
 
 @triton.jit
-def dequantize_blocks(q, scale, AXIS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr):
+def dequantize_blocks(
+    q, scale, AXIS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, IS_E4M3: tl.constexpr,
+    SOFTWARE_ROUND: tl.constexpr,
+):  # fmt: skip
     """fp8 bits (uint8) and biased scales -> fp32 element * 2**(scale - 127), NaN where the scale
-    is 0xFF: ``MXTensor.dequantize`` in fp32, built from bits (no fp8 conversion instruction, so
-    the interpreter computes it exactly too)."""
-    bits = q.to(tl.int32)
-    exp_field = (bits >> MBITS) & ((1 << (7 - MBITS)) - 1)
-    mant = bits & ((1 << MBITS) - 1)
-    # |element| = (implicit one + mantissa) * 2**(max(exp_field, 1) - bias - MBITS), bias = 1 - EMIN
-    significand = (mant + tl.where(exp_field > 0, 1 << MBITS, 0)).to(tl.float32)
-    unit = ((tl.maximum(exp_field, 1) + EMIN - 1 - MBITS + 127) << 23).to(tl.float32, bitcast=True)
-    # the sign goes in by bits: Triton's -x is 0 - x, which would turn -0 into +0
-    element = ((significand * unit).to(tl.int32, bitcast=True) | ((bits & 0x80) << 24)).to(tl.float32, bitcast=True)
+    is 0xFF: ``MXTensor.dequantize`` in fp32. On the GPU the element comes from the hardware fp8
+    conversion (exact; one cvt per two elements: the fake-quant kernels are ALU-bound otherwise).
+    Under SOFTWARE_ROUND it is built from bits, which the interpreter computes exactly too."""
+    if SOFTWARE_ROUND:
+        bits = q.to(tl.int32)
+        exp_field = (bits >> MBITS) & ((1 << (7 - MBITS)) - 1)
+        mant = bits & ((1 << MBITS) - 1)
+        # |element| = (implicit one + mantissa) * 2**(max(exp_field, 1) - bias - MBITS), bias = 1 - EMIN
+        significand = (mant + tl.where(exp_field > 0, 1 << MBITS, 0)).to(tl.float32)
+        unit = ((tl.maximum(exp_field, 1) + EMIN - 1 - MBITS + 127) << 23).to(tl.float32, bitcast=True)
+        # the sign goes in by bits: Triton's -x is 0 - x, which would turn -0 into +0
+        element = ((significand * unit).to(tl.int32, bitcast=True) | ((bits & 0x80) << 24)).to(tl.float32, bitcast=True)
+    elif IS_E4M3:
+        element = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        element = q.to(tl.float8e5, bitcast=True).to(tl.float32)
     s = scale.to(tl.int32)
     factor = tl.where(s > 0, s << 23, 0x400000).to(tl.float32, bitcast=True)  # 2**(s - 127); s = 0: 2**-127
-    value = element * tl.expand_dims(factor, AXIS)
-    return tl.where(tl.expand_dims(s == 0xFF, AXIS), float("nan"), value)
+    factor = tl.where(s == 0xFF, float("nan"), factor)  # element * NaN is NaN, zeros included
+    return element * tl.expand_dims(factor, AXIS)
 
 
 @triton.jit
