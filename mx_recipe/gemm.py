@@ -20,7 +20,8 @@ callable with the real op's signature (tests pass mx_recipe.scaled_mm_emulator's
 * ``mx_scaled_mm(a_q, a_scale_blocked, b_q, b_scale_blocked, out_dtype)``: a [M, K] @ b[N, K].T;
 * ``mx_mm_blocked(a, b, out_dtype)``: the same from two ``BlockedMXTensor`` cast outputs;
 * ``mx_grouped_mm_2d_3d(a, w, offs, out_dtype)``: MoE forward / grad-input;
-* ``mx_grouped_mm_2d_2d(a, b, out_dtype)``: MoE grad-weight, groups along the contraction dim.
+* ``mx_grouped_mm_2d_2d(a, b, out_dtype)``: MoE grad-weight, groups along the contraction dim
+  (both driven by ``grouped.mx_grouped_mm`` on the cublas backend).
 
 The triton path: ``mx_mm_triton(a, b, out_dtype)`` from two ``MXTensor`` cast outputs
 (``cast_dim0`` / ``cast_dim1`` with plain scales), through the custom op
@@ -85,6 +86,11 @@ def cublas_available(device: torch.device) -> bool:
     return cap is not None and cap >= CUBLAS_MIN_CAPABILITY and hasattr(torch, "_scaled_mm")
 
 
+# Read once: the MoE grouped GEMM resolves its backend in every forward, where this string (about
+# 9 us to build) would cost time and, under torch.compile, a graph break (dynamo cannot trace it).
+_TORCH_HAS_MSLK = any(flag in torch.__config__.show() for flag in ("USE_MSLK", "USE_FBGEMM_GENAI"))
+
+
 def cublas_grouped_available(device: torch.device) -> bool:
     """Whether ``torch._scaled_grouped_mm`` runs MXFP8 on ``device``.
 
@@ -93,10 +99,7 @@ def cublas_grouped_available(device: torch.device) -> bool:
     same way, through ``torch.__config__.show()``.
     """
     cap = _device_capability(device)
-    if cap is None or cap[0] != 10 or not hasattr(torch, "_scaled_grouped_mm"):
-        return False
-    config = torch.__config__.show()
-    return "USE_MSLK" in config or "USE_FBGEMM_GENAI" in config
+    return cap is not None and cap[0] == 10 and hasattr(torch, "_scaled_grouped_mm") and _TORCH_HAS_MSLK
 
 
 def triton_available(device: torch.device) -> bool:
@@ -365,6 +368,10 @@ def mx_grouped_mm_2d_3d(
 ) -> torch.Tensor:
     """Token groups a [M_total, K] (plain scales, groups ending at ``offs``, each a multiple of 32 rows)
     times expert weights w [E, N, K] quantized along K with per-expert blocked scales -> [M_total, N].
+
+    Groups of 32-row multiples are what PyTorch's MXFP8 grouped tests and torchao run the op with
+    (torchao pads to them) and what the emulator enforces; the MSLK kernel's argument setup checks
+    only offs <= M_total for 2d-3d. ``grouped.mx_grouped_mm`` pads ragged groups on the device.
 
     MoE forward: ``a = cast_dim0(x)``, ``w = cast_3d_dim0(w, blocked_scales=True)``.
     MoE grad input: ``a = cast_dim0(g)``, ``w = cast_3d_dim1(w, blocked_scales=True)`` ([E, K, N]).
