@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,12 +53,33 @@ def init_distributed() -> DistInfo:
 
 
 def destroy_distributed(barrier: bool = True) -> None:
-    if dist.is_initialized():
-        # Without a barrier a fast rank tears gloo down under a slow one ("terminate called
-        # without an active exception"). After an error there is none: the others may be gone.
-        if barrier:
-            dist.barrier()
-        dist.destroy_process_group()
+    """Tear the process group down. With ``barrier`` (a normal end), every rank first waits for the
+    others to arrive, then, after destroying its group, for the others to have destroyed theirs: a
+    rank that exits closes its gloo sockets, and a peer still inside destroy_process_group could
+    abort ("terminate called without an active exception"). After an error there is no barrier:
+    the others may be gone."""
+    if not dist.is_initialized():
+        return
+    world_size = dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store() if barrier and world_size > 1 else None
+    if barrier:
+        dist.barrier()
+    dist.destroy_process_group()
+    if store is not None:
+        _wait_for_all(store, "mx_recipe/process_group_destroyed", world_size)
+
+
+def _wait_for_all(store: dist.Store, key: str, world_size: int, timeout_s: float = 60.0) -> None:
+    """A barrier on the rendezvous store (which outlives the process group): count in, wait for
+    ``world_size``. The store may be gone once the last rank is through (rank 0 hosts it outside
+    torchrun): that, or the timeout, ends the wait, as every rank had counted in by then or is dead."""
+    try:
+        store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add(key, 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.005)
+    except (RuntimeError, dist.DistError):
+        pass
 
 
 def mesh_shape(world_size: int, dp_replicate: int) -> tuple[int, ...]:
