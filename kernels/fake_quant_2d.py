@@ -19,7 +19,7 @@ import triton.language as tl
 from mx_kernels.common import BLOCK_SIZE, check_cast, format_constexprs, interpreting, software_round
 from mx_kernels.mx_quantize import bf16_bits_rne, dequantize_blocks, quantize_blocks, to_fp32
 
-# The best of an H200 sweep (docs/results/2026-11-21_h200_fake_quant_sweep.txt).
+# The best of an H200 sweep (docs/profiles/2026-11-21_h200_fake_quant_sweep.txt).
 FAKE_QUANT_2D_CONFIG = dict(BLOCK_M=32, BLOCK_K=128, num_warps=4)
 
 
