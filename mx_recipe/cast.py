@@ -238,6 +238,11 @@ def cast_groups_dim1(
     return _result(qdata, scale, elem, blocked_scales, (k, m // BLOCK_SIZE), group_offs)
 
 
+def _check_2d_or_3d(x: torch.Tensor, op: str) -> None:
+    if x.dim() not in (2, 3):
+        raise ValueError(f"{op} takes a 2D or 3D tensor, got shape {tuple(x.shape)}")
+
+
 def _use_fake_quant_kernels(x: torch.Tensor, elem: str, rounding: str) -> bool:
     # bf16 only: on an H200 the fake-quant kernels gave wrong values for fp32 input (bit-exact in
     # the Triton interpreter and for bf16 on the GPU; cause not found yet). fp32 takes the reference.
@@ -252,8 +257,7 @@ def fake_quant_dim0(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """x [M, K] or [E, M, K] -> ``to_mx(x, elem, mode, dim=-1).dequantize(x.dtype)``, bit for bit."""
-    if x.dim() not in (2, 3):
-        raise ValueError(f"fake_quant_dim0 takes a 2D or 3D tensor, got shape {tuple(x.shape)}")
+    _check_2d_or_3d(x, "fake_quant_dim0")
     if _use_fake_quant_kernels(x, elem, rounding):
         return torch.ops.mx_recipe.fake_quant_dim0(x, elem, mode)
     return fake_quant(x, elem, mode, dim=-1, rounding=rounding, generator=generator)
@@ -268,8 +272,7 @@ def fake_quant_dim1(
 ) -> torch.Tensor:
     """x [M, K] or [E, M, K] -> the same along M, transposed: [.., K, M], equal to
     ``to_mx(x.transpose(-2, -1).contiguous(), elem, mode).dequantize(x.dtype)``, bit for bit."""
-    if x.dim() not in (2, 3):
-        raise ValueError(f"fake_quant_dim1 takes a 2D or 3D tensor, got shape {tuple(x.shape)}")
+    _check_2d_or_3d(x, "fake_quant_dim1")
     if _use_fake_quant_kernels(x, elem, rounding):
         return torch.ops.mx_recipe.fake_quant_dim1(x, elem, mode)
     return fake_quant(x.transpose(-2, -1).contiguous(), elem, mode, dim=-1, rounding=rounding, generator=generator)
@@ -291,8 +294,7 @@ def fake_quant_along_m(
     """x [M, K] or [E, M, K] zero-padded along M to a multiple of 32, quantized along M and
     dequantized, in x's layout: [.., ceil32(M), K], row-major. Equal, bit for bit, to
     ``fake_quant_dim1(pad(x)).transpose(-2, -1)``; stochastic rounding draws in that order too."""
-    if x.dim() not in (2, 3):
-        raise ValueError(f"fake_quant_along_m takes a 2D or 3D tensor, got shape {tuple(x.shape)}")
+    _check_2d_or_3d(x, "fake_quant_along_m")
     if _use_fake_quant_kernels(x, elem, rounding):
         return torch.ops.mx_recipe.fake_quant_2d(x, elem, mode, False, True)[1]
     return fake_quant_dim1(_pad_m(x), elem, mode, rounding, generator).transpose(-2, -1).contiguous()
@@ -307,8 +309,7 @@ def fake_quant_dim0_dim1(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``fake_quant_dim0(x)``, ``fake_quant_along_m(x)``): on CUDA one kernel, one read of x.
     Stochastic rounding draws along K first, then along M."""
-    if x.dim() not in (2, 3):
-        raise ValueError(f"fake_quant_dim0_dim1 takes a 2D or 3D tensor, got shape {tuple(x.shape)}")
+    _check_2d_or_3d(x, "fake_quant_dim0_dim1")
     if _use_fake_quant_kernels(x, elem, rounding):
         return torch.ops.mx_recipe.fake_quant_2d(x, elem, mode, True, True)
     return fake_quant_dim0(x, elem, mode, rounding, generator), fake_quant_along_m(x, elem, mode, rounding, generator)
