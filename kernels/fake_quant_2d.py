@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 from mx_kernels.common import BLOCK_SIZE, check_cast, format_constexprs, interpreting, software_round
-from mx_kernels.mx_quantize import bf16_bits_rne, dequantize_blocks, quantize_blocks, to_fp32
+from mx_kernels.mx_quantize import fake_quant_blocks, to_fp32
 
 # The best of an H200 sweep (docs/profiles/2026-11-21_h200_fake_quant_sweep.txt).
 FAKE_QUANT_2D_CONFIG = dict(BLOCK_M=32, BLOCK_K=128, num_warps=4)
@@ -58,18 +58,18 @@ def _fake_quant_2d_kernel(
     x = to_fp32(tl.load(x_ptr + x_offs, mask=in_x, other=0.0), SOFTWARE_ROUND)
     if ALONG_K:  # blocks of 32 along K: [BLOCK_M * BLOCK_K / 32, 32]
         blocks = tl.reshape(x, (BLOCK_M * BLOCK_K // 32, 32))
-        q, s = quantize_blocks(blocks, 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND)
-        v = tl.reshape(dequantize_blocks(q, s, 1, MBITS, EMIN, IS_E4M3, SOFTWARE_ROUND), (BLOCK_M, BLOCK_K))
-        if OUT_BF16_BITS:
-            v = bf16_bits_rne(v)
+        v = fake_quant_blocks(
+            blocks, 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND, OUT_BF16_BITS
+        )
+        v = tl.reshape(v, (BLOCK_M, BLOCK_K))
         k_offs = pid_b * M * K + rows.to(tl.int64)[:, None] * K + cols[None, :]
         tl.store(k_ptr + k_offs, v, mask=in_x)
     if ALONG_M:  # blocks of 32 along M: [BLOCK_M / 32, 32, BLOCK_K], reduced over the middle dim
         blocks = tl.reshape(x, (BLOCK_M // 32, 32, BLOCK_K))
-        q, s = quantize_blocks(blocks, 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND)
-        v = tl.reshape(dequantize_blocks(q, s, 1, MBITS, EMIN, IS_E4M3, SOFTWARE_ROUND), (BLOCK_M, BLOCK_K))
-        if OUT_BF16_BITS:
-            v = bf16_bits_rne(v)
+        v = fake_quant_blocks(
+            blocks, 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND, OUT_BF16_BITS
+        )
+        v = tl.reshape(v, (BLOCK_M, BLOCK_K))
         m_offs = pid_b * M_PAD * K + rows.to(tl.int64)[:, None] * K + cols[None, :]
         tl.store(m_ptr + m_offs, v, mask=(rows < M_PAD)[:, None] & (cols < K)[None, :])
 

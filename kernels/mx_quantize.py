@@ -154,6 +154,21 @@ def dequantize_blocks(
 
 
 @triton.jit
+def fake_quant_blocks(
+    blocks, AXIS: tl.constexpr, EMAX: tl.constexpr, MAX_MANT: tl.constexpr, MAX_NORMAL: tl.constexpr,
+    MBITS: tl.constexpr, EMIN: tl.constexpr, IS_E4M3: tl.constexpr, RCEIL: tl.constexpr,
+    SOFTWARE_ROUND: tl.constexpr, OUT_BF16_BITS: tl.constexpr,
+):  # fmt: skip
+    """fp32 blocks of 32 along AXIS -> their MX quantize-dequantize, same shape: fp32, or bf16 bits
+    (int16) under OUT_BF16_BITS (the interpreter, whose bf16 store is not trusted)."""
+    q, scale = quantize_blocks(blocks, AXIS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND)
+    v = dequantize_blocks(q, scale, AXIS, MBITS, EMIN, IS_E4M3, SOFTWARE_ROUND)
+    if OUT_BF16_BITS:
+        v = bf16_bits_rne(v)
+    return v
+
+
+@triton.jit
 def bf16_bits_rne(v):
     """fp32 -> bf16 bits (int16), round to nearest even, NaN kept NaN. For the interpreter, whose
     own bf16 conversion is not trusted here; the GPU converts with cvt.rn.bf16.f32."""
