@@ -95,6 +95,14 @@ def dim1_shapes(shape: torch.Size, blocked: bool) -> tuple[tuple[int, ...], tupl
     return (*batch, k, m), (*batch, *scale_bytes_2d(k, m // BLOCK_SIZE, blocked))
 
 
+def fake_quant_2d_shapes(shape: torch.Size, along_k: bool, along_m: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(along K, along M) output shapes of fake_quant_2d on [M, K] or [E, M, K]: x's shape, and x's
+    with M rounded up to a multiple of 32; (0,) for an output not asked for."""
+    *batch, m, k = shape
+    m_pad = -(-m // BLOCK_SIZE) * BLOCK_SIZE
+    return (*batch, m, k) if along_k else (0,), (*batch, m_pad, k) if along_m else (0,)
+
+
 def groups_dim1_shapes(shape: torch.Size, num_groups: int, blocked: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(qdata, scale) shapes of the per-group dim1 cast of [M_total, K] with ``num_groups`` groups."""
     m, k = shape

@@ -16,7 +16,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from mx_kernels.common import BLOCK_SIZE, check_cast, format_constexprs, interpreting, software_round
+from mx_kernels.common import (
+    BLOCK_SIZE,
+    check_cast,
+    fake_quant_2d_shapes,
+    format_constexprs,
+    interpreting,
+    software_round,
+)
 from mx_kernels.mx_quantize import fake_quant_blocks, to_fp32
 
 # The best of an H200 sweep (docs/profiles/2026-11-21_h200_fake_quant_sweep.txt).
@@ -89,11 +96,10 @@ def fake_quant_2d(
     check_cast(x, elem, mode, ndims=(2, 3), qdim=-1 if along_k else None, op="fake_quant_2d")
     if x.dtype != torch.bfloat16 and not interpreting():
         raise NotImplementedError(f"fake_quant_2d: the GPU kernel takes bf16 input, got {x.dtype}")
-    *batch, m, k = x.shape
-    m_pad = -(-m // BLOCK_SIZE) * BLOCK_SIZE
-    out_k = x.new_empty((*batch, m, k) if along_k else (0,))
-    out_m = x.new_empty((*batch, m_pad, k) if along_m else (0,))
+    k_shape, m_shape = fake_quant_2d_shapes(x.shape, along_k, along_m)
+    out_k, out_m = x.new_empty(k_shape), x.new_empty(m_shape)
     if x.numel():
+        m_pad = m_shape[-2] if along_m else x.shape[-2]
         _launch(x, out_k, out_m, elem, mode, along_k, along_m, m_pad, config)
     return out_k, out_m
 

@@ -19,7 +19,7 @@ launchers, so the two cannot drift apart.
 from __future__ import annotations
 
 import torch
-from mx_kernels.common import BLOCK_SIZE, check_cast, dim0_shapes, dim1_shapes, fp8_dtype, groups_dim1_shapes
+from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, fake_quant_2d_shapes, fp8_dtype, groups_dim1_shapes
 from torch import Tensor
 
 
@@ -120,9 +120,8 @@ def fake_quant_2d(x: Tensor, elem: str, mode: str, along_k: bool, along_m: bool)
 @fake_quant_2d.register_fake
 def _(x: Tensor, elem: str, mode: str, along_k: bool, along_m: bool) -> tuple[Tensor, Tensor]:
     check_cast(x, elem, mode, ndims=(2, 3), qdim=-1 if along_k else None, op="fake_quant_2d")
-    *batch, m, k = x.shape
-    m_pad = -(-m // BLOCK_SIZE) * BLOCK_SIZE
-    return x.new_empty((*batch, m, k) if along_k else (0,)), x.new_empty((*batch, m_pad, k) if along_m else (0,))
+    k_shape, m_shape = fake_quant_2d_shapes(x.shape, along_k, along_m)
+    return x.new_empty(k_shape), x.new_empty(m_shape)
 
 
 @torch.library.custom_op("mx_recipe::mx_gemm", mutates_args=())
