@@ -9,6 +9,8 @@ For y = x @ w.T with x: [M, K], w: [N, K] and the upstream gradient g: [M, N]:
 With ``recipe.save_mx_input`` the forward also casts x along M (for the grad-weight GEMM) and
 saves that MX tensor for backward instead of x: the same operand backward would have cast, so
 the gradients are bit-identical, and the saved activation is ~1.03 bytes per element, not 2.
+With ``recipe.fuse_x_casts`` (emulated backend) one kernel reads x once for both of its
+fake-quants, and forward saves the along-M one (bf16) instead of x.
 """
 
 from __future__ import annotations
@@ -85,19 +87,27 @@ class _MXLinearFunction(torch.autograd.Function):
     triton backend: the same casts with plain scales to ``tl.dot_scaled`` (gemm.mx_mm_triton)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: MXRecipe, save_mx: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: MXRecipe, for_grad_weight: bool) -> torch.Tensor:
+        """``for_grad_weight``: the grad-weight GEMM will run, so the recipe's save_mx_input and
+        fuse_x_casts may cast x for it here."""
         backend = validate_backend(recipe, x.device)
-        ctx.backend, ctx.recipe, ctx.save_mx, ctx.x_dtype = backend, recipe, save_mx, x.dtype
         elem, rule, dtype, bs = recipe.forward, recipe.scale_rule, x.dtype, recipe.block_size
         wgrad_elem = recipe.grad_weight
+        save_mx = for_grad_weight and recipe.save_mx_input
+        fuse_x = for_grad_weight and recipe.fuse_x_casts and backend == "emulated"
         x_m = None  # x along M in MX form ([K, M padded to 32]), when it is saved that way
+        x_m_fq = None  # x along M fake-quantized ([M padded to 32, K], bf16), with fuse_x
         if elem == HIGH_PRECISION:
             y = torch.mm(x, w.to(dtype).t())
         elif backend == "emulated":
-            # y = x @ w.T: x along K, w along K. Not the fused cast_dim0_dim1 for a saved x: it gives x
-            # along K as MX data, to dequantize in another pass, where fake_quant_dim0 reads x and
-            # writes the GEMM operand in one kernel; the saved x along M is cast below.
-            y = torch.mm(_along_last(x, elem, rule, dtype), _along_last(w, elem, rule, dtype).t())
+            # y = x @ w.T: x along K, w along K. For save_mx_input not the fused cast_dim0_dim1: it
+            # gives x along K as MX data, to dequantize in another pass, where fake_quant_dim0 reads x
+            # and writes the GEMM operand in one kernel; the saved x along M is cast below.
+            if fuse_x:  # one read of x for both of its fake-quants (fuse_x_casts)
+                x_k, x_m_fq = fake_quant_dim0_dim1(x, elem, rule)
+            else:
+                x_k = fake_quant_dim0(x, elem, rule)
+            y = torch.mm(x_k.to(dtype), _along_last(w, elem, rule, dtype).t())
         else:
             w_k = _cast(backend, w.to(dtype), elem, rule, first=False)
             if save_mx and wgrad_elem == elem and x.shape[0] % bs == 0:
@@ -109,29 +119,37 @@ class _MXLinearFunction(torch.autograd.Function):
             y = _mx_mm(backend, x_k, w_k, dtype)
         if save_mx and x_m is None:
             x_m = _cast(backend, _pad_rows(x, bs), wgrad_elem, rule, first=True)  # emulated: plain scales
-        if x_m is None:
-            ctx.save_for_backward(x, w)
-        else:
+        ctx.backend, ctx.recipe, ctx.x_dtype = backend, recipe, x.dtype
+        # what backward gets for x: "x" itself, "mx" (x along M in MX form) or "along_m" (x along M
+        # fake-quantized, the grad-weight GEMM's operand as it is)
+        ctx.saved = "mx" if x_m is not None else "along_m" if x_m_fq is not None else "x"
+        if x_m is not None:
             ctx.save_for_backward(x_m.qdata, x_m.scale, w)
+        else:
+            ctx.save_for_backward(x if x_m_fq is None else x_m_fq, w)
         return y
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         recipe: MXRecipe = ctx.recipe
         backend: str = ctx.backend
-        if ctx.save_mx:
+        bs = recipe.block_size
+        x = x_saved = None
+        if ctx.saved == "mx":
             xm_data, xm_scale, w = ctx.saved_tensors
-            x = None
+        elif ctx.saved == "along_m":
+            x_saved, w = ctx.saved_tensors
         else:
             x, w = ctx.saved_tensors
-        bs = recipe.block_size
         g = g.contiguous()
         if backend == "emulated":
-            x_m = None if x is not None else MXTensor(xm_data, xm_scale, recipe.grad_weight, 1, bs)
-            gx, gw = _emulated_backward(ctx.needs_input_grad, g, x, x_m, w, recipe, ctx.x_dtype)
+            if ctx.saved == "mx":  # forward's cast, dequantized as fake_quant_along_m gives it: [Mp, K]
+                x_mx = MXTensor(xm_data, xm_scale, recipe.grad_weight, 1, bs)
+                x_saved = _dequantize(x_mx, ctx.x_dtype).t().contiguous()
+            gx, gw = _emulated_backward(ctx.needs_input_grad, g, x, x_saved, w, recipe)
         else:
-            x_m = None if x is not None else _saved_operand(backend, xm_data, xm_scale, recipe.grad_weight, bs)
-            gx, gw = _mx_backward(backend, ctx.needs_input_grad, g, x, x_m, w, recipe)
+            x_mx = None if ctx.saved != "mx" else _saved_operand(backend, xm_data, xm_scale, recipe.grad_weight, bs)
+            gx, gw = _mx_backward(backend, ctx.needs_input_grad, g, x, x_mx, w, recipe)
         return (
             None if gx is None else gx.to(ctx.x_dtype),
             None if gw is None else gw.to(w.dtype),
@@ -144,15 +162,15 @@ def _emulated_backward(
     needs_grad: tuple[bool, ...],
     g: torch.Tensor,
     x: torch.Tensor | None,
-    x_saved: MXTensor | None,
+    x_m: torch.Tensor | None,
     w: torch.Tensor,
     recipe: MXRecipe,
-    x_dtype: torch.dtype,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(gx, gw) of the emulated backend. Every fake-quant result stays in its input's layout, and
     each GEMM takes its operands in the layouts of nn.Linear's own backward (gx = g @ w, gw = g.T @ x):
     the bf16 GEMMs run as fast as bf16 training's. When both GEMMs are MX, g is read once for both
-    of its fake-quants (fake_quant_dim0_dim1). ``x_saved``: x along M as forward saved it (save_mx_input)."""
+    of its fake-quants (fake_quant_dim0_dim1). ``x_m``: x along M fake-quantized, [M padded to 32, K], when
+    forward made it (fuse_x_casts, save_mx_input); otherwise it is made here from x."""
     rule, dtype, rounding = recipe.scale_rule, g.dtype, recipe.grad_rounding  # rounding: of g only
     mx_gx = needs_grad[0] and recipe.grad_input != HIGH_PRECISION
     mx_gw = needs_grad[1] and recipe.grad_weight != HIGH_PRECISION
@@ -173,11 +191,9 @@ def _emulated_backward(
         if not mx_gw:
             gw = torch.mm(g.t(), x.to(dtype))
         else:  # g and x along M; their zero rows padding M add nothing to the sum
-            if x_saved is not None:  # forward's cast, dequantized as fake_quant_along_m gives it
-                x_m = _dequantize(x_saved, x_dtype).to(dtype).t().contiguous()  # [Mp, K]
-            else:
-                x_m = fake_quant_along_m(x, recipe.grad_weight, rule).to(dtype)  # [Mp, K]
-            gw = torch.mm(g_m.to(dtype).t(), x_m)
+            if x_m is None:
+                x_m = fake_quant_along_m(x, recipe.grad_weight, rule)  # [Mp, K]
+            gw = torch.mm(g_m.to(dtype).t(), x_m.to(dtype))
     return gx, gw
 
 
@@ -227,10 +243,10 @@ def mx_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recip
         raise ValueError(
             f"mx_linear: weight shape {tuple(w.shape)} needs in and out features divisible by {recipe.block_size}"
         )
-    # Cast x for grad weight in forward only when that gradient will be computed (not under
-    # no_grad, as in evaluation, nor for a frozen weight).
-    save_mx = recipe.save_mx_input and torch.is_grad_enabled() and w.requires_grad
-    y = _MXLinearFunction.apply(x.reshape(-1, k), w, recipe, save_mx).reshape(*x.shape[:-1], n)
+    # Cast x for grad weight in forward (save_mx_input, fuse_x_casts) only when that gradient will
+    # be computed (not under no_grad, as in evaluation, nor for a frozen weight).
+    for_grad_weight = torch.is_grad_enabled() and w.requires_grad
+    y = _MXLinearFunction.apply(x.reshape(-1, k), w, recipe, for_grad_weight).reshape(*x.shape[:-1], n)
     return y if bias is None else y + bias.to(y.dtype)
 
 

@@ -32,6 +32,13 @@ class MXRecipe:
         forward, instead of x in bf16. Bit-identical gradients, since that GEMM quantizes x along M
         anyway. Needs an MX grad_weight (with "bf16" the GEMM reads x itself). MXLinear only: the
         MoE grouped GEMM saves x as it is.
+    fuse_x_casts: emulated backend only. The forward fake-quantizes x along K (its own GEMM) and
+        along M (the grad-weight GEMM's operand) in one read of x (``fake_quant_dim0_dim1``) and saves
+        the along-M result, bf16, instead of x; backward then does not read x again. The same bytes
+        are saved for a layer whose input nothing else keeps; more where layers share one input
+        (wq, wk and wv each save their own copy). Needs grad_weight == forward (one format for both
+        casts) and excludes save_mx_input (which does the same for the MX backends, in MX form).
+        Bit-identical gradients. No effect on the cublas and triton backends.
     """
 
     name: str = "custom"
@@ -44,6 +51,7 @@ class MXRecipe:
     block_size: int = 32
     grad_rounding: str = "nearest"
     save_mx_input: bool = False
+    fuse_x_casts: bool = False
 
     def __post_init__(self) -> None:
         for field in ("forward", "grad_input", "grad_weight"):
@@ -71,6 +79,18 @@ class MXRecipe:
             raise ValueError(
                 f"MXRecipe.save_mx_input=True needs an MX grad_weight, got grad_weight={self.grad_weight!r}: "
                 "that GEMM reads x in bf16, so x is saved as it is"
+            )
+        if not isinstance(self.fuse_x_casts, bool):
+            raise ValueError(f"MXRecipe.fuse_x_casts={self.fuse_x_casts!r}: expected True or False")
+        if self.fuse_x_casts and (self.grad_weight == HIGH_PRECISION or self.grad_weight != self.forward):
+            raise ValueError(
+                f"MXRecipe.fuse_x_casts=True needs grad_weight == forward and MX, got forward={self.forward!r}, "
+                f"grad_weight={self.grad_weight!r}: one kernel casts x for both GEMMs in one format"
+            )
+        if self.fuse_x_casts and self.save_mx_input:
+            raise ValueError(
+                "MXRecipe.fuse_x_casts=True and save_mx_input=True: choose one (fuse_x_casts saves x along M "
+                "fake-quantized in bf16, save_mx_input in MX form)"
             )
 
     @staticmethod

@@ -106,22 +106,15 @@ def linear_section(path: Path) -> list[str]:
         ]
         for r in data["rows"]
     ]
+    header = ["M", "K", "N", "bf16 ms", "MX ms", "MX/bf16 (target <= 1.10x)", "bf16 TFLOP/s", "bf16 peak GiB"]
+    header += ["MX peak GiB"]
+    if "mx_fuse_ms" in data["rows"][0]:  # MX with fuse_x_casts, in runs that timed it
+        header += ["MX fuse_x_casts ms", "fuse_x_casts/bf16", "fuse_x_casts peak GiB"]
+        for row, r in zip(rows, data["rows"], strict=True):
+            row += [f"{r['mx_fuse_ms']:.3f}", f"{r['mx_fuse_ratio']:.2f}x", f"{r['mx_fuse_peak_gib']:.2f}"]
     how = "torch.compile'd" if meta.get("compiled", True) else "eager"
     lines = [f"### MX linear forward + backward, {meta['recipe']} against bf16 nn.Linear (both {how})", ""]
-    lines += table(
-        [
-            "M",
-            "K",
-            "N",
-            "bf16 ms",
-            "MX ms",
-            "MX/bf16 (target <= 1.10x)",
-            "bf16 TFLOP/s",
-            "bf16 peak GiB",
-            "MX peak GiB",
-        ],
-        rows,
-    )
+    lines += table(header, rows)
     return lines + ["", source_line(meta, path.name), ""]
 
 

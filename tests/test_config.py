@@ -72,6 +72,15 @@ def test_minimal_config_and_defaults():
             _with("mx", "save_mx_input", True) | {"mx": {"recipe": "mxfp8_wgrad_bf16", "save_mx_input": True}},
             r"key 'mx.save_mx_input': .*needs an MX grad_weight",
         ),
+        (_with("mx", "fuse_x_casts", 1), r"key 'mx.fuse_x_casts': expected true or false"),
+        (
+            {**_with("mx", "fuse_x_casts", True), "mx": {"recipe": "mxfp8_wgrad_bf16", "fuse_x_casts": True}},
+            r"key 'mx.fuse_x_casts': .*needs grad_weight == forward",
+        ),
+        (
+            {**MINIMAL, "mx": {**MINIMAL["mx"], "fuse_x_casts": True, "save_mx_input": True}},
+            r"key 'mx.fuse_x_casts': .*choose one",
+        ),
         (_with("model", "flavor", "13B"), r"key 'model.flavor': unknown llama flavor '13B'"),
         (_with("training", "steps", 0), r"key 'training.steps': must be positive"),
         (_with("metrics", "log_freq", -1), r"key 'metrics.log_freq'"),
@@ -146,6 +155,8 @@ def test_mx_keys_build_the_recipe():
     recipe = build_mx_recipe(config.mx)
     assert (recipe.name, recipe.save_mx_input, recipe.grad_rounding) == ("mxfp8", True, "nearest")
     assert build_mx_recipe(build_config(MINIMAL, "mem.toml", []).mx).save_mx_input is False
+    assert build_mx_recipe(build_config(_with("mx", "fuse_x_casts", True), "mem.toml", []).mx).fuse_x_casts is True
+    assert build_mx_recipe(build_config(MINIMAL, "mem.toml", []).mx).fuse_x_casts is False
 
     sr = {**MINIMAL, "mx": {"recipe": "mxfp4_sr"}}
     assert build_mx_recipe(build_config(sr, "mem.toml", []).mx).grad_rounding == "stochastic"

@@ -392,6 +392,68 @@ def test_save_mx_input_casts_only_when_grad_weight_is_needed(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+# fuse_x_casts (emulated): one read of x for both of its fake-quants; x along M saved instead of x.
+# ---------------------------------------------------------------------------------------------
+FUSE_X_RECIPES = [r for r in ALL_RECIPES if r.grad_weight != "bf16" and r.grad_weight == r.forward]
+
+
+def with_fuse_x(r: MXRecipe) -> MXRecipe:
+    return MXRecipe(**{**r.__dict__, "fuse_x_casts": True})
+
+
+@pytest.mark.parametrize("lead, special", SAVE_MX_CASES.values(), ids=SAVE_MX_CASES.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("recipe", FUSE_X_RECIPES, ids=lambda r: r.name)
+def test_fuse_x_casts_is_bit_identical(recipe, dtype, lead, special):
+    """x along M made in forward is the operand backward would have made: no bit of y, gx, gw, gb moves."""
+    inputs = special_input(lead, dtype) if special else make_inputs(lead, dtype, seed=6)
+    base = run_mx(*inputs, recipe)
+    fused = run_mx(*inputs, with_fuse_x(recipe))
+    for what, a, b in zip(("y", "gx", "gw", "gb"), base, fused, strict=True):
+        assert same_bits(a, b), what
+
+
+def test_fuse_x_casts_reads_x_once_and_saves_x_along_m(monkeypatch):
+    """Forward: one fake_quant_dim0_dim1 of x, no fake_quant_dim0 of x; backward: no cast of x along M
+    (only w's along N). Saved: x along M padded to 32 rows, bf16, instead of x."""
+    import mx_recipe.linear as linear
+
+    calls = []
+    for name in ("fake_quant_dim0", "fake_quant_dim0_dim1", "fake_quant_along_m"):
+        fn = getattr(linear, name)
+        monkeypatch.setattr(
+            linear, name, lambda t, *a, _n=name, _f=fn, **kw: calls.append((_n, t.shape)) or _f(t, *a, **kw)
+        )
+    lin = MXLinear(K, N, bias=False, recipe=with_fuse_x(RECIPES["mxfp8"]), dtype=torch.bfloat16)
+    x = torch.randn(40, K, dtype=torch.bfloat16, requires_grad=True)
+    y = lin(x)
+    assert calls == [("fake_quant_dim0_dim1", (40, K)), ("fake_quant_dim0", (N, K))]
+    calls.clear()
+    y.backward(torch.randn_like(y))
+    # g read once for both of its fake-quants, w along N; x is not read again
+    assert calls == [("fake_quant_dim0_dim1", (40, N)), ("fake_quant_along_m", (N, K))]
+    assert saved_bytes(lin, x) == 64 * K * 2  # [64, K] bf16, where x itself is 40 * K * 2 bytes
+    lin.recipe = RECIPES["mxfp8"]
+    assert saved_bytes(lin, x) == 40 * K * 2
+
+
+def test_fuse_x_casts_only_when_grad_weight_is_needed(monkeypatch):
+    """Under no_grad or for a frozen weight forward casts x along K only, as without the option."""
+    import mx_recipe.linear as linear
+
+    fused = []
+    fn = linear.fake_quant_dim0_dim1
+    monkeypatch.setattr(linear, "fake_quant_dim0_dim1", lambda *a, **kw: fused.append(1) or fn(*a, **kw))
+    lin = MXLinear(K, N, recipe=with_fuse_x(RECIPES["mxfp8"]))
+    x = torch.randn(40, K, requires_grad=True)
+    with torch.no_grad():
+        lin(x)
+    lin.weight.requires_grad_(False)
+    lin(x).sum().backward()  # backward: g's fake-quants do not need both orientations either
+    assert fused == [] and x.grad is not None
+
+
+# ---------------------------------------------------------------------------------------------
 # The hardware backends' wiring on the CPU: which casts reach which GEMM.
 # ---------------------------------------------------------------------------------------------
 def fake_triton_mm(calls: list):
@@ -464,6 +526,18 @@ def test_cublas_save_mx_input_is_bit_identical(monkeypatch, name, m):
     saved = run_mx(x, w, b, gy, with_save_mx(RECIPES[name]))
     for what, a, e in zip(("y", "gx", "gw", "gb"), base, saved, strict=True):
         assert same_bits(a, e), what
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead", [(64,), (40,), (3, 50)], ids=["M64", "M40", "3d-M150"])
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp8_rceil", "mxfp8_e5m2_grads", "mxfp4"])
+def test_fuse_x_casts_is_bit_identical_cuda(name, lead):
+    """On the GPU: fake_quant_2d's kernel for x in forward, bit-identical to the separate casts."""
+    inputs = [None if t is None else t.cuda() for t in special_input(lead, torch.bfloat16)]
+    base = run_mx(*inputs, RECIPES[name])
+    fused = run_mx(*inputs, with_fuse_x(RECIPES[name]))
+    for what, a, b in zip(("y", "gx", "gw", "gb"), base, fused, strict=True):
+        assert same_bits(a, b), what
 
 
 @pytest.mark.gpu

@@ -97,6 +97,7 @@ class MXConfig:
     backend: str = "auto"
     skip: list[str] = field(default_factory=lambda: ["output", "*router.gate"])  # fqn patterns left in bf16
     save_mx_input: bool = False  # save x for backward in MX form (MXRecipe.save_mx_input)
+    fuse_x_casts: bool = False  # emulated: both fake-quants of x in forward (MXRecipe.fuse_x_casts)
     grad_rounding: str = ""  # nearest or stochastic (MXRecipe.grad_rounding); "" keeps the recipe's
 
 
@@ -324,6 +325,10 @@ def validate(config: Config) -> None:
                 MXRecipe.from_name(config.mx.recipe, **{key: value})
             except ValueError as e:
                 fail(f"mx.{key}", f"{e} (recipe {config.mx.recipe!r})")
+        try:  # keys that are fine alone but not together
+            MXRecipe.from_name(config.mx.recipe, **_mx_overrides(config.mx))
+        except ValueError as e:
+            fail("mx.fuse_x_casts", f"{e} (recipe {config.mx.recipe!r})")
     positive = [
         ("training.gradient_accumulation_steps", t.gradient_accumulation_steps),
         ("validation.interval", config.validation.interval),
@@ -360,15 +365,19 @@ def validate(config: Config) -> None:
 
 def _mx_overrides(mx: MXConfig) -> dict[str, str | bool]:
     """The MXRecipe fields that [mx] sets on top of the named recipe."""
-    overrides: dict[str, str | bool] = {"backend": mx.backend, "save_mx_input": mx.save_mx_input}
+    overrides: dict[str, str | bool] = {
+        "backend": mx.backend,
+        "save_mx_input": mx.save_mx_input,
+        "fuse_x_casts": mx.fuse_x_casts,
+    }
     if mx.grad_rounding:
         overrides["grad_rounding"] = mx.grad_rounding
     return overrides
 
 
 def build_mx_recipe(mx: MXConfig) -> MXRecipe | None:
-    """The MXRecipe that [mx] describes (the named recipe with backend, save_mx_input and
-    grad_rounding set from the config), or None for recipe "none"."""
+    """The MXRecipe that [mx] describes (the named recipe with backend, save_mx_input, fuse_x_casts
+    and grad_rounding set from the config), or None for recipe "none"."""
     from mx_recipe.recipe import MXRecipe
 
     if mx.recipe == "none":
