@@ -312,7 +312,7 @@ def fake_quant(
     """
     dim, q, e, is_nan = _quantize_blocks(x, elem, mode, dim, block_size, rounding, generator, uniform)
     out = torch.where(is_nan, torch.nan, q * exp2_fp32(e))
-    return out.reshape(*out.shape[:-2], -1).movedim(-1, dim).contiguous().to(x.dtype)
+    return out.flatten(-2).movedim(-1, dim).contiguous().to(x.dtype)  # flatten: also for 0 rows
 
 
 def to_mx(

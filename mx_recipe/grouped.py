@@ -119,6 +119,8 @@ class _MXGroupedMMFunction(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         x, w, offs = ctx.saved_tensors
         recipe: MXRecipe = ctx.recipe
+        if x.shape[0] == 0:  # no tokens: nothing flows back (torch._grouped_mm rejects an empty K)
+            return torch.zeros_like(x), torch.zeros_like(w), None, None
         if ctx.backend == "cublas":
             return _backward_cublas(ctx, x, w, offs, g.contiguous())
         rule, dtype = recipe.scale_rule, g.dtype

@@ -12,8 +12,8 @@ from mx_recipe.models import build_model, flops_per_token, model_args, moe_layer
 from mx_recipe.models.moe import MOE_FLAVORS, MoE, MoEArgs
 
 RECIPES = ["mxfp8", "mxfp8_rceil", "mxfp8_wgrad_bf16", "mxfp8_e5m2_grads", "mxfp4"]
-# Group sizes: ragged (not multiples of 32), empty in the middle and at the ends.
-GROUP_SIZES = [[40, 0, 60, 60], [0, 32, 1, 95], [17, 0, 0, 0], [0, 0, 0, 64]]
+# Group sizes: ragged (not multiples of 32), empty in the middle and at the ends, no tokens at all.
+GROUP_SIZES = [[40, 0, 60, 60], [0, 32, 1, 95], [17, 0, 0, 0], [0, 0, 0, 64], [0, 0, 0, 0]]
 
 
 def _deq(t: torch.Tensor, elem: str, rule: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
