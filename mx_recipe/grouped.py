@@ -9,9 +9,10 @@ Tokens routed to experts are stacked: x [M_total, K] with int32 cumulative group
 
 The backend is resolved per call with ``gemm.validate_backend(recipe, device, grouped=True)``:
 
-* ``emulated`` (anywhere): fake-quant casts, then ``torch._grouped_mm`` in the input dtype. Only
-  the grad-weight GEMM quantizes along M, so only it pads groups to multiples of 32 (no scale
-  block may straddle two experts).
+* ``emulated`` (anywhere): fake-quant casts, then ``torch._grouped_mm`` in the input dtype, each
+  GEMM's operands in the layouts of the bf16 backward (the along-M fake-quants write in their
+  input's layout). Only the grad-weight GEMM quantizes along M inside token groups, so only it pads
+  groups to multiples of 32 (no scale block may straddle two experts).
 * ``cublas`` (sm_100 with an MSLK build; e4m3 operands): fp8 casts with blocked scales, then
   ``torch._scaled_grouped_mm`` through gemm.py's ``mx_grouped_mm_2d_3d`` (forward, grad input) and
   ``mx_grouped_mm_2d_2d`` (grad weight), bf16 out. The op is run and tested (PyTorch's own tests,
@@ -35,8 +36,8 @@ from mx_recipe.cast import (
     cast_3d_dim1,
     cast_dim0,
     cast_groups_dim1,
+    fake_quant_along_m,
     fake_quant_dim0,
-    fake_quant_dim1,
 )
 from mx_recipe.formats import MXTensor
 from mx_recipe.gemm import mx_grouped_mm_2d_2d, mx_grouped_mm_2d_3d, validate_backend
@@ -130,19 +131,20 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             if recipe.grad_input == HIGH_PRECISION:
                 gx = _grouped(g, w, offs, dtype)
-            else:  # g along N; each expert's w along N, written [E, K, N] by the 3D dim1 cast
+            else:  # g along N; each expert's w along N, in w's own layout [E, N, K]
                 g_deq = fake_quant_dim0(g, recipe.grad, rule, rounding).to(dtype)
-                w_deq = fake_quant_dim1(w, recipe.grad_input, rule).to(dtype)  # [E, K, N]
-                gx = _grouped(g_deq, w_deq.transpose(-2, -1), offs, dtype)
+                w_deq = fake_quant_along_m(w, recipe.grad_input, rule).to(dtype)
+                gx = _grouped(g_deq, w_deq, offs, dtype)
         if ctx.needs_input_grad[1]:
             if recipe.grad_weight == HIGH_PRECISION:
                 gw = _grouped(g.t(), x, offs, dtype)
-            else:  # g and x along M inside each group, groups padded to multiples of 32
+            else:  # g and x along M inside each group, groups padded to multiples of 32; both stay
+                # in their own layout ([size, N], [size, K]), the operand layouts of the bf16 GEMM above
                 dest, padded_offs, size = padded_group_layout(offs, x.shape[0], recipe.block_size)
                 g_pad, x_pad = pad_groups(g, dest, size), pad_groups(x, dest, size)
-                g_deq = fake_quant_dim1(g_pad, recipe.grad, rule, rounding).to(dtype)  # [N, M_pad]
-                x_deq = fake_quant_dim1(x_pad, recipe.grad_weight, rule).to(dtype)  # [K, M_pad]
-                gw = _grouped(g_deq, x_deq.t(), padded_offs, dtype)
+                g_deq = fake_quant_along_m(g_pad, recipe.grad, rule, rounding).to(dtype)
+                x_deq = fake_quant_along_m(x_pad, recipe.grad_weight, rule).to(dtype)
+                gw = _grouped(g_deq.t(), x_deq, padded_offs, dtype)
         return (
             None if gx is None else gx.to(x.dtype),
             None if gw is None else gw.to(w.dtype),
