@@ -38,6 +38,7 @@ from mx_recipe.cast import (
     cast_groups_dim1,
     fake_quant_along_m,
     fake_quant_dim0,
+    fake_quant_dim0_dim1,
 )
 from mx_recipe.formats import MXTensor
 from mx_recipe.gemm import mx_grouped_mm_2d_2d, mx_grouped_mm_2d_3d, validate_backend
@@ -101,27 +102,36 @@ def _cast_groups_along_m(t: torch.Tensor, elem: str, rule: str, layout: GroupLay
 
 class _MXGroupedMMFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: MXRecipe) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: MXRecipe, for_grad_input: bool
+    ) -> torch.Tensor:
+        """``for_grad_input``: the grad-input GEMM will run, so fuse_expert_casts may cast w for it here."""
         backend = validate_backend(recipe, x.device, grouped=True)
-        ctx.save_for_backward(x, w, offs)
-        ctx.recipe, ctx.backend = recipe, backend
+        ctx.recipe, ctx.backend, ctx.w_dtype = recipe, backend, w.dtype
         elem, rule, dtype = recipe.forward, recipe.scale_rule, x.dtype
+        w_n = None  # each expert's w along N, fake-quantized [E, N, K] (fuse_expert_casts)
         if elem == HIGH_PRECISION:
-            return _grouped(x, w.transpose(-2, -1), offs, dtype)
-        if backend == "cublas":  # x along K; each expert's w along K, per-expert blocked scales
+            y = _grouped(x, w.transpose(-2, -1), offs, dtype)
+        elif backend == "cublas":  # x along K; each expert's w along K, per-expert blocked scales
             layout = padded_group_layout(offs, x.shape[0], recipe.block_size)
             w_k = cast_3d_dim0(w, elem, rule, blocked_scales=True)
-            return _cublas_2d_3d(x, elem, rule, w_k, layout).to(dtype)
-        # x along K; each expert's w along K.
-        x_deq, w_deq = fake_quant_dim0(x, elem, rule).to(dtype), fake_quant_dim0(w, elem, rule).to(dtype)
-        return _grouped(x_deq, w_deq.transpose(-2, -1), offs, dtype)
+            y = _cublas_2d_3d(x, elem, rule, w_k, layout).to(dtype)
+        else:  # x along K; each expert's w along K (and along N in the same read, fuse_expert_casts)
+            if for_grad_input and recipe.fuse_expert_casts:
+                w_k, w_n = fake_quant_dim0_dim1(w, elem, rule)
+            else:
+                w_k = fake_quant_dim0(w, elem, rule)
+            x_deq = fake_quant_dim0(x, elem, rule).to(dtype)
+            y = _grouped(x_deq, w_k.to(dtype).transpose(-2, -1), offs, dtype)
+        ctx.save_for_backward(x, w, offs, w_n)
+        return y
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        x, w, offs = ctx.saved_tensors
+        x, w, offs, w_n = ctx.saved_tensors
         recipe: MXRecipe = ctx.recipe
         if x.shape[0] == 0:  # no tokens: nothing flows back (torch._grouped_mm rejects an empty K)
-            return torch.zeros_like(x), torch.zeros_like(w), None, None
+            return torch.zeros_like(x), torch.zeros_like(w), None, None, None
         if ctx.backend == "cublas":
             return _backward_cublas(ctx, x, w, offs, g.contiguous())
         rule, dtype = recipe.scale_rule, g.dtype
@@ -133,8 +143,9 @@ class _MXGroupedMMFunction(torch.autograd.Function):
                 gx = _grouped(g, w, offs, dtype)
             else:  # g along N; each expert's w along N, in w's own layout [E, N, K]
                 g_deq = fake_quant_dim0(g, recipe.grad, rule, rounding).to(dtype)
-                w_deq = fake_quant_along_m(w, recipe.grad_input, rule).to(dtype)
-                gx = _grouped(g_deq, w_deq, offs, dtype)
+                if w_n is None:
+                    w_n = fake_quant_along_m(w, recipe.grad_input, rule)
+                gx = _grouped(g_deq, w_n.to(dtype), offs, dtype)
         if ctx.needs_input_grad[1]:
             if recipe.grad_weight == HIGH_PRECISION:
                 gw = _grouped(g.t(), x, offs, dtype)
@@ -147,7 +158,8 @@ class _MXGroupedMMFunction(torch.autograd.Function):
                 gw = _grouped(g_deq.t(), x_deq, padded_offs, dtype)
         return (
             None if gx is None else gx.to(x.dtype),
-            None if gw is None else gw.to(w.dtype),
+            None if gw is None else gw.to(ctx.w_dtype),
+            None,
             None,
             None,
         )
@@ -178,6 +190,7 @@ def _backward_cublas(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, 
         None if gw is None else gw.to(w.dtype),
         None,
         None,
+        None,
     )
 
 
@@ -195,4 +208,6 @@ def mx_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: 
         raise ValueError(f"mx_grouped_mm: K differs, x {tuple(x.shape)} vs w {tuple(w.shape)}")
     if k % recipe.block_size or n % recipe.block_size:
         raise ValueError(f"mx_grouped_mm: w {tuple(w.shape)} needs N and K divisible by {recipe.block_size}")
-    return _MXGroupedMMFunction.apply(x, w, offs, recipe)
+    # w along N is cast in forward (fuse_expert_casts) only when grad input will be computed
+    for_grad_input = torch.is_grad_enabled() and x.requires_grad
+    return _MXGroupedMMFunction.apply(x, w, offs, recipe, for_grad_input)

@@ -39,6 +39,11 @@ class MXRecipe:
         (wq, wk and wv each save their own copy). Needs grad_weight == forward (one format for both
         casts) and excludes save_mx_input (which does the same for the MX backends, in MX form).
         Bit-identical gradients. No effect on the cublas and triton backends.
+    fuse_expert_casts: MoE grouped GEMM, emulated backend only. The forward fake-quantizes the
+        expert weights w [E, N, K] along K (forward GEMM) and along N (grad-input GEMM) in one read
+        (``fake_quant_dim0_dim1``) and saves the along-N result for backward: one read of w fewer per
+        step, at the cost of a bf16 copy of w held from forward to backward. Needs grad_input ==
+        forward (one format for both casts). Bit-identical gradients. No effect on MXLinear.
     """
 
     name: str = "custom"
@@ -52,6 +57,7 @@ class MXRecipe:
     grad_rounding: str = "nearest"
     save_mx_input: bool = False
     fuse_x_casts: bool = False
+    fuse_expert_casts: bool = False
 
     def __post_init__(self) -> None:
         for field in ("forward", "grad_input", "grad_weight"):
@@ -86,6 +92,13 @@ class MXRecipe:
             raise ValueError(
                 f"MXRecipe.fuse_x_casts=True needs grad_weight == forward and MX, got forward={self.forward!r}, "
                 f"grad_weight={self.grad_weight!r}: one kernel casts x for both GEMMs in one format"
+            )
+        if not isinstance(self.fuse_expert_casts, bool):
+            raise ValueError(f"MXRecipe.fuse_expert_casts={self.fuse_expert_casts!r}: expected True or False")
+        if self.fuse_expert_casts and (self.grad_input == HIGH_PRECISION or self.grad_input != self.forward):
+            raise ValueError(
+                f"MXRecipe.fuse_expert_casts=True needs grad_input == forward and MX, got forward={self.forward!r}, "
+                f"grad_input={self.grad_input!r}: one kernel casts w for both GEMMs in one format"
             )
         if self.fuse_x_casts and self.save_mx_input:
             raise ValueError(

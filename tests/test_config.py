@@ -73,6 +73,7 @@ def test_minimal_config_and_defaults():
             r"key 'mx.save_mx_input': .*needs an MX grad_weight",
         ),
         (_with("mx", "fuse_x_casts", 1), r"key 'mx.fuse_x_casts': expected true or false"),
+        (_with("mx", "fuse_expert_casts", "on"), r"key 'mx.fuse_expert_casts': expected true or false"),
         (
             {**_with("mx", "fuse_x_casts", True), "mx": {"recipe": "mxfp8_wgrad_bf16", "fuse_x_casts": True}},
             r"key 'mx.fuse_x_casts': .*needs grad_weight == forward",
@@ -157,6 +158,8 @@ def test_mx_keys_build_the_recipe():
     assert build_mx_recipe(build_config(MINIMAL, "mem.toml", []).mx).save_mx_input is False
     assert build_mx_recipe(build_config(_with("mx", "fuse_x_casts", True), "mem.toml", []).mx).fuse_x_casts is True
     assert build_mx_recipe(build_config(MINIMAL, "mem.toml", []).mx).fuse_x_casts is False
+    fused = build_config(_with("mx", "fuse_expert_casts", True), "mem.toml", [])
+    assert build_mx_recipe(fused.mx).fuse_expert_casts is True
 
     sr = {**MINIMAL, "mx": {"recipe": "mxfp4_sr"}}
     assert build_mx_recipe(build_config(sr, "mem.toml", []).mx).grad_rounding == "stochastic"

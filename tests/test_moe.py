@@ -68,6 +68,52 @@ def test_mx_grouped_mm_matches_per_group_reference(name, sizes, dtype):
             assert torch.count_nonzero(w.grad[e]) == 0  # an empty expert gets a zero gradient
 
 
+@pytest.mark.parametrize("name", [n for n in RECIPES if MXRecipe.from_name(n).grad_input != "bf16"])
+@pytest.mark.parametrize("sizes", GROUP_SIZES[:2])
+def test_fuse_expert_casts_is_bit_identical(name, sizes):
+    """w along N made in forward (fuse_expert_casts) is the operand backward would make: same bits."""
+    torch.manual_seed(3)
+    m, n, k = sum(sizes), 96, 64
+    x0 = torch.randn(m, k, dtype=torch.bfloat16)
+    w0 = (torch.randn(len(sizes), n, k) * 0.1).to(torch.bfloat16)
+    g = torch.randn(m, n, dtype=torch.bfloat16)
+    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
+    results = []
+    for fuse in (False, True):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        mx_grouped_mm(x, w, offs, MXRecipe.from_name(name, fuse_expert_casts=fuse)).backward(g)
+        results.append((x.grad, w.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_fuse_expert_casts_casts_w_once(monkeypatch):
+    """Forward: one fake_quant_dim0_dim1 of w (not fake_quant_dim0); backward: no cast of w along N.
+    Under no_grad, or when x needs no gradient, forward casts w along K only."""
+    import mx_recipe.grouped as grouped
+
+    calls = []
+    for fname in ("fake_quant_dim0", "fake_quant_dim0_dim1", "fake_quant_along_m"):
+        fn = getattr(grouped, fname)
+        monkeypatch.setattr(
+            grouped, fname, lambda t, *a, _n=fname, _f=fn, **kw: calls.append((_n, t.dim())) or _f(t, *a, **kw)
+        )
+    recipe = MXRecipe.from_name("mxfp8", fuse_expert_casts=True)
+    x = torch.randn(64, 64, requires_grad=True)
+    w = torch.randn(2, 32, 64, requires_grad=True)
+    offs = torch.tensor([40, 64], dtype=torch.int32)
+    y = mx_grouped_mm(x, w, offs, recipe)
+    assert calls == [("fake_quant_dim0_dim1", 3), ("fake_quant_dim0", 2)]
+    calls.clear()
+    y.backward(torch.randn_like(y))
+    assert ("fake_quant_along_m", 3) not in calls and ("fake_quant_dim0", 2) in calls
+    for ctx in (torch.no_grad(), torch.enable_grad()):
+        calls.clear()
+        with ctx:
+            mx_grouped_mm(x.detach(), w, offs, recipe)
+        assert calls == [("fake_quant_dim0", 3), ("fake_quant_dim0", 2)]
+
+
 def test_padded_group_layout_by_hand():
     # Groups of 40, 0, 60, 60 rows -> padded to 64, 0, 64, 64: starts 0, 64, 64, 128.
     dest, padded_offs, size = padded_group_layout(torch.tensor([40, 40, 100, 160], dtype=torch.int32), 160, 32)

@@ -176,3 +176,14 @@ def test_fuse_x_casts_rejections():
         MXRecipe(fuse_x_casts=True, save_mx_input=True)
     with pytest.raises(ValueError, match=r"MXRecipe\.fuse_x_casts="):
         MXRecipe(fuse_x_casts=1)
+
+
+def test_fuse_expert_casts_validation():
+    assert MXRecipe.from_name("mxfp8", fuse_expert_casts=True).fuse_expert_casts is True
+    assert MXRecipe.from_name("mxfp4", fuse_expert_casts=True).fuse_expert_casts is True
+    with pytest.raises(ValueError, match=r"fuse_expert_casts=True needs grad_input == forward"):
+        MXRecipe(forward="e4m3", grad_input="bf16", fuse_expert_casts=True)
+    with pytest.raises(ValueError, match=r"fuse_expert_casts=True needs grad_input == forward"):
+        MXRecipe(forward="e4m3", grad_input="e5m2", fuse_expert_casts=True)
+    with pytest.raises(ValueError, match=r"MXRecipe\.fuse_expert_casts="):
+        MXRecipe(fuse_expert_casts="no")
