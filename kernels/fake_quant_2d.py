@@ -9,6 +9,10 @@ program quantizes its tile [BLOCK_M, BLOCK_K] as row blocks (32 along K) and as 
 
 Along M, rows past M read as zeros and the result has ceil(M / 32) * 32 rows: the zero-padded
 operand the grad-weight GEMM uses (zero rows add nothing to its sum).
+
+``fake_quant_gather_along_m`` is the MoE grad-weight variant: output row i is x's row
+``row_src[i]`` (zeros where it is -1), so token groups padded to multiples of 32 are quantized
+along M in one pass, without first writing the padded copy.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from mx_kernels.common import (
     check_cast,
     fake_quant_2d_shapes,
     format_constexprs,
+    gather_along_m_rows,
     interpreting,
     software_round,
 )
@@ -33,6 +38,7 @@ FAKE_QUANT_2D_CONFIG = dict(BLOCK_M=32, BLOCK_K=128, num_warps=4)
 @triton.jit
 def _fake_quant_2d_kernel(
     x_ptr,
+    src_ptr,
     k_ptr,
     m_ptr,
     M,
@@ -54,14 +60,21 @@ def _fake_quant_2d_kernel(
     RCEIL: tl.constexpr,
     SOFTWARE_ROUND: tl.constexpr,
     OUT_BF16_BITS: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)  # E * M * K can pass 2**31
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    in_x = (rows < M)[:, None] & (cols < K)[None, :]
-    x_offs = pid_b * stride_xb + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
+    if GATHER:  # row i of the tile is x's row src[i]; -1: a zero row (2D x, M output rows)
+        src = tl.load(src_ptr + rows, mask=rows < M, other=-1)
+        in_x = (src >= 0)[:, None] & (cols < K)[None, :]
+        x_rows = src.to(tl.int64)
+    else:
+        in_x = (rows < M)[:, None] & (cols < K)[None, :]
+        x_rows = rows.to(tl.int64)
+    x_offs = pid_b * stride_xb + x_rows[:, None] * stride_xm + cols[None, :] * stride_xk
     x = to_fp32(tl.load(x_ptr + x_offs, mask=in_x, other=0.0), SOFTWARE_ROUND)
     if ALONG_K:  # blocks of 32 along K: [BLOCK_M * BLOCK_K / 32, 32]
         blocks = tl.reshape(x, (BLOCK_M * BLOCK_K // 32, 32))
@@ -100,16 +113,35 @@ def fake_quant_2d(
     out_k, out_m = x.new_empty(k_shape), x.new_empty(m_shape)
     if x.numel():
         m_pad = m_shape[-2] if along_m else x.shape[-2]
-        _launch(x, out_k, out_m, elem, mode, along_k, along_m, m_pad, config)
+        _launch(x, None, out_k, out_m, elem, mode, along_k, along_m, x.shape[-2], m_pad, config)
     return out_k, out_m
 
 
+def fake_quant_gather_along_m(
+    x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str, config: dict | None = None
+) -> torch.Tensor:
+    """x [M, K] (bf16; any strides), row_src int32 [R] (R a multiple of 32; entries in [-1, M)) ->
+    [R, K]: the rows x[row_src] (zeros where -1) quantized along R and dequantized in x's dtype.
+
+    Bit for bit ``fake_quant_2d(gathered, along_m=True)``; entries outside [-1, M) are the caller's
+    error and are not checked on the GPU (no host sync)."""
+    check_cast(x, elem, mode, ndims=(2,), qdim=None, op="fake_quant_gather_along_m")
+    if x.dtype != torch.bfloat16 and not interpreting():
+        raise NotImplementedError(f"fake_quant_gather_along_m: the GPU kernel takes bf16 input, got {x.dtype}")
+    rows = gather_along_m_rows(row_src)
+    out = x.new_empty(rows, x.shape[1])
+    if out.numel():
+        _launch(x, row_src, out, out, elem, mode, False, True, rows, rows, config)
+    return out
+
+
 def _launch(
-    x: torch.Tensor, out_k: torch.Tensor, out_m: torch.Tensor, elem: str, mode: str, along_k: bool, along_m: bool,
-    m_pad: int, config: dict | None,
+    x: torch.Tensor, row_src: torch.Tensor | None, out_k: torch.Tensor, out_m: torch.Tensor, elem: str, mode: str,
+    along_k: bool, along_m: bool, m: int, m_pad: int, config: dict | None,
 ) -> None:  # fmt: skip
+    """``m``: the rows the kernel reads (x's, or row_src's when gathering); ``m_pad``: along M's rows."""
     x3 = x if x.dim() == 3 else x.unsqueeze(0)
-    num_batch, m, k = x3.shape
+    num_batch, _, k = x3.shape
     cfg = {**FAKE_QUANT_2D_CONFIG, **(config or {})}
     block_m, block_k = cfg["BLOCK_M"], cfg["BLOCK_K"]
     if block_m % BLOCK_SIZE or block_k % BLOCK_SIZE:
@@ -119,6 +151,7 @@ def _launch(
     grid = (triton.cdiv(m_pad if along_m else m, block_m), triton.cdiv(k, block_k), num_batch)
     _fake_quant_2d_kernel[grid](
         x3,
+        x3 if row_src is None else row_src,
         out_k.view(torch.int16) if bits and along_k else out_k,
         out_m.view(torch.int16) if bits and along_m else out_m,
         m,
@@ -133,6 +166,7 @@ def _launch(
         ALONG_M=along_m,
         SOFTWARE_ROUND=software,
         OUT_BF16_BITS=bits,
+        GATHER=row_src is not None,
         num_warps=cfg["num_warps"],
         **format_constexprs(elem, mode),
     )

@@ -39,6 +39,7 @@ from mx_recipe.cast import (
     fake_quant_along_m,
     fake_quant_dim0,
     fake_quant_dim0_dim1,
+    fake_quant_gather_along_m,
 )
 from mx_recipe.formats import MXTensor
 from mx_recipe.gemm import mx_grouped_mm_2d_2d, mx_grouped_mm_2d_3d, validate_backend
@@ -52,6 +53,13 @@ GroupLayout = tuple[torch.Tensor, torch.Tensor, int]  # padded_group_layout: (de
 
 def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return torch._grouped_mm(a.to(out_dtype), b.to(out_dtype), offs=offs)
+
+
+def group_row_sources(dest: torch.Tensor, size: int) -> torch.Tensor:
+    """The inverse of padded_group_layout's ``dest``: for each of the ``size`` padded rows, the row
+    of the unpadded tensor it holds, or -1 for a padding row (int32, on the device, no sync)."""
+    src = torch.full((size,), -1, dtype=torch.int32, device=dest.device)
+    return src.index_copy_(0, dest, torch.arange(dest.numel(), dtype=torch.int32, device=dest.device))
 
 
 def pad_groups(t: torch.Tensor, dest: torch.Tensor, size: int) -> torch.Tensor:
@@ -151,10 +159,11 @@ class _MXGroupedMMFunction(torch.autograd.Function):
                 gw = _grouped(g.t(), x, offs, dtype)
             else:  # g and x along M inside each group, groups padded to multiples of 32; both stay
                 # in their own layout ([size, N], [size, K]), the operand layouts of the bf16 GEMM above
+                # (the padded rows are gathered by the fake-quant kernel: no padded copies)
                 dest, padded_offs, size = padded_group_layout(offs, x.shape[0], recipe.block_size)
-                g_pad, x_pad = pad_groups(g, dest, size), pad_groups(x, dest, size)
-                g_deq = fake_quant_along_m(g_pad, recipe.grad, rule, rounding).to(dtype)
-                x_deq = fake_quant_along_m(x_pad, recipe.grad_weight, rule).to(dtype)
+                src = group_row_sources(dest, size)
+                g_deq = fake_quant_gather_along_m(g, src, recipe.grad, rule, rounding).to(dtype)
+                x_deq = fake_quant_gather_along_m(x, src, recipe.grad_weight, rule).to(dtype)
                 gw = _grouped(g_deq.t(), x_deq, padded_offs, dtype)
         return (
             None if gx is None else gx.to(x.dtype),

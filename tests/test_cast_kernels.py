@@ -254,6 +254,27 @@ def check_fake_quant_2d(shape, dtype, elem, mode, device, seed=0, config=None):
     assert_values_equal(along_m, ref_m, what + " along M alone")
 
 
+def group_sources(sizes: list[int], device) -> torch.Tensor:
+    """row_src of token groups of ``sizes`` each padded to a multiple of 32 (-1 for padding rows)."""
+    src, start = [], 0
+    for size in sizes:
+        src += list(range(start, start + size)) + [-1] * (-size % 32)
+        start += size
+    return torch.tensor(src + [-1] * 32, dtype=torch.int32, device=device)  # and a spare all-padding block
+
+
+def check_fake_quant_gather_along_m(sizes, dtype, elem, mode, device, config=None):
+    """The gathering fake-quant (MoE groups padded on the way) against gather-then-reference."""
+    import mx_kernels.fake_quant_2d
+
+    x = special_input((sum(sizes), 96), dtype, device, seed=len(sizes))
+    src = group_sources(sizes, device)
+    gathered = torch.cat([x, x.new_zeros(1, 96)])[src.long()]
+    got = mx_kernels.fake_quant_2d.fake_quant_gather_along_m(x, src, elem, mode, config)
+    assert got.shape == (src.numel(), 96)
+    assert_values_equal(got, ref_along_m(gathered, elem, mode), f"gather along M {sizes} {dtype} {elem} {mode}")
+
+
 # ---------------------------------------------------------------------------------------
 # CPU, this process
 
@@ -334,6 +355,26 @@ def test_fake_impls_shapes():
         assert a.shape == (96, 160) and b.shape == (96, 160) and a.dtype == b.dtype == torch.bfloat16
         a, b = torch.ops.mx_recipe.fake_quant_2d(torch.empty(2, 40, 48), "e4m3", "rceil", False, True)
         assert a.numel() == 0 and b.shape == (2, 64, 48) and b.dtype == torch.float32
+
+
+def test_fake_quant_gather_along_m_reference_path_and_errors():
+    """Off CUDA: gather (zeros for -1), then fake_quant_along_m; bad row_src named in the error."""
+    from mx_recipe.cast import fake_quant_gather_along_m
+
+    x = special_input((70, 64), torch.bfloat16, "cpu")
+    src = group_sources([40, 0, 30], "cpu")
+    gathered = torch.cat([x, x.new_zeros(1, 64)])[src.long()]
+    assert_values_equal(
+        fake_quant_gather_along_m(x, src, "e4m3", "rceil"), ref_along_m(gathered, "e4m3", "rceil"), "ref"
+    )
+    with pytest.raises(ValueError, match="multiple of 32"):
+        fake_quant_gather_along_m(x, src[:40], "e4m3", "floor")
+    with pytest.raises(ValueError, match="1D int32"):
+        fake_quant_gather_along_m(x, src.long(), "e4m3", "floor")
+    with pytest.raises(ValueError, match=r"entries must lie in \[-1, 70\)"):
+        fake_quant_gather_along_m(x, torch.full((32,), 70, dtype=torch.int32), "e4m3", "floor")
+    y = torch.ops.mx_recipe.fake_quant_gather_along_m(x.to("meta"), src.to("meta"), "e4m3", "floor")
+    assert y.shape == (src.numel(), 64) and y.dtype == torch.bfloat16  # the fake implementation
 
 
 def test_fake_quant_reference_path():
@@ -434,6 +475,17 @@ def test_interp_fake_quant_2d(dtype, elem, mode):
     check_fake_quant_2d((96, 160), dtype, elem, mode, "cpu", config=small)
     check_fake_quant_2d((2, 70, 96), dtype, elem, mode, "cpu", config=dict(BLOCK_M=64, BLOCK_K=32, num_warps=4))
     check_fake_quant_2d((40, 80), dtype, elem, mode, "cpu", config=small)  # K not a multiple of 32: along M only
+
+
+@interp_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("elem", ELEMS)
+@pytest.mark.parametrize("mode", MODES)
+def test_interp_fake_quant_gather_along_m(dtype, elem, mode):
+    check_fake_quant_gather_along_m(
+        [40, 0, 33, 1, 64], dtype, elem, mode, "cpu", config=dict(BLOCK_M=64, BLOCK_K=32, num_warps=4)
+    )
+    check_fake_quant_gather_along_m([0, 0], dtype, elem, mode, "cpu")  # no tokens: all padding
 
 
 @interp_only
@@ -560,6 +612,18 @@ def test_gpu_fake_quant_2d_bit_exact(mode, elem):
         along_k, along_m = fake_quant_dim0_dim1(t.cuda(), elem, mode)
         assert_values_equal(along_k, to_mx(t, elem, mode).dequantize(torch.bfloat16), f"all bf16 K {elem} {mode}")
         assert_values_equal(along_m, ref_along_m(t, elem, mode), f"all bf16 M {elem} {mode}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("elem", ELEMS)
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_fake_quant_gather_along_m_bit_exact(mode, elem):
+    for sizes in ([40, 0, 33, 1, 64], [1040] * 4 + [0, 7], [0, 0], [4096]):
+        check_fake_quant_gather_along_m(sizes, torch.bfloat16, elem, mode, "cuda")
+    check_fake_quant_gather_along_m(
+        [100, 3, 0, 29], torch.bfloat16, elem, mode, "cuda", config=dict(BLOCK_M=64, BLOCK_K=64, num_warps=4)
+    )
 
 
 @pytest.mark.gpu
