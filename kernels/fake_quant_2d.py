@@ -31,8 +31,11 @@ from mx_kernels.common import (
 )
 from mx_kernels.mx_quantize import fake_quant_blocks, to_fp32
 
-# The best of an H200 sweep (docs/profiles/2026-11-21_h200_fake_quant_sweep.txt).
+# The best of H200 sweeps (docs/profiles/2026-11-21_h200_fake_quant_sweep.txt, both outputs of
+# 16384 x 4096; docs/profiles/2026-11-21_h200_fake_quant_moe_sweep.txt: both outputs of the 3D
+# expert weights 87% of copy, the along-M result alone (gathered) 80% with the smaller tile, 68% with this one).
 FAKE_QUANT_2D_CONFIG = dict(BLOCK_M=32, BLOCK_K=128, num_warps=4)
+ALONG_M_CONFIG = dict(BLOCK_M=32, BLOCK_K=64, num_warps=2)  # along M alone
 
 
 @triton.jit
@@ -142,7 +145,7 @@ def _launch(
     """``m``: the rows the kernel reads (x's, or row_src's when gathering); ``m_pad``: along M's rows."""
     x3 = x if x.dim() == 3 else x.unsqueeze(0)
     num_batch, _, k = x3.shape
-    cfg = {**FAKE_QUANT_2D_CONFIG, **(config or {})}
+    cfg = {**(FAKE_QUANT_2D_CONFIG if along_k else ALONG_M_CONFIG), **(config or {})}
     block_m, block_k = cfg["BLOCK_M"], cfg["BLOCK_K"]
     if block_m % BLOCK_SIZE or block_k % BLOCK_SIZE:
         raise ValueError(f"fake_quant_2d: BLOCK_M and BLOCK_K must be multiples of {BLOCK_SIZE}, got {cfg}")
