@@ -1,0 +1,397 @@
+"""Gluon prototype of the dim1 and fused dim0+dim1 MX casts, with explicit layouts.
+
+Triton 3.6's default layouts put a program's warps along M, which splits a 32-row MX block
+across warps (shared-memory reductions), so the `tl` kernels run one warp per program and
+keep too little memory in flight (docs/notes_cast_kernels.md). Here the layout is chosen by
+hand. A program's tile is [NUM_SUB, 32 rows, CHUNKS, 32 cols] (NUM_SUB 32-row sub-tiles,
+BLOCK_K = 32 * CHUNKS columns) in
+
+    size_per_thread [NUM_SUB, ROWS, 1, 8], threads_per_warp [1, 32 / ROWS, ROWS / 4, 4],
+    warps_per_cta [1, 1, NUM_WARPS, 1]
+
+(ROWS = 4: the [4, 8] x [8, 4] layout). A thread loads ROWS rows x 8 contiguous elements
+(16-byte loads for bf16); a 32-row block (dim1) lives in one warp (ROWS values in a thread,
+then log2(32 / ROWS) shuffle steps), and so does a 32-column block (dim0: 8 values in a
+thread, 2 shuffle steps); warps split K, so no reduction touches shared memory. For dim1 the
+tile is relabelled with its registers listed rows first (a register permutation: every
+convert_layout here is asserted trivial at compile time), so that cvt packs fp8 pairs along M
+and each thread stores ROWS contiguous bytes of [K, M] per column.
+
+Numerics are mx_quantize.quantize_blocks itself: Gluon kernels can call the @triton.jit helpers
+(elementwise ops and a reduce, lowered in the caller's layout). ``LEAN`` swaps in a variant
+with fewer instructions per element (see _quantize_blocks_lean), opt-in until the GPU tests
+have confirmed it bit for bit. Gluon kernels do not run in the Triton interpreter (3.6):
+these need a GPU; ``compile_for_target`` compiles them for inspection without one.
+"""
+
+from __future__ import annotations
+
+import mx_recipe.formats  # noqa: F401  (first: importing mx_kernels.common before mx_recipe is circular)
+
+# isort: split
+import torch
+import triton
+import triton.experimental.gluon.language as gl
+import triton.language as tl
+from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, format_constexprs, fp8_dtype, interpreting
+from mx_kernels.mx_quantize import blocked_scale_offset, quantize_blocks, scale_exponent
+from triton.experimental import gluon
+
+# 128 columns x 64 rows per program, 4 rows per thread (16 KB of bf16 in flight per program). A
+# prototype, not called by mx_recipe.cast yet. H200 sweep (docs/profiles/2026-11-21_h200_gluon_casts.txt):
+# best dim1 ROWS=8, BLOCK_K=256, NUM_SUB=2, LEAN=True (blocked scales 96% of copy, Triton kernel 89%;
+# plain scales 83%, Triton 80%); best fused ROWS=8, BLOCK_K=256, NUM_SUB=1, LEAN=True (61%, Triton 52%).
+GLUON_CONFIG = dict(BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False)
+
+
+@gluon.constexpr_function
+def _pow2_below(n: int) -> list[int]:
+    """1, 2, 4, .. < n (the linear-layout bases of a power-of-two extent n)."""
+    return [1 << i for i in range(n.bit_length() - 1)]
+
+
+@gluon.constexpr_function
+def _tile_layout(num_sub, rows, num_warps):
+    """[NUM_SUB, 32, CHUNKS, 32]: a thread holds ``rows`` rows x 8 contiguous columns; a warp's lanes
+    cover the 32 rows of a block (32 / rows lanes) and rows / 4 chunks of 32 columns (4 lanes each)."""
+    return gl.BlockedLayout([num_sub, rows, 1, 8], [1, 32 // rows, rows // 4, 4], [1, 1, num_warps, 1], [3, 2, 1, 0])
+
+
+@gluon.constexpr_function
+def _lanes_and_warps(rows, num_warps, dim_row, dim_chunk, dim_col, rank):
+    """Lane and warp bases of _tile_layout (or of a slice of it: dim_row None drops the row dim, whose
+    lanes then hold copies). Lanes go columns first, then chunks, then rows; warps along chunks."""
+
+    def basis(dim, value):
+        return [value if d == dim else 0 for d in range(rank)]
+
+    lane = [basis(dim_col, 8), basis(dim_col, 16)] + [basis(dim_chunk, c) for c in _pow2_below(rows // 4)]
+    lane += [basis(dim_row, rows * r) if dim_row is not None else [0] * rank for r in _pow2_below(32 // rows)]
+    warp = [basis(dim_chunk, rows // 4 * w) for w in _pow2_below(num_warps)]
+    return lane, warp
+
+
+@gluon.constexpr_function
+def _transposed_layout(num_sub, rows, num_warps, reps):
+    """_tile_layout with each thread's registers listed rows first: same lanes and warps, so converting
+    to it moves no data; its fp8 pairs and stores run along M (``rows`` contiguous bytes of [K, M])."""
+    chunks = rows // 4 * num_warps * reps
+    reg = [[0, r, 0, 0] for r in _pow2_below(rows)] + [[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]]
+    reg += [[s, 0, 0, 0] for s in _pow2_below(num_sub)]
+    reg += [[0, 0, rows // 4 * num_warps * r, 0] for r in _pow2_below(reps)]
+    lane, warp = _lanes_and_warps(rows, num_warps, 1, 2, 3, 4)
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [num_sub, 32, chunks, 32])
+
+
+@gluon.constexpr_function
+def _dim1_scale_layout(num_sub, rows, num_warps, reps):
+    """The dim1 scales [NUM_SUB, CHUNKS, 32] as the row reduction leaves them (copies on the row
+    lanes), registers listed sub-tile first: NUM_SUB contiguous scale bytes per column."""
+    chunks = rows // 4 * num_warps * reps
+    reg = [[s, 0, 0] for s in _pow2_below(num_sub)] + [[0, 0, 1], [0, 0, 2], [0, 0, 4]]
+    reg += [[0, rows // 4 * num_warps * r, 0] for r in _pow2_below(reps)]
+    lane, warp = _lanes_and_warps(rows, num_warps, None, 1, 2, 3)
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [num_sub, chunks, 32])
+
+
+@gluon.constexpr_function
+def _axis_layout(layout, rank, dim):
+    """The 1D layout whose arange, expanded along every other dim, has ``layout``."""
+    for d in reversed(range(rank)):
+        if d != dim:
+            layout = gl.SliceLayout(d, layout)
+    return layout
+
+
+@gluon.constexpr_function
+def _other_dims(rank, dim):
+    return tuple(d for d in range(rank) if d != dim)
+
+
+@gluon.jit
+def _index(n: gl.constexpr, dim: gl.constexpr, rank: gl.constexpr, layout: gl.constexpr):
+    """arange(n) along ``dim`` of a rank-``rank`` tensor in ``layout``, size 1 along the other dims."""
+    return gl.expand_dims(gl.arange(0, n, layout=_axis_layout(layout, rank, dim)), _other_dims(rank, dim))
+
+
+@gluon.jit
+def _wide(offsets, OFFS64: gl.constexpr):
+    """int64 offsets only where a tensor passes 2**31 elements: int32 address math is cheaper."""
+    if OFFS64:
+        return offsets.to(gl.int64)
+    return offsets
+
+
+@gluon.jit
+def _max_nan(a, b):
+    return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@gluon.jit
+def _quantize_blocks_lean(
+    blocks, AXIS: gl.constexpr, EMAX: gl.constexpr, MAX_MANT: gl.constexpr, IS_E4M3: gl.constexpr,
+    RCEIL: gl.constexpr,
+):  # fmt: skip
+    """quantize_blocks in fewer instructions per element, for the hardware cvt path only:
+    - no clamp to +-max_normal: cvt.rn.satfinite already saturates (PTX: |v| > MAX_NORM gives
+      the signed MAX_NORM, inf included), and RNE below the bound rounds the same either way;
+    - the NaN block through the scale, not by selecting 0x7F on the fp8 bytes (unpack, select,
+      mask, repack per element): 2**-e is NaN there, so every product is NaN and cvt makes it
+      fp8 NaN. Bit-identical to quantize_blocks if that NaN is 0x7F for both formats (the GPU
+      tests check it), so LEAN is off by default."""
+    amax = gl.reduce(gl.abs(blocks), AXIS, _max_nan)
+    amax_bits = amax.to(gl.int32, bitcast=True) & 0x7FFFFFFF
+    is_nan = amax_bits > 0x7F800000
+    e = scale_exponent(amax_bits, EMAX, MAX_MANT, RCEIL)
+    inv_scale = gl.where(e < 127, (127 - e) << 23, 0x400000).to(gl.float32, bitcast=True)
+    v = blocks * gl.expand_dims(gl.where(is_nan, float("nan"), inv_scale), AXIS)
+    if IS_E4M3:
+        q = v.to(gl.float8e4nv).to(gl.uint8, bitcast=True)
+    else:
+        q = v.to(gl.float8e5).to(gl.uint8, bitcast=True)
+    return q, gl.where(is_nan, 0xFF, e + 127).to(gl.uint8)
+
+
+@gluon.jit
+def _quantize(
+    blocks, AXIS: gl.constexpr, EMAX: gl.constexpr, MAX_MANT: gl.constexpr, MAX_NORMAL: gl.constexpr,
+    MBITS: gl.constexpr, EMIN: gl.constexpr, IS_E4M3: gl.constexpr, RCEIL: gl.constexpr, LEAN: gl.constexpr,
+):  # fmt: skip
+    if LEAN:
+        return _quantize_blocks_lean(blocks, AXIS, EMAX, MAX_MANT, IS_E4M3, RCEIL)
+    return quantize_blocks(blocks, AXIS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, False)
+
+
+@gluon.jit
+def _store_scales(s_ptr, scale, r, c, n_rows, n_cols, BLOCKED: gl.constexpr, EVEN: gl.constexpr):
+    """mx_quantize.store_scales for broadcastable index tensors r (scale row) and c (scale column).
+    EVEN: the tile lies inside the matrix and there is no padding (no masks)."""
+    if BLOCKED:
+        col_tiles = (n_cols + 3) >> 2
+        offs = blocked_scale_offset(r, c, col_tiles)
+        if EVEN:
+            gl.store(s_ptr + offs, scale)
+        else:
+            valid = (r < n_rows) & (c < n_cols)
+            in_buffer = (r < ((n_rows + 127) >> 7 << 7)) & (c < col_tiles * 4)
+            gl.store(s_ptr + offs, gl.where(valid, scale, 0), mask=in_buffer)
+    elif EVEN:
+        gl.store(s_ptr + r * n_cols + c, scale)  # < 2**31 bytes: 1/32 of an int32-indexable qdata
+    else:
+        gl.store(s_ptr + r * n_cols + c, scale, mask=(r < n_rows) & (c < n_cols))
+
+
+@gluon.jit
+def _gluon_cast_kernel(
+    x_ptr,
+    q0_ptr,
+    s0_ptr,
+    q1_ptr,
+    s1_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    S0_COLS,  # K // 32 (dim0 scale columns), an argument so that it is specialized like M and K
+    S1_COLS,  # M // 32
+    NUM_SUB: gl.constexpr,
+    ROWS: gl.constexpr,
+    NUM_WARPS: gl.constexpr,
+    REPS: gl.constexpr,
+    DIM0: gl.constexpr,
+    BLOCKED: gl.constexpr,
+    EVEN: gl.constexpr,  # the grid tiles x exactly: no bounds masks
+    OFFS64: gl.constexpr,
+    LEAN: gl.constexpr,
+    EMAX: gl.constexpr,
+    MAX_MANT: gl.constexpr,
+    MAX_NORMAL: gl.constexpr,
+    MBITS: gl.constexpr,
+    EMIN: gl.constexpr,
+    IS_E4M3: gl.constexpr,
+    RCEIL: gl.constexpr,
+):
+    CHUNKS: gl.constexpr = ROWS // 4 * NUM_WARPS * REPS
+    L: gl.constexpr = _tile_layout(NUM_SUB, ROWS, NUM_WARPS)
+    pid_m = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    m0 = pid_m * NUM_SUB  # first 32-row block of this program
+    rows = (m0 + _index(NUM_SUB, 0, 4, L)) * 32 + _index(32, 1, 4, L)  # [NUM_SUB, 32, 1, 1]
+    cols = (pid_k * CHUNKS + _index(CHUNKS, 2, 4, L)) * 32 + _index(32, 3, 4, L)  # [1, 1, CHUNKS, 32]
+    x_ptrs = x_ptr + _wide(rows, OFFS64) * stride_xm + cols * stride_xk
+    if EVEN:
+        x = gl.load(x_ptrs).to(gl.float32)
+    else:
+        x = gl.load(x_ptrs, mask=(rows < M) & (cols < K), other=0.0).to(gl.float32)
+
+    if DIM0:
+        # blocks of 32 along K (axis 3): row-major [M, K] output (8 contiguous bytes per thread)
+        q0, s0 = _quantize(x, 3, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN)
+        q0_ptrs = q0_ptr + _wide(rows, OFFS64) * K + cols
+        if EVEN:
+            gl.store(q0_ptrs, q0)
+        else:
+            gl.store(q0_ptrs, q0, mask=(rows < M) & (cols < K))
+        S0L: gl.constexpr = gl.SliceLayout(3, L)
+        s0_rows = (m0 + _index(NUM_SUB, 0, 3, S0L)) * 32 + _index(32, 1, 3, S0L)
+        s0_cols = pid_k * CHUNKS + _index(CHUNKS, 2, 3, S0L)
+        _store_scales(s0_ptr, s0, s0_rows, s0_cols, M, S0_COLS, BLOCKED, EVEN)
+
+    # blocks of 32 along M (axis 1): transposed [K, M] output. Quantized in the rows-first register
+    # order, so that cvt packs fp8 pairs along M, as the store wants them.
+    T: gl.constexpr = _transposed_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
+    q1, s1 = _quantize(
+        gl.convert_layout(x, T, assert_trivial=True), 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN
+    )
+    t_rows = (m0 + _index(NUM_SUB, 0, 4, T)) * 32 + _index(32, 1, 4, T)
+    t_cols = (pid_k * CHUNKS + _index(CHUNKS, 2, 4, T)) * 32 + _index(32, 3, 4, T)
+    q1_ptrs = q1_ptr + _wide(t_cols, OFFS64) * M + t_rows
+    if EVEN:
+        gl.store(q1_ptrs, q1)
+    else:
+        gl.store(q1_ptrs, q1, mask=(t_rows < M) & (t_cols < K))
+    # scales [K, M/32]: this program's NUM_SUB scale columns of each k are contiguous
+    S1L: gl.constexpr = _dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
+    s1 = gl.convert_layout(s1, S1L, assert_trivial=True)
+    s1_rows = (pid_k * CHUNKS + _index(CHUNKS, 1, 3, S1L)) * 32 + _index(32, 2, 3, S1L)
+    _store_scales(s1_ptr, s1, s1_rows, m0 + _index(NUM_SUB, 0, 3, S1L), K, S1_COLS, BLOCKED, EVEN)
+
+
+def _check_config(config: dict | None) -> dict:
+    cfg = {**GLUON_CONFIG, **(config or {})}
+    unknown = set(cfg) - set(GLUON_CONFIG)
+    if unknown:
+        raise ValueError(f"unknown Gluon cast config keys {sorted(unknown)}; expected {sorted(GLUON_CONFIG)}")
+    block_k, warps, sub, rows = cfg["BLOCK_K"], cfg["NUM_WARPS"], cfg["NUM_SUB"], cfg["ROWS"]
+    if not isinstance(cfg["LEAN"], bool):
+        raise ValueError(f"Gluon cast config {cfg}: LEAN must be a bool")
+
+    def pow2(n):
+        return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+    if rows not in (4, 8, 16):  # 32: 256 values per thread, out of registers
+        raise ValueError(f"Gluon cast config {cfg}: ROWS (rows per thread) must be 4, 8 or 16")
+    if not (pow2(warps) and pow2(sub) and pow2(block_k) and block_k >= 8 * rows * warps):
+        raise ValueError(
+            f"Gluon cast config {cfg}: NUM_WARPS, NUM_SUB and BLOCK_K must be powers of two with "
+            "BLOCK_K >= 8 * ROWS * NUM_WARPS (each warp covers 8 * ROWS columns)"
+        )
+    return cfg
+
+
+def kernel_launch(
+    x: torch.Tensor, outs: tuple[torch.Tensor, ...], elem: str, mode: str, blocked: bool, dim0: bool,
+    config: dict | None,
+) -> tuple[tuple[int, int], dict]:  # fmt: skip
+    """(grid, keyword arguments) of one launch of ``_gluon_cast_kernel``; ``outs`` = (q0, s0, q1, s1)
+    as uint8 views, the unused pair of a one-sided cast standing in for the other. Also used to
+    compile the kernel ahead of time (tests/test_gluon_casts.py)."""
+    cfg = _check_config(config)
+    m, k = x.shape
+    block_m, block_k = 32 * cfg["NUM_SUB"], cfg["BLOCK_K"]
+    pad = 128 if blocked else 1  # blocked: the grid covers the padding too, to zero it
+    grid = (triton.cdiv(triton.cdiv(m, pad) * pad, block_m), triton.cdiv(triton.cdiv(k, pad) * pad, block_k))
+    q0, s0, q1, s1 = outs
+    m_cover, k_cover = grid[0] * block_m, grid[1] * block_k  # rows and columns the grid's tiles span
+    span = max((m_cover - 1) * abs(x.stride(0)) + (k_cover - 1) * abs(x.stride(1)), m_cover * k_cover)
+    kwargs = dict(
+        x_ptr=x,
+        q0_ptr=q0,
+        s0_ptr=s0,
+        q1_ptr=q1,
+        s1_ptr=s1,
+        M=m,
+        K=k,
+        stride_xm=x.stride(0),
+        stride_xk=x.stride(1),
+        S0_COLS=k // 32,
+        S1_COLS=m // 32,
+        NUM_SUB=cfg["NUM_SUB"],
+        ROWS=cfg["ROWS"],
+        NUM_WARPS=cfg["NUM_WARPS"],
+        REPS=block_k // (8 * cfg["ROWS"] * cfg["NUM_WARPS"]),
+        DIM0=dim0,
+        BLOCKED=blocked,
+        EVEN=(m_cover, k_cover) == (m, k),
+        OFFS64=span >= 2**31,
+        LEAN=cfg["LEAN"],
+        num_warps=cfg["NUM_WARPS"],
+        **format_constexprs(elem, mode),
+    )
+    return grid, kwargs
+
+
+def compile_for_target(
+    shape: tuple[int, int], dtype: torch.dtype = torch.bfloat16, elem: str = "e4m3", mode: str = "floor",
+    blocked: bool = False, dim0: bool = False, config: dict | None = None, arch: int = 90,
+):  # fmt: skip
+    """Compile the kernel for CUDA ``arch`` without a GPU (inspection and CPU tests): the
+    CompiledKernel, with ``.asm["ttgir"]``, ``["ptx"]`` and ``["cubin"]``. Arguments are
+    specialized as a launch on x of ``shape`` would specialize them (16-divisible ints, stride 1)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    x = torch.empty(shape, dtype=dtype)
+    u8 = torch.empty(16, dtype=torch.uint8)  # stands in for every output (only its dtype and alignment matter)
+    _, kwargs = kernel_launch(x, (u8, u8, u8, u8), elem, mode, blocked, dim0, config)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(_gluon_cast_kernel.params):
+        value = kwargs[p.name]
+        ty, attr = (
+            ("constexpr", None) if p.is_constexpr else native_specialize_impl(BaseBackend, value, False, True, True)
+        )
+        signature[p.name] = ty
+        if ty == "constexpr":
+            constexprs[p.name] = value
+        elif attr:
+            attrs[(i,)] = BaseBackend.parse_attr(attr)
+    src = GluonASTSource(_gluon_cast_kernel, signature, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=kwargs["num_warps"]))
+
+
+def _require_gpu(x: torch.Tensor, op: str) -> None:
+    if interpreting():
+        raise NotImplementedError(f"{op}: Gluon kernels do not run in the Triton interpreter (TRITON_INTERPRET=1)")
+    if not x.is_cuda:
+        raise RuntimeError(f"{op}: the Gluon kernels need a CUDA tensor, got {x.device}")
+
+
+def gluon_cast_dim1(
+    x: torch.Tensor, elem: str, mode: str, blocked_scales: bool = False, config: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16/fp32, M % 32 == 0) -> (qdata [K, M] fp8, scales e8m0 [K, M/32] or blocked 1D):
+    the outputs of ``mx_kernels.cast_dim1.cast_dim1``, bit for bit."""
+    check_cast(x, elem, mode, ndims=(2,), qdim=0, op="gluon_cast_dim1")
+    cfg = _check_config(config)
+    _require_gpu(x, "gluon_cast_dim1")
+    q_shape, s_shape = dim1_shapes(x.shape, blocked_scales)
+    qdata = torch.empty(q_shape, dtype=fp8_dtype(elem), device=x.device)
+    scale = torch.empty(s_shape, dtype=torch.float8_e8m0fnu, device=x.device)
+    if x.numel():
+        q, s = qdata.view(torch.uint8), scale.view(torch.uint8)
+        grid, kwargs = kernel_launch(x, (q, s, q, s), elem, mode, blocked_scales, False, cfg)
+        _gluon_cast_kernel[grid](**kwargs)
+    return qdata, scale
+
+
+def gluon_cast_dim0_dim1(
+    x: torch.Tensor, elem: str, mode: str, blocked_scales: bool = False, config: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16/fp32, M and K multiples of 32) -> (q0 [M, K], s0, q1 [K, M], s1) from one read
+    of x: the outputs of ``mx_kernels.cast_dim0_dim1.cast_dim0_dim1``, bit for bit."""
+    check_cast(x, elem, mode, ndims=(2,), qdim=0, op="gluon_cast_dim0_dim1")
+    check_cast(x, elem, mode, ndims=(2,), qdim=1, op="gluon_cast_dim0_dim1")
+    cfg = _check_config(config)
+    _require_gpu(x, "gluon_cast_dim0_dim1")
+    q0_shape, s0_shape = dim0_shapes(x.shape, blocked_scales)
+    q1_shape, s1_shape = dim1_shapes(x.shape, blocked_scales)
+    q0 = torch.empty(q0_shape, dtype=fp8_dtype(elem), device=x.device)
+    s0 = torch.empty(s0_shape, dtype=torch.float8_e8m0fnu, device=x.device)
+    q1 = torch.empty(q1_shape, dtype=fp8_dtype(elem), device=x.device)
+    s1 = torch.empty(s1_shape, dtype=torch.float8_e8m0fnu, device=x.device)
+    if x.numel():
+        outs = tuple(t.view(torch.uint8) for t in (q0, s0, q1, s1))
+        grid, kwargs = kernel_launch(x, outs, elem, mode, blocked_scales, True, cfg)
+        _gluon_cast_kernel[grid](**kwargs)
+    return q0, s0, q1, s1

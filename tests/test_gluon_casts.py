@@ -1,0 +1,303 @@
+"""The Gluon prototype casts (mx_kernels.gluon_casts), bit for bit vs ``to_mx`` and the Triton kernels.
+
+* CPU: argument errors, and the kernels compiled for sm_90 without a GPU (the explicit layouts
+  must give 16-byte loads, shuffle-only reductions, no shared memory, vector transposed stores,
+  the hardware cvt; every layout conversion is asserted trivial when the kernel compiles).
+  Gluon kernels do not run in the Triton interpreter (3.6): the launchers refuse it.
+* GPU (``@pytest.mark.gpu``): qdata and scale bytes against the reference and against
+  ``cast_dim1`` / ``cast_dim0_dim1``, for several layout configs, both scale rules and formats.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from test_cast_kernels import assert_bits_equal, special_input
+
+from mx_recipe.formats import to_mx
+from mx_recipe.scale_layout import to_blocked
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available()
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+
+ELEMS = ["e4m3", "e5m2"]
+MODES = ["floor", "rceil"]
+# layout configs: the default, rows per thread 8 and 16, warps and K repeats, sub-tiles, LEAN
+CONFIGS = [
+    None,
+    dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1),
+    dict(ROWS=8, BLOCK_K=512, NUM_WARPS=4, NUM_SUB=2),  # 2 chunk repeats per warp
+    dict(ROWS=16, BLOCK_K=512, NUM_WARPS=4, NUM_SUB=1),
+    dict(ROWS=4, BLOCK_K=32, NUM_WARPS=1, NUM_SUB=4),
+    dict(ROWS=4, BLOCK_K=256, NUM_WARPS=8, NUM_SUB=1),
+    dict(ROWS=4, BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, LEAN=True),
+    dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, LEAN=True),
+]
+CONFIG_IDS = ["default", "r8", "r8rep2s2", "r16", "w1s4", "w8", "lean_r4", "lean_r8"]
+
+
+def gluon():
+    import mx_kernels.gluon_casts
+
+    return mx_kernels.gluon_casts
+
+
+def special_input_plus(shape: tuple[int, int], dtype: torch.dtype, device, seed: int = 0) -> torch.Tensor:
+    """``special_input`` plus what the Gluon paths add cases for: a negative NaN with a payload
+    (the LEAN path's NaN comes out of cvt), an all-subnormal dim1 block, an all -inf dim1 block."""
+    x = special_input(shape, dtype, "cpu", seed)
+    m, k = shape
+    if m >= 96 and k >= 128:
+        bits = x.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+        bits[40, 100] = -63 if dtype == torch.bfloat16 else -4194303  # 0xFFC1 / 0xFFC00001
+        x[32:64, 101] = torch.linspace(-3e-39, 5e-39, 32).to(dtype)  # bf16 and fp32 subnormals
+        x[64:96, 102] = -float("inf")
+    return x.to(device)
+
+
+def check_dim1(shape, dtype, elem, mode, blocked, config, seed=0):
+    x = special_input_plus(shape, dtype, "cuda", seed)
+    what = f"gluon dim1 {shape} {dtype} {elem} {mode} blocked={blocked} {config}"
+    q, s = gluon().gluon_cast_dim1(x, elem, mode, blocked, config)
+    ref = to_mx(x.cpu().t().contiguous(), elem, mode, dim=-1)
+    assert q.dtype == ref.qdata.dtype and s.dtype == torch.float8_e8m0fnu, what
+    assert_bits_equal(q, ref.qdata, what + " qdata")
+    assert_bits_equal(s, to_blocked(ref.scale) if blocked else ref.scale, what + " scale")
+    import mx_kernels.cast_dim1
+
+    tq, ts = mx_kernels.cast_dim1.cast_dim1(x, elem, mode, blocked)
+    assert_bits_equal(q, tq, what + " qdata vs cast_dim1")
+    assert_bits_equal(s, ts, what + " scale vs cast_dim1")
+
+
+def check_dim0_dim1(shape, dtype, elem, mode, blocked, config, seed=0):
+    x = special_input_plus(shape, dtype, "cuda", seed)
+    what = f"gluon dim0_dim1 {shape} {dtype} {elem} {mode} blocked={blocked} {config}"
+    outs = gluon().gluon_cast_dim0_dim1(x, elem, mode, blocked, config)
+    ref0, ref1 = to_mx(x.cpu(), elem, mode, dim=-1), to_mx(x.cpu().t().contiguous(), elem, mode, dim=-1)
+    refs = [ref0.qdata, ref0.scale, ref1.qdata, ref1.scale]
+    if blocked:
+        refs[1], refs[3] = to_blocked(refs[1]), to_blocked(refs[3])
+    import mx_kernels.cast_dim0_dim1
+
+    triton_outs = mx_kernels.cast_dim0_dim1.cast_dim0_dim1(x, elem, mode, blocked)
+    for name, out, ref, t in zip(("q0", "s0", "q1", "s1"), outs, refs, triton_outs, strict=True):
+        assert out.dtype == t.dtype, f"{what} {name} dtype {out.dtype} != {t.dtype}"
+        assert_bits_equal(out, ref, f"{what} {name}")
+        assert_bits_equal(out, t, f"{what} {name} vs cast_dim0_dim1")
+
+
+# ---------------------------------------------------------------------------------------
+# CPU
+
+
+@needs_triton
+def test_argument_errors(monkeypatch):
+    g = gluon()
+    with pytest.raises(ValueError, match=r"dim 0 of shape \(33, 64\) has size 33"):
+        g.gluon_cast_dim1(torch.randn(33, 64), "e4m3", "floor")
+    with pytest.raises(ValueError, match=r"dim 1 of shape \(64, 48\) has size 48"):
+        g.gluon_cast_dim0_dim1(torch.randn(64, 48), "e4m3", "floor")
+    with pytest.raises(ValueError, match="e2m1 is not supported"):
+        g.gluon_cast_dim1(torch.randn(64, 64), "e2m1", "floor")
+    with pytest.raises(ValueError, match="unknown MX scale rule"):
+        g.gluon_cast_dim1(torch.randn(64, 64), "e4m3", "nearest")
+    with pytest.raises(ValueError, match="takes a 2D tensor"):
+        g.gluon_cast_dim1(torch.randn(2, 64, 64), "e4m3", "floor")
+    with pytest.raises(TypeError, match="bf16 or fp32"):
+        g.gluon_cast_dim1(torch.randn(64, 64).half(), "e4m3", "floor")
+    x = torch.randn(64, 64, dtype=torch.bfloat16)
+    for bad in (dict(BLOCK_K=96), dict(BLOCK_K=64, NUM_WARPS=4), dict(ROWS=32), dict(NUM_SUB=3), dict(LEAN=1)):
+        with pytest.raises(ValueError, match="Gluon cast config"):
+            g.gluon_cast_dim1(x, "e4m3", "floor", config=bad)
+    with pytest.raises(ValueError, match="unknown Gluon cast config keys"):
+        g.gluon_cast_dim1(x, "e4m3", "floor", config=dict(num_warps=4))
+    if not HAS_CUDA:
+        with pytest.raises(RuntimeError, match="need a CUDA tensor"):
+            g.gluon_cast_dim1(x, "e4m3", "floor")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(NotImplementedError, match="do not run in the Triton interpreter"):
+        g.gluon_cast_dim0_dim1(x, "e4m3", "floor")
+
+
+def ptx_ops(ptx: str) -> dict[str, int]:
+    """Counts of the memory, barrier, shuffle and fp8-conversion instructions in PTX."""
+    found = re.findall(
+        r"\b(?:ld|st)\.(?:global|shared)[\w.]*|\bbar\.sync|\bshfl\.sync[\w.]*|\bcvt\.rn\.satfinite[\w.]*", ptx
+    )
+    return {op: found.count(op) for op in sorted(set(found))}
+
+
+def resource_usage(cubin: bytes) -> dict[str, int] | None:
+    """REG, SHARED, LOCAL of the kernel from cuobjdump (None where the tool is missing)."""
+    import triton
+
+    tool = triton.knobs.nvidia.cuobjdump.path
+    if not tool or not Path(tool).exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return {k: int(v) for k, v in re.findall(r"\b(REG|SHARED|LOCAL):(\d+)", out)}
+
+
+COMPILE_CASES = [
+    # (dim0, config, elem, mode, blocked, transposed store instruction)
+    (False, None, "e4m3", "floor", False, "st.global.b32"),
+    (False, dict(ROWS=8, BLOCK_K=256, NUM_SUB=1), "e5m2", "rceil", True, "st.global.v2.b32"),
+    (False, dict(ROWS=16, BLOCK_K=512, NUM_SUB=1, LEAN=True), "e4m3", "rceil", False, "st.global.v4.b32"),
+    (True, None, "e5m2", "floor", True, "st.global.b32"),
+    (True, dict(ROWS=8, BLOCK_K=256, NUM_SUB=1, LEAN=True), "e4m3", "floor", False, "st.global.v2.b32"),
+    (True, dict(ROWS=4, BLOCK_K=512, NUM_WARPS=2, NUM_SUB=1), "e4m3", "rceil", False, "st.global.b32"),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("dim0, config, elem, mode, blocked, transposed_store", COMPILE_CASES)
+def test_compiles_for_sm90_with_the_intended_memory_ops(dim0, config, elem, mode, blocked, transposed_store):
+    kernel = gluon().compile_for_target((16384, 16384), torch.bfloat16, elem, mode, blocked, dim0, config, arch=90)
+    ops = ptx_ops(kernel.asm["ptx"])
+    what = f"dim0={dim0} {config} {elem} {mode} blocked={blocked}: {ops}"
+    assert set(op for op in ops if op.startswith("ld.")) == {"ld.global.v4.b32"}, what  # 16-byte loads only
+    assert "bar.sync" not in ops and not any(".shared" in op for op in ops), what  # reductions: registers + shuffles
+    assert ops.get(f"cvt.rn.satfinite.{elem}x2.f32", 0) > 0, what
+    assert ops.get(transposed_store, 0) > 0, what
+    if dim0:
+        assert ops.get("st.global.v2.b32", 0) > 0, what  # the row-major dim0 qdata: 8 bytes per thread
+    assert ".ftz" not in kernel.asm["ptx"], what  # subnormal inputs and the 2**-127 factor are not flushed
+    usage = resource_usage(kernel.asm["cubin"])
+    if usage is not None:
+        assert usage["LOCAL"] == 0 and usage["SHARED"] == 0 and usage["REG"] <= 255, f"{what} {usage}"
+
+
+@needs_triton
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+def test_every_test_config_compiles(config):
+    """Each GPU-test config, fused and dim1, ragged (masked) and even shapes: the layout
+    conversions are asserted trivial at compile time (a mistake in the hand-written linear
+    layouts fails here, without a GPU)."""
+    g = gluon()
+    for dim0 in (False, True):
+        for shape in ((96, 160), (4096, 4096)):
+            ops = ptx_ops(g.compile_for_target(shape, torch.bfloat16, "e4m3", "floor", False, dim0, config).asm["ptx"])
+            assert "bar.sync" not in ops, (dim0, shape, config, ops)
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: the hardware cvt.rn.satfinite path
+
+DIM1_SHAPES = [(32, 160), (96, 160), (32, 33), (64, 100), (4128, 160), (160, 4128), (1024, 4096), (256, 512)]
+FUSED_SHAPES = [(32, 32), (96, 160), (4128, 160), (160, 4128), (1024, 4096), (256, 512)]
+# every rule and format for the default and the likely winners; two combinations for the rest
+FULL = {"default", "r8", "lean_r8"}
+GPU_CASES = [
+    pytest.param(config, mode, elem, id=f"{cid}-{mode}-{elem}")
+    for config, cid in zip(CONFIGS, CONFIG_IDS, strict=True)
+    for mode in MODES
+    for elem in ELEMS
+    if cid in FULL or (mode, elem) in (("floor", "e4m3"), ("rceil", "e5m2"))
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config, mode, elem", GPU_CASES)
+def test_gpu_dim1_bit_exact(config, mode, elem):
+    for blocked in (False, True):
+        for shape in DIM1_SHAPES:
+            check_dim1(shape, torch.bfloat16, elem, mode, blocked, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config, mode, elem", GPU_CASES)
+def test_gpu_dim0_dim1_bit_exact(config, mode, elem):
+    for blocked in (False, True):
+        for shape in FUSED_SHAPES:
+            check_dim0_dim1(shape, torch.bfloat16, elem, mode, blocked, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config", [None, dict(ROWS=8, BLOCK_K=256, NUM_SUB=1, LEAN=True)], ids=["default", "lean_r8"])
+@pytest.mark.parametrize("elem", ELEMS)
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_fp32_input_bit_exact(mode, elem, config):
+    for blocked in (False, True):
+        for shape in [(96, 160), (64, 100), (1024, 4096)]:
+            check_dim1(shape, torch.float32, elem, mode, blocked, config)
+        for shape in [(96, 160), (1024, 4096)]:
+            check_dim0_dim1(shape, torch.float32, elem, mode, blocked, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config", [None, dict(LEAN=True), dict(ROWS=8, BLOCK_K=256, NUM_SUB=1, LEAN=True)])
+def test_gpu_every_bf16_value(config):
+    """All 65536 bf16 patterns (NaNs of every payload and sign, infinities, subnormals), in blocks
+    along M (dim1) and along K (dim0), through both kernels."""
+    g = gluon()
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    for x in (bits.view(torch.bfloat16).reshape(-1, 512), bits.view(torch.bfloat16).reshape(512, -1)):
+        for elem in ELEMS:
+            for mode in MODES:
+                what = f"all bf16 {tuple(x.shape)} {elem} {mode} {config}"
+                ref0, ref1 = to_mx(x, elem, mode), to_mx(x.t().contiguous(), elem, mode)
+                q, s = g.gluon_cast_dim1(x.cuda(), elem, mode, config=config)
+                assert_bits_equal(q, ref1.qdata, what + " dim1 qdata")
+                assert_bits_equal(s, ref1.scale, what + " dim1 scale")
+                q0, s0, q1, s1 = g.gluon_cast_dim0_dim1(x.cuda(), elem, mode, config=config)
+                for name, out, ref in (("q0", q0, ref0.qdata), ("s0", s0, ref0.scale), ("q1", q1, ref1.qdata)):
+                    assert_bits_equal(out, ref, f"{what} fused {name}")
+                assert_bits_equal(s1, ref1.scale, what + " fused s1")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_strided_input_and_empty():
+    g = gluon()
+    x = special_input_plus((256, 512), torch.bfloat16, "cuda")
+    xt = x.t()  # [512, 256], stride (1, 512): the unvectorized load path
+    q, s = g.gluon_cast_dim1(xt, "e4m3", "rceil")
+    ref = to_mx(x.cpu(), "e4m3", "rceil")
+    assert_bits_equal(q, ref.qdata, "strided qdata")
+    assert_bits_equal(s, ref.scale, "strided scale")
+    q0, s0, q1, s1 = g.gluon_cast_dim0_dim1(xt, "e5m2", "floor", True)
+    import mx_kernels.cast_dim0_dim1
+
+    ref = mx_kernels.cast_dim0_dim1.cast_dim0_dim1(xt, "e5m2", "floor", True)
+    for name, a, b in zip(("q0", "s0", "q1", "s1"), (q0, s0, q1, s1), ref, strict=True):
+        assert_bits_equal(a, b, f"strided fused {name}")
+    q, s = g.gluon_cast_dim1(torch.empty(0, 64, device="cuda", dtype=torch.bfloat16), "e4m3", "floor")
+    assert q.shape == (64, 0) and s.shape == (64, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_int64_offsets_match_triton_kernels():
+    """2**31 elements: the int64 offset path (OFFS64), against the Triton kernels on the GPU."""
+    import mx_kernels.cast_dim0_dim1
+    import mx_kernels.cast_dim1
+
+    g = gluon()
+    if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
+        pytest.skip("needs ~20 GiB of GPU memory")
+    x = torch.randn(65536, 32768, device="cuda", dtype=torch.bfloat16)
+    x[-1, -1] = float("nan")
+    ref = mx_kernels.cast_dim1.cast_dim1(x, "e4m3", "floor")
+    for a, b in zip(g.gluon_cast_dim1(x, "e4m3", "floor"), ref, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    del a, b, ref
+    outs = g.gluon_cast_dim0_dim1(x, "e4m3", "rceil", config=dict(ROWS=8, BLOCK_K=256, NUM_SUB=1))
+    ref = mx_kernels.cast_dim0_dim1.cast_dim0_dim1(x, "e4m3", "rceil")
+    for name, a, b in zip(("q0", "s0", "q1", "s1"), outs, ref, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
