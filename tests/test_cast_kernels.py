@@ -535,6 +535,8 @@ def test_interp_opcheck():
     x = torch.randn(64, 96, dtype=torch.bfloat16)  # no NaN: opcheck compares outputs by value
     torch.library.opcheck(torch.ops.mx_recipe.cast_dim0.default, (x, "e4m3", "floor", True))
     torch.library.opcheck(torch.ops.mx_recipe.cast_dim0_dim1.default, (x, "e5m2", "rceil", False))
+    src = group_sources([40, 0, 24], "cpu")
+    torch.library.opcheck(torch.ops.mx_recipe.fake_quant_gather_along_m.default, (x, src, "e4m3", "floor"))
 
 
 # ---------------------------------------------------------------------------------------
