@@ -102,6 +102,19 @@ class Table:
                    key=lambda r: r["us"])  # fmt: skip
 
 
+def sweep(table: Table, name: str, cast, configs, x: torch.Tensor, elem: str, mode: str, ref, copy_gbs: float) -> None:
+    """Time ``cast`` (plain scales) for each config whose bytes equal ``ref``'s; a mismatch is recorded, not timed."""
+    for c in configs:
+        cfg = config(*c)
+        out = cast(x, elem, mode, False, cfg)
+        if not same_bytes(out, ref):
+            table.mismatches.append(f"{name} {tuple(x.shape)} {mode} {cfg}")
+            print(f"MISMATCH {name} {tuple(x.shape)} {mode} {cfg}: not timed")
+            continue
+        ms = bench_ms(lambda cfg=cfg: cast(x, elem, mode, False, cfg))
+        table.add(name, x.shape, mode, ms, nbytes(x, *out), copy_gbs, cfg)
+
+
 def bench_shape(table: Table, m: int, k: int, mode: str, elem: str) -> None:
     x = bench_input(m, k)
     copy_dst = torch.empty_like(x)
@@ -111,15 +124,7 @@ def bench_shape(table: Table, m: int, k: int, mode: str, elem: str) -> None:
 
     ref1 = cast_dim1(x, elem, mode)
     table.add("triton cast_dim1", x.shape, mode, bench_ms(lambda: cast_dim1(x, elem, mode)), nbytes(x, *ref1), copy_gbs)
-    for c in DIM1_SWEEP:
-        cfg = config(*c)
-        out = gluon_cast_dim1(x, elem, mode, False, cfg)
-        if not same_bytes(out, ref1):
-            table.mismatches.append(f"gluon_cast_dim1 {tuple(x.shape)} {mode} {cfg}")
-            print(f"MISMATCH gluon_cast_dim1 {tuple(x.shape)} {mode} {cfg}: not timed")
-            continue
-        ms = bench_ms(lambda cfg=cfg: gluon_cast_dim1(x, elem, mode, False, cfg))
-        table.add("gluon_cast_dim1", x.shape, mode, ms, nbytes(x, *out), copy_gbs, cfg)
+    sweep(table, "gluon_cast_dim1", gluon_cast_dim1, DIM1_SWEEP, x, elem, mode, ref1, copy_gbs)
     # blocked scales, best plain config
     best = table.best("gluon_cast_dim1", x.shape, mode)["config"]
     ref_b = cast_dim1(x, elem, mode, True)
@@ -138,15 +143,7 @@ def bench_shape(table: Table, m: int, k: int, mode: str, elem: str) -> None:
     sep = cast_dim0(x, elem, mode) + ref1
     ms = bench_ms(lambda: (cast_dim0(x, elem, mode), cast_dim1(x, elem, mode)))
     table.add("triton dim0 + dim1", x.shape, mode, ms, nbytes(x, x, *sep), copy_gbs)
-    for c in FUSED_SWEEP:
-        cfg = config(*c)
-        out = gluon_cast_dim0_dim1(x, elem, mode, False, cfg)
-        if not same_bytes(out, ref2):
-            table.mismatches.append(f"gluon_cast_dim0_dim1 {tuple(x.shape)} {mode} {cfg}")
-            print(f"MISMATCH gluon_cast_dim0_dim1 {tuple(x.shape)} {mode} {cfg}: not timed")
-            continue
-        ms = bench_ms(lambda cfg=cfg: gluon_cast_dim0_dim1(x, elem, mode, False, cfg))
-        table.add("gluon_cast_dim0_dim1", x.shape, mode, ms, nbytes(x, *out), copy_gbs, cfg)
+    sweep(table, "gluon_cast_dim0_dim1", gluon_cast_dim0_dim1, FUSED_SWEEP, x, elem, mode, ref2, copy_gbs)
 
 
 def summary(table: Table, shapes: list[tuple[int, int]], modes: list[str]) -> None:

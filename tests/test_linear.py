@@ -327,18 +327,6 @@ SAVE_MX_CASES = {**{f"randn-{k}": (v, False) for k, v in LEADS.items()}, "specia
                  "special-3d-M70": ((2, 35), True)}  # fmt: skip
 
 
-@pytest.mark.parametrize("lead, special", SAVE_MX_CASES.values(), ids=SAVE_MX_CASES.keys())
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
-@pytest.mark.parametrize("recipe", SAVE_MX_RECIPES, ids=lambda r: r.name)
-def test_save_mx_input_is_bit_identical(recipe, dtype, lead, special):
-    """The grad-weight GEMM quantizes x along M anyway: saving that cast changes no bit of y, gx, gw, gb."""
-    inputs = special_input(lead, dtype) if special else make_inputs(lead, dtype, seed=6)
-    base = run_mx(*inputs, recipe)
-    saved = run_mx(*inputs, with_save_mx(recipe))
-    for what, a, b in zip(("y", "gx", "gw", "gb"), base, saved, strict=True):
-        assert same_bits(a, b), what
-
-
 def test_save_mx_input_needs_mx_grad_weight():
     """With grad_weight='bf16' x is needed in bf16: the recipe refuses the option (tests/test_recipe.py)."""
     with pytest.raises(ValueError, match=r"save_mx_input=True needs an MX grad_weight"):
@@ -401,15 +389,23 @@ def with_fuse_x(r: MXRecipe) -> MXRecipe:
     return MXRecipe(**{**r.__dict__, "fuse_x_casts": True})
 
 
+# Both options make x along M in forward, the operand backward would otherwise make from x.
+X_IN_FORWARD = [(r, with_save_mx(r)) for r in SAVE_MX_RECIPES] + [(r, with_fuse_x(r)) for r in FUSE_X_RECIPES]
+
+
 @pytest.mark.parametrize("lead, special", SAVE_MX_CASES.values(), ids=SAVE_MX_CASES.keys())
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
-@pytest.mark.parametrize("recipe", FUSE_X_RECIPES, ids=lambda r: r.name)
-def test_fuse_x_casts_is_bit_identical(recipe, dtype, lead, special):
-    """x along M made in forward is the operand backward would have made: no bit of y, gx, gw, gb moves."""
+@pytest.mark.parametrize(
+    "recipe, option",
+    X_IN_FORWARD,
+    ids=[f"{r.name}-{'save_mx' if o.save_mx_input else 'fuse_x'}" for r, o in X_IN_FORWARD],
+)
+def test_x_along_m_made_in_forward_is_bit_identical(recipe, option, dtype, lead, special):
+    """save_mx_input (MX form) and fuse_x_casts (bf16) change no bit of y, gx, gw, gb."""
     inputs = special_input(lead, dtype) if special else make_inputs(lead, dtype, seed=6)
     base = run_mx(*inputs, recipe)
-    fused = run_mx(*inputs, with_fuse_x(recipe))
-    for what, a, b in zip(("y", "gx", "gw", "gb"), base, fused, strict=True):
+    other = run_mx(*inputs, option)
+    for what, a, b in zip(("y", "gx", "gw", "gb"), base, other, strict=True):
         assert same_bits(a, b), what
 
 
