@@ -103,14 +103,14 @@ def fake_quant_2d_shapes(shape: torch.Size, along_k: bool, along_m: bool) -> tup
     return (*batch, m, k) if along_k else (0,), (*batch, m_pad, k) if along_m else (0,)
 
 
-def gather_along_m_rows(row_src: torch.Tensor) -> int:
-    """Output rows of fake_quant_gather_along_m: row_src's length, checked (int32, 1D, a multiple of 32)."""
+def groups_along_m_rows(row_src: torch.Tensor) -> int:
+    """Rows that fake_quant_groups_along_m walks: row_src's length, checked (int32, 1D, a multiple of 32)."""
     if row_src.dtype != torch.int32 or row_src.dim() != 1:
         got = f"{row_src.dtype} {tuple(row_src.shape)}"
-        raise ValueError(f"fake_quant_gather_along_m: row_src must be 1D int32, got {got}")
+        raise ValueError(f"fake_quant_groups_along_m: row_src must be 1D int32, got {got}")
     if row_src.shape[0] % BLOCK_SIZE:
         n = row_src.shape[0]
-        raise ValueError(f"fake_quant_gather_along_m: row_src length {n} is not a multiple of {BLOCK_SIZE}")
+        raise ValueError(f"fake_quant_groups_along_m: row_src length {n} is not a multiple of {BLOCK_SIZE}")
     return row_src.shape[0]
 
 

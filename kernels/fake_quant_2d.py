@@ -10,9 +10,11 @@ program quantizes its tile [BLOCK_M, BLOCK_K] as row blocks (32 along K) and as 
 Along M, rows past M read as zeros and the result has ceil(M / 32) * 32 rows: the zero-padded
 operand the grad-weight GEMM uses (zero rows add nothing to its sum).
 
-``fake_quant_gather_along_m`` is the MoE grad-weight variant: output row i is x's row
-``row_src[i]`` (zeros where it is -1), so token groups padded to multiples of 32 are quantized
-along M in one pass, without first writing the padded copy.
+``fake_quant_groups_along_m`` is the MoE grad-weight variant: tile row i is x's row ``row_src[i]``
+(zeros where it is -1), so each token group is quantized along M in blocks of 32 that start at
+the group's first row, as if the group were zero-padded to a multiple of 32; each result row is
+written back to its own row of x's shape and the padding rows are dropped. No padded copy is
+written, and the grad-weight GEMM runs over the groups as they are (no padding FLOPs).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from mx_kernels.common import (
     check_cast,
     fake_quant_2d_shapes,
     format_constexprs,
-    gather_along_m_rows,
+    groups_along_m_rows,
     interpreting,
     software_round,
 )
@@ -33,7 +35,7 @@ from mx_kernels.mx_quantize import fake_quant_blocks, to_fp32
 
 # The best of H200 sweeps (docs/profiles/2026-11-21_h200_fake_quant_sweep.txt, both outputs of
 # 16384 x 4096; docs/profiles/2026-11-21_h200_fake_quant_moe_sweep.txt: both outputs of the 3D
-# expert weights 87% of copy, the along-M result alone (gathered) 80% with the smaller tile, 68% with this one).
+# expert weights 87% of copy; the along-M result alone (gathered) 80% with the smaller tile, 68% with this one).
 FAKE_QUANT_2D_CONFIG = dict(BLOCK_M=32, BLOCK_K=128, num_warps=4)
 ALONG_M_CONFIG = dict(BLOCK_M=32, BLOCK_K=64, num_warps=2)  # along M alone
 
@@ -93,8 +95,11 @@ def _fake_quant_2d_kernel(
             blocks, 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND, OUT_BF16_BITS
         )
         v = tl.reshape(v, (BLOCK_M, BLOCK_K))
-        m_offs = pid_b * M_PAD * K + rows.to(tl.int64)[:, None] * K + cols[None, :]
-        tl.store(m_ptr + m_offs, v, mask=(rows < M_PAD)[:, None] & (cols < K)[None, :])
+        if GATHER:  # each row back to its own row of x's shape; padding rows are dropped
+            tl.store(m_ptr + x_rows[:, None] * K + cols[None, :], v, mask=in_x)
+        else:
+            m_offs = pid_b * M_PAD * K + rows.to(tl.int64)[:, None] * K + cols[None, :]
+            tl.store(m_ptr + m_offs, v, mask=(rows < M_PAD)[:, None] & (cols < K)[None, :])
 
 
 def fake_quant_2d(
@@ -120,19 +125,21 @@ def fake_quant_2d(
     return out_k, out_m
 
 
-def fake_quant_gather_along_m(
+def fake_quant_groups_along_m(
     x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str, config: dict | None = None
 ) -> torch.Tensor:
-    """x [M, K] (bf16; any strides), row_src int32 [R] (R a multiple of 32; entries in [-1, M)) ->
-    [R, K]: the rows x[row_src] (zeros where -1) quantized along R and dequantized in x's dtype.
+    """x [M, K] (bf16; any strides), row_src int32 [R] -> [M, K] contiguous, in x's dtype.
 
-    Bit for bit ``fake_quant_2d(gathered, along_m=True)``; entries outside [-1, M) are the caller's
-    error and are not checked on the GPU (no host sync)."""
-    check_cast(x, elem, mode, ndims=(2,), qdim=None, op="fake_quant_gather_along_m")
+    row_src lays x's rows out in padded token groups: R a multiple of 32, every row of x listed once,
+    -1 for a padding row (``grouped.group_row_sources``). The laid-out rows are quantized along R in
+    blocks of 32 and dequantized, and each comes back to its own row: bit for bit
+    ``fake_quant_2d(x_padded, along_m=True)`` with the padding rows dropped. row_src is not checked on
+    the GPU (no host sync): a row of x it does not list is left unwritten."""
+    check_cast(x, elem, mode, ndims=(2,), qdim=None, op="fake_quant_groups_along_m")
     if x.dtype != torch.bfloat16 and not interpreting():
-        raise NotImplementedError(f"fake_quant_gather_along_m: the GPU kernel takes bf16 input, got {x.dtype}")
-    rows = gather_along_m_rows(row_src)
-    out = x.new_empty(rows, x.shape[1])
+        raise NotImplementedError(f"fake_quant_groups_along_m: the GPU kernel takes bf16 input, got {x.dtype}")
+    rows = groups_along_m_rows(row_src)
+    out = x.new_empty(x.shape[0], x.shape[1])
     if out.numel():
         _launch(x, row_src, out, out, elem, mode, False, True, rows, rows, config)
     return out
@@ -142,7 +149,7 @@ def _launch(
     x: torch.Tensor, row_src: torch.Tensor | None, out_k: torch.Tensor, out_m: torch.Tensor, elem: str, mode: str,
     along_k: bool, along_m: bool, m: int, m_pad: int, config: dict | None,
 ) -> None:  # fmt: skip
-    """``m``: the rows the kernel reads (x's, or row_src's when gathering); ``m_pad``: along M's rows."""
+    """``m``: the rows the kernel walks (x's, or row_src's with row_src); ``m_pad``: along M's rows."""
     x3 = x if x.dim() == 3 else x.unsqueeze(0)
     num_batch, _, k = x3.shape
     cfg = {**(FAKE_QUANT_2D_CONFIG if along_k else ALONG_M_CONFIG), **(config or {})}

@@ -13,8 +13,8 @@ launchers, so the two cannot drift apart.
     torch.ops.mx_recipe.fake_quant_dim1(x, elem, mode) -> dequantized MX along M, transposed ([.., K, M])
     torch.ops.mx_recipe.fake_quant_2d(x, elem, mode, along_k, along_m) -> (along K [.., M, K], along M
         [.., ceil32(M), K], x's layout); one read of x for both, an output not asked for is empty
-    torch.ops.mx_recipe.fake_quant_gather_along_m(x, row_src, elem, mode) -> [R, K]: rows x[row_src]
-        (zeros for -1) quantized along R, dequantized (MoE token groups padded on the way)
+    torch.ops.mx_recipe.fake_quant_groups_along_m(x, row_src, elem, mode) -> [M, K]: each token group
+        quantized along M as if zero-padded to 32 rows (row_src: the padded layout), dequantized
     torch.ops.mx_recipe.mx_gemm(a_q, a_scale, a_elem, b_q, b_scale, b_elem, out_dtype) -> a @ b.T (mx_gemm.py)
 """
 
@@ -27,7 +27,7 @@ from mx_kernels.common import (
     dim1_shapes,
     fake_quant_2d_shapes,
     fp8_dtype,
-    gather_along_m_rows,
+    groups_along_m_rows,
     groups_dim1_shapes,
 )
 from torch import Tensor
@@ -134,17 +134,18 @@ def _(x: Tensor, elem: str, mode: str, along_k: bool, along_m: bool) -> tuple[Te
     return x.new_empty(k_shape), x.new_empty(m_shape)
 
 
-@torch.library.custom_op("mx_recipe::fake_quant_gather_along_m", mutates_args=())
-def fake_quant_gather_along_m(x: Tensor, row_src: Tensor, elem: str, mode: str) -> Tensor:
-    from mx_kernels.fake_quant_2d import fake_quant_gather_along_m as launch
+@torch.library.custom_op("mx_recipe::fake_quant_groups_along_m", mutates_args=())
+def fake_quant_groups_along_m(x: Tensor, row_src: Tensor, elem: str, mode: str) -> Tensor:
+    from mx_kernels.fake_quant_2d import fake_quant_groups_along_m as launch
 
     return launch(x, row_src, elem, mode)
 
 
-@fake_quant_gather_along_m.register_fake
+@fake_quant_groups_along_m.register_fake
 def _(x: Tensor, row_src: Tensor, elem: str, mode: str) -> Tensor:
-    check_cast(x, elem, mode, ndims=(2,), qdim=None, op="fake_quant_gather_along_m")
-    return x.new_empty(gather_along_m_rows(row_src), x.shape[1])
+    check_cast(x, elem, mode, ndims=(2,), qdim=None, op="fake_quant_groups_along_m")
+    groups_along_m_rows(row_src)
+    return x.new_empty(x.shape[0], x.shape[1])
 
 
 @torch.library.custom_op("mx_recipe::mx_gemm", mutates_args=())

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import mx_kernels.ops  # noqa: F401  (registers torch.ops.mx_recipe.*; imports no Triton)
 import torch
-from mx_kernels.common import KERNEL_ELEMS, check_offs, gather_along_m_rows
+from mx_kernels.common import KERNEL_ELEMS, check_offs, groups_along_m_rows
 
 from mx_recipe.formats import BLOCK_SIZE, MXTensor, fake_quant, to_mx
 from mx_recipe.scale_layout import (
@@ -300,7 +300,7 @@ def fake_quant_along_m(
     return fake_quant_dim1(_pad_m(x), elem, mode, rounding, generator).transpose(-2, -1).contiguous()
 
 
-def fake_quant_gather_along_m(
+def fake_quant_groups_along_m(
     x: torch.Tensor,
     row_src: torch.Tensor,
     elem: str = "e4m3",
@@ -308,18 +308,24 @@ def fake_quant_gather_along_m(
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """x [M, K], row_src int32 [R] (R a multiple of 32, entries in [-1, M)) -> [R, K]: the rows
-    x[row_src], zeros where row_src is -1, quantized along R and dequantized, in x's layout. For
-    MoE token groups padded to multiples of 32: on CUDA one kernel, no padded copy of x."""
+    """x [M, K] in token groups, row_src int32 [R]: the groups padded to multiples of 32 rows (every
+    row of x once, in its padded position; -1 for padding) -> [M, K]: each group quantized along M in
+    blocks of 32 from its first row, as if zero-padded, and dequantized; the padding rows dropped.
+    The MoE grad-weight operand: on CUDA one kernel, no padded copy, and the GEMM needs no padded
+    groups. Stochastic rounding draws as ``fake_quant_along_m`` on the padded tensor does."""
     if x.dim() != 2:
-        raise ValueError(f"fake_quant_gather_along_m: expected a 2D [M, K] tensor, got shape {tuple(x.shape)}")
+        raise ValueError(f"fake_quant_groups_along_m: expected a 2D [M, K] tensor, got shape {tuple(x.shape)}")
     if _use_fake_quant_kernels(x, elem, rounding):
-        return torch.ops.mx_recipe.fake_quant_gather_along_m(x, row_src, elem, mode)
-    gather_along_m_rows(row_src)
-    if row_src.numel() and (int(row_src.min()) < -1 or int(row_src.max()) >= x.shape[0]):
-        raise ValueError(f"fake_quant_gather_along_m: row_src entries must lie in [-1, {x.shape[0]})")
-    gathered = torch.cat([x, x.new_zeros(1, x.shape[1])])[row_src.long()]  # -1: the appended zero row
-    return fake_quant_along_m(gathered, elem, mode, rounding, generator)
+        return torch.ops.mx_recipe.fake_quant_groups_along_m(x, row_src, elem, mode)
+    groups_along_m_rows(row_src)
+    listed = row_src[row_src >= 0].long()
+    every_row_once = torch.equal(listed.sort().values, torch.arange(x.shape[0], device=x.device))
+    if not every_row_once or bool((row_src < -1).any()):
+        rows = x.shape[0]
+        raise ValueError(f"fake_quant_groups_along_m: row_src must list each of x's {rows} rows once, -1 elsewhere")
+    padded = torch.cat([x, x.new_zeros(1, x.shape[1])])[row_src.long()]  # -1: the appended zero row
+    fq = fake_quant_along_m(padded, elem, mode, rounding, generator)
+    return fq[row_src >= 0][listed.argsort()]  # back to x's row order
 
 
 def fake_quant_dim0_dim1(

@@ -11,8 +11,9 @@ The backend is resolved per call with ``gemm.validate_backend(recipe, device, gr
 
 * ``emulated`` (anywhere): fake-quant casts, then ``torch._grouped_mm`` in the input dtype, each
   GEMM's operands in the layouts of the bf16 backward (the along-M fake-quants write in their
-  input's layout). Only the grad-weight GEMM quantizes along M inside token groups, so only it pads
-  groups to multiples of 32 (no scale block may straddle two experts).
+  input's layout). Only the grad-weight GEMM quantizes along M inside token groups: its casts quantize
+  each group as if zero-padded to a multiple of 32 rows (no scale block may straddle two experts)
+  and write the rows back unpadded, so that GEMM runs on the groups as they are.
 * ``cublas`` (sm_100 with an MSLK build; e4m3 operands): fp8 casts with blocked scales, then
   ``torch._scaled_grouped_mm`` through gemm.py's ``mx_grouped_mm_2d_3d`` (forward, grad input) and
   ``mx_grouped_mm_2d_2d`` (grad weight), bf16 out. The op is run and tested (PyTorch's own tests,
@@ -39,7 +40,7 @@ from mx_recipe.cast import (
     fake_quant_along_m,
     fake_quant_dim0,
     fake_quant_dim0_dim1,
-    fake_quant_gather_along_m,
+    fake_quant_groups_along_m,
 )
 from mx_recipe.formats import MXTensor
 from mx_recipe.gemm import mx_grouped_mm_2d_2d, mx_grouped_mm_2d_3d, validate_backend
@@ -157,14 +158,14 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             if recipe.grad_weight == HIGH_PRECISION:
                 gw = _grouped(g.t(), x, offs, dtype)
-            else:  # g and x along M inside each group, groups padded to multiples of 32; both stay
-                # in their own layout ([size, N], [size, K]), the operand layouts of the bf16 GEMM above
-                # (the padded rows are gathered by the fake-quant kernel: no padded copies)
-                dest, padded_offs, size = padded_group_layout(offs, x.shape[0], recipe.block_size)
+            else:  # g and x along M inside each group, blocks of 32 from each group's start (a group's
+                # last block zero-padded); both stay in their own layout, so the GEMM takes the bf16
+                # backward's operands and groups, no padded copies and no padding rows
+                dest, _, size = padded_group_layout(offs, x.shape[0], recipe.block_size)
                 src = group_row_sources(dest, size)
-                g_deq = fake_quant_gather_along_m(g, src, recipe.grad, rule, rounding).to(dtype)
-                x_deq = fake_quant_gather_along_m(x, src, recipe.grad_weight, rule).to(dtype)
-                gw = _grouped(g_deq.t(), x_deq, padded_offs, dtype)
+                g_deq = fake_quant_groups_along_m(g, src, recipe.grad, rule, rounding).to(dtype)
+                x_deq = fake_quant_groups_along_m(x, src, recipe.grad_weight, rule).to(dtype)
+                gw = _grouped(g_deq.t(), x_deq, offs, dtype)
         return (
             None if gx is None else gx.to(x.dtype),
             None if gw is None else gw.to(ctx.w_dtype),

@@ -1,8 +1,8 @@
 """Tile sweep of the fake-quant kernel on the MoE shapes of bench_moe.py (GPU only).
 
 Both outputs of fake_quant_2d on expert weights [E, 8192, 5120] (E = 64, 16), and
-fake_quant_gather_along_m on g [16640, 8192] routed evenly to 64 groups, padded to 32 rows into
-padded_group_layout's buffer; prints per config the time, GB/s (bytes read + written) and % of
+fake_quant_groups_along_m on g [16640, 8192] routed evenly to 64 groups (each quantized as if
+padded to 32 rows, the result unpadded); prints per config the time, GB/s (bytes read + written) and % of
 the copy bandwidth measured in the same run.
 
     python scripts/sweep_fake_quant_moe.py
@@ -15,7 +15,7 @@ import mx_recipe  # noqa: F401  (first: importing mx_kernels before mx_recipe is
 # isort: split
 import torch
 import triton.testing
-from mx_kernels.fake_quant_2d import fake_quant_2d, fake_quant_gather_along_m
+from mx_kernels.fake_quant_2d import fake_quant_2d, fake_quant_groups_along_m
 
 CONFIGS = [(32, 128, 4), (32, 256, 4), (32, 256, 8), (64, 128, 4), (64, 128, 8), (64, 256, 8), (32, 64, 2),
            (128, 64, 4), (32, 512, 8)]  # fmt: skip
@@ -59,8 +59,8 @@ def main() -> None:
         start += size
     rows += [-1] * (16640 + 32 * 64 - len(rows))  # padded_group_layout's static buffer size
     row_src = torch.tensor(rows, dtype=torch.int32, device="cuda")
-    nbytes = g.numel() * 2 + row_src.numel() * 8192 * 2
-    sweep("gather g", nbytes, copy_gbs, lambda c: fake_quant_gather_along_m(g, row_src, "e4m3", "floor", c))
+    nbytes = g.numel() * 2 * 2
+    sweep("groups g", nbytes, copy_gbs, lambda c: fake_quant_groups_along_m(g, row_src, "e4m3", "floor", c))
 
 
 if __name__ == "__main__":

@@ -263,16 +263,29 @@ def group_sources(sizes: list[int], device) -> torch.Tensor:
     return torch.tensor(src + [-1] * 32, dtype=torch.int32, device=device)  # and a spare all-padding block
 
 
-def check_fake_quant_gather_along_m(sizes, dtype, elem, mode, device, config=None):
-    """The gathering fake-quant (MoE groups padded on the way) against gather-then-reference."""
+def ref_groups_along_m(x: torch.Tensor, src: torch.Tensor, elem: str, mode: str) -> torch.Tensor:
+    """Each group padded (src), fake-quantized along M, and its rows put back in x's row order."""
+    padded = torch.cat([x.cpu(), x.new_zeros(1, x.shape[1]).cpu()])[src.cpu().long()]
+    fq = ref_along_m(padded, elem, mode)
+    valid = src.cpu() >= 0
+    out = torch.empty_like(fq[valid])
+    out[src.cpu()[valid].long()] = fq[valid]
+    return out
+
+
+def check_fake_quant_groups_along_m(sizes, dtype, elem, mode, device, config=None, flip_first=False):
+    """The group-aware along-M fake-quant (MoE groups padded on the way, unpadded result) against
+    pad, then the reference, then drop the padding rows. ``flip_first``: the first group's rows
+    listed in reverse (each must still come back to its own row)."""
     import mx_kernels.fake_quant_2d
 
     x = special_input((sum(sizes), 96), dtype, device, seed=len(sizes))
     src = group_sources(sizes, device)
-    gathered = torch.cat([x, x.new_zeros(1, 96)])[src.long()]
-    got = mx_kernels.fake_quant_2d.fake_quant_gather_along_m(x, src, elem, mode, config)
-    assert got.shape == (src.numel(), 96)
-    assert_values_equal(got, ref_along_m(gathered, elem, mode), f"gather along M {sizes} {dtype} {elem} {mode}")
+    if flip_first:
+        src[: sizes[0]] = src[: sizes[0]].flip(0)
+    got = mx_kernels.fake_quant_2d.fake_quant_groups_along_m(x, src, elem, mode, config)
+    assert got.shape == x.shape
+    assert_values_equal(got, ref_groups_along_m(x, src, elem, mode), f"groups along M {sizes} {dtype} {elem} {mode}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -357,24 +370,33 @@ def test_fake_impls_shapes():
         assert a.numel() == 0 and b.shape == (2, 64, 48) and b.dtype == torch.float32
 
 
-def test_fake_quant_gather_along_m_reference_path_and_errors():
-    """Off CUDA: gather (zeros for -1), then fake_quant_along_m; bad row_src named in the error."""
-    from mx_recipe.cast import fake_quant_gather_along_m
+def test_fake_quant_groups_along_m_reference_path_and_errors():
+    """Off CUDA: pad, fake_quant_along_m, unpad; a row_src that is not a padded layout of x's rows is
+    named in the error; the fake implementation gives x's shape."""
+    from mx_recipe.cast import fake_quant_groups_along_m
 
     x = special_input((70, 64), torch.bfloat16, "cpu")
     src = group_sources([40, 0, 30], "cpu")
-    gathered = torch.cat([x, x.new_zeros(1, 64)])[src.long()]
-    assert_values_equal(
-        fake_quant_gather_along_m(x, src, "e4m3", "rceil"), ref_along_m(gathered, "e4m3", "rceil"), "ref"
-    )
+    want = ref_groups_along_m(x, src, "e4m3", "rceil")
+    assert_values_equal(fake_quant_groups_along_m(x, src, "e4m3", "rceil"), want, "ref")
+    # the same padded layout with the rows listed in another order: each row still comes back to its place
+    perm = src.clone()
+    perm[:40] = src[:40].flip(0)
+    got = fake_quant_groups_along_m(x, perm, "e4m3", "rceil")
+    assert_values_equal(got, ref_groups_along_m(x, perm, "e4m3", "rceil"), "rows listed out of order")
     with pytest.raises(ValueError, match="multiple of 32"):
-        fake_quant_gather_along_m(x, src[:40], "e4m3", "floor")
+        fake_quant_groups_along_m(x, src[:40], "e4m3", "floor")
     with pytest.raises(ValueError, match="1D int32"):
-        fake_quant_gather_along_m(x, src.long(), "e4m3", "floor")
-    with pytest.raises(ValueError, match=r"entries must lie in \[-1, 70\)"):
-        fake_quant_gather_along_m(x, torch.full((32,), 70, dtype=torch.int32), "e4m3", "floor")
-    y = torch.ops.mx_recipe.fake_quant_gather_along_m(x.to("meta"), src.to("meta"), "e4m3", "floor")
-    assert y.shape == (src.numel(), 64) and y.dtype == torch.bfloat16  # the fake implementation
+        fake_quant_groups_along_m(x, src.long(), "e4m3", "floor")
+    for bad in (
+        torch.full((96,), -1, dtype=torch.int32),
+        torch.where(src == 5, 6, src),
+        torch.where(src == -1, -2, src),
+    ):
+        with pytest.raises(ValueError, match="must list each of x's 70 rows once"):
+            fake_quant_groups_along_m(x, bad, "e4m3", "floor")
+    y = torch.ops.mx_recipe.fake_quant_groups_along_m(x.to("meta"), src.to("meta"), "e4m3", "floor")
+    assert y.shape == (70, 64) and y.dtype == torch.bfloat16  # the fake implementation
 
 
 def test_fake_quant_reference_path():
@@ -481,11 +503,12 @@ def test_interp_fake_quant_2d(dtype, elem, mode):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("mode", MODES)
-def test_interp_fake_quant_gather_along_m(dtype, elem, mode):
-    check_fake_quant_gather_along_m(
+def test_interp_fake_quant_groups_along_m(dtype, elem, mode):
+    check_fake_quant_groups_along_m(
         [40, 0, 33, 1, 64], dtype, elem, mode, "cpu", config=dict(BLOCK_M=64, BLOCK_K=32, num_warps=4)
     )
-    check_fake_quant_gather_along_m([0, 0], dtype, elem, mode, "cpu")  # no tokens: all padding
+    check_fake_quant_groups_along_m([0, 0], dtype, elem, mode, "cpu")  # no tokens: all padding
+    check_fake_quant_groups_along_m([45, 3], dtype, elem, mode, "cpu", flip_first=True)
 
 
 @interp_only
@@ -536,7 +559,7 @@ def test_interp_opcheck():
     torch.library.opcheck(torch.ops.mx_recipe.cast_dim0.default, (x, "e4m3", "floor", True))
     torch.library.opcheck(torch.ops.mx_recipe.cast_dim0_dim1.default, (x, "e5m2", "rceil", False))
     src = group_sources([40, 0, 24], "cpu")
-    torch.library.opcheck(torch.ops.mx_recipe.fake_quant_gather_along_m.default, (x, src, "e4m3", "floor"))
+    torch.library.opcheck(torch.ops.mx_recipe.fake_quant_groups_along_m.default, (x, src, "e4m3", "floor"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -620,10 +643,10 @@ def test_gpu_fake_quant_2d_bit_exact(mode, elem):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("mode", MODES)
-def test_gpu_fake_quant_gather_along_m_bit_exact(mode, elem):
+def test_gpu_fake_quant_groups_along_m_bit_exact(mode, elem):
     for sizes in ([40, 0, 33, 1, 64], [1040] * 4 + [0, 7], [0, 0], [4096]):
-        check_fake_quant_gather_along_m(sizes, torch.bfloat16, elem, mode, "cuda")
-    check_fake_quant_gather_along_m(
+        check_fake_quant_groups_along_m(sizes, torch.bfloat16, elem, mode, "cuda")
+    check_fake_quant_groups_along_m(
         [100, 3, 0, 29], torch.bfloat16, elem, mode, "cuda", config=dict(BLOCK_M=64, BLOCK_K=64, num_warps=4)
     )
 
