@@ -10,9 +10,10 @@ the bf16 step is three bf16 GEMMs; the MX step adds the casts its three GEMMs ne
     grad weight  gw = g.T @ x   g dim1, x dim1
 
 A cast reads bf16 (2 B/elem) and writes qdata (1 B fp8, 0.5 B fp4) and scales (1 B per 32);
-a fused dim0+dim1 cast reads once and writes both. ``MXPath`` says how the GEMMs run: natively
-(sm_100: the block-scaled GEMM at the fp8/fp4 rate) or emulated (Hopper has no MX GEMM: the
-bf16 rate, after dequantizing each operand to bf16 in memory unless that is fused into the GEMM).
+a fused dim0+dim1 cast reads once and writes both; a fake-quant cast writes the dequantized bf16.
+``MXPath`` says how the GEMMs run: natively (sm_100: the block-scaled GEMM at the fp8/fp4 rate) or
+emulated (Hopper has no MX GEMM: the bf16 rate, after dequantizing each operand to bf16 in memory
+unless that is fused into the GEMM or the casts write bf16 themselves).
 
 MoE expert weights [E, N, K] are one grouped GEMM over M = tokens * top_k routed rows (each
 expert sees top_k / E of the tokens on average); the whole 3D weight is read and cast.
@@ -112,6 +113,9 @@ class MXPath:
     group_pad_copy: bool  # MoE grad weight: g and x copied into 32-row padded groups first
     description: str
     fake_quant: bool = False  # emulated: the cast itself writes the dequantized bf16 (no MX copy in memory)
+    # the upstream gradient g read once for both of its casts in the linear's backward (not for
+    # grouped GEMMs, whose along-M cast works per token group)
+    fused_grad_cast: bool = False
 
 
 PATHS: dict[str, MXPath] = {
@@ -122,12 +126,22 @@ PATHS: dict[str, MXPath] = {
         MXPath("emulated", False, False, True, True, "bf16-rate GEMM after dequantize passes"),
         MXPath("emulated_fused", False, False, False, True, "bf16-rate GEMM with the dequantize fused into it"),
         MXPath(
-            "fake_quant", False, False, False, True, "casts write dequantized bf16, bf16-rate GEMM", fake_quant=True
+            "fake_quant",
+            False,
+            False,
+            False,
+            False,
+            "casts write dequantized bf16 (a linear's g: both in one read), MoE groups unpadded; bf16-rate GEMM",
+            fake_quant=True,
+            fused_grad_cast=True,
         ),
     )
 }
-# linear.py and grouped.py run the emulated backend through fake-quant kernels (mx_recipe.cast:
-# one read of bf16, one write of the dequantized bf16, dim0 and dim1 separately), on every device.
+# linear.py and grouped.py run the emulated backend through fake-quant kernels (mx_recipe.cast: one
+# read of bf16, one write of the dequantized bf16 per result), on every device. dim0 and dim1 are
+# separate kernels except for a linear's g (fake_quant_dim0_dim1); the MoE grad-weight casts quantize
+# each token group in place (fake_quant_groups_along_m), so its GEMM runs over the unpadded rows.
+# Not modeled: the recipe options fuse_x_casts and fuse_expert_casts (off by default).
 OURS_TODAY = "fake_quant"
 
 
@@ -156,11 +170,15 @@ def mx_bytes(elem: str) -> float:
     return ELEM_BYTES[elem] + SCALE_BYTES
 
 
-def cast_op(name: str, numel: float, elem: str, fused: bool = False, fake_quant: bool = False) -> Op:
-    """bf16 -> MX: read the input once, write one (or, fused, two) MX copies; a fake-quant cast
-    writes the dequantized values in bf16 instead."""
-    written = BF16_BYTES if fake_quant else mx_bytes(elem)
-    return Op(name, 0.0, numel * (BF16_BYTES + (2 if fused else 1) * written), None)
+def cast_op(name: str, numel: float, elem: str, fused: bool = False) -> Op:
+    """bf16 -> MX: read the input once, write one (or, fused, two) MX copies."""
+    return Op(name, 0.0, numel * (BF16_BYTES + (2 if fused else 1) * mx_bytes(elem)), None)
+
+
+def fake_quant_op(name: str, numel: float, *written: float) -> Op:
+    """A fake-quant cast: read ``numel`` bf16 elements once, write each result (numel given) as
+    dequantized bf16. An along-M result may have more rows than the input: the zero padding."""
+    return Op(name, 0.0, (numel + sum(written)) * BF16_BYTES, None)
 
 
 def dequant_op(name: str, numel: float, elem: str) -> Op:
@@ -243,13 +261,15 @@ def mx_ops(g: Gemm, recipe: MXRecipe, path: MXPath) -> list[Op]:
     fwd, gi, gw = recipe.forward, recipe.grad_input, recipe.grad_weight
     g_gi, g_gw = recipe.grad_elem(gi), recipe.grad_elem(gw)  # the upstream gradient's format in each
     ops: list[Op] = []
-    # Grad weight quantizes along M: linear.py pads M to a multiple of 32 when it is not one;
-    # grouped.py copies g and x into a zeroed buffer of ceil32(M) + 32 * E rows, each group padded.
+    # Grad weight quantizes along M: linear.py pads M to a multiple of 32 when it is not one (its
+    # GEMM runs over the padded rows); with group_pad_copy grouped.py copies g and x into a zeroed
+    # buffer of ceil32(M) + 32 * E rows, each group padded, else its GEMM runs over the M rows as they are.
     m_gw = g.m
     if gw != HIGH_PRECISION and ((g.groups == 1 and g.m % BLOCK) or (g.groups > 1 and path.group_pad_copy)):
         m_gw = math.ceil(g.m / BLOCK) * BLOCK + (BLOCK * g.groups if g.groups > 1 else 0)
         fill = m_gw if g.groups > 1 else 0
-        ops.append(Op("pad g, x rows", 0.0, (fill + 2 * g.m) * (g.k + g.n) * BF16_BYTES, None))
+        if not path.fake_quant:  # the fake-quant kernels read rows past M as zeros: no padded copy
+            ops.append(Op("pad g, x rows", 0.0, (fill + 2 * g.m) * (g.k + g.n) * BF16_BYTES, None))
     w_numel = g.groups * g.n * g.k
     # (tensor, numel along dim0, dim0 format, numel along dim1, dim1 format); bf16 means not needed
     needs = [
@@ -259,13 +279,24 @@ def mx_ops(g: Gemm, recipe: MXRecipe, path: MXPath) -> list[Op]:
     ]
     for t, numel0, e0, numel1, e1 in needs:
         d0, d1 = e0 != HIGH_PRECISION, e1 != HIGH_PRECISION
-        if path.fused_casts and d0 and d1 and e0 == e1 and numel0 == numel1:
-            ops.append(cast_op(f"cast {t} dim0+dim1", numel0, e0, fused=True, fake_quant=path.fake_quant))
+        grad_once = t == "g" and g.groups == 1 and path.fused_grad_cast
+        one_read = d0 and d1 and e0 == e1 and (path.fused_casts or grad_once)
+        if path.fake_quant:  # reads the unpadded tensor (numel0); the along-M result has m_gw rows
+            if one_read:
+                ops.append(fake_quant_op(f"cast {t} dim0+dim1", numel0, numel0, numel1))
+                continue
+            if d0:
+                ops.append(fake_quant_op(f"cast {t} dim0", numel0, numel0))
+            if d1:
+                ops.append(fake_quant_op(f"cast {t} dim1", numel0, numel1))
+            continue
+        if one_read and numel0 == numel1:
+            ops.append(cast_op(f"cast {t} dim0+dim1", numel0, e0, fused=True))
             continue
         if d0:
-            ops.append(cast_op(f"cast {t} dim0", numel0, e0, fake_quant=path.fake_quant))
+            ops.append(cast_op(f"cast {t} dim0", numel0, e0))
         if d1:
-            ops.append(cast_op(f"cast {t} dim1", numel1, e1, fake_quant=path.fake_quant))
+            ops.append(cast_op(f"cast {t} dim1", numel1, e1))
     # operand formats of forward (x, w), grad input (g, w), grad weight (g, x)
     formats = [(fwd, fwd), (g_gi, gi), (g_gw, gw)]
     for (name, flops, a, b, out), (ea, eb) in zip(_three_gemms(g, m_gw), formats, strict=True):

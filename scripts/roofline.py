@@ -87,6 +87,14 @@ def rate(flops: float | None, unit: float = 1e12) -> str:
 # --- rendering ---
 
 
+def casts_cell(p: MXPath) -> str:
+    if p.fused_casts:
+        return "fused dim0+dim1 (one read)"
+    if p.fused_grad_cast:
+        return "dim0 and dim1 separate (two reads), except a linear's g (one read)"
+    return "dim0 and dim1 separate (two reads)"
+
+
 def device_section() -> list[str]:
     rows = [
         [
@@ -108,7 +116,7 @@ def device_section() -> list[str]:
         [
             p.name,
             "fp8/fp4 peak" if p.native_gemm else "bf16 peak",
-            "fused dim0+dim1 (one read)" if p.fused_casts else "dim0 and dim1 separate (two reads)",
+            casts_cell(p),
             "yes, in memory" if p.dequant_passes else "no",
             "copy into a zeroed buffer" if p.group_pad_copy else "none",
             p.description + (" **(our code today)**" if p.name == OURS_TODAY else ""),

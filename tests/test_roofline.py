@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 B200, H100, H200 = DEVICES["b200"], DEVICES["h100"], DEVICES["h200"]
 MXFP8 = MXRecipe.from_name("mxfp8")
 NATIVE, FUSED, EMULATED = PATHS["native"], PATHS["native_fused"], PATHS["emulated"]
+FAKE_QUANT = PATHS["fake_quant"]
 
 
 def _script():
@@ -158,6 +159,32 @@ def test_grouped_grad_weight_pads_groups():
     assert ops["cast x dim1"].bytes == m_pad * 2048 * (2 + 1 + 1 / 32)
     assert ops["cast w dim0"].bytes == 64 * 1408 * 2048 * (2 + 1 + 1 / 32)  # the whole [E, N, K] weight
     assert "pad g, x rows" not in _names(mx_ops(g, MXFP8, FUSED))
+
+
+def test_fake_quant_linear_reads_g_once():
+    m, k, n, m_pad = 8200, 4096, 1024, 8224  # M not a multiple of 32: along M, ceil32(M) rows
+    ops = {op.name: op for op in mx_ops(Gemm("l", m, k, n), MXFP8, FAKE_QUANT)}
+    # linear.py's backward: one kernel reads g and writes both fake-quants in bf16 (fake_quant_dim0_dim1)
+    assert [name for name in ops if "cast g" in name] == ["cast g dim0+dim1"]
+    assert ops["cast g dim0+dim1"].bytes == (m * n + m * n + m_pad * n) * 2
+    # x and w: a read each per cast; the kernels write the zero rows (no padding copy), the GEMM runs over them
+    assert ops["cast x dim1"].bytes == (m * k + m_pad * k) * 2
+    assert {"cast w dim0", "cast w dim1"} <= ops.keys() and "pad g, x rows" not in ops
+    assert ops["grad-weight GEMM"].flops == 2 * m_pad * k * n
+    # with grad weight in bf16, g has one cast left
+    wgrad_bf16 = _names(mx_ops(Gemm("l", m, k, n), MXRecipe.from_name("mxfp8_wgrad_bf16"), FAKE_QUANT))
+    assert [name for name in wgrad_bf16 if "cast g" in name] == ["cast g dim0"]
+
+
+def test_fake_quant_grouped_gemm_runs_unpadded():
+    m, k, n, e = 49160, 2048, 1408, 64  # groups quantized in place (fake_quant_groups_along_m): M rows
+    ops = {op.name: op for op in mx_ops(Gemm("experts", m, k, n, groups=e), MXFP8, FAKE_QUANT)}
+    assert "pad g, x rows" not in ops
+    assert ops["cast g dim0"].bytes == ops["cast g dim1"].bytes == 2 * m * n * 2  # two reads of g
+    assert ops["cast x dim1"].bytes == 2 * m * k * 2
+    gw = ops["grad-weight GEMM"]
+    assert gw.flops == 2 * m * k * n
+    assert gw.bytes == (m * n + m * k + e * n * k) * 2  # bf16 operands, the [E, N, K] gradient written
 
 
 def test_model_speedup_is_diluted_by_unchanged_time():
