@@ -117,8 +117,8 @@ def _index(n: gl.constexpr, dim: gl.constexpr, rank: gl.constexpr, layout: gl.co
 @gluon.jit
 def _wide(offsets, OFFS64: gl.constexpr):
     """int64 offsets only where a tensor passes 2**31 elements: int32 address math is cheaper."""
-    if OFFS64:
-        return offsets.to(gl.int64)
+    if OFFS64:  # one return: Triton 3.6 compiles both returns and rejects their two types
+        offsets = offsets.to(gl.int64)
     return offsets
 
 

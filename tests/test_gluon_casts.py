@@ -191,6 +191,15 @@ def test_every_test_config_compiles(config):
             assert "bar.sync" not in ops, (dim0, shape, config, ops)
 
 
+@needs_triton
+@pytest.mark.parametrize("dim0", [False, True])
+def test_int64_offsets_compile(dim0):
+    """2**31 elements switch the address math to int64 (OFFS64): that variant compiles too (it did not,
+    with two differently typed returns in _wide)."""
+    ptx = gluon().compile_for_target((65536, 32768), torch.bfloat16, "e4m3", "floor", False, dim0).asm["ptx"]
+    assert ".s64" in ptx and "bar.sync" not in ptx
+
+
 # ---------------------------------------------------------------------------------------
 # GPU: the hardware cvt.rn.satfinite path
 
