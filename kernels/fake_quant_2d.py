@@ -35,7 +35,8 @@ from mx_kernels.mx_quantize import fake_quant_blocks, to_fp32
 
 # The best of H200 sweeps (docs/profiles/2026-11-21_h200_fake_quant_sweep.txt, both outputs of
 # 16384 x 4096; docs/profiles/2026-11-21_h200_fake_quant_moe_sweep.txt: both outputs of the 3D
-# expert weights 87% of copy; the along-M result alone (gathered) 80% with the smaller tile, 68% with this one).
+# expert weights 87% of copy; along M alone (g gathered into padded groups, the kernel's row_src mode)
+# 80% with the smaller tile, 68% with this one).
 FAKE_QUANT_2D_CONFIG = dict(BLOCK_M=32, BLOCK_K=128, num_warps=4)
 ALONG_M_CONFIG = dict(BLOCK_M=32, BLOCK_K=64, num_warps=2)  # along M alone
 
