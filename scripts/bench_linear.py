@@ -12,7 +12,11 @@ recipe.py) and mx_fuse: the bytes autograd saves for backward per layer (saved_t
 forward, parameters not counted), the memory a forward leaves allocated until its backward (output
 and saved tensors, of the benchmarked, possibly compiled, layer) and the peak of one step.
 
-    python scripts/bench_linear.py [--recipe mxfp8] [--m 16384] [--eager] [--out FILE]
+Times are wall medians with every variant interleaved in --rounds rounds (bench_timing.py), so a
+drift of the GPU between measurements lands on all of them; each row also carries the summed GPU
+kernel time of one step per variant and the spread of the round medians.
+
+    python scripts/bench_linear.py [--recipe mxfp8] [--m 16384] [--eager] [--rounds 5] [--out FILE]
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import json
 
 import torch
 from bench_meta import run_meta
-from triton.testing import do_bench
+from bench_timing import interleaved
 
 from mx_recipe import MXLinear, MXRecipe
 from mx_recipe.saved_memory import saved_bytes
@@ -32,19 +36,14 @@ SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192)]
 MIB, GIB = 2**20, 2**30
 
 
-def fwd_bwd_ms(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[float, float]:
-    """Median time of forward + backward, and the peak memory of one step above the inputs (GiB)."""
-
-    def step():
-        layer(x).backward(grad)
-
-    ms = do_bench(step, warmup=25, rep=200, return_mode="median", grad_to_none=[x, *layer.parameters()])
+def step_peak_gib(step) -> float:
+    """The peak memory of one step above what was allocated before it (GiB)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     step()
     torch.cuda.synchronize()
-    return ms, (torch.cuda.max_memory_allocated() - base) / GIB
+    return (torch.cuda.max_memory_allocated() - base) / GIB
 
 
 def fwd_held_gib(layer: torch.nn.Module, x: torch.Tensor) -> float:
@@ -63,6 +62,7 @@ def main() -> None:
     parser.add_argument("--recipe", default="mxfp8")
     parser.add_argument("--m", type=int, default=16384)
     parser.add_argument("--eager", action="store_true", help="do not torch.compile either layer")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (bench_timing.py)")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -90,12 +90,20 @@ def main() -> None:
         grad = torch.randn(args.m, n, device="cuda", dtype=torch.bfloat16)
         wrap = (lambda m: m) if args.eager else torch.compile
         row = {"M": args.m, "K": k, "N": n}
+        runs = {name: wrap(layer) for name, layer in layers.items()}
+        steps = {name: (lambda run=run, x=x, g=grad: run(x).backward(g)) for name, run in runs.items()}
+        params = {id(p): p for layer in layers.values() for p in layer.parameters()}
+        timings = interleaved(steps, args.rounds, grad_to_none=[x, *params.values()])
         for name, layer in layers.items():
+            x.grad = None
             row[f"{name}_saved_mib"] = saved_bytes(layer, x) / MIB
-            run = wrap(layer)
-            row[f"{name}_ms"], row[f"{name}_peak_gib"] = fwd_bwd_ms(run, x, grad)
-            row[f"{name}_held_gib"] = fwd_held_gib(run, x)
+            row[f"{name}_ms"] = timings[name].wall_us / 1e3
+            row[f"{name}_kernel_ms"] = timings[name].kernel_us / 1e3
+            row[f"{name}_peak_gib"] = step_peak_gib(steps[name])
+            row[f"{name}_held_gib"] = fwd_held_gib(runs[name], x)
         row["ratio"] = row["mx_ms"] / row["bf16_ms"]
+        row["kernel_ratio"] = row["mx_kernel_ms"] / row["bf16_kernel_ms"]
+        row["round_spread"] = max(t.spread for t in timings.values())
         row["bf16_tflops"] = 3 * 2 * args.m * k * n / row["bf16_ms"] / 1e9
         for v in ("mx_save", "mx_fuse"):
             if f"{v}_ms" in row:
@@ -112,7 +120,8 @@ def main() -> None:
         verdict = "meets" if r["ratio"] <= 1.10 else "misses"
         print(
             f"{r['M']:>6} {r['K']:>6} {r['N']:>6} {r['bf16_ms']:>9.3f} {r['mx_ms']:>9.3f} {r['ratio']:>7.2f}x "
-            f"{r['bf16_tflops']:>13.0f} {r['bf16_peak_gib']:>9.2f} {r['mx_peak_gib']:>8.2f}  ({verdict} <= 1.10x)"
+            f"{r['bf16_tflops']:>13.0f} {r['bf16_peak_gib']:>9.2f} {r['mx_peak_gib']:>8.2f}  ({verdict} <= 1.10x; "
+            f"GPU kernel time {r['kernel_ratio']:.2f}x, rounds spread {r['round_spread']:.1%})"
         )
     if "mx_fuse_ms" in rows[0]:
         print("\nwith fuse_x_casts (mx_fuse):")

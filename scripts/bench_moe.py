@@ -4,8 +4,12 @@ A (16640, 5120) routed evenly to E experts, B (E, 8192, 5120), E in 1, 4, 16, 64
 (shared/seeds/003_*.txt). Prints the device, then one row per E with the seed's columns;
 e2e means forward + backward. Both sides are compiled with torch.compile unless --eager.
 
+Times are wall medians with bf16 and MX interleaved in --rounds rounds (bench_timing.py), so a drift
+of the GPU between measurements lands on both; the rows also carry each side's summed GPU kernel time
+per fwd+bwd and the spread of the round medians.
+
     python scripts/bench_moe.py [--experts 1 4 16 64] [--recipe mxfp8] [--fuse-expert-casts] [--eager]
-                                [--out results.json]
+                                [--rounds 5] [--out results.json]
 
 --fuse-expert-casts sets MXRecipe.fuse_expert_casts (the expert weights read once in forward for
 both of their fake-quants; a bf16 copy of them held until backward); the recipe column says so.
@@ -18,7 +22,7 @@ import json
 
 import torch
 from bench_meta import run_meta
-from triton.testing import do_bench
+from bench_timing import interleaved
 
 from mx_recipe import MXRecipe
 from mx_recipe.grouped import mx_grouped_mm
@@ -33,16 +37,20 @@ def even_offsets(m: int, experts: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
 
 
-def time_us(fn, a, b, offs, grad_out: torch.Tensor | None) -> float:
-    def step():
-        out = fn(a, b, offs)
-        if grad_out is not None:
-            out.backward(grad_out)
+def steps(fns: dict, a, b, offs, grad_out: torch.Tensor | None) -> dict:
+    """One call per name: forward + backward with ``grad_out``, or the forward alone under no_grad."""
 
-    if grad_out is None:
-        with torch.no_grad():
-            return do_bench(step, warmup=25, rep=100, return_mode="median") * 1e3
-    return do_bench(step, warmup=25, rep=100, return_mode="median", grad_to_none=[a, b]) * 1e3
+    def make(fn):
+        def step():
+            if grad_out is None:
+                with torch.no_grad():
+                    fn(a, b, offs)
+            else:
+                fn(a, b, offs).backward(grad_out)
+
+        return step
+
+    return {name: make(fn) for name, fn in fns.items()}
 
 
 def main() -> None:
@@ -54,6 +62,7 @@ def main() -> None:
     parser.add_argument("--recipe", default="mxfp8")
     parser.add_argument("--fuse-expert-casts", action="store_true", help="MXRecipe.fuse_expert_casts=True")
     parser.add_argument("--eager", action="store_true", help="do not torch.compile either side")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (bench_timing.py)")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -87,8 +96,11 @@ def main() -> None:
         b = (torch.randn(experts, args.n, args.k, device=device, dtype=torch.bfloat16) * 0.02).requires_grad_()
         offs = even_offsets(args.m, experts, device)
         grad_out = torch.randn(args.m, args.n, device=device, dtype=torch.bfloat16)
-        bf16_e2e, mx_e2e = time_us(bf16_fn, a, b, offs, grad_out), time_us(mx_fn, a, b, offs, grad_out)
-        bf16_fwd, mx_fwd = time_us(bf16_fn, a, b, offs, None), time_us(mx_fn, a, b, offs, None)
+        fns = {"bf16": bf16_fn, "mx": mx_fn}
+        e2e = interleaved(steps(fns, a, b, offs, grad_out), args.rounds, grad_to_none=[a, b])
+        fwd = interleaved(steps(fns, a, b, offs, None), args.rounds)
+        bf16_e2e, mx_e2e = e2e["bf16"].wall_us, e2e["mx"].wall_us
+        bf16_fwd, mx_fwd = fwd["bf16"].wall_us, fwd["mx"].wall_us
         rows.append(
             {
                 "A_shape": str((args.m, args.k)),
@@ -100,6 +112,9 @@ def main() -> None:
                 "bf16_fwd_us": bf16_fwd,
                 "scaled_fwd_us": mx_fwd,
                 "scaled_fwd_speedup": bf16_fwd / mx_fwd,
+                "bf16_e2e_kernel_us": e2e["bf16"].kernel_us,
+                "scaled_e2e_kernel_us": e2e["mx"].kernel_us,
+                "e2e_round_spread": max(e2e["bf16"].spread, e2e["mx"].spread),
             }
         )
         del a, b, grad_out
@@ -115,8 +130,12 @@ def main() -> None:
         print("  ".join(f"{fmt(h, row[h]):>18}" for h in header))
     for row in rows:
         ratio = row["scaled_e2e_us"] / row["bf16_e2e_us"]
+        kernel_ratio = row["scaled_e2e_kernel_us"] / row["bf16_e2e_kernel_us"]
         verdict = "meets" if ratio <= 1.15 else "misses"
-        print(f"B {row['B_shape']}: MX fwd+bwd takes {ratio:.2f}x the bf16 time ({verdict} the Hopper target <= 1.15x)")
+        print(
+            f"B {row['B_shape']}: MX fwd+bwd takes {ratio:.2f}x the bf16 time ({verdict} the Hopper target <= 1.15x); "
+            f"GPU kernel time {kernel_ratio:.2f}x; rounds spread {row['e2e_round_spread']:.1%}"
+        )
     if args.out:
         with open(args.out, "w") as f:
             meta = run_meta(recipe=label, compiled=not args.eager)

@@ -112,6 +112,10 @@ def linear_section(path: Path) -> list[str]:
         header += ["MX fuse_x_casts ms", "fuse_x_casts/bf16", "fuse_x_casts peak GiB"]
         for row, r in zip(rows, data["rows"], strict=True):
             row += [f"{r['mx_fuse_ms']:.3f}", f"{r['mx_fuse_ratio']:.2f}x", f"{r['mx_fuse_peak_gib']:.2f}"]
+    if "kernel_ratio" in data["rows"][0]:  # runs timed in interleaved rounds (bench_timing.py)
+        header += ["MX/bf16 GPU kernel time", "rounds spread"]
+        for row, r in zip(rows, data["rows"], strict=True):
+            row += [f"{r['kernel_ratio']:.2f}x", f"{r['round_spread']:.1%}"]
     how = "torch.compile'd" if meta.get("compiled", True) else "eager"
     lines = [f"### MX linear forward + backward, {meta['recipe']} against bf16 nn.Linear (both {how})", ""]
     lines += table(header, rows)
@@ -121,10 +125,23 @@ def linear_section(path: Path) -> list[str]:
 def moe_section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
     meta, keys = data["meta"], list(data["rows"][0])  # the seed's columns, in bench_moe.py's order
-    fmt = lambda k, v: f"{v:.3f}x" if k.endswith("speedup") else (f"{v:.1f}" if isinstance(v, float) else v)
-    rows = [[fmt(k, r[k]) for k in keys] + [f"{r['scaled_e2e_us'] / r['bf16_e2e_us']:.2f}x"] for r in data["rows"]]
+
+    def fmt(key: str, value) -> str:
+        if key.endswith("speedup"):
+            return f"{value:.3f}x"
+        if key.endswith("spread"):
+            return f"{value:.1%}"
+        return f"{value:.1f}" if isinstance(value, float) else value
+
+    ratio = lambda r, side: r[f"scaled_{side}_us"] / r[f"bf16_{side}_us"]
+    rows = [[fmt(k, r[k]) for k in keys] + [f"{ratio(r, 'e2e'):.2f}x"] for r in data["rows"]]
+    extra = ["MX/bf16 e2e time (target <= 1.15x)"]
+    if "bf16_e2e_kernel_us" in keys:  # runs timed in interleaved rounds (bench_timing.py)
+        extra.append("MX/bf16 e2e GPU kernel time")
+        for row, r in zip(rows, data["rows"], strict=True):
+            row.append(f"{ratio(r, 'e2e_kernel'):.2f}x")
     lines = ["### MoE grouped GEMM, the seed's table (e2e = forward + backward; both sides torch.compile'd)", ""]
-    lines += table(keys + ["MX/bf16 e2e time (target <= 1.15x)"], rows)
+    lines += table(keys + extra, rows)
     return lines + ["", source_line(meta, path.name), ""]
 
 

@@ -1,0 +1,59 @@
+"""scripts/bench_timing.py's round logic on the CPU, with do_bench and the profiler replaced by a clock
+that drifts: the interleaving must put the drift on every variant alike."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _bench_timing():
+    spec = importlib.util.spec_from_file_location("bench_timing", SCRIPTS / "bench_timing.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_timing"] = module  # dataclasses look the module up while the class is built
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["bench_timing"]
+    return module
+
+
+class DriftingGPU:
+    """Each timed call of a step costs its base time times a slowdown that grows by 1% per call."""
+
+    def __init__(self, base_ms: dict[str, float]):
+        self.base_ms, self.calls, self.order = base_ms, 0, []
+
+    def do_bench(self, fn, warmup=25, rep=100, grad_to_none=None, return_mode="mean"):
+        name = fn()
+        samples = []
+        for _ in range(4):
+            samples.append(self.base_ms[name] * (1 + 0.01 * self.calls))
+            self.calls += 1
+        if return_mode == "all":
+            self.order.append(name)
+            return samples
+        return sum(samples) / len(samples)
+
+
+def test_rounds_rotate_and_share_the_drift(monkeypatch):
+    timing = _bench_timing()
+    gpu = DriftingGPU({"bf16": 1.0, "mx": 1.1})
+    monkeypatch.setattr(timing, "do_bench", gpu.do_bench)
+    monkeypatch.setattr(timing, "kernel_us", lambda step, grad_to_none=None: {"bf16": 900.0, "mx": 950.0}[step()])
+    result = timing.interleaved({"bf16": lambda: "bf16", "mx": lambda: "mx"}, rounds=4)
+    assert gpu.order == ["bf16", "mx", "mx", "bf16", "bf16", "mx", "mx", "bf16"]
+    # both sides sat at the same positions of the drift on average, so the ratio is the true 1.1; the
+    # same rounds without the rotation give 1.14, and all of bf16 before all of mx 1.26
+    assert result["mx"].wall_us / result["bf16"].wall_us == pytest.approx(1.1, rel=0.005)
+    assert len(result["bf16"].round_us) == 4 and result["bf16"].spread > 0
+    assert (result["bf16"].kernel_us, result["mx"].kernel_us) == (900.0, 950.0)
+
+
+def test_rejects_bad_rounds():
+    timing = _bench_timing()
+    with pytest.raises(ValueError, match="rounds"):
+        timing.interleaved({"a": lambda: None}, rounds=0)
