@@ -3,7 +3,8 @@
 Every operand of the MX linear is needed in both orientations (DESIGN.md); reading the bf16
 tensor once instead of twice saves a third of the bytes of two separate casts. A program
 quantizes its tile along rows (dim0, stored row-major) and along columns (dim1, stored
-transposed), from the same registers.
+transposed), from the same registers. On Hopper, bf16 input goes to the Gluon kernel of
+``gluon_casts`` (same bits; ``common.use_gluon``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, format_constexprs, fp8_dtype, software_round
+from mx_kernels.common import (
+    check_cast,
+    dim0_shapes,
+    dim1_shapes,
+    format_constexprs,
+    fp8_dtype,
+    software_round,
+    use_gluon,
+)
 from mx_kernels.mx_quantize import quantize_blocks, store_scales, to_fp32
 
 # One warp per program and NUM_SUB 32-row sub-tiles, as in cast_dim1.py.
@@ -74,6 +83,10 @@ def cast_dim0_dim1(
     """x [M, K] (bf16/fp32, any strides) -> (q0 [M, K], s0, q1 [K, M], s1), as ``cast_dim0`` and ``cast_dim1``."""
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_dim0_dim1")
     check_cast(x, elem, mode, ndims=(2,), qdim=1, op="cast_dim0_dim1")
+    if use_gluon(x, config):  # Hopper: 61% of copy against the Triton kernel's 52% (H200)
+        from mx_kernels.gluon_casts import gluon_cast_dim0_dim1
+
+        return gluon_cast_dim0_dim1(x, elem, mode, blocked)
     q0_shape, s0_shape = dim0_shapes(x.shape, blocked)
     q1_shape, s1_shape = dim1_shapes(x.shape, blocked)
     q0 = torch.empty(q0_shape, dtype=fp8_dtype(elem), device=x.device)

@@ -6,6 +6,7 @@ along M) and stores rows of the [K, M] output contiguous along M (the transpose 
 registers / shared memory on the way to the store).
 3D expert weights [E, N, K] take the same path per expert (grid axis 2): each expert's
 [K, N] slice is written directly, so the cost does not grow with E (seed 003).
+On Hopper, 2D bf16 input goes to the Gluon kernel of ``gluon_casts`` (same bits; ``common.use_gluon``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from mx_kernels.common import check_cast, dim1_shapes, format_constexprs, fp8_dtype, interpreting, software_round
+from mx_kernels.common import (
+    check_cast,
+    dim1_shapes,
+    format_constexprs,
+    fp8_dtype,
+    interpreting,
+    software_round,
+    use_gluon,
+)
 from mx_kernels.mx_quantize import bf16_bits_rne, dequantize_blocks, quantize_blocks, store_scales, to_fp32
 
 # One warp per program: Triton spreads warps along M, and a 32-row block split across warps
@@ -91,6 +100,10 @@ def cast_dim1(
     [E, padded] per expert). Bit-identical to ``to_mx(x.transpose(-2, -1).contiguous(), elem, mode, dim=-1)``.
     """
     check_cast(x, elem, mode, ndims=(2, 3), qdim=-2, op="cast_dim1")
+    if x.dim() == 2 and use_gluon(x, config):  # Hopper: 96% / 83% of copy (blocked / plain scales), Triton 89% / 80%
+        from mx_kernels.gluon_casts import gluon_cast_dim1
+
+        return gluon_cast_dim1(x, elem, mode, blocked)
     q_shape, s_shape = dim1_shapes(x.shape, blocked)
     qdata = torch.empty(q_shape, dtype=fp8_dtype(elem), device=x.device)
     scale = torch.empty(s_shape, dtype=torch.float8_e8m0fnu, device=x.device)

@@ -6,7 +6,9 @@ so tracing with torch.compile never needs Triton or a GPU.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -139,3 +141,30 @@ def check_offs(offs: torch.Tensor, m_total: int, check_values: bool) -> None:
         raise ValueError(f"every token group must be a multiple of {BLOCK_SIZE} rows, got group sizes {sizes.tolist()}")
     if ends[-1].item() != m_total:
         raise ValueError(f"offs must end at M_total = {m_total} (the groups cover every row), got {ends[-1].item()}")
+
+
+GLUON_ENV = "MX_RECIPE_GLUON"  # "0" in the environment: the Triton kernels everywhere
+
+
+def gluon_rule(
+    capability: tuple[int, int] | None, dtype: torch.dtype, config: dict | None, interpreter: bool,
+    env: Mapping[str, str],
+) -> bool:  # fmt: skip
+    """Whether a cast launches its Gluon kernel instead of its Triton one: bf16 x on an NVIDIA GPU of
+    compute capability 9.x (``capability``; None off NVIDIA CUDA), no Triton ``config`` asked for, not
+    the Triton interpreter, and ``env`` (os.environ) not setting MX_RECIPE_GLUON=0."""
+    # Hopper only: where the Gluon kernels were measured faster (H200) and tested bit for bit
+    hopper = capability is not None and capability[0] == 9
+    return hopper and dtype == torch.bfloat16 and config is None and not interpreter and env.get(GLUON_ENV) != "0"
+
+
+@functools.cache
+def _nvidia_capability(device_index: int) -> tuple[int, int] | None:
+    """(major, minor) of an NVIDIA GPU; None on ROCm, whose capabilities (MI300: 9.4) mean something else."""
+    return None if torch.version.hip else torch.cuda.get_device_capability(device_index)
+
+
+def use_gluon(x: torch.Tensor, config: dict | None) -> bool:
+    """``gluon_rule`` for a launch on ``x`` (read at each call, so the environment can change it)."""
+    capability = _nvidia_capability(x.device.index) if x.is_cuda else None
+    return gluon_rule(capability, x.dtype, config, interpreting(), os.environ)

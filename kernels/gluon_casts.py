@@ -1,4 +1,8 @@
-"""Gluon prototype of the dim1 and fused dim0+dim1 MX casts, with explicit layouts.
+"""Gluon kernels of the dim1 and fused dim0+dim1 MX casts, with explicit layouts.
+
+On a Hopper GPU (compute capability 9.x) ``mx_kernels.cast_dim1.cast_dim1`` (2D) and
+``mx_kernels.cast_dim0_dim1.cast_dim0_dim1`` run these for bf16 input unless the caller passes a
+Triton config (``mx_kernels.common.use_gluon``; ``MX_RECIPE_GLUON=0`` turns it off).
 
 Triton 3.6's default layouts put a program's warps along M, which splits a 32-row MX block
 across warps (shared-memory reductions), so the `tl` kernels run one warp per program and
@@ -19,8 +23,8 @@ and each thread stores ROWS contiguous bytes of [K, M] per column.
 
 Numerics are mx_quantize.quantize_blocks itself: Gluon kernels can call the @triton.jit helpers
 (elementwise ops and a reduce, lowered in the caller's layout). ``LEAN`` swaps in a variant
-with fewer instructions per element (see _quantize_blocks_lean), opt-in until the GPU tests
-have confirmed it bit for bit. Gluon kernels do not run in the Triton interpreter (3.6):
+with fewer instructions per element (see _quantize_blocks_lean), shown bit-identical to the
+reference on an H200 (tests/test_gluon_casts.py). Gluon kernels do not run in the Triton interpreter (3.6):
 these need a GPU; ``compile_for_target`` compiles them for inspection without one.
 """
 
@@ -32,16 +36,27 @@ import mx_recipe.formats  # noqa: F401  (first: importing mx_kernels.common befo
 import torch
 import triton
 import triton.experimental.gluon.language as gl
-import triton.language as tl
-from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, format_constexprs, fp8_dtype, interpreting
+from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, format_constexprs, fp8_dtype
+from mx_kernels.gluon_common import (
+    arange_along,
+    check_tile_config,
+    compile_for_arch,
+    max_nan,
+    require_gpu,
+    tile_layout,
+    wide,
+)
 from mx_kernels.mx_quantize import blocked_scale_offset, quantize_blocks, scale_exponent
 from triton.experimental import gluon
 
-# 128 columns x 64 rows per program, 4 rows per thread (16 KB of bf16 in flight per program). A
-# prototype, not called by mx_recipe.cast yet. H200 sweep (docs/profiles/2026-11-21_h200_gluon_casts.txt):
-# best dim1 ROWS=8, BLOCK_K=256, NUM_SUB=2, LEAN=True (blocked scales 96% of copy, Triton kernel 89%;
-# plain scales 83%, Triton 80%); best fused ROWS=8, BLOCK_K=256, NUM_SUB=1, LEAN=True (61%, Triton 52%).
+# The base every config is checked against and completed from: 128 columns x 64 rows per program,
+# 4 rows per thread (16 KB of bf16 in flight per program).
 GLUON_CONFIG = dict(BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False)
+# What a call without a config runs: the best of the H200 sweep (docs/profiles/2026-11-21_h200_gluon_casts.txt,
+# 16384^2 bf16): dim1 with blocked scales 96% of copy (the Triton kernel 89%), plain scales 83% (80%);
+# fused 61% (52%).
+DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=2, ROWS=8, LEAN=True)
+DIM0_DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, ROWS=8, LEAN=True)
 
 
 @gluon.constexpr_function
@@ -51,15 +66,8 @@ def _pow2_below(n: int) -> list[int]:
 
 
 @gluon.constexpr_function
-def _tile_layout(num_sub, rows, num_warps):
-    """[NUM_SUB, 32, CHUNKS, 32]: a thread holds ``rows`` rows x 8 contiguous columns; a warp's lanes
-    cover the 32 rows of a block (32 / rows lanes) and rows / 4 chunks of 32 columns (4 lanes each)."""
-    return gl.BlockedLayout([num_sub, rows, 1, 8], [1, 32 // rows, rows // 4, 4], [1, 1, num_warps, 1], [3, 2, 1, 0])
-
-
-@gluon.constexpr_function
 def _lanes_and_warps(rows, num_warps, dim_row, dim_chunk, dim_col, rank):
-    """Lane and warp bases of _tile_layout (or of a slice of it: dim_row None drops the row dim, whose
+    """Lane and warp bases of tile_layout (or of a slice of it: dim_row None drops the row dim, whose
     lanes then hold copies). Lanes go columns first, then chunks, then rows; warps along chunks."""
 
     def basis(dim, value):
@@ -73,7 +81,7 @@ def _lanes_and_warps(rows, num_warps, dim_row, dim_chunk, dim_col, rank):
 
 @gluon.constexpr_function
 def _transposed_layout(num_sub, rows, num_warps, reps):
-    """_tile_layout with each thread's registers listed rows first: same lanes and warps, so converting
+    """tile_layout with each thread's registers listed rows first: same lanes and warps, so converting
     to it moves no data; its fp8 pairs and stores run along M (``rows`` contiguous bytes of [K, M])."""
     chunks = rows // 4 * num_warps * reps
     reg = [[0, r, 0, 0] for r in _pow2_below(rows)] + [[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]]
@@ -94,39 +102,6 @@ def _dim1_scale_layout(num_sub, rows, num_warps, reps):
     return gl.DistributedLinearLayout(reg, lane, warp, [], [num_sub, chunks, 32])
 
 
-@gluon.constexpr_function
-def _axis_layout(layout, rank, dim):
-    """The 1D layout whose arange, expanded along every other dim, has ``layout``."""
-    for d in reversed(range(rank)):
-        if d != dim:
-            layout = gl.SliceLayout(d, layout)
-    return layout
-
-
-@gluon.constexpr_function
-def _other_dims(rank, dim):
-    return tuple(d for d in range(rank) if d != dim)
-
-
-@gluon.jit
-def _index(n: gl.constexpr, dim: gl.constexpr, rank: gl.constexpr, layout: gl.constexpr):
-    """arange(n) along ``dim`` of a rank-``rank`` tensor in ``layout``, size 1 along the other dims."""
-    return gl.expand_dims(gl.arange(0, n, layout=_axis_layout(layout, rank, dim)), _other_dims(rank, dim))
-
-
-@gluon.jit
-def _wide(offsets, OFFS64: gl.constexpr):
-    """int64 offsets only where a tensor passes 2**31 elements: int32 address math is cheaper."""
-    if OFFS64:  # one return: Triton 3.6 compiles both returns and rejects their two types
-        offsets = offsets.to(gl.int64)
-    return offsets
-
-
-@gluon.jit
-def _max_nan(a, b):
-    return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
 @gluon.jit
 def _quantize_blocks_lean(
     blocks, AXIS: gl.constexpr, EMAX: gl.constexpr, MAX_MANT: gl.constexpr, IS_E4M3: gl.constexpr,
@@ -139,7 +114,7 @@ def _quantize_blocks_lean(
       mask, repack per element): 2**-e is NaN there, so every product is NaN and cvt makes it
       fp8 NaN. Bit-identical to quantize_blocks if that NaN is 0x7F for both formats (the GPU
       tests check it), so LEAN is off by default."""
-    amax = gl.reduce(gl.abs(blocks), AXIS, _max_nan)
+    amax = gl.reduce(gl.abs(blocks), AXIS, max_nan)
     amax_bits = amax.to(gl.int32, bitcast=True) & 0x7FFFFFFF
     is_nan = amax_bits > 0x7F800000
     e = scale_exponent(amax_bits, EMAX, MAX_MANT, RCEIL)
@@ -212,13 +187,13 @@ def _gluon_cast_kernel(
     RCEIL: gl.constexpr,
 ):
     CHUNKS: gl.constexpr = ROWS // 4 * NUM_WARPS * REPS
-    L: gl.constexpr = _tile_layout(NUM_SUB, ROWS, NUM_WARPS)
+    L: gl.constexpr = tile_layout(NUM_SUB, ROWS, NUM_WARPS)
     pid_m = gl.program_id(0)
     pid_k = gl.program_id(1)
     m0 = pid_m * NUM_SUB  # first 32-row block of this program
-    rows = (m0 + _index(NUM_SUB, 0, 4, L)) * 32 + _index(32, 1, 4, L)  # [NUM_SUB, 32, 1, 1]
-    cols = (pid_k * CHUNKS + _index(CHUNKS, 2, 4, L)) * 32 + _index(32, 3, 4, L)  # [1, 1, CHUNKS, 32]
-    x_ptrs = x_ptr + _wide(rows, OFFS64) * stride_xm + cols * stride_xk
+    rows = (m0 + arange_along(NUM_SUB, 0, 4, L)) * 32 + arange_along(32, 1, 4, L)  # [NUM_SUB, 32, 1, 1]
+    cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, L)) * 32 + arange_along(32, 3, 4, L)  # [1, 1, CHUNKS, 32]
+    x_ptrs = x_ptr + wide(rows, OFFS64) * stride_xm + cols * stride_xk
     if EVEN:
         x = gl.load(x_ptrs).to(gl.float32)
     else:
@@ -227,14 +202,14 @@ def _gluon_cast_kernel(
     if DIM0:
         # blocks of 32 along K (axis 3): row-major [M, K] output (8 contiguous bytes per thread)
         q0, s0 = _quantize(x, 3, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN)
-        q0_ptrs = q0_ptr + _wide(rows, OFFS64) * K + cols
+        q0_ptrs = q0_ptr + wide(rows, OFFS64) * K + cols
         if EVEN:
             gl.store(q0_ptrs, q0)
         else:
             gl.store(q0_ptrs, q0, mask=(rows < M) & (cols < K))
         S0L: gl.constexpr = gl.SliceLayout(3, L)
-        s0_rows = (m0 + _index(NUM_SUB, 0, 3, S0L)) * 32 + _index(32, 1, 3, S0L)
-        s0_cols = pid_k * CHUNKS + _index(CHUNKS, 2, 3, S0L)
+        s0_rows = (m0 + arange_along(NUM_SUB, 0, 3, S0L)) * 32 + arange_along(32, 1, 3, S0L)
+        s0_cols = pid_k * CHUNKS + arange_along(CHUNKS, 2, 3, S0L)
         _store_scales(s0_ptr, s0, s0_rows, s0_cols, M, S0_COLS, BLOCKED, EVEN)
 
     # blocks of 32 along M (axis 1): transposed [K, M] output. Quantized in the rows-first register
@@ -243,9 +218,9 @@ def _gluon_cast_kernel(
     q1, s1 = _quantize(
         gl.convert_layout(x, T, assert_trivial=True), 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN
     )
-    t_rows = (m0 + _index(NUM_SUB, 0, 4, T)) * 32 + _index(32, 1, 4, T)
-    t_cols = (pid_k * CHUNKS + _index(CHUNKS, 2, 4, T)) * 32 + _index(32, 3, 4, T)
-    q1_ptrs = q1_ptr + _wide(t_cols, OFFS64) * M + t_rows
+    t_rows = (m0 + arange_along(NUM_SUB, 0, 4, T)) * 32 + arange_along(32, 1, 4, T)
+    t_cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, T)) * 32 + arange_along(32, 3, 4, T)
+    q1_ptrs = q1_ptr + wide(t_cols, OFFS64) * M + t_rows
     if EVEN:
         gl.store(q1_ptrs, q1)
     else:
@@ -253,30 +228,8 @@ def _gluon_cast_kernel(
     # scales [K, M/32]: this program's NUM_SUB scale columns of each k are contiguous
     S1L: gl.constexpr = _dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
     s1 = gl.convert_layout(s1, S1L, assert_trivial=True)
-    s1_rows = (pid_k * CHUNKS + _index(CHUNKS, 1, 3, S1L)) * 32 + _index(32, 2, 3, S1L)
-    _store_scales(s1_ptr, s1, s1_rows, m0 + _index(NUM_SUB, 0, 3, S1L), K, S1_COLS, BLOCKED, EVEN)
-
-
-def _check_config(config: dict | None) -> dict:
-    cfg = {**GLUON_CONFIG, **(config or {})}
-    unknown = set(cfg) - set(GLUON_CONFIG)
-    if unknown:
-        raise ValueError(f"unknown Gluon cast config keys {sorted(unknown)}; expected {sorted(GLUON_CONFIG)}")
-    block_k, warps, sub, rows = cfg["BLOCK_K"], cfg["NUM_WARPS"], cfg["NUM_SUB"], cfg["ROWS"]
-    if not isinstance(cfg["LEAN"], bool):
-        raise ValueError(f"Gluon cast config {cfg}: LEAN must be a bool")
-
-    def pow2(n):
-        return isinstance(n, int) and n > 0 and n & (n - 1) == 0
-
-    if rows not in (4, 8, 16):  # 32: 256 values per thread, out of registers
-        raise ValueError(f"Gluon cast config {cfg}: ROWS (rows per thread) must be 4, 8 or 16")
-    if not (pow2(warps) and pow2(sub) and pow2(block_k) and block_k >= 8 * rows * warps):
-        raise ValueError(
-            f"Gluon cast config {cfg}: NUM_WARPS, NUM_SUB and BLOCK_K must be powers of two with "
-            "BLOCK_K >= 8 * ROWS * NUM_WARPS (each warp covers 8 * ROWS columns)"
-        )
-    return cfg
+    s1_rows = (pid_k * CHUNKS + arange_along(CHUNKS, 1, 3, S1L)) * 32 + arange_along(32, 2, 3, S1L)
+    _store_scales(s1_ptr, s1, s1_rows, m0 + arange_along(NUM_SUB, 0, 3, S1L), K, S1_COLS, BLOCKED, EVEN)
 
 
 def kernel_launch(
@@ -286,7 +239,7 @@ def kernel_launch(
     """(grid, keyword arguments) of one launch of ``_gluon_cast_kernel``; ``outs`` = (q0, s0, q1, s1)
     as uint8 views, the unused pair of a one-sided cast standing in for the other. Also used to
     compile the kernel ahead of time (tests/test_gluon_casts.py)."""
-    cfg = _check_config(config)
+    cfg = check_tile_config(config, GLUON_CONFIG, "Gluon cast")
     m, k = x.shape
     block_m, block_k = 32 * cfg["NUM_SUB"], cfg["BLOCK_K"]
     pad = 128 if blocked else 1  # blocked: the grid covers the padding too, to zero it
@@ -328,33 +281,10 @@ def compile_for_target(
     """Compile the kernel for CUDA ``arch`` without a GPU (inspection and CPU tests): the
     CompiledKernel, with ``.asm["ttgir"]``, ``["ptx"]`` and ``["cubin"]``. Arguments are
     specialized as a launch on x of ``shape`` would specialize them (16-divisible ints, stride 1)."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     x = torch.empty(shape, dtype=dtype)
     u8 = torch.empty(16, dtype=torch.uint8)  # stands in for every output (only its dtype and alignment matter)
     _, kwargs = kernel_launch(x, (u8, u8, u8, u8), elem, mode, blocked, dim0, config)
-    signature, constexprs, attrs = {}, {}, {}
-    for i, p in enumerate(_gluon_cast_kernel.params):
-        value = kwargs[p.name]
-        ty, attr = (
-            ("constexpr", None) if p.is_constexpr else native_specialize_impl(BaseBackend, value, False, True, True)
-        )
-        signature[p.name] = ty
-        if ty == "constexpr":
-            constexprs[p.name] = value
-        elif attr:
-            attrs[(i,)] = BaseBackend.parse_attr(attr)
-    src = GluonASTSource(_gluon_cast_kernel, signature, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=kwargs["num_warps"]))
-
-
-def _require_gpu(x: torch.Tensor, op: str) -> None:
-    if interpreting():
-        raise NotImplementedError(f"{op}: Gluon kernels do not run in the Triton interpreter (TRITON_INTERPRET=1)")
-    if not x.is_cuda:
-        raise RuntimeError(f"{op}: the Gluon kernels need a CUDA tensor, got {x.device}")
+    return compile_for_arch(_gluon_cast_kernel, kwargs, arch)
 
 
 def gluon_cast_dim1(
@@ -363,8 +293,8 @@ def gluon_cast_dim1(
     """x [M, K] (bf16/fp32, M % 32 == 0) -> (qdata [K, M] fp8, scales e8m0 [K, M/32] or blocked 1D):
     the outputs of ``mx_kernels.cast_dim1.cast_dim1``, bit for bit."""
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="gluon_cast_dim1")
-    cfg = _check_config(config)
-    _require_gpu(x, "gluon_cast_dim1")
+    cfg = check_tile_config(DIM1_CONFIG if config is None else config, GLUON_CONFIG, "Gluon cast")
+    require_gpu(x, "gluon_cast_dim1")
     q_shape, s_shape = dim1_shapes(x.shape, blocked_scales)
     qdata = torch.empty(q_shape, dtype=fp8_dtype(elem), device=x.device)
     scale = torch.empty(s_shape, dtype=torch.float8_e8m0fnu, device=x.device)
@@ -382,8 +312,8 @@ def gluon_cast_dim0_dim1(
     of x: the outputs of ``mx_kernels.cast_dim0_dim1.cast_dim0_dim1``, bit for bit."""
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="gluon_cast_dim0_dim1")
     check_cast(x, elem, mode, ndims=(2,), qdim=1, op="gluon_cast_dim0_dim1")
-    cfg = _check_config(config)
-    _require_gpu(x, "gluon_cast_dim0_dim1")
+    cfg = check_tile_config(DIM0_DIM1_CONFIG if config is None else config, GLUON_CONFIG, "Gluon cast")
+    require_gpu(x, "gluon_cast_dim0_dim1")
     q0_shape, s0_shape = dim0_shapes(x.shape, blocked_scales)
     q1_shape, s1_shape = dim1_shapes(x.shape, blocked_scales)
     q0 = torch.empty(q0_shape, dtype=fp8_dtype(elem), device=x.device)

@@ -1,4 +1,4 @@
-"""Benchmark the Gluon prototype casts (mx_kernels.gluon_casts) against the Triton kernels and a copy.
+"""Benchmark the Gluon casts (mx_kernels.gluon_casts) against the Triton kernels and a copy.
 
     python scripts/bench_gluon_casts.py [--shapes 16384x16384,16384x4096] [--modes floor,rceil] [--out r.json]
 
@@ -24,7 +24,9 @@ import mx_recipe.formats  # noqa: F401  (before mx_kernels: see kernels/gluon_ca
 import torch
 import triton.testing
 from mx_kernels.cast_dim0 import cast_dim0
+from mx_kernels.cast_dim0_dim1 import DIM0_DIM1_CONFIG as TRITON_FUSED
 from mx_kernels.cast_dim0_dim1 import cast_dim0_dim1
+from mx_kernels.cast_dim1 import DIM1_CONFIG as TRITON_DIM1
 from mx_kernels.cast_dim1 import cast_dim1
 from mx_kernels.gluon_casts import gluon_cast_dim0_dim1, gluon_cast_dim1
 
@@ -122,13 +124,15 @@ def bench_shape(table: Table, m: int, k: int, mode: str, elem: str) -> None:
     copy_gbs = 2 * nbytes(x) / copy_ms / 1e6
     table.add("copy", x.shape, mode, copy_ms, 2 * nbytes(x), copy_gbs)
 
-    ref1 = cast_dim1(x, elem, mode)
-    table.add("triton cast_dim1", x.shape, mode, bench_ms(lambda: cast_dim1(x, elem, mode)), nbytes(x, *ref1), copy_gbs)
+    # the Triton kernels get their own tile passed explicitly: without a config, Hopper runs the Gluon ones
+    ref1 = cast_dim1(x, elem, mode, False, TRITON_DIM1)
+    ms = bench_ms(lambda: cast_dim1(x, elem, mode, False, TRITON_DIM1))
+    table.add("triton cast_dim1", x.shape, mode, ms, nbytes(x, *ref1), copy_gbs)
     sweep(table, "gluon_cast_dim1", gluon_cast_dim1, DIM1_SWEEP, x, elem, mode, ref1, copy_gbs)
     # blocked scales, best plain config
     best = table.best("gluon_cast_dim1", x.shape, mode)["config"]
-    ref_b = cast_dim1(x, elem, mode, True)
-    table.add("triton cast_dim1 blocked", x.shape, mode, bench_ms(lambda: cast_dim1(x, elem, mode, True)),
+    ref_b = cast_dim1(x, elem, mode, True, TRITON_DIM1)
+    table.add("triton cast_dim1 blocked", x.shape, mode, bench_ms(lambda: cast_dim1(x, elem, mode, True, TRITON_DIM1)),
               nbytes(x, *ref_b), copy_gbs)  # fmt: skip
     out = gluon_cast_dim1(x, elem, mode, True, best)
     if same_bytes(out, ref_b):
@@ -137,11 +141,11 @@ def bench_shape(table: Table, m: int, k: int, mode: str, elem: str) -> None:
     else:
         table.mismatches.append(f"gluon_cast_dim1 blocked {tuple(x.shape)} {mode} {best}")
 
-    ref2 = cast_dim0_dim1(x, elem, mode)
-    ms = bench_ms(lambda: cast_dim0_dim1(x, elem, mode))
+    ref2 = cast_dim0_dim1(x, elem, mode, False, TRITON_FUSED)
+    ms = bench_ms(lambda: cast_dim0_dim1(x, elem, mode, False, TRITON_FUSED))
     table.add("triton cast_dim0_dim1", x.shape, mode, ms, nbytes(x, *ref2), copy_gbs)
     sep = cast_dim0(x, elem, mode) + ref1
-    ms = bench_ms(lambda: (cast_dim0(x, elem, mode), cast_dim1(x, elem, mode)))
+    ms = bench_ms(lambda: (cast_dim0(x, elem, mode), cast_dim1(x, elem, mode, False, TRITON_DIM1)))
     table.add("triton dim0 + dim1", x.shape, mode, ms, nbytes(x, x, *sep), copy_gbs)
     sweep(table, "gluon_cast_dim0_dim1", gluon_cast_dim0_dim1, FUSED_SWEEP, x, elem, mode, ref2, copy_gbs)
 

@@ -1,4 +1,4 @@
-"""The Gluon prototype casts (mx_kernels.gluon_casts), bit for bit vs ``to_mx`` and the Triton kernels.
+"""The Gluon casts (mx_kernels.gluon_casts), bit for bit vs ``to_mx`` and the Triton kernels.
 
 * CPU: argument errors, and the kernels compiled for sm_90 without a GPU (the explicit layouts
   must give 16-byte loads, shuffle-only reductions, no shared memory, vector transposed stores,
@@ -31,7 +31,8 @@ ELEMS = ["e4m3", "e5m2"]
 MODES = ["floor", "rceil"]
 # layout configs: the default, rows per thread 8 and 16, warps and K repeats, sub-tiles, LEAN
 CONFIGS = [
-    None,
+    None,  # what cast_dim1 / cast_dim0_dim1 run on Hopper: gluon_casts.DIM1_CONFIG / DIM0_DIM1_CONFIG
+    dict(ROWS=4, BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, LEAN=False),  # GLUON_CONFIG, the base
     dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1),
     dict(ROWS=8, BLOCK_K=512, NUM_WARPS=4, NUM_SUB=2),  # 2 chunk repeats per warp
     dict(ROWS=16, BLOCK_K=512, NUM_WARPS=4, NUM_SUB=1),
@@ -39,8 +40,9 @@ CONFIGS = [
     dict(ROWS=4, BLOCK_K=256, NUM_WARPS=8, NUM_SUB=1),
     dict(ROWS=4, BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, LEAN=True),
     dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, LEAN=True),
+    dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=2, LEAN=True),
 ]
-CONFIG_IDS = ["default", "r8", "r8rep2s2", "r16", "w1s4", "w8", "lean_r4", "lean_r8"]
+CONFIG_IDS = ["default", "base", "r8", "r8rep2s2", "r16", "w1s4", "w8", "lean_r4", "lean_r8", "lean_r8s2"]
 
 
 def gluon():
@@ -72,7 +74,8 @@ def check_dim1(shape, dtype, elem, mode, blocked, config, seed=0):
     assert_bits_equal(s, to_blocked(ref.scale) if blocked else ref.scale, what + " scale")
     import mx_kernels.cast_dim1
 
-    tq, ts = mx_kernels.cast_dim1.cast_dim1(x, elem, mode, blocked)
+    # the Triton kernel with its own tile (without a config, Hopper would run the Gluon kernel again)
+    tq, ts = mx_kernels.cast_dim1.cast_dim1(x, elem, mode, blocked, mx_kernels.cast_dim1.DIM1_CONFIG)
     assert_bits_equal(q, tq, what + " qdata vs cast_dim1")
     assert_bits_equal(s, ts, what + " scale vs cast_dim1")
 
@@ -87,7 +90,8 @@ def check_dim0_dim1(shape, dtype, elem, mode, blocked, config, seed=0):
         refs[1], refs[3] = to_blocked(refs[1]), to_blocked(refs[3])
     import mx_kernels.cast_dim0_dim1
 
-    triton_outs = mx_kernels.cast_dim0_dim1.cast_dim0_dim1(x, elem, mode, blocked)
+    triton_config = mx_kernels.cast_dim0_dim1.DIM0_DIM1_CONFIG  # else Hopper runs the Gluon kernel again
+    triton_outs = mx_kernels.cast_dim0_dim1.cast_dim0_dim1(x, elem, mode, blocked, triton_config)
     for name, out, ref, t in zip(("q0", "s0", "q1", "s1"), outs, refs, triton_outs, strict=True):
         assert out.dtype == t.dtype, f"{what} {name} dtype {out.dtype} != {t.dtype}"
         assert_bits_equal(out, ref, f"{what} {name}")
@@ -310,3 +314,51 @@ def test_gpu_int64_offsets_match_triton_kernels():
     ref = mx_kernels.cast_dim0_dim1.cast_dim0_dim1(x, "e4m3", "rceil")
     for name, a, b in zip(("q0", "s0", "q1", "s1"), outs, ref, strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
+
+def kernels_launched(fn) -> set[str]:
+    """Names of the GPU kernels ``fn()`` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # compiled outside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type.name == "CUDA"}
+
+
+@pytest.mark.gpu
+def test_gpu_cast_dim1_and_fused_launch_the_gluon_kernel_on_hopper(monkeypatch):
+    """cast_dim1 (2D) and cast_dim0_dim1 launch the Gluon kernel on sm_90 for bf16 input, the Triton one
+    with MX_RECIPE_GLUON=0 or a Triton config and for 3D or fp32 input; the same bytes either way."""
+    from mx_kernels.cast_dim0_dim1 import cast_dim0_dim1
+    from mx_kernels.cast_dim1 import cast_dim1
+    from mx_kernels.common import GLUON_ENV
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon dispatch is for compute capability 9.x (Hopper)")
+    x = special_input_plus((320, 416), torch.bfloat16, "cuda")
+    calls = {
+        "dim1": lambda: cast_dim1(x, "e4m3", "floor"),
+        "dim1 blocked": lambda: cast_dim1(x, "e5m2", "rceil", blocked=True),
+        "fused": lambda: cast_dim0_dim1(x, "e4m3", "rceil"),
+        "fused blocked": lambda: cast_dim0_dim1(x, "e5m2", "floor", blocked=True),
+    }
+    monkeypatch.delenv(GLUON_ENV, raising=False)
+    gluon_out = {}
+    for name, fn in calls.items():
+        launched = kernels_launched(fn)
+        assert any("_gluon_cast_kernel" in k for k in launched), (name, launched)
+        gluon_out[name] = fn()
+    for fn in (
+        lambda: cast_dim1(x, "e4m3", "floor", config=dict(BLOCK_K=64, NUM_SUB=2, num_warps=1)),
+        lambda: cast_dim1(x.unsqueeze(0), "e4m3", "floor"),  # 3D: the Triton kernel's per-expert path
+        lambda: cast_dim1(x.float(), "e4m3", "floor"),
+    ):
+        assert not any("_gluon_cast_kernel" in k for k in kernels_launched(fn))
+    monkeypatch.setenv(GLUON_ENV, "0")
+    for name, fn in calls.items():
+        assert not any("_gluon_cast_kernel" in k for k in kernels_launched(fn)), name
+        for i, (a, b) in enumerate(zip(gluon_out[name], fn(), strict=True)):
+            assert_bits_equal(a, b, f"{name} output {i}: Gluon vs MX_RECIPE_GLUON=0")
