@@ -49,14 +49,19 @@ from mx_kernels.gluon_common import (
 from mx_kernels.mx_quantize import blocked_scale_offset, quantize_blocks, scale_exponent
 from triton.experimental import gluon
 
+from mx_recipe.scale_layout import from_blocked
+
 # The base every config is checked against and completed from: 128 columns x 64 rows per program,
 # 4 rows per thread (16 KB of bf16 in flight per program).
-GLUON_CONFIG = dict(BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False)
+# PLAIN_VIA_BLOCKED: plain scales are written in the blocked layout and then permuted to [rows, cols]
+# (scale_layout.from_blocked, one 4-byte-element copy): the kernel's plain dim1 scale stores, NUM_SUB
+# bytes per row of [K, M/32], cost 14% (dim1 plain 81% of copy against blocked 94%, H200).
+GLUON_CONFIG = dict(BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False, PLAIN_VIA_BLOCKED=False)
 # What a call without a config runs: the best of the H200 sweep (docs/profiles/2026-11-21_h200_gluon_casts.txt,
 # 16384^2 bf16): dim1 with blocked scales 96% of copy (the Triton kernel 89%), plain scales 83% (80%);
 # fused 61% (52%).
-DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=2, ROWS=8, LEAN=True)
-DIM0_DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, ROWS=8, LEAN=True)
+DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=2, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True)
+DIM0_DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True)
 
 
 @gluon.constexpr_function
@@ -295,13 +300,17 @@ def gluon_cast_dim1(
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="gluon_cast_dim1")
     cfg = check_tile_config(DIM1_CONFIG if config is None else config, GLUON_CONFIG, "Gluon cast")
     require_gpu(x, "gluon_cast_dim1")
-    q_shape, s_shape = dim1_shapes(x.shape, blocked_scales)
+    via_blocked = cfg["PLAIN_VIA_BLOCKED"] and not blocked_scales and x.numel() > 0
+    blocked = blocked_scales or via_blocked
+    q_shape, s_shape = dim1_shapes(x.shape, blocked)
     qdata = torch.empty(q_shape, dtype=fp8_dtype(elem), device=x.device)
     scale = torch.empty(s_shape, dtype=torch.float8_e8m0fnu, device=x.device)
     if x.numel():
         q, s = qdata.view(torch.uint8), scale.view(torch.uint8)
-        grid, kwargs = kernel_launch(x, (q, s, q, s), elem, mode, blocked_scales, False, cfg)
+        grid, kwargs = kernel_launch(x, (q, s, q, s), elem, mode, blocked, False, cfg)
         _gluon_cast_kernel[grid](**kwargs)
+    if via_blocked:
+        scale = from_blocked(scale, x.shape[1], x.shape[0] // 32)
     return qdata, scale
 
 
@@ -314,14 +323,19 @@ def gluon_cast_dim0_dim1(
     check_cast(x, elem, mode, ndims=(2,), qdim=1, op="gluon_cast_dim0_dim1")
     cfg = check_tile_config(DIM0_DIM1_CONFIG if config is None else config, GLUON_CONFIG, "Gluon cast")
     require_gpu(x, "gluon_cast_dim0_dim1")
-    q0_shape, s0_shape = dim0_shapes(x.shape, blocked_scales)
-    q1_shape, s1_shape = dim1_shapes(x.shape, blocked_scales)
+    via_blocked = cfg["PLAIN_VIA_BLOCKED"] and not blocked_scales and x.numel() > 0
+    blocked = blocked_scales or via_blocked
+    q0_shape, s0_shape = dim0_shapes(x.shape, blocked)
+    q1_shape, s1_shape = dim1_shapes(x.shape, blocked)
     q0 = torch.empty(q0_shape, dtype=fp8_dtype(elem), device=x.device)
     s0 = torch.empty(s0_shape, dtype=torch.float8_e8m0fnu, device=x.device)
     q1 = torch.empty(q1_shape, dtype=fp8_dtype(elem), device=x.device)
     s1 = torch.empty(s1_shape, dtype=torch.float8_e8m0fnu, device=x.device)
     if x.numel():
         outs = tuple(t.view(torch.uint8) for t in (q0, s0, q1, s1))
-        grid, kwargs = kernel_launch(x, outs, elem, mode, blocked_scales, True, cfg)
+        grid, kwargs = kernel_launch(x, outs, elem, mode, blocked, True, cfg)
         _gluon_cast_kernel[grid](**kwargs)
+    if via_blocked:  # both scale matrices were written blocked (one kernel flag for both)
+        m, k = x.shape
+        s0, s1 = from_blocked(s0, m, k // 32), from_blocked(s1, k, m // 32)
     return q0, s0, q1, s1

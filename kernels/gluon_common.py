@@ -69,14 +69,16 @@ def max_nan(a, b):
 
 def check_tile_config(config: dict | None, defaults: dict, what: str) -> dict:
     """``defaults`` updated with ``config``, checked: ROWS 4, 8 or 16; NUM_WARPS, NUM_SUB and BLOCK_K
-    powers of two, BLOCK_K >= 8 * ROWS * NUM_WARPS; LEAN a bool. ``what`` names the kernel in errors."""
+    powers of two, BLOCK_K >= 8 * ROWS * NUM_WARPS; the flags (LEAN, ...) bools. ``what`` names the kernel
+    in errors."""
     cfg = {**defaults, **(config or {})}
     unknown = set(cfg) - set(defaults)
     if unknown:
         raise ValueError(f"unknown {what} config keys {sorted(unknown)}; expected {sorted(defaults)}")
     block_k, warps, sub, rows = cfg["BLOCK_K"], cfg["NUM_WARPS"], cfg["NUM_SUB"], cfg["ROWS"]
-    if not isinstance(cfg["LEAN"], bool):
-        raise ValueError(f"{what} config {cfg}: LEAN must be a bool")
+    for key, default in defaults.items():
+        if isinstance(default, bool) and not isinstance(cfg[key], bool):
+            raise ValueError(f"{what} config {cfg}: {key} must be a bool")
 
     def pow2(n: object) -> bool:
         return isinstance(n, int) and n > 0 and n & (n - 1) == 0

@@ -80,8 +80,10 @@ def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
             f"from_blocked: {blocked.numel()} bytes do not hold a blocked [{rows}, {cols}] matrix "
             f"({padded_rows * padded_cols} bytes)"
         )
-    tiles = _as_bytes(blocked).reshape(padded_rows // 128, padded_cols // 4, 32, 4, 4)
-    padded = tiles.permute(0, 3, 2, 1, 4).reshape(padded_rows, padded_cols)
+    # a tile's 4 column bytes of one row are contiguous in both layouts: move them as one int32
+    # (a 4-byte-element permute copy, several times faster on a GPU than a byte-wise one)
+    tiles = _as_bytes(blocked).contiguous().view(torch.int32).view(padded_rows // 128, padded_cols // 4, 32, 4)
+    padded = tiles.permute(0, 3, 2, 1).reshape(padded_rows, padded_cols // 4).view(torch.uint8)
     return padded[:rows, :cols].contiguous().view(blocked.dtype)
 
 

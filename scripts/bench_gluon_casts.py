@@ -41,6 +41,8 @@ DIM1_SWEEP = [
     (16, 512, 4, 1, False),  # [111]
     (4, 128, 4, 2, True),  # [72]
     (8, 256, 4, 2, True),  # [119]
+    (8, 256, 4, 2, True, True),  # the default: plain scales written blocked, then permuted
+    (8, 128, 2, 2, True, True),
 ]
 FUSED_SWEEP = [
     (4, 128, 4, 1, False),  # [69]
@@ -50,11 +52,12 @@ FUSED_SWEEP = [
     (4, 128, 4, 2, True),  # [156]
     (8, 256, 4, 1, True),  # [127]
     (8, 128, 2, 1, True),
+    (8, 256, 4, 1, True, True),  # the default: plain scales written blocked, then permuted
 ]
 
 
-def config(rows: int, block_k: int, warps: int, sub: int, lean: bool) -> dict:
-    return dict(ROWS=rows, BLOCK_K=block_k, NUM_WARPS=warps, NUM_SUB=sub, LEAN=lean)
+def config(rows: int, block_k: int, warps: int, sub: int, lean: bool, via_blocked: bool = False) -> dict:
+    return dict(ROWS=rows, BLOCK_K=block_k, NUM_WARPS=warps, NUM_SUB=sub, LEAN=lean, PLAIN_VIA_BLOCKED=via_blocked)
 
 
 def bench_ms(fn: Callable[[], object]) -> float:

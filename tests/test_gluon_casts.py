@@ -32,7 +32,7 @@ MODES = ["floor", "rceil"]
 # layout configs: the default, rows per thread 8 and 16, warps and K repeats, sub-tiles, LEAN
 CONFIGS = [
     None,  # what cast_dim1 / cast_dim0_dim1 run on Hopper: gluon_casts.DIM1_CONFIG / DIM0_DIM1_CONFIG
-    dict(ROWS=4, BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, LEAN=False),  # GLUON_CONFIG, the base
+    dict(ROWS=4, BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, LEAN=False, PLAIN_VIA_BLOCKED=False),  # GLUON_CONFIG
     dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1),
     dict(ROWS=8, BLOCK_K=512, NUM_WARPS=4, NUM_SUB=2),  # 2 chunk repeats per warp
     dict(ROWS=16, BLOCK_K=512, NUM_WARPS=4, NUM_SUB=1),
@@ -41,8 +41,10 @@ CONFIGS = [
     dict(ROWS=4, BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, LEAN=True),
     dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, LEAN=True),
     dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=2, LEAN=True),
+    dict(ROWS=4, BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, PLAIN_VIA_BLOCKED=True),
 ]
 CONFIG_IDS = ["default", "base", "r8", "r8rep2s2", "r16", "w1s4", "w8", "lean_r4", "lean_r8", "lean_r8s2"]
+CONFIG_IDS += ["via_blocked"]
 
 
 def gluon():
@@ -118,7 +120,8 @@ def test_argument_errors(monkeypatch):
     with pytest.raises(TypeError, match="bf16 or fp32"):
         g.gluon_cast_dim1(torch.randn(64, 64).half(), "e4m3", "floor")
     x = torch.randn(64, 64, dtype=torch.bfloat16)
-    for bad in (dict(BLOCK_K=96), dict(BLOCK_K=64, NUM_WARPS=4), dict(ROWS=32), dict(NUM_SUB=3), dict(LEAN=1)):
+    bad_configs = [dict(BLOCK_K=96), dict(BLOCK_K=64, NUM_WARPS=4), dict(ROWS=32), dict(NUM_SUB=3), dict(LEAN=1)]
+    for bad in bad_configs + [dict(PLAIN_VIA_BLOCKED=1)]:
         with pytest.raises(ValueError, match="Gluon cast config"):
             g.gluon_cast_dim1(x, "e4m3", "floor", config=bad)
     with pytest.raises(ValueError, match="unknown Gluon cast config keys"):
