@@ -212,15 +212,21 @@ def test_int64_offsets_compile(dim0):
 
 DIM1_SHAPES = [(32, 160), (96, 160), (32, 33), (64, 100), (4128, 160), (160, 4128), (1024, 4096), (256, 512)]
 FUSED_SHAPES = [(32, 32), (96, 160), (4128, 160), (160, 4128), (1024, 4096), (256, 512)]
-# every rule and format for the default and the likely winners; two combinations for the rest
-FULL = {"default", "r8", "lean_r8"}
-GPU_CASES = [
-    pytest.param(config, mode, elem, id=f"{cid}-{mode}-{elem}")
-    for config, cid in zip(CONFIGS, CONFIG_IDS, strict=True)
-    for mode in MODES
-    for elem in ELEMS
-    if cid in FULL or (mode, elem) in (("floor", "e4m3"), ("rceil", "e5m2"))
-]
+
+
+def gpu_cases(configs: list, config_ids: list[str], full: set[str]) -> list:
+    """(config, mode, elem) params: every rule and format for the configs in ``full`` (the default and
+    the likely winners), two combinations for the rest."""
+    return [
+        pytest.param(config, mode, elem, id=f"{cid}-{mode}-{elem}")
+        for config, cid in zip(configs, config_ids, strict=True)
+        for mode in MODES
+        for elem in ELEMS
+        if cid in full or (mode, elem) in (("floor", "e4m3"), ("rceil", "e5m2"))
+    ]
+
+
+GPU_CASES = gpu_cases(CONFIGS, CONFIG_IDS, {"default", "r8", "lean_r8"})
 
 
 @pytest.mark.gpu

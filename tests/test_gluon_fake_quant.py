@@ -23,7 +23,7 @@ from test_cast_kernels import (
     ref_groups_along_m,
     special_input,
 )
-from test_gluon_casts import kernels_launched, ptx_ops, resource_usage
+from test_gluon_casts import gpu_cases, kernels_launched, ptx_ops, resource_usage
 
 from mx_recipe.formats import to_mx
 
@@ -227,15 +227,7 @@ def check_2d(x: torch.Tensor, elem: str, mode: str, config, what: str) -> None:
 
 
 SHAPES = [(96, 160), (4130, 160), (160, 4128), (1024, 4096), (3, 224, 96), (5, 100, 256), (2, 4130, 512), (64, 80)]
-# every rule and format for the default and the likely winners; two combinations for the rest
-FULL = {"default", "r4", "r8", "lean_r4", "lean_r8"}
-GPU_CASES = [
-    pytest.param(config, mode, elem, id=f"{cid}-{mode}-{elem}")
-    for config, cid in zip(CONFIGS, CONFIG_IDS, strict=True)
-    for mode in MODES
-    for elem in ELEMS
-    if cid in FULL or (mode, elem) in (("floor", "e4m3"), ("rceil", "e5m2"))
-]
+GPU_CASES = gpu_cases(CONFIGS, CONFIG_IDS, {"default", "r4", "r8", "lean_r4", "lean_r8"})
 
 
 @pytest.mark.gpu
