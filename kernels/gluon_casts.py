@@ -57,9 +57,9 @@ from mx_recipe.scale_layout import from_blocked
 # (scale_layout.from_blocked, one 4-byte-element copy): the kernel's plain dim1 scale stores, NUM_SUB
 # bytes per row of [K, M/32], cost 14% (dim1 plain 81% of copy against blocked 94%, H200).
 GLUON_CONFIG = dict(BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False, PLAIN_VIA_BLOCKED=False)
-# What a call without a config runs: the best of the H200 sweep (docs/profiles/2026-11-21_h200_gluon_casts.txt,
-# 16384^2 bf16): dim1 with blocked scales 96% of copy (the Triton kernel 89%), plain scales 83% (80%);
-# fused 61% (52%).
+# What a call without a config runs: the best of the H200 sweeps at 16384^2 bf16, e4m3 floor
+# (docs/profiles/2026-11-21_h200_gluon_casts_via_blocked.txt, commit 1713f1a): dim1 with blocked scales
+# 96% of copy (the Triton kernel 89%), plain scales via blocked 88% (80%); fused via blocked 76% (52%).
 DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=2, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True)
 DIM0_DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True)
 
