@@ -47,14 +47,13 @@ from mx_kernels.gluon_common import (
     wide,
 )
 from mx_kernels.mx_quantize import blocked_scale_offset, quantize_blocks, scale_exponent
+from mx_kernels.unblock_scales import unblock_scales
 from triton.experimental import gluon
-
-from mx_recipe.scale_layout import from_blocked
 
 # The base every config is checked against and completed from: 128 columns x 64 rows per program,
 # 4 rows per thread (16 KB of bf16 in flight per program).
 # PLAIN_VIA_BLOCKED: plain scales are written in the blocked layout and then permuted to [rows, cols]
-# (scale_layout.from_blocked, one 4-byte-element copy): the kernel's plain dim1 scale stores, NUM_SUB
+# (unblock_scales, one Triton pass over the scales): the kernel's plain dim1 scale stores, NUM_SUB
 # bytes per row of [K, M/32], cost 14% (dim1 plain 81% of copy against blocked 94%, H200).
 GLUON_CONFIG = dict(BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False, PLAIN_VIA_BLOCKED=False)
 # What a call without a config runs: the best of the H200 sweeps at 16384^2 bf16, e4m3 floor
@@ -310,7 +309,7 @@ def gluon_cast_dim1(
         grid, kwargs = kernel_launch(x, (q, s, q, s), elem, mode, blocked, False, cfg)
         _gluon_cast_kernel[grid](**kwargs)
     if via_blocked:
-        scale = from_blocked(scale, x.shape[1], x.shape[0] // 32)
+        scale = unblock_scales(scale, x.shape[1], x.shape[0] // 32)
     return qdata, scale
 
 
@@ -337,5 +336,5 @@ def gluon_cast_dim0_dim1(
         _gluon_cast_kernel[grid](**kwargs)
     if via_blocked:  # both scale matrices were written blocked (one kernel flag for both)
         m, k = x.shape
-        s0, s1 = from_blocked(s0, m, k // 32), from_blocked(s1, k, m // 32)
+        s0, s1 = unblock_scales(s0, m, k // 32), unblock_scales(s1, k, m // 32)
     return q0, s0, q1, s1

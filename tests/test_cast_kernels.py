@@ -562,6 +562,47 @@ def test_interp_opcheck():
     torch.library.opcheck(torch.ops.mx_recipe.fake_quant_groups_along_m.default, (x, src, "e4m3", "floor"))
 
 
+# [rows, cols] scale matrices for unblock_scales: exact tiles, row and column padding, one byte
+UNBLOCK_SHAPES = [(128, 4), (1, 1), (130, 5), (300, 160), (128, 132), (4096, 36)]
+
+
+def check_unblock_scales(rows: int, cols: int, experts: int | None, device: str) -> None:
+    """unblock_scales == scale_layout.from_blocked (1D) / from_blocked_3d ([E, n]), byte for byte."""
+    from mx_kernels.unblock_scales import unblock_scales
+
+    from mx_recipe.scale_layout import from_blocked, from_blocked_3d
+
+    g = torch.Generator().manual_seed(rows * 7 + cols)
+    plain = torch.randint(0, 256, (experts or 1, rows, cols), dtype=torch.uint8, generator=g)
+    plain = plain.view(torch.float8_e8m0fnu)
+    blocked = to_blocked_3d(plain) if experts is not None else to_blocked(plain[0])
+    got = unblock_scales(blocked.to(device), rows, cols)
+    want = from_blocked_3d(blocked, rows, cols) if experts is not None else from_blocked(blocked, rows, cols)
+    assert got.dtype == torch.float8_e8m0fnu and got.shape == want.shape
+    assert_bits_equal(got, want, f"unblock_scales {experts} x [{rows}, {cols}]")
+    assert_bits_equal(got, plain if experts is not None else plain[0], "unblock_scales round trip")
+
+
+@interp_only
+@pytest.mark.parametrize("rows, cols", UNBLOCK_SHAPES)
+def test_interp_unblock_scales(rows, cols):
+    for experts in (None, 1, 3):
+        check_unblock_scales(rows, cols, experts, "cpu")
+    check_unblock_scales(rows, cols, 0, "cpu")  # no experts: nothing launched
+
+
+def test_unblock_scales_rejects_a_wrong_size():
+    pytest.importorskip("triton")
+    from mx_kernels.unblock_scales import unblock_scales
+
+    with pytest.raises(ValueError, match=r"does not hold 1 blocked \[128, 4\] matrices"):
+        unblock_scales(torch.zeros(100, dtype=torch.uint8), 128, 4)
+    with pytest.raises(ValueError, match=r"does not hold 2 blocked"):
+        unblock_scales(torch.zeros(2, 1024, dtype=torch.uint8), 128, 4)
+    with pytest.raises(ValueError, match="1D or \\[E, n\\]"):
+        unblock_scales(torch.zeros(1, 1, 512, dtype=torch.uint8), 128, 4)
+
+
 # ---------------------------------------------------------------------------------------
 # GPU: the hardware cvt.rn.satfinite path
 
@@ -699,3 +740,11 @@ def test_gpu_strided_input_and_compile():
     assert_bits_equal(outs[1], to_blocked(ref0.scale), "compiled s0")
     assert_bits_equal(outs[2], ref1.qdata, "compiled q1")
     assert_bits_equal(outs[3], to_blocked(ref1.scale), "compiled s1")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows, cols", UNBLOCK_SHAPES + [(16384, 512), (512, 16384)])
+def test_gpu_unblock_scales(rows, cols):
+    for experts in (None, 3):
+        check_unblock_scales(rows, cols, experts, "cuda")
