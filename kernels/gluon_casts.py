@@ -55,7 +55,7 @@ from triton.experimental import gluon
 # PLAIN_VIA_BLOCKED: plain scales are written in the blocked layout and then permuted to [rows, cols]
 # (unblock_scales, one Triton pass over the scales): the kernel's plain dim1 scale stores, NUM_SUB
 # bytes per row of [K, M/32], cost 14% (dim1 plain 81% of copy against blocked 94%, H200).
-GLUON_CONFIG = dict(BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False, PLAIN_VIA_BLOCKED=False)
+GLUON_CONFIG = dict(BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False, PLAIN_VIA_BLOCKED=False, PERSISTENT=0)
 # What a call without a config runs: the best of the H200 sweeps at 16384^2 bf16, e4m3 floor
 # (docs/profiles/2026-11-21_h200_gluon_casts_via_blocked.txt, commit 1713f1a): dim1 with blocked scales
 # 96% of copy (the Triton kernel 89%), plain scales via blocked 88% (80%); fused via blocked 76% (52%).
@@ -161,50 +161,37 @@ def _store_scales(s_ptr, scale, r, c, n_rows, n_cols, BLOCKED: gl.constexpr, EVE
 
 
 @gluon.jit
-def _gluon_cast_kernel(
-    x_ptr,
-    q0_ptr,
-    s0_ptr,
-    q1_ptr,
-    s1_ptr,
-    M,
-    K,
-    stride_xm,
-    stride_xk,
-    S0_COLS,  # K // 32 (dim0 scale columns), an argument so that it is specialized like M and K
-    S1_COLS,  # M // 32
-    NUM_SUB: gl.constexpr,
-    ROWS: gl.constexpr,
-    NUM_WARPS: gl.constexpr,
-    REPS: gl.constexpr,
-    DIM0: gl.constexpr,
-    BLOCKED: gl.constexpr,
-    EVEN: gl.constexpr,  # the grid tiles x exactly: no bounds masks
-    OFFS64: gl.constexpr,
-    LEAN: gl.constexpr,
-    EMAX: gl.constexpr,
-    MAX_MANT: gl.constexpr,
-    MAX_NORMAL: gl.constexpr,
-    MBITS: gl.constexpr,
-    EMIN: gl.constexpr,
-    IS_E4M3: gl.constexpr,
-    RCEIL: gl.constexpr,
-):
-    CHUNKS: gl.constexpr = ROWS // 4 * NUM_WARPS * REPS
-    L: gl.constexpr = tile_layout(NUM_SUB, ROWS, NUM_WARPS)
-    pid_m = gl.program_id(0)
-    pid_k = gl.program_id(1)
-    m0 = pid_m * NUM_SUB  # first 32-row block of this program
-    rows = (m0 + arange_along(NUM_SUB, 0, 4, L)) * 32 + arange_along(32, 1, 4, L)  # [NUM_SUB, 32, 1, 1]
+def _load_tile(
+    x_ptr, pid_m, pid_k, M, K, stride_xm, stride_xk, NUM_SUB: gl.constexpr, CHUNKS: gl.constexpr,
+    L: gl.constexpr, MASK_ROWS: gl.constexpr, MASK_COLS: gl.constexpr, OFFS64: gl.constexpr,
+):  # fmt: skip
+    """Tile (pid_m, pid_k) of x in layout L, in x's dtype; zeros where masked. A tile index past the
+    grid (a prefetch beyond the last tile) has columns >= K, so MASK_COLS masks it whole."""
+    rows = (pid_m * NUM_SUB + arange_along(NUM_SUB, 0, 4, L)) * 32 + arange_along(32, 1, 4, L)  # [NUM_SUB, 32, 1, 1]
     cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, L)) * 32 + arange_along(32, 3, 4, L)  # [1, 1, CHUNKS, 32]
     x_ptrs = x_ptr + wide(rows, OFFS64) * stride_xm + cols * stride_xk
-    if EVEN:
-        x = gl.load(x_ptrs).to(gl.float32)
-    else:
-        x = gl.load(x_ptrs, mask=(rows < M) & (cols < K), other=0.0).to(gl.float32)
+    if MASK_ROWS:
+        return gl.load(x_ptrs, mask=(rows < M) & (cols < K), other=0.0)
+    elif MASK_COLS:
+        return gl.load(x_ptrs, mask=cols < K, other=0.0)
+    return gl.load(x_ptrs)
 
+
+@gluon.jit
+def _cast_tile(
+    x, pid_m, pid_k, q0_ptr, s0_ptr, q1_ptr, s1_ptr, M, K, S0_COLS, S1_COLS,
+    NUM_SUB: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr, REPS: gl.constexpr, L: gl.constexpr,
+    DIM0: gl.constexpr, BLOCKED0: gl.constexpr, BLOCKED1: gl.constexpr, EVEN: gl.constexpr, OFFS64: gl.constexpr,
+    LEAN: gl.constexpr, EMAX: gl.constexpr, MAX_MANT: gl.constexpr, MAX_NORMAL: gl.constexpr, MBITS: gl.constexpr,
+    EMIN: gl.constexpr, IS_E4M3: gl.constexpr, RCEIL: gl.constexpr,
+):  # fmt: skip
+    """Quantize the fp32 tile x (layout L) of tile (pid_m, pid_k) and store its outputs."""
+    CHUNKS: gl.constexpr = ROWS // 4 * NUM_WARPS * REPS
+    m0 = pid_m * NUM_SUB  # first 32-row block of this tile
     if DIM0:
         # blocks of 32 along K (axis 3): row-major [M, K] output (8 contiguous bytes per thread)
+        rows = (m0 + arange_along(NUM_SUB, 0, 4, L)) * 32 + arange_along(32, 1, 4, L)
+        cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, L)) * 32 + arange_along(32, 3, 4, L)
         q0, s0 = _quantize(x, 3, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN)
         q0_ptrs = q0_ptr + wide(rows, OFFS64) * K + cols
         if EVEN:
@@ -214,7 +201,7 @@ def _gluon_cast_kernel(
         S0L: gl.constexpr = gl.SliceLayout(3, L)
         s0_rows = (m0 + arange_along(NUM_SUB, 0, 3, S0L)) * 32 + arange_along(32, 1, 3, S0L)
         s0_cols = pid_k * CHUNKS + arange_along(CHUNKS, 2, 3, S0L)
-        _store_scales(s0_ptr, s0, s0_rows, s0_cols, M, S0_COLS, BLOCKED, EVEN)
+        _store_scales(s0_ptr, s0, s0_rows, s0_cols, M, S0_COLS, BLOCKED0, EVEN)
 
     # blocks of 32 along M (axis 1): transposed [K, M] output. Quantized in the rows-first register
     # order, so that cvt packs fp8 pairs along M, as the store wants them.
@@ -229,27 +216,193 @@ def _gluon_cast_kernel(
         gl.store(q1_ptrs, q1)
     else:
         gl.store(q1_ptrs, q1, mask=(t_rows < M) & (t_cols < K))
-    # scales [K, M/32]: this program's NUM_SUB scale columns of each k are contiguous
+    # scales [K, M/32]: this tile's NUM_SUB scale columns of each k are contiguous
     S1L: gl.constexpr = _dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
     s1 = gl.convert_layout(s1, S1L, assert_trivial=True)
     s1_rows = (pid_k * CHUNKS + arange_along(CHUNKS, 1, 3, S1L)) * 32 + arange_along(32, 2, 3, S1L)
-    _store_scales(s1_ptr, s1, s1_rows, m0 + arange_along(NUM_SUB, 0, 3, S1L), K, S1_COLS, BLOCKED, EVEN)
+    _store_scales(s1_ptr, s1, s1_rows, m0 + arange_along(NUM_SUB, 0, 3, S1L), K, S1_COLS, BLOCKED1, EVEN)
+
+
+@gluon.jit
+def _gluon_cast_kernel(
+    x_ptr,
+    q0_ptr,
+    s0_ptr,
+    q1_ptr,
+    s1_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    S0_COLS,  # K // 32 (dim0 scale columns), an argument so that it is specialized like M and K
+    S1_COLS,  # M // 32
+    TILES_M,  # tiles along M and K that the (persistent) grid walks
+    TILES_K,
+    NUM_SUB: gl.constexpr,
+    ROWS: gl.constexpr,
+    NUM_WARPS: gl.constexpr,
+    REPS: gl.constexpr,
+    DIM0: gl.constexpr,
+    BLOCKED0: gl.constexpr,  # dim0 scales in the blocked layout
+    BLOCKED1: gl.constexpr,  # dim1 scales in the blocked layout
+    EVEN: gl.constexpr,  # the tiles cover x exactly: no bounds masks
+    OFFS64: gl.constexpr,
+    LEAN: gl.constexpr,
+    PERSISTENT: gl.constexpr,  # a grid of programs that walk the tiles, loading the next during the cast
+    EMAX: gl.constexpr,
+    MAX_MANT: gl.constexpr,
+    MAX_NORMAL: gl.constexpr,
+    MBITS: gl.constexpr,
+    EMIN: gl.constexpr,
+    IS_E4M3: gl.constexpr,
+    RCEIL: gl.constexpr,
+):
+    CHUNKS: gl.constexpr = ROWS // 4 * NUM_WARPS * REPS
+    L: gl.constexpr = tile_layout(NUM_SUB, ROWS, NUM_WARPS)
+    if PERSISTENT:
+        # A one-tile program loads, then computes, then stores: while its warps compute, it has no
+        # bytes in flight. Here each program keeps its next tile's load in flight during the cast
+        # (one tile of registers more). Tiles go M-fastest, as the grid of the one-tile launch does.
+        step = gl.num_programs(0)
+        first = gl.program_id(0)
+        x_next = _load_tile(
+            x_ptr,
+            first % TILES_M,
+            first // TILES_M,
+            M,
+            K,
+            stride_xm,
+            stride_xk,
+            NUM_SUB,
+            CHUNKS,
+            L,
+            not EVEN,
+            True,
+            OFFS64,
+        )
+        for t in range(first, TILES_M * TILES_K, step):
+            x = x_next
+            nxt = t + step
+            x_next = _load_tile(
+                x_ptr,
+                nxt % TILES_M,
+                nxt // TILES_M,
+                M,
+                K,
+                stride_xm,
+                stride_xk,
+                NUM_SUB,
+                CHUNKS,
+                L,
+                not EVEN,
+                True,
+                OFFS64,
+            )
+            _cast_tile(
+                x.to(gl.float32),
+                t % TILES_M,
+                t // TILES_M,
+                q0_ptr,
+                s0_ptr,
+                q1_ptr,
+                s1_ptr,
+                M,
+                K,
+                S0_COLS,
+                S1_COLS,
+                NUM_SUB,
+                ROWS,
+                NUM_WARPS,
+                REPS,
+                L,
+                DIM0,
+                BLOCKED0,
+                BLOCKED1,
+                EVEN,
+                OFFS64,
+                LEAN,
+                EMAX,
+                MAX_MANT,
+                MAX_NORMAL,
+                MBITS,
+                EMIN,
+                IS_E4M3,
+                RCEIL,
+            )
+    else:
+        pid_m = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        x = _load_tile(x_ptr, pid_m, pid_k, M, K, stride_xm, stride_xk, NUM_SUB, CHUNKS, L, not EVEN, False, OFFS64)
+        _cast_tile(
+            x.to(gl.float32),
+            pid_m,
+            pid_k,
+            q0_ptr,
+            s0_ptr,
+            q1_ptr,
+            s1_ptr,
+            M,
+            K,
+            S0_COLS,
+            S1_COLS,
+            NUM_SUB,
+            ROWS,
+            NUM_WARPS,
+            REPS,
+            L,
+            DIM0,
+            BLOCKED0,
+            BLOCKED1,
+            EVEN,
+            OFFS64,
+            LEAN,
+            EMAX,
+            MAX_MANT,
+            MAX_NORMAL,
+            MBITS,
+            EMIN,
+            IS_E4M3,
+            RCEIL,
+        )
+
+
+def check_config(config: dict | None) -> dict:
+    """``config`` completed from GLUON_CONFIG and checked (gluon_common.check_tile_config, and PERSISTENT)."""
+    cfg = check_tile_config(config, GLUON_CONFIG, "Gluon cast")
+    persistent = cfg["PERSISTENT"]
+    if not (isinstance(persistent, int) and not isinstance(persistent, bool) and persistent >= 0):
+        raise ValueError(f"Gluon cast config {cfg}: PERSISTENT (programs per SM, 0: one per tile) must be an int >= 0")
+    return cfg
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; 132 (an H100 SXM / H200) off the GPU, where only
+    compiles happen (the grid size is not part of the compiled code)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def kernel_launch(
-    x: torch.Tensor, outs: tuple[torch.Tensor, ...], elem: str, mode: str, blocked: bool, dim0: bool,
+    x: torch.Tensor, outs: tuple[torch.Tensor, ...], elem: str, mode: str, blocked: tuple[bool, bool], dim0: bool,
     config: dict | None,
 ) -> tuple[tuple[int, int], dict]:  # fmt: skip
     """(grid, keyword arguments) of one launch of ``_gluon_cast_kernel``; ``outs`` = (q0, s0, q1, s1)
-    as uint8 views, the unused pair of a one-sided cast standing in for the other. Also used to
-    compile the kernel ahead of time (tests/test_gluon_casts.py)."""
-    cfg = check_tile_config(config, GLUON_CONFIG, "Gluon cast")
+    as uint8 views, the unused pair of a one-sided cast standing in for the other; ``blocked``: are the
+    (dim0, dim1) scales written blocked. Also used to compile the kernel ahead of time
+    (tests/test_gluon_casts.py)."""
+    cfg = check_config(config)
     m, k = x.shape
     block_m, block_k = 32 * cfg["NUM_SUB"], cfg["BLOCK_K"]
-    pad = 128 if blocked else 1  # blocked: the grid covers the padding too, to zero it
-    grid = (triton.cdiv(triton.cdiv(m, pad) * pad, block_m), triton.cdiv(triton.cdiv(k, pad) * pad, block_k))
+    pad = 128 if any(blocked) else 1  # blocked: the tiles cover the padding too, to zero it
+    tiles = (triton.cdiv(triton.cdiv(m, pad) * pad, block_m), triton.cdiv(triton.cdiv(k, pad) * pad, block_k))
+    if cfg["PERSISTENT"]:
+        grid = (min(tiles[0] * tiles[1], _sm_count(x.device) * cfg["PERSISTENT"]), 1)
+    else:
+        grid = tiles
     q0, s0, q1, s1 = outs
-    m_cover, k_cover = grid[0] * block_m, grid[1] * block_k  # rows and columns the grid's tiles span
+    m_cover, k_cover = tiles[0] * block_m, tiles[1] * block_k  # rows and columns the tiles span
+    # a persistent program's last prefetch is a tile past them: all masked, its offsets never used
     span = max((m_cover - 1) * abs(x.stride(0)) + (k_cover - 1) * abs(x.stride(1)), m_cover * k_cover)
     kwargs = dict(
         x_ptr=x,
@@ -263,15 +416,19 @@ def kernel_launch(
         stride_xk=x.stride(1),
         S0_COLS=k // 32,
         S1_COLS=m // 32,
+        TILES_M=tiles[0],
+        TILES_K=tiles[1],
         NUM_SUB=cfg["NUM_SUB"],
         ROWS=cfg["ROWS"],
         NUM_WARPS=cfg["NUM_WARPS"],
         REPS=block_k // (8 * cfg["ROWS"] * cfg["NUM_WARPS"]),
         DIM0=dim0,
-        BLOCKED=blocked,
+        BLOCKED0=blocked[0],
+        BLOCKED1=blocked[1],
         EVEN=(m_cover, k_cover) == (m, k),
         OFFS64=span >= 2**31,
         LEAN=cfg["LEAN"],
+        PERSISTENT=cfg["PERSISTENT"] > 0,
         num_warps=cfg["NUM_WARPS"],
         **format_constexprs(elem, mode),
     )
@@ -287,7 +444,7 @@ def compile_for_target(
     specialized as a launch on x of ``shape`` would specialize them (16-divisible ints, stride 1)."""
     x = torch.empty(shape, dtype=dtype)
     u8 = torch.empty(16, dtype=torch.uint8)  # stands in for every output (only its dtype and alignment matter)
-    _, kwargs = kernel_launch(x, (u8, u8, u8, u8), elem, mode, blocked, dim0, config)
+    _, kwargs = kernel_launch(x, (u8, u8, u8, u8), elem, mode, (blocked, blocked), dim0, config)
     return compile_for_arch(_gluon_cast_kernel, kwargs, arch)
 
 
@@ -297,7 +454,7 @@ def gluon_cast_dim1(
     """x [M, K] (bf16/fp32, M % 32 == 0) -> (qdata [K, M] fp8, scales e8m0 [K, M/32] or blocked 1D):
     the outputs of ``mx_kernels.cast_dim1.cast_dim1``, bit for bit."""
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="gluon_cast_dim1")
-    cfg = check_tile_config(DIM1_CONFIG if config is None else config, GLUON_CONFIG, "Gluon cast")
+    cfg = check_config(DIM1_CONFIG if config is None else config)
     require_gpu(x, "gluon_cast_dim1")
     via_blocked = cfg["PLAIN_VIA_BLOCKED"] and not blocked_scales and x.numel() > 0
     blocked = blocked_scales or via_blocked
@@ -306,7 +463,7 @@ def gluon_cast_dim1(
     scale = torch.empty(s_shape, dtype=torch.float8_e8m0fnu, device=x.device)
     if x.numel():
         q, s = qdata.view(torch.uint8), scale.view(torch.uint8)
-        grid, kwargs = kernel_launch(x, (q, s, q, s), elem, mode, blocked, False, cfg)
+        grid, kwargs = kernel_launch(x, (q, s, q, s), elem, mode, (blocked, blocked), False, cfg)
         _gluon_cast_kernel[grid](**kwargs)
     if via_blocked:
         scale = unblock_scales(scale, x.shape[1], x.shape[0] // 32)
@@ -320,21 +477,20 @@ def gluon_cast_dim0_dim1(
     of x: the outputs of ``mx_kernels.cast_dim0_dim1.cast_dim0_dim1``, bit for bit."""
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="gluon_cast_dim0_dim1")
     check_cast(x, elem, mode, ndims=(2,), qdim=1, op="gluon_cast_dim0_dim1")
-    cfg = check_tile_config(DIM0_DIM1_CONFIG if config is None else config, GLUON_CONFIG, "Gluon cast")
+    cfg = check_config(DIM0_DIM1_CONFIG if config is None else config)
     require_gpu(x, "gluon_cast_dim0_dim1")
+    # plain dim0 scales are stored directly (K / 32 contiguous bytes per row); plain dim1 ones may go via blocked
     via_blocked = cfg["PLAIN_VIA_BLOCKED"] and not blocked_scales and x.numel() > 0
-    blocked = blocked_scales or via_blocked
-    q0_shape, s0_shape = dim0_shapes(x.shape, blocked)
-    q1_shape, s1_shape = dim1_shapes(x.shape, blocked)
+    q0_shape, s0_shape = dim0_shapes(x.shape, blocked_scales)
+    q1_shape, s1_shape = dim1_shapes(x.shape, blocked_scales or via_blocked)
     q0 = torch.empty(q0_shape, dtype=fp8_dtype(elem), device=x.device)
     s0 = torch.empty(s0_shape, dtype=torch.float8_e8m0fnu, device=x.device)
     q1 = torch.empty(q1_shape, dtype=fp8_dtype(elem), device=x.device)
     s1 = torch.empty(s1_shape, dtype=torch.float8_e8m0fnu, device=x.device)
     if x.numel():
         outs = tuple(t.view(torch.uint8) for t in (q0, s0, q1, s1))
-        grid, kwargs = kernel_launch(x, outs, elem, mode, blocked, True, cfg)
+        grid, kwargs = kernel_launch(x, outs, elem, mode, (blocked_scales, blocked_scales or via_blocked), True, cfg)
         _gluon_cast_kernel[grid](**kwargs)
-    if via_blocked:  # both scale matrices were written blocked (one kernel flag for both)
-        m, k = x.shape
-        s0, s1 = unblock_scales(s0, m, k // 32), unblock_scales(s1, k, m // 32)
+    if via_blocked:
+        s1 = unblock_scales(s1, x.shape[1], x.shape[0] // 32)
     return q0, s0, q1, s1

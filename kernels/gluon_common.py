@@ -1,4 +1,5 @@
-"""What the Gluon kernels (``gluon_casts``, ``gluon_fake_quant``) share: the tile layout and its config.
+"""What the Gluon kernels (``gluon_casts``, ``gluon_cast_3d``, ``gluon_cast_groups``, ``gluon_fake_quant``)
+share: the tile layout and its config, and the dim1 pieces (quantize along M, transposed store).
 
 A program's tile is [NUM_SUB, 32 rows, CHUNKS, 32 cols] (NUM_SUB 32-row sub-tiles, BLOCK_K = 32 *
 CHUNKS columns) in
@@ -9,6 +10,9 @@ CHUNKS columns) in
 A thread loads ROWS rows x 8 contiguous elements (16-byte loads for bf16); a block of 32 along K
 is 8 values in a thread then 4 lanes (2 shuffle steps), a block of 32 along M is ROWS values in
 a thread then 32 / ROWS lanes of one warp; warps split K, so no reduction touches shared memory.
+For dim1 the tile is relabelled with its registers listed rows first (``transposed_layout``: a
+register permutation, every convert_layout asserted trivial at compile time), so that cvt packs fp8
+pairs along M and each thread stores ROWS contiguous bytes of [K, M] per column (``dim1_tile``).
 Gluon kernels do not run in the Triton interpreter (3.6): they need a GPU, and
 ``compile_for_arch`` compiles them on the CPU for inspection and tests.
 """
@@ -23,6 +27,7 @@ import triton
 import triton.experimental.gluon.language as gl
 import triton.language as tl
 from mx_kernels.common import interpreting
+from mx_kernels.mx_quantize import blocked_scale_offset, quantize_blocks, scale_exponent
 from triton.experimental import gluon
 
 
@@ -65,6 +70,161 @@ def wide(offsets, OFFS64: gl.constexpr):
 def max_nan(a, b):
     """max that keeps NaN: a block holding NaN must get the NaN scale."""
     return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+# ---------------------------------------------------------------------------------------
+# dim1: blocks of 32 along M, qdata stored transposed ([K, M]), scales [K, M/32]
+
+
+@gluon.constexpr_function
+def _pow2_below(n: int) -> list[int]:
+    """1, 2, 4, .. < n (the linear-layout bases of a power-of-two extent n)."""
+    return [1 << i for i in range(n.bit_length() - 1)]
+
+
+@gluon.constexpr_function
+def _lanes_and_warps(rows, num_warps, dim_row, dim_chunk, dim_col, rank):
+    """Lane and warp bases of tile_layout (or of a slice of it: dim_row None drops the row dim, whose
+    lanes then hold copies). Lanes go columns first, then chunks, then rows; warps along chunks."""
+
+    def basis(dim, value):
+        return [value if d == dim else 0 for d in range(rank)]
+
+    lane = [basis(dim_col, 8), basis(dim_col, 16)] + [basis(dim_chunk, c) for c in _pow2_below(rows // 4)]
+    lane += [basis(dim_row, rows * r) if dim_row is not None else [0] * rank for r in _pow2_below(32 // rows)]
+    warp = [basis(dim_chunk, rows // 4 * w) for w in _pow2_below(num_warps)]
+    return lane, warp
+
+
+@gluon.constexpr_function
+def transposed_layout(num_sub, rows, num_warps, reps):
+    """tile_layout with each thread's registers listed rows first: same lanes and warps, so converting
+    to it moves no data; its fp8 pairs and stores run along M (``rows`` contiguous bytes of [K, M])."""
+    chunks = rows // 4 * num_warps * reps
+    reg = [[0, r, 0, 0] for r in _pow2_below(rows)] + [[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]]
+    reg += [[s, 0, 0, 0] for s in _pow2_below(num_sub)]
+    reg += [[0, 0, rows // 4 * num_warps * r, 0] for r in _pow2_below(reps)]
+    lane, warp = _lanes_and_warps(rows, num_warps, 1, 2, 3, 4)
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [num_sub, 32, chunks, 32])
+
+
+@gluon.constexpr_function
+def dim1_scale_layout(num_sub, rows, num_warps, reps):
+    """The dim1 scales [NUM_SUB, CHUNKS, 32] as the row reduction leaves them (copies on the row
+    lanes), registers listed sub-tile first: NUM_SUB contiguous scale bytes per column."""
+    chunks = rows // 4 * num_warps * reps
+    reg = [[s, 0, 0] for s in _pow2_below(num_sub)] + [[0, 0, 1], [0, 0, 2], [0, 0, 4]]
+    reg += [[0, rows // 4 * num_warps * r, 0] for r in _pow2_below(reps)]
+    lane, warp = _lanes_and_warps(rows, num_warps, None, 1, 2, 3)
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [num_sub, chunks, 32])
+
+
+@gluon.jit
+def quantize_blocks_lean(
+    blocks, AXIS: gl.constexpr, EMAX: gl.constexpr, MAX_MANT: gl.constexpr, IS_E4M3: gl.constexpr,
+    RCEIL: gl.constexpr,
+):  # fmt: skip
+    """quantize_blocks in fewer instructions per element, for the hardware cvt path only:
+    - no clamp to +-max_normal: cvt.rn.satfinite already saturates (PTX: |v| > MAX_NORM gives
+      the signed MAX_NORM, inf included), and RNE below the bound rounds the same either way;
+    - the NaN block through the scale, not by selecting 0x7F on the fp8 bytes (unpack, select,
+      mask, repack per element): 2**-e is NaN there, so every product is NaN and cvt makes it
+      fp8 NaN. Bit-identical to quantize_blocks if that NaN is 0x7F for both formats (the GPU
+      tests check it), so LEAN is off by default."""
+    amax = gl.reduce(gl.abs(blocks), AXIS, max_nan)
+    amax_bits = amax.to(gl.int32, bitcast=True) & 0x7FFFFFFF
+    is_nan = amax_bits > 0x7F800000
+    e = scale_exponent(amax_bits, EMAX, MAX_MANT, RCEIL)
+    inv_scale = gl.where(e < 127, (127 - e) << 23, 0x400000).to(gl.float32, bitcast=True)
+    v = blocks * gl.expand_dims(gl.where(is_nan, float("nan"), inv_scale), AXIS)
+    if IS_E4M3:
+        q = v.to(gl.float8e4nv).to(gl.uint8, bitcast=True)
+    else:
+        q = v.to(gl.float8e5).to(gl.uint8, bitcast=True)
+    return q, gl.where(is_nan, 0xFF, e + 127).to(gl.uint8)
+
+
+@gluon.jit
+def quantize(
+    blocks, AXIS: gl.constexpr, EMAX: gl.constexpr, MAX_MANT: gl.constexpr, MAX_NORMAL: gl.constexpr,
+    MBITS: gl.constexpr, EMIN: gl.constexpr, IS_E4M3: gl.constexpr, RCEIL: gl.constexpr, LEAN: gl.constexpr,
+):  # fmt: skip
+    if LEAN:
+        return quantize_blocks_lean(blocks, AXIS, EMAX, MAX_MANT, IS_E4M3, RCEIL)
+    return quantize_blocks(blocks, AXIS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, False)
+
+
+@gluon.jit
+def store_scales(s_ptr, scale, r, c, n_rows, n_cols, BLOCKED: gl.constexpr, EVEN: gl.constexpr):
+    """mx_quantize.store_scales for broadcastable index tensors r (scale row) and c (scale column).
+    EVEN: the tile lies inside the matrix and there is no padding (no masks)."""
+    if BLOCKED:
+        col_tiles = (n_cols + 3) >> 2
+        offs = blocked_scale_offset(r, c, col_tiles)
+        if EVEN:
+            gl.store(s_ptr + offs, scale)
+        else:
+            valid = (r < n_rows) & (c < n_cols)
+            in_buffer = (r < ((n_rows + 127) >> 7 << 7)) & (c < col_tiles * 4)
+            gl.store(s_ptr + offs, gl.where(valid, scale, 0), mask=in_buffer)
+    elif EVEN:
+        gl.store(s_ptr + r * n_cols + c, scale)  # < 2**31 bytes: 1/32 of an int32-indexable qdata
+    else:
+        gl.store(s_ptr + r * n_cols + c, scale, mask=(r < n_rows) & (c < n_cols))
+
+
+@gluon.jit
+def dim1_tile(
+    x_ptr, q_ptr, M, K, stride_xm, stride_xk, row0, row_end, pid_k,
+    NUM_SUB: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr, REPS: gl.constexpr,
+    MASK_ROWS: gl.constexpr, MASK_COLS: gl.constexpr, OFFS64: gl.constexpr, LEAN: gl.constexpr,
+    EMAX: gl.constexpr, MAX_MANT: gl.constexpr, MAX_NORMAL: gl.constexpr, MBITS: gl.constexpr, EMIN: gl.constexpr,
+    IS_E4M3: gl.constexpr, RCEIL: gl.constexpr,
+):  # fmt: skip
+    """Rows [row0, row0 + 32 * NUM_SUB) x columns [pid_k * BLOCK_K, +BLOCK_K) of x [M, K] (x_ptr, q_ptr:
+    this slice's bases) quantized in blocks of 32 along M; qdata stored transposed into q [K, M].
+    Rows >= row_end (MASK_ROWS) and columns >= K (MASK_COLS) read as zeros and are not stored.
+    row0 and row_end: multiples of 32. Returns the scales [NUM_SUB, CHUNKS, 32] (uint8, biased) in
+    ``dim1_scale_layout``: NUM_SUB contiguous scale bytes per column k in a thread.
+    The 3D and per-group casts use it; the 2D kernel of gluon_casts keeps its own tile code (joint
+    row-and-column masks), so that its measured code does not change."""
+    CHUNKS: gl.constexpr = ROWS // 4 * NUM_WARPS * REPS
+    L: gl.constexpr = tile_layout(NUM_SUB, ROWS, NUM_WARPS)
+    rows = row0 + arange_along(NUM_SUB, 0, 4, L) * 32 + arange_along(32, 1, 4, L)  # [NUM_SUB, 32, 1, 1]
+    cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, L)) * 32 + arange_along(32, 3, 4, L)  # [1, 1, CHUNKS, 32]
+    x_ptrs = x_ptr + wide(rows, OFFS64) * stride_xm + cols * stride_xk
+    # masks stay full-shape ([NUM_SUB, 32, CHUNKS, 32]): a `>= 0` term stands in for the unmasked dim
+    if MASK_ROWS:
+        if MASK_COLS:
+            x = gl.load(x_ptrs, mask=(rows < row_end) & (cols < K), other=0.0)
+        else:
+            x = gl.load(x_ptrs, mask=(rows < row_end) & (cols >= 0), other=0.0)
+    elif MASK_COLS:
+        x = gl.load(x_ptrs, mask=(rows >= 0) & (cols < K), other=0.0)
+    else:
+        x = gl.load(x_ptrs)
+
+    # blocks of 32 along M (axis 1), quantized in the rows-first register order, so that cvt packs fp8
+    # pairs along M, as the transposed [K, M] store wants them
+    T: gl.constexpr = transposed_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
+    q, s = quantize(
+        gl.convert_layout(x.to(gl.float32), T, assert_trivial=True), 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN,
+        IS_E4M3, RCEIL, LEAN,
+    )  # fmt: skip
+    t_rows = row0 + arange_along(NUM_SUB, 0, 4, T) * 32 + arange_along(32, 1, 4, T)
+    t_cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, T)) * 32 + arange_along(32, 3, 4, T)
+    q_ptrs = q_ptr + wide(t_cols, OFFS64) * M + t_rows
+    if MASK_ROWS:
+        if MASK_COLS:
+            gl.store(q_ptrs, q, mask=(t_rows < row_end) & (t_cols < K))
+        else:
+            gl.store(q_ptrs, q, mask=(t_rows < row_end) & (t_cols >= 0))
+    elif MASK_COLS:
+        gl.store(q_ptrs, q, mask=(t_rows >= 0) & (t_cols < K))
+    else:
+        gl.store(q_ptrs, q)
+    S1L: gl.constexpr = dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
+    return gl.convert_layout(s, S1L, assert_trivial=True)
 
 
 def check_tile_config(config: dict | None, defaults: dict, what: str) -> dict:

@@ -42,9 +42,12 @@ CONFIGS = [
     dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, LEAN=True),
     dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=2, LEAN=True),
     dict(ROWS=4, BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, PLAIN_VIA_BLOCKED=True),
+    dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, LEAN=True, PLAIN_VIA_BLOCKED=True, PERSISTENT=3),
+    # one small-tile program per SM: shapes from 1024 x 4096 up give each program many tiles to walk
+    dict(ROWS=4, BLOCK_K=32, NUM_WARPS=1, NUM_SUB=1, PERSISTENT=1),
 ]
 CONFIG_IDS = ["default", "base", "r8", "r8rep2s2", "r16", "w1s4", "w8", "lean_r4", "lean_r8", "lean_r8s2"]
-CONFIG_IDS += ["via_blocked"]
+CONFIG_IDS += ["via_blocked", "persistent", "persistent_w1"]
 
 
 def gluon():
@@ -121,7 +124,8 @@ def test_argument_errors(monkeypatch):
         g.gluon_cast_dim1(torch.randn(64, 64).half(), "e4m3", "floor")
     x = torch.randn(64, 64, dtype=torch.bfloat16)
     bad_configs = [dict(BLOCK_K=96), dict(BLOCK_K=64, NUM_WARPS=4), dict(ROWS=32), dict(NUM_SUB=3), dict(LEAN=1)]
-    for bad in bad_configs + [dict(PLAIN_VIA_BLOCKED=1)]:
+    bad_configs += [dict(PLAIN_VIA_BLOCKED=1), dict(PERSISTENT=-1), dict(PERSISTENT=True), dict(PERSISTENT=1.5)]
+    for bad in bad_configs:
         with pytest.raises(ValueError, match="Gluon cast config"):
             g.gluon_cast_dim1(x, "e4m3", "floor", config=bad)
     with pytest.raises(ValueError, match="unknown Gluon cast config keys"):
@@ -226,7 +230,7 @@ def gpu_cases(configs: list, config_ids: list[str], full: set[str]) -> list:
     ]
 
 
-GPU_CASES = gpu_cases(CONFIGS, CONFIG_IDS, {"default", "r8", "lean_r8"})
+GPU_CASES = gpu_cases(CONFIGS, CONFIG_IDS, {"default", "r8", "lean_r8", "persistent", "persistent_w1"})
 
 
 @pytest.mark.gpu

@@ -1,0 +1,242 @@
+"""Gluon per-group dim1 MX cast (MoE grad-weight operand): ``cast_groups_dim1``'s contract, bit for bit.
+
+On a Hopper GPU ``mx_kernels.cast_groups_dim1.cast_groups_dim1`` runs this for bf16 input unless the
+caller passes a Triton config (``mx_kernels.common.use_gluon``; ``MX_RECIPE_GLUON=0`` turns it off).
+
+x [M_total, K] holds token groups ending at ``offs`` (int32, cumulative, each group a multiple of 32 rows,
+empty groups allowed). qdata [K, M_total] fp8 is the plain dim1 cast (column range [offs[g-1], offs[g]) is
+group g's ``to_mx(x_g.t().contiguous())``); the scales are each group's [K, M_g/32] matrix blocked on its
+own, groups concatenated in a buffer of ``blocked_groups_numel(K, M_total/32, G)`` bytes, every byte
+written (zeros in the padding and the tail); ``scale_layout.to_blocked_groups`` is the reference.
+
+Same walk as the Triton kernel: the grid walks the destination, not the source. A 128-row tile column t
+of the scale buffer (4 scale columns of one group) is cut into 4 / NUM_SUB programs along grid axis 0;
+grid axis 1 walks the padded K. Each program finds its group from ``offs`` on the device (no host sync):
+the G group ends are loaded as one vector held whole by each warp (lanes along G, warps holding copies),
+so the scan and the sums stay in shuffles, no shared memory. Then ``gluon_common.dim1_tile`` with rows
+>= the group's end masked, and a blocked scale store at the group's base. Programs past the last group
+write zeros to the buffer's tail. As in the Triton kernel, invalid offs give unspecified values but no
+access out of bounds (group ends clamped to [0, M_total] and rounded down to 32 rows; scale stores
+bounded by the buffer). Gluon kernels do not run in the Triton interpreter (3.6): this needs a GPU, and
+``compile_for_target`` compiles it for inspection without one (tests/test_gluon_3d_groups.py).
+"""
+
+from __future__ import annotations
+
+import mx_recipe.formats  # noqa: F401  (first: importing mx_kernels.common before mx_recipe is circular)
+
+# isort: split
+import torch
+import triton
+import triton.experimental.gluon.language as gl
+from mx_kernels.common import check_cast, check_offs, format_constexprs, fp8_dtype, groups_dim1_shapes
+from mx_kernels.gluon_common import (
+    arange_along,
+    check_tile_config,
+    compile_for_arch,
+    dim1_scale_layout,
+    dim1_tile,
+    require_gpu,
+    wide,
+)
+from mx_kernels.mx_quantize import blocked_scale_offset
+from triton.experimental import gluon
+
+# The base a partial config is completed from (gluon_casts.GLUON_CONFIG's tile), and what a call without a
+# config runs: one 32-row sub-tile per program. H200, x [16640, 5120] bf16 in G near-equal groups, e4m3
+# floor, % of copy bandwidth (docs/profiles/2026-11-21_h200_gluon_3d_groups.txt): 80% (G = 16) / 77%
+# (G = 64), the Triton kernel 60% / 49%. The 2D dim1 tile (NUM_SUB 2) gave 73% / 54%: the row masks cost
+# registers (sm_90: 144 against 60 for NUM_SUB 1); capping them (ptxas maxnreg 96 or 128) gave 48-74%.
+GLUON_GROUPS_BASE_CONFIG = dict(BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False)
+GLUON_GROUPS_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, ROWS=8, LEAN=True)
+TILE_ROWS = 128  # rows of one 4-column tile of a group's blocked scales
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.constexpr_function
+def _groups_layout(groups_pow2, num_warps):
+    """1D layout of the G-vector: lanes along G (groups_pow2 / 32 registers each past 32 groups), every
+    warp a copy, so that its scan and reductions need no shared memory."""
+    return gl.BlockedLayout([max(groups_pow2 // 32, 1)], [32], [num_warps], [0])
+
+
+@gluon.jit
+def _gluon_cast_groups_dim1_kernel(
+    x_ptr,
+    offs_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    num_groups,
+    max_tile_cols,
+    stride_xm,
+    stride_xk,
+    GROUPS_POW2: gl.constexpr,
+    NUM_SUB: gl.constexpr,
+    ROWS: gl.constexpr,
+    NUM_WARPS: gl.constexpr,
+    REPS: gl.constexpr,
+    MASK_COLS: gl.constexpr,  # the grid's columns pass K (else no column masks)
+    OFFS64: gl.constexpr,
+    LEAN: gl.constexpr,
+    EMAX: gl.constexpr,
+    MAX_MANT: gl.constexpr,
+    MAX_NORMAL: gl.constexpr,
+    MBITS: gl.constexpr,
+    EMIN: gl.constexpr,
+    IS_E4M3: gl.constexpr,
+    RCEIL: gl.constexpr,
+):
+    CHUNKS: gl.constexpr = ROWS // 4 * NUM_WARPS * REPS
+    SPLIT: gl.constexpr = 4 // NUM_SUB  # programs per tile column
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    t = pid // SPLIT  # tile column of the scale buffer
+    part = pid % SPLIT  # which 32 * NUM_SUB of its 128 rows
+
+    # Which group owns tile column t: groups take cdiv(size, 128) tile columns each, in order
+    # (the Triton kernel's arithmetic, term for term).
+    GL: gl.constexpr = _groups_layout(GROUPS_POW2, NUM_WARPS)
+    g_idx = gl.arange(0, GROUPS_POW2, layout=GL)
+    in_range = g_idx < num_groups
+    # clamped to [0, M] and rounded down to 32 rows: bad offs stay in bounds and aligned
+    ends = gl.minimum(gl.maximum(gl.load(offs_ptr + g_idx, mask=in_range, other=0), 0), M) & -32
+    prev = gl.load(offs_ptr + g_idx - 1, mask=in_range & (g_idx > 0), other=0)
+    starts = gl.minimum(gl.maximum(prev, 0), M) & -32
+    tiles = gl.where(in_range, (gl.maximum(ends - starts, 0) + 127) >> 7, 0)
+    tiles_end = gl.associative_scan(tiles, 0, _add)
+    g = gl.sum((in_range & (tiles_end <= t)).to(gl.int32), axis=0)  # groups wholly before t
+    is_group = g < num_groups
+    this = g_idx == g
+    used_tiles = gl.sum(tiles, axis=0)
+    tile_start = gl.where(is_group, gl.sum(gl.where(this, tiles_end - tiles, 0), axis=0), used_tiles)
+    group_tiles = gl.where(is_group, gl.sum(gl.where(this, tiles, 0), axis=0), max_tile_cols - used_tiles)
+    row_end = gl.multiple_of(gl.where(is_group, gl.sum(gl.where(this, ends, 0), axis=0), 0), 32)
+    tile = t - tile_start  # tile column inside the group
+    row0 = gl.where(is_group, gl.sum(gl.where(this, starts, 0), axis=0), 0) + tile * 128
+    if SPLIT > 1:  # (SPLIT 1: no `+ 0`, which would fold away with the multiple_of hint on it)
+        row0 += part * (32 * NUM_SUB)
+    row0 = gl.multiple_of(row0, 32)  # group starts are rounded down to 32 rows above
+
+    # Programs with no row of their group (past its end, or in the buffer's tail) run the tile with every
+    # row masked: no memory traffic, and their zero scales are stored below.
+    s = dim1_tile(
+        x_ptr, q_ptr, M, K, stride_xm, stride_xk, row0, row_end, pid_k,
+        NUM_SUB, ROWS, NUM_WARPS, REPS, True, MASK_COLS, OFFS64, LEAN, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN,
+        IS_E4M3, RCEIL,
+    )  # fmt: skip
+
+    # this program's [NUM_SUB, BLOCK_K] scales: rows k of the group's tile column `tile`, NUM_SUB contiguous
+    # bytes per k
+    S1L: gl.constexpr = dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
+    r = (pid_k * CHUNKS + arange_along(CHUNKS, 1, 3, S1L)) * 32 + arange_along(32, 2, 3, S1L)  # [1, CHUNKS, 32]
+    sub = arange_along(NUM_SUB, 0, 3, S1L)  # [NUM_SUB, 1, 1]
+    valid = row0 + sub * 32 < row_end
+    if MASK_COLS:
+        valid = valid & (r < K)
+    padded_k = (K + 127) >> 7 << 7
+    group_base = padded_k.to(gl.int64) * 4 * tile_start  # the group's first byte
+    # bytes left in the buffer from the group's base (bounds the stores for invalid offs), in int32
+    left = padded_k.to(gl.int64) * 4 * max_tile_cols - group_base
+    left = gl.maximum(gl.minimum(left, 2**31 - 1), 0).to(gl.int32)
+    s_offs = blocked_scale_offset(wide(r, OFFS64), tile * 4 + part * NUM_SUB + sub, group_tiles)
+    in_buffer = s_offs < left
+    if MASK_COLS:
+        in_buffer = in_buffer & (r < padded_k)
+    gl.store(s_ptr + group_base + s_offs, gl.where(valid, s, 0), mask=in_buffer)
+
+
+def check_config(config: dict | None) -> dict:
+    """GLUON_GROUPS_CONFIG for None, else GLUON_GROUPS_BASE_CONFIG updated with ``config``, checked
+    (NUM_SUB 1, 2 or 4: a program's rows lie in one 128-row tile column)."""
+    cfg = check_tile_config(
+        GLUON_GROUPS_CONFIG if config is None else config, GLUON_GROUPS_BASE_CONFIG, "Gluon groups cast"
+    )
+    if cfg["NUM_SUB"] not in (1, 2, 4):
+        raise ValueError(f"Gluon groups cast config {cfg}: NUM_SUB must be 1, 2 or 4 (32-row blocks per program)")
+    return cfg
+
+
+def kernel_launch(
+    x: torch.Tensor, offs: torch.Tensor, q: torch.Tensor, s: torch.Tensor, elem: str, mode: str, config: dict | None
+) -> tuple[tuple[int, int], dict]:
+    """(grid, keyword arguments) of one launch (x [M, K] with K > 0; q, s uint8); also used to compile
+    ahead of time (``compile_for_target``)."""
+    cfg = check_config(config)
+    m, k = x.shape
+    num_groups = offs.numel()
+    block_k = cfg["BLOCK_K"]
+    max_tile_cols = triton.cdiv(m // 32, 4) + num_groups  # as scale_layout.blocked_groups_numel
+    padded_k = triton.cdiv(k, 128) * 128
+    grid = (max_tile_cols * (4 // cfg["NUM_SUB"]), triton.cdiv(padded_k, block_k))
+    k_cover = grid[1] * block_k
+    # largest offsets any lane forms (masked ones included; invalid offs: rows up to M + 128 per tile column)
+    row_bound = m + TILE_ROWS * max_tile_cols
+    span = max(
+        row_bound * abs(x.stride(0)) + k_cover * abs(x.stride(1)), k_cover * m + row_bound, padded_k * 4 * max_tile_cols
+    )
+    kwargs = dict(
+        x_ptr=x,
+        offs_ptr=offs,
+        q_ptr=q,
+        s_ptr=s,
+        M=m,
+        K=k,
+        num_groups=num_groups,
+        max_tile_cols=max_tile_cols,
+        stride_xm=x.stride(0),
+        stride_xk=x.stride(1),
+        GROUPS_POW2=triton.next_power_of_2(num_groups),
+        NUM_SUB=cfg["NUM_SUB"],
+        ROWS=cfg["ROWS"],
+        NUM_WARPS=cfg["NUM_WARPS"],
+        REPS=block_k // (8 * cfg["ROWS"] * cfg["NUM_WARPS"]),
+        MASK_COLS=k_cover != k,
+        OFFS64=span >= 2**31,
+        LEAN=cfg["LEAN"],
+        num_warps=cfg["NUM_WARPS"],
+        **format_constexprs(elem, mode),
+    )
+    return grid, kwargs
+
+
+def gluon_cast_groups_dim1(
+    x: torch.Tensor, offs: torch.Tensor, elem: str, mode: str, config: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M_total, K] (bf16/fp32, any strides), offs int32 [G] group ends on x's device -> (qdata [K, M_total]
+    fp8, per-group blocked scales e8m0, 1D): ``mx_kernels.cast_groups_dim1.cast_groups_dim1``, bit for bit.
+    The caller validates the values of ``offs`` (``common.check_offs``): read here, they would sync."""
+    check_cast(x, elem, mode, ndims=(2,), qdim=0, op="gluon_cast_groups_dim1")
+    check_offs(offs, x.shape[0], check_values=False)
+    cfg = check_config(config)
+    require_gpu(x, "gluon_cast_groups_dim1")
+    if offs.device != x.device:
+        raise ValueError(f"gluon_cast_groups_dim1: offs is on {offs.device}, x on {x.device}")
+    q_shape, s_shape = groups_dim1_shapes(x.shape, offs.numel(), blocked=True)
+    qdata = torch.empty(q_shape, dtype=fp8_dtype(elem), device=x.device)
+    scale = torch.empty(s_shape, dtype=torch.float8_e8m0fnu, device=x.device)
+    m, k = x.shape
+    if k and not m:  # no rows: the buffer (G tile columns of padding) is zeros, as the Triton kernel writes it
+        scale.view(torch.uint8).zero_()
+    elif k:
+        grid, kwargs = kernel_launch(x, offs, qdata.view(torch.uint8), scale.view(torch.uint8), elem, mode, cfg)
+        _gluon_cast_groups_dim1_kernel[grid](**kwargs)
+    return qdata, scale
+
+
+def compile_for_target(
+    shape: tuple[int, int], num_groups: int, dtype: torch.dtype = torch.bfloat16, elem: str = "e4m3",
+    mode: str = "floor", config: dict | None = None, arch: int = 90,
+):  # fmt: skip
+    """Compile the kernel for CUDA ``arch`` without a GPU: the CompiledKernel (``.asm["ptx"]``, ``["cubin"]``),
+    specialized as a launch on a contiguous x of ``shape`` with ``num_groups`` groups would be."""
+    x = torch.empty(shape, dtype=dtype, device="meta")
+    offs = torch.empty(num_groups, dtype=torch.int32, device="meta")
+    u8 = torch.empty(16, dtype=torch.uint8, device="meta")
+    _, kwargs = kernel_launch(x, offs, u8, u8, elem, mode, config)
+    return compile_for_arch(_gluon_cast_groups_dim1_kernel, kwargs, arch)
