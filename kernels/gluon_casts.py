@@ -55,7 +55,7 @@ from triton.experimental import gluon
 # PLAIN_VIA_BLOCKED: plain scales are written in the blocked layout and then permuted to [rows, cols]
 # (unblock_scales, one Triton pass over the scales): the kernel's plain dim1 scale stores, NUM_SUB
 # bytes per row of [K, M/32], cost 14% (dim1 plain 81% of copy against blocked 94%, H200).
-GLUON_CONFIG = dict(BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False, PLAIN_VIA_BLOCKED=False, PERSISTENT=0)
+GLUON_CONFIG = dict(BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False, PLAIN_VIA_BLOCKED=False)
 # What a call without a config runs: the best of the H200 sweeps at 16384^2 bf16, e4m3 floor
 # (docs/profiles/2026-11-21_h200_gluon_casts_via_blocked.txt, commit 1713f1a): dim1 with blocked scales
 # 96% of copy (the Triton kernel 89%), plain scales via blocked 88% (80%); fused via blocked 76% (52%).
@@ -161,23 +161,6 @@ def _store_scales(s_ptr, scale, r, c, n_rows, n_cols, BLOCKED: gl.constexpr, EVE
 
 
 @gluon.jit
-def _load_tile(
-    x_ptr, pid_m, pid_k, M, K, stride_xm, stride_xk, NUM_SUB: gl.constexpr, CHUNKS: gl.constexpr,
-    L: gl.constexpr, MASK_ROWS: gl.constexpr, MASK_COLS: gl.constexpr, OFFS64: gl.constexpr,
-):  # fmt: skip
-    """Tile (pid_m, pid_k) of x in layout L, in x's dtype; zeros where masked. A tile index past the
-    grid (a prefetch beyond the last tile) has columns >= K, so MASK_COLS masks it whole."""
-    rows = (pid_m * NUM_SUB + arange_along(NUM_SUB, 0, 4, L)) * 32 + arange_along(32, 1, 4, L)  # [NUM_SUB, 32, 1, 1]
-    cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, L)) * 32 + arange_along(32, 3, 4, L)  # [1, 1, CHUNKS, 32]
-    x_ptrs = x_ptr + wide(rows, OFFS64) * stride_xm + cols * stride_xk
-    if MASK_ROWS:
-        return gl.load(x_ptrs, mask=(rows < M) & (cols < K), other=0.0)
-    elif MASK_COLS:
-        return gl.load(x_ptrs, mask=cols < K, other=0.0)
-    return gl.load(x_ptrs)
-
-
-@gluon.jit
 def _cast_tile(
     x, pid_m, pid_k, q0_ptr, s0_ptr, q1_ptr, s1_ptr, M, K, S0_COLS, S1_COLS,
     NUM_SUB: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr, REPS: gl.constexpr, L: gl.constexpr,
@@ -236,8 +219,6 @@ def _gluon_cast_kernel(
     stride_xk,
     S0_COLS,  # K // 32 (dim0 scale columns), an argument so that it is specialized like M and K
     S1_COLS,  # M // 32
-    TILES_M,  # tiles along M and K that the (persistent) grid walks
-    TILES_K,
     NUM_SUB: gl.constexpr,
     ROWS: gl.constexpr,
     NUM_WARPS: gl.constexpr,
@@ -248,7 +229,6 @@ def _gluon_cast_kernel(
     EVEN: gl.constexpr,  # the tiles cover x exactly: no bounds masks
     OFFS64: gl.constexpr,
     LEAN: gl.constexpr,
-    PERSISTENT: gl.constexpr,  # a grid of programs that walk the tiles, loading the next during the cast
     EMAX: gl.constexpr,
     MAX_MANT: gl.constexpr,
     MAX_NORMAL: gl.constexpr,
@@ -259,128 +239,46 @@ def _gluon_cast_kernel(
 ):
     CHUNKS: gl.constexpr = ROWS // 4 * NUM_WARPS * REPS
     L: gl.constexpr = tile_layout(NUM_SUB, ROWS, NUM_WARPS)
-    if PERSISTENT:
-        # A one-tile program loads, then computes, then stores: while its warps compute, it has no
-        # bytes in flight. Here each program keeps its next tile's load in flight during the cast
-        # (one tile of registers more). Tiles go M-fastest, as the grid of the one-tile launch does.
-        step = gl.num_programs(0)
-        first = gl.program_id(0)
-        x_next = _load_tile(
-            x_ptr,
-            first % TILES_M,
-            first // TILES_M,
-            M,
-            K,
-            stride_xm,
-            stride_xk,
-            NUM_SUB,
-            CHUNKS,
-            L,
-            not EVEN,
-            True,
-            OFFS64,
-        )
-        for t in range(first, TILES_M * TILES_K, step):
-            x = x_next
-            nxt = t + step
-            x_next = _load_tile(
-                x_ptr,
-                nxt % TILES_M,
-                nxt // TILES_M,
-                M,
-                K,
-                stride_xm,
-                stride_xk,
-                NUM_SUB,
-                CHUNKS,
-                L,
-                not EVEN,
-                True,
-                OFFS64,
-            )
-            _cast_tile(
-                x.to(gl.float32),
-                t % TILES_M,
-                t // TILES_M,
-                q0_ptr,
-                s0_ptr,
-                q1_ptr,
-                s1_ptr,
-                M,
-                K,
-                S0_COLS,
-                S1_COLS,
-                NUM_SUB,
-                ROWS,
-                NUM_WARPS,
-                REPS,
-                L,
-                DIM0,
-                BLOCKED0,
-                BLOCKED1,
-                EVEN,
-                OFFS64,
-                LEAN,
-                EMAX,
-                MAX_MANT,
-                MAX_NORMAL,
-                MBITS,
-                EMIN,
-                IS_E4M3,
-                RCEIL,
-            )
+    pid_m = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    rows = (pid_m * NUM_SUB + arange_along(NUM_SUB, 0, 4, L)) * 32 + arange_along(32, 1, 4, L)  # [NUM_SUB, 32, 1, 1]
+    cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, L)) * 32 + arange_along(32, 3, 4, L)  # [1, 1, CHUNKS, 32]
+    x_ptrs = x_ptr + wide(rows, OFFS64) * stride_xm + cols * stride_xk
+    if EVEN:
+        x = gl.load(x_ptrs).to(gl.float32)
     else:
-        pid_m = gl.program_id(0)
-        pid_k = gl.program_id(1)
-        x = _load_tile(x_ptr, pid_m, pid_k, M, K, stride_xm, stride_xk, NUM_SUB, CHUNKS, L, not EVEN, False, OFFS64)
-        _cast_tile(
-            x.to(gl.float32),
-            pid_m,
-            pid_k,
-            q0_ptr,
-            s0_ptr,
-            q1_ptr,
-            s1_ptr,
-            M,
-            K,
-            S0_COLS,
-            S1_COLS,
-            NUM_SUB,
-            ROWS,
-            NUM_WARPS,
-            REPS,
-            L,
-            DIM0,
-            BLOCKED0,
-            BLOCKED1,
-            EVEN,
-            OFFS64,
-            LEAN,
-            EMAX,
-            MAX_MANT,
-            MAX_NORMAL,
-            MBITS,
-            EMIN,
-            IS_E4M3,
-            RCEIL,
-        )
-
-
-def check_config(config: dict | None) -> dict:
-    """``config`` completed from GLUON_CONFIG and checked (gluon_common.check_tile_config, and PERSISTENT)."""
-    cfg = check_tile_config(config, GLUON_CONFIG, "Gluon cast")
-    persistent = cfg["PERSISTENT"]
-    if not (isinstance(persistent, int) and not isinstance(persistent, bool) and persistent >= 0):
-        raise ValueError(f"Gluon cast config {cfg}: PERSISTENT (programs per SM, 0: one per tile) must be an int >= 0")
-    return cfg
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device``; 132 (an H100 SXM / H200) off the GPU, where only
-    compiles happen (the grid size is not part of the compiled code)."""
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
+        x = gl.load(x_ptrs, mask=(rows < M) & (cols < K), other=0.0).to(gl.float32)
+    _cast_tile(
+        x,
+        pid_m,
+        pid_k,
+        q0_ptr,
+        s0_ptr,
+        q1_ptr,
+        s1_ptr,
+        M,
+        K,
+        S0_COLS,
+        S1_COLS,
+        NUM_SUB,
+        ROWS,
+        NUM_WARPS,
+        REPS,
+        L,
+        DIM0,
+        BLOCKED0,
+        BLOCKED1,
+        EVEN,
+        OFFS64,
+        LEAN,
+        EMAX,
+        MAX_MANT,
+        MAX_NORMAL,
+        MBITS,
+        EMIN,
+        IS_E4M3,
+        RCEIL,
+    )
 
 
 def kernel_launch(
@@ -391,18 +289,14 @@ def kernel_launch(
     as uint8 views, the unused pair of a one-sided cast standing in for the other; ``blocked``: are the
     (dim0, dim1) scales written blocked. Also used to compile the kernel ahead of time
     (tests/test_gluon_casts.py)."""
-    cfg = check_config(config)
+    cfg = check_tile_config(config, GLUON_CONFIG, "Gluon cast")
     m, k = x.shape
     block_m, block_k = 32 * cfg["NUM_SUB"], cfg["BLOCK_K"]
     pad = 128 if any(blocked) else 1  # blocked: the tiles cover the padding too, to zero it
     tiles = (triton.cdiv(triton.cdiv(m, pad) * pad, block_m), triton.cdiv(triton.cdiv(k, pad) * pad, block_k))
-    if cfg["PERSISTENT"]:
-        grid = (min(tiles[0] * tiles[1], _sm_count(x.device) * cfg["PERSISTENT"]), 1)
-    else:
-        grid = tiles
+    grid = tiles
     q0, s0, q1, s1 = outs
     m_cover, k_cover = tiles[0] * block_m, tiles[1] * block_k  # rows and columns the tiles span
-    # a persistent program's last prefetch is a tile past them: all masked, its offsets never used
     span = max((m_cover - 1) * abs(x.stride(0)) + (k_cover - 1) * abs(x.stride(1)), m_cover * k_cover)
     kwargs = dict(
         x_ptr=x,
@@ -416,8 +310,6 @@ def kernel_launch(
         stride_xk=x.stride(1),
         S0_COLS=k // 32,
         S1_COLS=m // 32,
-        TILES_M=tiles[0],
-        TILES_K=tiles[1],
         NUM_SUB=cfg["NUM_SUB"],
         ROWS=cfg["ROWS"],
         NUM_WARPS=cfg["NUM_WARPS"],
@@ -428,7 +320,6 @@ def kernel_launch(
         EVEN=(m_cover, k_cover) == (m, k),
         OFFS64=span >= 2**31,
         LEAN=cfg["LEAN"],
-        PERSISTENT=cfg["PERSISTENT"] > 0,
         num_warps=cfg["NUM_WARPS"],
         **format_constexprs(elem, mode),
     )
@@ -454,7 +345,7 @@ def gluon_cast_dim1(
     """x [M, K] (bf16/fp32, M % 32 == 0) -> (qdata [K, M] fp8, scales e8m0 [K, M/32] or blocked 1D):
     the outputs of ``mx_kernels.cast_dim1.cast_dim1``, bit for bit."""
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="gluon_cast_dim1")
-    cfg = check_config(DIM1_CONFIG if config is None else config)
+    cfg = check_tile_config(DIM1_CONFIG if config is None else config, GLUON_CONFIG, "Gluon cast")
     require_gpu(x, "gluon_cast_dim1")
     via_blocked = cfg["PLAIN_VIA_BLOCKED"] and not blocked_scales and x.numel() > 0
     blocked = blocked_scales or via_blocked
@@ -477,7 +368,7 @@ def gluon_cast_dim0_dim1(
     of x: the outputs of ``mx_kernels.cast_dim0_dim1.cast_dim0_dim1``, bit for bit."""
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="gluon_cast_dim0_dim1")
     check_cast(x, elem, mode, ndims=(2,), qdim=1, op="gluon_cast_dim0_dim1")
-    cfg = check_config(DIM0_DIM1_CONFIG if config is None else config)
+    cfg = check_tile_config(DIM0_DIM1_CONFIG if config is None else config, GLUON_CONFIG, "Gluon cast")
     require_gpu(x, "gluon_cast_dim0_dim1")
     # plain dim0 scales are stored directly (K / 32 contiguous bytes per row); plain dim1 ones may go via blocked
     via_blocked = cfg["PLAIN_VIA_BLOCKED"] and not blocked_scales and x.numel() > 0

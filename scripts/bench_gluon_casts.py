@@ -30,32 +30,23 @@ from mx_kernels.cast_dim1 import DIM1_CONFIG as TRITON_DIM1
 from mx_kernels.cast_dim1 import cast_dim1
 from mx_kernels.gluon_casts import gluon_cast_dim0_dim1, gluon_cast_dim1
 
-# (ROWS rows per thread, BLOCK_K, NUM_WARPS, NUM_SUB, LEAN, PLAIN_VIA_BLOCKED, PERSISTENT programs per SM);
-# registers from the sm_90 compile in brackets. The earlier sweeps (no PERSISTENT) are in
-# docs/profiles/2026-11-21_h200_gluon_casts_via_blocked.txt.
+# (ROWS rows per thread, BLOCK_K, NUM_WARPS, NUM_SUB, LEAN, PLAIN_VIA_BLOCKED); registers from the sm_90
+# compile in brackets. Wider sweeps: docs/profiles/2026-11-21_h200_gluon_casts_via_blocked.txt.
 DIM1_SWEEP = [
+    (4, 128, 4, 2, False),  # [70] the base config
+    (8, 256, 4, 1, True, True),  # [56]
     (8, 256, 4, 2, True, True),  # [92] the default: plain scales written blocked, then permuted
     (16, 512, 4, 1, True, True),  # [108]
-    (8, 256, 4, 1, True, True, 3),  # [134]
-    (8, 128, 2, 1, True, True, 7),  # [143]
 ]
 FUSED_SWEEP = [
+    (4, 128, 4, 2, True, True),  # [156]
     (8, 256, 4, 1, True, True),  # [127] the default
-    (8, 256, 4, 1, True, True, 2),  # [168]
-    (8, 256, 4, 1, True, True, 3),  # [168]
-    (8, 128, 2, 1, True, True, 6),  # [168]
-    (4, 128, 4, 1, True, True, 4),  # [105]
-    (4, 128, 4, 2, True, True, 3),  # [168]
+    (8, 128, 2, 1, True, True),
 ]
 
 
-def config(
-    rows: int, block_k: int, warps: int, sub: int, lean: bool, via_blocked: bool = False, persistent: int = 0
-) -> dict:
-    return dict(
-        ROWS=rows, BLOCK_K=block_k, NUM_WARPS=warps, NUM_SUB=sub, LEAN=lean, PLAIN_VIA_BLOCKED=via_blocked,
-        PERSISTENT=persistent,
-    )  # fmt: skip
+def config(rows: int, block_k: int, warps: int, sub: int, lean: bool, via_blocked: bool = False) -> dict:
+    return dict(ROWS=rows, BLOCK_K=block_k, NUM_WARPS=warps, NUM_SUB=sub, LEAN=lean, PLAIN_VIA_BLOCKED=via_blocked)
 
 
 def bench_ms(fn: Callable[[], object]) -> float:

@@ -42,12 +42,9 @@ CONFIGS = [
     dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, LEAN=True),
     dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=2, LEAN=True),
     dict(ROWS=4, BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, PLAIN_VIA_BLOCKED=True),
-    dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, LEAN=True, PLAIN_VIA_BLOCKED=True, PERSISTENT=3),
-    # one small-tile program per SM: shapes from 1024 x 4096 up give each program many tiles to walk
-    dict(ROWS=4, BLOCK_K=32, NUM_WARPS=1, NUM_SUB=1, PERSISTENT=1),
 ]
 CONFIG_IDS = ["default", "base", "r8", "r8rep2s2", "r16", "w1s4", "w8", "lean_r4", "lean_r8", "lean_r8s2"]
-CONFIG_IDS += ["via_blocked", "persistent", "persistent_w1"]
+CONFIG_IDS += ["via_blocked"]
 
 
 def gluon():
@@ -124,8 +121,7 @@ def test_argument_errors(monkeypatch):
         g.gluon_cast_dim1(torch.randn(64, 64).half(), "e4m3", "floor")
     x = torch.randn(64, 64, dtype=torch.bfloat16)
     bad_configs = [dict(BLOCK_K=96), dict(BLOCK_K=64, NUM_WARPS=4), dict(ROWS=32), dict(NUM_SUB=3), dict(LEAN=1)]
-    bad_configs += [dict(PLAIN_VIA_BLOCKED=1), dict(PERSISTENT=-1), dict(PERSISTENT=True), dict(PERSISTENT=1.5)]
-    for bad in bad_configs:
+    for bad in bad_configs + [dict(PLAIN_VIA_BLOCKED=1)]:
         with pytest.raises(ValueError, match="Gluon cast config"):
             g.gluon_cast_dim1(x, "e4m3", "floor", config=bad)
     with pytest.raises(ValueError, match="unknown Gluon cast config keys"):
@@ -230,7 +226,7 @@ def gpu_cases(configs: list, config_ids: list[str], full: set[str]) -> list:
     ]
 
 
-GPU_CASES = gpu_cases(CONFIGS, CONFIG_IDS, {"default", "r8", "lean_r8", "persistent", "persistent_w1"})
+GPU_CASES = gpu_cases(CONFIGS, CONFIG_IDS, {"default", "r8", "lean_r8"})
 
 
 @pytest.mark.gpu
@@ -344,7 +340,8 @@ def kernels_launched(fn) -> set[str]:
 @pytest.mark.gpu
 def test_gpu_cast_dim1_and_fused_launch_the_gluon_kernel_on_hopper(monkeypatch):
     """cast_dim1 (2D) and cast_dim0_dim1 launch the Gluon kernel on sm_90 for bf16 input, the Triton one
-    with MX_RECIPE_GLUON=0 or a Triton config and for 3D or fp32 input; the same bytes either way."""
+    with MX_RECIPE_GLUON=0 or a Triton config and for fp32 input; the same bytes either way (3D input:
+    gluon_cast_3d's kernel, tests/test_gluon_3d_groups.py)."""
     from mx_kernels.cast_dim0_dim1 import cast_dim0_dim1
     from mx_kernels.cast_dim1 import cast_dim1
     from mx_kernels.common import GLUON_ENV
@@ -366,7 +363,6 @@ def test_gpu_cast_dim1_and_fused_launch_the_gluon_kernel_on_hopper(monkeypatch):
         gluon_out[name] = fn()
     for fn in (
         lambda: cast_dim1(x, "e4m3", "floor", config=dict(BLOCK_K=64, NUM_SUB=2, num_warps=1)),
-        lambda: cast_dim1(x.unsqueeze(0), "e4m3", "floor"),  # 3D: the Triton kernel's per-expert path
         lambda: cast_dim1(x.float(), "e4m3", "floor"),
     ):
         assert not any("_gluon_cast_kernel" in k for k in kernels_launched(fn))
