@@ -13,6 +13,8 @@ sync). The programs past the last group own the buffer's tail and write it as ze
 Contract: offs is validated on the host only on CPU (or when asked). On GPU invalid offs
 give unspecified values but never an access out of bounds (group ends are clamped to
 [0, M_total], scale stores to the buffer).
+On Hopper, bf16 input goes to the Gluon kernel of ``gluon_cast_groups`` (same walk, same bits;
+``common.use_gluon``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from mx_kernels.common import check_cast, format_constexprs, fp8_dtype, groups_dim1_shapes, software_round
+from mx_kernels.common import (
+    check_cast,
+    format_constexprs,
+    fp8_dtype,
+    groups_dim1_shapes,
+    software_round,
+    use_gluon,
+)
 from mx_kernels.mx_quantize import blocked_scale_offset, quantize_blocks, to_fp32
 
 GROUPS_DIM1_CONFIG = dict(BLOCK_K=64, num_warps=1)  # one warp: see cast_dim1.py
@@ -102,6 +111,10 @@ def cast_groups_dim1(
     The caller validates ``offs`` (``common.check_offs``); for plain scales use ``cast_dim1``.
     """
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_groups_dim1")
+    if use_gluon(x, config):  # Hopper: 80% / 77% of copy for 16 / 64 groups, Triton 60% / 49% (H200)
+        from mx_kernels.gluon_cast_groups import gluon_cast_groups_dim1
+
+        return gluon_cast_groups_dim1(x, offs, elem, mode)
     q_shape, s_shape = groups_dim1_shapes(x.shape, offs.numel(), blocked=True)
     qdata = torch.empty(q_shape, dtype=fp8_dtype(elem), device=x.device)
     scale = torch.empty(s_shape, dtype=torch.float8_e8m0fnu, device=x.device)
