@@ -23,7 +23,7 @@ and each thread stores ROWS contiguous bytes of [K, M] per column.
 
 Numerics are mx_quantize.quantize_blocks itself: Gluon kernels can call the @triton.jit helpers
 (elementwise ops and a reduce, lowered in the caller's layout). ``LEAN`` swaps in a variant
-with fewer instructions per element (see _quantize_blocks_lean), shown bit-identical to the
+with fewer instructions per element (see gluon_common.quantize_blocks_lean), shown bit-identical to the
 reference on an H200 (tests/test_gluon_casts.py). Gluon kernels do not run in the Triton interpreter (3.6):
 these need a GPU; ``compile_for_target`` compiles them for inspection without one.
 """
@@ -41,12 +41,17 @@ from mx_kernels.gluon_common import (
     arange_along,
     check_tile_config,
     compile_for_arch,
-    max_nan,
     require_gpu,
     tile_layout,
     wide,
 )
-from mx_kernels.mx_quantize import blocked_scale_offset, quantize_blocks, scale_exponent
+
+# the dim1 helpers live in gluon_common (shared with the 3D and per-group casts); aliased to the
+# names this file's kernels have always used
+from mx_kernels.gluon_common import dim1_scale_layout as _dim1_scale_layout
+from mx_kernels.gluon_common import quantize as _quantize
+from mx_kernels.gluon_common import store_scales as _store_scales
+from mx_kernels.gluon_common import transposed_layout as _transposed_layout
 from mx_kernels.unblock_scales import unblock_scales
 from triton.experimental import gluon
 
@@ -61,103 +66,6 @@ GLUON_CONFIG = dict(BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False, PLA
 # 96% of copy (the Triton kernel 89%), plain scales via blocked 88% (80%); fused via blocked 76% (52%).
 DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=2, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True)
 DIM0_DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True)
-
-
-@gluon.constexpr_function
-def _pow2_below(n: int) -> list[int]:
-    """1, 2, 4, .. < n (the linear-layout bases of a power-of-two extent n)."""
-    return [1 << i for i in range(n.bit_length() - 1)]
-
-
-@gluon.constexpr_function
-def _lanes_and_warps(rows, num_warps, dim_row, dim_chunk, dim_col, rank):
-    """Lane and warp bases of tile_layout (or of a slice of it: dim_row None drops the row dim, whose
-    lanes then hold copies). Lanes go columns first, then chunks, then rows; warps along chunks."""
-
-    def basis(dim, value):
-        return [value if d == dim else 0 for d in range(rank)]
-
-    lane = [basis(dim_col, 8), basis(dim_col, 16)] + [basis(dim_chunk, c) for c in _pow2_below(rows // 4)]
-    lane += [basis(dim_row, rows * r) if dim_row is not None else [0] * rank for r in _pow2_below(32 // rows)]
-    warp = [basis(dim_chunk, rows // 4 * w) for w in _pow2_below(num_warps)]
-    return lane, warp
-
-
-@gluon.constexpr_function
-def _transposed_layout(num_sub, rows, num_warps, reps):
-    """tile_layout with each thread's registers listed rows first: same lanes and warps, so converting
-    to it moves no data; its fp8 pairs and stores run along M (``rows`` contiguous bytes of [K, M])."""
-    chunks = rows // 4 * num_warps * reps
-    reg = [[0, r, 0, 0] for r in _pow2_below(rows)] + [[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]]
-    reg += [[s, 0, 0, 0] for s in _pow2_below(num_sub)]
-    reg += [[0, 0, rows // 4 * num_warps * r, 0] for r in _pow2_below(reps)]
-    lane, warp = _lanes_and_warps(rows, num_warps, 1, 2, 3, 4)
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [num_sub, 32, chunks, 32])
-
-
-@gluon.constexpr_function
-def _dim1_scale_layout(num_sub, rows, num_warps, reps):
-    """The dim1 scales [NUM_SUB, CHUNKS, 32] as the row reduction leaves them (copies on the row
-    lanes), registers listed sub-tile first: NUM_SUB contiguous scale bytes per column."""
-    chunks = rows // 4 * num_warps * reps
-    reg = [[s, 0, 0] for s in _pow2_below(num_sub)] + [[0, 0, 1], [0, 0, 2], [0, 0, 4]]
-    reg += [[0, rows // 4 * num_warps * r, 0] for r in _pow2_below(reps)]
-    lane, warp = _lanes_and_warps(rows, num_warps, None, 1, 2, 3)
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [num_sub, chunks, 32])
-
-
-@gluon.jit
-def _quantize_blocks_lean(
-    blocks, AXIS: gl.constexpr, EMAX: gl.constexpr, MAX_MANT: gl.constexpr, IS_E4M3: gl.constexpr,
-    RCEIL: gl.constexpr,
-):  # fmt: skip
-    """quantize_blocks in fewer instructions per element, for the hardware cvt path only:
-    - no clamp to +-max_normal: cvt.rn.satfinite already saturates (PTX: |v| > MAX_NORM gives
-      the signed MAX_NORM, inf included), and RNE below the bound rounds the same either way;
-    - the NaN block through the scale, not by selecting 0x7F on the fp8 bytes (unpack, select,
-      mask, repack per element): 2**-e is NaN there, so every product is NaN and cvt makes it
-      fp8 NaN. Bit-identical to quantize_blocks if that NaN is 0x7F for both formats (the GPU
-      tests check it), so LEAN is off by default."""
-    amax = gl.reduce(gl.abs(blocks), AXIS, max_nan)
-    amax_bits = amax.to(gl.int32, bitcast=True) & 0x7FFFFFFF
-    is_nan = amax_bits > 0x7F800000
-    e = scale_exponent(amax_bits, EMAX, MAX_MANT, RCEIL)
-    inv_scale = gl.where(e < 127, (127 - e) << 23, 0x400000).to(gl.float32, bitcast=True)
-    v = blocks * gl.expand_dims(gl.where(is_nan, float("nan"), inv_scale), AXIS)
-    if IS_E4M3:
-        q = v.to(gl.float8e4nv).to(gl.uint8, bitcast=True)
-    else:
-        q = v.to(gl.float8e5).to(gl.uint8, bitcast=True)
-    return q, gl.where(is_nan, 0xFF, e + 127).to(gl.uint8)
-
-
-@gluon.jit
-def _quantize(
-    blocks, AXIS: gl.constexpr, EMAX: gl.constexpr, MAX_MANT: gl.constexpr, MAX_NORMAL: gl.constexpr,
-    MBITS: gl.constexpr, EMIN: gl.constexpr, IS_E4M3: gl.constexpr, RCEIL: gl.constexpr, LEAN: gl.constexpr,
-):  # fmt: skip
-    if LEAN:
-        return _quantize_blocks_lean(blocks, AXIS, EMAX, MAX_MANT, IS_E4M3, RCEIL)
-    return quantize_blocks(blocks, AXIS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, False)
-
-
-@gluon.jit
-def _store_scales(s_ptr, scale, r, c, n_rows, n_cols, BLOCKED: gl.constexpr, EVEN: gl.constexpr):
-    """mx_quantize.store_scales for broadcastable index tensors r (scale row) and c (scale column).
-    EVEN: the tile lies inside the matrix and there is no padding (no masks)."""
-    if BLOCKED:
-        col_tiles = (n_cols + 3) >> 2
-        offs = blocked_scale_offset(r, c, col_tiles)
-        if EVEN:
-            gl.store(s_ptr + offs, scale)
-        else:
-            valid = (r < n_rows) & (c < n_cols)
-            in_buffer = (r < ((n_rows + 127) >> 7 << 7)) & (c < col_tiles * 4)
-            gl.store(s_ptr + offs, gl.where(valid, scale, 0), mask=in_buffer)
-    elif EVEN:
-        gl.store(s_ptr + r * n_cols + c, scale)  # < 2**31 bytes: 1/32 of an int32-indexable qdata
-    else:
-        gl.store(s_ptr + r * n_cols + c, scale, mask=(r < n_rows) & (c < n_cols))
 
 
 @gluon.jit
