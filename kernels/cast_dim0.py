@@ -11,7 +11,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from mx_kernels.common import check_cast, dim0_shapes, format_constexprs, fp8_dtype, interpreting, software_round
+from mx_kernels.common import (
+    check_cast,
+    dim0_shapes,
+    format_constexprs,
+    fp8_dtype,
+    interpreting,
+    software_round,
+    tile_grid,
+)
 from mx_kernels.mx_quantize import bf16_bits_rne, dequantize_blocks, quantize_blocks, store_scales, to_fp32
 
 # Tuned on an H200 for a bf16 16384^2 input (docs/notes_cast_kernels.md).
@@ -113,7 +121,7 @@ def _launch(
     cfg = {**DIM0_CONFIG, **(config or {})}
     block_m, block_k = cfg["BLOCK_M"], cfg["BLOCK_K"]
     pad = 128 if blocked else 1  # blocked: the grid covers the padding too, to zero it
-    grid = (triton.cdiv(triton.cdiv(m, pad) * pad, block_m), triton.cdiv(triton.cdiv(k, pad) * pad, block_k), num_batch)
+    grid = (*tile_grid(m, k, block_m, block_k, pad), num_batch)
     software = software_round(x, "cast_dim0")
     _cast_dim0_kernel[grid](
         x3,

@@ -19,6 +19,7 @@ from mx_kernels.common import (
     format_constexprs,
     fp8_dtype,
     software_round,
+    tile_grid,
     use_gluon,
 )
 from mx_kernels.mx_quantize import quantize_blocks, store_scales, to_fp32
@@ -99,7 +100,7 @@ def cast_dim0_dim1(
     cfg = {**DIM0_DIM1_CONFIG, **(config or {})}
     block_m, block_k = 32 * cfg["NUM_SUB"], cfg["BLOCK_K"]
     pad = 128 if blocked else 1  # blocked: the grid covers the padding too, to zero it
-    grid = (triton.cdiv(triton.cdiv(m, pad) * pad, block_m), triton.cdiv(triton.cdiv(k, pad) * pad, block_k))
+    grid = tile_grid(m, k, block_m, block_k, pad)
     _cast_dim0_dim1_kernel[grid](
         x,
         q0.view(torch.uint8),

@@ -22,6 +22,7 @@ from mx_kernels.common import (
     fp8_dtype,
     interpreting,
     software_round,
+    tile_grid,
     use_gluon,
 )
 from mx_kernels.mx_quantize import bf16_bits_rne, dequantize_blocks, quantize_blocks, store_scales, to_fp32
@@ -143,7 +144,7 @@ def _launch(
     cfg = {**DIM1_CONFIG, **(config or {})}
     block_m, block_k = 32 * cfg["NUM_SUB"], cfg["BLOCK_K"]
     pad = 128 if blocked else 1  # blocked: the grid covers the padding too, to zero it
-    grid = (triton.cdiv(triton.cdiv(m, pad) * pad, block_m), triton.cdiv(triton.cdiv(k, pad) * pad, block_k), num_batch)
+    grid = (*tile_grid(m, k, block_m, block_k, pad), num_batch)
     software = software_round(x, "cast_dim1")
     _cast_dim1_kernel[grid](
         x3,

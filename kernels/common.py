@@ -80,6 +80,17 @@ def software_round(x: torch.Tensor, op: str) -> bool:
     return False
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids: triton.cdiv is a ConstexprFunction, 2.3 us a call on the host."""
+    return -(-a // b)
+
+
+def tile_grid(m: int, k: int, block_m: int, block_k: int, pad: int) -> tuple[int, int]:
+    """Tiles of block_m x block_k over [m, k] with both rounded up to ``pad`` (128 for blocked scales:
+    the tiles cover the scale padding too, to zero it; 1 otherwise)."""
+    return cdiv(cdiv(m, pad) * pad, block_m), cdiv(cdiv(k, pad) * pad, block_k)
+
+
 def scale_bytes_2d(rows: int, cols: int, blocked: bool) -> tuple[int, ...]:
     """Shape of one 2D scale output: [rows, cols] plain, or 1D blocked bytes."""
     return (blocked_numel(rows, cols),) if blocked else (rows, cols)

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from mx_kernels.common import (
     BLOCK_SIZE,
+    cdiv,
     check_cast,
     fake_quant_2d_shapes,
     format_constexprs,
@@ -171,7 +172,7 @@ def _launch(
         raise ValueError(f"fake_quant_2d: BLOCK_M and BLOCK_K must be multiples of {BLOCK_SIZE}, got {cfg}")
     software = software_round(x, "fake_quant_2d")
     bits = software and x.dtype == torch.bfloat16  # the interpreter: bf16 bits rounded by hand
-    grid = (triton.cdiv(m_pad if along_m else m, block_m), triton.cdiv(k, block_k), num_batch)
+    grid = (cdiv(m_pad if along_m else m, block_m), cdiv(k, block_k), num_batch)
     _fake_quant_2d_kernel[grid](
         x3,
         x3 if row_src is None else row_src,

@@ -34,9 +34,8 @@ import mx_recipe.formats  # noqa: F401  (first: importing mx_kernels.common befo
 
 # isort: split
 import torch
-import triton
 import triton.experimental.gluon.language as gl
-from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, format_constexprs, fp8_dtype
+from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, format_constexprs, fp8_dtype, tile_grid
 from mx_kernels.gluon_common import (
     arange_along,
     check_tile_config,
@@ -72,7 +71,7 @@ DIM0_DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, ROWS=8, LEAN=True, 
 def _cast_tile(
     x, pid_m, pid_k, q0_ptr, s0_ptr, q1_ptr, s1_ptr, M, K, S0_COLS, S1_COLS,
     NUM_SUB: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr, REPS: gl.constexpr, L: gl.constexpr,
-    DIM0: gl.constexpr, BLOCKED0: gl.constexpr, BLOCKED1: gl.constexpr, EVEN: gl.constexpr, OFFS64: gl.constexpr,
+    DIM0: gl.constexpr, BLOCKED: gl.constexpr, EVEN: gl.constexpr, OFFS64: gl.constexpr,
     LEAN: gl.constexpr, EMAX: gl.constexpr, MAX_MANT: gl.constexpr, MAX_NORMAL: gl.constexpr, MBITS: gl.constexpr,
     EMIN: gl.constexpr, IS_E4M3: gl.constexpr, RCEIL: gl.constexpr,
 ):  # fmt: skip
@@ -92,7 +91,7 @@ def _cast_tile(
         S0L: gl.constexpr = gl.SliceLayout(3, L)
         s0_rows = (m0 + arange_along(NUM_SUB, 0, 3, S0L)) * 32 + arange_along(32, 1, 3, S0L)
         s0_cols = pid_k * CHUNKS + arange_along(CHUNKS, 2, 3, S0L)
-        _store_scales(s0_ptr, s0, s0_rows, s0_cols, M, S0_COLS, BLOCKED0, EVEN)
+        _store_scales(s0_ptr, s0, s0_rows, s0_cols, M, S0_COLS, BLOCKED, EVEN)
 
     # blocks of 32 along M (axis 1): transposed [K, M] output. Quantized in the rows-first register
     # order, so that cvt packs fp8 pairs along M, as the store wants them.
@@ -111,7 +110,7 @@ def _cast_tile(
     S1L: gl.constexpr = _dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
     s1 = gl.convert_layout(s1, S1L, assert_trivial=True)
     s1_rows = (pid_k * CHUNKS + arange_along(CHUNKS, 1, 3, S1L)) * 32 + arange_along(32, 2, 3, S1L)
-    _store_scales(s1_ptr, s1, s1_rows, m0 + arange_along(NUM_SUB, 0, 3, S1L), K, S1_COLS, BLOCKED1, EVEN)
+    _store_scales(s1_ptr, s1, s1_rows, m0 + arange_along(NUM_SUB, 0, 3, S1L), K, S1_COLS, BLOCKED, EVEN)
 
 
 @gluon.jit
@@ -132,8 +131,7 @@ def _gluon_cast_kernel(
     NUM_WARPS: gl.constexpr,
     REPS: gl.constexpr,
     DIM0: gl.constexpr,
-    BLOCKED0: gl.constexpr,  # dim0 scales in the blocked layout
-    BLOCKED1: gl.constexpr,  # dim1 scales in the blocked layout
+    BLOCKED: gl.constexpr,
     EVEN: gl.constexpr,  # the tiles cover x exactly: no bounds masks
     OFFS64: gl.constexpr,
     LEAN: gl.constexpr,
@@ -174,8 +172,7 @@ def _gluon_cast_kernel(
         REPS,
         L,
         DIM0,
-        BLOCKED0,
-        BLOCKED1,
+        BLOCKED,
         EVEN,
         OFFS64,
         LEAN,
@@ -190,18 +187,17 @@ def _gluon_cast_kernel(
 
 
 def kernel_launch(
-    x: torch.Tensor, outs: tuple[torch.Tensor, ...], elem: str, mode: str, blocked: tuple[bool, bool], dim0: bool,
+    x: torch.Tensor, outs: tuple[torch.Tensor, ...], elem: str, mode: str, blocked: bool, dim0: bool,
     config: dict | None,
 ) -> tuple[tuple[int, int], dict]:  # fmt: skip
     """(grid, keyword arguments) of one launch of ``_gluon_cast_kernel``; ``outs`` = (q0, s0, q1, s1)
-    as uint8 views, the unused pair of a one-sided cast standing in for the other; ``blocked``: are the
-    (dim0, dim1) scales written blocked. Also used to compile the kernel ahead of time
-    (tests/test_gluon_casts.py)."""
+    as uint8 views, the unused pair of a one-sided cast standing in for the other. Also used to
+    compile the kernel ahead of time (tests/test_gluon_casts.py)."""
     cfg = check_tile_config(config, GLUON_CONFIG, "Gluon cast")
     m, k = x.shape
     block_m, block_k = 32 * cfg["NUM_SUB"], cfg["BLOCK_K"]
-    pad = 128 if any(blocked) else 1  # blocked: the tiles cover the padding too, to zero it
-    tiles = (triton.cdiv(triton.cdiv(m, pad) * pad, block_m), triton.cdiv(triton.cdiv(k, pad) * pad, block_k))
+    pad = 128 if blocked else 1  # blocked: the tiles cover the padding too, to zero it
+    tiles = tile_grid(m, k, block_m, block_k, pad)
     grid = tiles
     q0, s0, q1, s1 = outs
     m_cover, k_cover = tiles[0] * block_m, tiles[1] * block_k  # rows and columns the tiles span
@@ -223,8 +219,7 @@ def kernel_launch(
         NUM_WARPS=cfg["NUM_WARPS"],
         REPS=block_k // (8 * cfg["ROWS"] * cfg["NUM_WARPS"]),
         DIM0=dim0,
-        BLOCKED0=blocked[0],
-        BLOCKED1=blocked[1],
+        BLOCKED=blocked,
         EVEN=(m_cover, k_cover) == (m, k),
         OFFS64=span >= 2**31,
         LEAN=cfg["LEAN"],
@@ -243,7 +238,7 @@ def compile_for_target(
     specialized as a launch on x of ``shape`` would specialize them (16-divisible ints, stride 1)."""
     x = torch.empty(shape, dtype=dtype)
     u8 = torch.empty(16, dtype=torch.uint8)  # stands in for every output (only its dtype and alignment matter)
-    _, kwargs = kernel_launch(x, (u8, u8, u8, u8), elem, mode, (blocked, blocked), dim0, config)
+    _, kwargs = kernel_launch(x, (u8, u8, u8, u8), elem, mode, blocked, dim0, config)
     return compile_for_arch(_gluon_cast_kernel, kwargs, arch)
 
 
@@ -262,7 +257,7 @@ def gluon_cast_dim1(
     scale = torch.empty(s_shape, dtype=torch.float8_e8m0fnu, device=x.device)
     if x.numel():
         q, s = qdata.view(torch.uint8), scale.view(torch.uint8)
-        grid, kwargs = kernel_launch(x, (q, s, q, s), elem, mode, (blocked, blocked), False, cfg)
+        grid, kwargs = kernel_launch(x, (q, s, q, s), elem, mode, blocked, False, cfg)
         _gluon_cast_kernel[grid](**kwargs)
     if via_blocked:
         scale = unblock_scales(scale, x.shape[1], x.shape[0] // 32)
@@ -278,18 +273,21 @@ def gluon_cast_dim0_dim1(
     check_cast(x, elem, mode, ndims=(2,), qdim=1, op="gluon_cast_dim0_dim1")
     cfg = check_tile_config(DIM0_DIM1_CONFIG if config is None else config, GLUON_CONFIG, "Gluon cast")
     require_gpu(x, "gluon_cast_dim0_dim1")
-    # plain dim0 scales are stored directly (K / 32 contiguous bytes per row); plain dim1 ones may go via blocked
+    # both plain scale matrices go via blocked: storing dim0's directly (8 bytes of a 512-byte row per
+    # program) made the fused cast 27 us slower at 16384^2 than blocked + unblock (H200, cb5cfd2)
     via_blocked = cfg["PLAIN_VIA_BLOCKED"] and not blocked_scales and x.numel() > 0
-    q0_shape, s0_shape = dim0_shapes(x.shape, blocked_scales)
-    q1_shape, s1_shape = dim1_shapes(x.shape, blocked_scales or via_blocked)
+    blocked = blocked_scales or via_blocked
+    q0_shape, s0_shape = dim0_shapes(x.shape, blocked)
+    q1_shape, s1_shape = dim1_shapes(x.shape, blocked)
     q0 = torch.empty(q0_shape, dtype=fp8_dtype(elem), device=x.device)
     s0 = torch.empty(s0_shape, dtype=torch.float8_e8m0fnu, device=x.device)
     q1 = torch.empty(q1_shape, dtype=fp8_dtype(elem), device=x.device)
     s1 = torch.empty(s1_shape, dtype=torch.float8_e8m0fnu, device=x.device)
     if x.numel():
         outs = tuple(t.view(torch.uint8) for t in (q0, s0, q1, s1))
-        grid, kwargs = kernel_launch(x, outs, elem, mode, (blocked_scales, blocked_scales or via_blocked), True, cfg)
+        grid, kwargs = kernel_launch(x, outs, elem, mode, blocked, True, cfg)
         _gluon_cast_kernel[grid](**kwargs)
     if via_blocked:
-        s1 = unblock_scales(s1, x.shape[1], x.shape[0] // 32)
+        m, k = x.shape
+        s0, s1 = unblock_scales(s0, m, k // 32), unblock_scales(s1, k, m // 32)
     return q0, s0, q1, s1

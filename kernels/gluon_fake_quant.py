@@ -22,9 +22,8 @@ import mx_recipe.formats  # noqa: F401  (first: importing mx_kernels.common befo
 
 # isort: split
 import torch
-import triton
 import triton.experimental.gluon.language as gl
-from mx_kernels.common import check_cast, fake_quant_2d_shapes, format_constexprs, groups_along_m_rows
+from mx_kernels.common import cdiv, check_cast, fake_quant_2d_shapes, format_constexprs, groups_along_m_rows
 from mx_kernels.gluon_common import (
     arange_along,
     check_tile_config,
@@ -172,7 +171,7 @@ def kernel_launch(
     num_batch, x_m, k = x3.shape
     block_m, block_k = 32 * cfg["NUM_SUB"], cfg["BLOCK_K"]
     walk = m_pad if along_m and row_src is None else m
-    grid = (triton.cdiv(walk, block_m), triton.cdiv(k, block_k), num_batch)
+    grid = (cdiv(walk, block_m), cdiv(k, block_k), num_batch)
     m_cover, k_cover = grid[0] * block_m, grid[1] * block_k
     # largest in-slice offset a (masked or not) lane forms, for x and for the outputs
     x_rows = x_m if row_src is not None else m_cover

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from mx_kernels.common import interpreting
+from mx_kernels.common import cdiv, interpreting
 
 from mx_recipe.formats import BLOCK_SIZE, elem_format
 
@@ -194,7 +194,7 @@ def mx_gemm(
         return out.zero_()
     a_u8, b_u8 = a_q.view(torch.uint8), b_q.view(torch.uint8)
     a_s, b_s = a_scale.view(torch.uint8), b_scale.view(torch.uint8)
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    grid = (cdiv(m, block_m) * cdiv(n, block_n),)
     _mx_gemm_kernel[grid](
         a_u8,
         a_s,

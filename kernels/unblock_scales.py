@@ -16,9 +16,13 @@ Triton interpreter is a faithful judge of it (tests/test_cast_kernels.py).
 
 from __future__ import annotations
 
+import mx_recipe.formats  # noqa: F401  (first: importing mx_kernels.common before mx_recipe is circular)
+
+# isort: split
 import torch
 import triton
 import triton.language as tl
+from mx_kernels.common import cdiv
 
 from mx_recipe.scale_layout import blocked_shape
 
@@ -55,7 +59,7 @@ def unblock_scales(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     out = torch.empty(experts * padded_rows, col_tiles, dtype=torch.int32, device=blocked.device)
     if out.numel():
         words = blocked.contiguous().view(torch.uint8).view(torch.int32)
-        grid = (experts * padded_rows // 128, triton.cdiv(col_tiles, BLOCK_C))
+        grid = (experts * padded_rows // 128, cdiv(col_tiles, BLOCK_C))
         _unblock_kernel[grid](words, out, col_tiles, BLOCK_C=BLOCK_C)
     plain = out.view(torch.uint8).view(experts, padded_rows, padded_cols)
     if (padded_rows, padded_cols) != (rows, cols):
