@@ -38,20 +38,23 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 def cast_section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
     meta = data["meta"]
-    rows = [
-        [
-            r["name"],
-            "x".join(map(str, r["shape"])),
-            r["mode"],
-            f"{r['us']:.1f}",
-            f"{r['gbs']:.0f}",
-            f"{r['pct_copy']:.1f}%",
-            "" if r.get("speedup_vs_compiled_ref") is None else f"{r['speedup_vs_compiled_ref']:.2f}x",
-        ]
-        for r in data["results"]
-    ]
-    lines = [f"### MX casts, {meta['elem']}, bf16 input (copy bandwidth {meta['copy_gbs']:.0f} GB/s, same run)", ""]
-    lines += table(["cast", "shape", "rule", "time (us)", "GB/s", "% of copy", "vs torch.compile reference"], rows)
+    kernels = "kernel_us" in data["results"][0]  # runs since the kernel-time columns were added
+
+    def row(r: dict) -> list[str]:
+        cells = [r["name"], "x".join(map(str, r["shape"])), r["mode"], f"{r['us']:.1f}", f"{r['gbs']:.0f}"]
+        cells.append(f"{r['pct_copy']:.1f}%")
+        if kernels:
+            cells += [f"{r['kernel_us']:.1f}", f"{r['kernel_pct_copy']:.1f}%"]
+        ref = r.get("speedup_vs_compiled_ref")
+        return cells + ["" if ref is None else f"{ref:.2f}x"]
+
+    copy = f"copy bandwidth {meta['copy_gbs']:.0f} GB/s"
+    if kernels:
+        copy += f" (events), {meta['copy_kernel_gbs']:.0f} GB/s (kernel)"
+    header = ["cast", "shape", "rule", "time (us)", "GB/s", "% of copy"]
+    header += ["kernels (us)", "% of copy (kernels)"] if kernels else []
+    lines = [f"### MX casts, {meta['elem']}, bf16 input ({copy}, same run)", ""]
+    lines += table(header + ["vs torch.compile reference"], [row(r) for r in data["results"]])
     lines += ["", "Targets as the benchmark judged them:", ""] + [f"- {t}" for t in data.get("targets", [])]
     return lines + ["", source_line(meta, path.name), ""]
 
