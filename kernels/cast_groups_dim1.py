@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 from mx_kernels.common import (
+    cdiv,
     check_cast,
     format_constexprs,
     fp8_dtype,
@@ -122,8 +123,8 @@ def cast_groups_dim1(
     if k == 0:
         return qdata, scale
     cfg = {**GROUPS_DIM1_CONFIG, **(config or {})}
-    max_tile_cols = triton.cdiv(m // 32, 4) + offs.numel()  # as scale_layout.blocked_groups_numel
-    grid = (max_tile_cols, triton.cdiv(triton.cdiv(k, 128) * 128, cfg["BLOCK_K"]))
+    max_tile_cols = cdiv(m // 32, 4) + offs.numel()  # as scale_layout.blocked_groups_numel
+    grid = (max_tile_cols, cdiv(cdiv(k, 128) * 128, cfg["BLOCK_K"]))
     _cast_groups_dim1_kernel[grid](
         x,
         offs,

@@ -22,9 +22,8 @@ import mx_recipe.formats  # noqa: F401  (first: importing mx_kernels.common befo
 
 # isort: split
 import torch
-import triton
 import triton.experimental.gluon.language as gl
-from mx_kernels.common import check_cast, dim1_shapes, format_constexprs, fp8_dtype
+from mx_kernels.common import check_cast, dim1_shapes, format_constexprs, fp8_dtype, tile_grid
 from mx_kernels.gluon_casts import DIM1_CONFIG, GLUON_CONFIG
 from mx_kernels.gluon_common import (
     arange_along,
@@ -110,7 +109,7 @@ def kernel_launch(
     num_batch, m, k = x.shape
     block_m, block_k = 32 * cfg["NUM_SUB"], cfg["BLOCK_K"]
     pad = 128 if blocked else 1  # blocked: the grid covers the padding too, to zero it
-    grid = (triton.cdiv(triton.cdiv(m, pad) * pad, block_m), triton.cdiv(triton.cdiv(k, pad) * pad, block_k), num_batch)
+    grid = (*tile_grid(m, k, block_m, block_k, pad), num_batch)
     m_cover, k_cover = grid[0] * block_m, grid[1] * block_k  # rows and columns the grid's tiles span
     span = max((m_cover - 1) * abs(x.stride(1)) + (k_cover - 1) * abs(x.stride(2)), m_cover * k_cover)
     s_rows, s_cols = blocked_shape(k, m // 32) if blocked else (k, m // 32)

@@ -29,7 +29,7 @@ import mx_recipe.formats  # noqa: F401  (first: importing mx_kernels.common befo
 import torch
 import triton
 import triton.experimental.gluon.language as gl
-from mx_kernels.common import check_cast, check_offs, format_constexprs, fp8_dtype, groups_dim1_shapes
+from mx_kernels.common import cdiv, check_cast, check_offs, format_constexprs, fp8_dtype, groups_dim1_shapes
 from mx_kernels.gluon_common import (
     arange_along,
     check_tile_config,
@@ -171,9 +171,9 @@ def kernel_launch(
     m, k = x.shape
     num_groups = offs.numel()
     block_k = cfg["BLOCK_K"]
-    max_tile_cols = triton.cdiv(m // 32, 4) + num_groups  # as scale_layout.blocked_groups_numel
-    padded_k = triton.cdiv(k, 128) * 128
-    grid = (max_tile_cols * (4 // cfg["NUM_SUB"]), triton.cdiv(padded_k, block_k))
+    max_tile_cols = cdiv(m // 32, 4) + num_groups  # as scale_layout.blocked_groups_numel
+    padded_k = cdiv(k, 128) * 128
+    grid = (max_tile_cols * (4 // cfg["NUM_SUB"]), cdiv(padded_k, block_k))
     k_cover = grid[1] * block_k
     # largest offsets any lane forms (masked ones included; invalid offs: rows up to M + 128 per tile column)
     row_bound = m + TILE_ROWS * max_tile_cols
