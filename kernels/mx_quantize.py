@@ -23,11 +23,13 @@ def to_fp32(x, SOFTWARE_ROUND: tl.constexpr):
 def scale_exponent(amax_bits, EMAX: tl.constexpr, MAX_MANT: tl.constexpr, RCEIL: tl.constexpr):
     """Unbiased shared exponent from the fp32 bits of amax >= 0, as ``formats.scale_exponent``."""
     biased = amax_bits >> 23  # the sign bit is clear
-    e = biased - (127 + EMAX)
     if RCEIL:
-        # amax / max_normal lies strictly above 2**e when amax's mantissa exceeds max_normal's
-        e += ((amax_bits & 0x7FFFFF) > MAX_MANT).to(tl.int32)
-    e = tl.where(biased == 0xFF, 127, e)  # amax = inf
+        # amax / max_normal lies strictly above 2**e when amax's mantissa exceeds max_normal's: adding
+        # 0x7FFFFF - MAX_MANT carries into the exponent exactly then (one add, not a mask, compare and add)
+        e = ((amax_bits + (0x7FFFFF - MAX_MANT)) >> 23) - (127 + EMAX)
+    else:
+        e = biased - (127 + EMAX)
+    e = tl.where(biased == 0xFF, 127, e)  # amax = inf (NaN: the caller's NaN scale wins)
     return tl.minimum(tl.maximum(e, -127), 127)
 
 
