@@ -41,7 +41,8 @@ DIM1_SWEEP = [
 FUSED_SWEEP = [
     (4, 128, 4, 2, True, True),  # [156]
     (8, 256, 4, 1, True, True),  # [127] the default
-    (8, 128, 2, 1, True, True),
+    (8, 512, 8, 1, True, True),  # [128] the default's threads, 8 warps a program
+    (16, 512, 4, 1, True, True),  # [251] 2 lanes per dim1 block: fewer shuffles and scale copies
 ]
 
 
