@@ -51,7 +51,7 @@ def _fake_quant_lean(
     """fake_quant_blocks in fewer instructions per element (hardware cvt path only), shown bit-identical
     to it on an H200 (every bf16 value, both formats and rules, NaN payloads included):
     - no clamp to +-max_normal before cvt.rn.satfinite, which saturates the same way (as
-      gluon_casts._quantize_blocks_lean);
+      gluon_common.quantize_blocks_lean);
     - no 0x7F select on the fp8 bytes of a NaN block: its dequantize factor is NaN, so every
       result is NaN anyway, with the same bits as the Triton kernel's (the GPU's canonical NaN).
     Same fp32 multiplies as fake_quant_blocks (v * 2**-e, element * 2**e), so the same bits."""

@@ -101,7 +101,7 @@ def test_argument_errors(monkeypatch):
     for bad in (dict(BLOCK_K=96), dict(BLOCK_K=64, NUM_WARPS=4), dict(ROWS=32), dict(NUM_SUB=3), dict(LEAN=1)):
         with pytest.raises(ValueError, match="Gluon 3D cast config"):
             g.gluon_cast_3d_dim1(x3, "e4m3", "floor", config=bad)
-    for unknown in (dict(num_warps=4), dict(PERSISTENT=1)):  # a 2D-only key: not silently ignored
+    for unknown in (dict(num_warps=4), dict(MAXNREG=128)):  # a Triton key, a dropped knob: not silently ignored
         with pytest.raises(ValueError, match="unknown Gluon 3D cast config keys"):
             g.gluon_cast_3d_dim1(x3, "e4m3", "floor", config=unknown)
 
