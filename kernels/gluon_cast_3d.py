@@ -23,7 +23,7 @@ import mx_recipe.formats  # noqa: F401  (first: importing mx_kernels.common befo
 # isort: split
 import torch
 import triton.experimental.gluon.language as gl
-from mx_kernels.common import check_cast, dim1_shapes, format_constexprs, fp8_dtype, tile_grid
+from mx_kernels.common import check_cast, dim1_shapes, fp8_dtype, tile_grid
 from mx_kernels.gluon_casts import DIM1_CONFIG, GLUON_CONFIG
 from mx_kernels.gluon_common import (
     arange_along,
@@ -33,6 +33,7 @@ from mx_kernels.gluon_common import (
     dim1_tile,
     require_gpu,
     store_scales,
+    tile_launch_args,
 )
 from mx_kernels.unblock_scales import unblock_scales
 from triton.experimental import gluon
@@ -125,16 +126,10 @@ def kernel_launch(
         stride_qb=m * k,
         stride_sb=s_rows * s_cols,
         S_COLS=m // 32,
-        NUM_SUB=cfg["NUM_SUB"],
-        ROWS=cfg["ROWS"],
-        NUM_WARPS=cfg["NUM_WARPS"],
-        REPS=block_k // (8 * cfg["ROWS"] * cfg["NUM_WARPS"]),
         BLOCKED=blocked,
         EVEN=(m_cover, k_cover) == (m, k),
         OFFS64=span >= 2**31,
-        LEAN=cfg["LEAN"],
-        num_warps=cfg["NUM_WARPS"],
-        **format_constexprs(elem, mode),
+        **tile_launch_args(cfg, elem, mode),
     )
     return grid, kwargs
 

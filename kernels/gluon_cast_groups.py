@@ -29,7 +29,7 @@ import mx_recipe.formats  # noqa: F401  (first: importing mx_kernels.common befo
 import torch
 import triton
 import triton.experimental.gluon.language as gl
-from mx_kernels.common import cdiv, check_cast, check_offs, format_constexprs, fp8_dtype, groups_dim1_shapes
+from mx_kernels.common import cdiv, check_cast, check_offs, fp8_dtype, groups_dim1_shapes
 from mx_kernels.gluon_common import (
     arange_along,
     check_tile_config,
@@ -37,6 +37,7 @@ from mx_kernels.gluon_common import (
     dim1_scale_layout,
     dim1_tile,
     require_gpu,
+    tile_launch_args,
     wide,
 )
 from mx_kernels.mx_quantize import blocked_scale_offset
@@ -192,15 +193,9 @@ def kernel_launch(
         stride_xm=x.stride(0),
         stride_xk=x.stride(1),
         GROUPS_POW2=triton.next_power_of_2(num_groups),
-        NUM_SUB=cfg["NUM_SUB"],
-        ROWS=cfg["ROWS"],
-        NUM_WARPS=cfg["NUM_WARPS"],
-        REPS=block_k // (8 * cfg["ROWS"] * cfg["NUM_WARPS"]),
         MASK_COLS=k_cover != k,
         OFFS64=span >= 2**31,
-        LEAN=cfg["LEAN"],
-        num_warps=cfg["NUM_WARPS"],
-        **format_constexprs(elem, mode),
+        **tile_launch_args(cfg, elem, mode),
     )
     return grid, kwargs
 

@@ -35,12 +35,13 @@ import mx_recipe.formats  # noqa: F401  (first: importing mx_kernels.common befo
 # isort: split
 import torch
 import triton.experimental.gluon.language as gl
-from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, format_constexprs, fp8_dtype, tile_grid
+from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, fp8_dtype, tile_grid
 from mx_kernels.gluon_common import (
     arange_along,
     check_tile_config,
     compile_for_arch,
     require_gpu,
+    tile_launch_args,
     tile_layout,
     wide,
 )
@@ -214,17 +215,11 @@ def kernel_launch(
         stride_xk=x.stride(1),
         S0_COLS=k // 32,
         S1_COLS=m // 32,
-        NUM_SUB=cfg["NUM_SUB"],
-        ROWS=cfg["ROWS"],
-        NUM_WARPS=cfg["NUM_WARPS"],
-        REPS=block_k // (8 * cfg["ROWS"] * cfg["NUM_WARPS"]),
         DIM0=dim0,
         BLOCKED=blocked,
         EVEN=(m_cover, k_cover) == (m, k),
         OFFS64=span >= 2**31,
-        LEAN=cfg["LEAN"],
-        num_warps=cfg["NUM_WARPS"],
-        **format_constexprs(elem, mode),
+        **tile_launch_args(cfg, elem, mode),
     )
     return grid, kwargs
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.experimental.gluon.language as gl
 import triton.language as tl
-from mx_kernels.common import interpreting
+from mx_kernels.common import format_constexprs, interpreting
 from mx_kernels.mx_quantize import blocked_scale_offset, quantize_blocks, scale_exponent
 from triton.experimental import gluon
 
@@ -251,6 +251,20 @@ def check_tile_config(config: dict | None, defaults: dict, what: str) -> dict:
             "BLOCK_K >= 8 * ROWS * NUM_WARPS (each warp covers 8 * ROWS columns)"
         )
     return cfg
+
+
+def tile_launch_args(cfg: dict, elem: str, mode: str) -> dict:
+    """The launch keywords every Gluon kernel on ``tile_layout`` takes from its checked config and
+    format: the tile constexprs, LEAN, num_warps and the format's constants."""
+    return dict(
+        NUM_SUB=cfg["NUM_SUB"],
+        ROWS=cfg["ROWS"],
+        NUM_WARPS=cfg["NUM_WARPS"],
+        REPS=cfg["BLOCK_K"] // (8 * cfg["ROWS"] * cfg["NUM_WARPS"]),  # layout repeats along K
+        LEAN=cfg["LEAN"],
+        num_warps=cfg["NUM_WARPS"],
+        **format_constexprs(elem, mode),
+    )
 
 
 def require_gpu(x: torch.Tensor, op: str) -> None:

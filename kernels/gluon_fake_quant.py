@@ -23,13 +23,14 @@ import mx_recipe.formats  # noqa: F401  (first: importing mx_kernels.common befo
 # isort: split
 import torch
 import triton.experimental.gluon.language as gl
-from mx_kernels.common import cdiv, check_cast, fake_quant_2d_shapes, format_constexprs, groups_along_m_rows
+from mx_kernels.common import cdiv, check_cast, fake_quant_2d_shapes, groups_along_m_rows
 from mx_kernels.gluon_common import (
     arange_along,
     check_tile_config,
     compile_for_arch,
     max_nan,
     require_gpu,
+    tile_launch_args,
     tile_layout,
     wide,
 )
@@ -187,18 +188,12 @@ def kernel_launch(
         stride_xb=x3.stride(0),
         stride_xm=x3.stride(1),
         stride_xk=x3.stride(2),
-        NUM_SUB=cfg["NUM_SUB"],
-        ROWS=cfg["ROWS"],
-        NUM_WARPS=cfg["NUM_WARPS"],
-        REPS=block_k // (8 * cfg["ROWS"] * cfg["NUM_WARPS"]),
         ALONG_K=along_k,
         ALONG_M=along_m,
         GATHER=row_src is not None,
         EVEN=row_src is None and (m_cover, k_cover) == (m, k) and m == m_pad,
         OFFS64=span >= 2**31,
-        LEAN=cfg["LEAN"],
-        num_warps=cfg["NUM_WARPS"],
-        **format_constexprs(elem, mode),
+        **tile_launch_args(cfg, elem, mode),
     )
     return grid, kwargs
 
