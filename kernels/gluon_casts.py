@@ -36,22 +36,19 @@ import mx_recipe.formats  # noqa: F401  (first: importing mx_kernels.common befo
 import torch
 import triton.experimental.gluon.language as gl
 from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, fp8_dtype, tile_grid
-from mx_kernels.gluon_common import (
+from mx_kernels.gluon_common import (  # the dim1 helpers are shared with the 3D and per-group casts
     arange_along,
     check_tile_config,
     compile_for_arch,
+    dim1_scale_layout,
+    quantize,
     require_gpu,
+    store_scales,
     tile_launch_args,
     tile_layout,
+    transposed_layout,
     wide,
 )
-
-# the dim1 helpers live in gluon_common (shared with the 3D and per-group casts); aliased to the
-# names this file's kernels have always used
-from mx_kernels.gluon_common import dim1_scale_layout as _dim1_scale_layout
-from mx_kernels.gluon_common import quantize as _quantize
-from mx_kernels.gluon_common import store_scales as _store_scales
-from mx_kernels.gluon_common import transposed_layout as _transposed_layout
 from mx_kernels.unblock_scales import unblock_scales
 from triton.experimental import gluon
 
@@ -66,52 +63,6 @@ GLUON_CONFIG = dict(BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False, PLA
 # 96% of copy (the Triton kernel 89%), plain scales via blocked 88% (80%); fused via blocked 76% (52%).
 DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=2, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True)
 DIM0_DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True)
-
-
-@gluon.jit
-def _cast_tile(
-    x, pid_m, pid_k, q0_ptr, s0_ptr, q1_ptr, s1_ptr, M, K, S0_COLS, S1_COLS,
-    NUM_SUB: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr, REPS: gl.constexpr, L: gl.constexpr,
-    DIM0: gl.constexpr, BLOCKED: gl.constexpr, EVEN: gl.constexpr, OFFS64: gl.constexpr,
-    LEAN: gl.constexpr, EMAX: gl.constexpr, MAX_MANT: gl.constexpr, MAX_NORMAL: gl.constexpr, MBITS: gl.constexpr,
-    EMIN: gl.constexpr, IS_E4M3: gl.constexpr, RCEIL: gl.constexpr,
-):  # fmt: skip
-    """Quantize the fp32 tile x (layout L) of tile (pid_m, pid_k) and store its outputs."""
-    CHUNKS: gl.constexpr = ROWS // 4 * NUM_WARPS * REPS
-    m0 = pid_m * NUM_SUB  # first 32-row block of this tile
-    if DIM0:
-        # blocks of 32 along K (axis 3): row-major [M, K] output (8 contiguous bytes per thread)
-        rows = (m0 + arange_along(NUM_SUB, 0, 4, L)) * 32 + arange_along(32, 1, 4, L)
-        cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, L)) * 32 + arange_along(32, 3, 4, L)
-        q0, s0 = _quantize(x, 3, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN)
-        q0_ptrs = q0_ptr + wide(rows, OFFS64) * K + cols
-        if EVEN:
-            gl.store(q0_ptrs, q0)
-        else:
-            gl.store(q0_ptrs, q0, mask=(rows < M) & (cols < K))
-        S0L: gl.constexpr = gl.SliceLayout(3, L)
-        s0_rows = (m0 + arange_along(NUM_SUB, 0, 3, S0L)) * 32 + arange_along(32, 1, 3, S0L)
-        s0_cols = pid_k * CHUNKS + arange_along(CHUNKS, 2, 3, S0L)
-        _store_scales(s0_ptr, s0, s0_rows, s0_cols, M, S0_COLS, BLOCKED, EVEN)
-
-    # blocks of 32 along M (axis 1): transposed [K, M] output. Quantized in the rows-first register
-    # order, so that cvt packs fp8 pairs along M, as the store wants them.
-    T: gl.constexpr = _transposed_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
-    q1, s1 = _quantize(
-        gl.convert_layout(x, T, assert_trivial=True), 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN
-    )
-    t_rows = (m0 + arange_along(NUM_SUB, 0, 4, T)) * 32 + arange_along(32, 1, 4, T)
-    t_cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, T)) * 32 + arange_along(32, 3, 4, T)
-    q1_ptrs = q1_ptr + wide(t_cols, OFFS64) * M + t_rows
-    if EVEN:
-        gl.store(q1_ptrs, q1)
-    else:
-        gl.store(q1_ptrs, q1, mask=(t_rows < M) & (t_cols < K))
-    # scales [K, M/32]: this tile's NUM_SUB scale columns of each k are contiguous
-    S1L: gl.constexpr = _dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
-    s1 = gl.convert_layout(s1, S1L, assert_trivial=True)
-    s1_rows = (pid_k * CHUNKS + arange_along(CHUNKS, 1, 3, S1L)) * 32 + arange_along(32, 2, 3, S1L)
-    _store_scales(s1_ptr, s1, s1_rows, m0 + arange_along(NUM_SUB, 0, 3, S1L), K, S1_COLS, BLOCKED, EVEN)
 
 
 @gluon.jit
@@ -133,7 +84,7 @@ def _gluon_cast_kernel(
     REPS: gl.constexpr,
     DIM0: gl.constexpr,
     BLOCKED: gl.constexpr,
-    EVEN: gl.constexpr,  # the tiles cover x exactly: no bounds masks
+    EVEN: gl.constexpr,  # the grid tiles x exactly: no bounds masks
     OFFS64: gl.constexpr,
     LEAN: gl.constexpr,
     EMAX: gl.constexpr,
@@ -148,43 +99,46 @@ def _gluon_cast_kernel(
     L: gl.constexpr = tile_layout(NUM_SUB, ROWS, NUM_WARPS)
     pid_m = gl.program_id(0)
     pid_k = gl.program_id(1)
-    rows = (pid_m * NUM_SUB + arange_along(NUM_SUB, 0, 4, L)) * 32 + arange_along(32, 1, 4, L)  # [NUM_SUB, 32, 1, 1]
+    m0 = pid_m * NUM_SUB  # first 32-row block of this program
+    rows = (m0 + arange_along(NUM_SUB, 0, 4, L)) * 32 + arange_along(32, 1, 4, L)  # [NUM_SUB, 32, 1, 1]
     cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, L)) * 32 + arange_along(32, 3, 4, L)  # [1, 1, CHUNKS, 32]
     x_ptrs = x_ptr + wide(rows, OFFS64) * stride_xm + cols * stride_xk
     if EVEN:
         x = gl.load(x_ptrs).to(gl.float32)
     else:
         x = gl.load(x_ptrs, mask=(rows < M) & (cols < K), other=0.0).to(gl.float32)
-    _cast_tile(
-        x,
-        pid_m,
-        pid_k,
-        q0_ptr,
-        s0_ptr,
-        q1_ptr,
-        s1_ptr,
-        M,
-        K,
-        S0_COLS,
-        S1_COLS,
-        NUM_SUB,
-        ROWS,
-        NUM_WARPS,
-        REPS,
-        L,
-        DIM0,
-        BLOCKED,
-        EVEN,
-        OFFS64,
-        LEAN,
-        EMAX,
-        MAX_MANT,
-        MAX_NORMAL,
-        MBITS,
-        EMIN,
-        IS_E4M3,
-        RCEIL,
+
+    if DIM0:
+        # blocks of 32 along K (axis 3): row-major [M, K] output (8 contiguous bytes per thread)
+        q0, s0 = quantize(x, 3, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN)
+        q0_ptrs = q0_ptr + wide(rows, OFFS64) * K + cols
+        if EVEN:
+            gl.store(q0_ptrs, q0)
+        else:
+            gl.store(q0_ptrs, q0, mask=(rows < M) & (cols < K))
+        S0L: gl.constexpr = gl.SliceLayout(3, L)
+        s0_rows = (m0 + arange_along(NUM_SUB, 0, 3, S0L)) * 32 + arange_along(32, 1, 3, S0L)
+        s0_cols = pid_k * CHUNKS + arange_along(CHUNKS, 2, 3, S0L)
+        store_scales(s0_ptr, s0, s0_rows, s0_cols, M, S0_COLS, BLOCKED, EVEN)
+
+    # blocks of 32 along M (axis 1): transposed [K, M] output. Quantized in the rows-first register
+    # order, so that cvt packs fp8 pairs along M, as the store wants them.
+    T: gl.constexpr = transposed_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
+    q1, s1 = quantize(
+        gl.convert_layout(x, T, assert_trivial=True), 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN
     )
+    t_rows = (m0 + arange_along(NUM_SUB, 0, 4, T)) * 32 + arange_along(32, 1, 4, T)
+    t_cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, T)) * 32 + arange_along(32, 3, 4, T)
+    q1_ptrs = q1_ptr + wide(t_cols, OFFS64) * M + t_rows
+    if EVEN:
+        gl.store(q1_ptrs, q1)
+    else:
+        gl.store(q1_ptrs, q1, mask=(t_rows < M) & (t_cols < K))
+    # scales [K, M/32]: this program's NUM_SUB scale columns of each k are contiguous
+    S1L: gl.constexpr = dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
+    s1 = gl.convert_layout(s1, S1L, assert_trivial=True)
+    s1_rows = (pid_k * CHUNKS + arange_along(CHUNKS, 1, 3, S1L)) * 32 + arange_along(32, 2, 3, S1L)
+    store_scales(s1_ptr, s1, s1_rows, m0 + arange_along(NUM_SUB, 0, 3, S1L), K, S1_COLS, BLOCKED, EVEN)
 
 
 def kernel_launch(
@@ -197,11 +151,10 @@ def kernel_launch(
     cfg = check_tile_config(config, GLUON_CONFIG, "Gluon cast")
     m, k = x.shape
     block_m, block_k = 32 * cfg["NUM_SUB"], cfg["BLOCK_K"]
-    pad = 128 if blocked else 1  # blocked: the tiles cover the padding too, to zero it
-    tiles = tile_grid(m, k, block_m, block_k, pad)
-    grid = tiles
+    pad = 128 if blocked else 1  # blocked: the grid covers the padding too, to zero it
+    grid = tile_grid(m, k, block_m, block_k, pad)
     q0, s0, q1, s1 = outs
-    m_cover, k_cover = tiles[0] * block_m, tiles[1] * block_k  # rows and columns the tiles span
+    m_cover, k_cover = grid[0] * block_m, grid[1] * block_k  # rows and columns the grid's tiles span
     span = max((m_cover - 1) * abs(x.stride(0)) + (k_cover - 1) * abs(x.stride(1)), m_cover * k_cover)
     kwargs = dict(
         x_ptr=x,
