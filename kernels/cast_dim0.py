@@ -22,9 +22,9 @@ from mx_kernels.common import (
 )
 from mx_kernels.mx_quantize import bf16_bits_rne, dequantize_blocks, quantize_blocks, store_scales, to_fp32
 
-# Tuned on an H200 (docs/profiles/2026-11-21_h200_cast_tiles.txt): 32 x 512 with 8 warps against the
-# earlier 32 x 256 with 4 warps, kernel time, blocked scales: 16384^2 205.6 us vs 211.1 (plain equal),
-# [E, 8192, 5120] 2-4% faster for E = 1, 4, 16, 64 (E = 4: 130.2 us vs 134.1).
+# Tuned on an H200 (docs/profiles/2026-11-21_h200_cast_tiles.txt): 32 x 512 with 8 warps against the earlier
+# 32 x 256 with 4 warps, kernel time, interleaved A/B: floor with blocked scales 205.9 vs 211.6 us at 16384^2,
+# 130.2 vs 134.1 us at [4, 8192, 5120]; rceil and plain scales within 1% either way. On an H100 within 1%, never slower.
 DIM0_CONFIG = dict(BLOCK_M=32, BLOCK_K=512, num_warps=8)
 
 
