@@ -226,8 +226,9 @@ def sweep(m: int, k: int, elem: str) -> list[dict]:
     from mx_kernels.cast_groups_dim1 import cast_groups_dim1 as k_groups
 
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    candidates = {  # dim0: (BLOCK_M, BLOCK_K, warps); dim1, fused: (NUM_SUB 32-row sub-tiles, BLOCK_K, warps)
-        "dim0": (k_dim0, "BLOCK_M", [(32, 256, 4), (16, 512, 4), (32, 256, 8), (64, 128, 4)]),
+    # dim0: (BLOCK_M, BLOCK_K, warps), its default first; dim1, fused: (NUM_SUB 32-row sub-tiles, BLOCK_K, warps)
+    candidates = {
+        "dim0": (k_dim0, "BLOCK_M", [(32, 512, 8), (32, 256, 4), (16, 512, 4), (32, 256, 8), (64, 128, 4)]),
         "dim1": (k_dim1, "NUM_SUB", [(4, 64, 1), (8, 64, 1), (2, 64, 1), (4, 32, 1), (8, 32, 1), (4, 128, 1)]),
         "dim0_dim1": (k_fused, "NUM_SUB", [(4, 64, 1), (2, 64, 1), (8, 64, 1), (4, 32, 1), (8, 32, 1)]),
     }
