@@ -45,7 +45,7 @@ from mx_recipe.scale_layout import blocked_shape
 # H200, x [E, 8192, 5120] bf16, e4m3 floor, % of copy bandwidth (docs/profiles/2026-11-21_h200_gluon_3d_groups.txt):
 # blocked scales 74/91/97/99% for E = 1/4/16/64 (the Triton kernel 70/85/90/90%); plain scales at E = 16 92%
 # (Triton 77%). ROWS 16, BLOCK_K 512, NUM_SUB 1 was within 1% of it at E >= 4 (3% faster at E = 1).
-_TILE_KEYS = ("BLOCK_K", "NUM_WARPS", "NUM_SUB", "ROWS", "LEAN", "PLAIN_VIA_BLOCKED")
+_TILE_KEYS = ("BLOCK_K", "NUM_WARPS", "NUM_SUB", "ROWS", "LEAN", "PLAIN_VIA_BLOCKED", "SCATTER")
 GLUON_3D_BASE_CONFIG = {key: GLUON_CONFIG[key] for key in _TILE_KEYS}
 GLUON_3D_CONFIG = {key: DIM1_CONFIG[key] for key in _TILE_KEYS}
 
@@ -71,6 +71,7 @@ def _gluon_cast_3d_dim1_kernel(
     EVEN: gl.constexpr,  # the grid tiles each [M, K] slice exactly: no bounds masks
     OFFS64: gl.constexpr,  # one slice's offsets pass 2**31: int64 tensor offsets
     LEAN: gl.constexpr,
+    SCATTER: gl.constexpr,
     EMAX: gl.constexpr,
     MAX_MANT: gl.constexpr,
     MAX_NORMAL: gl.constexpr,
@@ -86,11 +87,11 @@ def _gluon_cast_3d_dim1_kernel(
     m0 = pid_m * NUM_SUB  # first 32-row block of this program
     s = dim1_tile(
         x_ptr + pid_b * stride_xb, q_ptr + pid_b * stride_qb, M, K, stride_xm, stride_xk, m0 * 32, M, pid_k,
-        NUM_SUB, ROWS, NUM_WARPS, REPS, not EVEN, not EVEN, OFFS64, LEAN, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN,
-        IS_E4M3, RCEIL,
+        NUM_SUB, ROWS, NUM_WARPS, REPS, not EVEN, not EVEN, OFFS64, LEAN, SCATTER, EMAX, MAX_MANT, MAX_NORMAL,
+        MBITS, EMIN, IS_E4M3, RCEIL,
     )  # fmt: skip
     # scales [K, M/32] of this expert: this program's NUM_SUB scale columns of each k are contiguous
-    S1L: gl.constexpr = dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
+    S1L: gl.constexpr = dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, SCATTER)
     s_rows = (pid_k * CHUNKS + arange_along(CHUNKS, 1, 3, S1L)) * 32 + arange_along(32, 2, 3, S1L)
     s_cols = m0 + arange_along(NUM_SUB, 0, 3, S1L)
     store_scales(s_ptr + pid_b * stride_sb, s, s_rows, s_cols, K, S_COLS, BLOCKED, EVEN)

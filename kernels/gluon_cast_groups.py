@@ -48,8 +48,8 @@ from triton.experimental import gluon
 # floor, % of copy bandwidth (docs/profiles/2026-11-21_h200_gluon_3d_groups.txt): 80% (G = 16) / 77%
 # (G = 64), the Triton kernel 60% / 49%. The 2D dim1 tile (NUM_SUB 2) gave 73% / 54%: the row masks cost
 # registers (sm_90: 144 against 60 for NUM_SUB 1); capping them (ptxas maxnreg 96 or 128) gave 48-74%.
-GLUON_GROUPS_BASE_CONFIG = dict(BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False)
-GLUON_GROUPS_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, ROWS=8, LEAN=True)
+GLUON_GROUPS_BASE_CONFIG = dict(BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False, SCATTER=False)
+GLUON_GROUPS_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, ROWS=8, LEAN=True, SCATTER=True)
 TILE_ROWS = 128  # rows of one 4-column tile of a group's blocked scales
 
 
@@ -85,6 +85,7 @@ def _gluon_cast_groups_dim1_kernel(
     MASK_COLS: gl.constexpr,  # the grid's columns pass K (else no column masks)
     OFFS64: gl.constexpr,
     LEAN: gl.constexpr,
+    SCATTER: gl.constexpr,
     EMAX: gl.constexpr,
     MAX_MANT: gl.constexpr,
     MAX_NORMAL: gl.constexpr,
@@ -128,13 +129,13 @@ def _gluon_cast_groups_dim1_kernel(
     # row masked: no memory traffic, and their zero scales are stored below.
     s = dim1_tile(
         x_ptr, q_ptr, M, K, stride_xm, stride_xk, row0, row_end, pid_k,
-        NUM_SUB, ROWS, NUM_WARPS, REPS, True, MASK_COLS, OFFS64, LEAN, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN,
-        IS_E4M3, RCEIL,
+        NUM_SUB, ROWS, NUM_WARPS, REPS, True, MASK_COLS, OFFS64, LEAN, SCATTER, EMAX, MAX_MANT, MAX_NORMAL,
+        MBITS, EMIN, IS_E4M3, RCEIL,
     )  # fmt: skip
 
     # this program's [NUM_SUB, BLOCK_K] scales: rows k of the group's tile column `tile`, NUM_SUB contiguous
     # bytes per k
-    S1L: gl.constexpr = dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
+    S1L: gl.constexpr = dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, SCATTER)
     r = (pid_k * CHUNKS + arange_along(CHUNKS, 1, 3, S1L)) * 32 + arange_along(32, 2, 3, S1L)  # [1, CHUNKS, 32]
     sub = arange_along(NUM_SUB, 0, 3, S1L)  # [NUM_SUB, 1, 1]
     valid = row0 + sub * 32 < row_end

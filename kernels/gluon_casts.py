@@ -40,8 +40,10 @@ from mx_kernels.gluon_common import (  # the dim1 helpers are shared with the 3D
     arange_along,
     check_tile_config,
     compile_for_arch,
+    dim0_scale_layout,
     dim1_scale_layout,
     quantize,
+    quantize_scatter,
     require_gpu,
     store_scales,
     tile_launch_args,
@@ -57,12 +59,15 @@ from triton.experimental import gluon
 # PLAIN_VIA_BLOCKED: plain scales are written in the blocked layout and then permuted to [rows, cols]
 # (unblock_scales, one Triton pass over the scales): the kernel's plain dim1 scale stores, NUM_SUB
 # bytes per row of [K, M/32], cost 14% (dim1 plain 81% of copy against blocked 94%, H200).
-GLUON_CONFIG = dict(BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False, PLAIN_VIA_BLOCKED=False)
+# SCATTER: block maxima by reduce-scatter across a block's 4 lanes (gluon_common.quantize_scatter; needs
+# ROWS 8 and LEAN).
+GLUON_CONFIG = dict(BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False, PLAIN_VIA_BLOCKED=False, SCATTER=False)
 # What a call without a config runs: the best of the H200 sweeps at 16384^2 bf16, e4m3 floor
 # (docs/profiles/2026-11-21_h200_gluon_casts_via_blocked.txt, commit 1713f1a): dim1 with blocked scales
 # 96% of copy (the Triton kernel 89%), plain scales via blocked 88% (80%); fused via blocked 76% (52%).
-DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=2, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True)
-DIM0_DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True)
+# SCATTER on: the reduce-scatter of block maxima, byte-equal, fewer instructions (docs/notes_cast_kernels.md).
+DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=2, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True, SCATTER=True)
+DIM0_DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True, SCATTER=True)
 
 
 @gluon.jit
@@ -87,6 +92,7 @@ def _gluon_cast_kernel(
     EVEN: gl.constexpr,  # the grid tiles x exactly: no bounds masks
     OFFS64: gl.constexpr,
     LEAN: gl.constexpr,
+    SCATTER: gl.constexpr,
     EMAX: gl.constexpr,
     MAX_MANT: gl.constexpr,
     MAX_NORMAL: gl.constexpr,
@@ -110,13 +116,17 @@ def _gluon_cast_kernel(
 
     if DIM0:
         # blocks of 32 along K (axis 3): row-major [M, K] output (8 contiguous bytes per thread)
-        q0, s0 = quantize(x, 3, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN)
+        if SCATTER:
+            q0, s0 = quantize_scatter(x, 3, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, IS_E4M3, RCEIL)
+        else:
+            q0, s0 = quantize(x, 3, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN)
         q0_ptrs = q0_ptr + wide(rows, OFFS64) * K + cols
         if EVEN:
             gl.store(q0_ptrs, q0)
         else:
             gl.store(q0_ptrs, q0, mask=(rows < M) & (cols < K))
-        S0L: gl.constexpr = gl.SliceLayout(3, L)
+        S0L: gl.constexpr = dim0_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, SCATTER)
+        s0 = gl.convert_layout(s0, S0L, assert_trivial=True)
         s0_rows = (m0 + arange_along(NUM_SUB, 0, 3, S0L)) * 32 + arange_along(32, 1, 3, S0L)
         s0_cols = pid_k * CHUNKS + arange_along(CHUNKS, 2, 3, S0L)
         store_scales(s0_ptr, s0, s0_rows, s0_cols, M, S0_COLS, BLOCKED, EVEN)
@@ -124,9 +134,11 @@ def _gluon_cast_kernel(
     # blocks of 32 along M (axis 1): transposed [K, M] output. Quantized in the rows-first register
     # order, so that cvt packs fp8 pairs along M, as the store wants them.
     T: gl.constexpr = transposed_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
-    q1, s1 = quantize(
-        gl.convert_layout(x, T, assert_trivial=True), 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN
-    )
+    xt = gl.convert_layout(x, T, assert_trivial=True)
+    if SCATTER:
+        q1, s1 = quantize_scatter(xt, 1, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, IS_E4M3, RCEIL)
+    else:
+        q1, s1 = quantize(xt, 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN)
     t_rows = (m0 + arange_along(NUM_SUB, 0, 4, T)) * 32 + arange_along(32, 1, 4, T)
     t_cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, T)) * 32 + arange_along(32, 3, 4, T)
     q1_ptrs = q1_ptr + wide(t_cols, OFFS64) * M + t_rows
@@ -135,7 +147,7 @@ def _gluon_cast_kernel(
     else:
         gl.store(q1_ptrs, q1, mask=(t_rows < M) & (t_cols < K))
     # scales [K, M/32]: this program's NUM_SUB scale columns of each k are contiguous
-    S1L: gl.constexpr = dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
+    S1L: gl.constexpr = dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, SCATTER)
     s1 = gl.convert_layout(s1, S1L, assert_trivial=True)
     s1_rows = (pid_k * CHUNKS + arange_along(CHUNKS, 1, 3, S1L)) * 32 + arange_along(32, 2, 3, S1L)
     store_scales(s1_ptr, s1, s1_rows, m0 + arange_along(NUM_SUB, 0, 3, S1L), K, S1_COLS, BLOCKED, EVEN)

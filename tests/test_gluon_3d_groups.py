@@ -55,8 +55,9 @@ CONFIGS_3D = [
     None,
     cfg(4, 128, 4, 2, False, PLAIN_VIA_BLOCKED=False),
     cfg(8, 256, 4, 1, True, PLAIN_VIA_BLOCKED=True),
+    cfg(8, 256, 4, 2, True, PLAIN_VIA_BLOCKED=True, SCATTER=False),  # the default with the butterfly
 ]
-CONFIG_IDS_3D = ["default", "base", "r8s1"]
+CONFIG_IDS_3D = ["default", "base", "r8s1", "butterfly"]
 # per-group: the default (8 rows, one sub-tile, LEAN: 4 programs per tile column), the base tile without LEAN,
 # two sub-tiles (the 2D dim1 tile: 2 programs per tile column), four sub-tiles (one program per tile column)
 CONFIGS_GROUPS = [
@@ -64,8 +65,9 @@ CONFIGS_GROUPS = [
     cfg(4, 128, 4, 2, False),
     cfg(8, 256, 4, 2, True),
     cfg(4, 128, 4, 4, True),
+    cfg(8, 256, 4, 2, True, SCATTER=True),
 ]
-CONFIG_IDS_GROUPS = ["default", "base", "r8s2", "s4"]
+CONFIG_IDS_GROUPS = ["default", "base", "r8s2", "s4", "scatter_r8s2"]
 S4 = CONFIGS_GROUPS[3]
 
 GLUON_3D_KERNEL, TRITON_3D_KERNEL = "_gluon_cast_3d_dim1_kernel", "_cast_dim1_kernel"
@@ -81,8 +83,8 @@ def test_default_configs_are_the_measured_ones():
     from mx_kernels.gluon_casts import DIM1_CONFIG
 
     assert g3d().GLUON_3D_CONFIG == {key: DIM1_CONFIG[key] for key in g3d().GLUON_3D_CONFIG}
-    assert g3d().GLUON_3D_CONFIG == cfg(8, 256, 4, 2, True, PLAIN_VIA_BLOCKED=True)
-    assert ggroups().GLUON_GROUPS_CONFIG == cfg(8, 256, 4, 1, True)
+    assert g3d().GLUON_3D_CONFIG == cfg(8, 256, 4, 2, True, PLAIN_VIA_BLOCKED=True, SCATTER=True)
+    assert ggroups().GLUON_GROUPS_CONFIG == cfg(8, 256, 4, 1, True, SCATTER=True)
 
 
 def test_argument_errors(monkeypatch):

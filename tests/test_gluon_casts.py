@@ -42,9 +42,12 @@ CONFIGS = [
     dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, LEAN=True),
     dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=2, LEAN=True),
     dict(ROWS=4, BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, PLAIN_VIA_BLOCKED=True),
+    # the reduce-scatter of block maxima (the defaults use it): one and two sub-tiles, 2 chunk repeats
+    dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, LEAN=True, SCATTER=True),
+    dict(ROWS=8, BLOCK_K=512, NUM_WARPS=4, NUM_SUB=2, LEAN=True, SCATTER=True),
 ]
 CONFIG_IDS = ["default", "base", "r8", "r8rep2s2", "r16", "w1s4", "w8", "lean_r4", "lean_r8", "lean_r8s2"]
-CONFIG_IDS += ["via_blocked"]
+CONFIG_IDS += ["via_blocked", "scatter_r8", "scatter_r8rep2s2"]
 
 
 def gluon():
@@ -121,6 +124,7 @@ def test_argument_errors(monkeypatch):
         g.gluon_cast_dim1(torch.randn(64, 64).half(), "e4m3", "floor")
     x = torch.randn(64, 64, dtype=torch.bfloat16)
     bad_configs = [dict(BLOCK_K=96), dict(BLOCK_K=64, NUM_WARPS=4), dict(ROWS=32), dict(NUM_SUB=3), dict(LEAN=1)]
+    bad_configs += [dict(SCATTER=True), dict(ROWS=8, BLOCK_K=256, SCATTER=True)]  # SCATTER: ROWS 8 and LEAN
     for bad in bad_configs + [dict(PLAIN_VIA_BLOCKED=1)]:
         with pytest.raises(ValueError, match="Gluon cast config"):
             g.gluon_cast_dim1(x, "e4m3", "floor", config=bad)
@@ -198,6 +202,38 @@ def test_every_test_config_compiles(config):
             assert "bar.sync" not in ops, (dim0, shape, config, ops)
 
 
+def sass_instructions(cubin: bytes) -> int | None:
+    """SASS instructions in the cubin (None where cuobjdump is missing)."""
+    import triton
+
+    tool = triton.knobs.nvidia.cuobjdump.path
+    if not tool or not Path(tool).exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return len(re.findall(r"/\*[0-9a-f]{4}\*/\s+[@A-Z]", out))
+
+
+@needs_triton
+@pytest.mark.parametrize("dim0", [True, False])
+def test_scatter_stays_in_registers_and_issues_fewer_instructions(dim0):
+    """The reduce-scatter's layout swaps must lower to warp shuffles: a conversion with two register-lane
+    swaps at once goes through shared memory (bar.sync). And it is there to cut instructions: fewer
+    SASS than the butterfly on the same tile (sm_90: fused 760 against 1000)."""
+    g = gluon()
+    counts = {}
+    for scatter in (False, True):
+        config = dict(ROWS=8, BLOCK_K=256, NUM_SUB=1, LEAN=True, SCATTER=scatter)
+        kernel = g.compile_for_target((4096, 4096), torch.bfloat16, "e4m3", "rceil", True, dim0, config)
+        ops = ptx_ops(kernel.asm["ptx"])
+        assert "bar.sync" not in ops and not any(".shared" in op for op in ops), (scatter, ops)
+        counts[scatter] = sass_instructions(kernel.asm["cubin"])
+    if counts[False] is not None:
+        assert counts[True] < 0.9 * counts[False], counts
+
+
 @needs_triton
 @pytest.mark.parametrize("dim0", [False, True])
 def test_int64_offsets_compile(dim0):
@@ -226,7 +262,7 @@ def gpu_cases(configs: list, config_ids: list[str], full: set[str]) -> list:
     ]
 
 
-GPU_CASES = gpu_cases(CONFIGS, CONFIG_IDS, {"default", "r8", "lean_r8"})
+GPU_CASES = gpu_cases(CONFIGS, CONFIG_IDS, {"default", "r8", "lean_r8", "scatter_r8"})
 
 
 @pytest.mark.gpu
@@ -249,7 +285,15 @@ def test_gpu_dim0_dim1_bit_exact(config, mode, elem):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("config", [None, dict(ROWS=8, BLOCK_K=256, NUM_SUB=1, LEAN=True)], ids=["default", "lean_r8"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        dict(ROWS=8, BLOCK_K=256, NUM_SUB=1, LEAN=True),
+        dict(ROWS=8, BLOCK_K=512, NUM_SUB=2, LEAN=True, SCATTER=True),
+    ],
+    ids=["default", "lean_r8", "scatter_r8rep2s2"],
+)
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("mode", MODES)
 def test_gpu_fp32_input_bit_exact(mode, elem, config):
