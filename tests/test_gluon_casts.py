@@ -146,8 +146,8 @@ def ptx_ops(ptx: str) -> dict[str, int]:
     return {op: found.count(op) for op in sorted(set(found))}
 
 
-def resource_usage(cubin: bytes) -> dict[str, int] | None:
-    """REG, SHARED, LOCAL of the kernel from cuobjdump (None where the tool is missing)."""
+def cuobjdump(cubin: bytes, flag: str) -> str | None:
+    """cuobjdump's output for the cubin (``-res-usage``, ``-sass``), None where the tool is missing."""
     import triton
 
     tool = triton.knobs.nvidia.cuobjdump.path
@@ -156,8 +156,13 @@ def resource_usage(cubin: bytes) -> dict[str, int] | None:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return {k: int(v) for k, v in re.findall(r"\b(REG|SHARED|LOCAL):(\d+)", out)}
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(cubin: bytes) -> dict[str, int] | None:
+    """REG, SHARED, LOCAL of the kernel from cuobjdump (None where the tool is missing)."""
+    out = cuobjdump(cubin, "-res-usage")
+    return None if out is None else {k: int(v) for k, v in re.findall(r"\b(REG|SHARED|LOCAL):(\d+)", out)}
 
 
 COMPILE_CASES = [
@@ -204,16 +209,8 @@ def test_every_test_config_compiles(config):
 
 def sass_instructions(cubin: bytes) -> int | None:
     """SASS instructions in the cubin (None where cuobjdump is missing)."""
-    import triton
-
-    tool = triton.knobs.nvidia.cuobjdump.path
-    if not tool or not Path(tool).exists():
-        return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    return len(re.findall(r"/\*[0-9a-f]{4}\*/\s+[@A-Z]", out))
+    out = cuobjdump(cubin, "-sass")
+    return None if out is None else len(re.findall(r"/\*[0-9a-f]{4}\*/\s+[@A-Z]", out))
 
 
 @needs_triton
