@@ -43,7 +43,6 @@ from mx_kernels.gluon_common import (  # the dim1 helpers are shared with the 3D
     dim0_scale_layout,
     dim1_scale_layout,
     quantize,
-    quantize_scatter,
     require_gpu,
     store_scales,
     tile_launch_args,
@@ -117,10 +116,9 @@ def _gluon_cast_kernel(
 
     if DIM0:
         # blocks of 32 along K (axis 3): row-major [M, K] output (8 contiguous bytes per thread)
-        if SCATTER:
-            q0, s0 = quantize_scatter(x, 3, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, IS_E4M3, RCEIL)
-        else:
-            q0, s0 = quantize(x, 3, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN)
+        q0, s0 = quantize(
+            x, 3, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN, SCATTER
+        )
         q0_ptrs = q0_ptr + wide(rows, OFFS64) * K + cols
         if EVEN:
             gl.store(q0_ptrs, q0)
@@ -136,10 +134,9 @@ def _gluon_cast_kernel(
     # order, so that cvt packs fp8 pairs along M, as the store wants them.
     T: gl.constexpr = transposed_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
     xt = gl.convert_layout(x, T, assert_trivial=True)
-    if SCATTER:
-        q1, s1 = quantize_scatter(xt, 1, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, IS_E4M3, RCEIL)
-    else:
-        q1, s1 = quantize(xt, 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN)
+    q1, s1 = quantize(
+        xt, 1, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN, SCATTER
+    )
     t_rows = (m0 + arange_along(NUM_SUB, 0, 4, T)) * 32 + arange_along(32, 1, 4, T)
     t_cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, T)) * 32 + arange_along(32, 3, 4, T)
     q1_ptrs = q1_ptr + wide(t_cols, OFFS64) * M + t_rows

@@ -280,12 +280,20 @@ def quantize_blocks_lean(
 
 @gluon.jit
 def quantize(
-    blocks, AXIS: gl.constexpr, EMAX: gl.constexpr, MAX_MANT: gl.constexpr, MAX_NORMAL: gl.constexpr,
-    MBITS: gl.constexpr, EMIN: gl.constexpr, IS_E4M3: gl.constexpr, RCEIL: gl.constexpr, LEAN: gl.constexpr,
+    blocks, AXIS: gl.constexpr, NUM_SUB: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr,
+    REPS: gl.constexpr, EMAX: gl.constexpr, MAX_MANT: gl.constexpr, MAX_NORMAL: gl.constexpr, MBITS: gl.constexpr,
+    EMIN: gl.constexpr, IS_E4M3: gl.constexpr, RCEIL: gl.constexpr, LEAN: gl.constexpr, SCATTER: gl.constexpr,
 ):  # fmt: skip
-    if LEAN:
-        return quantize_blocks_lean(blocks, AXIS, EMAX, MAX_MANT, IS_E4M3, RCEIL)
-    return quantize_blocks(blocks, AXIS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, False)
+    """The fp32 tile ``blocks`` (AXIS 3: tile_layout, AXIS 1: transposed_layout) in blocks of 32 along AXIS:
+    (fp8 bytes in its layout, scales in dim0/dim1_scale_layout(..., SCATTER) up to a trivial conversion)."""
+    # one return: Triton 3.6 compiles every return of a function and rejects their differing layouts
+    if SCATTER:
+        q, s = quantize_scatter(blocks, AXIS, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, IS_E4M3, RCEIL)
+    elif LEAN:
+        q, s = quantize_blocks_lean(blocks, AXIS, EMAX, MAX_MANT, IS_E4M3, RCEIL)
+    else:
+        q, s = quantize_blocks(blocks, AXIS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, False)
+    return q, s
 
 
 @gluon.jit
@@ -343,10 +351,9 @@ def dim1_tile(
     # pairs along M, as the transposed [K, M] store wants them
     T: gl.constexpr = transposed_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
     xt = gl.convert_layout(x.to(gl.float32), T, assert_trivial=True)
-    if SCATTER:
-        q, s = quantize_scatter(xt, 1, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, IS_E4M3, RCEIL)
-    else:
-        q, s = quantize(xt, 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN)
+    q, s = quantize(
+        xt, 1, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN, SCATTER
+    )
     t_rows = row0 + arange_along(NUM_SUB, 0, 4, T) * 32 + arange_along(32, 1, 4, T)
     t_cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, T)) * 32 + arange_along(32, 3, 4, T)
     q_ptrs = q_ptr + wide(t_cols, OFFS64) * M + t_rows
