@@ -37,6 +37,7 @@ import torch
 import triton.experimental.gluon.language as gl
 from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, fp8_dtype, tile_grid
 from mx_kernels.gluon_common import (  # the dim1 helpers are shared with the 3D and per-group casts
+    _linear,
     arange_along,
     check_tile_config,
     compile_for_arch,
@@ -60,14 +61,87 @@ from triton.experimental import gluon
 # bytes per row of [K, M/32], cost 14% (dim1 plain 81% of copy against blocked 94%, H200).
 # SCATTER: block maxima by reduce-scatter across a block's 4 lanes (gluon_common.quantize_scatter; needs
 # ROWS 8 and LEAN).
-GLUON_CONFIG = dict(BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False, PLAIN_VIA_BLOCKED=False, SCATTER=False)
+# WARPS_M: warps along M (a program runs NUM_WARPS * WARPS_M warps). LINES: 16-byte stores of whole lines from
+# 128 x 128 tiles (store_lines, store_scale_tile).
+GLUON_CONFIG = dict(
+    BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False, PLAIN_VIA_BLOCKED=False, SCATTER=False, WARPS_M=1,
+    LINES=False,
+)  # fmt: skip
 # What a call without a config runs: the best of the H200 sweeps at 16384^2 bf16, e4m3 floor
 # (docs/profiles/2026-11-21_h200_gluon_casts_via_blocked.txt, commit 1713f1a): dim1 with blocked scales
 # 96% of copy (the Triton kernel 89%), plain scales via blocked 88% (80%); fused via blocked 76% (52%).
 # SCATTER on: byte-equal, 760 against 1000 SASS per thread (fused); H200 kernel time 1.6% faster (fused), 0.7%
 # (dim1), 2-3% (3D dim1), 4% (per-group) than the butterfly (docs/profiles/2026-11-21_h200_cast_scatter.txt).
 DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=2, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True, SCATTER=True)
+# LINES (128 x 128 tiles, whole-line stores) is not the default: its prototype ran the fused cast in 285 us at
+# 16384^2 (H200), but the same SASS inside this kernel took 314-340 us, against 302 us for this config
+# (docs/profiles/2026-11-21_h200_cast_lines.txt).
 DIM0_DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True, SCATTER=True)
+
+
+# ---------------------------------------------------------------------------------------
+# LINES: stores of whole 128-byte lines from 128 x 128 tiles (NUM_SUB 4, BLOCK_K 128)
+#
+# The quantize layouts store 32 bytes of q1 per k-row and 64 of q0 per row in each warp instruction, and
+# scale bytes one at a time (4 of every 16-byte row of a blocked scale tile per program): the fused cast
+# made 20 M L2 write requests for 16384^2 where a copy of the same bytes makes 6 M, and ran 18% slower
+# than the copy on an H200 (docs/notes_cast_kernels.md). On a 128 x 128 tile (warps along M as well as K)
+# a program owns 128 contiguous bytes of each q0 row and q1 k-row and exactly one 512-byte tile of each
+# blocked scale matrix, so its outputs can leave as 16-byte stores that fill whole lines: a layout
+# conversion (through shared memory) before each store.
+
+
+@gluon.constexpr_function
+def line_layout(num_warps, along_m):
+    """[4, 32, 4, 32] bytes of a 128 x 128 tile laid out for 16-byte stores that fill 128-byte lines.
+    ``along_m`` (q1, stored [K, M]): a thread holds 16 consecutive rows of one column, 8 lanes the 128 rows,
+    4 lanes 4 consecutive columns; else (q0, [M, K]): 16 consecutive columns of one row, 8 lanes the 128
+    columns, 4 lanes 4 consecutive rows. The other axis's remaining bits go to warps, then registers."""
+    if along_m:
+        reg, lane = [(1, 1), (1, 2), (1, 4), (1, 8)], [(1, 16), (0, 1), (0, 2), (3, 1), (3, 2)]
+        rest = [(3, 4), (3, 8), (3, 16), (2, 1), (2, 2)]
+    else:
+        reg, lane = [(3, 1), (3, 2), (3, 4), (3, 8)], [(3, 16), (2, 1), (2, 2), (1, 1), (1, 2)]
+        rest = [(1, 4), (1, 8), (1, 16), (0, 1), (0, 2)]
+    w = num_warps.bit_length() - 1
+    return _linear([4, 32, 4, 32], reg + rest[w:], lane, rest[:w])
+
+
+@gluon.jit
+def store_lines(
+    ptr, q, m0, c0, M, K, TRANSPOSED: gl.constexpr, WARPS: gl.constexpr, OFFS64: gl.constexpr, EVEN: gl.constexpr
+):  # fmt: skip
+    """Store the 128 x 128 byte tile q ([4, 32, 4, 32]: 32-row block m0 + s, column block c0 + c) of [M, K]
+    (TRANSPOSED: into [K, M]) as whole lines."""
+    LL: gl.constexpr = line_layout(WARPS, TRANSPOSED)
+    q = gl.convert_layout(q, LL)
+    rows = (m0 + arange_along(4, 0, 4, LL)) * 32 + arange_along(32, 1, 4, LL)
+    cols = (c0 + arange_along(4, 2, 4, LL)) * 32 + arange_along(32, 3, 4, LL)
+    if TRANSPOSED:
+        ptrs = ptr + wide(cols, OFFS64) * M + rows
+    else:
+        ptrs = ptr + wide(rows, OFFS64) * K + cols
+    if EVEN:
+        gl.store(ptrs, q)
+    else:
+        gl.store(ptrs, q, mask=(rows < M) & (cols < K))
+
+
+@gluon.jit
+def store_scale_tile(ptr, s, tile_row, tile_col, n_rows, n_cols, EVEN: gl.constexpr):
+    """Store blocked scale tile (tile_row, tile_col) of a [n_rows, n_cols] scale matrix from s [32, 16]
+    (row r % 32, byte (r // 32 % 4) * 4 + c % 4: the tile's own byte order), 16 contiguous bytes a lane.
+    The grid covers the padding (rows to 128, columns to 4), so every tile lies in the buffer; padding
+    bytes are written as zeros."""
+    L: gl.constexpr = s.type.layout
+    i = arange_along(32, 0, 2, L)
+    j = arange_along(16, 1, 2, L)
+    offs = (tile_row * ((n_cols + 3) >> 2) + tile_col) * 512 + i * 16 + j
+    if EVEN:
+        gl.store(ptr + offs, s)
+    else:
+        valid = (tile_row * 128 + (j >> 2) * 32 + i < n_rows) & (tile_col * 4 + (j & 3) < n_cols)
+        gl.store(ptr + offs, gl.where(valid, s, 0))
 
 
 @gluon.jit
@@ -93,6 +167,8 @@ def _gluon_cast_kernel(
     OFFS64: gl.constexpr,
     LEAN: gl.constexpr,
     SCATTER: gl.constexpr,
+    WARPS_M: gl.constexpr,
+    LINES: gl.constexpr,
     EMAX: gl.constexpr,
     MAX_MANT: gl.constexpr,
     MAX_NORMAL: gl.constexpr,
@@ -102,7 +178,8 @@ def _gluon_cast_kernel(
     RCEIL: gl.constexpr,
 ):
     CHUNKS: gl.constexpr = ROWS // 4 * NUM_WARPS * REPS
-    L: gl.constexpr = tile_layout(NUM_SUB, ROWS, NUM_WARPS)
+    L: gl.constexpr = tile_layout(NUM_SUB, ROWS, NUM_WARPS, WARPS_M)
+    SB: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [NUM_WARPS * WARPS_M, 1], [1, 0])  # a blocked scale tile
     pid_m = gl.program_id(0)
     pid_k = gl.program_id(1)
     m0 = pid_m * NUM_SUB  # first 32-row block of this program
@@ -117,38 +194,52 @@ def _gluon_cast_kernel(
     if DIM0:
         # blocks of 32 along K (axis 3): row-major [M, K] output (8 contiguous bytes per thread)
         q0, s0 = quantize(
-            x, 3, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN, SCATTER
-        )
-        q0_ptrs = q0_ptr + wide(rows, OFFS64) * K + cols
-        if EVEN:
-            gl.store(q0_ptrs, q0)
+            x, 3, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN,
+            SCATTER, WARPS_M,
+        )  # fmt: skip
+        if LINES:
+            store_lines(q0_ptr, q0, m0, pid_k * CHUNKS, M, K, False, NUM_WARPS * WARPS_M, OFFS64, EVEN)
+            # [S, 32 rows, CHUNKS] -> [32, S * CHUNKS]: row r of the tile holds its bytes sub * 4 + chunk
+            s0 = gl.convert_layout(gl.reshape(gl.permute(s0, [1, 0, 2]), [32, NUM_SUB * CHUNKS]), SB)
+            store_scale_tile(s0_ptr, s0, pid_m, pid_k, M, S0_COLS, EVEN)
         else:
-            gl.store(q0_ptrs, q0, mask=(rows < M) & (cols < K))
-        S0L: gl.constexpr = dim0_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, SCATTER)
-        s0 = gl.convert_layout(s0, S0L, assert_trivial=True)
-        s0_rows = (m0 + arange_along(NUM_SUB, 0, 3, S0L)) * 32 + arange_along(32, 1, 3, S0L)
-        s0_cols = pid_k * CHUNKS + arange_along(CHUNKS, 2, 3, S0L)
-        store_scales(s0_ptr, s0, s0_rows, s0_cols, M, S0_COLS, BLOCKED, EVEN)
+            q0_ptrs = q0_ptr + wide(rows, OFFS64) * K + cols
+            if EVEN:
+                gl.store(q0_ptrs, q0)
+            else:
+                gl.store(q0_ptrs, q0, mask=(rows < M) & (cols < K))
+            S0L: gl.constexpr = dim0_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, SCATTER, WARPS_M)
+            s0 = gl.convert_layout(s0, S0L, assert_trivial=True)
+            s0_rows = (m0 + arange_along(NUM_SUB, 0, 3, S0L)) * 32 + arange_along(32, 1, 3, S0L)
+            s0_cols = pid_k * CHUNKS + arange_along(CHUNKS, 2, 3, S0L)
+            store_scales(s0_ptr, s0, s0_rows, s0_cols, M, S0_COLS, BLOCKED, EVEN)
 
     # blocks of 32 along M (axis 1): transposed [K, M] output. Quantized in the rows-first register
     # order, so that cvt packs fp8 pairs along M, as the store wants them.
-    T: gl.constexpr = transposed_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
+    T: gl.constexpr = transposed_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, WARPS_M)
     xt = gl.convert_layout(x, T, assert_trivial=True)
     q1, s1 = quantize(
-        xt, 1, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN, SCATTER
-    )
-    t_rows = (m0 + arange_along(NUM_SUB, 0, 4, T)) * 32 + arange_along(32, 1, 4, T)
-    t_cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, T)) * 32 + arange_along(32, 3, 4, T)
-    q1_ptrs = q1_ptr + wide(t_cols, OFFS64) * M + t_rows
-    if EVEN:
-        gl.store(q1_ptrs, q1)
+        xt, 1, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN, SCATTER,
+        WARPS_M,
+    )  # fmt: skip
+    if LINES:
+        store_lines(q1_ptr, q1, m0, pid_k * CHUNKS, M, K, True, NUM_WARPS * WARPS_M, OFFS64, EVEN)
+        # [S, CHUNKS, 32 k] -> [32, CHUNKS * S]: k-row c of the tile holds its bytes chunk * 4 + sub
+        s1 = gl.convert_layout(gl.reshape(gl.permute(s1, [2, 1, 0]), [32, CHUNKS * NUM_SUB]), SB)
+        store_scale_tile(s1_ptr, s1, pid_k, pid_m, K, S1_COLS, EVEN)
     else:
-        gl.store(q1_ptrs, q1, mask=(t_rows < M) & (t_cols < K))
-    # scales [K, M/32]: this program's NUM_SUB scale columns of each k are contiguous
-    S1L: gl.constexpr = dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, SCATTER)
-    s1 = gl.convert_layout(s1, S1L, assert_trivial=True)
-    s1_rows = (pid_k * CHUNKS + arange_along(CHUNKS, 1, 3, S1L)) * 32 + arange_along(32, 2, 3, S1L)
-    store_scales(s1_ptr, s1, s1_rows, m0 + arange_along(NUM_SUB, 0, 3, S1L), K, S1_COLS, BLOCKED, EVEN)
+        t_rows = (m0 + arange_along(NUM_SUB, 0, 4, T)) * 32 + arange_along(32, 1, 4, T)
+        t_cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, T)) * 32 + arange_along(32, 3, 4, T)
+        q1_ptrs = q1_ptr + wide(t_cols, OFFS64) * M + t_rows
+        if EVEN:
+            gl.store(q1_ptrs, q1)
+        else:
+            gl.store(q1_ptrs, q1, mask=(t_rows < M) & (t_cols < K))
+        # scales [K, M/32]: this program's NUM_SUB scale columns of each k are contiguous
+        S1L: gl.constexpr = dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, SCATTER, WARPS_M)
+        s1 = gl.convert_layout(s1, S1L, assert_trivial=True)
+        s1_rows = (pid_k * CHUNKS + arange_along(CHUNKS, 1, 3, S1L)) * 32 + arange_along(32, 2, 3, S1L)
+        store_scales(s1_ptr, s1, s1_rows, m0 + arange_along(NUM_SUB, 0, 3, S1L), K, S1_COLS, BLOCKED, EVEN)
 
 
 def kernel_launch(

@@ -4,12 +4,14 @@ share: the tile layout and its config, and the dim1 pieces (quantize along M, tr
 A program's tile is [NUM_SUB, 32 rows, CHUNKS, 32 cols] (NUM_SUB 32-row sub-tiles, BLOCK_K = 32 *
 CHUNKS columns) in
 
-    size_per_thread [NUM_SUB, ROWS, 1, 8], threads_per_warp [1, 32 / ROWS, ROWS / 4, 4],
-    warps_per_cta [1, 1, NUM_WARPS, 1]
+    size_per_thread [NUM_SUB / WARPS_M, ROWS, 1, 8], threads_per_warp [1, 32 / ROWS, ROWS / 4, 4],
+    warps_per_cta [WARPS_M, 1, NUM_WARPS, 1]
 
 A thread loads ROWS rows x 8 contiguous elements (16-byte loads for bf16); a block of 32 along K
 is 8 values in a thread then 4 lanes (2 shuffle steps), a block of 32 along M is ROWS values in
-a thread then 32 / ROWS lanes of one warp; warps split K, so no reduction touches shared memory.
+a thread then 32 / ROWS lanes of one warp; NUM_WARPS warps split K and WARPS_M warps (1 unless a
+config asks) split the sub-tiles, so no reduction touches shared memory. NUM_WARPS is the warps along
+K throughout: a program runs NUM_WARPS * WARPS_M warps.
 For dim1 the tile is relabelled with its registers listed rows first (``transposed_layout``: a
 register permutation, every convert_layout asserted trivial at compile time), so that cvt packs fp8
 pairs along M and each thread stores ROWS contiguous bytes of [K, M] per column (``dim1_tile``).
@@ -32,10 +34,13 @@ from triton.experimental import gluon
 
 
 @gluon.constexpr_function
-def tile_layout(num_sub, rows, num_warps):
+def tile_layout(num_sub, rows, num_warps, warps_m=1):
     """[NUM_SUB, 32, CHUNKS, 32]: a thread holds ``rows`` rows x 8 contiguous columns; a warp's lanes
-    cover the 32 rows of a block (32 / rows lanes) and rows / 4 chunks of 32 columns (4 lanes each)."""
-    return gl.BlockedLayout([num_sub, rows, 1, 8], [1, 32 // rows, rows // 4, 4], [1, 1, num_warps, 1], [3, 2, 1, 0])
+    cover the 32 rows of a block (32 / rows lanes) and rows / 4 chunks of 32 columns (4 lanes each);
+    ``num_warps`` warps along the chunks, then ``warps_m`` along the sub-tiles."""
+    return gl.BlockedLayout(
+        [num_sub // warps_m, rows, 1, 8], [1, 32 // rows, rows // 4, 4], [warps_m, 1, num_warps, 1], [3, 2, 1, 0]
+    )
 
 
 @gluon.constexpr_function
@@ -83,9 +88,17 @@ def _pow2_below(n: int) -> list[int]:
 
 
 @gluon.constexpr_function
-def _lanes_and_warps(rows, num_warps, dim_row, dim_chunk, dim_col, rank):
+def _sub_bases(num_sub, warps_m):
+    """(register, warp) bases of the sub-tile axis (values along it): registers first, then warps."""
+    regs = num_sub // warps_m
+    return _pow2_below(regs), [regs * w for w in _pow2_below(warps_m)]
+
+
+@gluon.constexpr_function
+def _lanes_and_warps(rows, num_warps, dim_row, dim_chunk, dim_col, rank, dim_sub=0, num_sub=1, warps_m=1):
     """Lane and warp bases of tile_layout (or of a slice of it: dim_row None drops the row dim, whose
-    lanes then hold copies). Lanes go columns first, then chunks, then rows; warps along chunks."""
+    lanes then hold copies). Lanes go columns first, then chunks, then rows; warps along chunks, then
+    along the sub-tiles (dim_sub)."""
 
     def basis(dim, value):
         return [value if d == dim else 0 for d in range(rank)]
@@ -93,42 +106,43 @@ def _lanes_and_warps(rows, num_warps, dim_row, dim_chunk, dim_col, rank):
     lane = [basis(dim_col, 8), basis(dim_col, 16)] + [basis(dim_chunk, c) for c in _pow2_below(rows // 4)]
     lane += [basis(dim_row, rows * r) if dim_row is not None else [0] * rank for r in _pow2_below(32 // rows)]
     warp = [basis(dim_chunk, rows // 4 * w) for w in _pow2_below(num_warps)]
+    warp += [basis(dim_sub, v) for v in _sub_bases(num_sub, warps_m)[1]]
     return lane, warp
 
 
 @gluon.constexpr_function
-def transposed_layout(num_sub, rows, num_warps, reps):
+def transposed_layout(num_sub, rows, num_warps, reps, warps_m=1):
     """tile_layout with each thread's registers listed rows first: same lanes and warps, so converting
     to it moves no data; its fp8 pairs and stores run along M (``rows`` contiguous bytes of [K, M])."""
     chunks = rows // 4 * num_warps * reps
     reg = [[0, r, 0, 0] for r in _pow2_below(rows)] + [[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4]]
-    reg += [[s, 0, 0, 0] for s in _pow2_below(num_sub)]
+    reg += [[s, 0, 0, 0] for s in _sub_bases(num_sub, warps_m)[0]]
     reg += [[0, 0, rows // 4 * num_warps * r, 0] for r in _pow2_below(reps)]
-    lane, warp = _lanes_and_warps(rows, num_warps, 1, 2, 3, 4)
+    lane, warp = _lanes_and_warps(rows, num_warps, 1, 2, 3, 4, 0, num_sub, warps_m)
     return gl.DistributedLinearLayout(reg, lane, warp, [], [num_sub, 32, chunks, 32])
 
 
 @gluon.constexpr_function
-def dim1_scale_layout(num_sub, rows, num_warps, reps, scatter=False):
+def dim1_scale_layout(num_sub, rows, num_warps, reps, scatter=False, warps_m=1):
     """The dim1 scales [NUM_SUB, CHUNKS, 32]: as the row reduction leaves them (copies on the row lanes),
     registers listed sub-tile first (NUM_SUB contiguous scale bytes per column); with ``scatter``, as the
     reduce-scatter leaves them (``scatter_layouts``: no copies)."""
     if scatter:
-        return scatter_layouts(1, num_sub, rows, num_warps, reps)[4]
+        return scatter_layouts(1, num_sub, rows, num_warps, reps, warps_m)[4]
     chunks = rows // 4 * num_warps * reps
-    reg = [[s, 0, 0] for s in _pow2_below(num_sub)] + [[0, 0, 1], [0, 0, 2], [0, 0, 4]]
+    reg = [[s, 0, 0] for s in _sub_bases(num_sub, warps_m)[0]] + [[0, 0, 1], [0, 0, 2], [0, 0, 4]]
     reg += [[0, rows // 4 * num_warps * r, 0] for r in _pow2_below(reps)]
-    lane, warp = _lanes_and_warps(rows, num_warps, None, 1, 2, 3)
+    lane, warp = _lanes_and_warps(rows, num_warps, None, 1, 2, 3, 0, num_sub, warps_m)
     return gl.DistributedLinearLayout(reg, lane, warp, [], [num_sub, chunks, 32])
 
 
 @gluon.constexpr_function
-def dim0_scale_layout(num_sub, rows, num_warps, reps, scatter=False):
+def dim0_scale_layout(num_sub, rows, num_warps, reps, scatter=False, warps_m=1):
     """The dim0 scales [NUM_SUB, 32, CHUNKS]: as the butterfly leaves them (copies on the 4 column lanes) or,
     with ``scatter``, as the reduce-scatter does."""
     if scatter:
-        return scatter_layouts(0, num_sub, rows, num_warps, reps)[4]
-    return gl.SliceLayout(3, tile_layout(num_sub, rows, num_warps))
+        return scatter_layouts(0, num_sub, rows, num_warps, reps, warps_m)[4]
+    return gl.SliceLayout(3, tile_layout(num_sub, rows, num_warps, warps_m))
 
 
 # ---------------------------------------------------------------------------------------
@@ -157,7 +171,7 @@ def _linear(shape, reg, lane, warp):
 
 
 @gluon.constexpr_function
-def scatter_layouts(axis, num_sub, rows, num_warps, reps):
+def scatter_layouts(axis, num_sub, rows, num_warps, reps, warps_m=1):
     """The layouts of the reduce-scatter along ``axis`` (0: blocks along K on tile_layout, 1: blocks
     along M on transposed_layout), ROWS = 8:
     [0] |x| with the block's 32 values split into 4 lanes x 8 registers (a relabelling of the tile);
@@ -166,9 +180,11 @@ def scatter_layouts(axis, num_sub, rows, num_warps, reps):
     register bit swapped with the high one; [4] the maxima (no copies); [5] one bit gathered back."""
     assert rows == 8, "the reduce-scatter is written for 8 rows per thread"
     ch = rows // 4 * num_warps * reps
-    sub = [(0, s) for s in _pow2_below(num_sub)]
+    sub_regs, sub_warps = _sub_bases(num_sub, warps_m)
+    sub, sw = [(0, s) for s in sub_regs], [(0, s) for s in sub_warps]  # the sub-tile axis is dim 0 of every shape
     if axis == 0:  # tile [S, 32 rows, CH, 32 cols]; the 4 column lanes hold a block's 4 x 8 values
-        rep5, warp5 = [(2, 2 * num_warps * r) for r in _pow2_below(reps)], [(2, 2 * w) for w in _pow2_below(num_warps)]
+        rep5 = [(2, 2 * num_warps * r) for r in _pow2_below(reps)]
+        warp5 = [(2, 2 * w) for w in _pow2_below(num_warps)] + sw
         lanes = [(2, 1), (1, 8), (1, 16)]  # chunk, rows 8 and 16 (the same for every rank below)
         x5 = _linear([num_sub, 32, ch, 4, 8], [(4, 1), (4, 2), (4, 4), (1, 1), (1, 2), (1, 4)] + sub + rep5,
                      [(3, 1), (3, 2)] + lanes, warp5, )  # fmt: skip
@@ -182,13 +198,13 @@ def scatter_layouts(axis, num_sub, rows, num_warps, reps):
     cols = [(4, 8), (4, 16), (3, 1)]  # the column lanes and the chunk lane of the rank-5 shapes
     rep, warp = [(3, 2 * num_warps * r) for r in _pow2_below(reps)], [(3, 2 * w) for w in _pow2_below(num_warps)]
     x5 = _linear([num_sub, 4, 8, ch, 32], [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4)] + sub + rep,
-                 cols + [(1, 1), (1, 2)], warp)  # fmt: skip
-    p0 = _linear([num_sub, 2, 2, ch, 32], [(4, 1), (4, 2), (4, 4)] + sub + rep, cols + [(2, 1), (1, 1)], warp)
-    p1 = _linear([num_sub, 2, 2, ch, 32], [(2, 1), (4, 2), (4, 4)] + sub + rep, cols + [(4, 1), (1, 1)], warp)
-    rep4, warp4 = [(2, b) for _, b in rep], [(2, b) for _, b in warp]
+                 cols + [(1, 1), (1, 2)], warp + sw)  # fmt: skip
+    p0 = _linear([num_sub, 2, 2, ch, 32], [(4, 1), (4, 2), (4, 4)] + sub + rep, cols + [(2, 1), (1, 1)], warp + sw)
+    p1 = _linear([num_sub, 2, 2, ch, 32], [(2, 1), (4, 2), (4, 4)] + sub + rep, cols + [(4, 1), (1, 1)], warp + sw)
+    rep4, warp4 = [(2, b) for _, b in rep], [(2, b) for _, b in warp] + sw
     cols4 = [(3, 8), (3, 16), (2, 1)]
     p2 = _linear([num_sub, 2, ch, 32], [(1, 1), (3, 4)] + sub + rep4, cols4 + [(3, 1), (3, 2)], warp4)
-    rep3, warp3 = [(1, b) for _, b in rep], [(1, b) for _, b in warp]
+    rep3, warp3 = [(1, b) for _, b in rep], [(1, b) for _, b in warp] + sw
     cols3 = [(2, 8), (2, 16), (1, 1)]
     amax = _linear([num_sub, ch, 32], [(2, 4)] + sub + rep3, cols3 + [(2, 1), (2, 2)], warp3)
     half = _linear([num_sub, ch, 32], [(2, 2), (2, 4)] + sub + rep3, cols3 + [(2, 1), None], warp3)
@@ -196,21 +212,21 @@ def scatter_layouts(axis, num_sub, rows, num_warps, reps):
 
 
 @gluon.constexpr_function
-def scatter_layout(i, axis, num_sub, rows, num_warps, reps):
-    return scatter_layouts(axis, num_sub, rows, num_warps, reps)[i]
+def scatter_layout(i, axis, num_sub, rows, num_warps, reps, warps_m=1):
+    return scatter_layouts(axis, num_sub, rows, num_warps, reps, warps_m)[i]
 
 
 @gluon.jit
 def scatter_amax(ax, AXIS: gl.constexpr, NUM_SUB: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr,
-                 REPS: gl.constexpr):  # fmt: skip
+                 REPS: gl.constexpr, WARPS_M: gl.constexpr = 1):  # fmt: skip
     """Block maxima of |x| (``ax``: the tile in tile_layout for AXIS 3, transposed_layout for AXIS 1), each
     block's on one lane: [S, 32, CHUNKS] (AXIS 3) or [S, CHUNKS, 32] (AXIS 1) in scatter_layout 4."""
     CHUNKS: gl.constexpr = ROWS // 4 * NUM_WARPS * REPS
     A: gl.constexpr = 0 if AXIS == 3 else 1
-    X5: gl.constexpr = scatter_layout(0, A, NUM_SUB, ROWS, NUM_WARPS, REPS)
-    P0: gl.constexpr = scatter_layout(1, A, NUM_SUB, ROWS, NUM_WARPS, REPS)
-    P1: gl.constexpr = scatter_layout(2, A, NUM_SUB, ROWS, NUM_WARPS, REPS)
-    P2: gl.constexpr = scatter_layout(3, A, NUM_SUB, ROWS, NUM_WARPS, REPS)
+    X5: gl.constexpr = scatter_layout(0, A, NUM_SUB, ROWS, NUM_WARPS, REPS, WARPS_M)
+    P0: gl.constexpr = scatter_layout(1, A, NUM_SUB, ROWS, NUM_WARPS, REPS, WARPS_M)
+    P1: gl.constexpr = scatter_layout(2, A, NUM_SUB, ROWS, NUM_WARPS, REPS, WARPS_M)
+    P2: gl.constexpr = scatter_layout(3, A, NUM_SUB, ROWS, NUM_WARPS, REPS, WARPS_M)
     if AXIS == 3:
         a = gl.convert_layout(gl.reshape(ax, [NUM_SUB, 32, CHUNKS, 4, 8]), X5, assert_trivial=True)
         p = gl.reshape(gl.reduce(a, 4, max_nan), [NUM_SUB, 32, CHUNKS, 2, 2])
@@ -249,14 +265,14 @@ def to_fp8_bits(v, IS_E4M3: gl.constexpr):
 @gluon.jit
 def quantize_scatter(
     x, AXIS: gl.constexpr, NUM_SUB: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr, REPS: gl.constexpr,
-    EMAX: gl.constexpr, MAX_MANT: gl.constexpr, IS_E4M3: gl.constexpr, RCEIL: gl.constexpr,
+    EMAX: gl.constexpr, MAX_MANT: gl.constexpr, IS_E4M3: gl.constexpr, RCEIL: gl.constexpr, WARPS_M: gl.constexpr = 1,
 ):  # fmt: skip
     """quantize_blocks_lean of the fp32 tile x (AXIS 3: tile_layout, AXIS 1: transposed_layout) with the
     block maxima reduce-scattered: (fp8 bytes in x's layout, scales in dim0/dim1_scale_layout(scatter))."""
     A: gl.constexpr = 0 if AXIS == 3 else 1
-    amax = scatter_amax(gl.abs(x), AXIS, NUM_SUB, ROWS, NUM_WARPS, REPS)
+    amax = scatter_amax(gl.abs(x), AXIS, NUM_SUB, ROWS, NUM_WARPS, REPS, WARPS_M)
     inv_scale, scale = scale_from_amax(amax, EMAX, MAX_MANT, RCEIL)
-    HALF: gl.constexpr = scatter_layout(5, A, NUM_SUB, ROWS, NUM_WARPS, REPS)
+    HALF: gl.constexpr = scatter_layout(5, A, NUM_SUB, ROWS, NUM_WARPS, REPS, WARPS_M)
     # gather back in two swaps, to the layout of x reduced along AXIS (copies on the block's 4 lanes)
     inv_scale = gl.convert_layout(gl.convert_layout(inv_scale, HALF), gl.SliceLayout(AXIS, x.type.layout))
     return to_fp8_bits(x * gl.expand_dims(inv_scale, AXIS), IS_E4M3), scale
@@ -283,12 +299,13 @@ def quantize(
     blocks, AXIS: gl.constexpr, NUM_SUB: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr,
     REPS: gl.constexpr, EMAX: gl.constexpr, MAX_MANT: gl.constexpr, MAX_NORMAL: gl.constexpr, MBITS: gl.constexpr,
     EMIN: gl.constexpr, IS_E4M3: gl.constexpr, RCEIL: gl.constexpr, LEAN: gl.constexpr, SCATTER: gl.constexpr,
+    WARPS_M: gl.constexpr = 1,
 ):  # fmt: skip
     """The fp32 tile ``blocks`` (AXIS 3: tile_layout, AXIS 1: transposed_layout) in blocks of 32 along AXIS:
     (fp8 bytes in its layout, scales in dim0/dim1_scale_layout(..., SCATTER) up to a trivial conversion)."""
     # one return: Triton 3.6 compiles every return of a function and rejects their differing layouts
     if SCATTER:
-        q, s = quantize_scatter(blocks, AXIS, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, IS_E4M3, RCEIL)
+        q, s = quantize_scatter(blocks, AXIS, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, IS_E4M3, RCEIL, WARPS_M)
     elif LEAN:
         q, s = quantize_blocks_lean(blocks, AXIS, EMAX, MAX_MANT, IS_E4M3, RCEIL)
     else:
@@ -370,9 +387,10 @@ def dim1_tile(
 
 
 def check_tile_config(config: dict | None, defaults: dict, what: str) -> dict:
-    """``defaults`` updated with ``config``, checked: ROWS 4, 8 or 16; NUM_WARPS, NUM_SUB and BLOCK_K
-    powers of two, BLOCK_K >= 8 * ROWS * NUM_WARPS; the flags (LEAN, ...) bools. ``what`` names the kernel
-    in errors."""
+    """``defaults`` updated with ``config``, checked: ROWS 4, 8 or 16; NUM_WARPS (along K), NUM_SUB and
+    BLOCK_K powers of two, BLOCK_K >= 8 * ROWS * NUM_WARPS; WARPS_M (where the kernel has it) a power of two
+    dividing NUM_SUB; LINES only on 128 x 128 tiles with plain scales via blocked; the flags (LEAN, ...)
+    bools. ``what`` names the kernel in errors."""
     cfg = {**defaults, **(config or {})}
     unknown = set(cfg) - set(defaults)
     if unknown:
@@ -394,20 +412,32 @@ def check_tile_config(config: dict | None, defaults: dict, what: str) -> dict:
             f"{what} config {cfg}: NUM_WARPS, NUM_SUB and BLOCK_K must be powers of two with "
             "BLOCK_K >= 8 * ROWS * NUM_WARPS (each warp covers 8 * ROWS columns)"
         )
+    warps_m = cfg.get("WARPS_M", 1)
+    if not (pow2(warps_m) and sub % warps_m == 0 and warps * warps_m <= 32):
+        raise ValueError(
+            f"{what} config {cfg}: WARPS_M (warps along M) must be a power of two dividing NUM_SUB, "
+            "with NUM_WARPS * WARPS_M <= 32 warps a program"
+        )
+    if cfg.get("LINES") and (sub != 4 or block_k != 128 or not cfg.get("PLAIN_VIA_BLOCKED")):
+        raise ValueError(
+            f"{what} config {cfg}: LINES (whole-line stores) needs a 128 x 128 tile (NUM_SUB 4, BLOCK_K 128) "
+            "and PLAIN_VIA_BLOCKED (its scale stores write whole blocked tiles)"
+        )
     return cfg
 
 
 def tile_launch_args(cfg: dict, elem: str, mode: str) -> dict:
     """The launch keywords every Gluon kernel on ``tile_layout`` takes from its checked config and
     format: the tile constexprs, LEAN, num_warps and the format's constants."""
+    optional = ("SCATTER", "WARPS_M", "LINES")  # keys of the kernels that have them
     return dict(
         NUM_SUB=cfg["NUM_SUB"],
         ROWS=cfg["ROWS"],
         NUM_WARPS=cfg["NUM_WARPS"],
         REPS=cfg["BLOCK_K"] // (8 * cfg["ROWS"] * cfg["NUM_WARPS"]),  # layout repeats along K
         LEAN=cfg["LEAN"],
-        **({"SCATTER": cfg["SCATTER"]} if "SCATTER" in cfg else {}),  # the kernels with a reduce-scatter option
-        num_warps=cfg["NUM_WARPS"],
+        **{key: cfg[key] for key in optional if key in cfg},
+        num_warps=cfg["NUM_WARPS"] * cfg.get("WARPS_M", 1),
         **format_constexprs(elem, mode),
     )
 

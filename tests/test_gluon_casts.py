@@ -29,6 +29,9 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 
 ELEMS = ["e4m3", "e5m2"]
 MODES = ["floor", "rceil"]
+# 128 x 128 tiles, warps along M, whole-line stores (opt-in: gluon_casts.DIM0_DIM1_CONFIG says why)
+LINES_CONFIG = dict(ROWS=8, BLOCK_K=128, NUM_WARPS=2, WARPS_M=4, NUM_SUB=4, LEAN=True, PLAIN_VIA_BLOCKED=True)
+LINES_CONFIG.update(SCATTER=True, LINES=True)
 # layout configs: the default, rows per thread 8 and 16, warps and K repeats, sub-tiles, LEAN
 CONFIGS = [
     None,  # what cast_dim1 / cast_dim0_dim1 run on Hopper: gluon_casts.DIM1_CONFIG / DIM0_DIM1_CONFIG
@@ -45,9 +48,15 @@ CONFIGS = [
     # the reduce-scatter of block maxima (the defaults use it): one and two sub-tiles, 2 chunk repeats
     dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, LEAN=True, SCATTER=True),
     dict(ROWS=8, BLOCK_K=512, NUM_WARPS=4, NUM_SUB=2, LEAN=True, SCATTER=True),
+    # warps along M (WARPS_M): 128 x 128 tiles with whole-line stores (LINES, opt-in), with 4 warps
+    # (2 chunk repeats), without LINES; the butterfly with warps along M
+    LINES_CONFIG,
+    {**LINES_CONFIG, "NUM_WARPS": 1},
+    {**LINES_CONFIG, "LINES": False},
+    dict(ROWS=4, BLOCK_K=128, NUM_WARPS=4, WARPS_M=2, NUM_SUB=2),
 ]
 CONFIG_IDS = ["default", "base", "r8", "r8rep2s2", "r16", "w1s4", "w8", "lean_r4", "lean_r8", "lean_r8s2"]
-CONFIG_IDS += ["via_blocked", "scatter_r8", "scatter_r8rep2s2"]
+CONFIG_IDS += ["via_blocked", "scatter_r8", "scatter_r8rep2s2", "lines", "lines_w4", "warps_m4", "warps_m2_r4"]
 
 
 def gluon():
@@ -125,6 +134,8 @@ def test_argument_errors(monkeypatch):
     x = torch.randn(64, 64, dtype=torch.bfloat16)
     bad_configs = [dict(BLOCK_K=96), dict(BLOCK_K=64, NUM_WARPS=4), dict(ROWS=32), dict(NUM_SUB=3), dict(LEAN=1)]
     bad_configs += [dict(SCATTER=True), dict(ROWS=8, BLOCK_K=256, SCATTER=True)]  # SCATTER: ROWS 8 and LEAN
+    bad_configs += [dict(WARPS_M=3), dict(WARPS_M=4), dict(NUM_WARPS=8, WARPS_M=8, NUM_SUB=8, BLOCK_K=256)]
+    bad_configs += [dict(LINES=True), {**LINES_CONFIG, "BLOCK_K": 256}, {**LINES_CONFIG, "PLAIN_VIA_BLOCKED": False}]
     for bad in bad_configs + [dict(PLAIN_VIA_BLOCKED=1)]:
         with pytest.raises(ValueError, match="Gluon cast config"):
             g.gluon_cast_dim1(x, "e4m3", "floor", config=bad)
@@ -201,10 +212,30 @@ def test_every_test_config_compiles(config):
     conversions are asserted trivial at compile time (a mistake in the hand-written linear
     layouts fails here, without a GPU)."""
     g = gluon()
+    lines = bool(config and config.get("LINES"))  # its stores go through shared memory
     for dim0 in (False, True):
         for shape in ((96, 160), (4096, 4096)):
-            ops = ptx_ops(g.compile_for_target(shape, torch.bfloat16, "e4m3", "floor", False, dim0, config).asm["ptx"])
-            assert "bar.sync" not in ops, (dim0, shape, config, ops)
+            ops = ptx_ops(g.compile_for_target(shape, torch.bfloat16, "e4m3", "floor", lines, dim0, config).asm["ptx"])
+            assert ("bar.sync" in ops) == lines, (dim0, shape, config, ops)
+
+
+@needs_triton
+@pytest.mark.parametrize("dim0", [True, False])
+def test_lines_store_whole_lines(dim0):
+    """LINES: every output leaves as 16-byte stores (q0 rows and q1 k-rows as whole 128-byte lines, each
+    blocked scale tile as 16-byte rows), after layout conversions through shared memory; the loads and the
+    reductions are the SCATTER tile's (16-byte loads, shuffles)."""
+    g = gluon()
+    kernel = g.compile_for_target((16384, 16384), torch.bfloat16, "e4m3", "floor", True, dim0, LINES_CONFIG)
+    ops = ptx_ops(kernel.asm["ptx"])
+    stores = {op: n for op, n in ops.items() if op.startswith("st.global")}
+    # per thread: 4 stores of 16 bytes for each 64-byte qdata share, one 16-byte scale row of each tile
+    assert stores == {"st.global.v4.b32": 10 if dim0 else 5}, ops
+    assert set(op for op in ops if op.startswith("ld.global")) == {"ld.global.v4.b32"}, ops
+    assert ops.get("shfl.sync.bfly.b32", 0) > 0 and ops.get("bar.sync", 0) > 0, ops
+    usage = resource_usage(kernel.asm["cubin"])
+    if usage is not None:
+        assert usage["LOCAL"] == 0 and usage["REG"] <= 128, usage  # 2 programs of 8 warps per SM
 
 
 def sass_instructions(cubin: bytes) -> int | None:
@@ -235,9 +266,11 @@ def test_scatter_stays_in_registers_and_issues_fewer_instructions(dim0):
 @pytest.mark.parametrize("dim0", [False, True])
 def test_int64_offsets_compile(dim0):
     """2**31 elements switch the address math to int64 (OFFS64): that variant compiles too (it did not,
-    with two differently typed returns in _wide)."""
+    with two differently typed returns in _wide), with and without LINES."""
     ptx = gluon().compile_for_target((65536, 32768), torch.bfloat16, "e4m3", "floor", False, dim0).asm["ptx"]
     assert ".s64" in ptx and "bar.sync" not in ptx
+    ptx = gluon().compile_for_target((65536, 32768), torch.bfloat16, "e4m3", "floor", True, dim0, LINES_CONFIG)
+    assert ".s64" in ptx.asm["ptx"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -259,7 +292,7 @@ def gpu_cases(configs: list, config_ids: list[str], full: set[str]) -> list:
     ]
 
 
-GPU_CASES = gpu_cases(CONFIGS, CONFIG_IDS, {"default", "r8", "lean_r8", "scatter_r8"})
+GPU_CASES = gpu_cases(CONFIGS, CONFIG_IDS, {"default", "r8", "lean_r8", "scatter_r8", "lines"})
 
 
 @pytest.mark.gpu
@@ -288,8 +321,9 @@ def test_gpu_dim0_dim1_bit_exact(config, mode, elem):
         None,
         dict(ROWS=8, BLOCK_K=256, NUM_SUB=1, LEAN=True),
         dict(ROWS=8, BLOCK_K=512, NUM_SUB=2, LEAN=True, SCATTER=True),
+        LINES_CONFIG,
     ],
-    ids=["default", "lean_r8", "scatter_r8rep2s2"],
+    ids=["default", "lean_r8", "scatter_r8rep2s2", "lines"],
 )
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("mode", MODES)
@@ -303,7 +337,9 @@ def test_gpu_fp32_input_bit_exact(mode, elem, config):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("config", [None, dict(LEAN=True), dict(ROWS=8, BLOCK_K=256, NUM_SUB=1, LEAN=True)])
+@pytest.mark.parametrize(
+    "config", [None, dict(LEAN=True), dict(ROWS=8, BLOCK_K=256, NUM_SUB=1, LEAN=True), LINES_CONFIG]
+)
 def test_gpu_every_bf16_value(config):
     """All 65536 bf16 patterns (NaNs of every payload and sign, infinities, subnormals), in blocks
     along M (dim1) and along K (dim0), through both kernels."""
@@ -360,10 +396,13 @@ def test_gpu_int64_offsets_match_triton_kernels():
     for a, b in zip(g.gluon_cast_dim1(x, "e4m3", "floor"), ref, strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     del a, b, ref
-    outs = g.gluon_cast_dim0_dim1(x, "e4m3", "rceil", config=dict(ROWS=8, BLOCK_K=256, NUM_SUB=1))
-    ref = mx_kernels.cast_dim0_dim1.cast_dim0_dim1(x, "e4m3", "rceil")
-    for name, a, b in zip(("q0", "s0", "q1", "s1"), outs, ref, strict=True):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    triton_config = mx_kernels.cast_dim0_dim1.DIM0_DIM1_CONFIG  # else Hopper runs the Gluon kernel again
+    ref = mx_kernels.cast_dim0_dim1.cast_dim0_dim1(x, "e4m3", "rceil", config=triton_config)
+    for config in (dict(ROWS=8, BLOCK_K=256, NUM_SUB=1), LINES_CONFIG):
+        outs = g.gluon_cast_dim0_dim1(x, "e4m3", "rceil", config=config)
+        for name, a, b in zip(("q0", "s0", "q1", "s1"), outs, ref, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, config)
+        del outs
 
 
 def kernels_launched(fn) -> set[str]:
