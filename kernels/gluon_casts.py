@@ -74,7 +74,7 @@ GLUON_CONFIG = dict(
 # (dim1), 2-3% (3D dim1), 4% (per-group) than the butterfly (docs/profiles/2026-11-21_h200_cast_scatter.txt).
 DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=2, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True, SCATTER=True)
 # LINES (128 x 128 tiles, whole-line stores) is not the default: its prototype ran the fused cast in 285 us at
-# 16384^2 (H200), but the same SASS inside this kernel took 314-340 us, against 302 us for this config
+# 16384^2 (H200), but the same SASS inside this kernel took 313-344 us, against 302 us for this config
 # (docs/profiles/2026-11-21_h200_cast_lines.txt).
 DIM0_DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True, SCATTER=True)
 
