@@ -62,10 +62,10 @@ from triton.experimental import gluon
 # SCATTER: block maxima by reduce-scatter across a block's 4 lanes (gluon_common.quantize_scatter; needs
 # ROWS 8 and LEAN).
 # WARPS_M: warps along M (a program runs NUM_WARPS * WARPS_M warps). LINES: 16-byte stores of whole lines from
-# 128 x 128 tiles (store_lines, store_scale_tile).
+# 128 x 128 tiles (store_lines, store_scale_tile). K_FIRST: the grid runs along K first.
 GLUON_CONFIG = dict(
     BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False, PLAIN_VIA_BLOCKED=False, SCATTER=False, WARPS_M=1,
-    LINES=False,
+    LINES=False, K_FIRST=False,
 )  # fmt: skip
 # What a call without a config runs: the best of the H200 sweeps at 16384^2 bf16, e4m3 floor
 # (docs/profiles/2026-11-21_h200_gluon_casts_via_blocked.txt, commit 1713f1a): dim1 with blocked scales
@@ -73,10 +73,16 @@ GLUON_CONFIG = dict(
 # SCATTER on: byte-equal, 760 against 1000 SASS per thread (fused); H200 kernel time 1.6% faster (fused), 0.7%
 # (dim1), 2-3% (3D dim1), 4% (per-group) than the butterfly (docs/profiles/2026-11-21_h200_cast_scatter.txt).
 DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=2, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True, SCATTER=True)
-# LINES (128 x 128 tiles, whole-line stores) is not the default: its prototype ran the fused cast in 285 us at
-# 16384^2 (H200), but the same SASS inside this kernel took 313-344 us, against 302 us for this config
-# (docs/profiles/2026-11-21_h200_cast_lines.txt).
-DIM0_DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True, SCATTER=True)
+# The fused cast runs 128 x 128 tiles with whole-line stores (LINES), programs along K first (K_FIRST): H200,
+# 16384^2 bf16, events time 286.7 us against 304.7 us for the 32 x 256 SCATTER tile (BLOCK_K 256, NUM_SUB 1),
+# 5-6% faster at [8192, 5120] and [16384, 4096] too, for both rules and both formats
+# (docs/profiles/2026-11-21_h200_cast_lines_schedule.txt). Its speed rests on ptxas's instruction schedule: with
+# x's row stride read from stride_xm instead of K (CONTIG off), the kernel compiles to the same instructions in
+# another order and takes 313 us (programs along M first; 292 us with CONTIG on).
+DIM0_DIM1_CONFIG = dict(
+    BLOCK_K=128, NUM_WARPS=2, WARPS_M=4, NUM_SUB=4, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True, SCATTER=True,
+    LINES=True, K_FIRST=True,
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
@@ -169,6 +175,8 @@ def _gluon_cast_kernel(
     SCATTER: gl.constexpr,
     WARPS_M: gl.constexpr,
     LINES: gl.constexpr,
+    K_FIRST: gl.constexpr,  # programs run along K first: the grid is (K tiles, M tiles)
+    CONTIG: gl.constexpr,  # x is row-major: its row stride is K, not stride_xm (a faster schedule for LINES)
     EMAX: gl.constexpr,
     MAX_MANT: gl.constexpr,
     MAX_NORMAL: gl.constexpr,
@@ -180,12 +188,15 @@ def _gluon_cast_kernel(
     CHUNKS: gl.constexpr = ROWS // 4 * NUM_WARPS * REPS
     L: gl.constexpr = tile_layout(NUM_SUB, ROWS, NUM_WARPS, WARPS_M)
     SB: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [NUM_WARPS * WARPS_M, 1], [1, 0])  # a blocked scale tile
-    pid_m = gl.program_id(0)
-    pid_k = gl.program_id(1)
+    pid_m = gl.program_id(1 if K_FIRST else 0)
+    pid_k = gl.program_id(0 if K_FIRST else 1)
     m0 = pid_m * NUM_SUB  # first 32-row block of this program
     rows = (m0 + arange_along(NUM_SUB, 0, 4, L)) * 32 + arange_along(32, 1, 4, L)  # [NUM_SUB, 32, 1, 1]
     cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, L)) * 32 + arange_along(32, 3, 4, L)  # [1, 1, CHUNKS, 32]
-    x_ptrs = x_ptr + wide(rows, OFFS64) * stride_xm + cols * stride_xk
+    if CONTIG:
+        x_ptrs = x_ptr + wide(rows, OFFS64) * K + cols
+    else:
+        x_ptrs = x_ptr + wide(rows, OFFS64) * stride_xm + cols * stride_xk
     if EVEN:
         x = gl.load(x_ptrs).to(gl.float32)
     else:
@@ -273,8 +284,14 @@ def kernel_launch(
         BLOCKED=blocked,
         EVEN=(m_cover, k_cover) == (m, k),
         OFFS64=span >= 2**31,
+        CONTIG=x.stride(1) == 1 and (x.stride(0) == k or m == 1),
         **tile_launch_args(cfg, elem, mode),
     )
+    if cfg["K_FIRST"]:
+        grid = grid[::-1]
+    if grid[1] > 65535:  # CUDA's limit on a grid's y dimension
+        along = "M" if cfg["K_FIRST"] else "K"
+        raise ValueError(f"Gluon cast of x {tuple(x.shape)}: {grid[1]} tiles along {along}, more than a grid's 65535")
     return grid, kwargs
 
 

@@ -429,7 +429,7 @@ def check_tile_config(config: dict | None, defaults: dict, what: str) -> dict:
 def tile_launch_args(cfg: dict, elem: str, mode: str) -> dict:
     """The launch keywords every Gluon kernel on ``tile_layout`` takes from its checked config and
     format: the tile constexprs, LEAN, num_warps and the format's constants."""
-    optional = ("SCATTER", "WARPS_M", "LINES")  # keys of the kernels that have them
+    optional = ("SCATTER", "WARPS_M", "LINES", "K_FIRST")  # keys of the kernels that have them
     return dict(
         NUM_SUB=cfg["NUM_SUB"],
         ROWS=cfg["ROWS"],

@@ -29,7 +29,7 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 
 ELEMS = ["e4m3", "e5m2"]
 MODES = ["floor", "rceil"]
-# 128 x 128 tiles, warps along M, whole-line stores (opt-in: gluon_casts.DIM0_DIM1_CONFIG says why)
+# 128 x 128 tiles, warps along M, whole-line stores (the fused default adds K_FIRST), programs along M first
 LINES_CONFIG = dict(ROWS=8, BLOCK_K=128, NUM_WARPS=2, WARPS_M=4, NUM_SUB=4, LEAN=True, PLAIN_VIA_BLOCKED=True)
 LINES_CONFIG.update(SCATTER=True, LINES=True)
 # layout configs: the default, rows per thread 8 and 16, warps and K repeats, sub-tiles, LEAN
@@ -48,10 +48,10 @@ CONFIGS = [
     # the reduce-scatter of block maxima (the defaults use it): one and two sub-tiles, 2 chunk repeats
     dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, LEAN=True, SCATTER=True),
     dict(ROWS=8, BLOCK_K=512, NUM_WARPS=4, NUM_SUB=2, LEAN=True, SCATTER=True),
-    # warps along M (WARPS_M): 128 x 128 tiles with whole-line stores (LINES, opt-in), with 4 warps
-    # (2 chunk repeats), without LINES; the butterfly with warps along M
+    # warps along M (WARPS_M): 128 x 128 tiles with whole-line stores (LINES, the fused default with K_FIRST)
+    # along M first, with 4 warps (2 chunk repeats) along K first, without LINES; the butterfly with warps along M
     LINES_CONFIG,
-    {**LINES_CONFIG, "NUM_WARPS": 1},
+    {**LINES_CONFIG, "NUM_WARPS": 1, "K_FIRST": True},
     {**LINES_CONFIG, "LINES": False},
     dict(ROWS=4, BLOCK_K=128, NUM_WARPS=4, WARPS_M=2, NUM_SUB=2),
 ]
@@ -136,7 +136,7 @@ def test_argument_errors(monkeypatch):
     bad_configs += [dict(SCATTER=True), dict(ROWS=8, BLOCK_K=256, SCATTER=True)]  # SCATTER: ROWS 8 and LEAN
     bad_configs += [dict(WARPS_M=3), dict(WARPS_M=4), dict(NUM_WARPS=8, WARPS_M=8, NUM_SUB=8, BLOCK_K=256)]
     bad_configs += [dict(LINES=True), {**LINES_CONFIG, "BLOCK_K": 256}, {**LINES_CONFIG, "PLAIN_VIA_BLOCKED": False}]
-    for bad in bad_configs + [dict(PLAIN_VIA_BLOCKED=1)]:
+    for bad in bad_configs + [dict(PLAIN_VIA_BLOCKED=1), dict(K_FIRST="yes")]:
         with pytest.raises(ValueError, match="Gluon cast config"):
             g.gluon_cast_dim1(x, "e4m3", "floor", config=bad)
     with pytest.raises(ValueError, match="unknown Gluon cast config keys"):
@@ -147,6 +147,25 @@ def test_argument_errors(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(NotImplementedError, match="do not run in the Triton interpreter"):
         g.gluon_cast_dim0_dim1(x, "e4m3", "floor")
+
+
+@needs_triton
+def test_launch_grid_order_and_contig():
+    """kernel_launch: K_FIRST swaps the grid to (K tiles, M tiles); CONTIG (x's row stride taken as K) is on
+    only for row-major x; a grid past CUDA's 65535 in y is refused with the shape named."""
+    g = gluon()
+    u8 = torch.empty(16, dtype=torch.uint8)
+    x = torch.empty(1024, 512, dtype=torch.bfloat16)
+    grid, kw = g.kernel_launch(x, (u8,) * 4, "e4m3", "floor", True, True, g.DIM0_DIM1_CONFIG)  # K_FIRST
+    assert grid == (512 // 128, 1024 // 128) and kw["K_FIRST"] and kw["CONTIG"]
+    grid, kw = g.kernel_launch(x, (u8,) * 4, "e4m3", "floor", True, False, g.DIM1_CONFIG)
+    assert grid == (1024 // 64, 512 // 256) and not kw["K_FIRST"] and kw["CONTIG"]
+    for strided in (x.t(), x[:, :256], x[::2]):
+        assert not g.kernel_launch(strided, (u8,) * 4, "e4m3", "floor", True, True, None)[1]["CONTIG"]
+    assert g.kernel_launch(x[:1], (u8,) * 4, "e4m3", "floor", False, False, None)[1]["CONTIG"]  # one row
+    with pytest.raises(ValueError, match=r"x \(8388736, 32\): 65537 tiles along M"):
+        tall = torch.empty(8388736, 32, dtype=torch.bfloat16)
+        g.kernel_launch(tall, (u8,) * 4, "e4m3", "floor", False, True, g.DIM0_DIM1_CONFIG)
 
 
 def ptx_ops(ptx: str) -> dict[str, int]:
