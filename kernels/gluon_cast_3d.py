@@ -24,7 +24,7 @@ import mx_recipe.formats  # noqa: F401  (first: importing mx_kernels.common befo
 import torch
 import triton.experimental.gluon.language as gl
 from mx_kernels.common import check_cast, dim1_shapes, fp8_dtype, tile_grid
-from mx_kernels.gluon_casts import DIM1_CONFIG, GLUON_CONFIG
+from mx_kernels.gluon_casts import GLUON_CONFIG
 from mx_kernels.gluon_common import (
     arange_along,
     check_tile_config,
@@ -40,14 +40,14 @@ from triton.experimental import gluon
 
 from mx_recipe.scale_layout import blocked_shape
 
-# The 2D dim1 cast's tile keys: the base a partial config is completed from, and the default, which is
-# gluon_casts.DIM1_CONFIG (ROWS 8, BLOCK_K 256, 4 warps, 2 sub-tiles, LEAN, plain scales via blocked).
+# The 2D dim1 cast's tile keys: the base a partial config is completed from, and the default (ROWS 8, BLOCK_K 256,
+# 4 warps, 2 sub-tiles, LEAN, plain scales via blocked, SCATTER: the 2D dim1 default before LINES).
 # H200, x [E, 8192, 5120] bf16, e4m3 floor, % of copy bandwidth (docs/profiles/2026-11-21_h200_gluon_3d_groups.txt):
 # blocked scales 74/91/97/99% for E = 1/4/16/64 (the Triton kernel 70/85/90/90%); plain scales at E = 16 92%
 # (Triton 77%). ROWS 16, BLOCK_K 512, NUM_SUB 1 was within 1% of it at E >= 4 (3% faster at E = 1).
 _TILE_KEYS = ("BLOCK_K", "NUM_WARPS", "NUM_SUB", "ROWS", "LEAN", "PLAIN_VIA_BLOCKED", "SCATTER")
 GLUON_3D_BASE_CONFIG = {key: GLUON_CONFIG[key] for key in _TILE_KEYS}
-GLUON_3D_CONFIG = {key: DIM1_CONFIG[key] for key in _TILE_KEYS}
+GLUON_3D_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=2, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True, SCATTER=True)
 
 
 @gluon.jit

@@ -67,22 +67,22 @@ GLUON_CONFIG = dict(
     BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False, PLAIN_VIA_BLOCKED=False, SCATTER=False, WARPS_M=1,
     LINES=False, K_FIRST=False,
 )  # fmt: skip
-# What a call without a config runs: the best of the H200 sweeps at 16384^2 bf16, e4m3 floor
-# (docs/profiles/2026-11-21_h200_gluon_casts_via_blocked.txt, commit 1713f1a): dim1 with blocked scales
-# 96% of copy (the Triton kernel 89%), plain scales via blocked 88% (80%); fused via blocked 76% (52%).
-# SCATTER on: byte-equal, 760 against 1000 SASS per thread (fused); H200 kernel time 1.6% faster (fused), 0.7%
-# (dim1), 2-3% (3D dim1), 4% (per-group) than the butterfly (docs/profiles/2026-11-21_h200_cast_scatter.txt).
-DIM1_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=2, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True, SCATTER=True)
-# The fused cast runs 128 x 128 tiles with whole-line stores (LINES), programs along K first (K_FIRST): H200,
-# 16384^2 bf16, events time 286.7 us against 304.7 us for the 32 x 256 SCATTER tile (BLOCK_K 256, NUM_SUB 1),
-# 5-6% faster at [8192, 5120] and [16384, 4096] too, for both rules and both formats
-# (docs/profiles/2026-11-21_h200_cast_lines_schedule.txt). Its speed rests on ptxas's instruction schedule: with
-# x's row stride read from stride_xm instead of K (CONTIG off), the kernel compiles to the same instructions in
-# another order and takes 313 us (programs along M first; 292 us with CONTIG on).
-DIM0_DIM1_CONFIG = dict(
+# What a call without a config runs. dim1 and fused: 128 x 128 tiles with whole-line stores (LINES), 8 warps
+# (2 along K, 4 along M); the fused cast's programs run along K first (K_FIRST). Events time against the
+# 32-row-tile configs before them (dim1: BLOCK_K 256, NUM_SUB 2; fused: BLOCK_K 256, NUM_SUB 1; both SCATTER),
+# e4m3 floor, blocked scales (docs/profiles/2026-11-21_h200_cast_lines_schedule.txt):
+#   fused, H200: 286.7 against 304.7 us at 16384^2, 5-6% faster at [8192, 5120] and [16384, 4096], both rules
+#   and formats; H100: 383.8 against 407.7 us at 16384^2, 4-5% faster at [8192, 5120] and [16640, 5120].
+#   dim1, H200: 198.6 against 201.1 us at 16384^2, 36.0 against 38.7 at [8192, 5120], 67.6 against 70.1 at
+#   [16640, 5120]; H100: 285.0/286.6, 49.3/50.7, 93.9/95.7 (K_FIRST is no faster for dim1: 205.9 us at 16384^2).
+# The fused LINES kernel's speed rests on ptxas's instruction schedule: with x's row stride read from stride_xm
+# instead of K (CONTIG off) it compiles to the same instructions in another order and takes 313 us (programs
+# along M first; 292 us with CONTIG on).
+DIM1_CONFIG = dict(
     BLOCK_K=128, NUM_WARPS=2, WARPS_M=4, NUM_SUB=4, ROWS=8, LEAN=True, PLAIN_VIA_BLOCKED=True, SCATTER=True,
-    LINES=True, K_FIRST=True,
+    LINES=True,
 )  # fmt: skip
+DIM0_DIM1_CONFIG = {**DIM1_CONFIG, "K_FIRST": True}
 
 
 # ---------------------------------------------------------------------------------------

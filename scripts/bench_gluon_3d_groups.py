@@ -49,7 +49,7 @@ def cfg(rows: int, block_k: int, warps: int, sub: int, lean: bool = True, **extr
     return dict(ROWS=rows, BLOCK_K=block_k, NUM_WARPS=warps, NUM_SUB=sub, LEAN=lean, **extra)
 
 
-# None: the default (gluon_casts.DIM1_CONFIG: ROWS 8, BLOCK_K 256, 4 warps, 2 sub-tiles, LEAN, plain scales
+# None: the default (gluon_cast_3d.GLUON_3D_CONFIG: ROWS 8, BLOCK_K 256, 4 warps, 2 sub-tiles, LEAN, plain scales
 # via the blocked layout). Registers (sm_90 compile, blocked, even shape) in brackets. The H200 run of this
 # sweep: docs/profiles/2026-11-21_h200_gluon_3d_groups.txt (then with the prototypes' MAXNREG / SKIP_IDLE).
 SWEEP_3D = [

@@ -49,7 +49,7 @@ def cfg(rows: int, block_k: int, warps: int, sub: int, lean: bool, **extra) -> d
     return dict(ROWS=rows, BLOCK_K=block_k, NUM_WARPS=warps, NUM_SUB=sub, LEAN=lean, **extra)
 
 
-# GPU-test configs, 3D: the default (gluon_casts.DIM1_CONFIG: 8 rows a thread, 2 sub-tiles, LEAN, plain scales
+# GPU-test configs, 3D: the default (GLUON_3D_CONFIG: 8 rows a thread, 2 sub-tiles, LEAN, plain scales
 # via the blocked layout), the base tile without LEAN with the kernel's own plain scale stores, one sub-tile.
 CONFIGS_3D = [
     None,
@@ -79,10 +79,7 @@ GLUON_GROUPS_KERNEL, TRITON_GROUPS_KERNEL = "_gluon_cast_groups_dim1_kernel", "_
 
 
 def test_default_configs_are_the_measured_ones():
-    """3D: the 2D dim1 cast's tile (gluon_casts.DIM1_CONFIG); per-group: one sub-tile (H200 bench)."""
-    from mx_kernels.gluon_casts import DIM1_CONFIG
-
-    assert g3d().GLUON_3D_CONFIG == {key: DIM1_CONFIG[key] for key in g3d().GLUON_3D_CONFIG}
+    """3D: 32-row tiles (the 2D dim1 default before LINES); per-group: one sub-tile (H200 bench)."""
     assert g3d().GLUON_3D_CONFIG == cfg(8, 256, 4, 2, True, PLAIN_VIA_BLOCKED=True, SCATTER=True)
     assert ggroups().GLUON_GROUPS_CONFIG == cfg(8, 256, 4, 1, True, SCATTER=True)
 

@@ -29,7 +29,7 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 
 ELEMS = ["e4m3", "e5m2"]
 MODES = ["floor", "rceil"]
-# 128 x 128 tiles, warps along M, whole-line stores (the fused default adds K_FIRST), programs along M first
+# 128 x 128 tiles, warps along M, whole-line stores: the dim1 default (the fused default adds K_FIRST)
 LINES_CONFIG = dict(ROWS=8, BLOCK_K=128, NUM_WARPS=2, WARPS_M=4, NUM_SUB=4, LEAN=True, PLAIN_VIA_BLOCKED=True)
 LINES_CONFIG.update(SCATTER=True, LINES=True)
 # layout configs: the default, rows per thread 8 and 16, warps and K repeats, sub-tiles, LEAN
@@ -48,8 +48,9 @@ CONFIGS = [
     # the reduce-scatter of block maxima (the defaults use it): one and two sub-tiles, 2 chunk repeats
     dict(ROWS=8, BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, LEAN=True, SCATTER=True),
     dict(ROWS=8, BLOCK_K=512, NUM_WARPS=4, NUM_SUB=2, LEAN=True, SCATTER=True),
-    # warps along M (WARPS_M): 128 x 128 tiles with whole-line stores (LINES, the fused default with K_FIRST)
-    # along M first, with 4 warps (2 chunk repeats) along K first, without LINES; the butterfly with warps along M
+    # warps along M (WARPS_M): 128 x 128 tiles with whole-line stores (LINES: the dim1 default, the fused default
+    # with K_FIRST) along M first, with 4 warps (2 chunk repeats) along K first, without LINES; the butterfly with
+    # warps along M
     LINES_CONFIG,
     {**LINES_CONFIG, "NUM_WARPS": 1, "K_FIRST": True},
     {**LINES_CONFIG, "LINES": False},
@@ -159,7 +160,7 @@ def test_launch_grid_order_and_contig():
     grid, kw = g.kernel_launch(x, (u8,) * 4, "e4m3", "floor", True, True, g.DIM0_DIM1_CONFIG)  # K_FIRST
     assert grid == (512 // 128, 1024 // 128) and kw["K_FIRST"] and kw["CONTIG"]
     grid, kw = g.kernel_launch(x, (u8,) * 4, "e4m3", "floor", True, False, g.DIM1_CONFIG)
-    assert grid == (1024 // 64, 512 // 256) and not kw["K_FIRST"] and kw["CONTIG"]
+    assert grid == (1024 // 128, 512 // 128) and not kw["K_FIRST"] and kw["CONTIG"]
     for strided in (x.t(), x[:, :256], x[::2]):
         assert not g.kernel_launch(strided, (u8,) * 4, "e4m3", "floor", True, True, None)[1]["CONTIG"]
     assert g.kernel_launch(x[:1], (u8,) * 4, "e4m3", "floor", False, False, None)[1]["CONTIG"]  # one row
