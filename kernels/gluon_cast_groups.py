@@ -30,14 +30,18 @@ import torch
 import triton
 import triton.experimental.gluon.language as gl
 from mx_kernels.common import cdiv, check_cast, check_offs, fp8_dtype, groups_dim1_shapes
+from mx_kernels.gluon_casts import store_lines
 from mx_kernels.gluon_common import (
     arange_along,
     check_tile_config,
     compile_for_arch,
     dim1_scale_layout,
     dim1_tile,
+    quantize,
     require_gpu,
     tile_launch_args,
+    tile_layout,
+    transposed_layout,
     wide,
 )
 from mx_kernels.mx_quantize import blocked_scale_offset
@@ -48,8 +52,20 @@ from triton.experimental import gluon
 # floor, % of copy bandwidth (docs/profiles/2026-11-21_h200_gluon_3d_groups.txt): 80% (G = 16) / 77%
 # (G = 64), the Triton kernel 60% / 49%. The 2D dim1 tile (NUM_SUB 2) gave 73% / 54%: the row masks cost
 # registers (sm_90: 144 against 60 for NUM_SUB 1); capping them (ptxas maxnreg 96 or 128) gave 48-74%.
-GLUON_GROUPS_BASE_CONFIG = dict(BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False, SCATTER=False)
+# LINES: one program per 128 x 128 tile (a whole tile of the group's blocked scales), warps along M too (WARPS_M),
+# q stored as whole lines (gluon_casts.store_lines) and the scale tile as 16-byte rows.
+GLUON_GROUPS_BASE_CONFIG = dict(
+    BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False, SCATTER=False, WARPS_M=1, LINES=False
+)  # fmt: skip
 GLUON_GROUPS_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, ROWS=8, LEAN=True, SCATTER=True)
+# Where groups average at least LINES_MIN_ROWS rows, a call without a config runs LINES instead. H200, bf16, e4m3,
+# events time (docs/profiles/2026-11-21_h200_cast_lines_schedule.txt): 16 groups of [16640, 5120] (1040 rows
+# on average) 70.6 against 72.2 us, 16 of [65536, 4096] 207.4 against 220.7; but 64 of [16640, 5120] (260 rows)
+# 79.1 against 74.3: each group's last 128-row tile is partly masked, idle work that small groups pay most for.
+GLUON_GROUPS_LINES_CONFIG = dict(
+    BLOCK_K=128, NUM_WARPS=2, WARPS_M=4, NUM_SUB=4, ROWS=8, LEAN=True, SCATTER=True, LINES=True
+)  # fmt: skip
+LINES_MIN_ROWS = 1024
 TILE_ROWS = 128  # rows of one 4-column tile of a group's blocked scales
 
 
@@ -86,6 +102,8 @@ def _gluon_cast_groups_dim1_kernel(
     OFFS64: gl.constexpr,
     LEAN: gl.constexpr,
     SCATTER: gl.constexpr,
+    WARPS_M: gl.constexpr,
+    LINES: gl.constexpr,
     EMAX: gl.constexpr,
     MAX_MANT: gl.constexpr,
     MAX_NORMAL: gl.constexpr,
@@ -103,7 +121,7 @@ def _gluon_cast_groups_dim1_kernel(
 
     # Which group owns tile column t: groups take cdiv(size, 128) tile columns each, in order
     # (the Triton kernel's arithmetic, term for term).
-    GL: gl.constexpr = _groups_layout(GROUPS_POW2, NUM_WARPS)
+    GL: gl.constexpr = _groups_layout(GROUPS_POW2, NUM_WARPS * WARPS_M)
     g_idx = gl.arange(0, GROUPS_POW2, layout=GL)
     in_range = g_idx < num_groups
     # clamped to [0, M] and rounded down to 32 rows: bad offs stay in bounds and aligned
@@ -127,38 +145,80 @@ def _gluon_cast_groups_dim1_kernel(
 
     # Programs with no row of their group (past its end, or in the buffer's tail) run the tile with every
     # row masked: no memory traffic, and their zero scales are stored below.
-    s = dim1_tile(
-        x_ptr, q_ptr, M, K, stride_xm, stride_xk, row0, row_end, pid_k,
-        NUM_SUB, ROWS, NUM_WARPS, REPS, True, MASK_COLS, OFFS64, LEAN, SCATTER, EMAX, MAX_MANT, MAX_NORMAL,
-        MBITS, EMIN, IS_E4M3, RCEIL,
-    )  # fmt: skip
-
-    # this program's [NUM_SUB, BLOCK_K] scales: rows k of the group's tile column `tile`, NUM_SUB contiguous
-    # bytes per k
-    S1L: gl.constexpr = dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, SCATTER)
-    r = (pid_k * CHUNKS + arange_along(CHUNKS, 1, 3, S1L)) * 32 + arange_along(32, 2, 3, S1L)  # [1, CHUNKS, 32]
-    sub = arange_along(NUM_SUB, 0, 3, S1L)  # [NUM_SUB, 1, 1]
-    valid = row0 + sub * 32 < row_end
-    if MASK_COLS:
-        valid = valid & (r < K)
     padded_k = (K + 127) >> 7 << 7
     group_base = padded_k.to(gl.int64) * 4 * tile_start  # the group's first byte
     # bytes left in the buffer from the group's base (bounds the stores for invalid offs), in int32
     left = padded_k.to(gl.int64) * 4 * max_tile_cols - group_base
     left = gl.maximum(gl.minimum(left, 2**31 - 1), 0).to(gl.int32)
-    s_offs = blocked_scale_offset(wide(r, OFFS64), tile * 4 + part * NUM_SUB + sub, group_tiles)
-    in_buffer = s_offs < left
-    if MASK_COLS:
-        in_buffer = in_buffer & (r < padded_k)
-    gl.store(s_ptr + group_base + s_offs, gl.where(valid, s, 0), mask=in_buffer)
+    if LINES:
+        _lines_tile(
+            x_ptr, q_ptr, s_ptr + group_base, M, K, stride_xm, stride_xk, row0, row_end, pid_k, tile, group_tiles,
+            left, NUM_SUB, ROWS, NUM_WARPS, REPS, WARPS_M, OFFS64, LEAN, SCATTER, EMAX, MAX_MANT, MAX_NORMAL, MBITS,
+            EMIN, IS_E4M3, RCEIL,
+        )  # fmt: skip
+    else:
+        s = dim1_tile(
+            x_ptr, q_ptr, M, K, stride_xm, stride_xk, row0, row_end, pid_k,
+            NUM_SUB, ROWS, NUM_WARPS, REPS, True, MASK_COLS, OFFS64, LEAN, SCATTER, EMAX, MAX_MANT, MAX_NORMAL,
+            MBITS, EMIN, IS_E4M3, RCEIL,
+        )  # fmt: skip
+
+        # this program's [NUM_SUB, BLOCK_K] scales: rows k of the group's tile column `tile`, NUM_SUB contiguous
+        # bytes per k
+        S1L: gl.constexpr = dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, SCATTER)
+        r = (pid_k * CHUNKS + arange_along(CHUNKS, 1, 3, S1L)) * 32 + arange_along(32, 2, 3, S1L)  # [1, CHUNKS, 32]
+        sub = arange_along(NUM_SUB, 0, 3, S1L)  # [NUM_SUB, 1, 1]
+        valid = row0 + sub * 32 < row_end
+        if MASK_COLS:
+            valid = valid & (r < K)
+        s_offs = blocked_scale_offset(wide(r, OFFS64), tile * 4 + part * NUM_SUB + sub, group_tiles)
+        in_buffer = s_offs < left
+        if MASK_COLS:
+            in_buffer = in_buffer & (r < padded_k)
+        gl.store(s_ptr + group_base + s_offs, gl.where(valid, s, 0), mask=in_buffer)
 
 
-def check_config(config: dict | None) -> dict:
-    """GLUON_GROUPS_CONFIG for None, else GLUON_GROUPS_BASE_CONFIG updated with ``config``, checked
-    (NUM_SUB 1, 2 or 4: a program's rows lie in one 128-row tile column)."""
-    cfg = check_tile_config(
-        GLUON_GROUPS_CONFIG if config is None else config, GLUON_GROUPS_BASE_CONFIG, "Gluon groups cast"
-    )
+@gluon.jit
+def _lines_tile(
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, row0, row_end, pid_k, tile, group_tiles, left,
+    NUM_SUB: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr, REPS: gl.constexpr, WARPS_M: gl.constexpr,
+    OFFS64: gl.constexpr, LEAN: gl.constexpr, SCATTER: gl.constexpr, EMAX: gl.constexpr, MAX_MANT: gl.constexpr,
+    MAX_NORMAL: gl.constexpr, MBITS: gl.constexpr, EMIN: gl.constexpr, IS_E4M3: gl.constexpr, RCEIL: gl.constexpr,
+):  # fmt: skip
+    """LINES: rows [row0, row0 + 128) (those >= row_end masked) x columns [pid_k * 128, +128) of x, quantized
+    along M; q stored as whole lines of [K, M], the scales as blocked tile (pid_k, tile) of the group's
+    [K, group_tiles * 4] scale matrix at s_ptr (the group's base), 16 bytes a lane, zeros where invalid."""
+    CHUNKS: gl.constexpr = ROWS // 4 * NUM_WARPS * REPS
+    L: gl.constexpr = tile_layout(NUM_SUB, ROWS, NUM_WARPS, WARPS_M)
+    rows = row0 + arange_along(NUM_SUB, 0, 4, L) * 32 + arange_along(32, 1, 4, L)  # [NUM_SUB, 32, 1, 1]
+    cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, L)) * 32 + arange_along(32, 3, 4, L)  # [1, 1, CHUNKS, 32]
+    x_ptrs = x_ptr + wide(rows, OFFS64) * stride_xm + cols * stride_xk
+    x = gl.load(x_ptrs, mask=(rows < row_end) & (cols < K), other=0.0)
+    T: gl.constexpr = transposed_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, WARPS_M)
+    xt = gl.convert_layout(x.to(gl.float32), T, assert_trivial=True)
+    q, s = quantize(
+        xt, 1, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN, SCATTER,
+        WARPS_M,
+    )  # fmt: skip
+    store_lines(q_ptr, q, row0 // 32, pid_k * CHUNKS, M, K, row_end, True, NUM_WARPS * WARPS_M, OFFS64, False)
+    # [S, CHUNKS, 32 k] -> [32, CHUNKS * S]: k-row i of each 32-row block holds its bytes chunk * 4 + sub
+    SB: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [NUM_WARPS * WARPS_M, 1], [1, 0])
+    s = gl.convert_layout(gl.reshape(gl.permute(s, [2, 1, 0]), [32, CHUNKS * NUM_SUB]), SB)
+    i = arange_along(32, 0, 2, SB)
+    j = arange_along(16, 1, 2, SB)
+    valid = (pid_k * (CHUNKS * 32) + (j >> 2) * 32 + i < K) & (row0 + (j & 3) * 32 < row_end)
+    row_offs = (wide(pid_k, OFFS64) * group_tiles + tile) * 512 + i * 16  # [32, 1]: one mask per 16 bytes
+    gl.store(s_ptr + row_offs + j, gl.where(valid, s, 0), mask=row_offs + 16 <= left)
+
+
+def check_config(config: dict | None, m: int = 0, num_groups: int = 1) -> dict:
+    """For None the default of M_total ``m`` in ``num_groups`` groups (GLUON_GROUPS_LINES_CONFIG from
+    LINES_MIN_ROWS rows a group on average, else GLUON_GROUPS_CONFIG), else GLUON_GROUPS_BASE_CONFIG updated
+    with ``config``; checked (NUM_SUB 1, 2 or 4: a program's rows lie in one 128-row tile column)."""
+    if config is None:
+        large = m >= LINES_MIN_ROWS * max(num_groups, 1)
+        config = GLUON_GROUPS_LINES_CONFIG if large else GLUON_GROUPS_CONFIG
+    cfg = check_tile_config(config, GLUON_GROUPS_BASE_CONFIG, "Gluon groups cast")
     if cfg["NUM_SUB"] not in (1, 2, 4):
         raise ValueError(f"Gluon groups cast config {cfg}: NUM_SUB must be 1, 2 or 4 (32-row blocks per program)")
     return cfg
@@ -169,9 +229,9 @@ def kernel_launch(
 ) -> tuple[tuple[int, int], dict]:
     """(grid, keyword arguments) of one launch (x [M, K] with K > 0; q, s uint8); also used to compile
     ahead of time (``compile_for_target``)."""
-    cfg = check_config(config)
     m, k = x.shape
     num_groups = offs.numel()
+    cfg = check_config(config, m, num_groups)
     block_k = cfg["BLOCK_K"]
     max_tile_cols = cdiv(m // 32, 4) + num_groups  # as scale_layout.blocked_groups_numel
     padded_k = cdiv(k, 128) * 128
@@ -209,7 +269,7 @@ def gluon_cast_groups_dim1(
     The caller validates the values of ``offs`` (``common.check_offs``): read here, they would sync."""
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="gluon_cast_groups_dim1")
     check_offs(offs, x.shape[0], check_values=False)
-    cfg = check_config(config)
+    cfg = check_config(config, x.shape[0], offs.numel())
     require_gpu(x, "gluon_cast_groups_dim1")
     if offs.device != x.device:
         raise ValueError(f"gluon_cast_groups_dim1: offs is on {offs.device}, x on {x.device}")

@@ -115,10 +115,11 @@ def line_layout(num_warps, along_m):
 
 @gluon.jit
 def store_lines(
-    ptr, q, m0, c0, M, K, TRANSPOSED: gl.constexpr, WARPS: gl.constexpr, OFFS64: gl.constexpr, EVEN: gl.constexpr
+    ptr, q, m0, c0, M, K, row_end, TRANSPOSED: gl.constexpr, WARPS: gl.constexpr, OFFS64: gl.constexpr,
+    EVEN: gl.constexpr,
 ):  # fmt: skip
     """Store the 128 x 128 byte tile q ([4, 32, 4, 32]: 32-row block m0 + s, column block c0 + c) of [M, K]
-    (TRANSPOSED: into [K, M]) as whole lines."""
+    (TRANSPOSED: into [K, M]) as whole lines; unless EVEN, rows >= row_end and columns >= K are not stored."""
     LL: gl.constexpr = line_layout(WARPS, TRANSPOSED)
     q = gl.convert_layout(q, LL)
     rows = (m0 + arange_along(4, 0, 4, LL)) * 32 + arange_along(32, 1, 4, LL)
@@ -130,7 +131,7 @@ def store_lines(
     if EVEN:
         gl.store(ptrs, q)
     else:
-        gl.store(ptrs, q, mask=(rows < M) & (cols < K))
+        gl.store(ptrs, q, mask=(rows < row_end) & (cols < K))
 
 
 @gluon.jit
@@ -209,7 +210,7 @@ def _gluon_cast_kernel(
             SCATTER, WARPS_M,
         )  # fmt: skip
         if LINES:
-            store_lines(q0_ptr, q0, m0, pid_k * CHUNKS, M, K, False, NUM_WARPS * WARPS_M, OFFS64, EVEN)
+            store_lines(q0_ptr, q0, m0, pid_k * CHUNKS, M, K, M, False, NUM_WARPS * WARPS_M, OFFS64, EVEN)
             # [S, 32 rows, CHUNKS] -> [32, S * CHUNKS]: row r of the tile holds its bytes sub * 4 + chunk
             s0 = gl.convert_layout(gl.reshape(gl.permute(s0, [1, 0, 2]), [32, NUM_SUB * CHUNKS]), SB)
             store_scale_tile(s0_ptr, s0, pid_m, pid_k, M, S0_COLS, EVEN)
@@ -234,7 +235,7 @@ def _gluon_cast_kernel(
         WARPS_M,
     )  # fmt: skip
     if LINES:
-        store_lines(q1_ptr, q1, m0, pid_k * CHUNKS, M, K, True, NUM_WARPS * WARPS_M, OFFS64, EVEN)
+        store_lines(q1_ptr, q1, m0, pid_k * CHUNKS, M, K, M, True, NUM_WARPS * WARPS_M, OFFS64, EVEN)
         # [S, CHUNKS, 32 k] -> [32, CHUNKS * S]: k-row c of the tile holds its bytes chunk * 4 + sub
         s1 = gl.convert_layout(gl.reshape(gl.permute(s1, [2, 1, 0]), [32, CHUNKS * NUM_SUB]), SB)
         store_scale_tile(s1_ptr, s1, pid_k, pid_m, K, S1_COLS, EVEN)

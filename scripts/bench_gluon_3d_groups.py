@@ -66,7 +66,7 @@ SWEEP_3D_PLAIN = [
     cfg(4, 128, 4, 2, PLAIN_VIA_BLOCKED=False),  # [70]
 ]
 # None: the default (gluon_cast_groups.GLUON_GROUPS_CONFIG: ROWS 8, BLOCK_K 256, 4 warps, 1 sub-tile, LEAN:
-# 4 programs per 128-row tile column) [60-64]
+# 4 programs per 128-row tile column [60-64]; GLUON_GROUPS_LINES_CONFIG where groups average >= 1024 rows)
 SWEEP_GROUPS = [
     None,
     cfg(8, 256, 4, 2),  # [144] the 2D dim1 tile: the row masks cost registers

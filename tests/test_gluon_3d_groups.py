@@ -66,9 +66,11 @@ CONFIGS_GROUPS = [
     cfg(8, 256, 4, 2, True),
     cfg(4, 128, 4, 4, True),
     cfg(8, 256, 4, 2, True, SCATTER=True),
+    cfg(8, 128, 2, 4, True, SCATTER=True, WARPS_M=4, LINES=True),  # 128 x 128 tiles, whole-line stores
 ]
-CONFIG_IDS_GROUPS = ["default", "base", "r8s2", "s4", "scatter_r8s2"]
-S4 = CONFIGS_GROUPS[3]
+CONFIG_IDS_GROUPS = ["default", "base", "r8s2", "s4", "scatter_r8s2", "lines"]
+S4, LINES_G = CONFIGS_GROUPS[3], CONFIGS_GROUPS[5]
+GROUPS_32 = cfg(8, 256, 4, 1, True, SCATTER=True)  # the per-group default below 1024 rows a group
 
 GLUON_3D_KERNEL, TRITON_3D_KERNEL = "_gluon_cast_3d_dim1_kernel", "_cast_dim1_kernel"
 GLUON_GROUPS_KERNEL, TRITON_GROUPS_KERNEL = "_gluon_cast_groups_dim1_kernel", "_cast_groups_dim1_kernel"
@@ -79,9 +81,16 @@ GLUON_GROUPS_KERNEL, TRITON_GROUPS_KERNEL = "_gluon_cast_groups_dim1_kernel", "_
 
 
 def test_default_configs_are_the_measured_ones():
-    """3D: 32-row tiles (the 2D dim1 default before LINES); per-group: one sub-tile (H200 bench)."""
+    """3D: 32-row tiles (the 2D dim1 default before LINES); per-group: one sub-tile, or LINES for large
+    groups (H200 benches)."""
     assert g3d().GLUON_3D_CONFIG == cfg(8, 256, 4, 2, True, PLAIN_VIA_BLOCKED=True, SCATTER=True)
-    assert ggroups().GLUON_GROUPS_CONFIG == cfg(8, 256, 4, 1, True, SCATTER=True)
+    assert ggroups().GLUON_GROUPS_CONFIG == GROUPS_32
+    # per-group with groups of 1024 rows or more on average: LINES (128 x 128 tiles)
+    assert ggroups().GLUON_GROUPS_LINES_CONFIG == LINES_G
+    base = ggroups().GLUON_GROUPS_BASE_CONFIG
+    assert ggroups().check_config(None, 16640, 16) == {**base, **LINES_G}  # 1040 rows a group
+    assert ggroups().check_config(None, 16640, 64) == {**base, **ggroups().GLUON_GROUPS_CONFIG}  # 260
+    assert ggroups().check_config(None, 4096, 0) == {**base, **LINES_G}  # no groups: one tile walk
 
 
 def test_argument_errors(monkeypatch):
@@ -203,8 +212,10 @@ def test_launch_facts():
     assert facts_3d((3, 224, 96), False, cfg(4, 128, 4, 2, False)) == ((4, 1, 3), False, False, 1, 96 * 7)
     assert facts_3d((2, 65536, 32768), True)[2]  # 2**31 elements in one expert: int64 offsets
     assert not facts_3d((64, 8192, 5120), True)[2]  # E * N * K > 2**31, but the expert bases are int64 scalars
-    # groups: cdiv(M/32, 4) + G tile columns, 4 / NUM_SUB programs each (default NUM_SUB 1); K padded to 128
-    assert facts_groups((16640, 5120), 16) == ((4 * (130 + 16), 20), False, False, 16)
+    # groups: cdiv(M/32, 4) + G tile columns, 4 / NUM_SUB programs each (default NUM_SUB 1); K padded to 128;
+    # LINES (the default from 1024 rows a group): one program per tile column and 128 columns of K
+    assert facts_groups((16640, 5120), 16, GROUPS_32) == ((4 * (130 + 16), 20), False, False, 16)
+    assert facts_groups((16640, 5120), 16) == ((130 + 16, 40), False, False, 16)
     assert facts_groups((16640, 5120), 64, cfg(8, 256, 4, 2, True)) == ((2 * (130 + 64), 20), False, False, 64)
     assert facts_groups((16640, 160), 5, S4) == ((130 + 5, 2), True, False, 8)
     assert facts_groups((352, 96), 1) == ((4 * (3 + 1), 1), True, False, 1)  # K 96: one 256 tile, masked
@@ -255,9 +266,9 @@ def test_3d_compiles_for_sm90_with_the_intended_memory_ops(
 COMPILE_GROUPS = [
     # (shape, groups, dtype, elem, mode, config, transposed store, 16-byte x loads per thread, max registers;
     # the default's bound: 60-64 with Triton 3.6, against 144 for NUM_SUB 2, the tile that measured slower)
-    ((16640, 5120), 16, torch.bfloat16, "e4m3", "floor", None, "st.global.v2.b32", 8, 96),
+    ((16640, 5120), 16, torch.bfloat16, "e4m3", "floor", GROUPS_32, "st.global.v2.b32", 8, 96),
     ((16640, 5120), 64, torch.bfloat16, "e5m2", "rceil", cfg(4, 128, 4, 2, False), "st.global.b32", 8, 255),
-    ((16640, 160), 5, torch.bfloat16, "e4m3", "rceil", None, "st.global.v2.b32", 8, 96),  # masked columns
+    ((16640, 160), 5, torch.bfloat16, "e4m3", "rceil", GROUPS_32, "st.global.v2.b32", 8, 96),  # masked columns
     ((16640, 5120), 64, torch.bfloat16, "e5m2", "rceil", None, "st.global.v2.b32", 8, 96),
     ((16640, 5120), 1, torch.float32, "e4m3", "floor", cfg(8, 256, 4, 1, True), "st.global.v2.b32", 16, 255),
     ((16640, 5120), 33, torch.bfloat16, "e5m2", "floor", S4, "st.global.b32", 16, 255),
@@ -291,7 +302,10 @@ def test_every_3d_test_config_compiles(config):
 def test_every_groups_test_config_compiles(config):
     for shape, groups in (((352, 96), 5), ((4128, 4128), 8), ((16640, 512), 33), ((512, 100), 1)):
         ops = ptx_ops(ggroups().compile_for_target(shape, groups, torch.bfloat16, "e4m3", "floor", config).asm["ptx"])
-        assert "bar.sync" not in ops and not any(".shared" in op for op in ops), (shape, groups, config, ops)
+        lines = bool(config and config.get("LINES"))  # its stores go through shared memory
+        assert ("bar.sync" in ops) == lines and any(".shared" in op for op in ops) == lines, (shape, config, ops)
+        if lines and shape[1] % 128 == 0:  # q as whole lines, each scale tile as 16-byte rows
+            assert {op for op in ops if op.startswith("st.global")} == {"st.global.v4.b32"}, (shape, groups, ops)
 
 
 def walk_groups_model(scale: torch.Tensor, ends: list[int], m: int, k: int, num_sub: int, block_k: int):
@@ -447,7 +461,7 @@ GROUP_CASES = [
     ([64, 0, 0], 256),  # empty last groups
     ([4128], 384),  # one group
 ]
-GPU_CASES_GROUPS = gpu_cases(CONFIGS_GROUPS, CONFIG_IDS_GROUPS, {"default"})
+GPU_CASES_GROUPS = gpu_cases(CONFIGS_GROUPS, CONFIG_IDS_GROUPS, {"default", "lines"})
 
 
 def many_groups(num_groups: int, seed: int) -> list[int]:
@@ -470,7 +484,7 @@ def test_gpu_groups_bit_exact(config, mode, elem):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("config", CONFIGS_GROUPS[:2], ids=CONFIG_IDS_GROUPS[:2])
+@pytest.mark.parametrize("config", [None, CONFIGS_GROUPS[1], LINES_G], ids=["default", "base", "lines"])
 @pytest.mark.parametrize("mode, elem", [("floor", "e4m3"), ("rceil", "e4m3"), ("floor", "e5m2"), ("rceil", "e5m2")])
 def test_gpu_groups_fp32_bit_exact(config, mode, elem):
     for seed, (sizes, k) in enumerate(GROUP_CASES[:4]):
@@ -480,12 +494,12 @@ def test_gpu_groups_fp32_bit_exact(config, mode, elem):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("config", [None, CONFIGS_GROUPS[1]], ids=["default", "base"])
+@pytest.mark.parametrize("config", [None, CONFIGS_GROUPS[1], LINES_G], ids=["default", "base", "lines"])
 def test_gpu_every_bf16_value(config):
     """All 65536 bf16 patterns (NaNs of every payload and sign, infinities, subnormals) in blocks along N / M."""
     bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
     x = bits.view(torch.bfloat16)
-    cfg3d = None if config is None else {**config, "PLAIN_VIA_BLOCKED": False}
+    cfg3d = None if config is None or "LINES" in config else {**config, "PLAIN_VIA_BLOCKED": False}
     for elem in ELEMS:
         for mode in MODES:
             for blocked in (False, True):
@@ -526,7 +540,7 @@ def test_gpu_invalid_offs_do_not_fault():
     x = special_input((256, 160), torch.bfloat16, "cuda")
     for ends in ([256, 0, 256], [512], [-32, 256], [40, 200, 256], [256] * 40, [0, 0, 0]):
         offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
-        for config in (None, S4):
+        for config in (None, S4, LINES_G):
             ggroups().gluon_cast_groups_dim1(x, offs, "e4m3", "floor", config)
     torch.cuda.synchronize()
     check_groups(x, [128, 128], "e4m3", "floor", None, "after invalid offs")  # the context still works
