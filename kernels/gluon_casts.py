@@ -203,30 +203,8 @@ def _gluon_cast_kernel(
     else:
         x = gl.load(x_ptrs, mask=(rows < M) & (cols < K), other=0.0).to(gl.float32)
 
-    if DIM0:
-        # blocks of 32 along K (axis 3): row-major [M, K] output (8 contiguous bytes per thread)
-        q0, s0 = quantize(
-            x, 3, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN,
-            SCATTER, WARPS_M,
-        )  # fmt: skip
-        if LINES:
-            store_lines(q0_ptr, q0, m0, pid_k * CHUNKS, M, K, M, False, NUM_WARPS * WARPS_M, OFFS64, EVEN)
-            # [S, 32 rows, CHUNKS] -> [32, S * CHUNKS]: row r of the tile holds its bytes sub * 4 + chunk
-            s0 = gl.convert_layout(gl.reshape(gl.permute(s0, [1, 0, 2]), [32, NUM_SUB * CHUNKS]), SB)
-            store_scale_tile(s0_ptr, s0, pid_m, pid_k, M, S0_COLS, EVEN)
-        else:
-            q0_ptrs = q0_ptr + wide(rows, OFFS64) * K + cols
-            if EVEN:
-                gl.store(q0_ptrs, q0)
-            else:
-                gl.store(q0_ptrs, q0, mask=(rows < M) & (cols < K))
-            S0L: gl.constexpr = dim0_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, SCATTER, WARPS_M)
-            s0 = gl.convert_layout(s0, S0L, assert_trivial=True)
-            s0_rows = (m0 + arange_along(NUM_SUB, 0, 3, S0L)) * 32 + arange_along(32, 1, 3, S0L)
-            s0_cols = pid_k * CHUNKS + arange_along(CHUNKS, 2, 3, S0L)
-            store_scales(s0_ptr, s0, s0_rows, s0_cols, M, S0_COLS, BLOCKED, EVEN)
-
-    # blocks of 32 along M (axis 1): transposed [K, M] output. Quantized in the rows-first register
+    # dim1 first (H200, LINES: 0.5-3% faster than dim0 first, docs/profiles/2026-11-21_h200_cast_lines_schedule.txt).
+    # Blocks of 32 along M (axis 1): transposed [K, M] output. Quantized in the rows-first register
     # order, so that cvt packs fp8 pairs along M, as the store wants them.
     T: gl.constexpr = transposed_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, WARPS_M)
     xt = gl.convert_layout(x, T, assert_trivial=True)
@@ -252,6 +230,29 @@ def _gluon_cast_kernel(
         s1 = gl.convert_layout(s1, S1L, assert_trivial=True)
         s1_rows = (pid_k * CHUNKS + arange_along(CHUNKS, 1, 3, S1L)) * 32 + arange_along(32, 2, 3, S1L)
         store_scales(s1_ptr, s1, s1_rows, m0 + arange_along(NUM_SUB, 0, 3, S1L), K, S1_COLS, BLOCKED, EVEN)
+
+    if DIM0:
+        # blocks of 32 along K (axis 3): row-major [M, K] output (8 contiguous bytes per thread)
+        q0, s0 = quantize(
+            x, 3, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN,
+            SCATTER, WARPS_M,
+        )  # fmt: skip
+        if LINES:
+            store_lines(q0_ptr, q0, m0, pid_k * CHUNKS, M, K, M, False, NUM_WARPS * WARPS_M, OFFS64, EVEN)
+            # [S, 32 rows, CHUNKS] -> [32, S * CHUNKS]: row r of the tile holds its bytes sub * 4 + chunk
+            s0 = gl.convert_layout(gl.reshape(gl.permute(s0, [1, 0, 2]), [32, NUM_SUB * CHUNKS]), SB)
+            store_scale_tile(s0_ptr, s0, pid_m, pid_k, M, S0_COLS, EVEN)
+        else:
+            q0_ptrs = q0_ptr + wide(rows, OFFS64) * K + cols
+            if EVEN:
+                gl.store(q0_ptrs, q0)
+            else:
+                gl.store(q0_ptrs, q0, mask=(rows < M) & (cols < K))
+            S0L: gl.constexpr = dim0_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, SCATTER, WARPS_M)
+            s0 = gl.convert_layout(s0, S0L, assert_trivial=True)
+            s0_rows = (m0 + arange_along(NUM_SUB, 0, 3, S0L)) * 32 + arange_along(32, 1, 3, S0L)
+            s0_cols = pid_k * CHUNKS + arange_along(CHUNKS, 2, 3, S0L)
+            store_scales(s0_ptr, s0, s0_rows, s0_cols, M, S0_COLS, BLOCKED, EVEN)
 
 
 def kernel_launch(
