@@ -83,6 +83,10 @@ DIM1_CONFIG = dict(
     LINES=True,
 )  # fmt: skip
 DIM0_DIM1_CONFIG = {**DIM1_CONFIG, "K_FIRST": True}
+# The fused LINES kernel loads x with evict_last from this many bytes of x on: events time 1-2% faster from 256 MiB
+# on (H200 16384^2: 278.3 against 284.1 us; H100 1-1.1% at 448-512 MiB), 1.1-1.5% slower at 128 MiB; dim1 within
+# 1.5% either way, so it keeps the default policy (docs/profiles/2026-11-21_h200_cast_lines_schedule.txt).
+EVICT_LAST_MIN_BYTES = 256 * 2**20
 
 
 # ---------------------------------------------------------------------------------------
@@ -178,6 +182,7 @@ def _gluon_cast_kernel(
     LINES: gl.constexpr,
     K_FIRST: gl.constexpr,  # programs run along K first: the grid is (K tiles, M tiles)
     CONTIG: gl.constexpr,  # x is row-major: its row stride is K, not stride_xm (a faster schedule for LINES)
+    X_EVICT: gl.constexpr,  # eviction policy of the loads of x ("" or "evict_last")
     EMAX: gl.constexpr,
     MAX_MANT: gl.constexpr,
     MAX_NORMAL: gl.constexpr,
@@ -199,9 +204,9 @@ def _gluon_cast_kernel(
     else:
         x_ptrs = x_ptr + wide(rows, OFFS64) * stride_xm + cols * stride_xk
     if EVEN:
-        x = gl.load(x_ptrs).to(gl.float32)
+        x = gl.load(x_ptrs, eviction_policy=X_EVICT).to(gl.float32)
     else:
-        x = gl.load(x_ptrs, mask=(rows < M) & (cols < K), other=0.0).to(gl.float32)
+        x = gl.load(x_ptrs, mask=(rows < M) & (cols < K), other=0.0, eviction_policy=X_EVICT).to(gl.float32)
 
     # dim1 first (H200, LINES: 0.5-3% faster than dim0 first, docs/profiles/2026-11-21_h200_cast_lines_schedule.txt).
     # Blocks of 32 along M (axis 1): transposed [K, M] output. Quantized in the rows-first register
@@ -287,6 +292,7 @@ def kernel_launch(
         EVEN=(m_cover, k_cover) == (m, k),
         OFFS64=span >= 2**31,
         CONTIG=x.stride(1) == 1 and (x.stride(0) == k or m == 1),
+        X_EVICT="evict_last" if dim0 and cfg["LINES"] and x.nbytes >= EVICT_LAST_MIN_BYTES else "",
         **tile_launch_args(cfg, elem, mode),
     )
     if cfg["K_FIRST"]:

@@ -153,7 +153,7 @@ def test_argument_errors(monkeypatch):
 @needs_triton
 def test_launch_grid_order_and_contig():
     """kernel_launch: K_FIRST swaps the grid to (K tiles, M tiles); CONTIG (x's row stride taken as K) is on
-    only for row-major x; a grid past CUDA's 65535 in y is refused with the shape named."""
+    only for row-major x; X_EVICT by the size of x; a grid past CUDA's 65535 in y is refused with the shape named."""
     g = gluon()
     u8 = torch.empty(16, dtype=torch.uint8)
     x = torch.empty(1024, 512, dtype=torch.bfloat16)
@@ -164,6 +164,14 @@ def test_launch_grid_order_and_contig():
     for strided in (x.t(), x[:, :256], x[::2]):
         assert not g.kernel_launch(strided, (u8,) * 4, "e4m3", "floor", True, True, None)[1]["CONTIG"]
     assert g.kernel_launch(x[:1], (u8,) * 4, "e4m3", "floor", False, False, None)[1]["CONTIG"]  # one row
+    # x loads evict_last in the fused LINES kernel from EVICT_LAST_MIN_BYTES of x on (256 MiB), else the default
+    big = torch.empty(16384, 8192, dtype=torch.bfloat16)
+
+    def evict(x: torch.Tensor, dim0: bool) -> str:
+        config = g.DIM0_DIM1_CONFIG if dim0 else g.DIM1_CONFIG
+        return g.kernel_launch(x, (u8,) * 4, "e4m3", "floor", True, dim0, config)[1]["X_EVICT"]
+
+    assert (evict(big, True), evict(big[:8192].contiguous(), True), evict(big, False)) == ("evict_last", "", "")
     with pytest.raises(ValueError, match=r"x \(8388736, 32\): 65537 tiles along M"):
         tall = torch.empty(8388736, 32, dtype=torch.bfloat16)
         g.kernel_launch(tall, (u8,) * 4, "e4m3", "floor", False, True, g.DIM0_DIM1_CONFIG)
@@ -172,7 +180,7 @@ def test_launch_grid_order_and_contig():
 def ptx_ops(ptx: str) -> dict[str, int]:
     """Counts of the memory, barrier, shuffle and fp8-conversion instructions in PTX."""
     found = re.findall(
-        r"\b(?:ld|st)\.(?:global|shared)[\w.]*|\bbar\.sync|\bshfl\.sync[\w.]*|\bcvt\.rn\.satfinite[\w.]*", ptx
+        r"\b(?:ld|st)\.(?:global|shared)[\w.:]*|\bbar\.sync|\bshfl\.sync[\w.]*|\bcvt\.rn\.satfinite[\w.]*", ptx
     )
     return {op: found.count(op) for op in sorted(set(found))}
 
@@ -251,7 +259,9 @@ def test_lines_store_whole_lines(dim0):
     stores = {op: n for op, n in ops.items() if op.startswith("st.global")}
     # per thread: 4 stores of 16 bytes for each 64-byte qdata share, one 16-byte scale row of each tile
     assert stores == {"st.global.v4.b32": 10 if dim0 else 5}, ops
-    assert set(op for op in ops if op.startswith("ld.global")) == {"ld.global.v4.b32"}, ops
+    # 16-byte loads of x; the fused kernel's with evict_last at this size (512 MiB, EVICT_LAST_MIN_BYTES)
+    load = "ld.global.L1::evict_last.L2::cache_hint.v4.b32" if dim0 else "ld.global.v4.b32"
+    assert set(op for op in ops if op.startswith("ld.global")) == {load}, ops
     assert ops.get("shfl.sync.bfly.b32", 0) > 0 and ops.get("bar.sync", 0) > 0, ops
     usage = resource_usage(kernel.asm["cubin"])
     if usage is not None:
@@ -423,6 +433,26 @@ def test_gpu_int64_offsets_match_triton_kernels():
         for name, a, b in zip(("q0", "s0", "q1", "s1"), outs, ref, strict=True):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, config)
         del outs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_large_fused_loads_evict_last_and_matches_triton():
+    """From EVICT_LAST_MIN_BYTES of x (256 MiB) the fused kernel loads x with evict_last: the same bytes as the
+    Triton fused kernel, both scale layouts, with special values at the tile edges."""
+    import mx_kernels.cast_dim0_dim1
+
+    g = gluon()
+    x = torch.randn(16384, 8192, device="cuda", dtype=torch.bfloat16) * 4
+    x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40])
+    x[-1, -1], x[127, 127] = 0.0, 3e38
+    assert x.nbytes >= g.EVICT_LAST_MIN_BYTES
+    triton_config = mx_kernels.cast_dim0_dim1.DIM0_DIM1_CONFIG  # else Hopper runs the Gluon kernel again
+    for mode, blocked in (("floor", True), ("rceil", False)):
+        ref = mx_kernels.cast_dim0_dim1.cast_dim0_dim1(x, "e5m2", mode, blocked, triton_config)
+        outs = g.gluon_cast_dim0_dim1(x, "e5m2", mode, blocked)
+        for name, a, b in zip(("q0", "s0", "q1", "s1"), outs, ref, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, mode, blocked)
 
 
 def kernels_launched(fn) -> set[str]:
