@@ -208,7 +208,7 @@ def _gluon_cast_kernel(
     else:
         x = gl.load(x_ptrs, mask=(rows < M) & (cols < K), other=0.0, eviction_policy=X_EVICT).to(gl.float32)
 
-    # dim1 first (H200, LINES: 0.5-3% faster than dim0 first, docs/profiles/2026-11-21_h200_cast_lines_schedule.txt).
+    # dim1 first (H200, LINES: 0.4-1.5% faster than dim0 first, docs/profiles/2026-11-21_h200_cast_lines_schedule.txt).
     # Blocks of 32 along M (axis 1): transposed [K, M] output. Quantized in the rows-first register
     # order, so that cvt packs fp8 pairs along M, as the store wants them.
     T: gl.constexpr = transposed_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, WARPS_M)
