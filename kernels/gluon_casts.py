@@ -1,8 +1,10 @@
-"""Gluon kernels of the dim1 and fused dim0+dim1 MX casts, with explicit layouts.
+"""Gluon kernel of the dim0, dim1 and fused dim0+dim1 MX casts, 2D and per expert of 3D, with explicit layouts.
 
-On a Hopper GPU (compute capability 9.x) ``mx_kernels.cast_dim1.cast_dim1`` (2D) and
-``mx_kernels.cast_dim0_dim1.cast_dim0_dim1`` run these for bf16 input unless the caller passes a
-Triton config (``mx_kernels.common.use_gluon``; ``MX_RECIPE_GLUON=0`` turns it off).
+On a Hopper GPU (compute capability 9.x) ``mx_kernels.cast_dim0.cast_dim0``, ``mx_kernels.cast_dim1.cast_dim1``
+and ``mx_kernels.cast_dim0_dim1.cast_dim0_dim1`` run it for bf16 input unless the caller passes a Triton config
+(``mx_kernels.common.use_gluon``; ``MX_RECIPE_GLUON=0`` turns it off). ``DIM0`` and ``DIM1`` say which halves a
+launch computes; ``BATCHED``: x [E, M, K] with the expert on grid axis 2, each expert's outputs (dim1: its [K, M]
+written column-major directly, no transpose copy, seed 003; blocked scales per expert) at its own base.
 
 Triton 3.6's default layouts put a program's warps along M, which splits a 32-row MX block
 across warps (shared-memory reductions), so the `tl` kernels run one warp per program and
@@ -54,6 +56,8 @@ from mx_kernels.gluon_common import (  # the dim1 helpers are shared with the 3D
 from mx_kernels.unblock_scales import unblock_scales
 from triton.experimental import gluon
 
+from mx_recipe.scale_layout import blocked_shape
+
 # The base every config is checked against and completed from: 128 columns x 64 rows per program,
 # 4 rows per thread (16 KB of bf16 in flight per program).
 # PLAIN_VIA_BLOCKED: plain scales are written in the blocked layout and then permuted to [rows, cols]
@@ -83,6 +87,11 @@ DIM1_CONFIG = dict(
     LINES=True,
 )  # fmt: skip
 DIM0_DIM1_CONFIG = {**DIM1_CONFIG, "K_FIRST": True}
+# dim0 alone: the same tile along K first, which reads x and writes q0 in order (kernel time, e4m3, H200, against the
+# Triton dim0 kernel, 32 x 512: 192.1 against 205.4 us at 16384^2 with blocked scales, 197.8 against 209.8 (floor) and
+# 213.6 (rceil) with plain ones; 33.9 against 36.6 at [8192, 5120]; 121.2 against 130.1 at [4, 8192, 5120]; along M
+# first 207-209 us at 16384^2; docs/profiles/2026-11-21_h200_cast_dim0_3d_lines.txt).
+DIM0_CONFIG = DIM0_DIM1_CONFIG
 # The fused LINES kernel loads x with evict_last from this many bytes of x on: events time 1-2% faster from 256 MiB
 # on (H200 16384^2: 278.3 against 284.1 us; H100 1-1.1% at 448-512 MiB), 1.1-1.5% slower at 128 MiB; dim1 within
 # 1.5% either way, so it keeps the default policy (docs/profiles/2026-11-21_h200_cast_lines_schedule.txt).
@@ -168,11 +177,18 @@ def _gluon_cast_kernel(
     stride_xk,
     S0_COLS,  # K // 32 (dim0 scale columns), an argument so that it is specialized like M and K
     S1_COLS,  # M // 32
+    stride_xb,  # BATCHED: x [E, M, K] and per-expert outputs, expert = grid axis 2 (else unused)
+    stride_q0b,
+    stride_s0b,
+    stride_q1b,
+    stride_s1b,
     NUM_SUB: gl.constexpr,
     ROWS: gl.constexpr,
     NUM_WARPS: gl.constexpr,
     REPS: gl.constexpr,
     DIM0: gl.constexpr,
+    DIM1: gl.constexpr,
+    BATCHED: gl.constexpr,
     BLOCKED: gl.constexpr,
     EVEN: gl.constexpr,  # the grid tiles x exactly: no bounds masks
     OFFS64: gl.constexpr,
@@ -197,6 +213,13 @@ def _gluon_cast_kernel(
     pid_m = gl.program_id(1 if K_FIRST else 0)
     pid_k = gl.program_id(0 if K_FIRST else 1)
     m0 = pid_m * NUM_SUB  # first 32-row block of this program
+    if BATCHED:  # E * M * K can pass 2**31: the expert's bases are int64, the offsets inside it as OFFS64 says
+        pid_b = gl.program_id(2).to(gl.int64)
+        x_ptr += pid_b * stride_xb
+        q0_ptr += pid_b * stride_q0b
+        s0_ptr += pid_b * stride_s0b
+        q1_ptr += pid_b * stride_q1b
+        s1_ptr += pid_b * stride_s1b
     rows = (m0 + arange_along(NUM_SUB, 0, 4, L)) * 32 + arange_along(32, 1, 4, L)  # [NUM_SUB, 32, 1, 1]
     cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, L)) * 32 + arange_along(32, 3, 4, L)  # [1, 1, CHUNKS, 32]
     if CONTIG:
@@ -211,30 +234,31 @@ def _gluon_cast_kernel(
     # dim1 first (H200, LINES: 0.4-1.5% faster than dim0 first, docs/profiles/2026-11-21_h200_cast_lines_schedule.txt).
     # Blocks of 32 along M (axis 1): transposed [K, M] output. Quantized in the rows-first register
     # order, so that cvt packs fp8 pairs along M, as the store wants them.
-    T: gl.constexpr = transposed_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, WARPS_M)
-    xt = gl.convert_layout(x, T, assert_trivial=True)
-    q1, s1 = quantize(
-        xt, 1, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN, SCATTER,
-        WARPS_M,
-    )  # fmt: skip
-    if LINES:
-        store_lines(q1_ptr, q1, m0, pid_k * CHUNKS, M, K, M, True, NUM_WARPS * WARPS_M, OFFS64, EVEN)
-        # [S, CHUNKS, 32 k] -> [32, CHUNKS * S]: k-row c of the tile holds its bytes chunk * 4 + sub
-        s1 = gl.convert_layout(gl.reshape(gl.permute(s1, [2, 1, 0]), [32, CHUNKS * NUM_SUB]), SB)
-        store_scale_tile(s1_ptr, s1, pid_k, pid_m, K, S1_COLS, EVEN)
-    else:
-        t_rows = (m0 + arange_along(NUM_SUB, 0, 4, T)) * 32 + arange_along(32, 1, 4, T)
-        t_cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, T)) * 32 + arange_along(32, 3, 4, T)
-        q1_ptrs = q1_ptr + wide(t_cols, OFFS64) * M + t_rows
-        if EVEN:
-            gl.store(q1_ptrs, q1)
+    if DIM1:
+        T: gl.constexpr = transposed_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, WARPS_M)
+        xt = gl.convert_layout(x, T, assert_trivial=True)
+        q1, s1 = quantize(
+            xt, 1, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN,
+            SCATTER, WARPS_M,
+        )  # fmt: skip
+        if LINES:
+            store_lines(q1_ptr, q1, m0, pid_k * CHUNKS, M, K, M, True, NUM_WARPS * WARPS_M, OFFS64, EVEN)
+            # [S, CHUNKS, 32 k] -> [32, CHUNKS * S]: k-row c of the tile holds its bytes chunk * 4 + sub
+            s1 = gl.convert_layout(gl.reshape(gl.permute(s1, [2, 1, 0]), [32, CHUNKS * NUM_SUB]), SB)
+            store_scale_tile(s1_ptr, s1, pid_k, pid_m, K, S1_COLS, EVEN)
         else:
-            gl.store(q1_ptrs, q1, mask=(t_rows < M) & (t_cols < K))
-        # scales [K, M/32]: this program's NUM_SUB scale columns of each k are contiguous
-        S1L: gl.constexpr = dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, SCATTER, WARPS_M)
-        s1 = gl.convert_layout(s1, S1L, assert_trivial=True)
-        s1_rows = (pid_k * CHUNKS + arange_along(CHUNKS, 1, 3, S1L)) * 32 + arange_along(32, 2, 3, S1L)
-        store_scales(s1_ptr, s1, s1_rows, m0 + arange_along(NUM_SUB, 0, 3, S1L), K, S1_COLS, BLOCKED, EVEN)
+            t_rows = (m0 + arange_along(NUM_SUB, 0, 4, T)) * 32 + arange_along(32, 1, 4, T)
+            t_cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, T)) * 32 + arange_along(32, 3, 4, T)
+            q1_ptrs = q1_ptr + wide(t_cols, OFFS64) * M + t_rows
+            if EVEN:
+                gl.store(q1_ptrs, q1)
+            else:
+                gl.store(q1_ptrs, q1, mask=(t_rows < M) & (t_cols < K))
+            # scales [K, M/32]: this program's NUM_SUB scale columns of each k are contiguous
+            S1L: gl.constexpr = dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, SCATTER, WARPS_M)
+            s1 = gl.convert_layout(s1, S1L, assert_trivial=True)
+            s1_rows = (pid_k * CHUNKS + arange_along(CHUNKS, 1, 3, S1L)) * 32 + arange_along(32, 2, 3, S1L)
+            store_scales(s1_ptr, s1, s1_rows, m0 + arange_along(NUM_SUB, 0, 3, S1L), K, S1_COLS, BLOCKED, EVEN)
 
     if DIM0:
         # blocks of 32 along K (axis 3): row-major [M, K] output (8 contiguous bytes per thread)
@@ -262,19 +286,26 @@ def _gluon_cast_kernel(
 
 def kernel_launch(
     x: torch.Tensor, outs: tuple[torch.Tensor, ...], elem: str, mode: str, blocked: bool, dim0: bool,
-    config: dict | None,
-) -> tuple[tuple[int, int], dict]:  # fmt: skip
-    """(grid, keyword arguments) of one launch of ``_gluon_cast_kernel``; ``outs`` = (q0, s0, q1, s1)
-    as uint8 views, the unused pair of a one-sided cast standing in for the other. Also used to
-    compile the kernel ahead of time (tests/test_gluon_casts.py)."""
+    config: dict | None, dim1: bool = True,
+) -> tuple[tuple[int, ...], dict]:  # fmt: skip
+    """(grid, keyword arguments) of one launch of ``_gluon_cast_kernel`` on x [M, K] or [E, M, K] (each expert
+    cast on its own, expert = grid axis 2); ``outs`` = (q0, s0, q1, s1) as uint8 views, the unused pair of a
+    one-sided cast standing in for the other. Also used to compile the kernel ahead of time
+    (tests/test_gluon_casts.py)."""
     cfg = check_tile_config(config, GLUON_CONFIG, "Gluon cast")
-    m, k = x.shape
+    if not (dim0 or dim1):
+        raise ValueError("Gluon cast: neither dim0 nor dim1 asked for")
+    batched = x.dim() == 3
+    num_batch, m, k = x.shape if batched else (1, *x.shape)
+    stride_m, stride_k = x.stride()[-2:]
     block_m, block_k = 32 * cfg["NUM_SUB"], cfg["BLOCK_K"]
     pad = 128 if blocked else 1  # blocked: the grid covers the padding too, to zero it
     grid = tile_grid(m, k, block_m, block_k, pad)
     q0, s0, q1, s1 = outs
     m_cover, k_cover = grid[0] * block_m, grid[1] * block_k  # rows and columns the grid's tiles span
-    span = max((m_cover - 1) * abs(x.stride(0)) + (k_cover - 1) * abs(x.stride(1)), m_cover * k_cover)
+    span = max((m_cover - 1) * abs(stride_m) + (k_cover - 1) * abs(stride_k), m_cover * k_cover)
+    s0_rows, s0_cols = blocked_shape(m, k // 32) if blocked else (m, k // 32)
+    s1_rows, s1_cols = blocked_shape(k, m // 32) if blocked else (k, m // 32)
     kwargs = dict(
         x_ptr=x,
         q0_ptr=q0,
@@ -283,16 +314,23 @@ def kernel_launch(
         s1_ptr=s1,
         M=m,
         K=k,
-        stride_xm=x.stride(0),
-        stride_xk=x.stride(1),
+        stride_xm=stride_m,
+        stride_xk=stride_k,
         S0_COLS=k // 32,
         S1_COLS=m // 32,
+        stride_xb=x.stride(0) if batched else 0,
+        stride_q0b=m * k if batched else 0,
+        stride_s0b=s0_rows * s0_cols if batched else 0,
+        stride_q1b=m * k if batched else 0,
+        stride_s1b=s1_rows * s1_cols if batched else 0,
         DIM0=dim0,
+        DIM1=dim1,
+        BATCHED=batched,
         BLOCKED=blocked,
         EVEN=(m_cover, k_cover) == (m, k),
         OFFS64=span >= 2**31,
-        CONTIG=x.stride(1) == 1 and (x.stride(0) == k or m == 1),
-        X_EVICT="evict_last" if dim0 and cfg["LINES"] and x.nbytes >= EVICT_LAST_MIN_BYTES else "",
+        CONTIG=stride_k == 1 and (stride_m == k or m == 1),
+        X_EVICT="evict_last" if dim0 and dim1 and cfg["LINES"] and x.nbytes >= EVICT_LAST_MIN_BYTES else "",
         **tile_launch_args(cfg, elem, mode),
     )
     if cfg["K_FIRST"]:
@@ -300,41 +338,65 @@ def kernel_launch(
     if grid[1] > 65535:  # CUDA's limit on a grid's y dimension
         along = "M" if cfg["K_FIRST"] else "K"
         raise ValueError(f"Gluon cast of x {tuple(x.shape)}: {grid[1]} tiles along {along}, more than a grid's 65535")
+    if batched:
+        if num_batch > 65535:  # and on its z dimension
+            raise ValueError(f"Gluon cast of x {tuple(x.shape)}: {num_batch} experts, more than a grid's 65535")
+        grid = (*grid, num_batch)
     return grid, kwargs
 
 
 def compile_for_target(
-    shape: tuple[int, int], dtype: torch.dtype = torch.bfloat16, elem: str = "e4m3", mode: str = "floor",
-    blocked: bool = False, dim0: bool = False, config: dict | None = None, arch: int = 90,
+    shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16, elem: str = "e4m3", mode: str = "floor",
+    blocked: bool = False, dim0: bool = False, config: dict | None = None, arch: int = 90, dim1: bool = True,
 ):  # fmt: skip
     """Compile the kernel for CUDA ``arch`` without a GPU (inspection and CPU tests): the
     CompiledKernel, with ``.asm["ttgir"]``, ``["ptx"]`` and ``["cubin"]``. Arguments are
-    specialized as a launch on x of ``shape`` would specialize them (16-divisible ints, stride 1)."""
+    specialized as a launch on a contiguous x of ``shape`` ([M, K], or [E, M, K] for the batched
+    kernel) would specialize them (16-divisible ints, stride 1). ``config``: None is GLUON_CONFIG."""
     x = torch.empty(shape, dtype=dtype)
     u8 = torch.empty(16, dtype=torch.uint8)  # stands in for every output (only its dtype and alignment matter)
-    _, kwargs = kernel_launch(x, (u8, u8, u8, u8), elem, mode, blocked, dim0, config)
+    _, kwargs = kernel_launch(x, (u8, u8, u8, u8), elem, mode, blocked, dim0, config, dim1)
     return compile_for_arch(_gluon_cast_kernel, kwargs, arch)
+
+
+def gluon_cast_dim0(
+    x: torch.Tensor, elem: str, mode: str, blocked_scales: bool = False, config: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] or [E, M, K] (bf16/fp32, K % 32 == 0) -> (qdata fp8 of x's shape, scales e8m0 [.., M, K/32], or
+    blocked: 1D for 2D x, [E, blocked_numel(M, K/32)] for 3D): the outputs of ``mx_kernels.cast_dim0.cast_dim0``,
+    bit for bit. 3D x: each expert cast on its own (a batch grid axis)."""
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1, op="gluon_cast_dim0")
+    return _cast_one_side(x, elem, mode, blocked_scales, DIM0_CONFIG if config is None else config, dim0=True)
 
 
 def gluon_cast_dim1(
     x: torch.Tensor, elem: str, mode: str, blocked_scales: bool = False, config: dict | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (bf16/fp32, M % 32 == 0) -> (qdata [K, M] fp8, scales e8m0 [K, M/32] or blocked 1D):
-    the outputs of ``mx_kernels.cast_dim1.cast_dim1``, bit for bit."""
-    check_cast(x, elem, mode, ndims=(2,), qdim=0, op="gluon_cast_dim1")
-    cfg = check_tile_config(DIM1_CONFIG if config is None else config, GLUON_CONFIG, "Gluon cast")
-    require_gpu(x, "gluon_cast_dim1")
+    """x [M, K] or [E, M, K] (bf16/fp32, M % 32 == 0) -> (qdata [.., K, M] fp8, scales e8m0 [.., K, M/32], or
+    blocked: 1D for 2D x, [E, blocked_numel(K, M/32)] for 3D): the outputs of ``mx_kernels.cast_dim1.cast_dim1``,
+    bit for bit. 3D x (expert weights): each expert's [K, M] written column-major directly, no transpose copy
+    (seed 003)."""
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-2, op="gluon_cast_dim1")
+    return _cast_one_side(x, elem, mode, blocked_scales, DIM1_CONFIG if config is None else config, dim0=False)
+
+
+def _cast_one_side(
+    x: torch.Tensor, elem: str, mode: str, blocked_scales: bool, config: dict, dim0: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = check_tile_config(config, GLUON_CONFIG, "Gluon cast")
+    require_gpu(x, "gluon_cast_dim0" if dim0 else "gluon_cast_dim1")
     via_blocked = cfg["PLAIN_VIA_BLOCKED"] and not blocked_scales and x.numel() > 0
     blocked = blocked_scales or via_blocked
-    q_shape, s_shape = dim1_shapes(x.shape, blocked)
+    q_shape, s_shape = (dim0_shapes if dim0 else dim1_shapes)(x.shape, blocked)
     qdata = torch.empty(q_shape, dtype=fp8_dtype(elem), device=x.device)
     scale = torch.empty(s_shape, dtype=torch.float8_e8m0fnu, device=x.device)
     if x.numel():
         q, s = qdata.view(torch.uint8), scale.view(torch.uint8)
-        grid, kwargs = kernel_launch(x, (q, s, q, s), elem, mode, blocked, False, cfg)
+        grid, kwargs = kernel_launch(x, (q, s, q, s), elem, mode, blocked, dim0, cfg, dim1=not dim0)
         _gluon_cast_kernel[grid](**kwargs)
-    if via_blocked:
-        scale = unblock_scales(scale, x.shape[1], x.shape[0] // 32)
+    if via_blocked:  # for 3D x, [E, n] blocked -> [E, rows, cols], all experts in one launch
+        m, k = x.shape[-2:]
+        scale = unblock_scales(scale, m, k // 32) if dim0 else unblock_scales(scale, k, m // 32)
     return qdata, scale
 
 

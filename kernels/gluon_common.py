@@ -1,4 +1,4 @@
-"""What the Gluon kernels (``gluon_casts``, ``gluon_cast_3d``, ``gluon_cast_groups``, ``gluon_fake_quant``)
+"""What the Gluon kernels (``gluon_casts``, ``gluon_cast_groups``, ``gluon_fake_quant``)
 share: the tile layout and its config, and the dim1 pieces (quantize along M, transposed store).
 
 A program's tile is [NUM_SUB, 32 rows, CHUNKS, 32 cols] (NUM_SUB 32-row sub-tiles, BLOCK_K = 32 *

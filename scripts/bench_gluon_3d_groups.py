@@ -1,5 +1,5 @@
-"""Benchmark the Gluon 3D dim1 and per-group dim1 casts (mx_kernels.gluon_cast_3d, gluon_cast_groups) against
-the Triton kernels.
+"""Benchmark the Gluon 3D dim1 and per-group dim1 casts (mx_kernels.gluon_casts on [E, N, K], gluon_cast_groups)
+against the Triton kernels.
 
     python3 scripts/bench_gluon_3d_groups.py [--experts 1,4,16,64] [--groups 16,64] [--modes floor]
                                              [--elem e4m3] [--no-sweep] [--out r.json]
@@ -38,8 +38,8 @@ from mx_kernels.cast_dim1 import DIM1_CONFIG as TRITON_DIM1
 from mx_kernels.cast_dim1 import cast_dim1
 from mx_kernels.cast_groups_dim1 import GROUPS_DIM1_CONFIG as TRITON_GROUPS
 from mx_kernels.cast_groups_dim1 import cast_groups_dim1
-from mx_kernels.gluon_cast_3d import gluon_cast_3d_dim1
 from mx_kernels.gluon_cast_groups import gluon_cast_groups_dim1
+from mx_kernels.gluon_casts import gluon_cast_dim1
 
 N3D, K3D = 8192, 5120
 M_GROUPS, K_GROUPS = 16640, 5120
@@ -49,11 +49,13 @@ def cfg(rows: int, block_k: int, warps: int, sub: int, lean: bool = True, **extr
     return dict(ROWS=rows, BLOCK_K=block_k, NUM_WARPS=warps, NUM_SUB=sub, LEAN=lean, **extra)
 
 
-# None: the default (gluon_cast_3d.GLUON_3D_CONFIG: ROWS 8, BLOCK_K 256, 4 warps, 2 sub-tiles, LEAN, plain scales
-# via the blocked layout). Registers (sm_90 compile, blocked, even shape) in brackets. The H200 run of this
-# sweep: docs/profiles/2026-11-21_h200_gluon_3d_groups.txt (then with the prototypes' MAXNREG / SKIP_IDLE).
+# None: the default (gluon_casts.DIM1_CONFIG: 128 x 128 LINES tiles, as in 2D). The 32-row configs below were the
+# 3D kernel's before (ROWS 8, BLOCK_K 256, 4 warps, 2 sub-tiles, SCATTER: the default until LINES); registers of
+# that kernel (sm_90 compile, blocked, even shape) in brackets. The H200 run of this sweep then:
+# docs/profiles/2026-11-21_h200_gluon_3d_groups.txt (then with the prototypes' MAXNREG / SKIP_IDLE).
 SWEEP_3D = [
-    None,  # [95]
+    None,
+    cfg(8, 256, 4, 2, PLAIN_VIA_BLOCKED=True, SCATTER=True),  # [95] the 32-row default before LINES
     cfg(8, 256, 4, 1, PLAIN_VIA_BLOCKED=True),  # [56] one sub-tile: twice the programs
     cfg(4, 128, 4, 2, PLAIN_VIA_BLOCKED=True),  # [64] the base tile, LEAN
     cfg(16, 512, 4, 1, PLAIN_VIA_BLOCKED=True),  # [108] 16-byte qdata stores (16 rows of [K, N])
@@ -162,7 +164,7 @@ def bench_3d(table: Table, experts: int, modes: list[str], elem: str, sweep: boo
             run_case(
                 table, f"3d dim1 {name} E={experts}", mode, nbytes(x),
                 partial(cast_dim1, x, elem, mode, blocked, TRITON_DIM1),
-                partial(gluon_cast_3d_dim1, x, elem, mode, blocked),
+                partial(gluon_cast_dim1, x, elem, mode, blocked),
                 (SWEEP_3D if blocked else SWEEP_3D_PLAIN) if sweep else [None],
             )  # fmt: skip
 

@@ -1,5 +1,6 @@
-"""The Gluon 3D dim1 and per-group dim1 casts (mx_kernels.gluon_cast_3d, gluon_cast_groups), bit for bit
-vs ``to_mx`` and the Triton kernels, and their dispatch from ``cast_dim1`` (3D) and ``cast_groups_dim1``.
+"""The Gluon 3D dim0 and dim1 casts (mx_kernels.gluon_casts on [E, N, K]: the 2D kernel with an expert grid axis)
+and the per-group dim1 cast (gluon_cast_groups), bit for bit vs ``to_mx`` and the Triton kernels, and their
+dispatch from ``cast_dim0`` / ``cast_dim1`` (3D) and ``cast_groups_dim1``.
 
 * CPU: argument errors, the default configs, the dispatch (``common.use_gluon`` true: the Gluon launchers
   run), launch facts (grid, EVEN / MASK_COLS, OFFS64), a Python model of the per-group program walk, and
@@ -34,9 +35,9 @@ MODES = ["floor", "rceil"]
 
 
 def g3d():
-    import mx_kernels.gluon_cast_3d
+    import mx_kernels.gluon_casts
 
-    return mx_kernels.gluon_cast_3d
+    return mx_kernels.gluon_casts
 
 
 def ggroups():
@@ -49,15 +50,18 @@ def cfg(rows: int, block_k: int, warps: int, sub: int, lean: bool, **extra) -> d
     return dict(ROWS=rows, BLOCK_K=block_k, NUM_WARPS=warps, NUM_SUB=sub, LEAN=lean, **extra)
 
 
-# GPU-test configs, 3D: the default (GLUON_3D_CONFIG: 8 rows a thread, 2 sub-tiles, LEAN, plain scales
-# via the blocked layout), the base tile without LEAN with the kernel's own plain scale stores, one sub-tile.
+# GPU-test configs, 3D: the default (the 2D defaults: 128 x 128 LINES tiles; dim0 along K first), the 32-row tile
+# that was the 3D default before LINES (8 rows a thread, 2 sub-tiles, LEAN, SCATTER, plain scales via the blocked
+# layout), the base tile without LEAN with the kernel's own plain scale stores, one sub-tile, the butterfly.
+TILE_32 = cfg(8, 256, 4, 2, True, PLAIN_VIA_BLOCKED=True, SCATTER=True)
 CONFIGS_3D = [
     None,
+    TILE_32,
     cfg(4, 128, 4, 2, False, PLAIN_VIA_BLOCKED=False),
     cfg(8, 256, 4, 1, True, PLAIN_VIA_BLOCKED=True),
-    cfg(8, 256, 4, 2, True, PLAIN_VIA_BLOCKED=True, SCATTER=False),  # the default with the butterfly
+    cfg(8, 256, 4, 2, True, PLAIN_VIA_BLOCKED=True, SCATTER=False),  # the 32-row tile with the butterfly
 ]
-CONFIG_IDS_3D = ["default", "base", "r8s1", "butterfly"]
+CONFIG_IDS_3D = ["default", "tile32", "base", "r8s1", "butterfly"]
 # per-group: the default (8 rows, one sub-tile, LEAN: 4 programs per tile column), the base tile without LEAN,
 # two sub-tiles (the 2D dim1 tile: 2 programs per tile column), four sub-tiles (one program per tile column)
 CONFIGS_GROUPS = [
@@ -72,7 +76,8 @@ CONFIG_IDS_GROUPS = ["default", "base", "r8s2", "s4", "scatter_r8s2", "lines"]
 S4, LINES_G = CONFIGS_GROUPS[3], CONFIGS_GROUPS[5]
 GROUPS_32 = cfg(8, 256, 4, 1, True, SCATTER=True)  # the per-group default below 1024 rows a group
 
-GLUON_3D_KERNEL, TRITON_3D_KERNEL = "_gluon_cast_3d_dim1_kernel", "_cast_dim1_kernel"
+GLUON_3D_KERNEL, TRITON_3D_KERNEL = "_gluon_cast_kernel", "_cast_dim1_kernel"
+TRITON_3D_DIM0_KERNEL = "_cast_dim0_kernel"
 GLUON_GROUPS_KERNEL, TRITON_GROUPS_KERNEL = "_gluon_cast_groups_dim1_kernel", "_cast_groups_dim1_kernel"
 
 
@@ -81,9 +86,11 @@ GLUON_GROUPS_KERNEL, TRITON_GROUPS_KERNEL = "_gluon_cast_groups_dim1_kernel", "_
 
 
 def test_default_configs_are_the_measured_ones():
-    """3D: 32-row tiles (the 2D dim1 default before LINES); per-group: one sub-tile, or LINES for large
-    groups (H200 benches)."""
-    assert g3d().GLUON_3D_CONFIG == cfg(8, 256, 4, 2, True, PLAIN_VIA_BLOCKED=True, SCATTER=True)
+    """3D: the 2D defaults (LINES; dim0 along K first); per-group: one sub-tile, or LINES for large groups
+    (H200 benches)."""
+    g = g3d()
+    assert g.DIM1_CONFIG == {**TILE_32, "BLOCK_K": 128, "NUM_WARPS": 2, "WARPS_M": 4, "NUM_SUB": 4, "LINES": True}
+    assert g.DIM0_CONFIG == {**g.DIM1_CONFIG, "K_FIRST": True} == g.DIM0_DIM1_CONFIG
     assert ggroups().GLUON_GROUPS_CONFIG == GROUPS_32
     # per-group with groups of 1024 rows or more on average: LINES (128 x 128 tiles)
     assert ggroups().GLUON_GROUPS_LINES_CONFIG == LINES_G
@@ -97,21 +104,21 @@ def test_argument_errors(monkeypatch):
     g, gg = g3d(), ggroups()
     x3 = torch.randn(2, 64, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"dim 1 of shape \(2, 33, 64\) has size 33"):
-        g.gluon_cast_3d_dim1(torch.randn(2, 33, 64), "e4m3", "floor")
-    with pytest.raises(ValueError, match="takes a 3D tensor"):
-        g.gluon_cast_3d_dim1(torch.randn(64, 64), "e4m3", "floor")
+        g.gluon_cast_dim1(torch.randn(2, 33, 64), "e4m3", "floor")
+    with pytest.raises(ValueError, match="takes a 2D or 3D tensor"):
+        g.gluon_cast_dim1(torch.randn(2, 2, 64, 64), "e4m3", "floor")
     with pytest.raises(ValueError, match="e2m1 is not supported"):
-        g.gluon_cast_3d_dim1(x3, "e2m1", "floor")
+        g.gluon_cast_dim1(x3, "e2m1", "floor")
     with pytest.raises(ValueError, match="unknown MX scale rule"):
-        g.gluon_cast_3d_dim1(x3, "e4m3", "nearest")
+        g.gluon_cast_dim1(x3, "e4m3", "nearest")
     with pytest.raises(TypeError, match="bf16 or fp32"):
-        g.gluon_cast_3d_dim1(x3.half(), "e4m3", "floor")
+        g.gluon_cast_dim1(x3.half(), "e4m3", "floor")
     for bad in (dict(BLOCK_K=96), dict(BLOCK_K=64, NUM_WARPS=4), dict(ROWS=32), dict(NUM_SUB=3), dict(LEAN=1)):
-        with pytest.raises(ValueError, match="Gluon 3D cast config"):
-            g.gluon_cast_3d_dim1(x3, "e4m3", "floor", config=bad)
+        with pytest.raises(ValueError, match="Gluon cast config"):
+            g.gluon_cast_dim1(x3, "e4m3", "floor", config=bad)
     for unknown in (dict(num_warps=4), dict(MAXNREG=128)):  # a Triton key, a dropped knob: not silently ignored
-        with pytest.raises(ValueError, match="unknown Gluon 3D cast config keys"):
-            g.gluon_cast_3d_dim1(x3, "e4m3", "floor", config=unknown)
+        with pytest.raises(ValueError, match="unknown Gluon cast config keys"):
+            g.gluon_cast_dim1(x3, "e4m3", "floor", config=unknown)
 
     x = torch.randn(96, 64, dtype=torch.bfloat16)
     offs = torch.tensor([32, 96], dtype=torch.int32)
@@ -131,24 +138,24 @@ def test_argument_errors(monkeypatch):
             gg.gluon_cast_groups_dim1(x, offs, "e4m3", "floor", config=unknown)
     if not HAS_CUDA:
         with pytest.raises(RuntimeError, match="need a CUDA tensor"):
-            g.gluon_cast_3d_dim1(x3, "e4m3", "floor")
+            g.gluon_cast_dim1(x3, "e4m3", "floor")
         with pytest.raises(RuntimeError, match="need a CUDA tensor"):
             gg.gluon_cast_groups_dim1(x, offs, "e4m3", "floor")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(NotImplementedError, match="do not run in the Triton interpreter"):
-        g.gluon_cast_3d_dim1(x3, "e4m3", "floor")
+        g.gluon_cast_dim1(x3, "e4m3", "floor")
     with pytest.raises(NotImplementedError, match="do not run in the Triton interpreter"):
         gg.gluon_cast_groups_dim1(x, offs, "e4m3", "floor")
 
 
 def test_dispatch_runs_the_gluon_launchers_when_use_gluon(monkeypatch):
-    """cast_dim1 on 3D input and cast_groups_dim1 call the Gluon launchers exactly when
+    """cast_dim0 and cast_dim1 (2D and 3D) and cast_groups_dim1 call the Gluon launchers exactly when
     ``common.use_gluon(x, config)`` is true (the rule itself: test_gluon_fake_quant.test_dispatch_rule), with
     the caller's arguments; otherwise the Triton launchers run (which, on a CPU tensor outside the
-    interpreter, refuse). 2D cast_dim1 still goes to gluon_casts."""
+    interpreter, refuse)."""
+    import mx_kernels.cast_dim0 as cd0
     import mx_kernels.cast_dim1 as cd1
     import mx_kernels.cast_groups_dim1 as cg
-    import mx_kernels.gluon_casts as gc
 
     calls = []
 
@@ -159,39 +166,48 @@ def test_dispatch_runs_the_gluon_launchers_when_use_gluon(monkeypatch):
 
         return launch
 
-    monkeypatch.setattr(g3d(), "gluon_cast_3d_dim1", recorder("3d"))
+    monkeypatch.setattr(g3d(), "gluon_cast_dim1", recorder("dim1"))
+    monkeypatch.setattr(g3d(), "gluon_cast_dim0", recorder("dim0"))
     monkeypatch.setattr(ggroups(), "gluon_cast_groups_dim1", recorder("groups"))
-    monkeypatch.setattr(gc, "gluon_cast_dim1", recorder("2d"))
     asked = []
 
     def use_gluon(x, config):
         asked.append(config)
         return config is None
 
-    monkeypatch.setattr(cd1, "use_gluon", use_gluon)
-    monkeypatch.setattr(cg, "use_gluon", use_gluon)
+    for module in (cd0, cd1, cg):
+        monkeypatch.setattr(module, "use_gluon", use_gluon)
     w = torch.randn(2, 64, 96, dtype=torch.bfloat16)
     x = torch.randn(96, 64, dtype=torch.bfloat16)
     offs = torch.tensor([32, 96], dtype=torch.int32)
-    assert cd1.cast_dim1(w, "e4m3", "rceil", True) == "3d"
-    assert calls[-1] == ("3d", (w, "e4m3", "rceil", True), {})
-    assert cd1.cast_dim1(w, "e5m2", "floor") == "3d"
-    assert calls[-1] == ("3d", (w, "e5m2", "floor", False), {})
-    assert cd1.cast_dim1(x, "e4m3", "floor") == "2d"
+    assert cd1.cast_dim1(w, "e4m3", "rceil", True) == "dim1"
+    assert calls[-1] == ("dim1", (w, "e4m3", "rceil", True), {})
+    assert cd1.cast_dim1(w, "e5m2", "floor") == "dim1"
+    assert calls[-1] == ("dim1", (w, "e5m2", "floor", False), {})
+    assert cd1.cast_dim1(x, "e4m3", "floor") == "dim1"
+    assert cd0.cast_dim0(w, "e5m2", "rceil", True) == "dim0"
+    assert calls[-1] == ("dim0", (w, "e5m2", "rceil", True), {})
+    assert cd0.cast_dim0(x, "e4m3", "floor") == "dim0"
+    assert calls[-1] == ("dim0", (x, "e4m3", "floor", False), {})
     assert cg.cast_groups_dim1(x, offs, "e5m2", "rceil") == "groups"
     assert calls[-1] == ("groups", (x, offs, "e5m2", "rceil"), {})
     with pytest.raises(RuntimeError, match="Triton kernels need a CUDA tensor"):
         cd1.cast_dim1(w, "e4m3", "floor", config=cd1.DIM1_CONFIG)
     with pytest.raises(RuntimeError, match="Triton kernels need a CUDA tensor"):
+        cd0.cast_dim0(w, "e4m3", "floor", config=cd0.DIM0_CONFIG)
+    with pytest.raises(RuntimeError, match="Triton kernels need a CUDA tensor"):
         cg.cast_groups_dim1(x, offs, "e4m3", "floor", cg.GROUPS_DIM1_CONFIG)
-    assert len(calls) == 4 and asked == [None, None, None, None, cd1.DIM1_CONFIG, cg.GROUPS_DIM1_CONFIG]
+    assert len(calls) == 6
+    assert asked == [None] * 6 + [cd1.DIM1_CONFIG, cd0.DIM0_CONFIG, cg.GROUPS_DIM1_CONFIG]
 
 
 def facts_3d(shape, blocked, config=None, dtype=torch.bfloat16):
+    """(grid, EVEN, OFFS64, REPS, one expert's scale bytes) of the 3D dim1 launch (config None: the default)."""
     x = torch.empty(shape, dtype=dtype, device="meta")
     u8 = torch.empty(16, dtype=torch.uint8, device="meta")
-    grid, kw = g3d().kernel_launch(x, u8, u8, "e4m3", "floor", blocked, config)
-    return grid, kw["EVEN"], kw["OFFS64"], kw["REPS"], kw["stride_sb"]
+    g = g3d()
+    grid, kw = g.kernel_launch(x, (u8,) * 4, "e4m3", "floor", blocked, False, config or g.DIM1_CONFIG)
+    return grid, kw["EVEN"], kw["OFFS64"], kw["REPS"], kw["stride_s1b"]
 
 
 def facts_groups(shape, num_groups, config=None):
@@ -203,12 +219,14 @@ def facts_groups(shape, num_groups, config=None):
 
 
 def test_launch_facts():
-    # [16, 8192, 5120], default tile 64 x 256: 128 x 20 programs per expert, no masks, int32 in-slice offsets
-    assert facts_3d((16, 8192, 5120), True) == ((128, 20, 16), True, False, 1, blocked_numel(5120, 256))
+    # [16, 8192, 5120], default tile 128 x 128: 64 x 40 programs per expert, no masks, int32 in-slice offsets
+    assert facts_3d((16, 8192, 5120), True) == ((64, 40, 16), True, False, 1, blocked_numel(5120, 256))
+    assert facts_3d((16, 8192, 5120), True, TILE_32) == ((128, 20, 16), True, False, 1, blocked_numel(5120, 256))
     assert facts_3d((16, 8192, 5120), False, cfg(4, 128, 4, 2, False)) == ((128, 40, 16), True, False, 1, 5120 * 256)
     assert facts_3d((64, 8192, 5120), True, cfg(16, 512, 4, 1, True))[:4] == ((256, 10, 64), True, False, 1)
     # ragged: N 224 and K 96 padded to 256 and 128 (blocked), or tiled with masks (plain)
-    assert facts_3d((3, 224, 96), True) == ((4, 1, 3), False, False, 1, blocked_numel(96, 7))
+    assert facts_3d((3, 224, 96), True) == ((2, 1, 3), False, False, 1, blocked_numel(96, 7))
+    assert facts_3d((3, 224, 96), True, TILE_32) == ((4, 1, 3), False, False, 1, blocked_numel(96, 7))
     assert facts_3d((3, 224, 96), False, cfg(4, 128, 4, 2, False)) == ((4, 1, 3), False, False, 1, 96 * 7)
     assert facts_3d((2, 65536, 32768), True)[2]  # 2**31 elements in one expert: int64 offsets
     assert not facts_3d((64, 8192, 5120), True)[2]  # E * N * K > 2**31, but the expert bases are int64 scalars
@@ -242,22 +260,30 @@ def check_compiled(kernel, elem: str, transposed_store: str, x_loads: int, what:
 
 
 COMPILE_3D = [
-    # (shape, dtype, elem, mode, blocked kernel, config, transposed store, 16-byte x loads per thread)
-    ((16, 8192, 5120), torch.bfloat16, "e4m3", "floor", True, None, "st.global.v2.b32", 16),
+    # (shape, dtype, elem, mode, blocked kernel, config, transposed store, 16-byte x loads per thread); the 32-row
+    # tiles (the default LINES tile's stores: test_gluon_casts.test_lines_store_whole_lines)
+    ((16, 8192, 5120), torch.bfloat16, "e4m3", "floor", True, TILE_32, "st.global.v2.b32", 16),
     ((16, 8192, 5120), torch.bfloat16, "e5m2", "rceil", False, cfg(4, 128, 4, 2, False), "st.global.b32", 8),
     ((64, 8192, 5120), torch.bfloat16, "e4m3", "rceil", True, cfg(16, 512, 4, 1, True), "st.global.v4.b32", 16),
     ((1, 8192, 5120), torch.bfloat16, "e5m2", "floor", True, cfg(8, 256, 4, 1, True), "st.global.v2.b32", 8),
-    ((3, 224, 160), torch.bfloat16, "e4m3", "floor", True, None, "st.global.v2.b32", 16),  # ragged: masks
-    ((4, 8192, 5120), torch.float32, "e4m3", "rceil", True, None, "st.global.v2.b32", 32),  # 4 fp32 per load
-    ((2, 65536, 32768), torch.bfloat16, "e4m3", "floor", True, None, "st.global.v2.b32", 16),  # OFFS64
+    ((3, 224, 160), torch.bfloat16, "e4m3", "floor", True, TILE_32, "st.global.v2.b32", 16),  # ragged: masks
+    ((4, 8192, 5120), torch.float32, "e4m3", "rceil", True, TILE_32, "st.global.v2.b32", 32),  # 4 fp32 per load
+    ((2, 65536, 32768), torch.bfloat16, "e4m3", "floor", True, TILE_32, "st.global.v2.b32", 16),  # OFFS64
 ]
+
+
+def compile_3d(shape, dtype, elem, mode, blocked, config, dim0=False):
+    """The batched kernel compiled for sm_90, one side (config None: that side's default)."""
+    g = g3d()
+    config = config or (g.DIM0_CONFIG if dim0 else g.DIM1_CONFIG)
+    return g.compile_for_target(shape, dtype, elem, mode, blocked, dim0, config, arch=90, dim1=not dim0)
 
 
 @pytest.mark.parametrize("shape, dtype, elem, mode, blocked, config, transposed_store, x_loads", COMPILE_3D)
 def test_3d_compiles_for_sm90_with_the_intended_memory_ops(
     shape, dtype, elem, mode, blocked, config, transposed_store, x_loads
 ):
-    kernel = g3d().compile_for_target(shape, dtype, elem, mode, blocked, config, arch=90)
+    kernel = compile_3d(shape, dtype, elem, mode, blocked, config)
     what = f"3d {shape} {dtype} {elem} {mode} blocked={blocked} {config}"
     ops = check_compiled(kernel, elem, transposed_store, x_loads, what)
     assert not any(op.startswith("ld.") and op != "ld.global.v4.b32" for op in ops), what
@@ -290,12 +316,16 @@ def test_groups_compiles_for_sm90_with_the_intended_memory_ops(
 
 @pytest.mark.parametrize("config", CONFIGS_3D, ids=CONFIG_IDS_3D)
 def test_every_3d_test_config_compiles(config):
-    """The GPU tests' configs on their ragged (masked) and even shapes, blocked and plain scales: the layout
-    conversions are asserted trivial at compile time (a mistake in the layouts fails here, without a GPU)."""
-    for shape in ((3, 224, 96), (2, 64, 100), (4, 256, 512)):
+    """The GPU tests' configs on their ragged (masked) and even shapes, blocked and plain scales, both sides: the
+    layout conversions are asserted trivial at compile time (a mistake in the layouts fails here, without a GPU)."""
+    lines = config is None  # the default LINES tile: its stores go through shared memory
+    for shape in ((3, 224, 96), (2, 64, 96), (4, 256, 512)):
         for blocked in (False, True):
-            ops = ptx_ops(g3d().compile_for_target(shape, torch.bfloat16, "e4m3", "floor", blocked, config).asm["ptx"])
-            assert "bar.sync" not in ops and not any(".shared" in op for op in ops), (shape, config, ops)
+            for dim0 in (False, True):
+                kernel = compile_3d(shape, torch.bfloat16, "e4m3", "floor", blocked or lines, config, dim0)
+                ops = ptx_ops(kernel.asm["ptx"])
+                shared = any(".shared" in op for op in ops)
+                assert ("bar.sync" in ops) == lines and shared == lines, (shape, config, dim0, ops)
 
 
 @pytest.mark.parametrize("config", CONFIGS_GROUPS, ids=CONFIG_IDS_GROUPS)
@@ -391,16 +421,31 @@ def triton_3d(x, elem, mode, blocked):
     return cast_dim1(x, elem, mode, blocked, DIM1_CONFIG)  # its own config: never the Gluon dispatch
 
 
+def triton_3d_dim0(x, elem, mode, blocked):
+    from mx_kernels.cast_dim0 import DIM0_CONFIG, cast_dim0
+
+    return cast_dim0(x, elem, mode, blocked, DIM0_CONFIG)
+
+
 def check_3d(x: torch.Tensor, elem: str, mode: str, blocked: bool, config, what: str = "3d") -> None:
+    """dim1 where N % 32 == 0 (each expert's [K, N] column-major), dim0 where K % 32 == 0: against ``to_mx``
+    per expert and the Triton kernels."""
     what = f"{what} {tuple(x.shape)} {x.dtype} {elem} {mode} blocked={blocked} {config}"
-    q, s = g3d().gluon_cast_3d_dim1(x, elem, mode, blocked, config)
-    ref = to_mx(x.cpu().transpose(-2, -1).contiguous(), elem, mode, dim=-1)
-    assert q.dtype == ref.qdata.dtype and s.dtype == torch.float8_e8m0fnu, what
-    assert_bits_equal(q, ref.qdata, what + " qdata")
-    assert_bits_equal(s, to_blocked_3d(ref.scale) if blocked else ref.scale, what + " scale")
-    tq, ts = triton_3d(x, elem, mode, blocked)
-    assert_bits_equal(q, tq, what + " qdata vs triton")
-    assert_bits_equal(s, ts, what + " scale vs triton")
+    cases = []
+    if x.shape[1] % 32 == 0:
+        ref = to_mx(x.cpu().transpose(-2, -1).contiguous(), elem, mode, dim=-1)
+        cases.append(("dim1", g3d().gluon_cast_dim1, ref, triton_3d))
+    if x.shape[2] % 32 == 0:
+        cases.append(("dim0", g3d().gluon_cast_dim0, to_mx(x.cpu(), elem, mode, dim=-1), triton_3d_dim0))
+    assert cases, what
+    for side, cast, ref, triton in cases:
+        q, s = cast(x, elem, mode, blocked, config)
+        assert q.dtype == ref.qdata.dtype and s.dtype == torch.float8_e8m0fnu, f"{what} {side}"
+        assert_bits_equal(q, ref.qdata, f"{what} {side} qdata")
+        assert_bits_equal(s, to_blocked_3d(ref.scale) if blocked else ref.scale, f"{what} {side} scale")
+        tq, ts = triton(x, elem, mode, blocked)
+        assert_bits_equal(q, tq, f"{what} {side} qdata vs triton")
+        assert_bits_equal(s, ts, f"{what} {side} scale vs triton")
 
 
 def triton_groups(x, offs, elem, mode):
@@ -430,6 +475,7 @@ def check_groups(x: torch.Tensor, sizes: list[int], elem: str, mode: str, config
 
 
 SHAPES_3D = [(1, 96, 160), (3, 224, 96), (5, 128, 256), (2, 64, 100), (2, 4128, 160), (1, 160, 4128), (4, 256, 512)]
+SHAPES_3D += [(3, 33, 96), (2, 1, 160)]  # dim0 only: any row count
 GPU_CASES_3D = gpu_cases(CONFIGS_3D, CONFIG_IDS_3D, {"default"})
 
 
@@ -521,8 +567,11 @@ def test_gpu_strided_input_and_empty():
     for shape in ((0, 64, 96), (2, 0, 96), (2, 64, 0)):
         empty = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
         for blocked in (False, True):
-            q, s = g.gluon_cast_3d_dim1(empty, "e4m3", "floor", blocked)
+            q, s = g.gluon_cast_dim1(empty, "e4m3", "floor", blocked)
             tq, ts = triton_3d(empty, "e4m3", "floor", blocked)
+            assert q.shape == tq.shape and s.shape == ts.shape, (shape, blocked)
+            q, s = g.gluon_cast_dim0(empty, "e4m3", "floor", blocked)
+            tq, ts = triton_3d_dim0(empty, "e4m3", "floor", blocked)
             assert q.shape == tq.shape and s.shape == ts.shape, (shape, blocked)
     # M_total = 0: the scale buffer (one tile column per group) is all zeros; K = 0: nothing
     check_groups(torch.empty(0, 96, device="cuda", dtype=torch.bfloat16), [0, 0], "e4m3", "floor", None, "M=0")
@@ -554,8 +603,10 @@ def test_gpu_no_host_sync():
     x = special_input((256, 256), torch.bfloat16, "cuda")
     offs = torch.tensor([96, 96, 256], dtype=torch.int32, device="cuda")
     calls = [
-        lambda: g3d().gluon_cast_3d_dim1(x3, "e4m3", "floor", True),
-        lambda: g3d().gluon_cast_3d_dim1(x3, "e4m3", "floor", False),  # plain via blocked + unblock_scales
+        lambda: g3d().gluon_cast_dim1(x3, "e4m3", "floor", True),
+        lambda: g3d().gluon_cast_dim1(x3, "e4m3", "floor", False),  # plain via blocked + unblock_scales
+        lambda: g3d().gluon_cast_dim0(x3, "e4m3", "floor", True),
+        lambda: g3d().gluon_cast_dim0(x3, "e4m3", "floor", False),
         lambda: ggroups().gluon_cast_groups_dim1(x, offs, "e4m3", "floor"),
     ]
     for call in calls:
@@ -577,9 +628,12 @@ def test_gpu_large_experts_match_triton():
     x[1, 4000:4032, 17] = float("nan")
     x[0, 0, :] = 1e30
     for blocked in (False, True):
-        got, want = g3d().gluon_cast_3d_dim1(x, "e4m3", "rceil", blocked), triton_3d(x, "e4m3", "rceil", blocked)
+        got, want = g3d().gluon_cast_dim1(x, "e4m3", "rceil", blocked), triton_3d(x, "e4m3", "rceil", blocked)
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), blocked
+        got, want = g3d().gluon_cast_dim0(x, "e5m2", "floor", blocked), triton_3d_dim0(x, "e5m2", "floor", blocked)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), ("dim0", blocked)
     sizes = [1056, 1024] * 8
     offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
     xg = torch.randn(sum(sizes), 5120, device="cuda", dtype=torch.bfloat16)
@@ -604,10 +658,11 @@ def ran(kernel: str, launched: set[str]) -> bool:
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_dispatch_launches_the_gluon_kernels_on_hopper(monkeypatch):
-    """cast_dim1 on 3D input and cast_groups_dim1 (the launchers, the torch ops over them and the public
-    mx_recipe.cast API) launch the Gluon kernels on sm_90 for bf16 input, the Triton kernels with
+    """cast_dim0 and cast_dim1 on 3D input and cast_groups_dim1 (the launchers, the torch ops over them and the
+    public mx_recipe.cast API) launch the Gluon kernels on sm_90 for bf16 input, the Triton kernels with
     MX_RECIPE_GLUON=0, a Triton config or fp32 input; the same bytes either way."""
     import mx_kernels.ops  # noqa: F401  (registers torch.ops.mx_recipe)
+    from mx_kernels.cast_dim0 import DIM0_CONFIG, cast_dim0
     from mx_kernels.cast_dim1 import DIM1_CONFIG, cast_dim1
     from mx_kernels.cast_groups_dim1 import GROUPS_DIM1_CONFIG, cast_groups_dim1
     from mx_kernels.common import GLUON_ENV
@@ -628,6 +683,10 @@ def test_gpu_dispatch_launches_the_gluon_kernels_on_hopper(monkeypatch):
         "3d blocked": (GLUON_3D_KERNEL, TRITON_3D_KERNEL, lambda: cast_dim1(w, "e5m2", "rceil", True)),
         "3d op": (GLUON_3D_KERNEL, TRITON_3D_KERNEL, lambda: torch.ops.mx_recipe.cast_dim1(w, "e4m3", "rceil", True)),
         "3d public": (GLUON_3D_KERNEL, TRITON_3D_KERNEL, lambda: parts(mx_cast.cast_3d_dim1(w, "e5m2", "floor"))),
+        "3d dim0": (GLUON_3D_KERNEL, TRITON_3D_DIM0_KERNEL, lambda: cast_dim0(w, "e4m3", "rceil", True)),
+        "3d dim0 public": (
+            GLUON_3D_KERNEL, TRITON_3D_DIM0_KERNEL, lambda: parts(mx_cast.cast_3d_dim0(w, "e5m2", "floor"))
+        ),
         "groups": (GLUON_GROUPS_KERNEL, TRITON_GROUPS_KERNEL, lambda: cast_groups_dim1(x, offs, "e4m3", "floor")),
         "groups op": (
             GLUON_GROUPS_KERNEL, TRITON_GROUPS_KERNEL,
@@ -648,6 +707,10 @@ def test_gpu_dispatch_launches_the_gluon_kernels_on_hopper(monkeypatch):
         TRITON_3D_KERNEL: [
             lambda: cast_dim1(w, "e4m3", "floor", config=DIM1_CONFIG),
             lambda: cast_dim1(w.float(), "e4m3", "floor"),
+        ],
+        TRITON_3D_DIM0_KERNEL: [
+            lambda: cast_dim0(w, "e4m3", "floor", config=DIM0_CONFIG),
+            lambda: cast_dim0(w.float(), "e4m3", "floor"),
         ],
         TRITON_GROUPS_KERNEL: [
             lambda: cast_groups_dim1(x, offs, "e4m3", "floor", GROUPS_DIM1_CONFIG),

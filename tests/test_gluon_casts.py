@@ -1,11 +1,12 @@
-"""The Gluon casts (mx_kernels.gluon_casts), bit for bit vs ``to_mx`` and the Triton kernels.
+"""The Gluon casts (mx_kernels.gluon_casts: dim0, dim1, fused; 2D here, 3D in test_gluon_3d_groups.py), bit for
+bit vs ``to_mx`` and the Triton kernels.
 
 * CPU: argument errors, and the kernels compiled for sm_90 without a GPU (the explicit layouts
   must give 16-byte loads, shuffle-only reductions, no shared memory, vector transposed stores,
   the hardware cvt; every layout conversion is asserted trivial when the kernel compiles).
   Gluon kernels do not run in the Triton interpreter (3.6): the launchers refuse it.
 * GPU (``@pytest.mark.gpu``): qdata and scale bytes against the reference and against
-  ``cast_dim1`` / ``cast_dim0_dim1``, for several layout configs, both scale rules and formats.
+  ``cast_dim0`` / ``cast_dim1`` / ``cast_dim0_dim1``, for several layout configs, both scale rules and formats.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from test_cast_kernels import assert_bits_equal, special_input
 
 from mx_recipe.formats import to_mx
-from mx_recipe.scale_layout import to_blocked
+from mx_recipe.scale_layout import blocked_numel, to_blocked
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
@@ -95,6 +96,22 @@ def check_dim1(shape, dtype, elem, mode, blocked, config, seed=0):
     assert_bits_equal(s, ts, what + " scale vs cast_dim1")
 
 
+def check_dim0(shape, dtype, elem, mode, blocked, config, seed=0):
+    x = special_input_plus(shape, dtype, "cuda", seed)
+    what = f"gluon dim0 {shape} {dtype} {elem} {mode} blocked={blocked} {config}"
+    q, s = gluon().gluon_cast_dim0(x, elem, mode, blocked, config)
+    ref = to_mx(x.cpu(), elem, mode, dim=-1)
+    assert q.dtype == ref.qdata.dtype and s.dtype == torch.float8_e8m0fnu, what
+    assert_bits_equal(q, ref.qdata, what + " qdata")
+    assert_bits_equal(s, to_blocked(ref.scale) if blocked else ref.scale, what + " scale")
+    import mx_kernels.cast_dim0
+
+    # the Triton kernel with its own tile (without a config, Hopper would run the Gluon kernel again)
+    tq, ts = mx_kernels.cast_dim0.cast_dim0(x, elem, mode, blocked, mx_kernels.cast_dim0.DIM0_CONFIG)
+    assert_bits_equal(q, tq, what + " qdata vs cast_dim0")
+    assert_bits_equal(s, ts, what + " scale vs cast_dim0")
+
+
 def check_dim0_dim1(shape, dtype, elem, mode, blocked, config, seed=0):
     x = special_input_plus(shape, dtype, "cuda", seed)
     what = f"gluon dim0_dim1 {shape} {dtype} {elem} {mode} blocked={blocked} {config}"
@@ -128,8 +145,14 @@ def test_argument_errors(monkeypatch):
         g.gluon_cast_dim1(torch.randn(64, 64), "e2m1", "floor")
     with pytest.raises(ValueError, match="unknown MX scale rule"):
         g.gluon_cast_dim1(torch.randn(64, 64), "e4m3", "nearest")
-    with pytest.raises(ValueError, match="takes a 2D tensor"):
-        g.gluon_cast_dim1(torch.randn(2, 64, 64), "e4m3", "floor")
+    with pytest.raises(ValueError, match="takes a 2D or 3D tensor"):
+        g.gluon_cast_dim1(torch.randn(64), "e4m3", "floor")
+    with pytest.raises(ValueError, match="takes a 2D tensor"):  # the fused cast: 2D only
+        g.gluon_cast_dim0_dim1(torch.randn(2, 64, 64), "e4m3", "floor")
+    with pytest.raises(ValueError, match=r"dim 2 of shape \(2, 33, 48\) has size 48"):
+        g.gluon_cast_dim0(torch.randn(2, 33, 48), "e4m3", "floor")  # dim0: rows need not be a multiple of 32
+    with pytest.raises(ValueError, match=r"dim 1 of shape \(2, 33, 64\) has size 33"):
+        g.gluon_cast_dim1(torch.randn(2, 33, 64), "e4m3", "floor")
     with pytest.raises(TypeError, match="bf16 or fp32"):
         g.gluon_cast_dim1(torch.randn(64, 64).half(), "e4m3", "floor")
     x = torch.randn(64, 64, dtype=torch.bfloat16)
@@ -140,14 +163,22 @@ def test_argument_errors(monkeypatch):
     for bad in bad_configs + [dict(PLAIN_VIA_BLOCKED=1), dict(K_FIRST="yes")]:
         with pytest.raises(ValueError, match="Gluon cast config"):
             g.gluon_cast_dim1(x, "e4m3", "floor", config=bad)
+        with pytest.raises(ValueError, match="Gluon cast config"):
+            g.gluon_cast_dim0(x, "e4m3", "floor", config=bad)
     with pytest.raises(ValueError, match="unknown Gluon cast config keys"):
         g.gluon_cast_dim1(x, "e4m3", "floor", config=dict(num_warps=4))
+    with pytest.raises(ValueError, match="neither dim0 nor dim1"):
+        g.kernel_launch(x, (x,) * 4, "e4m3", "floor", True, False, None, dim1=False)
     if not HAS_CUDA:
-        with pytest.raises(RuntimeError, match="need a CUDA tensor"):
-            g.gluon_cast_dim1(x, "e4m3", "floor")
+        for cast in (g.gluon_cast_dim1, g.gluon_cast_dim0):
+            with pytest.raises(RuntimeError, match="need a CUDA tensor"):
+                cast(x, "e4m3", "floor")
+            with pytest.raises(RuntimeError, match="need a CUDA tensor"):
+                cast(x.reshape(2, 32, 64), "e4m3", "floor")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(NotImplementedError, match="do not run in the Triton interpreter"):
-        g.gluon_cast_dim0_dim1(x, "e4m3", "floor")
+    for cast in (g.gluon_cast_dim0_dim1, g.gluon_cast_dim1, g.gluon_cast_dim0):
+        with pytest.raises(NotImplementedError, match="do not run in the Triton interpreter"):
+            cast(x, "e4m3", "floor")
 
 
 @needs_triton
@@ -175,6 +206,39 @@ def test_launch_grid_order_and_contig():
     with pytest.raises(ValueError, match=r"x \(8388736, 32\): 65537 tiles along M"):
         tall = torch.empty(8388736, 32, dtype=torch.bfloat16)
         g.kernel_launch(tall, (u8,) * 4, "e4m3", "floor", False, True, g.DIM0_DIM1_CONFIG)
+
+
+@needs_triton
+def test_launch_dim0_alone_and_batched():
+    """dim0 alone (DIM1 off) runs along K first; 3D x is BATCHED: the expert on grid axis 2, per-expert output
+    strides (qdata M * K, scales one expert's matrix, blocked or plain), int32 offsets inside an expert unless
+    one expert passes 2**31 elements, and a grid past CUDA's 65535 experts refused."""
+    g = gluon()
+    u8 = torch.empty(16, dtype=torch.uint8)
+    x = torch.empty(1024, 512, dtype=torch.bfloat16)
+    grid, kw = g.kernel_launch(x, (u8,) * 4, "e4m3", "floor", True, True, g.DIM0_CONFIG, dim1=False)
+    assert grid == (512 // 128, 1024 // 128) and kw["DIM0"] and not kw["DIM1"] and not kw["BATCHED"], kw
+    big = torch.empty(16384, 8192, dtype=torch.bfloat16, device="meta")
+    assert g.kernel_launch(big, (u8,) * 4, "e4m3", "floor", True, True, g.DIM0_CONFIG, dim1=False)[1]["X_EVICT"] == ""
+    w = torch.empty(3, 1024, 512, dtype=torch.bfloat16)
+    grid, kw = g.kernel_launch(w, (u8,) * 4, "e4m3", "floor", True, False, g.DIM1_CONFIG)
+    assert grid == (1024 // 128, 512 // 128, 3) and kw["BATCHED"] and kw["CONTIG"] and kw["EVEN"], kw
+    assert (kw["M"], kw["K"], kw["stride_xb"], kw["stride_q1b"]) == (1024, 512, 1024 * 512, 1024 * 512)
+    assert kw["stride_s1b"] == blocked_numel(512, 1024 // 32) and not kw["OFFS64"]
+    grid, kw = g.kernel_launch(w, (u8,) * 4, "e4m3", "floor", False, True, {**g.DIM0_CONFIG, "LINES": False}, False)
+    assert grid == (512 // 128, 1024 // 128, 3) and (kw["stride_q0b"], kw["stride_s0b"]) == (1024 * 512, 1024 * 16)
+    assert g.kernel_launch(w[::2], (u8,) * 4, "e4m3", "floor", True, False, None)[1]["stride_xb"] == 2 * 1024 * 512
+    assert not g.kernel_launch(w.transpose(1, 2), (u8,) * 4, "e4m3", "floor", True, True, None, False)[1]["CONTIG"]
+    ragged = torch.empty(3, 224, 96, dtype=torch.bfloat16)
+    grid, kw = g.kernel_launch(ragged, (u8,) * 4, "e4m3", "floor", True, False, g.DIM1_CONFIG)
+    assert grid == (2, 1, 3) and not kw["EVEN"]  # padded to 256 x 128 for the blocked scales, masked
+    experts = torch.empty(64, 8192, 5120, dtype=torch.bfloat16, device="meta")  # E * N * K > 2**31
+    assert not g.kernel_launch(experts, (u8,) * 4, "e4m3", "floor", True, False, g.DIM1_CONFIG)[1]["OFFS64"]
+    huge = torch.empty(2, 65536, 32768, dtype=torch.bfloat16, device="meta")  # 2**31 elements in one expert
+    assert g.kernel_launch(huge, (u8,) * 4, "e4m3", "floor", True, False, g.DIM1_CONFIG)[1]["OFFS64"]
+    with pytest.raises(ValueError, match=r"x \(65536, 32, 32\): 65536 experts"):
+        many = torch.empty(65536, 32, 32, dtype=torch.bfloat16, device="meta")
+        g.kernel_launch(many, (u8,) * 4, "e4m3", "floor", False, False, g.DIM1_CONFIG)
 
 
 def ptx_ops(ptx: str) -> dict[str, int]:
@@ -248,19 +312,24 @@ def test_every_test_config_compiles(config):
 
 
 @needs_triton
-@pytest.mark.parametrize("dim0", [True, False])
-def test_lines_store_whole_lines(dim0):
+@pytest.mark.parametrize(
+    "shape, dim0, dim1",
+    [((16384, 16384), True, True), ((16384, 16384), False, True), ((16384, 16384), True, False),
+     ((16, 8192, 5120), False, True), ((16, 8192, 5120), True, False)],
+    ids=["fused", "dim1", "dim0", "3d_dim1", "3d_dim0"],
+)  # fmt: skip
+def test_lines_store_whole_lines(shape, dim0, dim1):
     """LINES: every output leaves as 16-byte stores (q0 rows and q1 k-rows as whole 128-byte lines, each
     blocked scale tile as 16-byte rows), after layout conversions through shared memory; the loads and the
-    reductions are the SCATTER tile's (16-byte loads, shuffles)."""
+    reductions are the SCATTER tile's (16-byte loads, shuffles). The same for one side alone and per expert."""
     g = gluon()
-    kernel = g.compile_for_target((16384, 16384), torch.bfloat16, "e4m3", "floor", True, dim0, LINES_CONFIG)
+    kernel = g.compile_for_target(shape, torch.bfloat16, "e4m3", "floor", True, dim0, LINES_CONFIG, dim1=dim1)
     ops = ptx_ops(kernel.asm["ptx"])
     stores = {op: n for op, n in ops.items() if op.startswith("st.global")}
     # per thread: 4 stores of 16 bytes for each 64-byte qdata share, one 16-byte scale row of each tile
-    assert stores == {"st.global.v4.b32": 10 if dim0 else 5}, ops
+    assert stores == {"st.global.v4.b32": 10 if dim0 and dim1 else 5}, ops
     # 16-byte loads of x; the fused kernel's with evict_last at this size (512 MiB, EVICT_LAST_MIN_BYTES)
-    load = "ld.global.L1::evict_last.L2::cache_hint.v4.b32" if dim0 else "ld.global.v4.b32"
+    load = "ld.global.L1::evict_last.L2::cache_hint.v4.b32" if dim0 and dim1 else "ld.global.v4.b32"
     assert set(op for op in ops if op.startswith("ld.global")) == {load}, ops
     assert ops.get("shfl.sync.bfly.b32", 0) > 0 and ops.get("bar.sync", 0) > 0, ops
     usage = resource_usage(kernel.asm["cubin"])
@@ -308,6 +377,7 @@ def test_int64_offsets_compile(dim0):
 
 DIM1_SHAPES = [(32, 160), (96, 160), (32, 33), (64, 100), (4128, 160), (160, 4128), (1024, 4096), (256, 512)]
 FUSED_SHAPES = [(32, 32), (96, 160), (4128, 160), (160, 4128), (1024, 4096), (256, 512)]
+DIM0_SHAPES = [(1, 96), (33, 64), (100, 160), (4128, 160), (160, 4128), (1024, 4096), (256, 512)]  # any row count
 
 
 def gpu_cases(configs: list, config_ids: list[str], full: set[str]) -> list:
@@ -337,6 +407,15 @@ def test_gpu_dim1_bit_exact(config, mode, elem):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("config, mode, elem", GPU_CASES)
+def test_gpu_dim0_bit_exact(config, mode, elem):
+    for blocked in (False, True):
+        for shape in DIM0_SHAPES:
+            check_dim0(shape, torch.bfloat16, elem, mode, blocked, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config, mode, elem", GPU_CASES)
 def test_gpu_dim0_dim1_bit_exact(config, mode, elem):
     for blocked in (False, True):
         for shape in FUSED_SHAPES:
@@ -361,6 +440,8 @@ def test_gpu_fp32_input_bit_exact(mode, elem, config):
     for blocked in (False, True):
         for shape in [(96, 160), (64, 100), (1024, 4096)]:
             check_dim1(shape, torch.float32, elem, mode, blocked, config)
+        for shape in [(33, 64), (1024, 4096)]:
+            check_dim0(shape, torch.float32, elem, mode, blocked, config)
         for shape in [(96, 160), (1024, 4096)]:
             check_dim0_dim1(shape, torch.float32, elem, mode, blocked, config)
 
@@ -383,6 +464,9 @@ def test_gpu_every_bf16_value(config):
                 q, s = g.gluon_cast_dim1(x.cuda(), elem, mode, config=config)
                 assert_bits_equal(q, ref1.qdata, what + " dim1 qdata")
                 assert_bits_equal(s, ref1.scale, what + " dim1 scale")
+                q, s = g.gluon_cast_dim0(x.cuda(), elem, mode, config=config)
+                assert_bits_equal(q, ref0.qdata, what + " dim0 qdata")
+                assert_bits_equal(s, ref0.scale, what + " dim0 scale")
                 q0, s0, q1, s1 = g.gluon_cast_dim0_dim1(x.cuda(), elem, mode, config=config)
                 for name, out, ref in (("q0", q0, ref0.qdata), ("s0", s0, ref0.scale), ("q1", q1, ref1.qdata)):
                     assert_bits_equal(out, ref, f"{what} fused {name}")
@@ -399,6 +483,15 @@ def test_gpu_strided_input_and_empty():
     ref = to_mx(x.cpu(), "e4m3", "rceil")
     assert_bits_equal(q, ref.qdata, "strided qdata")
     assert_bits_equal(s, ref.scale, "strided scale")
+    ref0 = to_mx(xt.cpu(), "e5m2", "rceil")
+    for blocked in (False, True):  # dim0 on the transposed view and on a row stride of 512
+        q, s = g.gluon_cast_dim0(xt, "e5m2", "rceil", blocked)
+        assert_bits_equal(q, ref0.qdata, "strided dim0 qdata")
+        assert_bits_equal(s, to_blocked(ref0.scale) if blocked else ref0.scale, "strided dim0 scale")
+        q, s = g.gluon_cast_dim0(x[:, :96], "e4m3", "floor", blocked)
+        ref = to_mx(x[:, :96].cpu(), "e4m3", "floor")
+        assert_bits_equal(q, ref.qdata, "row stride dim0 qdata")
+        assert_bits_equal(s, to_blocked(ref.scale) if blocked else ref.scale, "row stride dim0 scale")
     q0, s0, q1, s1 = g.gluon_cast_dim0_dim1(xt, "e5m2", "floor", True)
     import mx_kernels.cast_dim0_dim1
 
@@ -407,6 +500,9 @@ def test_gpu_strided_input_and_empty():
         assert_bits_equal(a, b, f"strided fused {name}")
     q, s = g.gluon_cast_dim1(torch.empty(0, 64, device="cuda", dtype=torch.bfloat16), "e4m3", "floor")
     assert q.shape == (64, 0) and s.shape == (64, 0)
+    for shape in ((0, 64), (5, 0)):
+        q, s = g.gluon_cast_dim0(torch.empty(shape, device="cuda", dtype=torch.bfloat16), "e4m3", "floor")
+        assert q.shape == shape and s.shape == (shape[0], shape[1] // 32)
 
 
 @pytest.mark.gpu
@@ -422,8 +518,14 @@ def test_gpu_int64_offsets_match_triton_kernels():
         pytest.skip("needs ~20 GiB of GPU memory")
     x = torch.randn(65536, 32768, device="cuda", dtype=torch.bfloat16)
     x[-1, -1] = float("nan")
-    ref = mx_kernels.cast_dim1.cast_dim1(x, "e4m3", "floor")
+    import mx_kernels.cast_dim0
+
+    ref = mx_kernels.cast_dim1.cast_dim1(x, "e4m3", "floor", config=mx_kernels.cast_dim1.DIM1_CONFIG)
     for a, b in zip(g.gluon_cast_dim1(x, "e4m3", "floor"), ref, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    del a, b, ref
+    ref = mx_kernels.cast_dim0.cast_dim0(x, "e5m2", "rceil", True, mx_kernels.cast_dim0.DIM0_CONFIG)
+    for a, b in zip(g.gluon_cast_dim0(x, "e5m2", "rceil", True), ref, strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     del a, b, ref
     triton_config = mx_kernels.cast_dim0_dim1.DIM0_DIM1_CONFIG  # else Hopper runs the Gluon kernel again
@@ -468,10 +570,11 @@ def kernels_launched(fn) -> set[str]:
 
 
 @pytest.mark.gpu
-def test_gpu_cast_dim1_and_fused_launch_the_gluon_kernel_on_hopper(monkeypatch):
-    """cast_dim1 (2D) and cast_dim0_dim1 launch the Gluon kernel on sm_90 for bf16 input, the Triton one
-    with MX_RECIPE_GLUON=0 or a Triton config and for fp32 input; the same bytes either way (3D input:
-    gluon_cast_3d's kernel, tests/test_gluon_3d_groups.py)."""
+def test_gpu_casts_launch_the_gluon_kernel_on_hopper(monkeypatch):
+    """cast_dim0, cast_dim1 (2D; 3D: tests/test_gluon_3d_groups.py) and cast_dim0_dim1 launch the Gluon kernel
+    on sm_90 for bf16 input, the Triton one with MX_RECIPE_GLUON=0 or a Triton config and for fp32 input; the
+    same bytes either way."""
+    from mx_kernels.cast_dim0 import DIM0_CONFIG, cast_dim0
     from mx_kernels.cast_dim0_dim1 import cast_dim0_dim1
     from mx_kernels.cast_dim1 import cast_dim1
     from mx_kernels.common import GLUON_ENV
@@ -480,6 +583,8 @@ def test_gpu_cast_dim1_and_fused_launch_the_gluon_kernel_on_hopper(monkeypatch):
         pytest.skip("the Gluon dispatch is for compute capability 9.x (Hopper)")
     x = special_input_plus((320, 416), torch.bfloat16, "cuda")
     calls = {
+        "dim0": lambda: cast_dim0(x, "e5m2", "floor"),
+        "dim0 blocked": lambda: cast_dim0(x, "e4m3", "rceil", blocked=True),
         "dim1": lambda: cast_dim1(x, "e4m3", "floor"),
         "dim1 blocked": lambda: cast_dim1(x, "e5m2", "rceil", blocked=True),
         "fused": lambda: cast_dim0_dim1(x, "e4m3", "rceil"),
@@ -494,6 +599,8 @@ def test_gpu_cast_dim1_and_fused_launch_the_gluon_kernel_on_hopper(monkeypatch):
     for fn in (
         lambda: cast_dim1(x, "e4m3", "floor", config=dict(BLOCK_K=64, NUM_SUB=2, num_warps=1)),
         lambda: cast_dim1(x.float(), "e4m3", "floor"),
+        lambda: cast_dim0(x, "e4m3", "floor", config=DIM0_CONFIG),
+        lambda: cast_dim0(x.float(), "e4m3", "floor"),
     ):
         assert not any("_gluon_cast_kernel" in k for k in kernels_launched(fn))
     monkeypatch.setenv(GLUON_ENV, "0")
