@@ -80,36 +80,33 @@ def special_input_plus(shape: tuple[int, int], dtype: torch.dtype, device, seed:
     return x.to(device)
 
 
-def check_dim1(shape, dtype, elem, mode, blocked, config, seed=0):
+def check_one_side(side: str, shape, dtype, elem, mode, blocked, config, seed=0):
+    """gluon_cast_dim0 / gluon_cast_dim1 (``side``) against ``to_mx`` and the Triton kernel of that side."""
+    import mx_kernels.cast_dim0
+    import mx_kernels.cast_dim1
+
     x = special_input_plus(shape, dtype, "cuda", seed)
-    what = f"gluon dim1 {shape} {dtype} {elem} {mode} blocked={blocked} {config}"
-    q, s = gluon().gluon_cast_dim1(x, elem, mode, blocked, config)
-    ref = to_mx(x.cpu().t().contiguous(), elem, mode, dim=-1)
+    what = f"gluon {side} {shape} {dtype} {elem} {mode} blocked={blocked} {config}"
+    ref = to_mx(x.cpu() if side == "dim0" else x.cpu().t().contiguous(), elem, mode)
+    triton = mx_kernels.cast_dim0 if side == "dim0" else mx_kernels.cast_dim1
+    cast, triton_cast = getattr(gluon(), f"gluon_cast_{side}"), getattr(triton, f"cast_{side}")
+    triton_config = getattr(triton, f"{side.upper()}_CONFIG")
+    q, s = cast(x, elem, mode, blocked, config)
     assert q.dtype == ref.qdata.dtype and s.dtype == torch.float8_e8m0fnu, what
     assert_bits_equal(q, ref.qdata, what + " qdata")
     assert_bits_equal(s, to_blocked(ref.scale) if blocked else ref.scale, what + " scale")
-    import mx_kernels.cast_dim1
-
     # the Triton kernel with its own tile (without a config, Hopper would run the Gluon kernel again)
-    tq, ts = mx_kernels.cast_dim1.cast_dim1(x, elem, mode, blocked, mx_kernels.cast_dim1.DIM1_CONFIG)
-    assert_bits_equal(q, tq, what + " qdata vs cast_dim1")
-    assert_bits_equal(s, ts, what + " scale vs cast_dim1")
+    tq, ts = triton_cast(x, elem, mode, blocked, triton_config)
+    assert_bits_equal(q, tq, what + " qdata vs triton")
+    assert_bits_equal(s, ts, what + " scale vs triton")
+
+
+def check_dim1(shape, dtype, elem, mode, blocked, config, seed=0):
+    check_one_side("dim1", shape, dtype, elem, mode, blocked, config, seed)
 
 
 def check_dim0(shape, dtype, elem, mode, blocked, config, seed=0):
-    x = special_input_plus(shape, dtype, "cuda", seed)
-    what = f"gluon dim0 {shape} {dtype} {elem} {mode} blocked={blocked} {config}"
-    q, s = gluon().gluon_cast_dim0(x, elem, mode, blocked, config)
-    ref = to_mx(x.cpu(), elem, mode, dim=-1)
-    assert q.dtype == ref.qdata.dtype and s.dtype == torch.float8_e8m0fnu, what
-    assert_bits_equal(q, ref.qdata, what + " qdata")
-    assert_bits_equal(s, to_blocked(ref.scale) if blocked else ref.scale, what + " scale")
-    import mx_kernels.cast_dim0
-
-    # the Triton kernel with its own tile (without a config, Hopper would run the Gluon kernel again)
-    tq, ts = mx_kernels.cast_dim0.cast_dim0(x, elem, mode, blocked, mx_kernels.cast_dim0.DIM0_CONFIG)
-    assert_bits_equal(q, tq, what + " qdata vs cast_dim0")
-    assert_bits_equal(s, ts, what + " scale vs cast_dim0")
+    check_one_side("dim0", shape, dtype, elem, mode, blocked, config, seed)
 
 
 def check_dim0_dim1(shape, dtype, elem, mode, blocked, config, seed=0):
@@ -397,20 +394,12 @@ GPU_CASES = gpu_cases(CONFIGS, CONFIG_IDS, {"default", "r8", "lean_r8", "scatter
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("side", ["dim1", "dim0"])
 @pytest.mark.parametrize("config, mode, elem", GPU_CASES)
-def test_gpu_dim1_bit_exact(config, mode, elem):
+def test_gpu_one_side_bit_exact(config, mode, elem, side):
     for blocked in (False, True):
-        for shape in DIM1_SHAPES:
-            check_dim1(shape, torch.bfloat16, elem, mode, blocked, config)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("config, mode, elem", GPU_CASES)
-def test_gpu_dim0_bit_exact(config, mode, elem):
-    for blocked in (False, True):
-        for shape in DIM0_SHAPES:
-            check_dim0(shape, torch.bfloat16, elem, mode, blocked, config)
+        for shape in DIM0_SHAPES if side == "dim0" else DIM1_SHAPES:
+            check_one_side(side, shape, torch.bfloat16, elem, mode, blocked, config)
 
 
 @pytest.mark.gpu
