@@ -38,7 +38,7 @@ import mx_recipe.formats  # noqa: F401  (first: importing mx_kernels.common befo
 import torch
 import triton.experimental.gluon.language as gl
 from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, fp8_dtype, tile_grid
-from mx_kernels.gluon_common import (  # the dim1 helpers are shared with the 3D and per-group casts
+from mx_kernels.gluon_common import (  # the tile pieces are shared with the per-group and fake-quant kernels
     _linear,
     arange_along,
     check_tile_config,

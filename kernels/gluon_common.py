@@ -346,8 +346,8 @@ def dim1_tile(
     Rows >= row_end (MASK_ROWS) and columns >= K (MASK_COLS) read as zeros and are not stored.
     row0 and row_end: multiples of 32. Returns the scales [NUM_SUB, CHUNKS, 32] (uint8, biased) in
     ``dim1_scale_layout(..., SCATTER)``.
-    The 3D and per-group casts use it; the 2D kernel of gluon_casts keeps its own tile code (joint
-    row-and-column masks), so that its measured code does not change."""
+    The per-group cast's 32-row tiles use it; the kernel of gluon_casts (2D and 3D) keeps its own tile code
+    (joint row-and-column masks), so that its measured code does not change."""
     CHUNKS: gl.constexpr = ROWS // 4 * NUM_WARPS * REPS
     L: gl.constexpr = tile_layout(NUM_SUB, ROWS, NUM_WARPS)
     rows = row0 + arange_along(NUM_SUB, 0, 4, L) * 32 + arange_along(32, 1, 4, L)  # [NUM_SUB, 32, 1, 1]
