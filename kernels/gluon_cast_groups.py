@@ -44,6 +44,7 @@ from mx_kernels.gluon_common import (
     transposed_layout,
     wide,
 )
+from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.mx_quantize import blocked_scale_offset
 from triton.experimental import gluon
 
@@ -211,6 +212,9 @@ def _lines_tile(
     gl.store(s_ptr + row_offs + j, gl.where(valid, s, 0), mask=row_offs + 16 <= left)
 
 
+_LAUNCHES = LaunchCache(_gluon_cast_groups_dim1_kernel)
+
+
 def check_config(config: dict | None, m: int = 0, num_groups: int = 1) -> dict:
     """For None the default of M_total ``m`` in ``num_groups`` groups (GLUON_GROUPS_LINES_CONFIG from
     LINES_MIN_ROWS rows a group on average, else GLUON_GROUPS_CONFIG), else GLUON_GROUPS_BASE_CONFIG updated
@@ -281,7 +285,7 @@ def gluon_cast_groups_dim1(
         scale.view(torch.uint8).zero_()
     elif k:
         grid, kwargs = kernel_launch(x, offs, qdata.view(torch.uint8), scale.view(torch.uint8), elem, mode, cfg)
-        _gluon_cast_groups_dim1_kernel[grid](**kwargs)
+        _LAUNCHES.launch(grid, kwargs)
     return qdata, scale
 
 

@@ -34,6 +34,7 @@ from mx_kernels.gluon_common import (
     tile_layout,
     wide,
 )
+from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.mx_quantize import fake_quant_blocks, scale_exponent
 from triton.experimental import gluon
 
@@ -156,6 +157,9 @@ def _gluon_fake_quant_kernel(
                 gl.store(m_ptrs, v, mask=(rows < M_PAD) & (cols < K))
 
 
+_LAUNCHES = LaunchCache(_gluon_fake_quant_kernel)
+
+
 def check_config(config: dict | None) -> dict:
     """GLUON_FAKE_QUANT_CONFIG updated with ``config``, checked."""
     return check_tile_config(config, GLUON_FAKE_QUANT_CONFIG, "Gluon fake-quant")
@@ -204,7 +208,7 @@ def launch(
 ) -> None:  # fmt: skip
     """One launch into outputs the caller checked and allocated (``fake_quant_2d._launch``'s arguments)."""
     grid, kwargs = kernel_launch(x, row_src, out_k, out_m, elem, mode, along_k, along_m, m, m_pad, config)
-    _gluon_fake_quant_kernel[grid](**kwargs)
+    _LAUNCHES.launch(grid, kwargs)
 
 
 def _require_bf16_gpu(x: torch.Tensor, op: str) -> None:

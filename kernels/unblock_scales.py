@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 from mx_kernels.common import cdiv
+from mx_kernels.launch_cache import LaunchCache
 
 from mx_recipe.scale_layout import blocked_shape
 
@@ -40,6 +41,9 @@ def _unblock_kernel(b_ptr, p_ptr, COL_TILES, BLOCK_C: tl.constexpr):
     words = tl.load(b_ptr + src, mask=mask)
     dst = (tile_row * 128 + r[:, None]).to(tl.int64) * COL_TILES + cols[None, :]
     tl.store(p_ptr + dst, words, mask=mask)
+
+
+_LAUNCHES = LaunchCache(_unblock_kernel)
 
 
 def unblock_scales(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -60,7 +64,7 @@ def unblock_scales(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     if out.numel():
         words = blocked.contiguous().view(torch.uint8).view(torch.int32)
         grid = (experts * padded_rows // 128, cdiv(col_tiles, BLOCK_C))
-        _unblock_kernel[grid](words, out, col_tiles, BLOCK_C=BLOCK_C)
+        _LAUNCHES.launch(grid, dict(b_ptr=words, p_ptr=out, COL_TILES=col_tiles, BLOCK_C=BLOCK_C))
     plain = out.view(torch.uint8).view(experts, padded_rows, padded_cols)
     if (padded_rows, padded_cols) != (rows, cols):
         plain = plain[:, :rows, :cols].contiguous()

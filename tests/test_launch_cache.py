@@ -1,0 +1,180 @@
+"""mx_kernels.launch_cache: which launches share a compiled kernel, and that a cached launch writes what the
+JIT launch writes.
+
+* CPU: the key (what Triton specializes on), and the cache's decisions, with a recording stand-in for a JIT
+  kernel and for Triton's driver. A compiled kernel cannot be loaded without a GPU.
+* GPU (``@pytest.mark.gpu``): the Gluon casts, fake-quant and unblock launched through the cache, byte-equal to
+  the same launches through Triton's JIT (``MX_RECIPE_LAUNCH_CACHE=0``), x aligned and not.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+
+
+def key(grid=(4, 2), device=0, **kwargs):
+    from mx_kernels.launch_cache import launch_key
+
+    return launch_key(grid, kwargs, device)
+
+
+def test_key_is_the_same_for_other_tensors_of_the_same_kind():
+    a, b = torch.empty(64, dtype=torch.bfloat16), torch.empty(64, dtype=torch.bfloat16)
+    assert key(x=a, M=64, BLOCK=128) == key(x=b, M=64, BLOCK=128)
+
+
+def test_key_tells_apart_what_triton_specializes_on():
+    x = torch.empty(64, dtype=torch.bfloat16)
+    assert x.data_ptr() % 16 == 0
+    base = key(x=x, M=64, BLOCK=128)
+    assert key(x=x[1:], M=64, BLOCK=128) != base  # a 2-byte offset: not 16-byte aligned
+    assert key(x=x[8:], M=64, BLOCK=128) == base  # 16 bytes on: aligned again
+    assert key(x=x.float(), M=64, BLOCK=128) != base
+    assert key(x=x, M=65, BLOCK=128) != base
+    assert key(x=x, M=64, BLOCK=256) != base
+    assert key(x=x, M=64, BLOCK=128, num_warps=8) != base
+    assert key(grid=(4, 3), x=x, M=64, BLOCK=128) != base
+    assert key(device=1, x=x, M=64, BLOCK=128) != base
+
+
+class Recorder:
+    """Stands in for a JIT kernel: ``kernel[grid](**kwargs)`` records the launch and returns a stand-in for
+    the CompiledKernel, whose ``run`` records what the cache passes the launcher."""
+
+    def __init__(self):
+        def kernel(x_ptr, M, BLOCK: int = 16):
+            pass
+
+        self.params = [
+            type("Param", (), dict(name=p.name, default=p.default))
+            for p in inspect.signature(kernel).parameters.values()
+        ]
+        self.jit_launches, self.direct_launches = [], []
+
+    def __getitem__(self, grid):
+        def launch(**kwargs):
+            self.jit_launches.append((grid, kwargs))
+            return self
+
+        return launch
+
+    # the CompiledKernel side
+    function, packed_metadata = "function", "metadata"
+
+    def run(self, g0, g1, g2, stream, function, metadata, launch_metadata, enter, exit_, *args):
+        self.direct_launches.append(((g0, g1, g2), stream, function, metadata, launch_metadata, enter, exit_, args))
+
+
+class FakeDriver:
+    class active:  # noqa: N801  (as triton.runtime.driver.active)
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 1234)
+
+
+@pytest.fixture
+def cache(monkeypatch):
+    from mx_kernels import launch_cache
+
+    monkeypatch.setattr(launch_cache, "driver", FakeDriver)
+    monkeypatch.delenv(launch_cache.LAUNCH_CACHE_ENV, raising=False)
+    kernel = Recorder()
+    return launch_cache.LaunchCache(kernel, max_plans=2), kernel
+
+
+def test_a_repeated_launch_skips_the_jit(cache):
+    cache, kernel = cache
+    x1, x2 = torch.empty(64), torch.empty(64)
+    cache.launch((4, 2), dict(x_ptr=x1, M=64))
+    assert len(kernel.jit_launches) == 1 and not kernel.direct_launches
+    cache.launch((4, 2), dict(x_ptr=x2, M=64))
+    assert len(kernel.jit_launches) == 1
+    grid, stream, function, metadata, launch_metadata, enter, exit_, args = kernel.direct_launches[0]
+    assert (grid, stream, function, metadata) == ((4, 2, 1), 1234, "function", "metadata")
+    assert (launch_metadata, enter, exit_) == (None, None, None)
+    assert args[0] is x2 and args[1:] == (64, 16)  # this call's tensor, then the arguments in order, defaults too
+
+
+def test_a_new_key_takes_the_jit_and_old_plans_are_dropped(cache):
+    cache, kernel = cache
+    x = torch.empty(64)
+    for m in (64, 128, 256, 64):  # max_plans 2: the plan for 64 was dropped by 256
+        cache.launch((4,), dict(x_ptr=x, M=m))
+    assert [k["M"] for _, k in kernel.jit_launches] == [64, 128, 256, 64]
+    cache.launch((4,), dict(x_ptr=x, M=64))
+    assert len(kernel.jit_launches) == 4 and len(kernel.direct_launches) == 1
+    assert len(cache.plans) == 2
+
+
+def test_the_env_switch_and_launch_hooks_force_the_jit(cache, monkeypatch):
+    from mx_kernels.launch_cache import LAUNCH_CACHE_ENV
+    from triton import knobs
+
+    cache, kernel = cache
+    x = torch.empty(64)
+    cache.launch((4,), dict(x_ptr=x, M=64))
+    monkeypatch.setenv(LAUNCH_CACHE_ENV, "0")
+    cache.launch((4,), dict(x_ptr=x, M=64))
+    monkeypatch.delenv(LAUNCH_CACHE_ENV)
+    hooks = knobs.runtime.launch_enter_hook
+    hook = lambda metadata: None  # noqa: E731
+    hooks.add(hook)
+    try:
+        cache.launch((4,), dict(x_ptr=x, M=64))
+    finally:
+        hooks.remove(hook)
+    assert len(kernel.jit_launches) == 3 and not kernel.direct_launches
+    cache.launch((4,), dict(x_ptr=x, M=64))
+    assert len(kernel.direct_launches) == 1
+
+
+def test_an_unhashable_argument_is_launched_uncached(cache):
+    cache, kernel = cache
+    cache.launch((4,), dict(x_ptr=torch.empty(4), M=[1, 2]))
+    cache.launch((4,), dict(x_ptr=torch.empty(4), M=[1, 2]))
+    assert len(kernel.jit_launches) == 2 and not cache.plans
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: through the cache and through the JIT, the same bytes
+
+
+def launches(x: torch.Tensor):
+    """Public launchers whose Gluon / Triton launches go through a LaunchCache."""
+    from mx_kernels import gluon_cast_groups, gluon_casts, gluon_fake_quant
+
+    m = x.shape[-2]
+    offs = torch.tensor([m // 4 // 32 * 32, m // 32 * 32], dtype=torch.int32, device=x.device)
+    return {
+        "dim0 plain": lambda: gluon_casts.gluon_cast_dim0(x, "e4m3", "floor"),
+        "dim1 blocked": lambda: gluon_casts.gluon_cast_dim1(x, "e4m3", "rceil", True),
+        "fused plain": lambda: gluon_casts.gluon_cast_dim0_dim1(x, "e5m2", "floor"),
+        "3d dim1 plain": lambda: gluon_casts.gluon_cast_dim1(x.unsqueeze(0), "e4m3", "floor"),
+        "groups": lambda: gluon_cast_groups.gluon_cast_groups_dim1(x, offs, "e4m3", "rceil"),
+        "fake quant": lambda: gluon_fake_quant.gluon_fake_quant_2d(x, "e4m3", "floor", True, True),
+    }
+
+
+@pytest.mark.gpu
+def test_gpu_cached_launches_write_what_the_jit_writes(monkeypatch):
+    from mx_kernels.launch_cache import LAUNCH_CACHE_ENV
+
+    torch.manual_seed(0)
+    base = torch.randn(320 * 256 + 8, device="cuda", dtype=torch.bfloat16)
+    # the same shape at a 16-byte aligned address, 2 bytes past one, and 16 bytes on: Triton specializes on the
+    # alignment (16-byte loads or not), so the unaligned x must not take the aligned x's plan
+    for offset in (0, 1, 8):
+        x = base[offset : offset + 320 * 256].view(320, 256)
+        for name, call in launches(x).items():
+            monkeypatch.setenv(LAUNCH_CACHE_ENV, "0")
+            want = call()
+            monkeypatch.delenv(LAUNCH_CACHE_ENV)
+            for _ in range(2):  # a new key: the JIT and a new plan; then the plan
+                got = call()
+                for g, w in zip(got, want, strict=True):
+                    assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), (name, offset)
