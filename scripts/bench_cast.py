@@ -12,13 +12,16 @@ DESIGN.md, judged on both figures: every cast >= 90% of copy bandwidth, rceil wi
 fused >= 1.4x two separate casts, 3D GB/s flat across E within 10%. A copy of the same bytes as
 each 3D and per-group input is timed too: what the copy itself reaches at that size. Uses the
 public API (mx_recipe.cast) like any user; ``--sweep`` also times tile configurations of the raw
-kernels.
+kernels. Last, the host time of one call of each cast on a small input (the GPU waits on the host), with the
+launch cache (mx_kernels.launch_cache) on and off, against torch's own conversion to fp8 of the same input.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -38,7 +41,7 @@ from mx_recipe.cast import (
     fake_quant_dim0_dim1,
     fake_quant_dim1,
 )
-from mx_recipe.formats import to_mx
+from mx_recipe.formats import elem_format, to_mx
 
 
 def bench_ms(fn: Callable[[], object]) -> float:
@@ -203,6 +206,56 @@ def bench_3d(res: Results, experts: list[int], n: int, k: int, elem: str, modes:
         torch.cuda.empty_cache()
 
 
+def host_us(fn: Callable[[], object], calls: int = 500) -> float:
+    """Host time of one call (median of 5 rounds), the GPU idle enough that it never holds the host back."""
+    rounds = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls // 5):
+            fn()
+        rounds.append((time.perf_counter() - start) / (calls // 5) * 1e6)
+    torch.cuda.synchronize()
+    return sorted(rounds[1:])[2]  # the first round warms up
+
+
+def bench_host(elem: str, mode: str) -> list[dict]:
+    """Host time per call of the public casts on small inputs, launch cache on and off, and of torch's
+    ``x.to(float8)`` on the same input (one torch kernel launch: the baseline)."""
+    from mx_kernels.launch_cache import LAUNCH_CACHE_ENV
+
+    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    w = x.unsqueeze(0)
+    offs = torch.tensor([64, 128, 256], dtype=torch.int32, device="cuda")
+    fp8 = elem_format(elem).torch_dtype
+    baseline = host_us(lambda: x.to(fp8))
+    calls = {
+        "dim0": lambda: cast_dim0(x, elem, mode),
+        "dim1 blocked": lambda: cast_dim1(x, elem, mode, True),
+        "dim0_dim1 fused": lambda: cast_dim0_dim1(x, elem, mode),
+        "dim0_dim1 fused blocked": lambda: cast_dim0_dim1(x, elem, mode, True),
+        "3d dim1": lambda: cast_3d_dim1(w, elem, mode),
+        "3d dim1 blocked": lambda: cast_3d_dim1(w, elem, mode, True),
+        "groups dim1 blocked G=3": lambda: cast_groups_dim1(x, offs, elem, mode, blocked_scales=True),
+        "fake-quant dim0 + along M": lambda: fake_quant_dim0_dim1(x, elem, mode),
+    }
+    rows = []
+    print(f"\nhost time per call, {tuple(x.shape)} bf16, {elem} {mode}; torch x.to(fp8): {baseline:.1f} us")
+    for name, call in calls.items():
+        os.environ[LAUNCH_CACHE_ENV] = "0"
+        try:
+            uncached = host_us(call)
+        finally:
+            del os.environ[LAUNCH_CACHE_ENV]
+        cached = host_us(call)
+        rows.append(dict(name=name, host_us=cached, host_us_no_launch_cache=uncached, torch_fp8_us=baseline))
+        print(
+            f"{name:28s} {cached:7.1f} us ({cached / baseline:5.1f}x torch's fp8 cast); launch cache off "
+            f"{uncached:7.1f} us"
+        )
+    return rows
+
+
 def bench_groups(res: Results, m: int, k: int, num_groups: int, elem: str, modes: list[str]) -> None:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     # uneven groups, multiples of 32 rows, one empty, summing to m
@@ -338,7 +391,8 @@ def main() -> None:
     bench_3d(res, experts, args.n3d, args.k3d, args.elem, modes)
     bench_groups(res, 16640, args.k3d, 16, args.elem, modes)
     meta = run_meta(copy_gbs=copy_gbs[0], copy_kernel_gbs=copy_gbs[1], elem=args.elem)
-    write_json(args.out, meta, res, sweep_rows, [])  # in case the compiled references run out of time
+    host_rows = bench_host(args.elem, modes[0])
+    write_json(args.out, meta, res, sweep_rows, [], host_rows)  # in case the compiled references run out of time
     if not args.no_compile_ref:
         try:
             bench_compiled_refs(res, args.m, args.k, args.elem, modes)
@@ -361,13 +415,16 @@ def main() -> None:
         )
     targets = check_targets(res, experts, args.n3d, args.k3d, modes)
     print("\n" + "\n".join(targets))
-    write_json(args.out, meta, res, sweep_rows, targets)
+    write_json(args.out, meta, res, sweep_rows, targets, host_rows)
 
 
-def write_json(path: str | None, meta: dict, res: Results, sweep_rows: list[dict], targets: list[str]) -> None:
+def write_json(
+    path: str | None, meta: dict, res: Results, sweep_rows: list[dict], targets: list[str], host_rows: list[dict]
+) -> None:  # fmt: skip
     if path:
         with open(path, "w") as f:
-            json.dump(dict(meta=meta, results=res.rows, sweep=sweep_rows, targets=targets), f, indent=1)
+            data = dict(meta=meta, results=res.rows, sweep=sweep_rows, targets=targets, host=host_rows)
+            json.dump(data, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,16 @@ def cast_section(path: Path) -> list[str]:
     lines = [f"### MX casts, {meta['elem']}, bf16 input ({copy}, same run)", ""]
     lines += table(header + ["vs torch.compile reference"], [row(r) for r in data["results"]])
     lines += ["", "Targets as the benchmark judged them:", ""] + [f"- {t}" for t in data.get("targets", [])]
+    if data.get("host"):
+        lines += ["", "Host time of one call, [256, 256] bf16 input (the GPU waits on the host):", ""]
+        header = ["call", "host (us)", "launch cache off (us)", "torch x.to(fp8) (us)", "host / torch"]
+        lines += table(header, [host_row(r) for r in data["host"]])
     return lines + ["", source_line(meta, path.name), ""]
+
+
+def host_row(r: dict) -> list[str]:
+    cells = [r["name"], f"{r['host_us']:.1f}", f"{r['host_us_no_launch_cache']:.1f}", f"{r['torch_fp8_us']:.1f}"]
+    return cells + [f"{r['host_us'] / r['torch_fp8_us']:.1f}x"]
 
 
 GEMM_TITLES = {  # scripts/bench_gemm.py's backend names

@@ -40,3 +40,18 @@ def test_cast_section_renders_the_kernel_columns(tmp_path):
     lines = _perf_report().cast_section(path)
     assert "200 GB/s (events), 210 GB/s (kernel)" in lines[0]
     assert "| dim1 | 64x64 | floor | 10.0 | 100 | 50.0% | 8.0 | 60.0% | 2.00x |" in lines
+    assert not any("Host time" in line for line in lines)  # runs before the host-time section: no table
+
+
+def test_cast_section_renders_the_host_times(tmp_path):
+    import json
+
+    row = dict(name="dim1", shape=[64, 64], mode="floor", us=10.0, gbs=100.0, pct_copy=50.0)
+    row |= dict(kernel_us=8.0, kernel_gbs=125.0, kernel_pct_copy=60.0, speedup_vs_compiled_ref=None)
+    meta = dict(elem="e4m3", copy_gbs=200.0, copy_kernel_gbs=210.0, device="GPU", torch="2.11", date="2026-11-21")
+    meta["commit"] = "abc1234"
+    host = [dict(name="3d dim1", host_us=60.0, host_us_no_launch_cache=80.0, torch_fp8_us=8.0)]
+    path = tmp_path / "2026-11-21_gpu_bench_cast.json"
+    path.write_text(json.dumps(dict(meta=meta, results=[row], targets=["t"], host=host)))
+    lines = _perf_report().cast_section(path)
+    assert "| 3d dim1 | 60.0 | 80.0 | 8.0 | 7.5x |" in lines
