@@ -55,6 +55,8 @@ class _Plan:
         self.grid = (*grid, 1, 1)[:3]
         self.args = [kwargs.get(p.name, p.default) for p in params]  # as the JIT binds them, defaults included
         self.slots = [(i, p.name) for i, p in enumerate(params) if isinstance(self.args[i], torch.Tensor)]
+        for i, _ in self.slots:  # hold no tensor of the first call: it would stay allocated as long as the plan
+            self.args[i] = None
 
     def __call__(self, kwargs: dict, device: int) -> None:
         args = self.args.copy()

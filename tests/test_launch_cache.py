@@ -100,6 +100,20 @@ def test_a_repeated_launch_skips_the_jit(cache):
     assert args[0] is x2 and args[1:] == (64, 16)  # this call's tensor, then the arguments in order, defaults too
 
 
+def test_a_plan_holds_no_tensor_of_its_first_call(cache):
+    import gc
+    import weakref
+
+    cache, kernel = cache
+    x = torch.empty(64)
+    ref = weakref.ref(x)
+    cache.launch((4, 2), dict(x_ptr=x, M=64))
+    del x
+    kernel.jit_launches.clear()  # the stand-in's own record of the call
+    gc.collect()
+    assert ref() is None and len(cache.plans) == 1
+
+
 def test_a_new_key_takes_the_jit_and_old_plans_are_dropped(cache):
     cache, kernel = cache
     x = torch.empty(64)
