@@ -68,6 +68,7 @@ GLUON_GROUPS_LINES_CONFIG = dict(
 )  # fmt: skip
 LINES_MIN_ROWS = 1024
 TILE_ROWS = 128  # rows of one 4-column tile of a group's blocked scales
+PACKED_MAX = 2**16 - 1  # the group lookup packs two values in an int32 up to this (M_total < 2**21 rows)
 
 
 @gluon.jit
@@ -83,6 +84,51 @@ def _groups_layout(groups_pow2, num_warps):
 
 
 @gluon.jit
+def _tile_column_group(
+    offs_ptr, t, M, num_groups, max_tile_cols, GROUPS_POW2: gl.constexpr, WARPS: gl.constexpr, PACKED: gl.constexpr
+):
+    """The group that owns tile column t of the scale buffer (groups take cdiv(size, 128) tile columns each, in
+    order; the Triton kernel's arithmetic, term for term): (its first tile column, its tile columns, its first
+    row, its end row); past the last group (the buffer's tail): (tile columns used, tile columns left, 0, 0)."""
+    GL: gl.constexpr = _groups_layout(GROUPS_POW2, WARPS)
+    g_idx = gl.arange(0, GROUPS_POW2, layout=GL)
+    in_range = g_idx < num_groups
+    # clamped to [0, M] and rounded down to 32 rows: bad offs stay in bounds and aligned
+    ends = gl.minimum(gl.maximum(gl.load(offs_ptr + g_idx, mask=in_range, other=0), 0), M) & -32
+    prev = gl.load(offs_ptr + g_idx - 1, mask=in_range & (g_idx > 0), other=0)
+    starts = gl.minimum(gl.maximum(prev, 0), M) & -32
+    tiles = gl.where(in_range, (gl.maximum(ends - starts, 0) + 127) >> 7, 0)
+    tiles_end = gl.associative_scan(tiles, 0, _add)  # non-decreasing whatever offs holds
+    first = tiles_end - tiles
+    if PACKED:
+        # At most one lane contributes: the owner of t (its tile columns [first, tiles_end) are disjoint from
+        # the others'), or in the tail the last group's lane. Every field is < 2**16: first and tiles_end
+        # <= t < max_tile_cols, a group's tiles <= cdiv(M, 128), rows / 32 <= M / 32 (PACKED_MAX, host).
+        # The scan and these 2 reductions are the lookup's cost: with 6 it took 2 us of a 67 us cast (H200).
+        owner = in_range & (first <= t) & (t < tiles_end)
+        tail = (g_idx == num_groups - 1) & (tiles_end <= t)
+        tile_fields = gl.where(owner, first | (tiles << 16), 0)
+        tile_fields += gl.where(tail, tiles_end | ((max_tile_cols - tiles_end) << 16), 0)
+        row_fields = gl.where(owner, (starts >> 5) | ((ends >> 5) << 16), 0)
+        tile_fields = gl.sum(tile_fields, axis=0)
+        row_fields = gl.sum(row_fields, axis=0)
+        tile_start = tile_fields & 0xFFFF
+        group_tiles = (tile_fields >> 16) & 0xFFFF
+        row_start = (row_fields & 0xFFFF) << 5
+        row_end = ((row_fields >> 16) & 0xFFFF) << 5
+    else:
+        g = gl.sum((in_range & (tiles_end <= t)).to(gl.int32), axis=0)  # groups wholly before t
+        is_group = g < num_groups
+        this = g_idx == g
+        used_tiles = gl.sum(tiles, axis=0)
+        tile_start = gl.where(is_group, gl.sum(gl.where(this, first, 0), axis=0), used_tiles)
+        group_tiles = gl.where(is_group, gl.sum(gl.where(this, tiles, 0), axis=0), max_tile_cols - used_tiles)
+        row_start = gl.where(is_group, gl.sum(gl.where(this, starts, 0), axis=0), 0)
+        row_end = gl.where(is_group, gl.sum(gl.where(this, ends, 0), axis=0), 0)
+    return tile_start, group_tiles, row_start, gl.multiple_of(row_end, 32)
+
+
+@gluon.jit
 def _gluon_cast_groups_dim1_kernel(
     x_ptr,
     offs_ptr,
@@ -95,6 +141,7 @@ def _gluon_cast_groups_dim1_kernel(
     stride_xm,
     stride_xk,
     GROUPS_POW2: gl.constexpr,
+    PACKED: gl.constexpr,  # the lookup's values fit 16 bits (PACKED_MAX): 2 reductions instead of 6
     NUM_SUB: gl.constexpr,
     ROWS: gl.constexpr,
     NUM_WARPS: gl.constexpr,
@@ -120,26 +167,11 @@ def _gluon_cast_groups_dim1_kernel(
     t = pid // SPLIT  # tile column of the scale buffer
     part = pid % SPLIT  # which 32 * NUM_SUB of its 128 rows
 
-    # Which group owns tile column t: groups take cdiv(size, 128) tile columns each, in order
-    # (the Triton kernel's arithmetic, term for term).
-    GL: gl.constexpr = _groups_layout(GROUPS_POW2, NUM_WARPS * WARPS_M)
-    g_idx = gl.arange(0, GROUPS_POW2, layout=GL)
-    in_range = g_idx < num_groups
-    # clamped to [0, M] and rounded down to 32 rows: bad offs stay in bounds and aligned
-    ends = gl.minimum(gl.maximum(gl.load(offs_ptr + g_idx, mask=in_range, other=0), 0), M) & -32
-    prev = gl.load(offs_ptr + g_idx - 1, mask=in_range & (g_idx > 0), other=0)
-    starts = gl.minimum(gl.maximum(prev, 0), M) & -32
-    tiles = gl.where(in_range, (gl.maximum(ends - starts, 0) + 127) >> 7, 0)
-    tiles_end = gl.associative_scan(tiles, 0, _add)
-    g = gl.sum((in_range & (tiles_end <= t)).to(gl.int32), axis=0)  # groups wholly before t
-    is_group = g < num_groups
-    this = g_idx == g
-    used_tiles = gl.sum(tiles, axis=0)
-    tile_start = gl.where(is_group, gl.sum(gl.where(this, tiles_end - tiles, 0), axis=0), used_tiles)
-    group_tiles = gl.where(is_group, gl.sum(gl.where(this, tiles, 0), axis=0), max_tile_cols - used_tiles)
-    row_end = gl.multiple_of(gl.where(is_group, gl.sum(gl.where(this, ends, 0), axis=0), 0), 32)
+    tile_start, group_tiles, row_start, row_end = _tile_column_group(
+        offs_ptr, t, M, num_groups, max_tile_cols, GROUPS_POW2, NUM_WARPS * WARPS_M, PACKED
+    )
     tile = t - tile_start  # tile column inside the group
-    row0 = gl.where(is_group, gl.sum(gl.where(this, starts, 0), axis=0), 0) + tile * 128
+    row0 = row_start + tile * 128
     if SPLIT > 1:  # (SPLIT 1: no `+ 0`, which would fold away with the multiple_of hint on it)
         row0 += part * (32 * NUM_SUB)
     row0 = gl.multiple_of(row0, 32)  # group starts are rounded down to 32 rows above
@@ -258,6 +290,7 @@ def kernel_launch(
         stride_xm=x.stride(0),
         stride_xk=x.stride(1),
         GROUPS_POW2=triton.next_power_of_2(num_groups),
+        PACKED=max(m >> 5, max_tile_cols) <= PACKED_MAX,
         MASK_COLS=k_cover != k,
         OFFS64=span >= 2**31,
         **tile_launch_args(cfg, elem, mode),

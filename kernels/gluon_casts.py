@@ -95,6 +95,10 @@ DIM0_DIM1_CONFIG = {**DIM1_CONFIG, "K_FIRST": True}
 # 213.6 (rceil) with plain ones; 33.9 against 36.6 at [8192, 5120]; 121.2 against 130.1 at [4, 8192, 5120]; along M
 # first 207-209 us at 16384^2; docs/profiles/2026-11-21_h200_cast_dim0_3d_lines.txt).
 DIM0_CONFIG = DIM0_DIM1_CONFIG
+# 3D dim1 (expert weights) on an H100 runs its programs along K first: kernel time against along M, [E, 8192, 5120],
+# e4m3, both rules: 1.7-1.9% faster at E=1, 0.8-0.9% at E=4, 16, 64; on an H200 0.5-1.1% slower, so it keeps
+# DIM1_CONFIG there (docs/profiles/2026-11-22_h200_h100_groups_lookup_3d_order.txt).
+DIM1_3D_K_FIRST_DEVICES = ("H100",)
 # The fused LINES kernel loads x with evict_last from this many bytes of x on: events time 1-2% faster from 256 MiB
 # on (H200 16384^2: 278.3 against 284.1 us; H100 1-1.1% at 448-512 MiB), 1.1-1.5% slower at 128 MiB; dim1 within
 # 1.5% either way, so it keeps the default policy (docs/profiles/2026-11-21_h200_cast_lines_schedule.txt).
@@ -393,7 +397,24 @@ def gluon_cast_dim1(
     bit for bit. 3D x (expert weights): each expert's [K, M] written column-major directly, no transpose copy
     (seed 003)."""
     check_cast(x, elem, mode, ndims=(2, 3), qdim=-2, op="gluon_cast_dim1")
-    return _cast_one_side(x, elem, mode, blocked_scales, DIM1_CONFIG if config is None else config, dim0=False)
+    if config is None:
+        config = dim1_3d_config(x.device) if x.dim() == 3 else DIM1_CONFIG
+    return _cast_one_side(x, elem, mode, blocked_scales, config, dim0=False)
+
+
+def dim1_3d_config(device: torch.device) -> dict:
+    """The 3D dim1 cast's default on ``device``: DIM1_CONFIG, along K first on the DIM1_3D_K_FIRST_DEVICES."""
+    k_first = device.type == "cuda" and _k_first_device(device.index)  # (a CPU tensor: the launcher refuses it)
+    return DIM1_3D_CONFIG_K_FIRST if k_first else DIM1_CONFIG
+
+
+DIM1_3D_CONFIG_K_FIRST = {**DIM1_CONFIG, "K_FIRST": True}
+
+
+@functools.lru_cache(maxsize=64)
+def _k_first_device(index: int | None) -> bool:
+    name = torch.cuda.get_device_name(index)
+    return any(tag in name for tag in DIM1_3D_K_FIRST_DEVICES)
 
 
 def _cast_one_side(

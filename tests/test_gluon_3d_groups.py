@@ -62,6 +62,10 @@ CONFIGS_3D = [
     cfg(8, 256, 4, 2, True, PLAIN_VIA_BLOCKED=True, SCATTER=False),  # the 32-row tile with the butterfly
 ]
 CONFIG_IDS_3D = ["default", "tile32", "base", "r8s1", "butterfly"]
+# 3D dim1's default on an H100 (and dim0's everywhere): the LINES tile along K first
+LINES_K_FIRST = cfg(8, 128, 2, 4, True, PLAIN_VIA_BLOCKED=True, SCATTER=True, WARPS_M=4, LINES=True, K_FIRST=True)
+CONFIGS_3D.append(LINES_K_FIRST)
+CONFIG_IDS_3D.append("lines_kfirst")
 # per-group: the default (8 rows, one sub-tile, LEAN: 4 programs per tile column), the base tile without LEAN,
 # two sub-tiles (the 2D dim1 tile: 2 programs per tile column), four sub-tiles (one program per tile column)
 CONFIGS_GROUPS = [
@@ -91,6 +95,7 @@ def test_default_configs_are_the_measured_ones():
     g = g3d()
     assert g.DIM1_CONFIG == {**TILE_32, "BLOCK_K": 128, "NUM_WARPS": 2, "WARPS_M": 4, "NUM_SUB": 4, "LINES": True}
     assert g.DIM0_CONFIG == {**g.DIM1_CONFIG, "K_FIRST": True} == g.DIM0_DIM1_CONFIG
+    assert g.DIM1_3D_CONFIG_K_FIRST == LINES_K_FIRST and g.DIM1_3D_K_FIRST_DEVICES == ("H100",)
     assert ggroups().GLUON_GROUPS_CONFIG == GROUPS_32
     # per-group with groups of 1024 rows or more on average: LINES (128 x 128 tiles)
     assert ggroups().GLUON_GROUPS_LINES_CONFIG == LINES_G
@@ -98,6 +103,30 @@ def test_default_configs_are_the_measured_ones():
     assert ggroups().check_config(None, 16640, 16) == {**base, **LINES_G}  # 1040 rows a group
     assert ggroups().check_config(None, 16640, 64) == {**base, **ggroups().GLUON_GROUPS_CONFIG}  # 260
     assert ggroups().check_config(None, 4096, 0) == {**base, **LINES_G}  # no groups: one tile walk
+
+
+@pytest.mark.parametrize(
+    "name, k_first", [("NVIDIA H100 80GB HBM3", True), ("NVIDIA H100 NVL", True), ("NVIDIA H200", False)]
+)
+def test_3d_dim1_default_follows_the_device(monkeypatch, name, k_first):
+    """A 3D dim1 call without a config runs along K first on an H100 (measured there), along M elsewhere; 2D
+    dim1 keeps DIM1_CONFIG everywhere."""
+    g = g3d()
+    seen = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: seen.append(index) or name)
+    g._k_first_device.cache_clear()
+    try:
+        want = g.DIM1_3D_CONFIG_K_FIRST if k_first else g.DIM1_CONFIG
+        assert g.dim1_3d_config(torch.device("cuda", 1)) == want
+        assert g.dim1_3d_config(torch.device("cuda", 1)) == want and seen == [1]  # looked up once per device
+        configs = []
+        monkeypatch.setattr(g, "_cast_one_side", lambda x, e, m, b, config, dim0: configs.append(config))
+        monkeypatch.setattr(g, "dim1_3d_config", lambda device: want)
+        g.gluon_cast_dim1(torch.randn(2, 64, 64, dtype=torch.bfloat16), "e4m3", "floor")
+        g.gluon_cast_dim1(torch.randn(64, 64, dtype=torch.bfloat16), "e4m3", "floor")
+        assert configs == [want, g.DIM1_CONFIG]
+    finally:
+        g._k_first_device.cache_clear()
 
 
 def test_argument_errors(monkeypatch):
@@ -218,6 +247,22 @@ def facts_groups(shape, num_groups, config=None):
     return grid, kw["MASK_COLS"], kw["OFFS64"], kw["GROUPS_POW2"]
 
 
+def test_groups_lookup_is_packed_up_to_its_bound():
+    """The packed lookup (16-bit fields) where M_total / 32 and the scale tile columns fit PACKED_MAX, else the
+    counting one (GPU: test_gpu_groups_lookups_agree)."""
+    u8 = torch.empty(16, dtype=torch.uint8, device="meta")
+
+    def packed(m, num_groups, config=None):
+        x = torch.empty(m, 32, dtype=torch.bfloat16, device="meta")
+        offs = torch.empty(num_groups, dtype=torch.int32, device="meta")
+        return ggroups().kernel_launch(x, offs, u8, u8, "e4m3", "floor", config)[1]["PACKED"]
+
+    assert ggroups().PACKED_MAX == 2**16 - 1
+    assert packed(16640, 16) and packed(16640, 64, GROUPS_32) and packed(2**21 - 32, 8)
+    assert not packed(2**21, 8)  # M_total / 32 = 2**16
+    assert not packed(2**18, 2**16 - 2**11)  # 2048 + 63488 = 2**16 tile columns
+
+
 def test_launch_facts():
     # [16, 8192, 5120], default tile 128 x 128: 64 x 40 programs per expert, no masks, int32 in-slice offsets
     assert facts_3d((16, 8192, 5120), True) == ((64, 40, 16), True, False, 1, blocked_numel(5120, 256))
@@ -318,7 +363,7 @@ def test_groups_compiles_for_sm90_with_the_intended_memory_ops(
 def test_every_3d_test_config_compiles(config):
     """The GPU tests' configs on their ragged (masked) and even shapes, blocked and plain scales, both sides: the
     layout conversions are asserted trivial at compile time (a mistake in the layouts fails here, without a GPU)."""
-    lines = config is None  # the default LINES tile: its stores go through shared memory
+    lines = config is None or bool(config.get("LINES"))  # LINES tiles: their stores go through shared memory
     for shape in ((3, 224, 96), (2, 64, 96), (4, 256, 512)):
         for blocked in (False, True):
             for dim0 in (False, True):
@@ -338,7 +383,34 @@ def test_every_groups_test_config_compiles(config):
             assert {op for op in ops if op.startswith("st.global")} == {"st.global.v4.b32"}, (shape, groups, ops)
 
 
-def walk_groups_model(scale: torch.Tensor, ends: list[int], m: int, k: int, num_sub: int, block_k: int):
+def group_lookup_model(t: int, clamp: list[int], tiles: list[int], max_tile_cols: int, packed: bool):
+    """``_tile_column_group`` in Python: (tile_start, group_tiles, row_start, row_end) of tile column t, by the
+    counting lookup (6 reductions) or the packed one (one owner lane, two int32 sums of 16-bit fields)."""
+    num_groups = len(clamp)
+    starts = [0] + clamp[:-1]
+    tiles_end = torch.tensor(tiles).cumsum(0).tolist()
+    used = tiles_end[-1]
+    if not packed:
+        g = sum(te <= t for te in tiles_end)
+        if g == num_groups:
+            return used, max_tile_cols - used, 0, 0
+        return tiles_end[g] - tiles[g], tiles[g], starts[g], clamp[g]
+    first = [te - n for te, n in zip(tiles_end, tiles, strict=True)]
+    owners = [h for h in range(num_groups) if first[h] <= t < tiles_end[h]]
+    tail = used <= t
+    assert len(owners) + tail <= 1, "two lanes would add their fields"
+    fields = [(first[h] | tiles[h] << 16, starts[h] >> 5 | (clamp[h] >> 5) << 16) for h in owners]
+    if tail:
+        fields.append((used | (max_tile_cols - used) << 16, 0))
+    for a, b in fields:  # PACKED_MAX bounds every field: the sums stay exact
+        assert max(a & 0xFFFF, a >> 16, b & 0xFFFF, b >> 16) <= 0xFFFF and a >> 32 == 0 and b >> 32 == 0
+    tile_fields, row_fields = sum(a for a, _ in fields), sum(b for _, b in fields)
+    return tile_fields & 0xFFFF, tile_fields >> 16 & 0xFFFF, (row_fields & 0xFFFF) << 5, (row_fields >> 16) << 5
+
+
+def walk_groups_model(
+    scale: torch.Tensor, ends: list[int], m: int, k: int, num_sub: int, block_k: int, packed: bool = False
+):
     """The per-group kernel's program walk, transcribed to Python (its index arithmetic line by line; the
     numerics are ``scale``, a plain [K, M/32] uint8 matrix): (the blocked scale buffer with -1 where no
     program wrote, how often each qdata element is stored). Raises on a store outside either buffer."""
@@ -350,16 +422,11 @@ def walk_groups_model(scale: torch.Tensor, ends: list[int], m: int, k: int, num_
     clamp = [min(max(e, 0), m) & -32 for e in ends]
     starts = [0] + clamp[:-1]
     tiles = [(max(e - s, 0) + 127) >> 7 for s, e in zip(starts, clamp, strict=True)]
-    tiles_end = torch.tensor(tiles).cumsum(0).tolist()
     for pid in range(max_tile_cols * split):
         t, part = divmod(pid, split)
-        g = sum(te <= t for te in tiles_end)
-        used = sum(tiles)
-        tile_start = tiles_end[g] - tiles[g] if g < num_groups else used
-        group_tiles = tiles[g] if g < num_groups else max_tile_cols - used
-        row_end = clamp[g] if g < num_groups else 0
+        tile_start, group_tiles, row_start, row_end = group_lookup_model(t, clamp, tiles, max_tile_cols, packed)
         tile = t - tile_start
-        row0 = (starts[g] if g < num_groups else 0) + tile * 128 + part * 32 * num_sub
+        row0 = row_start + tile * 128 + part * 32 * num_sub
         group_base = padded_k * 4 * tile_start
         left = max(min(padded_k * 4 * max_tile_cols - group_base, 2**31 - 1), 0)
         for pid_k in range(-(-padded_k // block_k)):
@@ -389,19 +456,43 @@ def walk_groups_model(scale: torch.Tensor, ends: list[int], m: int, k: int, num_
     [([32, 0, 160, 0, 64], 96), ([0, 0, 4096, 256, 32, 0], 160), ([128] * 7 + [96], 300), ([1056, 1024, 0], 256),
      ([0], 64), ([64, 0, 0], 128)],
 )  # fmt: skip
-def test_groups_program_walk_model(sizes, k, num_sub, block_k):
+@pytest.mark.parametrize("packed", [False, True], ids=["counting", "packed"])
+def test_groups_program_walk_model(sizes, k, num_sub, block_k, packed):
     """(CPU) The walk's arithmetic writes every byte of the per-group blocked buffer once, with
-    ``to_blocked_groups``'s bytes, and every qdata element once; and for invalid offs stays in bounds."""
+    ``to_blocked_groups``'s bytes, and every qdata element once; and for invalid offs stays in bounds. Both
+    group lookups (PACKED: the default up to PACKED_MAX; the counting one past it)."""
     m = sum(sizes)
     g = torch.Generator().manual_seed(m + k)
     scale = torch.randint(1, 255, (k, m // 32), generator=g, dtype=torch.uint8)
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
-    buf, q_writes = walk_groups_model(scale.to(torch.int32), offs.tolist(), m, k, num_sub, block_k)
+    buf, q_writes = walk_groups_model(scale.to(torch.int32), offs.tolist(), m, k, num_sub, block_k, packed)
     assert bool((buf >= 0).all()), "bytes of the scale buffer no program wrote"
     assert_bits_equal(buf.to(torch.uint8), to_blocked_groups(scale, offs), f"walk {sizes} k={k}")
     assert bool((q_writes == 1).all()), "qdata elements stored twice or never"
     for bad in ([m, 0, m], [m + 64], [-32, m], [40, 200, m], [m] * 9):  # invalid offs: in bounds only
-        walk_groups_model(scale.to(torch.int32), bad, m, k, num_sub, block_k)
+        walk_groups_model(scale.to(torch.int32), bad, m, k, num_sub, block_k, packed)
+
+
+def test_packed_group_lookup_matches_the_counting_one():
+    """(CPU) For every tile column, valid and invalid offs (clamped as the kernel clamps them), up to the
+    PACKED_MAX bounds: the packed lookup returns the counting lookup's four values."""
+    gen = torch.Generator().manual_seed(3)
+    cases = [[32, 0, 160, 0, 64], [0, 0, 4096, 256, 32, 0], [1056, 1024, 0], [0], [64, 0, 0]]
+    cases += [many_groups(64, 5), many_groups(33, 6), [0] * 5 + [2**21 - 32 - 5 * 32] + [32] * 5]
+    for sizes in cases:
+        m = sum(sizes)
+        ends = torch.tensor(sizes).cumsum(0).tolist()
+        for bad in (False, True):
+            if bad:  # decreasing, negative, past M and unaligned ends, as the kernel clamps them
+                ends = torch.randint(-64, m + 256, (len(sizes),), generator=gen).tolist()
+            clamp = [min(max(e, 0), m) & -32 for e in ends]
+            starts = [0] + clamp[:-1]
+            tiles = [(max(e - s, 0) + 127) >> 7 for s, e in zip(starts, clamp, strict=True)]
+            max_tile_cols = -(-(m // 32) // 4) + len(sizes)
+            assert max(m >> 5, max_tile_cols) <= ggroups().PACKED_MAX
+            for t in range(max_tile_cols):
+                want = group_lookup_model(t, clamp, tiles, max_tile_cols, packed=False)
+                assert group_lookup_model(t, clamp, tiles, max_tile_cols, packed=True) == want, (sizes, bad, t)
 
 
 # ---------------------------------------------------------------------------------------
@@ -579,6 +670,40 @@ def test_gpu_strided_input_and_empty():
         torch.empty(64, 0, device="cuda"), torch.tensor([64], dtype=torch.int32, device="cuda"), "e4m3", "floor"
     )
     assert q.shape == (0, 64) and s.numel() == 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("config", [None, GROUPS_32, LINES_G], ids=["default", "tile32", "lines"])
+def test_gpu_groups_lookups_agree(config):
+    """The packed group lookup (what every launch up to PACKED_MAX runs, checked against the reference above)
+    and the counting one (past it) write the same bytes, for valid offs; for invalid ones neither faults."""
+    gg = ggroups()
+    cases = GROUP_CASES + [(many_groups(33, 1), 256), (many_groups(64, 2), 160)]
+    for seed, (sizes, k) in enumerate(cases):
+        x = special_input_plus((sum(sizes), k), torch.bfloat16, "cuda", seed)
+        offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+        q_shape, s_shape = gg.groups_dim1_shapes(x.shape, offs.numel(), blocked=True)
+        outs = []
+        for packed in (True, False):
+            q = torch.full(q_shape, 7, dtype=torch.uint8, device="cuda")
+            s = torch.full(s_shape, 7, dtype=torch.uint8, device="cuda")
+            grid, kw = gg.kernel_launch(x, offs, q, s, "e4m3", "rceil", config)
+            assert kw["PACKED"]
+            gg._gluon_cast_groups_dim1_kernel[grid](**{**kw, "PACKED": packed})
+            outs.append((q, s))
+        assert_bits_equal(outs[0][0], outs[1][0], f"{sizes} qdata")
+        assert_bits_equal(outs[0][1], outs[1][1], f"{sizes} scale")
+    x = special_input((256, 160), torch.bfloat16, "cuda")
+    q_shape, s_shape = gg.groups_dim1_shapes(x.shape, 3, blocked=True)
+    q = torch.empty(q_shape, dtype=torch.uint8, device="cuda")
+    for ends in ([256, 0, 256], [-32, 256, 512], [40, 200, 256]):
+        offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
+        s = torch.empty(s_shape, dtype=torch.uint8, device="cuda")
+        grid, kw = gg.kernel_launch(x, offs, q, s, "e4m3", "floor", config)
+        for packed in (True, False):
+            gg._gluon_cast_groups_dim1_kernel[grid](**{**kw, "PACKED": packed})
+    torch.cuda.synchronize()
 
 
 @pytest.mark.gpu
