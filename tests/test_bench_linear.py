@@ -1,26 +1,15 @@
 """scripts/bench_linear.py's activation-memory measure, on the CPU (the benchmark itself needs CUDA)."""
 
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 
 import torch
+from script_module import load_script
 
 from mx_recipe import MXLinear, MXRecipe
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
 
 def _bench_linear():
-    sys.path.insert(0, str(SCRIPTS))  # the script imports its neighbour bench_meta
-    try:
-        spec = importlib.util.spec_from_file_location("bench_linear", SCRIPTS / "bench_linear.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return module
+    return load_script("bench_linear")
 
 
 def test_saved_bytes_of_bf16_mx_and_saved_mx():
