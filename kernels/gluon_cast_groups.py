@@ -13,7 +13,8 @@ Same walk as the Triton kernel: the grid walks the destination, not the source. 
 of the scale buffer (4 scale columns of one group) is cut into 4 / NUM_SUB programs along grid axis 0;
 grid axis 1 walks the padded K. Each program finds its group from ``offs`` on the device (no host sync):
 the G group ends are loaded as one vector held whole by each warp (lanes along G, warps holding copies),
-so the scan and the sums stay in shuffles, no shared memory. Then ``gluon_common.dim1_tile`` with rows
+so the scan and the sums stay in shuffles, no shared memory; up to PACKED_MAX the owner's four values travel as two
+sums of 16-bit fields (``_tile_column_group``). Then ``gluon_common.dim1_tile`` with rows
 >= the group's end masked, and a blocked scale store at the group's base. Programs past the last group
 write zeros to the buffer's tail. As in the Triton kernel, invalid offs give unspecified values but no
 access out of bounds (group ends clamped to [0, M_total] and rounded down to 32 rows; scale stores
@@ -104,7 +105,10 @@ def _tile_column_group(
         # At most one lane contributes: the owner of t (its tile columns [first, tiles_end) are disjoint from
         # the others'), or in the tail the last group's lane. Every field is < 2**16: first and tiles_end
         # <= t < max_tile_cols, a group's tiles <= cdiv(M, 128), rows / 32 <= M / 32 (PACKED_MAX, host).
-        # The scan and these 2 reductions are the lookup's cost: with 6 it took 2 us of a 67 us cast (H200).
+        # Why: the lookup costs a 67 us cast 2.5 us (H200, 16 equal groups of [16384, 5120]: rows from constants
+        # 64.6 us; with only the offs load and one reduction 65.1), its scan and reductions, not the load. Packed
+        # against 6 reductions: 68.0 against 69.0 us at [16640, 5120] G=16, 199.3 against 200.3 at [65536, 4096];
+        # H100 within 0.3% (docs/profiles/2026-11-22_h200_h100_groups_lookup_3d_order.txt).
         owner = in_range & (first <= t) & (t < tiles_end)
         tail = (g_idx == num_groups - 1) & (tiles_end <= t)
         tile_fields = gl.where(owner, first | (tiles << 16), 0)
