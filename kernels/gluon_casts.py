@@ -99,6 +99,7 @@ DIM0_CONFIG = DIM0_DIM1_CONFIG
 # e4m3, both rules: 1.7-1.9% faster at E=1, 0.8-0.9% at E=4, 16, 64; on an H200 0.5-1.1% slower, so it keeps
 # DIM1_CONFIG there (docs/profiles/2026-11-22_h200_h100_groups_lookup_3d_order.txt).
 DIM1_3D_K_FIRST_DEVICES = ("H100",)
+DIM1_3D_CONFIG_K_FIRST = {**DIM1_CONFIG, "K_FIRST": True}
 # The fused LINES kernel loads x with evict_last from this many bytes of x on: events time 1-2% faster from 256 MiB
 # on (H200 16384^2: 278.3 against 284.1 us; H100 1-1.1% at 448-512 MiB), 1.1-1.5% slower at 128 MiB; dim1 within
 # 1.5% either way, so it keeps the default policy (docs/profiles/2026-11-21_h200_cast_lines_schedule.txt).
@@ -406,9 +407,6 @@ def dim1_3d_config(device: torch.device) -> dict:
     """The 3D dim1 cast's default on ``device``: DIM1_CONFIG, along K first on the DIM1_3D_K_FIRST_DEVICES."""
     k_first = device.type == "cuda" and _k_first_device(device.index)  # (a CPU tensor: the launcher refuses it)
     return DIM1_3D_CONFIG_K_FIRST if k_first else DIM1_CONFIG
-
-
-DIM1_3D_CONFIG_K_FIRST = {**DIM1_CONFIG, "K_FIRST": True}
 
 
 @functools.lru_cache(maxsize=64)
