@@ -18,6 +18,7 @@ dispatch from ``cast_dim0`` / ``cast_dim1`` (3D) and ``cast_groups_dim1``.
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -383,12 +384,20 @@ def test_every_groups_test_config_compiles(config):
             assert {op for op in ops if op.startswith("st.global")} == {"st.global.v4.b32"}, (shape, groups, ops)
 
 
+def clamped_groups_model(ends: list[int], m: int) -> tuple[list[int], list[int]]:
+    """The kernel's view of group ends: each clamped to [0, M] and rounded down to 32 rows, and the 128-row tile
+    columns each group takes."""
+    clamp = [min(max(e, 0), m) & -32 for e in ends]
+    starts = [0] + clamp[:-1]
+    return clamp, [(max(e - s, 0) + 127) >> 7 for s, e in zip(starts, clamp, strict=True)]
+
+
 def group_lookup_model(t: int, clamp: list[int], tiles: list[int], max_tile_cols: int, packed: bool):
     """``_tile_column_group`` in Python: (tile_start, group_tiles, row_start, row_end) of tile column t, by the
     counting lookup (6 reductions) or the packed one (one owner lane, two int32 sums of 16-bit fields)."""
     num_groups = len(clamp)
     starts = [0] + clamp[:-1]
-    tiles_end = torch.tensor(tiles).cumsum(0).tolist()
+    tiles_end = list(itertools.accumulate(tiles))
     used = tiles_end[-1]
     if not packed:
         g = sum(te <= t for te in tiles_end)
@@ -419,9 +428,7 @@ def walk_groups_model(
     padded_k = -(-k // 128) * 128
     buf = torch.full((padded_k * 4 * max_tile_cols,), -1, dtype=torch.int32)
     q_writes = torch.zeros(k, m, dtype=torch.int32)
-    clamp = [min(max(e, 0), m) & -32 for e in ends]
-    starts = [0] + clamp[:-1]
-    tiles = [(max(e - s, 0) + 127) >> 7 for s, e in zip(starts, clamp, strict=True)]
+    clamp, tiles = clamped_groups_model(ends, m)
     for pid in range(max_tile_cols * split):
         t, part = divmod(pid, split)
         tile_start, group_tiles, row_start, row_end = group_lookup_model(t, clamp, tiles, max_tile_cols, packed)
@@ -485,9 +492,7 @@ def test_packed_group_lookup_matches_the_counting_one():
         for bad in (False, True):
             if bad:  # decreasing, negative, past M and unaligned ends, as the kernel clamps them
                 ends = torch.randint(-64, m + 256, (len(sizes),), generator=gen).tolist()
-            clamp = [min(max(e, 0), m) & -32 for e in ends]
-            starts = [0] + clamp[:-1]
-            tiles = [(max(e - s, 0) + 127) >> 7 for s, e in zip(starts, clamp, strict=True)]
+            clamp, tiles = clamped_groups_model(ends, m)
             max_tile_cols = -(-(m // 32) // 4) + len(sizes)
             assert max(m >> 5, max_tile_cols) <= ggroups().PACKED_MAX
             for t in range(max_tile_cols):
