@@ -56,10 +56,10 @@ PROJECTIONS = [
     ("llama_mxfp8", 128256, "Llama 3 tokenizer"),
     ("moe_mxfp8", 102400, "DeepSeek-MoE tokenizer"),
 ]
-PEER_LLAMA = (1.16, 1.20)  # MXFP8 Llama3-8B on 8 B200, tokens/s over bf16 (DESIGN.md)
+PEER_LLAMA = (1.16, 1.20)  # MXFP8 Llama3-8B on 8 B200, tokens/s over bf16 (docs/DESIGN.md)
 PLOT_KN = (4096, 8192, 16384)
-# --observe: bench_cast's square shape, Llama 3 8B activation [M, K] and weight [N, K]; the seed's and
-# moe_16B's expert weights [E, N, K]; DESIGN.md's MX linear shapes (M, K, N) and a square GEMM.
+# --observe: bench_cast's square shape, Llama 3 8B activation [M, K] and weight [N, K]; bench_moe's and
+# moe_16B's expert weights [E, N, K]; bench_linear's MX linear shapes (M, K, N) and a square GEMM.
 OBSERVE_CASTS = ((16384, 16384), (16384, 4096), (14336, 4096))
 OBSERVE_CASTS_3D = ((16, 8192, 5120), (64, 1408, 2048))
 OBSERVE_LINEARS = ((16384, 4096, 4096), (16384, 4096, 14336), (16384, 14336, 4096))
@@ -402,7 +402,9 @@ def observe(out: str | None, device_key: str | None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("--observe needs a CUDA GPU, and torch.cuda.is_available() is False here")
     import triton.testing
-    from bench_meta import run_meta
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from timing import run_meta  # the benchmarks' provenance, for the same meta in every result file
 
     from mx_recipe.cast import cast_3d_dim0, cast_3d_dim1, cast_dim0, cast_dim0_dim1, cast_dim1
     from mx_recipe.gemm import mx_mm, resolve_backend

@@ -1,15 +1,15 @@
-"""scripts/bench_linear.py's activation-memory measure, on the CPU (the benchmark itself needs CUDA)."""
+"""benchmarks/bench_linear.py's activation-memory measure, on the CPU (the benchmark itself needs CUDA)."""
 
 import dataclasses
 
 import torch
-from script_module import load_script
+from script_module import load_benchmark
 
 from mx_recipe import MXLinear, MXRecipe
 
 
 def _bench_linear():
-    return load_script("bench_linear")
+    return load_benchmark("bench_linear")
 
 
 def test_saved_bytes_of_bf16_mx_and_saved_mx():

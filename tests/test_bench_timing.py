@@ -1,24 +1,13 @@
-"""scripts/bench_timing.py's round logic on the CPU, with do_bench and the profiler replaced by a clock
+"""benchmarks/timing.py's round logic on the CPU, with do_bench and the profiler replaced by a clock
 that drifts: the interleaving must put the drift on every variant alike."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+import torch
+from script_module import load_benchmark
 
 
 def _bench_timing():
-    spec = importlib.util.spec_from_file_location("bench_timing", SCRIPTS / "bench_timing.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_timing"] = module  # dataclasses look the module up while the class is built
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules["bench_timing"]
-    return module
+    return load_benchmark("timing")
 
 
 class DriftingGPU:
@@ -57,3 +46,12 @@ def test_rejects_bad_rounds():
     timing = _bench_timing()
     with pytest.raises(ValueError, match="rounds"):
         timing.interleaved({"a": lambda: None}, rounds=0)
+
+
+def test_run_meta_names_the_device_and_the_commit(monkeypatch):
+    timing = _bench_timing()
+    monkeypatch.setenv("MX_GIT_COMMIT", "0123abc")
+    meta = timing.run_meta(recipe="mxfp8")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    assert (meta["device"], meta["commit"], meta["recipe"]) == (device, "0123abc", "mxfp8")
+    assert set(meta) == {"device", "torch", "date", "commit", "recipe"}

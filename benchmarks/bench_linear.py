@@ -1,7 +1,7 @@
 """MXLinear against nn.Linear, forward + backward, both torch.compile'd, in the same run.
 
-For M = 16384 and (K, N) in (4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192) (DESIGN.md
-targets: MX time <= 1.10x bf16 on Hopper), prints the device, each time, the ratio and the peak
+For M = 16384 and (K, N) in (4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192) (the target of
+docs/DESIGN.md: MX time <= 1.10x bf16 on Hopper), prints the device, each time, the ratio and the peak
 memory of one step; --out writes JSON with provenance for docs/results/.
 
 MX is timed as the recipe is and with ``fuse_x_casts`` (mx_fuse: x read once in forward for both
@@ -12,11 +12,11 @@ recipe.py) and mx_fuse: the bytes autograd saves for backward per layer (saved_t
 forward, parameters not counted), the memory a forward leaves allocated until its backward (output
 and saved tensors, of the benchmarked, possibly compiled, layer) and the peak of one step.
 
-Times are wall medians with every variant interleaved in --rounds rounds (bench_timing.py), so a
+Times are wall medians with every variant interleaved in --rounds rounds (timing.py), so a
 drift of the GPU between measurements lands on all of them; each row also carries the summed GPU
 kernel time of one step per variant and the spread of the round medians.
 
-    python scripts/bench_linear.py [--recipe mxfp8] [--m 16384] [--eager] [--rounds 5] [--out FILE]
+    python benchmarks/bench_linear.py [--recipe mxfp8] [--m 16384] [--eager] [--rounds 5] [--out FILE]
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ import dataclasses
 import json
 
 import torch
-from bench_meta import run_meta
-from bench_timing import interleaved
+from timing import interleaved, run_meta
 
 from mx_recipe import MXLinear, MXRecipe
 from mx_recipe.saved_memory import saved_bytes
@@ -62,7 +61,7 @@ def main() -> None:
     parser.add_argument("--recipe", default="mxfp8")
     parser.add_argument("--m", type=int, default=16384)
     parser.add_argument("--eager", action="store_true", help="do not torch.compile either layer")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (bench_timing.py)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (timing.py)")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -13,11 +13,9 @@ Per shape, what the device offers:
 
 Before timing, each MX result is compared with the emulated one computed in fp32:
 max |MX - emulated| / max |emulated|: summation order and one bf16 rounding, a few 1e-3 at most.
-``--sweep`` also times a few triton tile configs per shape (kernels/mx_gemm.py's default is
-chosen from compiler output, not from timings). ``--out`` writes JSON with provenance for
-docs/results/ (rendered by scripts/perf_report.py).
+``--out`` writes JSON with provenance for docs/results/ (rendered by scripts/perf_report.py).
 
-    python scripts/bench_gemm.py [--elem e4m3] [--rule floor] [--eager] [--sweep] [--out FILE]
+    python benchmarks/bench_gemm.py [--elem e4m3] [--rule floor] [--eager] [--out FILE]
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ import json
 from collections.abc import Callable
 
 import torch
-from bench_meta import run_meta
-from triton.testing import do_bench
+from timing import median_ms, run_meta
 
 from mx_recipe.cast import cast_dim0
 from mx_recipe.formats import ELEM_FORMATS, SCALE_RULES, MXTensor
@@ -41,20 +38,6 @@ BACKEND_TITLES = {  # perf_report.py renders these column titles
     "triton": "triton dot_scaled",
     "cublas": "cublas",
 }
-# Tile configs for --sweep (GROUP_M = 8 throughout); the first is SM90_CONFIG. The 128 x 256 one
-# spills a little on sm_90 (ptxas), the others do not.
-SWEEP = [
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
-    dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
-    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
-]
-
-
-def bench_ms(fn: Callable[[], torch.Tensor]) -> float:
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def tflops(m: int, k: int, n: int, ms: float) -> float:
@@ -88,9 +71,8 @@ def bench_shape(
     elem: str,
     rule: str,
     compiled: bool,
-    sweep: bool,
     device: torch.device | None = None,
-    timer: Callable[[Callable[[], torch.Tensor]], float] = bench_ms,
+    timer: Callable[[Callable[[], torch.Tensor]], float] = median_ms,
 ) -> dict:
     """One row (``make_row``) for one shape. ``device`` and ``timer`` let tests run it on the CPU."""
     device = device or torch.device("cuda")
@@ -114,18 +96,9 @@ def bench_shape(
     ad, bd = a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16)
     mx["emulated_mm"] = timer(lambda: torch.mm(ad, bd.t())), rel_err(torch.mm(ad, bd.t()), ref)
 
-    sweep_rows = []
     if triton_available(device):
         out = mx_mm_triton(a, b, torch.bfloat16)
         mx["triton"] = timer(lambda: mx_mm_triton(a, b, torch.bfloat16)), rel_err(out, ref)
-        if sweep:
-            from mx_kernels.mx_gemm import mx_gemm
-
-            for cfg in SWEEP:
-                cfg = {**cfg, "GROUP_M": 8}
-                fn = lambda cfg=cfg: mx_gemm(a.qdata, a.scale, elem, b.qdata, b.scale, elem, torch.bfloat16, cfg)
-                ms, err = timer(fn), rel_err(fn(), ref)
-                sweep_rows.append({"config": cfg, "ms": ms, "tflops": tflops(m, k, n, ms), "rel_err": err})
     if cublas_available(device) and elem in CUBLAS_ELEMS:
         ab, bb = cast_dim0(x, elem, rule, blocked_scales=True), cast_dim0(w, elem, rule, blocked_scales=True)
         try:
@@ -133,10 +106,7 @@ def bench_shape(
             mx["cublas"] = timer(lambda: mx_mm_blocked(ab, bb, torch.bfloat16)), rel_err(out, ref)
         except (RuntimeError, NotImplementedError) as err:  # e5m2: torch's checks accept it, cuBLAS may not
             print(f"cublas failed at {m}x{k}x{n} ({elem}): {err}")
-    row = make_row(m, k, n, bf16_ms, mx)
-    if sweep_rows:
-        row["triton_sweep"] = sweep_rows
-    return row
+    return make_row(m, k, n, bf16_ms, mx)
 
 
 def main() -> None:
@@ -144,7 +114,6 @@ def main() -> None:
     parser.add_argument("--elem", default="e4m3", choices=list(ELEM_FORMATS))
     parser.add_argument("--rule", default="floor", choices=list(SCALE_RULES))
     parser.add_argument("--eager", action="store_true", help="do not torch.compile the emulated dequantize + mm")
-    parser.add_argument("--sweep", action="store_true", help="also time the triton tile configs in SWEEP")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -156,14 +125,12 @@ def main() -> None:
     )
     rows = []
     for m, k, n in SHAPES:
-        rows.append(bench_shape(m, k, n, args.elem, args.rule, not args.eager, args.sweep))
+        rows.append(bench_shape(m, k, n, args.elem, args.rule, not args.eager))
         torch._dynamo.reset()
         torch.cuda.empty_cache()
         r = rows[-1]
         cells = [f"{name} {v['tflops']:.0f} ({v['ratio']:.2f}x) [{v['rel_err']:.1e}]" for name, v in r["mx"].items()]
         print(f"{m:>6} {k:>6} {n:>6}  bf16 {r['bf16_tflops']:.0f}  " + "  ".join(cells))
-        for s in r.get("triton_sweep", []):
-            print(f"{'':>22}triton {s['config']}: {s['tflops']:.0f} TFLOP/s [{s['rel_err']:.1e}]")
     if args.out:
         backends = [name for name in BACKEND_TITLES if any(name in r["mx"] for r in rows)]
         meta = run_meta(elem=args.elem, rule=args.rule, compiled=not args.eager)

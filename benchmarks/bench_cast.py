@@ -1,19 +1,22 @@
-"""Benchmark the MX cast kernels against the HBM roofline and the torch.compile'd reference.
+"""The MX cast kernels against the HBM roofline and the torch.compile'd reference.
 
-    python scripts/bench_cast.py [--experts 1,4,16,64] [--out results.json] [--sweep]
+    python benchmarks/bench_cast.py [--m 16384 --k 16384] [--experts 1,4,16,64] [--modes floor,rceil] [--out FILE]
 
-For each cast: median time (triton.testing.do_bench: CUDA events around each call, so the host's
-launch path counts where it is slower than the kernels), GB/s counting bytes read + written
-(input, qdata, scales), % of the device-to-device copy bandwidth measured in the same run; then
-the same from the GPU time of the kernels one call launches (torch.profiler: the kernel columns,
-what the kernels themselves reach); and for the 2D casts the speedup over torch.compile of the
-reference (``to_mx`` for dim0, ``to_mx(x.t().contiguous())`` for dim1). Then the targets of
-DESIGN.md, judged on both figures: every cast >= 90% of copy bandwidth, rceil within 3% of floor,
-fused >= 1.4x two separate casts, 3D GB/s flat across E within 10%. A copy of the same bytes as
-each 3D and per-group input is timed too: what the copy itself reaches at that size. Uses the
-public API (mx_recipe.cast) like any user; ``--sweep`` also times tile configurations of the raw
-kernels. Last, the host time of one call of each cast on a small input (the GPU waits on the host), with the
-launch cache (mx_kernels.launch_cache) on and off, against torch's own conversion to fp8 of the same input.
+For each cast of ``mx_recipe.cast`` (the public API, as a user calls it): median time
+(triton.testing.do_bench: CUDA events around each call, so the host's launch path counts where it is
+slower than the kernels), GB/s counting bytes read + written (input, qdata, scales), % of the
+device-to-device copy bandwidth measured in the same run; then the same from the GPU time of the
+kernels one call launches (torch.profiler: what the kernels themselves reach); and for the 2D casts
+the speedup over torch.compile of the reference (``to_mx`` for dim0, ``to_mx(x.t().contiguous())``
+for dim1). Then the cast targets of docs/DESIGN.md (Performance targets), judged on both figures:
+every cast >= 90% of copy bandwidth, rceil within 3% of floor, fused >= 1.4x two separate casts, 3D
+GB/s flat across E within 10%. A copy of the same bytes as each 3D and per-group input is timed too:
+what the copy itself reaches at that size. Last, the host time of one call of each cast on a small
+input (the GPU waits on the host), with the launch cache on and off (``MX_RECIPE_LAUNCH_CACHE=0``),
+against torch's own conversion to fp8 of the same input.
+
+``MX_RECIPE_GLUON=0`` in the environment times the Triton kernels where Gluon ones would run.
+``--out`` writes JSON with provenance for docs/results/ (rendered by scripts/perf_report.py).
 """
 
 from __future__ import annotations
@@ -21,13 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from collections.abc import Callable
 
 import torch
-import triton.testing
-from bench_meta import run_meta
-from torch.profiler import ProfilerActivity, profile
+from timing import host_us, kernel_us, median_ms, run_meta
 
 from mx_recipe.cast import (
     cast_3d_dim0,
@@ -39,37 +39,16 @@ from mx_recipe.cast import (
     fake_quant_along_m,
     fake_quant_dim0,
     fake_quant_dim0_dim1,
-    fake_quant_dim1,
 )
 from mx_recipe.formats import elem_format, to_mx
 
-
-def bench_ms(fn: Callable[[], object]) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def kernel_ms(call: Callable[[], object], calls: int = 10) -> float:
-    """GPU time of the kernels (and memcpys) one ``call`` launches, mean over ``calls``, L2 flushed
-    before each as do_bench does (the flush's fill kernels are left out of the sum)."""
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
-    call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            flush.zero_()
-            call()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and "FillFunctor" not in e.key]
-    total_us = sum(e.device_time_total for e in events)
-    if total_us <= 0:
-        raise RuntimeError(f"the profiler saw no GPU work in {calls} calls")
-    return total_us / calls / 1e3
+LAUNCH_CACHE_ENV = "MX_RECIPE_LAUNCH_CACHE"  # "0" turns the casts' launch cache off
 
 
 def timed(fn: Callable, *args, **kwargs) -> tuple[tuple[float, float], object]:
     """((median ms of fn(*args, **kwargs), ms of the GPU kernels it launches), one result of it)."""
-    call = lambda: fn(*args, **kwargs)  # noqa: E731
-    return (bench_ms(call), kernel_ms(call)), call()
+    call = lambda: fn(*args, **kwargs)
+    return (median_ms(call), kernel_us(call, calls=10, flush_l2=True) / 1e3), call()
 
 
 def separate(x: torch.Tensor, elem: str, mode: str, blocked: bool):
@@ -122,9 +101,9 @@ class Results:
         return row
 
     def casts(self, fake_quant: bool = False) -> list[dict]:
-        """The rows the >= 90% target of DESIGN.md applies to: the MX casts (dim0, dim1, fused, 3D, per-group),
-        not copies or two-cast baselines; ``fake_quant``: the emulated GEMM path's fake-quants instead (no
-        DESIGN target of their own)."""
+        """The rows the >= 90% target of docs/DESIGN.md applies to: the MX casts (dim0, dim1, fused, 3D,
+        per-group), not copies or two-cast baselines; ``fake_quant``: the emulated GEMM path's fake-quants
+        instead (no target of their own)."""
         return [
             r
             for r in self.rows
@@ -164,8 +143,8 @@ def bench_2d(res: Results, m: int, k: int, elem: str, modes: list[str]) -> None:
 
 
 def fake_quant_separate(x: torch.Tensor, elem: str, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unfused fake-quants the emulated linear's backward used before: two reads of x."""
-    return fake_quant_dim0(x, elem, mode), fake_quant_dim1(x, elem, mode)
+    """The fused fake-quant's two halves as two calls: two reads of x."""
+    return fake_quant_dim0(x, elem, mode), fake_quant_along_m(x, elem, mode)
 
 
 def bench_fake_quant(res: Results, shape: tuple[int, ...], elem: str, modes: list[str]) -> None:
@@ -174,10 +153,9 @@ def bench_fake_quant(res: Results, shape: tuple[int, ...], elem: str, modes: lis
     for mode in modes:
         for name, fn in (
             ("fq dim0", fake_quant_dim0),
-            ("fq dim1 (transposed)", fake_quant_dim1),
             ("fq along M", fake_quant_along_m),
             ("fq dim0 + along M fused", fake_quant_dim0_dim1),
-            ("fq dim0 + dim1 separate", fake_quant_separate),
+            ("fq dim0 + along M separate", fake_quant_separate),
         ):
             ms, out = timed(fn, x, elem, mode)
             outs = out if isinstance(out, tuple) else (out,)
@@ -214,24 +192,9 @@ def bench_3d(res: Results, experts: list[int], n: int, k: int, elem: str, modes:
         torch.cuda.empty_cache()
 
 
-def host_us(fn: Callable[[], object], calls: int = 500) -> float:
-    """Host time of one call (median of 5 rounds), the GPU idle enough that it never holds the host back."""
-    rounds = []
-    for _ in range(6):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls // 5):
-            fn()
-        rounds.append((time.perf_counter() - start) / (calls // 5) * 1e6)
-    torch.cuda.synchronize()
-    return sorted(rounds[1:])[2]  # the first round warms up
-
-
 def bench_host(elem: str, mode: str) -> list[dict]:
     """Host time per call of the public casts on small inputs, launch cache on and off, and of torch's
     ``x.to(float8)`` on the same input (one torch kernel launch: the baseline)."""
-    from mx_kernels.launch_cache import LAUNCH_CACHE_ENV
-
     x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     w = x.unsqueeze(0)
     offs = torch.tensor([64, 128, 256], dtype=torch.int32, device="cuda")
@@ -249,18 +212,22 @@ def bench_host(elem: str, mode: str) -> list[dict]:
     }
     rows = []
     print(f"\nhost time per call, {tuple(x.shape)} bf16, {elem} {mode}; torch x.to(fp8): {baseline:.1f} us")
-    for name, call in calls.items():
-        os.environ[LAUNCH_CACHE_ENV] = "0"
-        try:
+    before = os.environ.pop(LAUNCH_CACHE_ENV, None)  # read by the casts at each call
+    try:
+        for name, call in calls.items():
+            os.environ[LAUNCH_CACHE_ENV] = "0"
             uncached = host_us(call)
-        finally:
             del os.environ[LAUNCH_CACHE_ENV]
-        cached = host_us(call)
-        rows.append(dict(name=name, host_us=cached, host_us_no_launch_cache=uncached, torch_fp8_us=baseline))
-        print(
-            f"{name:28s} {cached:7.1f} us ({cached / baseline:5.1f}x torch's fp8 cast); launch cache off "
-            f"{uncached:7.1f} us"
-        )
+            cached = host_us(call)
+            rows.append(dict(name=name, host_us=cached, host_us_no_launch_cache=uncached, torch_fp8_us=baseline))
+            print(
+                f"{name:28s} {cached:7.1f} us ({cached / baseline:5.1f}x torch's fp8 cast); launch cache off "
+                f"{uncached:7.1f} us"
+            )
+    finally:
+        os.environ.pop(LAUNCH_CACHE_ENV, None)
+        if before is not None:
+            os.environ[LAUNCH_CACHE_ENV] = before
     return rows
 
 
@@ -279,62 +246,11 @@ def bench_groups(res: Results, m: int, k: int, num_groups: int, elem: str, modes
         res.add(f"groups dim1 blocked G={num_groups}", x.shape, mode, ms, nbytes(x) + out_bytes(out))
 
 
-def sweep(m: int, k: int, elem: str) -> list[dict]:
-    """Tile configurations of the raw kernels on a bf16 [m, k] input, floor rule."""
-    from mx_kernels.cast_dim0 import cast_dim0 as k_dim0
-    from mx_kernels.cast_dim0_dim1 import cast_dim0_dim1 as k_fused
-    from mx_kernels.cast_dim1 import cast_dim1 as k_dim1
-    from mx_kernels.cast_groups_dim1 import cast_groups_dim1 as k_groups
-
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    # dim0: (BLOCK_M, BLOCK_K, warps), its default first; dim1, fused: (NUM_SUB 32-row sub-tiles, BLOCK_K, warps)
-    candidates = {
-        "dim0": (k_dim0, "BLOCK_M", [(32, 512, 8), (32, 256, 4), (16, 512, 4), (32, 256, 8), (64, 128, 4)]),
-        "dim1": (k_dim1, "NUM_SUB", [(4, 64, 1), (8, 64, 1), (2, 64, 1), (4, 32, 1), (8, 32, 1), (4, 128, 1)]),
-        "dim0_dim1": (k_fused, "NUM_SUB", [(4, 64, 1), (2, 64, 1), (8, 64, 1), (4, 32, 1), (8, 32, 1)]),
-    }
-    rows = []
-    for name, (fn, m_key, configs) in candidates.items():
-        for bm, bk, warps in configs:
-            cfg = {m_key: bm, "BLOCK_K": bk, "num_warps": warps}
-            (ms, _), outs = timed(fn, x, elem, "floor", False, cfg)
-            gbs = nbytes(x, *outs) / ms / 1e6
-            rows.append(dict(kernel=name, config=cfg, us=ms * 1e3, gbs=gbs))
-            print(f"sweep {name:10s} {m_key}={bm:3d} BLOCK_K={bk:3d} warps={warps}  {ms * 1e3:8.1f} us {gbs:7.0f} GB/s")
-    from mx_kernels.fake_quant_2d import fake_quant_2d as k_fq2d
-
-    for bm, bk, warps in [(32, 128, 4), (32, 256, 4), (32, 256, 8), (64, 64, 4), (64, 128, 4), (64, 128, 8),
-                          (64, 256, 8), (128, 64, 8), (128, 128, 8)]:  # fmt: skip
-        cfg = dict(BLOCK_M=bm, BLOCK_K=bk, num_warps=warps)
-        for along_k in (True, False):
-            (ms, _), outs = timed(k_fq2d, x, elem, "floor", along_k, True, cfg)
-            gbs = nbytes(x, *outs) / ms / 1e6
-            kernel = "fake_quant_2d " + ("both" if along_k else "along M")
-            rows.append(dict(kernel=kernel, config=cfg, us=ms * 1e3, gbs=gbs))
-            print(
-                f"sweep {kernel:22s} BLOCK_M={bm:3d} BLOCK_K={bk:3d} warps={warps}  {ms * 1e3:8.1f} us {gbs:7.0f} GB/s"
-            )
-    xg = torch.randn(16640, 5120, device="cuda", dtype=torch.bfloat16)
-    offs = torch.tensor([1024, 1056] * 8, device="cuda").cumsum(0).to(torch.int32)  # multiples of 32 rows, sum 16640
-    for bk, warps in ((32, 1), (64, 1)):
-        cfg = dict(BLOCK_K=bk, num_warps=warps)
-        (ms, _), outs = timed(k_groups, xg, offs, elem, "floor", cfg)
-        gbs = nbytes(xg, *outs) / ms / 1e6
-        rows.append(dict(kernel="groups_dim1", config=cfg, us=ms * 1e3, gbs=gbs))
-        print(f"sweep groups_dim1 BLOCK_K={bk:3d} warps={warps}  {ms * 1e3:8.1f} us {gbs:7.0f} GB/s")
-    # is rceil slower than floor, or is it drift? alternate them
-    for mode in ("floor", "rceil", "floor", "rceil"):
-        (ms, _), _ = timed(k_dim0, x, elem, mode, False)
-        print(f"sweep dim0 default config {mode}: {ms * 1e3:.1f} us")
-        rows.append(dict(kernel="dim0 alternation", mode=mode, us=ms * 1e3))
-    return rows
-
-
 def check_targets(res: Results, experts: list[int], n: int, k: int, modes: list[str]) -> list[str]:
-    """The targets of DESIGN.md, each judged on the events time and on the kernel time."""
+    """The cast targets of docs/DESIGN.md, each judged on the events time and on the kernel time."""
     lines = []
     for mode in modes:
-        sep, fused = res.get("fq dim0 + dim1 separate", mode), res.get("fq dim0 + along M fused", mode)
+        sep, fused = res.get("fq dim0 + along M separate", mode), res.get("fq dim0 + along M fused", mode)
         lines.append(f"fake-quant fused speedup over separate {mode}: {sep['us'] / fused['us']:.2f}x")
     for key, what in (("pct_copy", "events"), ("kernel_pct_copy", "kernels")):
         for fake_quant, label, target in ((False, "cast", " (target >= 90%)"), (True, "fake-quant", "")):
@@ -382,7 +298,6 @@ def main() -> None:
     p.add_argument("--elem", default="e4m3")
     p.add_argument("--modes", default="floor,rceil")
     p.add_argument("--no-compile-ref", action="store_true", help="skip the torch.compile'd reference")
-    p.add_argument("--sweep", action="store_true", help="also time tile configurations of the raw kernels")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args()
     experts = [int(e) for e in args.experts.split(",") if e]
@@ -395,7 +310,6 @@ def main() -> None:
         f"{copy_gbs[0]:.0f} GB/s events, {copy_gbs[1]:.0f} GB/s kernel"
     )
     res = Results(copy_gbs)
-    sweep_rows = sweep(args.m, args.k, args.elem) if args.sweep else []
     bench_2d(res, args.m, args.k, args.elem, modes)
     bench_fake_quant(res, (args.m, args.k), args.elem, modes)
     bench_fake_quant(res, (max(experts), args.n3d, args.k3d), args.elem, modes[:1])
@@ -403,7 +317,7 @@ def main() -> None:
     bench_groups(res, 16640, args.k3d, 16, args.elem, modes)
     meta = run_meta(copy_gbs=copy_gbs[0], copy_kernel_gbs=copy_gbs[1], elem=args.elem)
     host_rows = bench_host(args.elem, modes[0])
-    write_json(args.out, meta, res, sweep_rows, [], host_rows)  # in case the compiled references run out of time
+    write_json(args.out, meta, res, [], host_rows)  # in case the compiled references run out of time
     if not args.no_compile_ref:
         try:
             bench_compiled_refs(res, args.m, args.k, args.elem, modes)
@@ -426,15 +340,13 @@ def main() -> None:
         )
     targets = check_targets(res, experts, args.n3d, args.k3d, modes)
     print("\n" + "\n".join(targets))
-    write_json(args.out, meta, res, sweep_rows, targets, host_rows)
+    write_json(args.out, meta, res, targets, host_rows)
 
 
-def write_json(
-    path: str | None, meta: dict, res: Results, sweep_rows: list[dict], targets: list[str], host_rows: list[dict]
-) -> None:  # fmt: skip
+def write_json(path: str | None, meta: dict, res: Results, targets: list[str], host_rows: list[dict]) -> None:
     if path:
         with open(path, "w") as f:
-            data = dict(meta=meta, results=res.rows, sweep=sweep_rows, targets=targets, host=host_rows)
+            data = dict(meta=meta, results=res.rows, targets=targets, host=host_rows)
             json.dump(data, f, indent=1)
 
 

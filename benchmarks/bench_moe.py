@@ -1,15 +1,16 @@
-"""The seed's grouped-GEMM table: bf16 vs MX forward and forward+backward of one expert GEMM.
+"""The grouped-GEMM table: bf16 vs MX forward and forward+backward of one expert GEMM.
 
-A (16640, 5120) routed evenly to E experts, B (E, 8192, 5120), E in 1, 4, 16, 64
-(shared/seeds/003_*.txt). Prints the device, then one row per E with the seed's columns;
-e2e means forward + backward. Both sides are compiled with torch.compile unless --eager.
+A (16640, 5120) routed evenly to E experts, B (E, 8192, 5120), E in 1, 4, 16, 64. Prints the
+device, then one row per E; e2e means forward + backward, and ``*_speedup`` is bf16 time / MX
+time. Both sides are compiled with torch.compile unless --eager. The Hopper target: MX fwd+bwd
+<= 1.15x the bf16 time.
 
-Times are wall medians with bf16 and MX interleaved in --rounds rounds (bench_timing.py), so a drift
+Times are wall medians with bf16 and MX interleaved in --rounds rounds (timing.py), so a drift
 of the GPU between measurements lands on both; the rows also carry each side's summed GPU kernel time
 per fwd+bwd and the spread of the round medians.
 
-    python scripts/bench_moe.py [--experts 1 4 16 64] [--recipe mxfp8] [--fuse-expert-casts] [--eager]
-                                [--rounds 5] [--out results.json]
+    python benchmarks/bench_moe.py [--experts 1 4 16 64] [--recipe mxfp8] [--fuse-expert-casts] [--eager]
+                                   [--rounds 5] [--out results.json]
 
 --fuse-expert-casts sets MXRecipe.fuse_expert_casts (the expert weights read once in forward for
 both of their fake-quants; a bf16 copy of them held until backward); the recipe column says so.
@@ -21,8 +22,7 @@ import argparse
 import json
 
 import torch
-from bench_meta import run_meta
-from bench_timing import interleaved
+from timing import interleaved, run_meta
 
 from mx_recipe import MXRecipe
 from mx_recipe.grouped import mx_grouped_mm
@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--recipe", default="mxfp8")
     parser.add_argument("--fuse-expert-casts", action="store_true", help="MXRecipe.fuse_expert_casts=True")
     parser.add_argument("--eager", action="store_true", help="do not torch.compile either side")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (bench_timing.py)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (timing.py)")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():

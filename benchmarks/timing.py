@@ -1,0 +1,137 @@
+"""Timing and run metadata shared by every benchmark of this folder.
+
+``interleaved``: the benchmarks that compare bf16 against MX time every variant of one comparison
+in interleaved rounds, so that a drift of the GPU clock or of the allocator between two back-to-back
+measurements lands on both sides instead of on whichever ran first.
+
+Two figures per variant:
+- wall: the median over all rounds of ``triton.testing.do_bench`` samples (CUDA events around each
+  call, L2 flushed before each), and the spread of the per-round medians;
+- kernel: the GPU time of the kernels one call launches, summed (torch.profiler), which leaves out
+  launch gaps and idle time; the two together show where a ratio comes from.
+
+``median_ms``, ``kernel_us`` and ``host_us`` time a single call: its events time, the GPU time of
+its kernels, and the host time of launching it.
+
+``run_meta``: the provenance written with every result file (device, torch, date, commit).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench
+
+
+@dataclass
+class Timing:
+    wall_us: float  # median of every sample of every round
+    round_us: list[float]  # the median of each round, in round order
+    kernel_us: float  # summed GPU kernel time of one call
+
+    @property
+    def spread(self) -> float:
+        """(slowest - fastest round median) / wall_us."""
+        return (max(self.round_us) - min(self.round_us)) / self.wall_us
+
+
+def median_ms(fn: Callable[[], object]) -> float:
+    """Median time of one call (``triton.testing.do_bench``: CUDA events around each call, L2 flushed before each)."""
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def kernel_us(
+    step: Callable[[], object],
+    calls: int = 5,
+    grad_to_none: list[torch.Tensor] | None = None,
+    flush_l2: bool = False,
+) -> float:
+    """Summed device time of the CUDA kernels (and memcpys) one call of ``step`` launches, mean over
+    ``calls``. ``flush_l2``: L2 flushed before each call as do_bench does; the flush's fill kernels,
+    and with them any fill of ``step`` itself, are left out of the sum."""
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda") if flush_l2 else None
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            for t in grad_to_none or []:
+                t.grad = None
+            if flush is not None:
+                flush.zero_()
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    if flush_l2:
+        events = [e for e in events if "FillFunctor" not in e.key]
+    total_us = sum(e.device_time_total for e in events)
+    if total_us <= 0:
+        raise RuntimeError(f"the profiler saw no GPU work in {calls} calls")
+    return total_us / calls
+
+
+def host_us(fn: Callable[[], object], calls: int = 500) -> float:
+    """Host time of one call (median of 5 rounds after a warm-up round), the GPU idle enough that it
+    never holds the host back."""
+    rounds = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls // 5):
+            fn()
+        rounds.append((time.perf_counter() - start) / (calls // 5) * 1e6)
+    torch.cuda.synchronize()
+    return sorted(rounds[1:])[2]
+
+
+def interleaved(
+    steps: dict[str, Callable[[], None]],
+    rounds: int = 5,
+    rep_ms: float = 200.0,
+    grad_to_none: list[torch.Tensor] | None = None,
+) -> dict[str, Timing]:
+    """Times each step in ``rounds`` rounds; each round runs every step for about ``rep_ms``, in an
+    order rotated by one each round. Every step is warmed (compiled) before the first round."""
+    if rounds < 1 or rep_ms <= 0:
+        raise ValueError(f"rounds must be >= 1 and rep_ms > 0, got rounds={rounds}, rep_ms={rep_ms}")
+    names = list(steps)
+    for name in names:
+        do_bench(steps[name], warmup=50, rep=50, grad_to_none=grad_to_none)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    round_us: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            ms = do_bench(steps[name], warmup=10, rep=rep_ms, grad_to_none=grad_to_none, return_mode="all")
+            us = [t * 1e3 for t in ms]
+            samples[name] += us
+            round_us[name].append(statistics.median(us))
+    kernels = {name: kernel_us(steps[name], grad_to_none=grad_to_none) for name in names}
+    return {name: Timing(statistics.median(samples[name]), round_us[name], kernels[name]) for name in names}
+
+
+def git_commit() -> str:
+    """MX_GIT_COMMIT when set (a tree copied to a GPU machine may carry a stale .git), else the checkout's."""
+    if os.environ.get("MX_GIT_COMMIT"):
+        return os.environ["MX_GIT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
+        return out.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_meta(**extra: object) -> dict:
+    """Provenance of a benchmark run, plus ``extra``: the ``meta`` object of every result file."""
+    return dict(
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        torch=torch.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        commit=git_commit(),
+        **extra,
+    )
