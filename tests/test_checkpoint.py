@@ -1,5 +1,6 @@
 """Checkpoints: atomic commits, a kill in the middle of a save, exact resume over 2 processes, and
-a checkpoint written by 2 processes loaded by 1 (DCP resharding)."""
+a checkpoint written by 2 processes loaded by 1 (DCP resharding). The kill and the signal are
+injected by tests/fault_entry.py (mx_recipe/train/faults.py)."""
 
 import json
 import shutil
@@ -13,7 +14,9 @@ import torch
 from test_train import BF16_ARGS, ENV, REPO, SMALL, TORCHRUN, _run, bf16_reference, last_losses, run_in_process
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from mx_recipe.train.checkpoint import TEST_KILL_ENV, committed_checkpoints, latest_checkpoint
+from mx_recipe.train.checkpoint import committed_checkpoints, latest_checkpoint
+
+FAULT_ENTRY = "tests/fault_entry.py"  # train.py with faults injected, relative to REPO
 
 
 def test_latest_is_the_newest_committed_checkpoint(tmp_path):
@@ -33,8 +36,8 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint_latest(tmp_path):
     a run that never stopped."""
     run = tmp_path / "run"
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2"]
-    cmd = [sys.executable, "train.py", *BF16_ARGS, *ckpt, "--job.output_dir", str(run)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env={**ENV, TEST_KILL_ENV: "3"})
+    cmd = [sys.executable, FAULT_ENTRY, "--kill-in-save-step", "3", *BF16_ARGS, *ckpt, "--job.output_dir", str(run)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-2000:]
     folder = run / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["step-1", "step-2", "step-3.tmp"]
@@ -70,6 +73,8 @@ def test_two_process_resume_is_exact_and_reshards(tmp_path):
     ref, run, one, hsdp = (tmp_path / name for name in ("ref", "run", "one", "hsdp"))
     args = ["--config", "debug_moe_bf16", "--training.steps", "4", *SMALL]
     two = [*TORCHRUN, *args, "--training.local_batch_size", "2"]
+    # the same, with tests/fault_entry.py for train.py: rank 0 sends itself SIGTERM in step 3
+    two_signalled = [*TORCHRUN[:-1], FAULT_ENTRY, "--signal-step", "3", *args, "--training.local_batch_size", "2"]
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
     _run([*two, *ckpt, "--job.output_dir", str(ref)])
     expected = last_losses(ref)
@@ -84,10 +89,7 @@ def test_two_process_resume_is_exact_and_reshards(tmp_path):
     # The two 2-process resumes side by side: each torchrun leaves a core idle much of the time.
     procs = [
         subprocess.Popen([*two, "--job.output_dir", str(run)], **_POPEN),
-        subprocess.Popen(
-            [*two, "--parallel.dp_replicate", "2", "--job.output_dir", str(hsdp)],
-            **{**_POPEN, "env": {**ENV, "MX_RECIPE_TEST_SIGNAL_AT_STEP": "3"}},
-        ),
+        subprocess.Popen([*two_signalled, "--parallel.dp_replicate", "2", "--job.output_dir", str(hsdp)], **_POPEN),
     ]
     (out_run, err_run), (out_hsdp, err_hsdp) = (p.communicate(timeout=300) for p in procs)
     assert procs[0].returncode == 0, out_run[-3000:] + err_run[-3000:]

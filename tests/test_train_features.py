@@ -2,7 +2,8 @@
 checkpointing, gradient accumulation, compile, HSDP and start-up errors.
 
 Most runs go through train.py's main() in this process (tests/test_train.py: run_in_process);
-the ones that need a real signal run it as a subprocess.
+the ones that need a real signal run it as a subprocess. Faults (a NaN loss) are injected through
+mx_recipe.train.faults.
 """
 
 import re
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 
+import fault_entry
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,10 +29,18 @@ from test_train import (
 from torch.distributed.fsdp import FSDPModule
 
 from mx_recipe.models import build_model, model_args
+from mx_recipe.train.faults import NO_FAULTS, FaultHooks, fault_hooks, set_fault_hooks
 from mx_recipe.train.parallel import DistInfo, apply_activation_checkpointing, materialize_and_shard
-from mx_recipe.train.trainer import TEST_NAN_ENV, forward_backward
+from mx_recipe.train.trainer import forward_backward
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def nan_loss_at():
+    """Installs FaultHooks making the loss of the given steps NaN; removes them after the test."""
+    yield lambda *steps: set_fault_hooks(FaultHooks(nan_loss_steps=frozenset(steps)))
+    set_fault_hooks(None)
 
 
 def test_a_stop_signal_saves_and_the_same_command_resumes_exactly(tmp_path):
@@ -68,9 +78,9 @@ def test_a_stop_signal_saves_and_the_same_command_resumes_exactly(tmp_path):
     assert last_losses(run) == last_losses(ref)
 
 
-def test_nan_loss_is_skipped_up_to_the_limit_then_stops_naming_the_last_checkpoint(tmp_path, monkeypatch):
+def test_nan_loss_is_skipped_up_to_the_limit_then_stops_naming_the_last_checkpoint(tmp_path, nan_loss_at):
     run = tmp_path / "run"
-    monkeypatch.setenv(TEST_NAN_ENV, "2,3")
+    nan_loss_at(2, 3)
     ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "2"]
     code, out, err = run_in_process([*BF16_ARGS, *ckpt, "--training.skip_nan_steps", "1", "--job.output_dir", str(run)])
     assert code == 1
@@ -80,21 +90,31 @@ def test_nan_loss_is_skipped_up_to_the_limit_then_stops_naming_the_last_checkpoi
     assert [r["step"] for r in _metrics(run)] == [1] and not (run / "DONE").exists()
 
 
-def test_nan_loss_stops_at_once_without_skips(tmp_path, monkeypatch):
-    monkeypatch.setenv(TEST_NAN_ENV, "1")
+def test_nan_loss_stops_at_once_without_skips(tmp_path, nan_loss_at):
+    nan_loss_at(1)
     code, _, err = run_in_process([*BF16_ARGS, "--job.output_dir", str(tmp_path)])
     assert code == 1
     assert "error: loss is nan at step 1; last good checkpoint: none\n" in err
 
 
-def test_skipped_nan_steps_leave_the_run_going(tmp_path, monkeypatch):
-    monkeypatch.setenv(TEST_NAN_ENV, "2,3")
+def test_skipped_nan_steps_leave_the_run_going(tmp_path, nan_loss_at):
+    nan_loss_at(2, 3)
     code, out, err = run_in_process([*BF16_ARGS, "--training.skip_nan_steps", "2", "--job.output_dir", str(tmp_path)])
     assert code == 0, err
     assert "step 3: loss is nan: skipped without an update (2 of 2 skips used)" in out
     records = _metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 4] and records[-1]["loss"] < records[0]["loss"]
     assert (tmp_path / "DONE").is_file()
+
+
+def test_fault_entry_takes_its_hooks_and_leaves_train_py_its_arguments():
+    """tests/fault_entry.py's split of a command line; with no hook installed nothing is injected."""
+    assert fault_hooks() == NO_FAULTS and not NO_FAULTS.nan_loss_steps
+    args = ["--config", "debug_bf16", "--nan-loss-steps", "2,3", "--training.steps", "4", "--kill-in-save-step", "3"]
+    hooks, rest = fault_entry.parse_hooks(args)
+    assert hooks == FaultHooks(nan_loss_steps=frozenset({2, 3}), kill_in_save_step=3)
+    assert rest == ["--config", "debug_bf16", "--training.steps", "4"]
+    assert fault_entry.parse_hooks(["--signal-step", "3"]) == (FaultHooks(signal_step=3), [])
 
 
 def test_validation_is_logged_and_changes_no_training_step(tmp_path):

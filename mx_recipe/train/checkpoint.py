@@ -32,9 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-# Test hook: SIGKILL this process inside the save of this step, after the shards are written and
-# before the commit (tests/test_checkpoint.py).
-TEST_KILL_ENV = "MX_RECIPE_TEST_KILL_IN_SAVE_AT_STEP"
+from mx_recipe.train.faults import fault_hooks
 
 _COMMITTED = re.compile(r"step-(\d+)")
 _RANK_KEY = re.compile(r"rank_(\d+)")
@@ -146,7 +144,7 @@ class Checkpointer:
         # Each rank's data position and RNG: a leaf of bytes, so its structure is the data source's business.
         state[f"rank_{self.rank}"] = pickle.dumps({"data": data.state_dict(), "rng": _rng_state(self.device)})
         dcp.save(state, checkpoint_id=tmp)
-        if os.environ.get(TEST_KILL_ENV) == str(step):
+        if step == fault_hooks().kill_in_save_step:  # tests only (faults.py)
             os.kill(os.getpid(), signal.SIGKILL)  # no handler, no cleanup, as a node failure
         dist.barrier()  # every rank's shards are on disk
         if self.rank == 0:

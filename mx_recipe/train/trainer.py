@@ -26,6 +26,7 @@ from mx_recipe.models import build_model, flops_per_token, model_args, moe_layer
 from mx_recipe.train.checkpoint import Checkpointer, TrainState
 from mx_recipe.train.config import Config, build_mx_recipe, config_to_toml
 from mx_recipe.train.data import build_datasets
+from mx_recipe.train.faults import fault_hooks
 from mx_recipe.train.metrics import MetricsLogger, peak_memory_gib
 from mx_recipe.train.parallel import (
     DistInfo,
@@ -36,10 +37,6 @@ from mx_recipe.train.parallel import (
     materialize_and_shard,
     reshard,
 )
-
-# Test hooks (tests/test_train_features.py), read once per run:
-TEST_NAN_ENV = "MX_RECIPE_TEST_NAN_AT_STEP"  # comma-separated steps whose loss is made NaN
-TEST_SIGNAL_ENV = "MX_RECIPE_TEST_SIGNAL_AT_STEP"  # rank 0 sends itself SIGTERM during this step
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -173,10 +170,6 @@ def memory_report(device: torch.device) -> str:
     )
 
 
-def _test_steps(name: str) -> set[int]:
-    return {int(s) for s in os.environ.get(name, "").split(",") if s.strip()}
-
-
 def _agree(loss: torch.Tensor, grad_norm: torch.Tensor, signum: int) -> tuple[bool, bool, int]:
     """(loss non-finite on any rank, grad norm non-finite, the signal any rank received): one
     small all-reduce, so every rank takes the same branch."""
@@ -278,18 +271,18 @@ def train(config: Config, info: DistInfo) -> list[dict]:
     if info.is_main:
         done_file.unlink(missing_ok=True)
 
-    nan_steps, signal_step = _test_steps(TEST_NAN_ENV), _test_steps(TEST_SIGNAL_ENV)
+    faults = fault_hooks()  # tests only (faults.py); by default nothing is injected
     max_norm = t.max_norm if t.max_norm > 0 else math.inf
     records: list[dict] = []
     try:
         with StopSignals() as signals:
             for step in range(state.step + 1, t.steps + 1):
                 microbatches = [data.train.next_batch() for _ in range(t.gradient_accumulation_steps)]
-                loss = forward_backward(model, microbatches, info.device, inject_nan=step in nan_steps)
+                loss = forward_backward(model, microbatches, info.device, inject_nan=step in faults.nan_loss_steps)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
                 if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
                     grad_norm = grad_norm.full_tensor()
-                if step in signal_step and info.is_main:
+                if step == faults.signal_step and info.is_main:
                     os.kill(os.getpid(), signal.SIGTERM)
                 bad_loss, bad_grad, signum = _agree(loss, grad_norm, signals.received)
                 state.step = step
