@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU smoke run of the foundation: debug_bf16 and debug_mxfp8 on one GPU, then debug_mxfp8 with
+# GPU smoke run: debug_bf16 and debug_mxfp8 on one GPU, then debug_mxfp8 with
 # FSDP2 over NCCL on two GPUs at the same global batch, and a check that the first-step losses
 # agree. Usage: scripts/smoke_gpu.sh [OUT_DIR] [STEPS]
 set -euo pipefail

@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-# Dense bf16 peak FLOP/s (no sparsity), from the vendors' datasheets; the B200 figure is the
-# one the MX performance tracker (shared/seeds/002) quotes.
+# Dense bf16 peak FLOP/s (no sparsity), from the vendors' datasheets.
 BF16_PEAK_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "B200": 2250e12}
 TENSORBOARD_HINT = "pip install tensorboard (it is in the project's dev extra: pip install -e '.[dev]')"
 WANDB_HINT = "pip install -e '.[wandb]' (the wandb extra), or pip install wandb"
