@@ -13,8 +13,6 @@ sync). The programs past the last group own the buffer's tail and write it as ze
 Contract: offs is validated on the host only on CPU (or when asked). On GPU invalid offs
 give unspecified values but never an access out of bounds (group ends are clamped to
 [0, M_total], scale stores to the buffer).
-On Hopper, bf16 input goes to the Gluon kernel of ``gluon_cast_groups`` (same walk, same bits;
-``common.use_gluon``).
 """
 
 from __future__ import annotations
@@ -22,19 +20,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from mx_kernels.common import (
-    cdiv,
-    check_cast,
-    format_constexprs,
-    fp8_dtype,
-    groups_dim1_shapes,
-    software_round,
-    use_gluon,
-)
+from mx_kernels.common import check_cast, fp8_dtype, groups_dim1_shapes, software_round
+from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.mx_quantize import blocked_scale_offset, quantize_blocks, to_fp32
+from mx_kernels.spec import cdiv
 
-GROUPS_DIM1_CONFIG = dict(BLOCK_K=64, num_warps=1)  # one warp: see cast_dim1.py
-GROUP_TILE_M = 128  # source rows per program: one 4-column tile of scales
+BLOCK_K, NUM_WARPS = 64, 1  # one warp per program: see cast_dim1.py; 128 source rows (one scale tile column)
 
 
 @triton.jit
@@ -51,12 +42,7 @@ def _cast_groups_dim1_kernel(
     stride_xk,
     GROUPS_POW2: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    EMAX: tl.constexpr,
-    MAX_MANT: tl.constexpr,
-    MAX_NORMAL: tl.constexpr,
-    MBITS: tl.constexpr,
-    EMIN: tl.constexpr,
-    IS_E4M3: tl.constexpr,
+    ELEM: tl.constexpr,
     RCEIL: tl.constexpr,
     SOFTWARE_ROUND: tl.constexpr,
 ):
@@ -90,7 +76,7 @@ def _cast_groups_dim1_kernel(
         mask = (rows < row_end)[:, None] & (cols < K)[None, :]
         x_offs = rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
         x = to_fp32(tl.load(x_ptr + x_offs, mask=mask, other=0.0), SOFTWARE_ROUND)
-        q, scale = quantize_blocks(x, 0, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND)
+        q, scale = quantize_blocks(x, 0, ELEM, RCEIL, SOFTWARE_ROUND)
         tl.store(q_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], q, mask=mask)
         scales = tl.where(c[None, :] == i, scale[:, None], scales)
 
@@ -104,42 +90,30 @@ def _cast_groups_dim1_kernel(
     tl.store(s_ptr + s_offs, tl.where(valid, scales, 0), mask=in_buffer)
 
 
-def cast_groups_dim1(
-    x: torch.Tensor, offs: torch.Tensor, elem: str, mode: str, config: dict | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+_LAUNCHES = LaunchCache(_cast_groups_dim1_kernel)
+
+
+def cast_groups_dim1(x: torch.Tensor, offs: torch.Tensor, elem: str, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M_total, K], offs int32 [G] -> (qdata [K, M_total] fp8, per-group blocked scales e8m0, 1D).
 
     The caller validates ``offs`` (``common.check_offs``); for plain scales use ``cast_dim1``.
     """
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_groups_dim1")
-    if use_gluon(x, config):  # Hopper: 80% / 77% of copy for 16 / 64 groups, Triton 60% / 49% (H200)
-        from mx_kernels.gluon_cast_groups import gluon_cast_groups_dim1
-
-        return gluon_cast_groups_dim1(x, offs, elem, mode)
     q_shape, s_shape = groups_dim1_shapes(x.shape, offs.numel(), blocked=True)
     qdata = torch.empty(q_shape, dtype=fp8_dtype(elem), device=x.device)
     scale = torch.empty(s_shape, dtype=torch.float8_e8m0fnu, device=x.device)
     m, k = x.shape
     if k == 0:
         return qdata, scale
-    cfg = {**GROUPS_DIM1_CONFIG, **(config or {})}
-    max_tile_cols = cdiv(m // 32, 4) + offs.numel()  # as scale_layout.blocked_groups_numel
-    grid = (max_tile_cols, cdiv(cdiv(k, 128) * 128, cfg["BLOCK_K"]))
-    _cast_groups_dim1_kernel[grid](
-        x,
-        offs,
-        qdata.view(torch.uint8),
-        scale.view(torch.uint8),
-        m,
-        k,
-        offs.numel(),
-        max_tile_cols,
-        x.stride(0),
-        x.stride(1),
-        GROUPS_POW2=triton.next_power_of_2(offs.numel()),
-        BLOCK_K=cfg["BLOCK_K"],
-        SOFTWARE_ROUND=software_round(x, "cast_groups_dim1"),
-        num_warps=cfg["num_warps"],
-        **format_constexprs(elem, mode),
-    )
+    max_tile_cols = cdiv(m // 32, 4) + offs.numel()  # as spec.blocked_groups_numel
+    grid = (max_tile_cols, cdiv(cdiv(k, 128) * 128, BLOCK_K))
+    _LAUNCHES.launch(
+        grid,
+        dict(
+            x_ptr=x, offs_ptr=offs, q_ptr=qdata.view(torch.uint8), s_ptr=scale.view(torch.uint8), M=m, K=k,
+            num_groups=offs.numel(), max_tile_cols=max_tile_cols, stride_xm=x.stride(0), stride_xk=x.stride(1),
+            GROUPS_POW2=triton.next_power_of_2(offs.numel()), BLOCK_K=BLOCK_K, ELEM=elem, RCEIL=mode == "rceil",
+            SOFTWARE_ROUND=software_round(x, "cast_groups_dim1"), num_warps=NUM_WARPS,
+        ),
+    )  # fmt: skip
     return qdata, scale

@@ -6,17 +6,18 @@ so tracing with torch.compile never needs Triton or a GPU.
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Mapping
 
 import torch
-
-from mx_recipe.formats import BLOCK_SIZE, SCALE_RULES, elem_format
-from mx_recipe.scale_layout import blocked_groups_numel, blocked_numel
-
-# Element formats the kernels write; e2m1 (fp4) needs nibble packing they don't do.
-KERNEL_ELEMS = ("e4m3", "e5m2")
+from mx_kernels.spec import (
+    BLOCK_SIZE,
+    KERNEL_ELEMS,
+    SCALE_RULES,
+    blocked_groups_numel,
+    blocked_numel,
+    cdiv,
+    elem_format,
+)
 
 
 def check_cast(x: torch.Tensor, elem: str, mode: str, ndims: tuple[int, ...], qdim: int | None, op: str) -> None:
@@ -25,7 +26,7 @@ def check_cast(x: torch.Tensor, elem: str, mode: str, ndims: tuple[int, ...], qd
     if elem == "e2m1":
         raise ValueError(
             f"{op}: the Triton MX cast kernels write fp8 (e4m3, e5m2) only; e2m1 is not supported "
-            "here (use mx_recipe.formats.to_mx, or mx_recipe.cast, which falls back to it)"
+            "here (mx_recipe.cast takes the reference for it)"
         )
     elem_format(elem)  # unknown names raise the reference's ValueError
     if elem not in KERNEL_ELEMS:
@@ -51,20 +52,6 @@ def fp8_dtype(elem: str) -> torch.dtype:
     return elem_format(elem).torch_dtype
 
 
-def format_constexprs(elem: str, mode: str) -> dict[str, object]:
-    """The compile-time constants a kernel needs for one element format and scale rule."""
-    fmt = elem_format(elem)
-    return dict(
-        EMAX=fmt.emax,
-        MAX_MANT=fmt.max_mantissa_bits,
-        MAX_NORMAL=fmt.max_normal,
-        MBITS=fmt.mbits,
-        EMIN=fmt.emin,
-        IS_E4M3=elem == "e4m3",
-        RCEIL=mode == "rceil",
-    )
-
-
 def interpreting() -> bool:
     """True under the Triton CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -78,11 +65,6 @@ def software_round(x: torch.Tensor, op: str) -> bool:
     if not x.is_cuda:
         raise RuntimeError(f"{op}: the Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1), got {x.device}")
     return False
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for launch grids: triton.cdiv is a ConstexprFunction, 2.3 us a call on the host."""
-    return -(-a // b)
 
 
 def tile_grid(m: int, k: int, block_m: int, block_k: int, pad: int) -> tuple[int, int]:
@@ -152,30 +134,3 @@ def check_offs(offs: torch.Tensor, m_total: int, check_values: bool) -> None:
         raise ValueError(f"every token group must be a multiple of {BLOCK_SIZE} rows, got group sizes {sizes.tolist()}")
     if ends[-1].item() != m_total:
         raise ValueError(f"offs must end at M_total = {m_total} (the groups cover every row), got {ends[-1].item()}")
-
-
-GLUON_ENV = "MX_RECIPE_GLUON"  # "0" in the environment: the Triton kernels everywhere
-
-
-def gluon_rule(
-    capability: tuple[int, int] | None, dtype: torch.dtype, config: dict | None, interpreter: bool,
-    env: Mapping[str, str],
-) -> bool:  # fmt: skip
-    """Whether a cast launches its Gluon kernel instead of its Triton one: bf16 x on an NVIDIA GPU of
-    compute capability 9.x (``capability``; None off NVIDIA CUDA), no Triton ``config`` asked for, not
-    the Triton interpreter, and ``env`` (os.environ) not setting MX_RECIPE_GLUON=0."""
-    # Hopper only: where the Gluon kernels were measured faster (H200) and tested bit for bit
-    hopper = capability is not None and capability[0] == 9
-    return hopper and dtype == torch.bfloat16 and config is None and not interpreter and env.get(GLUON_ENV) != "0"
-
-
-@functools.cache
-def _nvidia_capability(device_index: int) -> tuple[int, int] | None:
-    """(major, minor) of an NVIDIA GPU; None on ROCm, whose capabilities (MI300: 9.4) mean something else."""
-    return None if torch.version.hip else torch.cuda.get_device_capability(device_index)
-
-
-def use_gluon(x: torch.Tensor, config: dict | None) -> bool:
-    """``gluon_rule`` for a launch on ``x`` (read at each call, so the environment can change it)."""
-    capability = _nvidia_capability(x.device.index) if x.is_cuda else None
-    return gluon_rule(capability, x.dtype, config, interpreting(), os.environ)

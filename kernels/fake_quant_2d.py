@@ -16,10 +16,7 @@ the group's first row, as if the group were zero-padded to a multiple of 32; eac
 written back to its own row of x's shape and the padding rows are dropped. No padded copy is
 written, and the grad-weight GEMM runs over the groups as they are (no padding FLOPs).
 
-On a Hopper GPU (compute capability 9.x) both functions run the Gluon kernel of
-``mx_kernels.gluon_fake_quant`` (same bits, hand-chosen layout) unless the caller passes a Triton
-``config``; ``mx_kernels.common.use_gluon`` decides. ``MX_RECIPE_GLUON=0`` in the environment
-(read at each call) turns that off: the Triton kernel everywhere.
+Along K alone this is the fake-quant of the emulated forward (``mx_recipe.cast.fake_quant_dim0``).
 """
 
 from __future__ import annotations
@@ -27,25 +24,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from mx_kernels.common import (
-    BLOCK_SIZE,
-    cdiv,
-    check_cast,
-    fake_quant_2d_shapes,
-    format_constexprs,
-    groups_along_m_rows,
-    interpreting,
-    software_round,
-    use_gluon,
-)
+from mx_kernels.common import check_cast, fake_quant_2d_shapes, groups_along_m_rows, interpreting, software_round
+from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.mx_quantize import fake_quant_blocks, to_fp32
+from mx_kernels.spec import cdiv
 
-# The best of H200 sweeps (docs/profiles/2026-11-21_h200_fake_quant_sweep.txt, both outputs of
-# 16384 x 4096; docs/profiles/2026-11-21_h200_fake_quant_moe_sweep.txt: both outputs of the 3D
-# expert weights 87% of copy; along M alone (g gathered into padded groups, the kernel's row_src mode)
-# 80% with the smaller tile, 68% with this one).
-FAKE_QUANT_2D_CONFIG = dict(BLOCK_M=32, BLOCK_K=128, num_warps=4)
-ALONG_M_CONFIG = dict(BLOCK_M=32, BLOCK_K=64, num_warps=2)  # along M alone
+# (BLOCK_M, BLOCK_K, num_warps), the best of H200 sweeps: both outputs of 16384 x 4096 and of 3D expert
+# weights (87% of copy); along M alone (gathered token groups) 80% with the smaller tile, 68% with the other.
+TILE = (32, 128, 4)
+ALONG_M_TILE = (32, 64, 2)
 
 
 @triton.jit
@@ -64,12 +51,7 @@ def _fake_quant_2d_kernel(
     BLOCK_K: tl.constexpr,
     ALONG_K: tl.constexpr,
     ALONG_M: tl.constexpr,
-    EMAX: tl.constexpr,
-    MAX_MANT: tl.constexpr,
-    MAX_NORMAL: tl.constexpr,
-    MBITS: tl.constexpr,
-    EMIN: tl.constexpr,
-    IS_E4M3: tl.constexpr,
+    ELEM: tl.constexpr,
     RCEIL: tl.constexpr,
     SOFTWARE_ROUND: tl.constexpr,
     OUT_BF16_BITS: tl.constexpr,
@@ -91,17 +73,13 @@ def _fake_quant_2d_kernel(
     x = to_fp32(tl.load(x_ptr + x_offs, mask=in_x, other=0.0), SOFTWARE_ROUND)
     if ALONG_K:  # blocks of 32 along K: [BLOCK_M * BLOCK_K / 32, 32]
         blocks = tl.reshape(x, (BLOCK_M * BLOCK_K // 32, 32))
-        v = fake_quant_blocks(
-            blocks, 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND, OUT_BF16_BITS
-        )
+        v = fake_quant_blocks(blocks, 1, ELEM, RCEIL, SOFTWARE_ROUND, OUT_BF16_BITS)
         v = tl.reshape(v, (BLOCK_M, BLOCK_K))
         k_offs = pid_b * M * K + rows.to(tl.int64)[:, None] * K + cols[None, :]
         tl.store(k_ptr + k_offs, v, mask=in_x)
     if ALONG_M:  # blocks of 32 along M: [BLOCK_M / 32, 32, BLOCK_K], reduced over the middle dim
         blocks = tl.reshape(x, (BLOCK_M // 32, 32, BLOCK_K))
-        v = fake_quant_blocks(
-            blocks, 1, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND, OUT_BF16_BITS
-        )
+        v = fake_quant_blocks(blocks, 1, ELEM, RCEIL, SOFTWARE_ROUND, OUT_BF16_BITS)
         v = tl.reshape(v, (BLOCK_M, BLOCK_K))
         if GATHER:  # each row back to its own row of x's shape; padding rows are dropped
             tl.store(m_ptr + x_rows[:, None] * K + cols[None, :], v, mask=in_x)
@@ -111,7 +89,7 @@ def _fake_quant_2d_kernel(
 
 
 def fake_quant_2d(
-    x: torch.Tensor, elem: str, mode: str, along_k: bool, along_m: bool, config: dict | None = None
+    x: torch.Tensor, elem: str, mode: str, along_k: bool, along_m: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] or [E, M, K] (bf16; any strides) -> (along K, along M), each dequantized in x's dtype.
 
@@ -119,8 +97,7 @@ def fake_quant_2d(
     - along M: [.., ceil32(M), K], x zero-padded along M and quantized along it, not transposed:
       ``to_mx(pad(x).transpose(-2, -1).contiguous(), elem, mode).dequantize(x.dtype).transpose(-2, -1)``.
 
-    An output not asked for is an empty tensor. Bit for bit the reference's. ``config``: the Triton
-    kernel's tile (BLOCK_M, BLOCK_K, num_warps); asking for one also asks for the Triton kernel."""
+    An output not asked for is an empty tensor. Bit for bit the reference's."""
     if not (along_k or along_m):
         raise ValueError("fake_quant_2d: ask for along_k, along_m or both")
     check_cast(x, elem, mode, ndims=(2, 3), qdim=-1 if along_k else None, op="fake_quant_2d")
@@ -130,67 +107,50 @@ def fake_quant_2d(
     out_k, out_m = x.new_empty(k_shape), x.new_empty(m_shape)
     if x.numel():
         m_pad = m_shape[-2] if along_m else x.shape[-2]
-        _launch(x, None, out_k, out_m, elem, mode, along_k, along_m, x.shape[-2], m_pad, config)
+        _launch(x, None, out_k, out_m, elem, mode, along_k, along_m, x.shape[-2], m_pad)
     return out_k, out_m
 
 
-def fake_quant_groups_along_m(
-    x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str, config: dict | None = None
-) -> torch.Tensor:
+def fake_quant_groups_along_m(x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str) -> torch.Tensor:
     """x [M, K] (bf16; any strides), row_src int32 [R] -> [M, K] contiguous, in x's dtype.
 
     row_src lays x's rows out in padded token groups: R a multiple of 32, every row of x listed once,
     -1 for a padding row (``grouped.group_row_sources``). The laid-out rows are quantized along R in
     blocks of 32 and dequantized, and each comes back to its own row: bit for bit
     ``fake_quant_2d(x_padded, along_m=True)`` with the padding rows dropped. row_src is not checked on
-    the GPU (no host sync): a row of x it does not list is left unwritten. ``config``: as in ``fake_quant_2d``."""
+    the GPU (no host sync): a row of x it does not list is left unwritten."""
     check_cast(x, elem, mode, ndims=(2,), qdim=None, op="fake_quant_groups_along_m")
     if x.dtype != torch.bfloat16 and not interpreting():
         raise NotImplementedError(f"fake_quant_groups_along_m: the GPU kernel takes bf16 input, got {x.dtype}")
     rows = groups_along_m_rows(row_src)
     out = x.new_empty(x.shape[0], x.shape[1])
     if out.numel():
-        _launch(x, row_src, out, out, elem, mode, False, True, rows, rows, config)
+        _launch(x, row_src, out, out, elem, mode, False, True, rows, rows)
     return out
+
+
+_LAUNCHES = LaunchCache(_fake_quant_2d_kernel)
 
 
 def _launch(
     x: torch.Tensor, row_src: torch.Tensor | None, out_k: torch.Tensor, out_m: torch.Tensor, elem: str, mode: str,
-    along_k: bool, along_m: bool, m: int, m_pad: int, config: dict | None,
+    along_k: bool, along_m: bool, m: int, m_pad: int,
 ) -> None:  # fmt: skip
     """``m``: the rows the kernel walks (x's, or row_src's with row_src); ``m_pad``: along M's rows."""
-    if use_gluon(x, config):  # Hopper: the Gluon kernel, 3.3-8.6% faster on an H200 (bench_gluon_fake_quant.py)
-        from mx_kernels.gluon_fake_quant import launch
-
-        launch(x, row_src, out_k, out_m, elem, mode, along_k, along_m, m, m_pad)
-        return
     x3 = x if x.dim() == 3 else x.unsqueeze(0)
     num_batch, _, k = x3.shape
-    cfg = {**(FAKE_QUANT_2D_CONFIG if along_k else ALONG_M_CONFIG), **(config or {})}
-    block_m, block_k = cfg["BLOCK_M"], cfg["BLOCK_K"]
-    if block_m % BLOCK_SIZE or block_k % BLOCK_SIZE:
-        raise ValueError(f"fake_quant_2d: BLOCK_M and BLOCK_K must be multiples of {BLOCK_SIZE}, got {cfg}")
+    block_m, block_k, num_warps = TILE if along_k else ALONG_M_TILE
     software = software_round(x, "fake_quant_2d")
     bits = software and x.dtype == torch.bfloat16  # the interpreter: bf16 bits rounded by hand
     grid = (cdiv(m_pad if along_m else m, block_m), cdiv(k, block_k), num_batch)
-    _fake_quant_2d_kernel[grid](
-        x3,
-        x3 if row_src is None else row_src,
-        out_k.view(torch.int16) if bits and along_k else out_k,
-        out_m.view(torch.int16) if bits and along_m else out_m,
-        m,
-        m_pad,
-        k,
-        x3.stride(0),
-        x3.stride(1),
-        x3.stride(2),
-        BLOCK_M=block_m,
-        BLOCK_K=block_k,
-        ALONG_K=along_k,
-        ALONG_M=along_m,
-        SOFTWARE_ROUND=software,
-        OUT_BF16_BITS=bits,
-        GATHER=row_src is not None,
-        num_warps=cfg["num_warps"],
-        **format_constexprs(elem, mode),
-    )
+    _LAUNCHES.launch(
+        grid,
+        dict(
+            x_ptr=x3, src_ptr=x3 if row_src is None else row_src,
+            k_ptr=out_k.view(torch.int16) if bits and along_k else out_k,
+            m_ptr=out_m.view(torch.int16) if bits and along_m else out_m,
+            M=m, M_PAD=m_pad, K=k, stride_xb=x3.stride(0), stride_xm=x3.stride(1), stride_xk=x3.stride(2),
+            BLOCK_M=block_m, BLOCK_K=block_k, ALONG_K=along_k, ALONG_M=along_m, ELEM=elem, RCEIL=mode == "rceil",
+            SOFTWARE_ROUND=software, OUT_BF16_BITS=bits, GATHER=row_src is not None, num_warps=num_warps,
+        ),
+    )  # fmt: skip

@@ -1,73 +1,52 @@
 """Gluon per-group dim1 MX cast (MoE grad-weight operand): ``cast_groups_dim1``'s contract, bit for bit.
 
-On a Hopper GPU ``mx_kernels.cast_groups_dim1.cast_groups_dim1`` runs this for bf16 input unless the
-caller passes a Triton config (``mx_kernels.common.use_gluon``; ``MX_RECIPE_GLUON=0`` turns it off).
+The Hopper implementation of ``cast_groups_dim1`` (mx_recipe.dispatch picks it for bf16 input on compute
+capability 9.x). x [M_total, K] holds token groups ending at ``offs`` (int32, cumulative, each group a multiple
+of 32 rows, empty groups allowed). qdata [K, M_total] fp8 is the plain dim1 cast (column range
+[offs[g-1], offs[g]) is group g's ``to_mx(x_g.t().contiguous())``); the scales are each group's [K, M_g/32]
+matrix blocked on its own, groups concatenated in a buffer of ``blocked_groups_numel(K, M_total/32, G)`` bytes,
+every byte written (zeros in the padding and the tail); ``scale_layout.to_blocked_groups`` is the reference.
 
-x [M_total, K] holds token groups ending at ``offs`` (int32, cumulative, each group a multiple of 32 rows,
-empty groups allowed). qdata [K, M_total] fp8 is the plain dim1 cast (column range [offs[g-1], offs[g]) is
-group g's ``to_mx(x_g.t().contiguous())``); the scales are each group's [K, M_g/32] matrix blocked on its
-own, groups concatenated in a buffer of ``blocked_groups_numel(K, M_total/32, G)`` bytes, every byte
-written (zeros in the padding and the tail); ``scale_layout.to_blocked_groups`` is the reference.
-
-Same walk as the Triton kernel: the grid walks the destination, not the source. A 128-row tile column t
-of the scale buffer (4 scale columns of one group) is cut into 4 / NUM_SUB programs along grid axis 0;
-grid axis 1 walks the padded K. Each program finds its group from ``offs`` on the device (no host sync):
-the G group ends are loaded as one vector held whole by each warp (lanes along G, warps holding copies),
-so the scan and the sums stay in shuffles, no shared memory; up to PACKED_MAX the owner's four values travel as two
-sums of 16-bit fields (``_tile_column_group``). Then ``gluon_common.dim1_tile`` with rows
->= the group's end masked, and a blocked scale store at the group's base. Programs past the last group
-write zeros to the buffer's tail. As in the Triton kernel, invalid offs give unspecified values but no
-access out of bounds (group ends clamped to [0, M_total] and rounded down to 32 rows; scale stores
-bounded by the buffer). Gluon kernels do not run in the Triton interpreter (3.6): this needs a GPU, and
-``compile_for_target`` compiles it for inspection without one (tests/test_gluon_3d_groups.py).
+Same walk as the Triton kernel: the grid walks the destination, not the source. A 128-row tile column t of the
+scale buffer (4 scale columns of one group) is cut into 4 / NUM_SUB programs along grid axis 0; grid axis 1
+walks the padded K. Each program finds its group from ``offs`` on the device (no host sync): the G group ends
+are loaded as one vector held whole by each warp, so the scan and the sums stay in shuffles; up to PACKED_MAX
+the owner's four values travel as two sums of 16-bit fields (``_tile_column_group``). Two tiles, by the average
+group size: 128 x 128 with whole-line stores (the casts' tile) for groups of 1024 rows and more, 32 x 256
+below, where each group's partly masked last 128-row tile would cost more than the line stores gain. As in the
+Triton kernel, invalid offs give unspecified values but no access out of bounds (group ends clamped to
+[0, M_total] and rounded down to 32 rows; scale stores bounded by the buffer).
 """
 
 from __future__ import annotations
 
-import mx_recipe.formats  # noqa: F401  (first: importing mx_kernels.common before mx_recipe is circular)
-
-# isort: split
 import torch
 import triton
 import triton.experimental.gluon.language as gl
-from mx_kernels.common import cdiv, check_cast, check_offs, fp8_dtype, groups_dim1_shapes
-from mx_kernels.gluon_casts import store_lines
+from mx_kernels.common import check_cast, check_offs, fp8_dtype, groups_dim1_shapes
 from mx_kernels.gluon_common import (
     arange_along,
-    check_tile_config,
     compile_for_arch,
     dim1_scale_layout,
     dim1_tile,
     quantize,
     require_gpu,
-    tile_launch_args,
+    store_lines,
     tile_layout,
     transposed_layout,
     wide,
 )
 from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.mx_quantize import blocked_scale_offset
+from mx_kernels.spec import cdiv
 from triton.experimental import gluon
 
-# The base a partial config is completed from (gluon_casts.GLUON_CONFIG's tile), and what a call without a
-# config runs: one 32-row sub-tile per program. H200, x [16640, 5120] bf16 in G near-equal groups, e4m3
-# floor, % of copy bandwidth (docs/profiles/2026-11-21_h200_gluon_3d_groups.txt): 80% (G = 16) / 77%
-# (G = 64), the Triton kernel 60% / 49%. The 2D dim1 tile (NUM_SUB 2) gave 73% / 54%: the row masks cost
-# registers (sm_90: 144 against 60 for NUM_SUB 1); capping them (ptxas maxnreg 96 or 128) gave 48-74%.
-# LINES: one program per 128 x 128 tile (a whole tile of the group's blocked scales), warps along M too (WARPS_M),
-# q stored as whole lines (gluon_casts.store_lines) and the scale tile as 16-byte rows.
-GLUON_GROUPS_BASE_CONFIG = dict(
-    BLOCK_K=128, NUM_WARPS=4, NUM_SUB=2, ROWS=4, LEAN=False, SCATTER=False, WARPS_M=1, LINES=False
-)  # fmt: skip
-GLUON_GROUPS_CONFIG = dict(BLOCK_K=256, NUM_WARPS=4, NUM_SUB=1, ROWS=8, LEAN=True, SCATTER=True)
-# Where groups average at least LINES_MIN_ROWS rows, a call without a config runs LINES instead. H200, bf16, e4m3,
-# events time (docs/profiles/2026-11-21_h200_cast_lines_schedule.txt): 16 groups of [16640, 5120] (1040 rows
-# on average) 70.6 against 72.2 us, 16 of [65536, 4096] 207.4 against 220.7; but 64 of [16640, 5120] (260 rows)
-# 79.1 against 74.3: each group's last 128-row tile is partly masked, idle work that small groups pay most for.
-GLUON_GROUPS_LINES_CONFIG = dict(
-    BLOCK_K=128, NUM_WARPS=2, WARPS_M=4, NUM_SUB=4, ROWS=8, LEAN=True, SCATTER=True, LINES=True
-)  # fmt: skip
-LINES_MIN_ROWS = 1024
+# The two tiles (docs/DESIGN.md, Kernels): H200, bf16, e4m3, events time: 16 groups of [16640, 5120] (1040 rows
+# on average) 70.6 us with LINES against 72.2, 16 of [65536, 4096] 207.4 against 220.7; 64 of [16640, 5120]
+# (260 rows) 79.1 against 74.3.
+SMALL_TILE = dict(NUM_SUB=1, ROWS=8, NUM_WARPS=4, REPS=1, WARPS_M=1, LINES=False)  # 32 x 256
+LINES_TILE = dict(NUM_SUB=4, ROWS=8, NUM_WARPS=2, REPS=1, WARPS_M=4, LINES=True)  # 128 x 128
+LINES_MIN_ROWS = 1024  # average rows a group from which LINES_TILE runs
 TILE_ROWS = 128  # rows of one 4-column tile of a group's blocked scales
 PACKED_MAX = 2**16 - 1  # the group lookup packs two values in an int32 up to this (M_total < 2**21 rows)
 
@@ -152,16 +131,9 @@ def _gluon_cast_groups_dim1_kernel(
     REPS: gl.constexpr,
     MASK_COLS: gl.constexpr,  # the grid's columns pass K (else no column masks)
     OFFS64: gl.constexpr,
-    LEAN: gl.constexpr,
-    SCATTER: gl.constexpr,
     WARPS_M: gl.constexpr,
     LINES: gl.constexpr,
-    EMAX: gl.constexpr,
-    MAX_MANT: gl.constexpr,
-    MAX_NORMAL: gl.constexpr,
-    MBITS: gl.constexpr,
-    EMIN: gl.constexpr,
-    IS_E4M3: gl.constexpr,
+    ELEM: gl.constexpr,
     RCEIL: gl.constexpr,
 ):
     CHUNKS: gl.constexpr = ROWS // 4 * NUM_WARPS * REPS
@@ -190,19 +162,17 @@ def _gluon_cast_groups_dim1_kernel(
     if LINES:
         _lines_tile(
             x_ptr, q_ptr, s_ptr + group_base, M, K, stride_xm, stride_xk, row0, row_end, pid_k, tile, group_tiles,
-            left, NUM_SUB, ROWS, NUM_WARPS, REPS, WARPS_M, OFFS64, LEAN, SCATTER, EMAX, MAX_MANT, MAX_NORMAL, MBITS,
-            EMIN, IS_E4M3, RCEIL,
+            left, NUM_SUB, ROWS, NUM_WARPS, REPS, WARPS_M, OFFS64, ELEM, RCEIL,
         )  # fmt: skip
     else:
         s = dim1_tile(
             x_ptr, q_ptr, M, K, stride_xm, stride_xk, row0, row_end, pid_k,
-            NUM_SUB, ROWS, NUM_WARPS, REPS, True, MASK_COLS, OFFS64, LEAN, SCATTER, EMAX, MAX_MANT, MAX_NORMAL,
-            MBITS, EMIN, IS_E4M3, RCEIL,
+            NUM_SUB, ROWS, NUM_WARPS, REPS, MASK_COLS, OFFS64, ELEM, RCEIL,
         )  # fmt: skip
 
         # this program's [NUM_SUB, BLOCK_K] scales: rows k of the group's tile column `tile`, NUM_SUB contiguous
         # bytes per k
-        S1L: gl.constexpr = dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, SCATTER)
+        S1L: gl.constexpr = dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
         r = (pid_k * CHUNKS + arange_along(CHUNKS, 1, 3, S1L)) * 32 + arange_along(32, 2, 3, S1L)  # [1, CHUNKS, 32]
         sub = arange_along(NUM_SUB, 0, 3, S1L)  # [NUM_SUB, 1, 1]
         valid = row0 + sub * 32 < row_end
@@ -219,8 +189,7 @@ def _gluon_cast_groups_dim1_kernel(
 def _lines_tile(
     x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, row0, row_end, pid_k, tile, group_tiles, left,
     NUM_SUB: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr, REPS: gl.constexpr, WARPS_M: gl.constexpr,
-    OFFS64: gl.constexpr, LEAN: gl.constexpr, SCATTER: gl.constexpr, EMAX: gl.constexpr, MAX_MANT: gl.constexpr,
-    MAX_NORMAL: gl.constexpr, MBITS: gl.constexpr, EMIN: gl.constexpr, IS_E4M3: gl.constexpr, RCEIL: gl.constexpr,
+    OFFS64: gl.constexpr, ELEM: gl.constexpr, RCEIL: gl.constexpr,
 ):  # fmt: skip
     """LINES: rows [row0, row0 + 128) (those >= row_end masked) x columns [pid_k * 128, +128) of x, quantized
     along M; q stored as whole lines of [K, M], the scales as blocked tile (pid_k, tile) of the group's
@@ -233,10 +202,7 @@ def _lines_tile(
     x = gl.load(x_ptrs, mask=(rows < row_end) & (cols < K), other=0.0)
     T: gl.constexpr = transposed_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, WARPS_M)
     xt = gl.convert_layout(x.to(gl.float32), T, assert_trivial=True)
-    q, s = quantize(
-        xt, 1, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN, SCATTER,
-        WARPS_M,
-    )  # fmt: skip
+    q, s = quantize(xt, 1, NUM_SUB, ROWS, NUM_WARPS, REPS, ELEM, RCEIL, WARPS_M)
     store_lines(q_ptr, q, row0 // 32, pid_k * CHUNKS, M, K, row_end, True, NUM_WARPS * WARPS_M, OFFS64, False)
     # [S, CHUNKS, 32 k] -> [32, CHUNKS * S]: k-row i of each 32-row block holds its bytes chunk * 4 + sub
     SB: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [NUM_WARPS * WARPS_M, 1], [1, 0])
@@ -251,31 +217,23 @@ def _lines_tile(
 _LAUNCHES = LaunchCache(_gluon_cast_groups_dim1_kernel)
 
 
-def check_config(config: dict | None, m: int = 0, num_groups: int = 1) -> dict:
-    """For None the default of M_total ``m`` in ``num_groups`` groups (GLUON_GROUPS_LINES_CONFIG from
-    LINES_MIN_ROWS rows a group on average, else GLUON_GROUPS_CONFIG), else GLUON_GROUPS_BASE_CONFIG updated
-    with ``config``; checked (NUM_SUB 1, 2 or 4: a program's rows lie in one 128-row tile column)."""
-    if config is None:
-        large = m >= LINES_MIN_ROWS * max(num_groups, 1)
-        config = GLUON_GROUPS_LINES_CONFIG if large else GLUON_GROUPS_CONFIG
-    cfg = check_tile_config(config, GLUON_GROUPS_BASE_CONFIG, "Gluon groups cast")
-    if cfg["NUM_SUB"] not in (1, 2, 4):
-        raise ValueError(f"Gluon groups cast config {cfg}: NUM_SUB must be 1, 2 or 4 (32-row blocks per program)")
-    return cfg
+def tile_for(m: int, num_groups: int) -> dict:
+    """The tile for M_total ``m`` rows in ``num_groups`` groups: LINES_TILE from LINES_MIN_ROWS rows a group on
+    average, else SMALL_TILE."""
+    return LINES_TILE if m >= LINES_MIN_ROWS * max(num_groups, 1) else SMALL_TILE
 
 
 def kernel_launch(
-    x: torch.Tensor, offs: torch.Tensor, q: torch.Tensor, s: torch.Tensor, elem: str, mode: str, config: dict | None
+    x: torch.Tensor, offs: torch.Tensor, q: torch.Tensor, s: torch.Tensor, elem: str, mode: str, tile: dict
 ) -> tuple[tuple[int, int], dict]:
     """(grid, keyword arguments) of one launch (x [M, K] with K > 0; q, s uint8); also used to compile
     ahead of time (``compile_for_target``)."""
     m, k = x.shape
     num_groups = offs.numel()
-    cfg = check_config(config, m, num_groups)
-    block_k = cfg["BLOCK_K"]
+    block_k = 8 * tile["ROWS"] * tile["NUM_WARPS"] * tile["REPS"]
     max_tile_cols = cdiv(m // 32, 4) + num_groups  # as scale_layout.blocked_groups_numel
     padded_k = cdiv(k, 128) * 128
-    grid = (max_tile_cols * (4 // cfg["NUM_SUB"]), cdiv(padded_k, block_k))
+    grid = (max_tile_cols * (4 // tile["NUM_SUB"]), cdiv(padded_k, block_k))
     k_cover = grid[1] * block_k
     # largest offsets any lane forms (masked ones included; invalid offs: rows up to M + 128 per tile column)
     row_bound = m + TILE_ROWS * max_tile_cols
@@ -297,23 +255,23 @@ def kernel_launch(
         PACKED=max(m >> 5, max_tile_cols) <= PACKED_MAX,
         MASK_COLS=k_cover != k,
         OFFS64=span >= 2**31,
-        **tile_launch_args(cfg, elem, mode),
+        **tile,
+        ELEM=elem,
+        RCEIL=mode == "rceil",
+        num_warps=tile["NUM_WARPS"] * tile["WARPS_M"],
     )
     return grid, kwargs
 
 
-def gluon_cast_groups_dim1(
-    x: torch.Tensor, offs: torch.Tensor, elem: str, mode: str, config: dict | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def cast_groups_dim1(x: torch.Tensor, offs: torch.Tensor, elem: str, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M_total, K] (bf16/fp32, any strides), offs int32 [G] group ends on x's device -> (qdata [K, M_total]
     fp8, per-group blocked scales e8m0, 1D): ``mx_kernels.cast_groups_dim1.cast_groups_dim1``, bit for bit.
     The caller validates the values of ``offs`` (``common.check_offs``): read here, they would sync."""
-    check_cast(x, elem, mode, ndims=(2,), qdim=0, op="gluon_cast_groups_dim1")
+    check_cast(x, elem, mode, ndims=(2,), qdim=0, op="gluon cast_groups_dim1")
     check_offs(offs, x.shape[0], check_values=False)
-    cfg = check_config(config, x.shape[0], offs.numel())
-    require_gpu(x, "gluon_cast_groups_dim1")
+    require_gpu(x, "gluon cast_groups_dim1")
     if offs.device != x.device:
-        raise ValueError(f"gluon_cast_groups_dim1: offs is on {offs.device}, x on {x.device}")
+        raise ValueError(f"gluon cast_groups_dim1: offs is on {offs.device}, x on {x.device}")
     q_shape, s_shape = groups_dim1_shapes(x.shape, offs.numel(), blocked=True)
     qdata = torch.empty(q_shape, dtype=fp8_dtype(elem), device=x.device)
     scale = torch.empty(s_shape, dtype=torch.float8_e8m0fnu, device=x.device)
@@ -321,19 +279,20 @@ def gluon_cast_groups_dim1(
     if k and not m:  # no rows: the buffer (G tile columns of padding) is zeros, as the Triton kernel writes it
         scale.view(torch.uint8).zero_()
     elif k:
-        grid, kwargs = kernel_launch(x, offs, qdata.view(torch.uint8), scale.view(torch.uint8), elem, mode, cfg)
+        tile = tile_for(m, offs.numel())
+        grid, kwargs = kernel_launch(x, offs, qdata.view(torch.uint8), scale.view(torch.uint8), elem, mode, tile)
         _LAUNCHES.launch(grid, kwargs)
     return qdata, scale
 
 
 def compile_for_target(
     shape: tuple[int, int], num_groups: int, dtype: torch.dtype = torch.bfloat16, elem: str = "e4m3",
-    mode: str = "floor", config: dict | None = None, arch: int = 90,
+    mode: str = "floor", tile: dict | None = None, arch: int = 90,
 ):  # fmt: skip
     """Compile the kernel for CUDA ``arch`` without a GPU: the CompiledKernel (``.asm["ptx"]``, ``["cubin"]``),
     specialized as a launch on a contiguous x of ``shape`` with ``num_groups`` groups would be."""
     x = torch.empty(shape, dtype=dtype, device="meta")
     offs = torch.empty(num_groups, dtype=torch.int32, device="meta")
     u8 = torch.empty(16, dtype=torch.uint8, device="meta")
-    _, kwargs = kernel_launch(x, offs, u8, u8, elem, mode, config)
+    _, kwargs = kernel_launch(x, offs, u8, u8, elem, mode, tile or tile_for(shape[0], num_groups))
     return compile_for_arch(_gluon_cast_groups_dim1_kernel, kwargs, arch)

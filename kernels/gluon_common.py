@@ -1,5 +1,5 @@
-"""What the Gluon kernels (``gluon_casts``, ``gluon_cast_groups``, ``gluon_fake_quant``)
-share: the tile layout and its config, and the dim1 pieces (quantize along M, transposed store).
+"""What the Gluon kernels (``gluon_casts``, ``gluon_cast_groups``, ``gluon_fake_quant``) share: the tile
+layout, the one quantize routine of the casts, the dim1 tile and the whole-line stores.
 
 A program's tile is [NUM_SUB, 32 rows, CHUNKS, 32 cols] (NUM_SUB 32-row sub-tiles, BLOCK_K = 32 *
 CHUNKS columns) in
@@ -8,28 +8,24 @@ CHUNKS columns) in
     warps_per_cta [WARPS_M, 1, NUM_WARPS, 1]
 
 A thread loads ROWS rows x 8 contiguous elements (16-byte loads for bf16); a block of 32 along K
-is 8 values in a thread then 4 lanes (2 shuffle steps), a block of 32 along M is ROWS values in
-a thread then 32 / ROWS lanes of one warp; NUM_WARPS warps split K and WARPS_M warps (1 unless a
-config asks) split the sub-tiles, so no reduction touches shared memory. NUM_WARPS is the warps along
-K throughout: a program runs NUM_WARPS * WARPS_M warps.
+is 8 values in a thread then 4 lanes, a block of 32 along M is ROWS values in a thread then
+32 / ROWS lanes of one warp; NUM_WARPS warps split K and WARPS_M warps split the sub-tiles, so no
+reduction touches shared memory (docs/DESIGN.md, Kernels: why each is shaped as it is).
 For dim1 the tile is relabelled with its registers listed rows first (``transposed_layout``: a
 register permutation, every convert_layout asserted trivial at compile time), so that cvt packs fp8
-pairs along M and each thread stores ROWS contiguous bytes of [K, M] per column (``dim1_tile``).
+pairs along M and each thread stores ROWS contiguous bytes of [K, M] per column.
 Gluon kernels do not run in the Triton interpreter (3.6): they need a GPU, and
 ``compile_for_arch`` compiles them on the CPU for inspection and tests.
 """
 
 from __future__ import annotations
 
-import mx_recipe.formats  # noqa: F401  (first: importing mx_kernels.common before mx_recipe is circular)
-
-# isort: split
 import torch
 import triton
 import triton.experimental.gluon.language as gl
 import triton.language as tl
-from mx_kernels.common import format_constexprs, interpreting
-from mx_kernels.mx_quantize import blocked_scale_offset, quantize_blocks, scale_exponent
+from mx_kernels.common import interpreting
+from mx_kernels.mx_quantize import scale_exponent
 from triton.experimental import gluon
 
 
@@ -123,30 +119,14 @@ def transposed_layout(num_sub, rows, num_warps, reps, warps_m=1):
 
 
 @gluon.constexpr_function
-def dim1_scale_layout(num_sub, rows, num_warps, reps, scatter=False, warps_m=1):
-    """The dim1 scales [NUM_SUB, CHUNKS, 32]: as the row reduction leaves them (copies on the row lanes),
-    registers listed sub-tile first (NUM_SUB contiguous scale bytes per column); with ``scatter``, as the
-    reduce-scatter leaves them (``scatter_layouts``: no copies)."""
-    if scatter:
-        return scatter_layouts(1, num_sub, rows, num_warps, reps, warps_m)[4]
-    chunks = rows // 4 * num_warps * reps
-    reg = [[s, 0, 0] for s in _sub_bases(num_sub, warps_m)[0]] + [[0, 0, 1], [0, 0, 2], [0, 0, 4]]
-    reg += [[0, rows // 4 * num_warps * r, 0] for r in _pow2_below(reps)]
-    lane, warp = _lanes_and_warps(rows, num_warps, None, 1, 2, 3, 0, num_sub, warps_m)
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [num_sub, chunks, 32])
-
-
-@gluon.constexpr_function
-def dim0_scale_layout(num_sub, rows, num_warps, reps, scatter=False, warps_m=1):
-    """The dim0 scales [NUM_SUB, 32, CHUNKS]: as the butterfly leaves them (copies on the 4 column lanes) or,
-    with ``scatter``, as the reduce-scatter does."""
-    if scatter:
-        return scatter_layouts(0, num_sub, rows, num_warps, reps, warps_m)[4]
-    return gl.SliceLayout(3, tile_layout(num_sub, rows, num_warps, warps_m))
+def dim1_scale_layout(num_sub, rows, num_warps, reps, warps_m=1):
+    """The dim1 scales [NUM_SUB, CHUNKS, 32] as the reduce-scatter of block maxima leaves them
+    (``scatter_layouts``: one copy, NUM_SUB contiguous scale bytes per column)."""
+    return scatter_layouts(1, num_sub, rows, num_warps, reps, warps_m)[4]
 
 
 # ---------------------------------------------------------------------------------------
-# Block maxima by reduce-scatter (SCATTER; ROWS = 8, LEAN)
+# Block maxima by reduce-scatter (ROWS = 8)
 #
 # A block's 32 values lie on 4 lanes, 8 in each. A butterfly (two shuffle-and-max steps) leaves each
 # of the 4 lanes every block's amax, so each lane then runs the scale math of all 8 blocks it touches,
@@ -154,8 +134,8 @@ def dim0_scale_layout(num_sub, rows, num_warps, reps, scatter=False, warps_m=1):
 # conversions, each swapping one register bit with one lane bit (a warp shuffle; Triton 3.6 lowers a
 # conversion with two such swaps through shared memory), each followed by an in-register max, leave
 # each lane the maxima of 2 of its 8 blocks. The scale math runs on those, and two more swaps gather
-# the inverse scales back. The fused cast goes from 1000 to 760 SASS instructions per thread (sm_90)
-# with the same bytes out (docs/notes_cast_kernels.md).
+# the inverse scales back. The fused cast went from 1000 to 760 SASS instructions per thread (sm_90)
+# with the same bytes out.
 
 
 @gluon.constexpr_function
@@ -243,19 +223,19 @@ def scatter_amax(ax, AXIS: gl.constexpr, NUM_SUB: gl.constexpr, ROWS: gl.constex
 
 
 @gluon.jit
-def scale_from_amax(amax, EMAX: gl.constexpr, MAX_MANT: gl.constexpr, RCEIL: gl.constexpr):
-    """(2**-e as fp32, NaN for a NaN block; the biased e8m0 byte) from block maxima (LEAN numerics)."""
+def scale_from_amax(amax, ELEM: gl.constexpr, RCEIL: gl.constexpr):
+    """(2**-e as fp32, NaN for a NaN block; the biased e8m0 byte) from block maxima."""
     amax_bits = amax.to(gl.int32, bitcast=True) & 0x7FFFFFFF
     is_nan = amax_bits > 0x7F800000
-    e = scale_exponent(amax_bits, EMAX, MAX_MANT, RCEIL)
+    e = scale_exponent(amax_bits, ELEM, RCEIL)
     inv_scale = gl.where(e < 127, (127 - e) << 23, 0x400000).to(gl.float32, bitcast=True)
     return gl.where(is_nan, float("nan"), inv_scale), gl.where(is_nan, 0xFF, e + 127).to(gl.uint8)
 
 
 @gluon.jit
-def to_fp8_bits(v, IS_E4M3: gl.constexpr):
+def to_fp8_bits(v, ELEM: gl.constexpr):
     """cvt.rn.satfinite to e4m3 / e5m2, as bytes."""
-    if IS_E4M3:
+    if ELEM == "e4m3":
         q = v.to(gl.float8e4nv).to(gl.uint8, bitcast=True)
     else:
         q = v.to(gl.float8e5).to(gl.uint8, bitcast=True)
@@ -263,183 +243,127 @@ def to_fp8_bits(v, IS_E4M3: gl.constexpr):
 
 
 @gluon.jit
-def quantize_scatter(
+def quantize(
     x, AXIS: gl.constexpr, NUM_SUB: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr, REPS: gl.constexpr,
-    EMAX: gl.constexpr, MAX_MANT: gl.constexpr, IS_E4M3: gl.constexpr, RCEIL: gl.constexpr, WARPS_M: gl.constexpr = 1,
+    ELEM: gl.constexpr, RCEIL: gl.constexpr, WARPS_M: gl.constexpr = 1,
 ):  # fmt: skip
-    """quantize_blocks_lean of the fp32 tile x (AXIS 3: tile_layout, AXIS 1: transposed_layout) with the
-    block maxima reduce-scattered: (fp8 bytes in x's layout, scales in dim0/dim1_scale_layout(scatter))."""
+    """The Gluon casts' quantize: the fp32 tile x (AXIS 3: tile_layout, AXIS 1: transposed_layout) in blocks
+    of 32 along AXIS, block maxima by reduce-scatter -> (fp8 bytes in x's layout, biased scales in
+    ``scatter_layout(4, ...)``). Bit-identical to ``mx_quantize.quantize_blocks`` with fewer instructions:
+    - no clamp to +-max_normal: cvt.rn.satfinite saturates the same way (PTX: |v| > MAX_NORM gives the
+      signed MAX_NORM, inf included), and RNE below the bound rounds the same either way;
+    - a NaN block through its scale, not by selecting 0x7F on the fp8 bytes: 2**-e is NaN there, so every
+      product is NaN and cvt makes it fp8 NaN, 0x7F for both formats on the GPU (the GPU tests check it)."""
     A: gl.constexpr = 0 if AXIS == 3 else 1
     amax = scatter_amax(gl.abs(x), AXIS, NUM_SUB, ROWS, NUM_WARPS, REPS, WARPS_M)
-    inv_scale, scale = scale_from_amax(amax, EMAX, MAX_MANT, RCEIL)
+    inv_scale, scale = scale_from_amax(amax, ELEM, RCEIL)
     HALF: gl.constexpr = scatter_layout(5, A, NUM_SUB, ROWS, NUM_WARPS, REPS, WARPS_M)
     # gather back in two swaps, to the layout of x reduced along AXIS (copies on the block's 4 lanes)
     inv_scale = gl.convert_layout(gl.convert_layout(inv_scale, HALF), gl.SliceLayout(AXIS, x.type.layout))
-    return to_fp8_bits(x * gl.expand_dims(inv_scale, AXIS), IS_E4M3), scale
-
-
-@gluon.jit
-def quantize_blocks_lean(
-    blocks, AXIS: gl.constexpr, EMAX: gl.constexpr, MAX_MANT: gl.constexpr, IS_E4M3: gl.constexpr,
-    RCEIL: gl.constexpr,
-):  # fmt: skip
-    """quantize_blocks in fewer instructions per element, for the hardware cvt path only:
-    - no clamp to +-max_normal: cvt.rn.satfinite already saturates (PTX: |v| > MAX_NORM gives
-      the signed MAX_NORM, inf included), and RNE below the bound rounds the same either way;
-    - the NaN block through the scale, not by selecting 0x7F on the fp8 bytes (unpack, select,
-      mask, repack per element): 2**-e is NaN there, so every product is NaN and cvt makes it
-      fp8 NaN. Bit-identical to quantize_blocks if that NaN is 0x7F for both formats (the GPU
-      tests check it), so LEAN is off by default."""
-    inv_scale, scale = scale_from_amax(gl.reduce(gl.abs(blocks), AXIS, max_nan), EMAX, MAX_MANT, RCEIL)
-    return to_fp8_bits(blocks * gl.expand_dims(inv_scale, AXIS), IS_E4M3), scale
-
-
-@gluon.jit
-def quantize(
-    blocks, AXIS: gl.constexpr, NUM_SUB: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr,
-    REPS: gl.constexpr, EMAX: gl.constexpr, MAX_MANT: gl.constexpr, MAX_NORMAL: gl.constexpr, MBITS: gl.constexpr,
-    EMIN: gl.constexpr, IS_E4M3: gl.constexpr, RCEIL: gl.constexpr, LEAN: gl.constexpr, SCATTER: gl.constexpr,
-    WARPS_M: gl.constexpr = 1,
-):  # fmt: skip
-    """The fp32 tile ``blocks`` (AXIS 3: tile_layout, AXIS 1: transposed_layout) in blocks of 32 along AXIS:
-    (fp8 bytes in its layout, scales in dim0/dim1_scale_layout(..., SCATTER) up to a trivial conversion)."""
-    # one return: Triton 3.6 compiles every return of a function and rejects their differing layouts
-    if SCATTER:
-        q, s = quantize_scatter(blocks, AXIS, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, IS_E4M3, RCEIL, WARPS_M)
-    elif LEAN:
-        q, s = quantize_blocks_lean(blocks, AXIS, EMAX, MAX_MANT, IS_E4M3, RCEIL)
-    else:
-        q, s = quantize_blocks(blocks, AXIS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, False)
-    return q, s
-
-
-@gluon.jit
-def store_scales(s_ptr, scale, r, c, n_rows, n_cols, BLOCKED: gl.constexpr, EVEN: gl.constexpr):
-    """mx_quantize.store_scales for broadcastable index tensors r (scale row) and c (scale column).
-    EVEN: the tile lies inside the matrix and there is no padding (no masks)."""
-    if BLOCKED:
-        col_tiles = (n_cols + 3) >> 2
-        offs = blocked_scale_offset(r, c, col_tiles)
-        if EVEN:
-            gl.store(s_ptr + offs, scale)
-        else:
-            valid = (r < n_rows) & (c < n_cols)
-            in_buffer = (r < ((n_rows + 127) >> 7 << 7)) & (c < col_tiles * 4)
-            gl.store(s_ptr + offs, gl.where(valid, scale, 0), mask=in_buffer)
-    elif EVEN:
-        gl.store(s_ptr + r * n_cols + c, scale)  # < 2**31 bytes: 1/32 of an int32-indexable qdata
-    else:
-        gl.store(s_ptr + r * n_cols + c, scale, mask=(r < n_rows) & (c < n_cols))
+    return to_fp8_bits(x * gl.expand_dims(inv_scale, AXIS), ELEM), scale
 
 
 @gluon.jit
 def dim1_tile(
     x_ptr, q_ptr, M, K, stride_xm, stride_xk, row0, row_end, pid_k,
     NUM_SUB: gl.constexpr, ROWS: gl.constexpr, NUM_WARPS: gl.constexpr, REPS: gl.constexpr,
-    MASK_ROWS: gl.constexpr, MASK_COLS: gl.constexpr, OFFS64: gl.constexpr, LEAN: gl.constexpr,
-    SCATTER: gl.constexpr, EMAX: gl.constexpr, MAX_MANT: gl.constexpr, MAX_NORMAL: gl.constexpr,
-    MBITS: gl.constexpr, EMIN: gl.constexpr, IS_E4M3: gl.constexpr, RCEIL: gl.constexpr,
+    MASK_COLS: gl.constexpr, OFFS64: gl.constexpr, ELEM: gl.constexpr, RCEIL: gl.constexpr,
 ):  # fmt: skip
-    """Rows [row0, row0 + 32 * NUM_SUB) x columns [pid_k * BLOCK_K, +BLOCK_K) of x [M, K] (x_ptr, q_ptr:
-    this slice's bases) quantized in blocks of 32 along M (SCATTER: maxima by reduce-scatter); qdata stored
-    transposed into q [K, M].
-    Rows >= row_end (MASK_ROWS) and columns >= K (MASK_COLS) read as zeros and are not stored.
-    row0 and row_end: multiples of 32. Returns the scales [NUM_SUB, CHUNKS, 32] (uint8, biased) in
-    ``dim1_scale_layout(..., SCATTER)``.
-    The per-group cast's 32-row tiles use it; the kernel of gluon_casts (2D and 3D) keeps its own tile code
-    (joint row-and-column masks), so that its measured code does not change."""
+    """Rows [row0, row0 + 32 * NUM_SUB) x columns [pid_k * BLOCK_K, +BLOCK_K) of x [M, K] (x_ptr, q_ptr: this
+    slice's bases) quantized in blocks of 32 along M; qdata stored transposed into q [K, M]. Rows >= row_end
+    and (MASK_COLS) columns >= K read as zeros and are not stored. row0 and row_end: multiples of 32. Returns
+    the scales [NUM_SUB, CHUNKS, 32] (uint8, biased) in ``dim1_scale_layout``. The per-group cast's 32-row
+    tiles use it."""
     CHUNKS: gl.constexpr = ROWS // 4 * NUM_WARPS * REPS
     L: gl.constexpr = tile_layout(NUM_SUB, ROWS, NUM_WARPS)
     rows = row0 + arange_along(NUM_SUB, 0, 4, L) * 32 + arange_along(32, 1, 4, L)  # [NUM_SUB, 32, 1, 1]
     cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, L)) * 32 + arange_along(32, 3, 4, L)  # [1, 1, CHUNKS, 32]
     x_ptrs = x_ptr + wide(rows, OFFS64) * stride_xm + cols * stride_xk
     # masks stay full-shape ([NUM_SUB, 32, CHUNKS, 32]): a `>= 0` term stands in for the unmasked dim
-    if MASK_ROWS:
-        if MASK_COLS:
-            x = gl.load(x_ptrs, mask=(rows < row_end) & (cols < K), other=0.0)
-        else:
-            x = gl.load(x_ptrs, mask=(rows < row_end) & (cols >= 0), other=0.0)
-    elif MASK_COLS:
-        x = gl.load(x_ptrs, mask=(rows >= 0) & (cols < K), other=0.0)
+    if MASK_COLS:
+        x = gl.load(x_ptrs, mask=(rows < row_end) & (cols < K), other=0.0)
     else:
-        x = gl.load(x_ptrs)
+        x = gl.load(x_ptrs, mask=(rows < row_end) & (cols >= 0), other=0.0)
 
     # blocks of 32 along M (axis 1), quantized in the rows-first register order, so that cvt packs fp8
     # pairs along M, as the transposed [K, M] store wants them
     T: gl.constexpr = transposed_layout(NUM_SUB, ROWS, NUM_WARPS, REPS)
     xt = gl.convert_layout(x.to(gl.float32), T, assert_trivial=True)
-    q, s = quantize(
-        xt, 1, NUM_SUB, ROWS, NUM_WARPS, REPS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, LEAN, SCATTER
-    )
+    q, s = quantize(xt, 1, NUM_SUB, ROWS, NUM_WARPS, REPS, ELEM, RCEIL)
     t_rows = row0 + arange_along(NUM_SUB, 0, 4, T) * 32 + arange_along(32, 1, 4, T)
     t_cols = (pid_k * CHUNKS + arange_along(CHUNKS, 2, 4, T)) * 32 + arange_along(32, 3, 4, T)
     q_ptrs = q_ptr + wide(t_cols, OFFS64) * M + t_rows
-    if MASK_ROWS:
-        if MASK_COLS:
-            gl.store(q_ptrs, q, mask=(t_rows < row_end) & (t_cols < K))
-        else:
-            gl.store(q_ptrs, q, mask=(t_rows < row_end) & (t_cols >= 0))
-    elif MASK_COLS:
-        gl.store(q_ptrs, q, mask=(t_rows >= 0) & (t_cols < K))
+    if MASK_COLS:
+        gl.store(q_ptrs, q, mask=(t_rows < row_end) & (t_cols < K))
     else:
-        gl.store(q_ptrs, q)
-    return gl.convert_layout(s, dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS, SCATTER), assert_trivial=True)
+        gl.store(q_ptrs, q, mask=(t_rows < row_end) & (t_cols >= 0))
+    return gl.convert_layout(s, dim1_scale_layout(NUM_SUB, ROWS, NUM_WARPS, REPS), assert_trivial=True)
 
 
-def check_tile_config(config: dict | None, defaults: dict, what: str) -> dict:
-    """``defaults`` updated with ``config``, checked: ROWS 4, 8 or 16; NUM_WARPS (along K), NUM_SUB and
-    BLOCK_K powers of two, BLOCK_K >= 8 * ROWS * NUM_WARPS; WARPS_M (where the kernel has it) a power of two
-    dividing NUM_SUB; LINES only on 128 x 128 tiles with plain scales via blocked; the flags (LEAN, ...)
-    bools. ``what`` names the kernel in errors."""
-    cfg = {**defaults, **(config or {})}
-    unknown = set(cfg) - set(defaults)
-    if unknown:
-        raise ValueError(f"unknown {what} config keys {sorted(unknown)}; expected {sorted(defaults)}")
-    block_k, warps, sub, rows = cfg["BLOCK_K"], cfg["NUM_WARPS"], cfg["NUM_SUB"], cfg["ROWS"]
-    for key, default in defaults.items():
-        if isinstance(default, bool) and not isinstance(cfg[key], bool):
-            raise ValueError(f"{what} config {cfg}: {key} must be a bool")
-
-    def pow2(n: object) -> bool:
-        return isinstance(n, int) and n > 0 and n & (n - 1) == 0
-
-    if cfg.get("SCATTER") and (rows != 8 or not cfg.get("LEAN")):
-        raise ValueError(f"{what} config {cfg}: SCATTER (the reduce-scatter of block maxima) needs ROWS 8 and LEAN")
-    if rows not in (4, 8, 16):  # 32: 256 values per thread, out of registers
-        raise ValueError(f"{what} config {cfg}: ROWS (rows per thread) must be 4, 8 or 16")
-    if not (pow2(warps) and pow2(sub) and pow2(block_k) and block_k >= 8 * rows * warps):
-        raise ValueError(
-            f"{what} config {cfg}: NUM_WARPS, NUM_SUB and BLOCK_K must be powers of two with "
-            "BLOCK_K >= 8 * ROWS * NUM_WARPS (each warp covers 8 * ROWS columns)"
-        )
-    warps_m = cfg.get("WARPS_M", 1)
-    if not (pow2(warps_m) and sub % warps_m == 0 and warps * warps_m <= 32):
-        raise ValueError(
-            f"{what} config {cfg}: WARPS_M (warps along M) must be a power of two dividing NUM_SUB, "
-            "with NUM_WARPS * WARPS_M <= 32 warps a program"
-        )
-    if cfg.get("LINES") and (sub != 4 or block_k != 128 or not cfg.get("PLAIN_VIA_BLOCKED", True)):
-        raise ValueError(
-            f"{what} config {cfg}: LINES (whole-line stores) needs a 128 x 128 tile (NUM_SUB 4, BLOCK_K 128) "
-            "and PLAIN_VIA_BLOCKED where the kernel has it (its scale stores write whole blocked tiles)"
-        )
-    return cfg
+# ---------------------------------------------------------------------------------------
+# LINES: stores of whole 128-byte lines from 128 x 128 tiles (NUM_SUB 4, BLOCK_K 128)
+#
+# The quantize layouts store 32 bytes of q1 per k-row and 64 of q0 per row in each warp instruction, and
+# scale bytes one at a time (4 of every 16-byte row of a blocked scale tile per program): the fused cast
+# made 20 M L2 write requests for 16384^2 where a copy of the same bytes makes 6 M, and ran 18% slower
+# than the copy on an H200. On a 128 x 128 tile (warps along M as well as K)
+# a program owns 128 contiguous bytes of each q0 row and q1 k-row and exactly one 512-byte tile of each
+# blocked scale matrix, so its outputs can leave as 16-byte stores that fill whole lines: a layout
+# conversion (through shared memory) before each store.
 
 
-def tile_launch_args(cfg: dict, elem: str, mode: str) -> dict:
-    """The launch keywords every Gluon kernel on ``tile_layout`` takes from its checked config and
-    format: the tile constexprs, LEAN, num_warps and the format's constants."""
-    optional = ("SCATTER", "WARPS_M", "LINES", "K_FIRST")  # keys of the kernels that have them
-    return dict(
-        NUM_SUB=cfg["NUM_SUB"],
-        ROWS=cfg["ROWS"],
-        NUM_WARPS=cfg["NUM_WARPS"],
-        REPS=cfg["BLOCK_K"] // (8 * cfg["ROWS"] * cfg["NUM_WARPS"]),  # layout repeats along K
-        LEAN=cfg["LEAN"],
-        **{key: cfg[key] for key in optional if key in cfg},
-        num_warps=cfg["NUM_WARPS"] * cfg.get("WARPS_M", 1),
-        **format_constexprs(elem, mode),
-    )
+@gluon.constexpr_function
+def line_layout(num_warps, along_m):
+    """[4, 32, 4, 32] bytes of a 128 x 128 tile laid out for 16-byte stores that fill 128-byte lines.
+    ``along_m`` (q1, stored [K, M]): a thread holds 16 consecutive rows of one column, 8 lanes the 128 rows,
+    4 lanes 4 consecutive columns; else (q0, [M, K]): 16 consecutive columns of one row, 8 lanes the 128
+    columns, 4 lanes 4 consecutive rows. The other axis's remaining bits go to warps, then registers."""
+    if along_m:
+        reg, lane = [(1, 1), (1, 2), (1, 4), (1, 8)], [(1, 16), (0, 1), (0, 2), (3, 1), (3, 2)]
+        rest = [(3, 4), (3, 8), (3, 16), (2, 1), (2, 2)]
+    else:
+        reg, lane = [(3, 1), (3, 2), (3, 4), (3, 8)], [(3, 16), (2, 1), (2, 2), (1, 1), (1, 2)]
+        rest = [(1, 4), (1, 8), (1, 16), (0, 1), (0, 2)]
+    w = num_warps.bit_length() - 1
+    return _linear([4, 32, 4, 32], reg + rest[w:], lane, rest[:w])
+
+
+@gluon.jit
+def store_lines(
+    ptr, q, m0, c0, M, K, row_end, TRANSPOSED: gl.constexpr, WARPS: gl.constexpr, OFFS64: gl.constexpr,
+    EVEN: gl.constexpr,
+):  # fmt: skip
+    """Store the 128 x 128 byte tile q ([4, 32, 4, 32]: 32-row block m0 + s, column block c0 + c) of [M, K]
+    (TRANSPOSED: into [K, M]) as whole lines; unless EVEN, rows >= row_end and columns >= K are not stored."""
+    LL: gl.constexpr = line_layout(WARPS, TRANSPOSED)
+    q = gl.convert_layout(q, LL)
+    rows = (m0 + arange_along(4, 0, 4, LL)) * 32 + arange_along(32, 1, 4, LL)
+    cols = (c0 + arange_along(4, 2, 4, LL)) * 32 + arange_along(32, 3, 4, LL)
+    if TRANSPOSED:
+        ptrs = ptr + wide(cols, OFFS64) * M + rows
+    else:
+        ptrs = ptr + wide(rows, OFFS64) * K + cols
+    if EVEN:
+        gl.store(ptrs, q)
+    else:
+        gl.store(ptrs, q, mask=(rows < row_end) & (cols < K))
+
+
+@gluon.jit
+def store_scale_tile(ptr, s, tile_row, tile_col, n_rows, n_cols, EVEN: gl.constexpr):
+    """Store blocked scale tile (tile_row, tile_col) of a [n_rows, n_cols] scale matrix from s [32, 16]
+    (row r % 32, byte (r // 32 % 4) * 4 + c % 4: the tile's own byte order), 16 contiguous bytes a lane.
+    The grid covers the padding (rows to 128, columns to 4), so every tile lies in the buffer; padding
+    bytes are written as zeros."""
+    L: gl.constexpr = s.type.layout
+    i = arange_along(32, 0, 2, L)
+    j = arange_along(16, 1, 2, L)
+    offs = (tile_row * ((n_cols + 3) >> 2) + tile_col) * 512 + i * 16 + j
+    if EVEN:
+        gl.store(ptr + offs, s)
+    else:
+        valid = (tile_row * 128 + (j >> 2) * 32 + i < n_rows) & (tile_col * 4 + (j & 3) < n_cols)
+        gl.store(ptr + offs, gl.where(valid, s, 0))
 
 
 def require_gpu(x: torch.Tensor, op: str) -> None:

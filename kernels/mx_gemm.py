@@ -17,7 +17,7 @@ What ``dot_scaled`` compiles to depends on the GPU:
   multiplied by its scale as a bf16 2**e, NaN where the scale byte is 0xFF, then a bf16 MMA with
   fp32 accumulation. element * 2**e is exact in bf16 unless it leaves bf16's normal range (scale
   byte 0, 2**-127, becomes 0 there; 448 * 2**127 overflows), so the result equals the emulated
-  backend up to summation order. On an H200 it ran at 120-200 TFLOP/s at 8192^3 (DESIGN.md):
+  backend up to summation order. On an H200 it ran at 120-200 TFLOP/s at 8192^3 (docs/DESIGN.md, Hardware facts):
   slower than a bf16 GEMM, which is why ``auto`` never picks it.
 
 Rows of a past M and of b past N wrap around (``% M``) so the main loop has no row masks; their
@@ -30,9 +30,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from mx_kernels.common import cdiv, interpreting
-
-from mx_recipe.formats import BLOCK_SIZE, elem_format
+from mx_kernels.common import interpreting
+from mx_kernels.launch_cache import LaunchCache
+from mx_kernels.spec import BLOCK_SIZE, cdiv, elem_format
 
 GEMM_ELEMS = ("e4m3", "e5m2", "e2m1")
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -40,8 +40,7 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # sm_90 default (no autotune: one compile per format pair), chosen from compiler output without a
 # GPU (ptxas -v for sm_90a, 16-byte aligned operands): the fp8 / fp4 loads pipeline through shared
 # memory (cp.async, num_stages deep) and nothing spills (179 registers). BLOCK_K = 128 fits too
-# (242); 128 x 256 tiles with 8 warps, or 4 warps at 64 x 128 x 128, spill. Not timed yet:
-# scripts/bench_gemm.py --sweep times these alternatives on the GPU.
+# (242); 128 x 256 tiles with 8 warps, or 4 warps at 64 x 128 x 128, spill.
 SM90_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
 # sm_100, UNTESTED on hardware (no such GPU at hand): the tile shapes of Triton's block-scaled
 # matmul tutorial. They compile to tcgen05 scaled MMA without spills (ptxas, sm_100a), with ~200 KB
@@ -158,6 +157,9 @@ def _check_operand(name: str, q: torch.Tensor, scale: torch.Tensor, elem: str) -
     return k
 
 
+_LAUNCHES = LaunchCache(_mx_gemm_kernel)
+
+
 def mx_gemm(
     a_q: torch.Tensor,
     a_scale: torch.Tensor,
@@ -195,33 +197,15 @@ def mx_gemm(
     a_u8, b_u8 = a_q.view(torch.uint8), b_q.view(torch.uint8)
     a_s, b_s = a_scale.view(torch.uint8), b_scale.view(torch.uint8)
     grid = (cdiv(m, block_m) * cdiv(n, block_n),)
-    _mx_gemm_kernel[grid](
-        a_u8,
-        a_s,
-        b_u8,
-        b_s,
-        out,
-        m,
-        n,
-        k,
-        a_u8.stride(0),
-        a_u8.stride(1),
-        a_s.stride(0),
-        a_s.stride(1),
-        b_u8.stride(0),
-        b_u8.stride(1),
-        b_s.stride(0),
-        b_s.stride(1),
-        out.stride(0),
-        out.stride(1),
-        A_FORMAT=a_elem,
-        B_FORMAT=b_elem,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        GROUP_M=cfg["GROUP_M"],
-        EVEN_K=k % block_k == 0,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+    _LAUNCHES.launch(
+        grid,
+        dict(
+            a_ptr=a_u8, a_s_ptr=a_s, b_ptr=b_u8, b_s_ptr=b_s, c_ptr=out, M=m, N=n, K=k,
+            stride_am=a_u8.stride(0), stride_ak=a_u8.stride(1), stride_asm=a_s.stride(0), stride_ask=a_s.stride(1),
+            stride_bn=b_u8.stride(0), stride_bk=b_u8.stride(1), stride_bsn=b_s.stride(0), stride_bsk=b_s.stride(1),
+            stride_cm=out.stride(0), stride_cn=out.stride(1), A_FORMAT=a_elem, B_FORMAT=b_elem, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"], EVEN_K=k % block_k == 0,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        ),
+    )  # fmt: skip
     return out

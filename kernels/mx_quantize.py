@@ -8,6 +8,35 @@ exact like the reference's.
 
 import triton
 import triton.language as tl
+from mx_kernels.spec import ELEM_FORMATS
+
+# A kernel takes its element format (ELEM: "e4m3" or "e5m2") and scale rule (RCEIL) as compile-time
+# constants; these derive the rest of the format's constants from them at compile time.
+
+
+@triton.constexpr_function
+def emax(elem):
+    return ELEM_FORMATS[elem].emax
+
+
+@triton.constexpr_function
+def max_mantissa_bits(elem):
+    return ELEM_FORMATS[elem].max_mantissa_bits
+
+
+@triton.constexpr_function
+def max_normal(elem):
+    return ELEM_FORMATS[elem].max_normal
+
+
+@triton.constexpr_function
+def mbits(elem):
+    return ELEM_FORMATS[elem].mbits
+
+
+@triton.constexpr_function
+def emin(elem):
+    return ELEM_FORMATS[elem].emin
 
 
 @triton.jit
@@ -20,8 +49,10 @@ def to_fp32(x, SOFTWARE_ROUND: tl.constexpr):
 
 
 @triton.jit
-def scale_exponent(amax_bits, EMAX: tl.constexpr, MAX_MANT: tl.constexpr, RCEIL: tl.constexpr):
+def scale_exponent(amax_bits, ELEM: tl.constexpr, RCEIL: tl.constexpr):
     """Unbiased shared exponent from the fp32 bits of amax >= 0, as ``formats.scale_exponent``."""
+    EMAX: tl.constexpr = emax(ELEM)
+    MAX_MANT: tl.constexpr = max_mantissa_bits(ELEM)
     biased = amax_bits >> 23  # the sign bit is clear
     if RCEIL:
         # amax / max_normal lies strictly above 2**e when amax's mantissa exceeds max_normal's: adding
@@ -34,7 +65,7 @@ def scale_exponent(amax_bits, EMAX: tl.constexpr, MAX_MANT: tl.constexpr, RCEIL:
 
 
 @triton.jit
-def round_to_fp8_bits(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
+def round_to_fp8_bits(v, ELEM: tl.constexpr):
     """fp32 v with |v| <= max_normal -> fp8 bits, round to nearest even, in integer arithmetic.
 
     For the Triton interpreter only, whose own fp8 conversion is wrong. v's 24-bit significand
@@ -42,6 +73,8 @@ def round_to_fp8_bits(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
     half to even; code = ((k - EMIN) << MBITS) + n covers subnormals and the carry into the next
     binade (n = 2**(MBITS + 1) lands on the next exponent's first code).
     """
+    MBITS: tl.constexpr = mbits(ELEM)
+    EMIN: tl.constexpr = emin(ELEM)
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
@@ -64,20 +97,10 @@ def _max_propagating_nan(a, b):
 
 
 @triton.jit
-def quantize_blocks(
-    blocks,
-    AXIS: tl.constexpr,
-    EMAX: tl.constexpr,
-    MAX_MANT: tl.constexpr,
-    MAX_NORMAL: tl.constexpr,
-    MBITS: tl.constexpr,
-    EMIN: tl.constexpr,
-    IS_E4M3: tl.constexpr,
-    RCEIL: tl.constexpr,
-    SOFTWARE_ROUND: tl.constexpr,
-):
+def quantize_blocks(blocks, AXIS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
     """fp32 blocks of 32 along AXIS (the tile's whole extent there) -> (fp8 bits uint8, same
-    shape; biased E8M0 scales uint8, AXIS reduced away)."""
+    shape; biased E8M0 scales uint8, AXIS reduced away). The Triton kernels' one quantize routine."""
+    MAX_NORMAL: tl.constexpr = max_normal(ELEM)
     if SOFTWARE_ROUND:
         # the interpreter runs a custom-combine reduce in Python: use the integer max of |bits|
         # (non-negative floats order like their bits, and a NaN sorts above inf)
@@ -87,15 +110,15 @@ def quantize_blocks(
         amax = tl.reduce(tl.abs(blocks), AXIS, _max_propagating_nan)
         amax_bits = amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     is_nan = amax_bits > 0x7F800000
-    e = scale_exponent(amax_bits, EMAX, MAX_MANT, RCEIL)
+    e = scale_exponent(amax_bits, ELEM, RCEIL)
     # 2**-e from bits; -e = -127 is the one subnormal (0x00400000 = 2**-127)
     inv_scale = tl.where(e < 127, (127 - e) << 23, 0x400000).to(tl.float32, bitcast=True)
     v = blocks * tl.expand_dims(inv_scale, AXIS)
     # clamp first: inf saturates, and the result does not depend on cvt's satfinite
     v = tl.minimum(tl.maximum(v, -MAX_NORMAL), MAX_NORMAL)
     if SOFTWARE_ROUND:
-        q = round_to_fp8_bits(v, MBITS, EMIN)
-    elif IS_E4M3:
+        q = round_to_fp8_bits(v, ELEM)
+    elif ELEM == "e4m3":
         q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # cvt.rn.satfinite.e4m3x2.f32
     else:
         q = v.to(tl.float8e5).to(tl.uint8, bitcast=True)  # cvt.rn.satfinite.e5m2x2.f32
@@ -106,7 +129,8 @@ def quantize_blocks(
 
 @triton.jit
 def blocked_scale_offset(r, c, col_tiles):
-    """Byte of scale (r, c) in the blocked layout (DESIGN.md) of a matrix with ``col_tiles`` 4-column tiles."""
+    """Byte of scale (r, c) in the blocked layout (docs/DESIGN.md, Scale layout) of a matrix with
+    ``col_tiles`` 4-column tiles."""
     tile = (r >> 7) * col_tiles + (c >> 2)
     return tile * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4 + (c & 3)
 
@@ -128,14 +152,13 @@ def store_scales(s_ptr, scale, rows, cols, n_rows, n_cols, BLOCKED: tl.constexpr
 
 
 @triton.jit
-def dequantize_blocks(
-    q, scale, AXIS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, IS_E4M3: tl.constexpr,
-    SOFTWARE_ROUND: tl.constexpr,
-):  # fmt: skip
+def dequantize_blocks(q, scale, AXIS: tl.constexpr, ELEM: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
     """fp8 bits (uint8) and biased scales -> fp32 element * 2**(scale - 127), NaN where the scale
     is 0xFF: ``MXTensor.dequantize`` in fp32. On the GPU the element comes from the hardware fp8
     conversion (exact; one cvt per two elements: the fake-quant kernels are ALU-bound otherwise).
     Under SOFTWARE_ROUND it is built from bits, which the interpreter computes exactly too."""
+    MBITS: tl.constexpr = mbits(ELEM)
+    EMIN: tl.constexpr = emin(ELEM)
     if SOFTWARE_ROUND:
         bits = q.to(tl.int32)
         exp_field = (bits >> MBITS) & ((1 << (7 - MBITS)) - 1)
@@ -145,7 +168,7 @@ def dequantize_blocks(
         unit = ((tl.maximum(exp_field, 1) + EMIN - 1 - MBITS + 127) << 23).to(tl.float32, bitcast=True)
         # the sign goes in by bits: Triton's -x is 0 - x, which would turn -0 into +0
         element = ((significand * unit).to(tl.int32, bitcast=True) | ((bits & 0x80) << 24)).to(tl.float32, bitcast=True)
-    elif IS_E4M3:
+    elif ELEM == "e4m3":
         element = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
         element = q.to(tl.float8e5, bitcast=True).to(tl.float32)
@@ -157,14 +180,13 @@ def dequantize_blocks(
 
 @triton.jit
 def fake_quant_blocks(
-    blocks, AXIS: tl.constexpr, EMAX: tl.constexpr, MAX_MANT: tl.constexpr, MAX_NORMAL: tl.constexpr,
-    MBITS: tl.constexpr, EMIN: tl.constexpr, IS_E4M3: tl.constexpr, RCEIL: tl.constexpr,
-    SOFTWARE_ROUND: tl.constexpr, OUT_BF16_BITS: tl.constexpr,
+    blocks, AXIS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
+    OUT_BF16_BITS: tl.constexpr,
 ):  # fmt: skip
     """fp32 blocks of 32 along AXIS -> their MX quantize-dequantize, same shape: fp32, or bf16 bits
     (int16) under OUT_BF16_BITS (the interpreter, whose bf16 store is not trusted)."""
-    q, scale = quantize_blocks(blocks, AXIS, EMAX, MAX_MANT, MAX_NORMAL, MBITS, EMIN, IS_E4M3, RCEIL, SOFTWARE_ROUND)
-    v = dequantize_blocks(q, scale, AXIS, MBITS, EMIN, IS_E4M3, SOFTWARE_ROUND)
+    q, scale = quantize_blocks(blocks, AXIS, ELEM, RCEIL, SOFTWARE_ROUND)
+    v = dequantize_blocks(q, scale, AXIS, ELEM, SOFTWARE_ROUND)
     if OUT_BF16_BITS:
         v = bf16_bits_rne(v)
     return v

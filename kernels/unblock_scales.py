@@ -1,11 +1,10 @@
 """Blocked MX scales -> plain [rows, cols] in one Triton kernel (the inverse of the blocked layout).
 
-The Gluon dim1, fused and 3D casts write plain scales in the blocked layout and permute them after
-(``PLAIN_VIA_BLOCKED`` in gluon_casts): storing them plain from the cast costs more than this pass.
-``scale_layout.from_blocked`` (a torch int32 permute copy) took 19.8 us for [16384, 512] scales on
-an H200, this kernel 9.7 us (docs/profiles/2026-11-21_h200_unblock_scales.txt).
+The Gluon casts write plain scales in the blocked layout and permute them after (gluon_casts): storing
+them plain from the cast costs more than this pass. ``scale_layout.from_blocked`` (a torch int32 permute
+copy) took 19.8 us for [16384, 512] scales on an H200, this kernel 9.7 us.
 
-Layout (DESIGN.md): a tile's 4 column bytes of one row are contiguous in both layouts, so both are
+Layout (docs/DESIGN.md, Scale layout): a tile's 4 column bytes of one row are contiguous in both layouts, so both are
 moved as int32 words. Blocked, in words: [row_tiles, col_tiles, 32 (r_lo), 4 (r_hi)]; plain:
 [row_tiles * 128, col_tiles] with row = tile_row * 128 + r_hi * 32 + r_lo. A program moves BLOCK_C
 tiles of one tile row: BLOCK_C * 512 contiguous bytes in, 128 rows of BLOCK_C words out. Expert
@@ -16,16 +15,11 @@ Triton interpreter is a faithful judge of it (tests/test_cast_kernels.py).
 
 from __future__ import annotations
 
-import mx_recipe.formats  # noqa: F401  (first: importing mx_kernels.common before mx_recipe is circular)
-
-# isort: split
 import torch
 import triton
 import triton.language as tl
-from mx_kernels.common import cdiv
 from mx_kernels.launch_cache import LaunchCache
-
-from mx_recipe.scale_layout import blocked_shape
+from mx_kernels.spec import blocked_shape, cdiv
 
 BLOCK_C = 32  # tiles (int32 output columns) per program: 128-byte row segments
 

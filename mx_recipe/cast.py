@@ -1,50 +1,35 @@
-"""MX casts, dispatched: the Triton kernels (``mx_kernels``) on CUDA, the reference ``to_mx`` elsewhere.
-
-Both paths return the same types and the same bits (tests/test_cast_kernels.py checks it):
+"""The MX casts and fake-quants: the public entry points, each a contract that every implementation meets bit
+for bit (the reference, a Triton kernel, a Gluon kernel on Hopper; ``mx_recipe.dispatch`` picks which runs).
 
 * ``blocked_scales=False``: an ``MXTensor`` (formats.py), quantized along its last dim;
-* ``blocked_scales=True``: a ``BlockedMXTensor``, whose scales are already in the blocked
-  layout that hardware block-scaled GEMMs read (scale_layout.py), written by the cast kernel
-  itself (no separate swizzle pass).
+* ``blocked_scales=True``: a ``BlockedMXTensor``, whose scales are already in the blocked layout that hardware
+  block-scaled GEMMs read (docs/DESIGN.md, Scale layout), written by the cast kernel itself.
 
-Orientation: ``cast_dim0(x)`` quantizes x [M, K] along K; ``cast_dim1(x)`` quantizes along M
-and stores the result as the MX form of x.t(): qdata [K, M] row-major, scales [K, M/32],
-equal to ``to_mx(x.t().contiguous())`` (no transpose copy on the GPU). 3D expert weights
-[E, N, K] and token groups along M (MoE grad-weight) have their own entry points.
+Orientation: ``cast_dim0(x)`` quantizes x [M, K] along K; ``cast_dim1(x)`` quantizes along M and stores the
+result as the MX form of x.t(): qdata [K, M] row-major, scales [K, M/32], equal to
+``to_mx(x.t().contiguous())`` (no transpose copy on the GPU). 3D expert weights [E, N, K] and token groups
+along M (MoE grad-weight) have their own entry points.
 
-``fake_quant_dim0`` / ``fake_quant_dim1`` return the dequantized values instead (in the input's
-dtype, same orientations): what the emulated GEMM backend multiplies. On CUDA, for bf16 input,
-one kernel reads the input once and writes the result, with no qdata, scales or fp32
-intermediates in between; fp32 input takes the reference (see _use_fake_quant_kernels).
-``fake_quant_along_m`` is ``fake_quant_dim1`` left in the input's layout ([.., M padded, K]), and
-``fake_quant_dim0_dim1`` returns both fake-quants from one read of the input: a bf16 GEMM takes
-either operand transposed, so nothing needs writing transposed.
+The fake-quants return the dequantized values instead (in the input's dtype): what the emulated GEMM backend
+multiplies. ``fake_quant_dim0`` quantizes along K; ``fake_quant_along_m`` along M, left in the input's layout
+([.., M padded to 32, K]: a bf16 GEMM takes either operand transposed, so nothing is written transposed);
+``fake_quant_dim0_dim1`` returns both from one read of the input.
 
-e2m1 (fp4) has no Triton kernel: on CUDA it takes the reference path too (correct, slow).
-
-``rounding="stochastic"`` (the 2D casts and fake-quants; recipe.py allows it for e2m1 gradients)
-always takes the reference: the kernels round to nearest. Its random bits come from ``generator``,
-or the default generator of the input's device when it is None (formats.to_mx).
+``rounding="stochastic"`` (the 2D casts and fake-quants; recipe.py allows it for e2m1 gradients) takes the
+reference: the kernels round to nearest. Its random bits come from ``generator``, or the default generator of
+the input's device when it is None (formats.to_mx).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mx_kernels.ops  # noqa: F401  (registers torch.ops.mx_recipe.*; imports no Triton)
 import torch
-from mx_kernels.common import KERNEL_ELEMS, check_offs, groups_along_m_rows
+from mx_kernels.common import check_offs
 
-from mx_recipe.formats import BLOCK_SIZE, MXTensor, fake_quant, to_mx
-from mx_recipe.scale_layout import (
-    from_blocked,
-    from_blocked_3d,
-    from_blocked_groups,
-    group_scale_starts,
-    to_blocked,
-    to_blocked_3d,
-    to_blocked_groups,
-)
+from mx_recipe.dispatch import run
+from mx_recipe.formats import BLOCK_SIZE, MXTensor
+from mx_recipe.scale_layout import from_blocked, from_blocked_3d, from_blocked_groups, group_scale_starts
 
 __all__ = [
     "BlockedMXTensor",
@@ -54,8 +39,10 @@ __all__ = [
     "cast_dim0_dim1",
     "cast_dim1",
     "cast_groups_dim1",
+    "fake_quant_along_m",
     "fake_quant_dim0",
-    "fake_quant_dim1",
+    "fake_quant_dim0_dim1",
+    "fake_quant_groups_along_m",
 ]
 
 
@@ -95,13 +82,10 @@ class BlockedMXTensor:
         return MXTensor(self.qdata, scale, self.elem, self.dim, self.block_size)
 
 
-def _use_kernels(x: torch.Tensor, elem: str, rounding: str = "nearest") -> bool:
-    return x.is_cuda and elem in KERNEL_ELEMS and rounding == "nearest"
-
-
-def _check_ndim(x: torch.Tensor, ndim: int, op: str) -> None:
-    if x.dim() != ndim:
-        raise ValueError(f"{op} takes a {ndim}D tensor, got shape {tuple(x.shape)}")
+def _check_ndim(x: torch.Tensor, ndims: tuple[int, ...], op: str) -> None:
+    if x.dim() not in ndims:
+        dims = " or ".join(f"{n}D" for n in ndims)
+        raise ValueError(f"{op} takes a {dims} tensor, got shape {tuple(x.shape)}")
 
 
 def _result(
@@ -127,13 +111,9 @@ def cast_dim0(
     generator: torch.Generator | None = None,
 ) -> MXTensor | BlockedMXTensor:
     """x [M, K] -> MX along K: qdata [M, K], scales [M, K/32]; equals ``to_mx(x, elem, mode, dim=-1)``."""
-    _check_ndim(x, 2, "cast_dim0")
+    _check_ndim(x, (2,), "cast_dim0")
     m, k = x.shape
-    if _use_kernels(x, elem, rounding):
-        qdata, scale = torch.ops.mx_recipe.cast_dim0(x, elem, mode, blocked_scales)
-    else:
-        ref = to_mx(x, elem, mode, dim=-1, rounding=rounding, generator=generator)
-        qdata, scale = ref.qdata, to_blocked(ref.scale) if blocked_scales else ref.scale
+    qdata, scale = run("cast_dim0", x, elem, mode, blocked_scales, rounding=rounding, generator=generator)
     return _result(qdata, scale, elem, blocked_scales, (m, k // BLOCK_SIZE))
 
 
@@ -147,13 +127,9 @@ def cast_dim1(
 ) -> MXTensor | BlockedMXTensor:
     """x [M, K] -> MX along M, stored as the MX form of x.t(): qdata [K, M], scales [K, M/32];
     equals ``to_mx(x.t().contiguous(), elem, mode, dim=-1)``."""
-    _check_ndim(x, 2, "cast_dim1")
+    _check_ndim(x, (2,), "cast_dim1")
     m, k = x.shape
-    if _use_kernels(x, elem, rounding):
-        qdata, scale = torch.ops.mx_recipe.cast_dim1(x, elem, mode, blocked_scales)
-    else:
-        ref = to_mx(x.t().contiguous(), elem, mode, dim=-1, rounding=rounding, generator=generator)
-        qdata, scale = ref.qdata, to_blocked(ref.scale) if blocked_scales else ref.scale
+    qdata, scale = run("cast_dim1", x, elem, mode, blocked_scales, rounding=rounding, generator=generator)
     return _result(qdata, scale, elem, blocked_scales, (k, m // BLOCK_SIZE))
 
 
@@ -161,11 +137,9 @@ def cast_dim0_dim1(
     x: torch.Tensor, elem: str = "e4m3", mode: str = "floor", blocked_scales: bool = False
 ) -> tuple[MXTensor | BlockedMXTensor, MXTensor | BlockedMXTensor]:
     """(cast_dim0(x), cast_dim1(x)) from one read of x on the GPU (one fused kernel)."""
-    _check_ndim(x, 2, "cast_dim0_dim1")
-    if not _use_kernels(x, elem):
-        return cast_dim0(x, elem, mode, blocked_scales), cast_dim1(x, elem, mode, blocked_scales)
+    _check_ndim(x, (2,), "cast_dim0_dim1")
     m, k = x.shape
-    q0, s0, q1, s1 = torch.ops.mx_recipe.cast_dim0_dim1(x, elem, mode, blocked_scales)
+    q0, s0, q1, s1 = run("cast_dim0_dim1", x, elem, mode, blocked_scales)
     return (
         _result(q0, s0, elem, blocked_scales, (m, k // BLOCK_SIZE)),
         _result(q1, s1, elem, blocked_scales, (k, m // BLOCK_SIZE)),
@@ -177,13 +151,9 @@ def cast_3d_dim0(
 ) -> MXTensor | BlockedMXTensor:
     """Expert weights [E, N, K] -> MX along K per expert: qdata [E, N, K], scales [E, N, K/32]
     (blocked: per expert, [E, n])."""
-    _check_ndim(w, 3, "cast_3d_dim0")
+    _check_ndim(w, (3,), "cast_3d_dim0")
     e, n, k = w.shape
-    if _use_kernels(w, elem):
-        qdata, scale = torch.ops.mx_recipe.cast_dim0(w, elem, mode, blocked_scales)
-    else:
-        ref = to_mx(w, elem, mode, dim=-1)
-        qdata, scale = ref.qdata, to_blocked_3d(ref.scale) if blocked_scales else ref.scale
+    qdata, scale = run("cast_dim0", w, elem, mode, blocked_scales)
     return _result(qdata, scale, elem, blocked_scales, (e, n, k // BLOCK_SIZE))
 
 
@@ -192,13 +162,9 @@ def cast_3d_dim1(
 ) -> MXTensor | BlockedMXTensor:
     """Expert weights [E, N, K] -> MX along N per expert, each expert stored transposed:
     qdata [E, K, N], scales [E, K, N/32]; equals ``to_mx(w.transpose(-2, -1).contiguous())``."""
-    _check_ndim(w, 3, "cast_3d_dim1")
+    _check_ndim(w, (3,), "cast_3d_dim1")
     e, n, k = w.shape
-    if _use_kernels(w, elem):
-        qdata, scale = torch.ops.mx_recipe.cast_dim1(w, elem, mode, blocked_scales)
-    else:
-        ref = to_mx(w.transpose(-2, -1).contiguous(), elem, mode, dim=-1)
-        qdata, scale = ref.qdata, to_blocked_3d(ref.scale) if blocked_scales else ref.scale
+    qdata, scale = run("cast_dim1", w, elem, mode, blocked_scales)
     return _result(qdata, scale, elem, blocked_scales, (e, k, n // BLOCK_SIZE))
 
 
@@ -223,30 +189,15 @@ def cast_groups_dim1(
     the host; by default only for CPU tensors, since on GPU it would sync. On GPU, offs that
     break the contract give unspecified values but no out-of-bounds access.
     """
-    _check_ndim(x, 2, "cast_groups_dim1")
+    _check_ndim(x, (2,), "cast_groups_dim1")
     m, k = x.shape
     check_offs(offs, m, check_values=not x.is_cuda if validate is None else validate)
-    if _use_kernels(x, elem):
-        if blocked_scales:
-            qdata, scale = torch.ops.mx_recipe.cast_groups_dim1(x, offs, elem, mode)
-        else:
-            qdata, scale = torch.ops.mx_recipe.cast_dim1(x, elem, mode, False)
+    if blocked_scales:
+        qdata, scale = run("cast_groups_dim1", x, elem, mode, offs)
     else:
-        ref = to_mx(x.t().contiguous(), elem, mode, dim=-1)
-        qdata, scale = ref.qdata, to_blocked_groups(ref.scale, offs) if blocked_scales else ref.scale
+        qdata, scale = run("cast_dim1", x, elem, mode, False)
     group_offs = offs if blocked_scales else None
     return _result(qdata, scale, elem, blocked_scales, (k, m // BLOCK_SIZE), group_offs)
-
-
-def _check_2d_or_3d(x: torch.Tensor, op: str) -> None:
-    if x.dim() not in (2, 3):
-        raise ValueError(f"{op} takes a 2D or 3D tensor, got shape {tuple(x.shape)}")
-
-
-def _use_fake_quant_kernels(x: torch.Tensor, elem: str, rounding: str) -> bool:
-    # bf16 only: on an H200 the fake-quant kernels gave wrong values for fp32 input (bit-exact in
-    # the Triton interpreter and for bf16 on the GPU; cause not found yet). fp32 takes the reference.
-    return _use_kernels(x, elem, rounding) and x.dtype == torch.bfloat16
 
 
 def fake_quant_dim0(
@@ -257,31 +208,8 @@ def fake_quant_dim0(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """x [M, K] or [E, M, K] -> ``to_mx(x, elem, mode, dim=-1).dequantize(x.dtype)``, bit for bit."""
-    _check_2d_or_3d(x, "fake_quant_dim0")
-    if _use_fake_quant_kernels(x, elem, rounding):
-        return torch.ops.mx_recipe.fake_quant_dim0(x, elem, mode)
-    return fake_quant(x, elem, mode, dim=-1, rounding=rounding, generator=generator)
-
-
-def fake_quant_dim1(
-    x: torch.Tensor,
-    elem: str = "e4m3",
-    mode: str = "floor",
-    rounding: str = "nearest",
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """x [M, K] or [E, M, K] -> the same along M, transposed: [.., K, M], equal to
-    ``to_mx(x.transpose(-2, -1).contiguous(), elem, mode).dequantize(x.dtype)``, bit for bit."""
-    _check_2d_or_3d(x, "fake_quant_dim1")
-    if _use_fake_quant_kernels(x, elem, rounding):
-        return torch.ops.mx_recipe.fake_quant_dim1(x, elem, mode)
-    return fake_quant(x.transpose(-2, -1).contiguous(), elem, mode, dim=-1, rounding=rounding, generator=generator)
-
-
-def _pad_m(x: torch.Tensor) -> torch.Tensor:
-    """Zero rows appended along M (dim -2) up to a multiple of 32."""
-    pad = -x.shape[-2] % BLOCK_SIZE
-    return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
+    _check_ndim(x, (2, 3), "fake_quant_dim0")
+    return run("fake_quant_2d", x, elem, mode, True, False, rounding=rounding, generator=generator)[0]
 
 
 def fake_quant_along_m(
@@ -293,11 +221,10 @@ def fake_quant_along_m(
 ) -> torch.Tensor:
     """x [M, K] or [E, M, K] zero-padded along M to a multiple of 32, quantized along M and
     dequantized, in x's layout: [.., ceil32(M), K], row-major. Equal, bit for bit, to
-    ``fake_quant_dim1(pad(x)).transpose(-2, -1)``; stochastic rounding draws in that order too."""
-    _check_2d_or_3d(x, "fake_quant_along_m")
-    if _use_fake_quant_kernels(x, elem, rounding):
-        return torch.ops.mx_recipe.fake_quant_2d(x, elem, mode, False, True)[1]
-    return fake_quant_dim1(_pad_m(x), elem, mode, rounding, generator).transpose(-2, -1).contiguous()
+    ``to_mx(pad(x).transpose(-2, -1).contiguous(), elem, mode).dequantize(x.dtype).transpose(-2, -1)``;
+    stochastic rounding draws in that order too."""
+    _check_ndim(x, (2, 3), "fake_quant_along_m")
+    return run("fake_quant_2d", x, elem, mode, False, True, rounding=rounding, generator=generator)[1]
 
 
 def fake_quant_groups_along_m(
@@ -313,19 +240,8 @@ def fake_quant_groups_along_m(
     blocks of 32 from its first row, as if zero-padded, and dequantized; the padding rows dropped.
     The MoE grad-weight operand: on CUDA one kernel, no padded copy, and the GEMM needs no padded
     groups. Stochastic rounding draws as ``fake_quant_along_m`` on the padded tensor does."""
-    if x.dim() != 2:
-        raise ValueError(f"fake_quant_groups_along_m: expected a 2D [M, K] tensor, got shape {tuple(x.shape)}")
-    if _use_fake_quant_kernels(x, elem, rounding):
-        return torch.ops.mx_recipe.fake_quant_groups_along_m(x, row_src, elem, mode)
-    groups_along_m_rows(row_src)
-    listed = row_src[row_src >= 0].long()
-    every_row_once = torch.equal(listed.sort().values, torch.arange(x.shape[0], device=x.device))
-    if not every_row_once or bool((row_src < -1).any()):
-        rows = x.shape[0]
-        raise ValueError(f"fake_quant_groups_along_m: row_src must list each of x's {rows} rows once, -1 elsewhere")
-    padded = torch.cat([x, x.new_zeros(1, x.shape[1])])[row_src.long()]  # -1: the appended zero row
-    fq = fake_quant_along_m(padded, elem, mode, rounding, generator)
-    return fq[row_src >= 0][listed.argsort()]  # back to x's row order
+    _check_ndim(x, (2,), "fake_quant_groups_along_m")
+    return run("fake_quant_groups_along_m", x, elem, mode, row_src, rounding=rounding, generator=generator)
 
 
 def fake_quant_dim0_dim1(
@@ -337,7 +253,5 @@ def fake_quant_dim0_dim1(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``fake_quant_dim0(x)``, ``fake_quant_along_m(x)``): on CUDA one kernel, one read of x.
     Stochastic rounding draws along K first, then along M."""
-    _check_2d_or_3d(x, "fake_quant_dim0_dim1")
-    if _use_fake_quant_kernels(x, elem, rounding):
-        return torch.ops.mx_recipe.fake_quant_2d(x, elem, mode, True, True)
-    return fake_quant_dim0(x, elem, mode, rounding, generator), fake_quant_along_m(x, elem, mode, rounding, generator)
+    _check_ndim(x, (2, 3), "fake_quant_dim0_dim1")
+    return run("fake_quant_2d", x, elem, mode, True, True, rounding=rounding, generator=generator)

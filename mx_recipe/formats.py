@@ -1,7 +1,7 @@
 """The MX reference: element formats, scale rules, ``to_mx`` and ``MXTensor``.
 
 Pure PyTorch on any device. Every kernel and GEMM backend in this repository is tested
-bit for bit against this file, and this file against the numerics contract of DESIGN.md:
+bit for bit against this file, and this file against the numerics contract of docs/DESIGN.md (Numerics contract):
 
 * a block is 32 consecutive elements along the quantized dim; its scale is an E8M0
   exponent ``e`` (bias 127, 0xFF = NaN) and each element is stored as ``v / 2**e``
@@ -38,58 +38,44 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from mx_kernels.spec import (  # the constants the kernels share (docs/DESIGN.md, Architecture)
+    BLOCK_SIZE,
+    E2M1,
+    E2M1_VALUES,
+    E4M3,
+    E5M2,
+    E8M0_BIAS,
+    E8M0_NAN,
+    ELEM_FORMATS,
+    FP8_NAN_BITS,
+    ROUNDINGS,
+    SCALE_EXP_MAX,
+    SCALE_EXP_MIN,
+    SCALE_RULES,
+    ElemFormat,
+    elem_format,
+)
 
-BLOCK_SIZE = 32
-E8M0_BIAS = 127
-E8M0_NAN = 0xFF
-SCALE_EXP_MIN = -127
-SCALE_EXP_MAX = 127
-
-
-@dataclass(frozen=True)
-class ElemFormat:
-    """An MX element format: sign, ``ebits`` exponent bits, ``mbits`` mantissa bits."""
-
-    name: str
-    ebits: int
-    mbits: int
-    emax: int  # exponent of the largest normal
-    max_normal: float
-    torch_dtype: torch.dtype | None  # None for e2m1, stored packed as uint8
-
-    @property
-    def emin(self) -> int:
-        """Exponent of the smallest normal (1 - bias)."""
-        return 2 - 2 ** (self.ebits - 1)
-
-    @property
-    def max_mantissa_bits(self) -> int:
-        """The 23-bit fp32 mantissa field of max_normal (1.75 -> 0x600000)."""
-        return int((self.max_normal / 2.0**self.emax - 1.0) * 2**23)
-
-    @property
-    def bits(self) -> int:
-        return 1 + self.ebits + self.mbits
-
-
-E4M3 = ElemFormat("e4m3", ebits=4, mbits=3, emax=8, max_normal=448.0, torch_dtype=torch.float8_e4m3fn)
-E5M2 = ElemFormat("e5m2", ebits=5, mbits=2, emax=15, max_normal=57344.0, torch_dtype=torch.float8_e5m2)
-E2M1 = ElemFormat("e2m1", ebits=2, mbits=1, emax=2, max_normal=6.0, torch_dtype=None)
-
-ELEM_FORMATS: dict[str, ElemFormat] = {f.name: f for f in (E4M3, E5M2, E2M1)}
-SCALE_RULES = ("floor", "rceil")
-ROUNDINGS = ("nearest", "stochastic")
-
-# fp8 NaN encoding used for every element of a NaN block (sign bit clear).
-FP8_NAN_BITS = 0x7F
-# Magnitudes of the 8 non-negative e2m1 codes, in code order.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def elem_format(name: str) -> ElemFormat:
-    if name not in ELEM_FORMATS:
-        raise ValueError(f"unknown MX element format {name!r}; expected one of {sorted(ELEM_FORMATS)}")
-    return ELEM_FORMATS[name]
+__all__ = [
+    "BLOCK_SIZE",
+    "E2M1",
+    "E2M1_VALUES",
+    "E4M3",
+    "E5M2",
+    "E8M0_BIAS",
+    "E8M0_NAN",
+    "ELEM_FORMATS",
+    "FP8_NAN_BITS",
+    "ROUNDINGS",
+    "SCALE_EXP_MAX",
+    "SCALE_EXP_MIN",
+    "SCALE_RULES",
+    "ElemFormat",
+    "MXTensor",
+    "elem_format",
+    "fake_quant",
+    "to_mx",
+]
 
 
 def _check_mode(mode: str) -> None:

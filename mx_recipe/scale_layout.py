@@ -1,6 +1,6 @@
 """The blocked layout of MX scales for hardware block-scaled GEMMs: the pure-PyTorch reference.
 
-cuBLAS and tcgen05 read E8M0 scales in "block scaling factors" layout (DESIGN.md): pad the
+cuBLAS and tcgen05 read E8M0 scales in "block scaling factors" layout (docs/DESIGN.md, Scale layout): pad the
 [rows, cols] scale matrix to rows % 128 == 0 and cols % 4 == 0, cut it into 128x4 tiles
 stored tile after tile in row-major tile order, 512 bytes each; inside a tile the scale at
 (r, c) sits at byte (r % 32) * 16 + (r // 32) * 4 + c. Padding bytes are zero.
@@ -21,29 +21,37 @@ they are tested against:
 from __future__ import annotations
 
 import torch
+from mx_kernels.spec import (  # the layout's shapes, shared with the kernels
+    SCALE_TILE_BYTES,
+    SCALE_TILE_COLS,
+    SCALE_TILE_ROWS,
+    blocked_groups_numel,
+    blocked_numel,
+    blocked_shape,
+)
+from mx_kernels.spec import cdiv as _ceil_div
 
-SCALE_TILE_ROWS = 128
-SCALE_TILE_COLS = 4
-SCALE_TILE_BYTES = SCALE_TILE_ROWS * SCALE_TILE_COLS  # 512
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def blocked_shape(rows: int, cols: int) -> tuple[int, int]:
-    """(padded_rows, padded_cols) of a [rows, cols] scale matrix in the blocked layout."""
-    return _ceil_div(rows, SCALE_TILE_ROWS) * SCALE_TILE_ROWS, _ceil_div(cols, SCALE_TILE_COLS) * SCALE_TILE_COLS
-
-
-def blocked_numel(rows: int, cols: int) -> int:
-    """Bytes of a [rows, cols] scale matrix in the blocked layout, padding included."""
-    padded_rows, padded_cols = blocked_shape(rows, cols)
-    return padded_rows * padded_cols
+__all__ = [
+    "SCALE_TILE_BYTES",
+    "SCALE_TILE_COLS",
+    "SCALE_TILE_ROWS",
+    "blocked_byte_offset",
+    "blocked_groups_numel",
+    "blocked_numel",
+    "blocked_shape",
+    "from_blocked",
+    "from_blocked_3d",
+    "from_blocked_groups",
+    "group_scale_starts",
+    "padded_group_layout",
+    "to_blocked",
+    "to_blocked_3d",
+    "to_blocked_groups",
+]
 
 
 def blocked_byte_offset(r, c, cols: int):
-    """Byte of scale (r, c) of a [*, cols] matrix in the blocked layout (the DESIGN.md formula).
+    """Byte of scale (r, c) of a [*, cols] matrix in the blocked layout (docs/DESIGN.md, Scale layout).
     ``r`` and ``c`` are ints or integer tensors (broadcast together)."""
     col_tiles = _ceil_div(cols, SCALE_TILE_COLS)
     tile = (r // SCALE_TILE_ROWS) * col_tiles + c // SCALE_TILE_COLS
@@ -104,16 +112,6 @@ def from_blocked_3d(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor
     if blocked.shape[0] == 0:
         return torch.empty(0, rows, cols, dtype=blocked.dtype, device=blocked.device)
     return torch.stack([from_blocked(blocked[e], rows, cols) for e in range(blocked.shape[0])])
-
-
-def blocked_groups_numel(rows: int, cols: int, num_groups: int) -> int:
-    """Bytes of the per-group blocked buffer for [rows, cols] scales cut into ``num_groups`` column groups.
-
-    Each group pads its columns to a multiple of 4, so it takes at most one more tile column
-    than its share: cdiv(cols, 4) + num_groups tile columns bound every ``offs`` without reading it.
-    """
-    padded_rows = _ceil_div(rows, SCALE_TILE_ROWS) * SCALE_TILE_ROWS
-    return padded_rows * SCALE_TILE_COLS * (_ceil_div(cols, SCALE_TILE_COLS) + num_groups)
 
 
 def group_scale_starts(offs: torch.Tensor, block_size: int = 32) -> torch.Tensor:

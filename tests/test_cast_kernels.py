@@ -1,4 +1,5 @@
-"""The Triton MX cast kernels (mx_kernels) and their dispatch (mx_recipe.cast), bit for bit vs ``to_mx``.
+"""The Triton MX cast kernels (mx_kernels) and their dispatch (mx_recipe.dispatch, mx_recipe.cast), bit for bit
+vs ``to_mx``.
 
 Three groups of tests:
 
@@ -9,7 +10,8 @@ Three groups of tests:
   before that), so ``test_kernels_in_triton_interpreter`` runs these tests in a child pytest
   with the variable set; this process and the rest of the suite never see it. Run them
   directly with ``TRITON_INTERPRET=1 pytest tests/test_cast_kernels.py -k interp_``.
-* GPU (``@pytest.mark.gpu``): the hardware fp8 conversion path, same checks, more shapes.
+* GPU (``@pytest.mark.gpu``): the Triton kernels on the hardware fp8 conversion path, same checks, more shapes
+  (the Gluon kernels, which the dispatch picks on Hopper, are checked against these in test_gluon_*.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import torch
 
 from mx_recipe.cast import (
     BlockedMXTensor,
-    cast_3d_dim0,
     cast_3d_dim1,
     cast_dim0,
     cast_dim0_dim1,
@@ -34,7 +35,6 @@ from mx_recipe.cast import (
     fake_quant_along_m,
     fake_quant_dim0,
     fake_quant_dim0_dim1,
-    fake_quant_dim1,
 )
 from mx_recipe.formats import MXTensor, to_mx
 from mx_recipe.scale_layout import blocked_numel, to_blocked, to_blocked_3d, to_blocked_groups
@@ -46,6 +46,8 @@ HAS_CUDA = torch.cuda.is_available()
 interp_only = pytest.mark.skipif(not (INTERP and HAS_TRITON), reason="runs in the Triton interpreter child process")
 
 DTYPES = [torch.bfloat16, torch.float32]
+# on the GPU, fp32 input (which training never casts) runs in the full tier only: each case compiles kernels
+GPU_DTYPES = [torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.slow)]
 ELEMS = ["e4m3", "e5m2"]
 MODES = ["floor", "rceil"]
 
@@ -106,8 +108,8 @@ def check_mx(actual: MXTensor | BlockedMXTensor, expected: MXTensor, blocked_ref
 
 
 # ---------------------------------------------------------------------------------------
-# the kernel checks, shared by the interpreter and GPU tests (they call the public API on
-# `device`; on CUDA and in the interpreter child the mx_kernels launchers run)
+# the kernel checks, shared by the interpreter and GPU tests (they call the Triton launchers, on CUDA and in the
+# interpreter child alike)
 
 
 def _launch_all(name: str):
@@ -126,24 +128,18 @@ def _launch_all(name: str):
 
 
 def run_dim0(x: torch.Tensor, elem: str, mode: str, blocked: bool):
-    if x.is_cuda:
-        return cast_dim0(x, elem, mode, blocked) if x.dim() == 2 else cast_3d_dim0(x, elem, mode, blocked)
     q, s = _launch_all("dim0")(x, elem, mode, blocked)
     shape = (*x.shape[:-1], x.shape[-1] // 32)
     return BlockedMXTensor(q, s, elem, x.dim() - 1, shape) if blocked else MXTensor(q, s, elem, x.dim() - 1)
 
 
 def run_dim1(x: torch.Tensor, elem: str, mode: str, blocked: bool):
-    if x.is_cuda:
-        return cast_dim1(x, elem, mode, blocked) if x.dim() == 2 else cast_3d_dim1(x, elem, mode, blocked)
     q, s = _launch_all("dim1")(x, elem, mode, blocked)
     shape = (*x.shape[:-2], x.shape[-1], x.shape[-2] // 32)
     return BlockedMXTensor(q, s, elem, x.dim() - 1, shape) if blocked else MXTensor(q, s, elem, x.dim() - 1)
 
 
 def run_dim0_dim1(x: torch.Tensor, elem: str, mode: str, blocked: bool):
-    if x.is_cuda:
-        return cast_dim0_dim1(x, elem, mode, blocked)
     q0, s0, q1, s1 = _launch_all("dim0_dim1")(x, elem, mode, blocked)
     m, k = x.shape
     if blocked:
@@ -152,8 +148,6 @@ def run_dim0_dim1(x: torch.Tensor, elem: str, mode: str, blocked: bool):
 
 
 def run_groups(x: torch.Tensor, offs: torch.Tensor, elem: str, mode: str):
-    if x.is_cuda:
-        return cast_groups_dim1(x, offs, elem, mode, blocked_scales=True, validate=True)
     q, s = _launch_all("groups_dim1")(x, offs, elem, mode)
     return BlockedMXTensor(q, s, elem, 1, (x.shape[1], x.shape[0] // 32), group_offs=offs)
 
@@ -212,21 +206,6 @@ def assert_values_equal(actual: torch.Tensor, expected: torch.Tensor, what: str)
     assert_bits_equal(actual.cpu().masked_fill(nan_a, 0), expected.cpu().masked_fill(nan_e, 0), what)
 
 
-def check_fake_quant(shape, dtype, elem, mode, device, seed=0):
-    """fake_quant_dim0/dim1 (the kernels on `device`) against the reference's dequantize."""
-    import mx_kernels.cast_dim0
-    import mx_kernels.cast_dim1
-
-    x = special_input(shape, dtype, device, seed)
-    dim0 = fake_quant_dim0 if x.is_cuda else mx_kernels.cast_dim0.fake_quant_dim0
-    dim1 = fake_quant_dim1 if x.is_cuda else mx_kernels.cast_dim1.fake_quant_dim1
-    ref0 = to_mx(x.cpu(), elem, mode, dim=-1).dequantize(dtype)
-    ref1 = to_mx(x.cpu().transpose(-2, -1).contiguous(), elem, mode, dim=-1).dequantize(dtype)
-    what = f"fake quant {shape} {dtype} {elem} {mode}"
-    assert_values_equal(dim0(x, elem, mode), ref0, what + " dim0")
-    assert_values_equal(dim1(x, elem, mode), ref1, what + " dim1")
-
-
 def ref_along_m(x: torch.Tensor, elem: str, mode: str) -> torch.Tensor:
     """x zero-padded along M to a multiple of 32, fake-quantized along M, in x's layout (row-major)."""
     x = x.cpu()
@@ -235,7 +214,7 @@ def ref_along_m(x: torch.Tensor, elem: str, mode: str) -> torch.Tensor:
     return to_mx(xt, elem, mode, dim=-1).dequantize(x.dtype).transpose(-2, -1).contiguous()
 
 
-def check_fake_quant_2d(shape, dtype, elem, mode, device, seed=0, config=None):
+def check_fake_quant_2d(shape, dtype, elem, mode, device, seed=0):
     """The fused fake-quant kernel (both outputs, and each alone) against the reference."""
     import mx_kernels.fake_quant_2d
 
@@ -243,13 +222,15 @@ def check_fake_quant_2d(shape, dtype, elem, mode, device, seed=0, config=None):
     launch = mx_kernels.fake_quant_2d.fake_quant_2d
     ref_k = to_mx(x.cpu(), elem, mode, dim=-1).dequantize(dtype) if shape[-1] % 32 == 0 else None
     ref_m = ref_along_m(x, elem, mode)
-    what = f"fake quant 2d {shape} {dtype} {elem} {mode} {config}"
+    what = f"fake quant 2d {shape} {dtype} {elem} {mode}"
     if ref_k is not None:
-        along_k, along_m = launch(x, elem, mode, True, True, config)
+        along_k, along_m = launch(x, elem, mode, True, True)
         assert_values_equal(along_k, ref_k, what + " along K")
         assert_values_equal(along_m, ref_m, what + " along M")
-        assert launch(x, elem, mode, True, False, config)[1].numel() == 0
-    along_k, along_m = launch(x, elem, mode, False, True, config)
+        along_k, along_m = launch(x, elem, mode, True, False)  # along K alone: fake_quant_dim0
+        assert_values_equal(along_k, ref_k, what + " along K alone")
+        assert along_m.numel() == 0
+    along_k, along_m = launch(x, elem, mode, False, True)
     assert along_k.numel() == 0
     assert_values_equal(along_m, ref_m, what + " along M alone")
 
@@ -273,7 +254,7 @@ def ref_groups_along_m(x: torch.Tensor, src: torch.Tensor, elem: str, mode: str)
     return out
 
 
-def check_fake_quant_groups_along_m(sizes, dtype, elem, mode, device, config=None, flip_first=False):
+def check_fake_quant_groups_along_m(sizes, dtype, elem, mode, device, flip_first=False):
     """The group-aware along-M fake-quant (MoE groups padded on the way, unpadded result) against
     pad, then the reference, then drop the padding rows. ``flip_first``: the first group's rows
     listed in reverse (each must still come back to its own row)."""
@@ -283,7 +264,7 @@ def check_fake_quant_groups_along_m(sizes, dtype, elem, mode, device, config=Non
     src = group_sources(sizes, device)
     if flip_first:
         src[: sizes[0]] = src[: sizes[0]].flip(0)
-    got = mx_kernels.fake_quant_2d.fake_quant_groups_along_m(x, src, elem, mode, config)
+    got = mx_kernels.fake_quant_2d.fake_quant_groups_along_m(x, src, elem, mode)
     assert got.shape == x.shape
     assert_values_equal(got, ref_groups_along_m(x, src, elem, mode), f"groups along M {sizes} {dtype} {elem} {mode}")
 
@@ -358,12 +339,10 @@ def test_fake_impls_shapes():
         outs = torch.ops.mx_recipe.cast_dim0_dim1(x, "e4m3", "floor", False)
         assert [tuple(t.shape) for t in outs] == [(96, 160), (96, 5), (160, 96), (160, 3)]
         offs = torch.empty(3, dtype=torch.int32)
-        q, s = torch.ops.mx_recipe.cast_groups_dim1(x, offs, "e4m3", "floor")
+        q, s = torch.ops.mx_recipe.cast_groups_dim1(x, "e4m3", "floor", offs)
         assert q.shape == (160, 96) and s.shape == (256 * 4 * (1 + 3),)
-        y = torch.ops.mx_recipe.fake_quant_dim0(x, "e4m3", "floor")
-        assert y.shape == (96, 160) and y.dtype == torch.bfloat16
-        y = torch.ops.mx_recipe.fake_quant_dim1(w, "e5m2", "rceil")
-        assert y.shape == (4, 160, 96) and y.dtype == torch.float32
+        a, b = torch.ops.mx_recipe.fake_quant_2d(w, "e5m2", "rceil", True, False)
+        assert a.shape == (4, 96, 160) and a.dtype == torch.float32 and b.numel() == 0
         a, b = torch.ops.mx_recipe.fake_quant_2d(x, "e4m3", "floor", True, True)
         assert a.shape == (96, 160) and b.shape == (96, 160) and a.dtype == b.dtype == torch.bfloat16
         a, b = torch.ops.mx_recipe.fake_quant_2d(torch.empty(2, 40, 48), "e4m3", "rceil", False, True)
@@ -395,7 +374,7 @@ def test_fake_quant_groups_along_m_reference_path_and_errors():
     ):
         with pytest.raises(ValueError, match="must list each of x's 70 rows once"):
             fake_quant_groups_along_m(x, bad, "e4m3", "floor")
-    y = torch.ops.mx_recipe.fake_quant_groups_along_m(x.to("meta"), src.to("meta"), "e4m3", "floor")
+    y = torch.ops.mx_recipe.fake_quant_groups_along_m(x.to("meta"), "e4m3", "floor", src.to("meta"))
     assert y.shape == (70, 64) and y.dtype == torch.bfloat16  # the fake implementation
 
 
@@ -403,12 +382,12 @@ def test_fake_quant_reference_path():
     """Off CUDA the dispatch layer's fake quant is the reference's dequantize, in the input dtype."""
     x = special_input((96, 160), torch.bfloat16, "cpu")
     assert_values_equal(fake_quant_dim0(x), to_mx(x).dequantize(torch.bfloat16), "cpu fake quant dim0")
-    assert_values_equal(fake_quant_dim1(x), to_mx(x.t().contiguous()).dequantize(torch.bfloat16), "cpu dim1")
-    assert fake_quant_dim1(torch.randn(2, 64, 96)).shape == (2, 96, 64)
+    w = special_input((2, 64, 96), torch.float32, "cpu")
+    assert_values_equal(fake_quant_dim0(w, "e5m2"), to_mx(w, "e5m2").dequantize(torch.float32), "cpu 3D fp32")
 
 
 def test_fake_quant_along_m_and_dim0_dim1_reference_path():
-    """Off CUDA: fake_quant_along_m is fake_quant_dim1 of the zero-padded input, transposed back to a
+    """Off CUDA: fake_quant_along_m is the reference along M of the zero-padded input, in a
     row-major [Mp, K]; fake_quant_dim0_dim1 is the pair (dim0, along M)."""
     for shape in [(96, 160), (40, 64), (2, 70, 96)]:
         x = special_input(shape, torch.bfloat16, "cpu")
@@ -441,7 +420,7 @@ def test_ops_trace_fullgraph_without_running():
         a = torch.ops.mx_recipe.cast_dim0(x, "e4m3", "rceil", True)
         b = torch.ops.mx_recipe.cast_dim0_dim1(x, "e5m2", "floor", False)
         c = torch.ops.mx_recipe.cast_dim1(w, "e4m3", "floor", True)
-        d = torch.ops.mx_recipe.cast_groups_dim1(x, offs, "e4m3", "floor")
+        d = torch.ops.mx_recipe.cast_groups_dim1(x, "e4m3", "floor", offs)
         return a[0].float().sum() + b[2].float().sum(), a[1], c, d
 
     torch._dynamo.reset()
@@ -484,19 +463,17 @@ def test_interp_all_kernels(dtype, elem, mode):
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("mode", MODES)
 def test_interp_fake_quant(dtype, elem, mode):
-    check_fake_quant((96, 160), dtype, elem, mode, "cpu")
-    check_fake_quant((2, 64, 96), dtype, elem, mode, "cpu")
+    check_fake_quant_2d((96, 160), dtype, elem, mode, "cpu")
+    check_fake_quant_2d((2, 64, 96), dtype, elem, mode, "cpu")
 
 
 @interp_only
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("mode", MODES)
-def test_interp_fake_quant_2d(dtype, elem, mode):
-    small = dict(BLOCK_M=32, BLOCK_K=64, num_warps=4)
-    check_fake_quant_2d((96, 160), dtype, elem, mode, "cpu", config=small)
-    check_fake_quant_2d((2, 70, 96), dtype, elem, mode, "cpu", config=dict(BLOCK_M=64, BLOCK_K=32, num_warps=4))
-    check_fake_quant_2d((40, 80), dtype, elem, mode, "cpu", config=small)  # K not a multiple of 32: along M only
+def test_interp_fake_quant_2d_ragged(dtype, elem, mode):
+    check_fake_quant_2d((2, 70, 96), dtype, elem, mode, "cpu")  # M not a multiple of 32: along M zero-pads
+    check_fake_quant_2d((40, 80), dtype, elem, mode, "cpu")  # K not a multiple of 32: along M only
 
 
 @interp_only
@@ -504,9 +481,7 @@ def test_interp_fake_quant_2d(dtype, elem, mode):
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("mode", MODES)
 def test_interp_fake_quant_groups_along_m(dtype, elem, mode):
-    check_fake_quant_groups_along_m(
-        [40, 0, 33, 1, 64], dtype, elem, mode, "cpu", config=dict(BLOCK_M=64, BLOCK_K=32, num_warps=4)
-    )
+    check_fake_quant_groups_along_m([40, 0, 33, 1, 64], dtype, elem, mode, "cpu")
     check_fake_quant_groups_along_m([0, 0], dtype, elem, mode, "cpu")  # no tokens: all padding
     check_fake_quant_groups_along_m([45, 3], dtype, elem, mode, "cpu", flip_first=True)
 
@@ -559,7 +534,8 @@ def test_interp_opcheck():
     torch.library.opcheck(torch.ops.mx_recipe.cast_dim0.default, (x, "e4m3", "floor", True))
     torch.library.opcheck(torch.ops.mx_recipe.cast_dim0_dim1.default, (x, "e5m2", "rceil", False))
     src = group_sources([40, 0, 24], "cpu")
-    torch.library.opcheck(torch.ops.mx_recipe.fake_quant_groups_along_m.default, (x, src, "e4m3", "floor"))
+    torch.library.opcheck(torch.ops.mx_recipe.fake_quant_groups_along_m.default, (x, "e4m3", "floor", src))
+    torch.library.opcheck(torch.ops.mx_recipe.fake_quant_2d.default, (x, "e4m3", "rceil", True, True))
 
 
 # [rows, cols] scale matrices for unblock_scales: exact tiles, row and column padding, one byte
@@ -609,7 +585,7 @@ def test_unblock_scales_rejects_a_wrong_size():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("blocked", [False, True])
@@ -634,7 +610,7 @@ def test_gpu_bit_exact(kernel, blocked, mode, elem, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("mode", MODES)
 def test_gpu_groups_bit_exact(mode, elem, dtype):
@@ -650,32 +626,17 @@ def test_gpu_groups_bit_exact(mode, elem, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16])  # fp32: the kernels refuse it on the GPU (see below)
-@pytest.mark.parametrize("elem", ELEMS)
-@pytest.mark.parametrize("mode", MODES)
-def test_gpu_fake_quant_bit_exact(mode, elem, dtype):
-    for shape in [(96, 160), (4128, 160), (160, 4128), (1024, 4096), (3, 224, 96), (5, 128, 256)]:
-        check_fake_quant(shape, dtype, elem, mode, "cuda")
-    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
-    x = bits.view(torch.bfloat16).reshape(-1, 32 * 16)
-    ref = to_mx(x, elem, mode).dequantize(torch.bfloat16)
-    assert_values_equal(fake_quant_dim0(x.cuda(), elem, mode), ref, f"all bf16 fake quant {elem} {mode}")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("mode", MODES)
 def test_gpu_fake_quant_2d_bit_exact(mode, elem):
+    import mx_kernels.fake_quant_2d
+
     for shape in [(96, 160), (4130, 160), (160, 4128), (1024, 4096), (3, 224, 96), (5, 100, 256), (64, 80)]:
         check_fake_quant_2d(shape, torch.bfloat16, elem, mode, "cuda")
-    check_fake_quant_2d(
-        (4130, 160), torch.bfloat16, elem, mode, "cuda", config=dict(BLOCK_M=32, BLOCK_K=64, num_warps=4)
-    )
     bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
     x = bits.view(torch.bfloat16).reshape(-1, 32 * 16)
     for t in (x, x.reshape(32 * 16, -1)):  # every bf16 value in blocks along K, then along M
-        along_k, along_m = fake_quant_dim0_dim1(t.cuda(), elem, mode)
+        along_k, along_m = mx_kernels.fake_quant_2d.fake_quant_2d(t.cuda(), elem, mode, True, True)
         assert_values_equal(along_k, to_mx(t, elem, mode).dequantize(torch.bfloat16), f"all bf16 K {elem} {mode}")
         assert_values_equal(along_m, ref_along_m(t, elem, mode), f"all bf16 M {elem} {mode}")
 
@@ -685,25 +646,24 @@ def test_gpu_fake_quant_2d_bit_exact(mode, elem):
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("mode", MODES)
 def test_gpu_fake_quant_groups_along_m_bit_exact(mode, elem):
-    for sizes in ([40, 0, 33, 1, 64], [1040] * 4 + [0, 7], [0, 0], [4096]):
+    for sizes in ([40, 0, 33, 1, 64], [1040] * 4 + [0, 7], [0, 0], [4096], [100, 3, 0, 29]):
         check_fake_quant_groups_along_m(sizes, torch.bfloat16, elem, mode, "cuda")
-    check_fake_quant_groups_along_m(
-        [100, 3, 0, 29], torch.bfloat16, elem, mode, "cuda", config=dict(BLOCK_M=64, BLOCK_K=64, num_warps=4)
-    )
+    check_fake_quant_groups_along_m([45, 3], torch.bfloat16, elem, mode, "cuda", flip_first=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_fake_quant_fp32_refused_by_kernel_and_exact_through_dispatch():
-    """The fp32 GPU kernel path gave wrong values on an H200: the launcher refuses it and the
-    dispatch layer takes the reference, so fp32 results stay exact."""
-    import mx_kernels.cast_dim1
+    """The fp32 GPU fake-quant path gave wrong values on an H200: the launcher refuses it and the
+    dispatch takes the reference, so fp32 results stay exact."""
+    import mx_kernels.fake_quant_2d
 
     x = special_input((96, 160), torch.float32, "cuda")
     with pytest.raises(NotImplementedError, match="takes bf16 input"):
-        mx_kernels.cast_dim1.fake_quant_dim1(x, "e4m3", "floor")
-    ref = to_mx(x.cpu().t().contiguous(), "e4m3", "floor").dequantize(torch.float32)
-    assert_values_equal(fake_quant_dim1(x, "e4m3", "floor"), ref, "fp32 dispatch")
+        mx_kernels.fake_quant_2d.fake_quant_2d(x, "e4m3", "floor", True, False)
+    ref = to_mx(x.cpu(), "e4m3", "floor").dequantize(torch.float32)
+    assert_values_equal(fake_quant_dim0(x, "e4m3", "floor"), ref, "fp32 dispatch")
+    assert_values_equal(fake_quant_along_m(x, "e4m3", "floor"), ref_along_m(x, "e4m3", "floor"), "fp32 along M")
 
 
 @pytest.mark.gpu
@@ -713,8 +673,8 @@ def test_gpu_every_bf16_value_and_rejections():
     x = bits.view(torch.bfloat16).reshape(-1, 32 * 16)
     for elem in ELEMS:
         for mode in MODES:
-            for cast, ref in ((cast_dim0, to_mx(x, elem, mode)), (cast_dim1, to_mx(x.t().contiguous(), elem, mode))):
-                check_mx(cast(x.cuda(), elem, mode), ref, None, f"all bf16 {cast.__name__} {elem} {mode}")
+            for run, ref in ((run_dim0, to_mx(x, elem, mode)), (run_dim1, to_mx(x.t().contiguous(), elem, mode))):
+                check_mx(run(x.cuda(), elem, mode, False), ref, None, f"all bf16 {run.__name__} {elem} {mode}")
     with pytest.raises(ValueError, match=r"dim 0 of shape \(33, 64\) has size 33"):
         cast_dim1(torch.randn(33, 64, device="cuda"))
     with pytest.raises(ValueError, match="dim 1 of shape"):

@@ -1,0 +1,292 @@
+"""Which implementation each MX cast runs: the one table and the one rule (docs/DESIGN.md, Kernel dispatch).
+
+Every op has a pure-PyTorch reference (built on ``formats.to_mx``, the judge of every kernel), a Triton
+kernel and, for Hopper, a Gluon kernel; all three give the same bits. ``implementation`` is the rule:
+
+* the reference off CUDA, for e2m1 (no fp4 kernels), for stochastic rounding (the kernels round to
+  nearest) and for fp32 input to a fake-quant (the fake-quant kernels take bf16);
+* the Gluon kernel on an NVIDIA GPU of compute capability 9.x for bf16 input, unless ``MX_RECIPE_GLUON=0``;
+* the Triton kernel on every other CUDA device (Blackwell included) and input.
+
+The kernels run as torch custom ops (namespace ``mx_recipe``) with fake implementations, so torch.compile
+traces them as opaque nodes without Triton or a GPU; the reference is plain PyTorch and traces as it is.
+Every kernel launch goes through ``mx_kernels.launch_cache`` (``MX_RECIPE_LAUNCH_CACHE=0`` turns it off).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from mx_kernels.common import (
+    check_cast,
+    dim0_shapes,
+    dim1_shapes,
+    fake_quant_2d_shapes,
+    fp8_dtype,
+    groups_along_m_rows,
+    groups_dim1_shapes,
+)
+from mx_kernels.spec import BLOCK_SIZE, KERNEL_ELEMS
+from torch import Tensor
+
+from mx_recipe.formats import fake_quant, to_mx
+from mx_recipe.scale_layout import to_blocked, to_blocked_3d, to_blocked_groups
+
+GLUON_ENV = "MX_RECIPE_GLUON"  # "0": the Triton kernels on Hopper too
+
+
+# --- the references: the ops' contracts in plain PyTorch ---
+
+
+def _blocked(scale: Tensor, blocked: bool) -> Tensor:
+    if not blocked:
+        return scale
+    return to_blocked_3d(scale) if scale.dim() == 3 else to_blocked(scale)
+
+
+def reference_cast_dim0(x: Tensor, elem: str, mode: str, blocked: bool, **rounding) -> tuple[Tensor, Tensor]:
+    ref = to_mx(x, elem, mode, dim=-1, **rounding)
+    return ref.qdata, _blocked(ref.scale, blocked)
+
+
+def reference_cast_dim1(x: Tensor, elem: str, mode: str, blocked: bool, **rounding) -> tuple[Tensor, Tensor]:
+    ref = to_mx(x.transpose(-2, -1).contiguous(), elem, mode, dim=-1, **rounding)
+    return ref.qdata, _blocked(ref.scale, blocked)
+
+
+def reference_cast_dim0_dim1(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, ...]:
+    return (*reference_cast_dim0(x, elem, mode, blocked), *reference_cast_dim1(x, elem, mode, blocked))
+
+
+def reference_cast_groups_dim1(x: Tensor, elem: str, mode: str, offs: Tensor) -> tuple[Tensor, Tensor]:
+    ref = to_mx(x.t().contiguous(), elem, mode, dim=-1)
+    return ref.qdata, to_blocked_groups(ref.scale, offs)
+
+
+def _pad_m(x: Tensor) -> Tensor:
+    """Zero rows appended along M (dim -2) up to a multiple of 32."""
+    pad = -x.shape[-2] % BLOCK_SIZE
+    return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
+
+
+def _fake_quant_along_m(x: Tensor, elem: str, mode: str, **rounding) -> Tensor:
+    """x [.., M, K] zero-padded to whole blocks along M, quantized along M, dequantized, in x's layout (stochastic
+    rounding draws in the order of the transposed copy)."""
+    xt = _pad_m(x).transpose(-2, -1).contiguous()
+    return fake_quant(xt, elem, mode, dim=-1, **rounding).transpose(-2, -1).contiguous()
+
+
+def reference_fake_quant_2d(
+    x: Tensor, elem: str, mode: str, along_k: bool, along_m: bool, **rounding
+) -> tuple[Tensor, Tensor]:
+    """Along K first, then along M (the order in which stochastic rounding draws)."""
+    k = fake_quant(x, elem, mode, dim=-1, **rounding) if along_k else x.new_empty(0)
+    m = _fake_quant_along_m(x, elem, mode, **rounding) if along_m else x.new_empty(0)
+    return k, m
+
+
+def reference_fake_quant_groups_along_m(x: Tensor, elem: str, mode: str, row_src: Tensor, **rounding) -> Tensor:
+    groups_along_m_rows(row_src)
+    listed = row_src[row_src >= 0].long()
+    every_row_once = torch.equal(listed.sort().values, torch.arange(x.shape[0], device=x.device))
+    if not every_row_once or bool((row_src < -1).any()):
+        rows = x.shape[0]
+        raise ValueError(f"fake_quant_groups_along_m: row_src must list each of x's {rows} rows once, -1 elsewhere")
+    padded = torch.cat([x, x.new_zeros(1, x.shape[1])])[row_src.long()]  # -1: the appended zero row
+    fq = _fake_quant_along_m(padded, elem, mode, **rounding)
+    return fq[row_src >= 0][listed.argsort()]  # back to x's row order
+
+
+# --- the table ---
+
+
+@dataclass(frozen=True)
+class KernelOp:
+    """One op: its reference, its Triton and Gluon launchers ("module:function" in mx_kernels, imported on
+    first use, so that importing mx_recipe imports no Triton), and whether the kernels take bf16 only."""
+
+    reference: Callable
+    triton: str
+    gluon: str
+    bf16_only: bool = False
+
+
+OPS: dict[str, KernelOp] = {
+    "cast_dim0": KernelOp(reference_cast_dim0, "cast_dim0:cast_dim0", "gluon_casts:cast_dim0"),
+    "cast_dim1": KernelOp(reference_cast_dim1, "cast_dim1:cast_dim1", "gluon_casts:cast_dim1"),
+    "cast_dim0_dim1": KernelOp(reference_cast_dim0_dim1, "cast_dim0_dim1:cast_dim0_dim1", "gluon_casts:cast_dim0_dim1"),
+    "cast_groups_dim1": KernelOp(
+        reference_cast_groups_dim1, "cast_groups_dim1:cast_groups_dim1", "gluon_cast_groups:cast_groups_dim1"
+    ),
+    "fake_quant_2d": KernelOp(
+        reference_fake_quant_2d, "fake_quant_2d:fake_quant_2d", "gluon_fake_quant:fake_quant_2d", bf16_only=True
+    ),
+    "fake_quant_groups_along_m": KernelOp(
+        reference_fake_quant_groups_along_m,
+        "fake_quant_2d:fake_quant_groups_along_m",
+        "gluon_fake_quant:fake_quant_groups_along_m",
+        bf16_only=True,
+    ),
+}
+
+
+def rule(
+    op: str, capability: tuple[int, int] | None, dtype: torch.dtype, elem: str, rounding: str, gluon: bool = True
+) -> str:
+    """The one rule: "reference", "triton" or "gluon" for ``op`` on a device of CUDA compute ``capability``
+    (None: not an NVIDIA CUDA device), input ``dtype``, element format and rounding; ``gluon``: the Gluon
+    kernels are allowed (``MX_RECIPE_GLUON`` is not "0")."""
+    if capability is None or elem not in KERNEL_ELEMS or rounding != "nearest":
+        return "reference"
+    if dtype != torch.bfloat16:
+        return "reference" if OPS[op].bf16_only else "triton"
+    return "gluon" if gluon and capability[0] == 9 else "triton"
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int] | None:
+    """(major, minor) of an NVIDIA GPU; None on ROCm, whose capabilities (MI300: 9.4) mean something else."""
+    return None if torch.version.hip else torch.cuda.get_device_capability(device_index)
+
+
+def implementation(op: str, x: Tensor, elem: str, rounding: str = "nearest") -> str:
+    """``rule`` for ``op`` on x (the environment is read at each call)."""
+    capability = _capability(x.device.index) if x.is_cuda else None
+    return rule(op, capability, x.dtype, elem, rounding, os.environ.get(GLUON_ENV) != "0")
+
+
+@functools.cache
+def launcher(op: str, kind: str) -> Callable:
+    """The mx_kernels function of ``op``'s ``kind`` ("triton" or "gluon") implementation."""
+    module, name = getattr(OPS[op], kind).split(":")
+    return getattr(importlib.import_module(f"mx_kernels.{module}"), name)
+
+
+def _kernel(op: str, x: Tensor) -> Callable:
+    """Inside a custom op, where a kernel was chosen: the launcher the rule names for an fp8 nearest cast
+    (an input the kernels refuse reaches the Triton launcher, which says why)."""
+    kind = implementation(op, x, "e4m3")
+    return launcher(op, "gluon" if kind == "gluon" else "triton")
+
+
+DEVICES = {"CPU": None, "Hopper (sm_90)": (9, 0), "Blackwell (sm_100)": (10, 0)}
+
+
+def device_table() -> str:
+    """What runs where, as the README's markdown table, from ``rule`` (e4m3/e5m2 and round-to-nearest unless
+    the column says otherwise)."""
+    header = ["op", *(f"{d}, bf16" for d in DEVICES), "Hopper, fp32", "any device, e2m1 or stochastic"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for op in OPS:
+        cells = [rule(op, cap, torch.bfloat16, "e4m3", "nearest") for cap in DEVICES.values()]
+        cells += [
+            rule(op, (9, 0), torch.float32, "e4m3", "nearest"),
+            rule(op, (10, 0), torch.bfloat16, "e2m1", "nearest"),
+        ]
+        lines.append("| " + " | ".join([f"`{op}`", *cells]) + " |")
+    return "\n".join(lines)
+
+
+# --- the custom ops ---
+
+
+def _empty_pair(x: Tensor, elem: str, shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[Tensor, Tensor]:
+    q_shape, s_shape = shapes
+    return x.new_empty(q_shape, dtype=fp8_dtype(elem)), x.new_empty(s_shape, dtype=torch.float8_e8m0fnu)
+
+
+@torch.library.custom_op("mx_recipe::cast_dim0", mutates_args=())
+def cast_dim0(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
+    return _kernel("cast_dim0", x)(x, elem, mode, blocked)
+
+
+@cast_dim0.register_fake
+def _(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1, op="cast_dim0")
+    return _empty_pair(x, elem, dim0_shapes(x.shape, blocked))
+
+
+@torch.library.custom_op("mx_recipe::cast_dim1", mutates_args=())
+def cast_dim1(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
+    return _kernel("cast_dim1", x)(x, elem, mode, blocked)
+
+
+@cast_dim1.register_fake
+def _(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-2, op="cast_dim1")
+    return _empty_pair(x, elem, dim1_shapes(x.shape, blocked))
+
+
+@torch.library.custom_op("mx_recipe::cast_dim0_dim1", mutates_args=())
+def cast_dim0_dim1(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _kernel("cast_dim0_dim1", x)(x, elem, mode, blocked)
+
+
+@cast_dim0_dim1.register_fake
+def _(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_dim0_dim1")
+    check_cast(x, elem, mode, ndims=(2,), qdim=1, op="cast_dim0_dim1")
+    return (*_empty_pair(x, elem, dim0_shapes(x.shape, blocked)), *_empty_pair(x, elem, dim1_shapes(x.shape, blocked)))
+
+
+@torch.library.custom_op("mx_recipe::cast_groups_dim1", mutates_args=())
+def cast_groups_dim1(x: Tensor, elem: str, mode: str, offs: Tensor) -> tuple[Tensor, Tensor]:
+    return _kernel("cast_groups_dim1", x)(x, offs, elem, mode)
+
+
+@cast_groups_dim1.register_fake
+def _(x: Tensor, elem: str, mode: str, offs: Tensor) -> tuple[Tensor, Tensor]:
+    check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_groups_dim1")
+    return _empty_pair(x, elem, groups_dim1_shapes(x.shape, offs.shape[0], blocked=True))
+
+
+@torch.library.custom_op("mx_recipe::fake_quant_2d", mutates_args=())
+def fake_quant_2d(x: Tensor, elem: str, mode: str, along_k: bool, along_m: bool) -> tuple[Tensor, Tensor]:
+    return _kernel("fake_quant_2d", x)(x, elem, mode, along_k, along_m)
+
+
+@fake_quant_2d.register_fake
+def _(x: Tensor, elem: str, mode: str, along_k: bool, along_m: bool) -> tuple[Tensor, Tensor]:
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1 if along_k else None, op="fake_quant_2d")
+    k_shape, m_shape = fake_quant_2d_shapes(x.shape, along_k, along_m)
+    return x.new_empty(k_shape), x.new_empty(m_shape)
+
+
+@torch.library.custom_op("mx_recipe::fake_quant_groups_along_m", mutates_args=())
+def fake_quant_groups_along_m(x: Tensor, elem: str, mode: str, row_src: Tensor) -> Tensor:
+    return _kernel("fake_quant_groups_along_m", x)(x, row_src, elem, mode)
+
+
+@fake_quant_groups_along_m.register_fake
+def _(x: Tensor, elem: str, mode: str, row_src: Tensor) -> Tensor:
+    check_cast(x, elem, mode, ndims=(2,), qdim=None, op="fake_quant_groups_along_m")
+    groups_along_m_rows(row_src)
+    return x.new_empty(x.shape[0], x.shape[1])
+
+
+@torch.library.custom_op("mx_recipe::mx_gemm", mutates_args=())
+def mx_gemm(
+    a_q: Tensor, a_scale: Tensor, a_elem: str, b_q: Tensor, b_scale: Tensor, b_elem: str, out_dtype: torch.dtype
+) -> Tensor:
+    """The triton GEMM backend's ``tl.dot_scaled`` kernel (mx_kernels.mx_gemm); no reference or Gluon form."""
+    from mx_kernels.mx_gemm import mx_gemm as launch
+
+    return launch(a_q, a_scale, a_elem, b_q, b_scale, b_elem, out_dtype)
+
+
+@mx_gemm.register_fake
+def _(a_q: Tensor, a_scale: Tensor, a_elem: str, b_q: Tensor, b_scale: Tensor, b_elem: str, out_dtype: torch.dtype):
+    return a_q.new_empty((a_q.shape[0], b_q.shape[0]), dtype=out_dtype)
+
+
+def run(op: str, x: Tensor, elem: str, mode: str, *args, rounding: str = "nearest", generator=None):
+    """``op`` on x: the reference or, through its custom op, the kernel the rule picks."""
+    if implementation(op, x, elem, rounding) == "reference":
+        random = {} if rounding == "nearest" else dict(rounding=rounding, generator=generator)
+        return OPS[op].reference(x, elem, mode, *args, **random)
+    return getattr(torch.ops.mx_recipe, op)(x, elem, mode, *args)

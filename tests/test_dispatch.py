@@ -1,0 +1,75 @@
+"""The one dispatch rule (mx_recipe.dispatch) and the README table it generates."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from mx_recipe import dispatch
+from mx_recipe.cast import cast_dim0, fake_quant_dim0_dim1
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+HOPPER, BLACKWELL = (9, 0), (10, 0)
+
+
+@pytest.mark.parametrize("op", list(dispatch.OPS))
+def test_rule(op):
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert dispatch.rule(op, None, bf16, "e4m3", "nearest") == "reference"  # off CUDA
+    assert dispatch.rule(op, HOPPER, bf16, "e4m3", "nearest") == "gluon"
+    assert dispatch.rule(op, (9, 0), bf16, "e5m2", "nearest", gluon=False) == "triton"  # MX_RECIPE_GLUON=0
+    assert dispatch.rule(op, BLACKWELL, bf16, "e5m2", "nearest") == "triton"
+    assert dispatch.rule(op, (8, 9), bf16, "e4m3", "nearest") == "triton"
+    assert dispatch.rule(op, HOPPER, bf16, "e2m1", "nearest") == "reference"  # no fp4 kernels
+    assert dispatch.rule(op, HOPPER, bf16, "e4m3", "stochastic") == "reference"  # kernels round to nearest
+    fp32_kernel = "reference" if op.startswith("fake_quant") else "triton"  # the fake-quant kernels take bf16
+    assert dispatch.rule(op, HOPPER, fp32, "e4m3", "nearest") == fp32_kernel
+
+
+def test_every_op_names_real_launchers():
+    pytest.importorskip("triton")
+    for op, spec in dispatch.OPS.items():
+        assert callable(spec.reference), op
+        for kind in ("triton", "gluon"):
+            assert callable(dispatch.launcher(op, kind)), (op, kind)
+        assert hasattr(torch.ops.mx_recipe, op), op
+
+
+def test_implementation_reads_the_device_and_environment(monkeypatch):
+    x = torch.zeros(32, 32, dtype=torch.bfloat16)
+    assert dispatch.implementation("cast_dim0", x, "e4m3") == "reference"
+    meta = torch.zeros(32, 32, dtype=torch.bfloat16, device="meta")
+    assert dispatch.implementation("cast_dim0", meta, "e4m3") == "reference"  # not CUDA
+    if torch.cuda.is_available():
+        cuda = x.cuda()
+        monkeypatch.setenv(dispatch.GLUON_ENV, "0")
+        assert dispatch.implementation("cast_dim0", cuda, "e4m3") == "triton"
+
+
+def test_the_reference_path_runs_off_cuda():
+    x = torch.randn(64, 96, dtype=torch.bfloat16)
+    assert cast_dim0(x).qdata.shape == (64, 96)
+    k, m = fake_quant_dim0_dim1(torch.randn(40, 64, dtype=torch.bfloat16))
+    assert k.shape == (40, 64) and m.shape == (64, 64)
+
+
+def test_readme_table_is_generated_from_the_rule():
+    table = dispatch.device_table()
+    assert table.count("\n") == len(dispatch.OPS) + 1
+    assert table in README.read_text(), "README.md's kernel table differs from mx_recipe.dispatch.device_table()"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_launch_cache_wraps_every_kernel():
+    """Every launcher's kernel runs through a LaunchCache (module-level ``_LAUNCHES``)."""
+    import importlib
+
+    from mx_kernels.launch_cache import LaunchCache
+
+    for spec in dispatch.OPS.values():
+        for path in (spec.triton, spec.gluon):
+            module = importlib.import_module(f"mx_kernels.{path.split(':')[0]}")
+            assert isinstance(module._LAUNCHES, LaunchCache), path
