@@ -25,27 +25,15 @@ from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.mx_quantize import blocked_scale_offset, quantize_blocks, to_fp32
 from mx_kernels.spec import cdiv
 
-BLOCK_K, NUM_WARPS = 64, 1  # one warp per program: see cast_dim1.py; 128 source rows (one scale tile column)
+BLOCK_K, NUM_WARPS = 64, 1  # one warp per program: see triton_casts.py; 128 source rows (one scale tile column)
 
 
 @triton.jit
 def _cast_groups_dim1_kernel(
-    x_ptr,
-    offs_ptr,
-    q_ptr,
-    s_ptr,
-    M,
-    K,
-    num_groups,
-    max_tile_cols,
-    stride_xm,
-    stride_xk,
-    GROUPS_POW2: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    ELEM: tl.constexpr,
-    RCEIL: tl.constexpr,
+    x_ptr, offs_ptr, q_ptr, s_ptr, M, K, num_groups, max_tile_cols, stride_xm, stride_xk,
+    GROUPS_POW2: tl.constexpr, BLOCK_K: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.constexpr,
     SOFTWARE_ROUND: tl.constexpr,
-):
+):  # fmt: skip
     t = tl.program_id(0)  # tile column of the scale buffer
     pid_k = tl.program_id(1)
 
@@ -67,7 +55,7 @@ def _cast_groups_dim1_kernel(
     row0 = tl.where(is_group, tl.sum(tl.where(this, starts, 0), axis=0), 0) + (t - tile_start) * 128
     row0 = tl.multiple_of(row0, 32)  # group starts are rounded down to 32 rows above
 
-    # four 32-row sub-tiles (one warp each, as in cast_dim1.py): the group's four scale columns
+    # four 32-row sub-tiles (one warp each, as in triton_casts.py): the group's four scale columns
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     c = tl.arange(0, 4)
     scales = tl.zeros((BLOCK_K, 4), dtype=tl.uint8)

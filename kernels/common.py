@@ -52,6 +52,36 @@ def fp8_dtype(elem: str) -> torch.dtype:
     return elem_format(elem).torch_dtype
 
 
+def empty_outputs(x: torch.Tensor, elem: str, shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> list[torch.Tensor]:
+    """[qdata, scale] of one cast, uninitialized, on x's device (fake tensors too, for the custom ops)."""
+    q_shape, s_shape = shapes
+    return [x.new_empty(q_shape, dtype=fp8_dtype(elem)), x.new_empty(s_shape, dtype=torch.float8_e8m0fnu)]
+
+
+def fake_quant_2d_outputs(x: torch.Tensor, elem: str, mode: str, along_k: bool, along_m: bool, launch, op: str):
+    """The host side of a fake_quant_2d launcher (Triton or Gluon): checks, outputs, one ``launch(x, row_src,
+    out_k, out_m, elem, mode, along_k, along_m, rows, m_pad)``."""
+    if not (along_k or along_m):
+        raise ValueError(f"{op}: ask for along_k, along_m or both")
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1 if along_k else None, op=op)
+    k_shape, m_shape = fake_quant_2d_shapes(x.shape, along_k, along_m)
+    out_k, out_m = x.new_empty(k_shape), x.new_empty(m_shape)
+    if x.numel():
+        m_pad = m_shape[-2] if along_m else x.shape[-2]
+        launch(x, None, out_k, out_m, elem, mode, along_k, along_m, x.shape[-2], m_pad)
+    return out_k, out_m
+
+
+def fake_quant_groups_outputs(x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str, launch, op: str):
+    """The host side of a fake_quant_groups_along_m launcher, as ``fake_quant_2d_outputs``."""
+    check_cast(x, elem, mode, ndims=(2,), qdim=None, op=op)
+    rows = groups_along_m_rows(row_src)
+    out = x.new_empty(x.shape[0], x.shape[1])
+    if out.numel():
+        launch(x, row_src, out, out, elem, mode, False, True, rows, rows)
+    return out
+
+
 def interpreting() -> bool:
     """True under the Triton CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

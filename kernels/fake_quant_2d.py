@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from mx_kernels.common import check_cast, fake_quant_2d_shapes, groups_along_m_rows, interpreting, software_round
+from mx_kernels.common import fake_quant_2d_outputs, fake_quant_groups_outputs, interpreting, software_round
 from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.mx_quantize import fake_quant_blocks, to_fp32
 from mx_kernels.spec import cdiv
@@ -37,26 +37,10 @@ ALONG_M_TILE = (32, 64, 2)
 
 @triton.jit
 def _fake_quant_2d_kernel(
-    x_ptr,
-    src_ptr,
-    k_ptr,
-    m_ptr,
-    M,
-    M_PAD,
-    K,
-    stride_xb,
-    stride_xm,
-    stride_xk,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    ALONG_K: tl.constexpr,
-    ALONG_M: tl.constexpr,
-    ELEM: tl.constexpr,
-    RCEIL: tl.constexpr,
-    SOFTWARE_ROUND: tl.constexpr,
-    OUT_BF16_BITS: tl.constexpr,
-    GATHER: tl.constexpr,
-):
+    x_ptr, src_ptr, k_ptr, m_ptr, M, M_PAD, K, stride_xb, stride_xm, stride_xk,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ALONG_K: tl.constexpr, ALONG_M: tl.constexpr, ELEM: tl.constexpr,
+    RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr, OUT_BF16_BITS: tl.constexpr, GATHER: tl.constexpr,
+):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)  # E * M * K can pass 2**31
@@ -98,17 +82,8 @@ def fake_quant_2d(
       ``to_mx(pad(x).transpose(-2, -1).contiguous(), elem, mode).dequantize(x.dtype).transpose(-2, -1)``.
 
     An output not asked for is an empty tensor. Bit for bit the reference's."""
-    if not (along_k or along_m):
-        raise ValueError("fake_quant_2d: ask for along_k, along_m or both")
-    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1 if along_k else None, op="fake_quant_2d")
-    if x.dtype != torch.bfloat16 and not interpreting():
-        raise NotImplementedError(f"fake_quant_2d: the GPU kernel takes bf16 input, got {x.dtype}")
-    k_shape, m_shape = fake_quant_2d_shapes(x.shape, along_k, along_m)
-    out_k, out_m = x.new_empty(k_shape), x.new_empty(m_shape)
-    if x.numel():
-        m_pad = m_shape[-2] if along_m else x.shape[-2]
-        _launch(x, None, out_k, out_m, elem, mode, along_k, along_m, x.shape[-2], m_pad)
-    return out_k, out_m
+    _require_bf16(x, "fake_quant_2d")
+    return fake_quant_2d_outputs(x, elem, mode, along_k, along_m, _launch, "fake_quant_2d")
 
 
 def fake_quant_groups_along_m(x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str) -> torch.Tensor:
@@ -119,14 +94,15 @@ def fake_quant_groups_along_m(x: torch.Tensor, row_src: torch.Tensor, elem: str,
     blocks of 32 and dequantized, and each comes back to its own row: bit for bit
     ``fake_quant_2d(x_padded, along_m=True)`` with the padding rows dropped. row_src is not checked on
     the GPU (no host sync): a row of x it does not list is left unwritten."""
-    check_cast(x, elem, mode, ndims=(2,), qdim=None, op="fake_quant_groups_along_m")
+    _require_bf16(x, "fake_quant_groups_along_m")
+    return fake_quant_groups_outputs(x, row_src, elem, mode, _launch, "fake_quant_groups_along_m")
+
+
+def _require_bf16(x: torch.Tensor, op: str) -> None:
+    # On an H200 the kernel gave wrong values for fp32 input (exact in the interpreter and for bf16 on the
+    # GPU): refuse rather than return wrong numbers; the dispatch takes the reference for fp32.
     if x.dtype != torch.bfloat16 and not interpreting():
-        raise NotImplementedError(f"fake_quant_groups_along_m: the GPU kernel takes bf16 input, got {x.dtype}")
-    rows = groups_along_m_rows(row_src)
-    out = x.new_empty(x.shape[0], x.shape[1])
-    if out.numel():
-        _launch(x, row_src, out, out, elem, mode, False, True, rows, rows)
-    return out
+        raise NotImplementedError(f"{op}: the GPU kernel takes bf16 input, got {x.dtype}")
 
 
 _LAUNCHES = LaunchCache(_fake_quant_2d_kernel)

@@ -25,7 +25,7 @@ import functools
 
 import torch
 import triton.experimental.gluon.language as gl
-from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, fp8_dtype, tile_grid
+from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, empty_outputs, tile_grid
 from mx_kernels.gluon_common import (
     arange_along,
     compile_for_arch,
@@ -221,11 +221,9 @@ def _cast(
     x: torch.Tensor, elem: str, mode: str, blocked: bool, dim0: bool, dim1: bool, k_first: bool, op: str
 ) -> tuple[torch.Tensor, ...]:
     require_gpu(x, op)
-    outs = []
-    if dim0:
-        outs += _empty_pair(x, elem, dim0_shapes(x.shape, True))
-    if dim1:
-        outs += _empty_pair(x, elem, dim1_shapes(x.shape, True))
+    outs = (empty_outputs(x, elem, dim0_shapes(x.shape, True)) if dim0 else []) + (
+        empty_outputs(x, elem, dim1_shapes(x.shape, True)) if dim1 else []
+    )
     if x.numel():
         views = [t.view(torch.uint8) for t in outs]
         grid, kwargs = kernel_launch(x, tuple(views * (2 if len(views) == 2 else 1)), elem, mode, dim0, dim1, k_first)
@@ -237,12 +235,6 @@ def _cast(
         if dim1:
             outs[-1] = _plain(outs[-1], x, k, m // 32)
     return tuple(outs)
-
-
-def _empty_pair(x: torch.Tensor, elem: str, shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> list[torch.Tensor]:
-    q_shape, s_shape = shapes
-    return [torch.empty(q_shape, dtype=fp8_dtype(elem), device=x.device),
-            torch.empty(s_shape, dtype=torch.float8_e8m0fnu, device=x.device)]  # fmt: skip
 
 
 def _plain(blocked: torch.Tensor, x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

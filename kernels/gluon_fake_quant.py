@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 import triton.experimental.gluon.language as gl
-from mx_kernels.common import check_cast, fake_quant_2d_shapes, groups_along_m_rows
+from mx_kernels.common import fake_quant_2d_outputs, fake_quant_groups_outputs
 from mx_kernels.gluon_common import arange_along, compile_for_arch, max_nan, require_gpu, tile_layout, wide
 from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.mx_quantize import scale_exponent
@@ -174,26 +174,13 @@ def fake_quant_2d(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] or [E, M, K] bf16 (any strides) -> (along K [.., M, K], along M [.., ceil32(M), K]): the outputs
     of ``mx_kernels.fake_quant_2d.fake_quant_2d`` bit for bit (an output not asked for is an empty tensor)."""
-    if not (along_k or along_m):
-        raise ValueError("gluon fake_quant_2d: ask for along_k, along_m or both")
-    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1 if along_k else None, op="gluon fake_quant_2d")
-    k_shape, m_shape = fake_quant_2d_shapes(x.shape, along_k, along_m)
-    out_k, out_m = x.new_empty(k_shape), x.new_empty(m_shape)
-    if x.numel():
-        m_pad = m_shape[-2] if along_m else x.shape[-2]
-        _launch(x, None, out_k, out_m, elem, mode, along_k, along_m, x.shape[-2], m_pad)
-    return out_k, out_m
+    return fake_quant_2d_outputs(x, elem, mode, along_k, along_m, _launch, "gluon fake_quant_2d")
 
 
 def fake_quant_groups_along_m(x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str) -> torch.Tensor:
     """x [M, K] bf16, row_src int32 [R] -> [M, K]: ``fake_quant_2d.fake_quant_groups_along_m`` bit for bit
     (row_src is not checked on the GPU: a row of x it does not list is left unwritten)."""
-    check_cast(x, elem, mode, ndims=(2,), qdim=None, op="gluon fake_quant_groups_along_m")
-    rows = groups_along_m_rows(row_src)
-    out = x.new_empty(x.shape[0], x.shape[1])
-    if out.numel():
-        _launch(x, row_src, out, out, elem, mode, False, True, rows, rows)
-    return out
+    return fake_quant_groups_outputs(x, row_src, elem, mode, _launch, "gluon fake_quant_groups_along_m")
 
 
 def compile_for_target(

@@ -15,28 +15,9 @@ from mx_kernels.spec import ELEM_FORMATS
 
 
 @triton.constexpr_function
-def emax(elem):
-    return ELEM_FORMATS[elem].emax
-
-
-@triton.constexpr_function
-def max_mantissa_bits(elem):
-    return ELEM_FORMATS[elem].max_mantissa_bits
-
-
-@triton.constexpr_function
-def max_normal(elem):
-    return ELEM_FORMATS[elem].max_normal
-
-
-@triton.constexpr_function
-def mbits(elem):
-    return ELEM_FORMATS[elem].mbits
-
-
-@triton.constexpr_function
-def emin(elem):
-    return ELEM_FORMATS[elem].emin
+def fmt(elem, name):
+    """An ElemFormat field of ``elem`` ("emax", "max_normal", ...) as a compile-time constant."""
+    return getattr(ELEM_FORMATS[elem], name)
 
 
 @triton.jit
@@ -51,8 +32,8 @@ def to_fp32(x, SOFTWARE_ROUND: tl.constexpr):
 @triton.jit
 def scale_exponent(amax_bits, ELEM: tl.constexpr, RCEIL: tl.constexpr):
     """Unbiased shared exponent from the fp32 bits of amax >= 0, as ``formats.scale_exponent``."""
-    EMAX: tl.constexpr = emax(ELEM)
-    MAX_MANT: tl.constexpr = max_mantissa_bits(ELEM)
+    EMAX: tl.constexpr = fmt(ELEM, "emax")
+    MAX_MANT: tl.constexpr = fmt(ELEM, "max_mantissa_bits")
     biased = amax_bits >> 23  # the sign bit is clear
     if RCEIL:
         # amax / max_normal lies strictly above 2**e when amax's mantissa exceeds max_normal's: adding
@@ -73,8 +54,8 @@ def round_to_fp8_bits(v, ELEM: tl.constexpr):
     half to even; code = ((k - EMIN) << MBITS) + n covers subnormals and the carry into the next
     binade (n = 2**(MBITS + 1) lands on the next exponent's first code).
     """
-    MBITS: tl.constexpr = mbits(ELEM)
-    EMIN: tl.constexpr = emin(ELEM)
+    MBITS: tl.constexpr = fmt(ELEM, "mbits")
+    EMIN: tl.constexpr = fmt(ELEM, "emin")
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
@@ -100,7 +81,7 @@ def _max_propagating_nan(a, b):
 def quantize_blocks(blocks, AXIS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
     """fp32 blocks of 32 along AXIS (the tile's whole extent there) -> (fp8 bits uint8, same
     shape; biased E8M0 scales uint8, AXIS reduced away). The Triton kernels' one quantize routine."""
-    MAX_NORMAL: tl.constexpr = max_normal(ELEM)
+    MAX_NORMAL: tl.constexpr = fmt(ELEM, "max_normal")
     if SOFTWARE_ROUND:
         # the interpreter runs a custom-combine reduce in Python: use the integer max of |bits|
         # (non-negative floats order like their bits, and a NaN sorts above inf)
@@ -157,8 +138,8 @@ def dequantize_blocks(q, scale, AXIS: tl.constexpr, ELEM: tl.constexpr, SOFTWARE
     is 0xFF: ``MXTensor.dequantize`` in fp32. On the GPU the element comes from the hardware fp8
     conversion (exact; one cvt per two elements: the fake-quant kernels are ALU-bound otherwise).
     Under SOFTWARE_ROUND it is built from bits, which the interpreter computes exactly too."""
-    MBITS: tl.constexpr = mbits(ELEM)
-    EMIN: tl.constexpr = emin(ELEM)
+    MBITS: tl.constexpr = fmt(ELEM, "mbits")
+    EMIN: tl.constexpr = fmt(ELEM, "emin")
     if SOFTWARE_ROUND:
         bits = q.to(tl.int32)
         exp_field = (bits >> MBITS) & ((1 << (7 - MBITS)) - 1)

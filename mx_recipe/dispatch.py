@@ -26,8 +26,8 @@ from mx_kernels.common import (
     check_cast,
     dim0_shapes,
     dim1_shapes,
+    empty_outputs,
     fake_quant_2d_shapes,
-    fp8_dtype,
     groups_along_m_rows,
     groups_dim1_shapes,
 )
@@ -117,9 +117,9 @@ class KernelOp:
 
 
 OPS: dict[str, KernelOp] = {
-    "cast_dim0": KernelOp(reference_cast_dim0, "cast_dim0:cast_dim0", "gluon_casts:cast_dim0"),
-    "cast_dim1": KernelOp(reference_cast_dim1, "cast_dim1:cast_dim1", "gluon_casts:cast_dim1"),
-    "cast_dim0_dim1": KernelOp(reference_cast_dim0_dim1, "cast_dim0_dim1:cast_dim0_dim1", "gluon_casts:cast_dim0_dim1"),
+    "cast_dim0": KernelOp(reference_cast_dim0, "triton_casts:cast_dim0", "gluon_casts:cast_dim0"),
+    "cast_dim1": KernelOp(reference_cast_dim1, "triton_casts:cast_dim1", "gluon_casts:cast_dim1"),
+    "cast_dim0_dim1": KernelOp(reference_cast_dim0_dim1, "triton_casts:cast_dim0_dim1", "gluon_casts:cast_dim0_dim1"),
     "cast_groups_dim1": KernelOp(
         reference_cast_groups_dim1, "cast_groups_dim1:cast_groups_dim1", "gluon_cast_groups:cast_groups_dim1"
     ),
@@ -195,31 +195,23 @@ def device_table() -> str:
 # --- the custom ops ---
 
 
-def _empty_pair(x: Tensor, elem: str, shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[Tensor, Tensor]:
-    q_shape, s_shape = shapes
-    return x.new_empty(q_shape, dtype=fp8_dtype(elem)), x.new_empty(s_shape, dtype=torch.float8_e8m0fnu)
+def _one_side_cast_op(name: str, qdim: int, shapes: Callable) -> Callable:
+    """The custom op of the one-sided cast ``name`` (x [M, K] or [E, M, K], quantized along ``qdim``)."""
+
+    @torch.library.custom_op(f"mx_recipe::{name}", mutates_args=())
+    def op(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
+        return _kernel(name, x)(x, elem, mode, blocked)
+
+    @op.register_fake
+    def _(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
+        check_cast(x, elem, mode, ndims=(2, 3), qdim=qdim, op=name)
+        return tuple(empty_outputs(x, elem, shapes(x.shape, blocked)))
+
+    return op
 
 
-@torch.library.custom_op("mx_recipe::cast_dim0", mutates_args=())
-def cast_dim0(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
-    return _kernel("cast_dim0", x)(x, elem, mode, blocked)
-
-
-@cast_dim0.register_fake
-def _(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
-    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1, op="cast_dim0")
-    return _empty_pair(x, elem, dim0_shapes(x.shape, blocked))
-
-
-@torch.library.custom_op("mx_recipe::cast_dim1", mutates_args=())
-def cast_dim1(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
-    return _kernel("cast_dim1", x)(x, elem, mode, blocked)
-
-
-@cast_dim1.register_fake
-def _(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
-    check_cast(x, elem, mode, ndims=(2, 3), qdim=-2, op="cast_dim1")
-    return _empty_pair(x, elem, dim1_shapes(x.shape, blocked))
+cast_dim0 = _one_side_cast_op("cast_dim0", -1, dim0_shapes)
+cast_dim1 = _one_side_cast_op("cast_dim1", -2, dim1_shapes)
 
 
 @torch.library.custom_op("mx_recipe::cast_dim0_dim1", mutates_args=())
@@ -231,7 +223,10 @@ def cast_dim0_dim1(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tens
 def _(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_dim0_dim1")
     check_cast(x, elem, mode, ndims=(2,), qdim=1, op="cast_dim0_dim1")
-    return (*_empty_pair(x, elem, dim0_shapes(x.shape, blocked)), *_empty_pair(x, elem, dim1_shapes(x.shape, blocked)))
+    return (
+        *empty_outputs(x, elem, dim0_shapes(x.shape, blocked)),
+        *empty_outputs(x, elem, dim1_shapes(x.shape, blocked)),
+    )
 
 
 @torch.library.custom_op("mx_recipe::cast_groups_dim1", mutates_args=())
@@ -242,7 +237,7 @@ def cast_groups_dim1(x: Tensor, elem: str, mode: str, offs: Tensor) -> tuple[Ten
 @cast_groups_dim1.register_fake
 def _(x: Tensor, elem: str, mode: str, offs: Tensor) -> tuple[Tensor, Tensor]:
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_groups_dim1")
-    return _empty_pair(x, elem, groups_dim1_shapes(x.shape, offs.shape[0], blocked=True))
+    return tuple(empty_outputs(x, elem, groups_dim1_shapes(x.shape, offs.shape[0], blocked=True)))
 
 
 @torch.library.custom_op("mx_recipe::fake_quant_2d", mutates_args=())

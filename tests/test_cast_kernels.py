@@ -114,15 +114,13 @@ def check_mx(actual: MXTensor | BlockedMXTensor, expected: MXTensor, blocked_ref
 
 def _launch_all(name: str):
     """The raw launcher of one kernel (so interpreter tests exercise the kernels on CPU tensors)."""
-    import mx_kernels.cast_dim0
-    import mx_kernels.cast_dim0_dim1
-    import mx_kernels.cast_dim1
     import mx_kernels.cast_groups_dim1
+    import mx_kernels.triton_casts
 
     return {
-        "dim0": mx_kernels.cast_dim0.cast_dim0,
-        "dim1": mx_kernels.cast_dim1.cast_dim1,
-        "dim0_dim1": mx_kernels.cast_dim0_dim1.cast_dim0_dim1,
+        "dim0": mx_kernels.triton_casts.cast_dim0,
+        "dim1": mx_kernels.triton_casts.cast_dim1,
+        "dim0_dim1": mx_kernels.triton_casts.cast_dim0_dim1,
         "groups_dim1": mx_kernels.cast_groups_dim1.cast_groups_dim1,
     }[name]
 

@@ -1,0 +1,116 @@
+"""Triton MX casts along the last dim (dim0), the first (dim1, written transposed) or both from one read of x.
+
+x [M, K] or [E, M, K] -> dim0: qdata of x's shape + scales [.., M, K/32]; dim1: qdata [.., K, M] + scales
+[.., K, M/32], equal to ``to_mx(x.transpose(-2, -1).contiguous())`` without the transpose copy. 3D expert
+weights take the same path per expert (grid axis 2), each expert's outputs written at its own base, so the
+cost does not grow with E. The portable implementation: every CUDA GPU but Hopper, where the Gluon kernel of
+``gluon_casts`` runs (docs/DESIGN.md, Kernel dispatch), and the Triton interpreter on the CPU (tests).
+
+A program walks NUM_SUB sub-tiles of [32, BLOCK_K]: along K each row holds BLOCK_K / 32 blocks; along M each
+column is one block, stored transposed (rows of the [K, M] output contiguous along M). With ``blocked`` the
+scales go straight to the blocked layout; the grid then also covers the padding, whose bytes it writes as zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, empty_outputs, software_round, tile_grid
+from mx_kernels.launch_cache import LaunchCache
+from mx_kernels.mx_quantize import quantize_blocks, store_scales, to_fp32
+
+# (NUM_SUB, BLOCK_K, num_warps). dim0: 32 x 512 with 8 warps, 2-3% faster than 32 x 256 with 4 warps on an
+# H200 with blocked scales. dim1 and both: one warp per program, since Triton spreads warps along M and a
+# 32-row block split across warps reduces through shared memory with barriers (40% of copy bandwidth on an
+# H200); two 32-row sub-tiles store 2 contiguous scale bytes per row of [K, M/32] (one-byte scattered stores
+# cost ~30%; 4 and 8 sub-tiles cost registers and occupancy).
+DIM0_TILE = (1, 512, 8)
+DIM1_TILE = (2, 64, 1)
+
+
+@triton.jit
+def _cast_kernel(
+    x_ptr, q0_ptr, s0_ptr, q1_ptr, s1_ptr, M, K, stride_xb, stride_xm, stride_xk, stride_qb, stride_s0b, stride_s1b,
+    DIM0: tl.constexpr, DIM1: tl.constexpr, NUM_SUB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKED: tl.constexpr,
+    ELEM: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)  # E * M * K can pass 2**31
+    x_ptr += pid_b * stride_xb
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    s0_cols = pid_k * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+    sub = tl.arange(0, NUM_SUB)
+    s1_tile = tl.zeros((BLOCK_K, NUM_SUB), dtype=tl.uint8)
+    for i in tl.static_range(NUM_SUB):
+        rows = (pid_m * NUM_SUB + i) * 32 + tl.arange(0, 32)
+        mask = (rows < M)[:, None] & (cols < K)[None, :]
+        x_offs = rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
+        x = to_fp32(tl.load(x_ptr + x_offs, mask=mask, other=0.0), SOFTWARE_ROUND)
+        if DIM0:  # blocks of 32 along K: row-major [M, K] output, scales [M, K/32]
+            q0, s0 = quantize_blocks(tl.reshape(x, (BLOCK_K, 32)), 1, ELEM, RCEIL, SOFTWARE_ROUND)
+            q0_offs = pid_b * stride_qb + rows.to(tl.int64)[:, None] * K + cols[None, :]
+            tl.store(q0_ptr + q0_offs, tl.reshape(q0, (32, BLOCK_K)), mask=mask)
+            s0 = tl.reshape(s0, (32, BLOCK_K // 32))
+            store_scales(s0_ptr + pid_b * stride_s0b, s0, rows, s0_cols, M, K >> 5, BLOCKED)
+        if DIM1:  # one block of 32 along M per column: transposed [K, M] output, scales [K, M/32]
+            q1, s1 = quantize_blocks(x, 0, ELEM, RCEIL, SOFTWARE_ROUND)
+            tl.store(q1_ptr + pid_b * stride_qb + cols.to(tl.int64)[None, :] * M + rows[:, None], q1, mask=mask)
+            s1_tile = tl.where(sub[None, :] == i, s1[:, None], s1_tile)
+    if DIM1:
+        store_scales(s1_ptr + pid_b * stride_s1b, s1_tile, cols, pid_m * NUM_SUB + sub, K, M >> 5, BLOCKED)
+
+
+_LAUNCHES = LaunchCache(_cast_kernel)
+
+
+def _cast(x: torch.Tensor, elem: str, mode: str, blocked: bool, dim0: bool, dim1: bool, op: str) -> list[torch.Tensor]:
+    """The outputs [q0, s0] + [q1, s1] of the halves asked for, from one launch over x [M, K] or [E, M, K]."""
+    outs = (empty_outputs(x, elem, dim0_shapes(x.shape, blocked)) if dim0 else []) + (
+        empty_outputs(x, elem, dim1_shapes(x.shape, blocked)) if dim1 else []
+    )
+    if not any(t.numel() for t in outs):
+        return outs
+    x3 = x if x.dim() == 3 else x.unsqueeze(0)
+    num_batch, m, k = x3.shape
+    num_sub, block_k, num_warps = DIM1_TILE if dim1 else DIM0_TILE
+    grid = (*tile_grid(m, k, 32 * num_sub, block_k, 128 if blocked else 1), num_batch)
+    q0, s0, q1, s1 = [t.view(torch.uint8) for t in outs] * (1 if dim0 and dim1 else 2)  # a missing half: stand-ins
+    _LAUNCHES.launch(
+        grid,
+        dict(
+            x_ptr=x3, q0_ptr=q0, s0_ptr=s0, q1_ptr=q1, s1_ptr=s1, M=m, K=k, stride_xb=x3.stride(0),
+            stride_xm=x3.stride(1), stride_xk=x3.stride(2), stride_qb=m * k,
+            stride_s0b=s0[0].numel() if x.dim() == 3 and dim0 else 0,
+            stride_s1b=s1[0].numel() if x.dim() == 3 and dim1 else 0, DIM0=dim0, DIM1=dim1, NUM_SUB=num_sub,
+            BLOCK_K=block_k, BLOCKED=blocked, ELEM=elem, RCEIL=mode == "rceil", SOFTWARE_ROUND=software_round(x, op),
+            num_warps=num_warps,
+        ),
+    )  # fmt: skip
+    return outs
+
+
+def cast_dim0(x: torch.Tensor, elem: str, mode: str, blocked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] or [E, M, K] (bf16/fp32, any strides) -> (qdata fp8 of x's shape, scales e8m0 [.., M, K/32] or,
+    with ``blocked``, blocked: 1D for 2D x, [E, padded] per expert). Bit-identical to ``to_mx(x, elem, mode)``."""
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1, op="cast_dim0")
+    return tuple(_cast(x, elem, mode, blocked, True, False, "cast_dim0"))
+
+
+def cast_dim1(x: torch.Tensor, elem: str, mode: str, blocked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] or [E, M, K] (bf16/fp32, any strides) -> (qdata [.., K, M] fp8, scales e8m0 [.., K, M/32] or
+    blocked). Bit-identical to ``to_mx(x.transpose(-2, -1).contiguous(), elem, mode)``."""
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-2, op="cast_dim1")
+    return tuple(_cast(x, elem, mode, blocked, False, True, "cast_dim1"))
+
+
+def cast_dim0_dim1(
+    x: torch.Tensor, elem: str, mode: str, blocked: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16/fp32, any strides) -> (q0 [M, K], s0, q1 [K, M], s1) from one read of x, as ``cast_dim0``
+    and ``cast_dim1``: every operand of the MX linear is needed in both orientations, and one read instead of
+    two saves a third of the bytes."""
+    check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_dim0_dim1")
+    check_cast(x, elem, mode, ndims=(2,), qdim=1, op="cast_dim0_dim1")
+    return tuple(_cast(x, elem, mode, blocked, True, True, "cast_dim0_dim1"))
