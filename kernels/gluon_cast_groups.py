@@ -241,25 +241,11 @@ def kernel_launch(
         row_bound * abs(x.stride(0)) + k_cover * abs(x.stride(1)), k_cover * m + row_bound, padded_k * 4 * max_tile_cols
     )
     kwargs = dict(
-        x_ptr=x,
-        offs_ptr=offs,
-        q_ptr=q,
-        s_ptr=s,
-        M=m,
-        K=k,
-        num_groups=num_groups,
-        max_tile_cols=max_tile_cols,
-        stride_xm=x.stride(0),
-        stride_xk=x.stride(1),
-        GROUPS_POW2=triton.next_power_of_2(num_groups),
-        PACKED=max(m >> 5, max_tile_cols) <= PACKED_MAX,
-        MASK_COLS=k_cover != k,
-        OFFS64=span >= 2**31,
-        **tile,
-        ELEM=elem,
-        RCEIL=mode == "rceil",
-        num_warps=tile["NUM_WARPS"] * tile["WARPS_M"],
-    )
+        x_ptr=x, offs_ptr=offs, q_ptr=q, s_ptr=s, M=m, K=k, num_groups=num_groups, max_tile_cols=max_tile_cols,
+        stride_xm=x.stride(0), stride_xk=x.stride(1), GROUPS_POW2=triton.next_power_of_2(num_groups),
+        PACKED=max(m >> 5, max_tile_cols) <= PACKED_MAX, MASK_COLS=k_cover != k, OFFS64=span >= 2**31, **tile,
+        ELEM=elem, RCEIL=mode == "rceil", num_warps=tile["NUM_WARPS"] * tile["WARPS_M"],
+    )  # fmt: skip
     return grid, kwargs
 
 

@@ -162,30 +162,15 @@ def _launch_scalars(
     s1_rows, s1_cols = blocked_shape(k, m // 32)
     x_bytes = num_batch * m * k * itemsize
     scalars = dict(
-        M=m,
-        K=k,
-        stride_xm=stride_m,
-        stride_xk=stride_k,
-        S0_COLS=k // 32,
-        S1_COLS=m // 32,
-        stride_xb=strides[0] if batched else 0,
-        stride_q0b=m * k if batched else 0,
-        stride_s0b=s0_rows * s0_cols if batched else 0,
-        stride_q1b=m * k if batched else 0,
-        stride_s1b=s1_rows * s1_cols if batched else 0,
-        **TILE,
-        DIM0=dim0,
-        DIM1=dim1,
-        BATCHED=batched,
-        EVEN=(m_cover, k_cover) == (m, k),
-        OFFS64=span >= 2**31,
-        K_FIRST=k_first,
+        M=m, K=k, stride_xm=stride_m, stride_xk=stride_k, S0_COLS=k // 32, S1_COLS=m // 32,
+        stride_xb=strides[0] if batched else 0, stride_q0b=m * k if batched else 0,
+        stride_s0b=s0_rows * s0_cols if batched else 0, stride_q1b=m * k if batched else 0,
+        stride_s1b=s1_rows * s1_cols if batched else 0, **TILE, DIM0=dim0, DIM1=dim1, BATCHED=batched,
+        EVEN=(m_cover, k_cover) == (m, k), OFFS64=span >= 2**31, K_FIRST=k_first,
         CONTIG=stride_k == 1 and (stride_m == k or m == 1),
-        X_EVICT="evict_last" if dim0 and dim1 and x_bytes >= EVICT_LAST_MIN_BYTES else "",
-        ELEM=elem,
-        RCEIL=mode == "rceil",
-        num_warps=TILE["NUM_WARPS"] * TILE["WARPS_M"],
-    )
+        X_EVICT="evict_last" if dim0 and dim1 and x_bytes >= EVICT_LAST_MIN_BYTES else "", ELEM=elem,
+        RCEIL=mode == "rceil", num_warps=TILE["NUM_WARPS"] * TILE["WARPS_M"],
+    )  # fmt: skip
     if k_first:
         grid = grid[::-1]
     if grid[1] > 65535:  # CUDA's limit on a grid's y dimension

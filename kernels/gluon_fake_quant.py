@@ -135,26 +135,11 @@ def kernel_launch(
     x_rows = x_m if row_src is not None else m_cover
     span = max((x_rows - 1) * abs(x3.stride(1)) + (k_cover - 1) * abs(x3.stride(2)), max(m_cover, x_m) * k_cover)
     kwargs = dict(
-        x_ptr=x3,
-        src_ptr=x3 if row_src is None else row_src,
-        k_ptr=out_k,
-        m_ptr=out_m,
-        M=m,
-        M_PAD=m_pad,
-        K=k,
-        stride_xb=x3.stride(0),
-        stride_xm=x3.stride(1),
-        stride_xk=x3.stride(2),
-        ALONG_K=along_k,
-        ALONG_M=along_m,
-        GATHER=row_src is not None,
-        EVEN=row_src is None and (m_cover, k_cover) == (m, k) and m == m_pad,
-        OFFS64=span >= 2**31,
-        **TILE,
-        ELEM=elem,
-        RCEIL=mode == "rceil",
-        num_warps=TILE["NUM_WARPS"],
-    )
+        x_ptr=x3, src_ptr=x3 if row_src is None else row_src, k_ptr=out_k, m_ptr=out_m, M=m, M_PAD=m_pad, K=k,
+        stride_xb=x3.stride(0), stride_xm=x3.stride(1), stride_xk=x3.stride(2), ALONG_K=along_k, ALONG_M=along_m,
+        GATHER=row_src is not None, EVEN=row_src is None and (m_cover, k_cover) == (m, k) and m == m_pad,
+        OFFS64=span >= 2**31, **TILE, ELEM=elem, RCEIL=mode == "rceil", num_warps=TILE["NUM_WARPS"],
+    )  # fmt: skip
     return grid, kwargs
 
 

@@ -103,13 +103,9 @@ def _result(
 
 
 def cast_dim0(
-    x: torch.Tensor,
-    elem: str = "e4m3",
-    mode: str = "floor",
-    blocked_scales: bool = False,
-    rounding: str = "nearest",
+    x: torch.Tensor, elem: str = "e4m3", mode: str = "floor", blocked_scales: bool = False, rounding: str = "nearest",
     generator: torch.Generator | None = None,
-) -> MXTensor | BlockedMXTensor:
+) -> MXTensor | BlockedMXTensor:  # fmt: skip
     """x [M, K] -> MX along K: qdata [M, K], scales [M, K/32]; equals ``to_mx(x, elem, mode, dim=-1)``."""
     _check_ndim(x, (2,), "cast_dim0")
     m, k = x.shape
@@ -118,13 +114,9 @@ def cast_dim0(
 
 
 def cast_dim1(
-    x: torch.Tensor,
-    elem: str = "e4m3",
-    mode: str = "floor",
-    blocked_scales: bool = False,
-    rounding: str = "nearest",
+    x: torch.Tensor, elem: str = "e4m3", mode: str = "floor", blocked_scales: bool = False, rounding: str = "nearest",
     generator: torch.Generator | None = None,
-) -> MXTensor | BlockedMXTensor:
+) -> MXTensor | BlockedMXTensor:  # fmt: skip
     """x [M, K] -> MX along M, stored as the MX form of x.t(): qdata [K, M], scales [K, M/32];
     equals ``to_mx(x.t().contiguous(), elem, mode, dim=-1)``."""
     _check_ndim(x, (2,), "cast_dim1")
@@ -201,24 +193,18 @@ def cast_groups_dim1(
 
 
 def fake_quant_dim0(
-    x: torch.Tensor,
-    elem: str = "e4m3",
-    mode: str = "floor",
-    rounding: str = "nearest",
+    x: torch.Tensor, elem: str = "e4m3", mode: str = "floor", rounding: str = "nearest",
     generator: torch.Generator | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """x [M, K] or [E, M, K] -> ``to_mx(x, elem, mode, dim=-1).dequantize(x.dtype)``, bit for bit."""
     _check_ndim(x, (2, 3), "fake_quant_dim0")
     return run("fake_quant_2d", x, elem, mode, True, False, rounding=rounding, generator=generator)[0]
 
 
 def fake_quant_along_m(
-    x: torch.Tensor,
-    elem: str = "e4m3",
-    mode: str = "floor",
-    rounding: str = "nearest",
+    x: torch.Tensor, elem: str = "e4m3", mode: str = "floor", rounding: str = "nearest",
     generator: torch.Generator | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """x [M, K] or [E, M, K] zero-padded along M to a multiple of 32, quantized along M and
     dequantized, in x's layout: [.., ceil32(M), K], row-major. Equal, bit for bit, to
     ``to_mx(pad(x).transpose(-2, -1).contiguous(), elem, mode).dequantize(x.dtype).transpose(-2, -1)``;
@@ -228,13 +214,9 @@ def fake_quant_along_m(
 
 
 def fake_quant_groups_along_m(
-    x: torch.Tensor,
-    row_src: torch.Tensor,
-    elem: str = "e4m3",
-    mode: str = "floor",
-    rounding: str = "nearest",
+    x: torch.Tensor, row_src: torch.Tensor, elem: str = "e4m3", mode: str = "floor", rounding: str = "nearest",
     generator: torch.Generator | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """x [M, K] in token groups, row_src int32 [R]: the groups padded to multiples of 32 rows (every
     row of x once, in its padded position; -1 for padding) -> [M, K]: each group quantized along M in
     blocks of 32 from its first row, as if zero-padded, and dequantized; the padding rows dropped.
@@ -245,12 +227,9 @@ def fake_quant_groups_along_m(
 
 
 def fake_quant_dim0_dim1(
-    x: torch.Tensor,
-    elem: str = "e4m3",
-    mode: str = "floor",
-    rounding: str = "nearest",
+    x: torch.Tensor, elem: str = "e4m3", mode: str = "floor", rounding: str = "nearest",
     generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(``fake_quant_dim0(x)``, ``fake_quant_along_m(x)``): on CUDA one kernel, one read of x.
     Stochastic rounding draws along K first, then along M."""
     _check_ndim(x, (2, 3), "fake_quant_dim0_dim1")

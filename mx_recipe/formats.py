@@ -281,15 +281,9 @@ def _quantize_blocks(
 
 
 def fake_quant(
-    x: torch.Tensor,
-    elem: str = "e4m3",
-    mode: str = "floor",
-    dim: int = -1,
-    block_size: int = BLOCK_SIZE,
-    rounding: str = "nearest",
-    generator: torch.Generator | None = None,
-    uniform: torch.Tensor | None = None,
-) -> torch.Tensor:
+    x: torch.Tensor, elem: str = "e4m3", mode: str = "floor", dim: int = -1, block_size: int = BLOCK_SIZE,
+    rounding: str = "nearest", generator: torch.Generator | None = None, uniform: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``to_mx(x, ...).dequantize(x.dtype)``, bit for bit, without the MXTensor in between.
 
     Elements times 2**e in fp32, NaN for NaN blocks: the same products ``dequantize`` forms.
@@ -302,15 +296,9 @@ def fake_quant(
 
 
 def to_mx(
-    x: torch.Tensor,
-    elem: str = "e4m3",
-    mode: str = "floor",
-    dim: int = -1,
-    block_size: int = BLOCK_SIZE,
-    rounding: str = "nearest",
-    generator: torch.Generator | None = None,
-    uniform: torch.Tensor | None = None,
-) -> MXTensor:
+    x: torch.Tensor, elem: str = "e4m3", mode: str = "floor", dim: int = -1, block_size: int = BLOCK_SIZE,
+    rounding: str = "nearest", generator: torch.Generator | None = None, uniform: torch.Tensor | None = None,
+) -> MXTensor:  # fmt: skip
     """Quantize ``x`` (bf16 or fp32) to MX along ``dim`` in blocks of ``block_size``.
 
     ``rounding``: "nearest" (ties to even) or "stochastic", whose random bits are ``uniform`` (fp32
