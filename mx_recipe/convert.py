@@ -1,17 +1,18 @@
-"""convert_to_mx: swap a model's nn.Linear layers for MXLinear in place, and say what it did."""
+"""convert_to_mx: swap a model's nn.Linear layers and MoE experts for MX versions in place, and say what it did."""
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from mx_recipe.gemm import Backend, resolve_backend
 from mx_recipe.grouped import mx_grouped_mm
 from mx_recipe.linear import MXLinear
-from mx_recipe.models.moe import GroupedExperts
 from mx_recipe.recipe import MXRecipe
 
 logger = logging.getLogger(__name__)
@@ -21,16 +22,30 @@ logger = logging.getLogger(__name__)
 DEFAULT_SKIP = ("output", "*router.gate")
 
 
-class MXGroupedExperts(GroupedExperts):
-    """GroupedExperts whose three grouped GEMMs run in MX. Made by swapping the class in place."""
+class MXGroupedExperts(nn.Module):
+    """Mixed into the class of an MoE expert module, whose three grouped GEMMs then run in MX.
+
+    An expert module (models.moe.GroupedExperts) holds 3D weights w1 [E, hidden, dim], w2, w3 and
+    runs every GEMM through its ``grouped_mm(x, w, offs)``: convert_to_mx recognizes it by that
+    method, so this module imports no model."""
 
     recipe: MXRecipe
+    backend: Backend
 
     def grouped_mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        return mx_grouped_mm(x, w, offs, self.recipe)
+        return mx_grouped_mm(x, w, offs, self.recipe, self.backend)
 
     def extra_repr(self) -> str:
-        return f"experts={self.w1.shape[0]}, recipe={self.recipe.name}"
+        return f"experts={self.w1.shape[0]}, recipe={self.recipe.name}, backend={self.backend.name}"
+
+
+@functools.cache
+def _mx_experts_class(cls: type[nn.Module]) -> type[nn.Module]:
+    return type(MXGroupedExperts.__name__, (MXGroupedExperts, cls), {})
+
+
+def _is_experts(module: nn.Module) -> bool:
+    return callable(getattr(module, "grouped_mm", None))
 
 
 @dataclass(frozen=True)
@@ -39,6 +54,7 @@ class ConversionRecord:
     shape: tuple[int, ...]  # the weight's: (out, in) for a linear, w1's (E, hidden, dim) for experts
     converted: bool
     reason: str
+    backend: str = ""  # the GEMM backend of a converted layer
 
 
 def _matches(fqn: str, patterns: list[str] | tuple[str, ...]) -> str | None:
@@ -53,56 +69,59 @@ def convert_to_mx(
     recipe: MXRecipe,
     skip: list[str] | tuple[str, ...] = DEFAULT_SKIP,
     log: bool = True,
+    device: torch.device | str | None = None,
 ) -> list[ConversionRecord]:
-    """Replace every ``nn.Linear`` (and subclass) of ``model`` by an ``MXLinear``, and every MoE
-    ``GroupedExperts`` by ``MXGroupedExperts``, in place.
+    """Replace every ``nn.Linear`` (and subclass) of ``model`` by an ``MXLinear``, and make every MoE
+    expert module (``MXGroupedExperts``'s docstring says which) an ``MXGroupedExperts``, in place.
 
     ``skip`` holds fqn patterns (fnmatch, e.g. ``"output"``, ``"layers.*.attention.wq"``).
     Layers whose features are not multiples of the block size are skipped too. Parameters
     are shared, not copied, so optimizers and state_dict keys are unchanged.
+
+    The GEMM backend is resolved once (``gemm.resolve_backend``) for ``device`` (default: the
+    current CUDA device if CUDA is available, else the CPU), with grouped GEMMs if any experts are
+    converted, and every converted module gets that one backend object. A backend the device or the
+    recipe cannot run is a ValueError, raised before anything is swapped.
     """
-    records: list[ConversionRecord] = []
-    swapped: dict[int, MXLinear] = {}  # a module registered under several names is swapped everywhere
-    for fqn, module in list(model.named_modules(remove_duplicate=False)):
+    layers = []  # (fqn, module, shape, why it is skipped or None)
+    for fqn, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, (MXLinear, MXGroupedExperts)):
             continue
-        if isinstance(module, GroupedExperts):
-            records.append(_convert_experts(fqn, module, recipe, skip))
+        if _is_experts(module):
+            shape, features = tuple(module.w1.shape), module.w1.shape[1:]
+        elif isinstance(module, nn.Linear):
+            shape = features = (module.out_features, module.in_features)
+        else:
             continue
-        if not isinstance(module, nn.Linear):
-            continue
-        shape = (module.out_features, module.in_features)
         pattern = _matches(fqn, skip)
         if pattern is not None:
-            records.append(ConversionRecord(fqn, shape, False, f"skipped: matches {pattern!r}"))
+            layers.append((fqn, module, shape, f"skipped: matches {pattern!r}"))
+        elif any(d % recipe.block_size for d in features):
+            layers.append((fqn, module, shape, f"skipped: features not multiples of {recipe.block_size}"))
+        else:
+            layers.append((fqn, module, shape, None))
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    grouped = any(skipped is None and _is_experts(module) for _, module, _, skipped in layers)
+    backend = resolve_backend(recipe, torch.device(device), grouped)
+    records: list[ConversionRecord] = []
+    swapped: dict[int, MXLinear] = {}  # a module registered under several names is swapped everywhere
+    for fqn, module, shape, skipped in layers:
+        if skipped is not None:
+            records.append(ConversionRecord(fqn, shape, False, skipped))
             continue
-        if module.in_features % recipe.block_size or module.out_features % recipe.block_size:
-            reason = f"skipped: features not multiples of {recipe.block_size}"
-            records.append(ConversionRecord(fqn, shape, False, reason))
-            continue
-        if id(module) not in swapped:
-            swapped[id(module)] = MXLinear.from_linear(module, recipe)
-        parent_fqn, _, name = fqn.rpartition(".")
-        parent = model.get_submodule(parent_fqn) if parent_fqn else model
-        setattr(parent, name, swapped[id(module)])
-        records.append(ConversionRecord(fqn, shape, True, f"converted: {recipe.name}"))
+        if not _is_experts(module):
+            if id(module) not in swapped:
+                swapped[id(module)] = MXLinear.from_linear(module, recipe, backend)
+            parent_fqn, _, name = fqn.rpartition(".")
+            setattr(model.get_submodule(parent_fqn), name, swapped[id(module)])
+        elif not isinstance(module, MXGroupedExperts):  # parameters, hooks and FSDP state stay as they are
+            module.__class__ = _mx_experts_class(type(module))
+            module.recipe, module.backend = recipe, backend
+        records.append(ConversionRecord(fqn, shape, True, f"converted: {recipe.name}", backend.name))
     if log:
-        logger.info("convert_to_mx(%s):\n%s", recipe.name, format_conversion_table(records))
+        logger.info("convert_to_mx(%s, %s backend):\n%s", recipe.name, backend.name, format_conversion_table(records))
     return records
-
-
-def _convert_experts(
-    fqn: str, experts: GroupedExperts, recipe: MXRecipe, skip: list[str] | tuple[str, ...]
-) -> ConversionRecord:
-    shape = tuple(experts.w1.shape)
-    pattern = _matches(fqn, skip)
-    if pattern is not None:
-        return ConversionRecord(fqn, shape, False, f"skipped: matches {pattern!r}")
-    if any(d % recipe.block_size for d in shape[1:]):
-        return ConversionRecord(fqn, shape, False, f"skipped: features not multiples of {recipe.block_size}")
-    experts.__class__ = MXGroupedExperts  # parameters, hooks and FSDP state stay as they are
-    experts.recipe = recipe
-    return ConversionRecord(fqn, shape, True, f"converted: {recipe.name}")
 
 
 def format_conversion_table(records: list[ConversionRecord]) -> str:

@@ -1,47 +1,61 @@
-"""MX GEMM backends: ``mx_mm(a, b)`` computes ``a @ b.T`` for two MXTensors quantized along K.
+"""MX GEMM backends: each casts a GEMM's operands and runs ``a @ b.T`` on them, both quantized along K.
 
-* ``emulated``: dequantize both operands (exact in bf16 within its range) and run a
-  high-precision matmul with fp32 accumulation. It reproduces a hardware MX GEMM up to summation
-  order, on any device. (The MX linear's emulated path fuses the dequantization into its casts.)
-* ``cublas``: PyTorch's MXFP8 block-scaled GEMMs on sm_100 and later, with float8_e8m0fnu scales
-  in the blocked layout (scale_layout.py): ``torch.nn.functional.scaled_mm`` where the installed
-  torch has it (BlockWise1x32 scales, SWIZZLE_32_4_4), else ``torch._scaled_mm``; for MoE,
-  ``torch.nn.functional.scaled_grouped_mm`` / ``torch._scaled_grouped_mm``.
-* ``triton``: ``tl.dot_scaled`` (mx_kernels/mx_gemm.py) on NVIDIA GPUs of sm_89 and later, for
-  e4m3, e5m2 and e2m1 operands in any pairing, plain (not blocked) scales. Native block-scaled MMA
-  on sm_100; on sm_90 Triton upcasts both tiles to bf16 (exact, as in ``emulated``) and runs a bf16
-  MMA. Dense GEMMs only (no MoE grouped GEMM).
-* ``auto``: ``cublas`` where the device and the recipe allow it, else ``emulated``; never ``triton``
-  (see ``resolve_backend``).
+``resolve_backend(recipe, device, grouped)`` picks one once, when a model is converted
+(convert.py), and raises a clear error for a forced backend that the device or recipe cannot run:
+
+* ``EmulatedBackend`` ("emulated"): fake-quant casts (dequantized exactly, in the input dtype)
+  and a high-precision GEMM with fp32 accumulation. It reproduces a hardware MX GEMM up to
+  summation order, on any device.
+* ``CublasBackend`` ("cublas"): PyTorch's MXFP8 block-scaled GEMMs on sm_100 and later, with
+  float8_e8m0fnu scales in the blocked layout (scale_layout.py): ``torch.nn.functional.scaled_mm``
+  where the installed torch has it (BlockWise1x32 scales, SWIZZLE_32_4_4), else
+  ``torch._scaled_mm``; for MoE, ``torch.nn.functional.scaled_grouped_mm`` / ``torch._scaled_grouped_mm``.
+* ``TritonBackend`` ("triton"): ``tl.dot_scaled`` (mx_kernels/mx_gemm.py) on NVIDIA GPUs of sm_89
+  and later, for e4m3, e5m2 and e2m1 operands in any pairing, plain (not blocked) scales. Native
+  block-scaled MMA on sm_100; on sm_90 Triton upcasts both tiles to bf16 (exact, as in emulated)
+  and runs a bf16 MMA. Dense GEMMs only (no MoE grouped GEMM).
+* "auto": cublas where the device and the recipe allow it, else emulated; never triton.
+
+The interface: ``cast(t, ...)`` quantizes t [R, C] along C; with ``along_rows`` along R, rows
+zero-padded to a multiple of 32 (zero rows add nothing to a sum over R), as a [C, ceil32(R)]
+operand; ``cast_both`` gives both from one read of t where it can; ``mm(a, b)`` is ``a @ b.T``.
+MoE: ``cast_experts``, ``grouped_mm`` (token groups times per-expert weights) and
+``grouped_mm_along_m`` (the grad-weight GEMM, groups along its contraction dim).
 
 Entry points of the cublas path, each taking an optional ``scaled_mm`` / ``scaled_grouped_mm``
-callable with the real op's signature (tests pass mx_recipe.scaled_mm_emulator's):
-
-* ``mx_scaled_mm(a_q, a_scale_blocked, b_q, b_scale_blocked, out_dtype)``: a [M, K] @ b[N, K].T;
-* ``mx_mm_blocked(a, b, out_dtype)``: the same from two ``BlockedMXTensor`` cast outputs;
-* ``mx_grouped_mm_2d_3d(a, w, offs, out_dtype)``: MoE forward / grad-input;
-* ``mx_grouped_mm_2d_2d(a, b, out_dtype)``: MoE grad-weight, groups along the contraction dim
-  (both driven by ``grouped.mx_grouped_mm`` on the cublas backend).
-
-The triton path: ``mx_mm_triton(a, b, out_dtype)`` from two ``MXTensor`` cast outputs
-(``cast_dim0`` / ``cast_dim1`` with plain scales), through the custom op
-``torch.ops.mx_recipe.mx_gemm`` (opaque to torch.compile).
-
-``validate_backend(recipe, device)`` resolves a recipe's backend once, at startup, and raises a
-clear error when a forced backend cannot run there.
+callable with the real op's signature (as ``CublasBackend`` does; tests pass
+tests/scaled_mm_emulator.py's): ``mx_scaled_mm``, ``mx_mm_blocked`` (dense),
+``mx_grouped_mm_2d_3d`` (MoE forward, grad input), ``mx_grouped_mm_2d_2d`` (MoE grad weight). The
+triton path: ``mx_mm_triton``, through the custom op ``torch.ops.mx_recipe.mx_gemm`` (opaque to
+torch.compile). ``mx_mm(a, b, out_dtype, backend)`` multiplies two MXTensors on a backend named
+by string.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
 from collections.abc import Callable
 
-import mx_kernels.ops  # noqa: F401  (registers torch.ops.mx_recipe.mx_gemm; imports no Triton)
 import torch
 import torch.nn.functional as F
 
-from mx_recipe.cast import BlockedMXTensor
-from mx_recipe.formats import BLOCK_SIZE, MXTensor
+import mx_recipe.dispatch  # noqa: F401  (registers torch.ops.mx_recipe.mx_gemm; imports no Triton)
+from mx_recipe.cast import (
+    BlockedMXTensor,
+    cast_3d_dim0,
+    cast_3d_dim1,
+    cast_dim0,
+    cast_dim0_dim1,
+    cast_dim1,
+    cast_groups_dim1,
+    fake_quant_along_m,
+    fake_quant_dim0,
+    fake_quant_dim0_dim1,
+    fake_quant_groups_along_m,
+)
+from mx_recipe.formats import BLOCK_SIZE, E2M1_VALUES, E8M0_BIAS, E8M0_NAN, MXTensor, exp2_fp32, unpack_fp4
 from mx_recipe.recipe import HIGH_PRECISION, MXRecipe
 from mx_recipe.scale_layout import (
     SCALE_TILE_COLS,
@@ -54,9 +68,13 @@ from mx_recipe.scale_layout import (
 
 ScaledMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 ScaledGroupedMM = Callable[..., torch.Tensor]
+MXOperand = MXTensor | BlockedMXTensor
+Operand = MXOperand | torch.Tensor  # what a backend's cast gives: an MX tensor, or emulated, a fake-quant
+GroupLayout = tuple[torch.Tensor, torch.Tensor, int]  # padded_group_layout: (dest rows, padded ends, size)
 
 CUBLAS_MIN_CAPABILITY = (10, 0)
 CUBLAS_ELEMS = ("e4m3", "e5m2")  # fp8 elements; e2m1 (packed fp4) has no cublas path here
+CUBLAS_GROUPED_OUT_DTYPE = torch.bfloat16  # MXFP8 torch._scaled_grouped_mm writes bf16 only
 # tl.dot_scaled takes fp8 operands from sm_89 on (Triton's own tests skip below that).
 TRITON_MIN_CAPABILITY = (8, 9)
 TRITON_ELEMS = ("e4m3", "e5m2", "e2m1")
@@ -86,8 +104,7 @@ def cublas_available(device: torch.device) -> bool:
     return cap is not None and cap >= CUBLAS_MIN_CAPABILITY and hasattr(torch, "_scaled_mm")
 
 
-# Read once: the MoE grouped GEMM resolves its backend in every forward, where this string (about
-# 9 us to build) would cost time and, under torch.compile, a graph break (dynamo cannot trace it).
+# Read once: building this string takes about 9 us, and dynamo cannot trace it.
 _TORCH_HAS_MSLK = any(flag in torch.__config__.show() for flag in ("USE_MSLK", "USE_FBGEMM_GENAI"))
 
 
@@ -108,15 +125,15 @@ def triton_available(device: torch.device) -> bool:
     return cap is not None and cap >= TRITON_MIN_CAPABILITY and importlib.util.find_spec("triton") is not None
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The concrete backend for ``backend`` on ``device``; 'auto' picks cublas where it runs, else emulated."""
+def _resolve_name(backend: str, device: torch.device) -> str:
+    """The concrete backend for the name ``backend`` on ``device``; 'auto' picks cublas where it runs, else emulated."""
     if backend == "emulated":
         return "emulated"
     if backend == "auto":
         # Never triton. On sm_100 cublas is the vendor MX GEMM. On sm_90 tl.dot_scaled has no MX MMA
         # to use: Triton upcasts both tiles to bf16 in the kernel, measured at 120-200 TFLOP/s on an
-        # H200 (DESIGN.md), while emulated (dequantize, then a 740-770 TFLOP/s bf16 torch.mm) costs
-        # 0.91-1.01x of a bf16 mm's time under torch.compile.
+        # H200 (docs/DESIGN.md, "GEMM backends"), while emulated (dequantize, then a 740-770 TFLOP/s
+        # bf16 torch.mm) costs 0.91-1.01x of a bf16 mm's time under torch.compile.
         return "cublas" if cublas_available(device) else "emulated"
     if backend == "triton":
         if not triton_available(device):
@@ -161,8 +178,8 @@ def _cublas_gaps(recipe: MXRecipe, device: torch.device, grouped: bool) -> list[
     return gaps
 
 
-def validate_backend(recipe: MXRecipe, device: torch.device, grouped: bool = False) -> str:
-    """Resolve ``recipe.backend`` for ``device`` once, before building: the concrete backend name.
+def resolve_backend(recipe: MXRecipe, device: torch.device, grouped: bool = False) -> Backend:
+    """The backend that runs ``recipe.backend`` on ``device``, resolved once, before training.
 
     ``grouped``: the model has MoE experts (grouped GEMMs). A forced 'cublas' that the device or the
     recipe cannot run is a ValueError here; so is a forced 'triton' off sm_89+ GPUs or with experts
@@ -172,22 +189,195 @@ def validate_backend(recipe: MXRecipe, device: torch.device, grouped: bool = Fal
     'cublas' runs e5m2 dense GEMMs through torch._scaled_mm, whose checks accept it (unverified on
     hardware).
     """
-    backend = resolve_backend(recipe.backend, device)
-    if backend == "triton":  # every element format works; only the dense GEMMs are built
-        if grouped:
-            raise ValueError(
-                f"MX recipe {recipe.name!r} cannot use backend 'triton' for this model: the triton backend has no "
-                "MoE grouped GEMM. Use backend 'emulated' (or 'auto')."
-            )
-        return "triton"
-    if backend != "cublas":
-        return backend
-    gaps = _cublas_gaps(recipe, device, grouped)
-    if recipe.backend == "auto":
-        return "emulated" if gaps or _mx_elems(recipe) - {"e4m3"} else "cublas"
-    if gaps:
-        raise ValueError(f"MX recipe {recipe.name!r} cannot use backend 'cublas' on {device}: " + "; ".join(gaps))
-    return "cublas"
+    name = _resolve_name(recipe.backend, device)
+    if name == "triton" and grouped:
+        raise ValueError(
+            f"MX recipe {recipe.name!r} cannot use backend 'triton' for this model: the triton backend has no "
+            "MoE grouped GEMM. Use backend 'emulated' (or 'auto')."
+        )
+    if name == "cublas":
+        gaps = _cublas_gaps(recipe, device, grouped)
+        if recipe.backend == "auto" and (gaps or _mx_elems(recipe) - {"e4m3"}):
+            name = "emulated"
+        elif gaps:
+            raise ValueError(f"MX recipe {recipe.name!r} cannot use backend 'cublas' on {device}: " + "; ".join(gaps))
+    return {"emulated": EmulatedBackend, "cublas": CublasBackend, "triton": TritonBackend}[name]()
+
+
+@functools.lru_cache
+def default_backend(recipe: MXRecipe, device: torch.device, grouped: bool = False) -> Backend:
+    """``resolve_backend``, cached: what ``mx_linear`` and ``mx_grouped_mm`` run on when given no backend."""
+    return resolve_backend(recipe, device, grouped)
+
+
+# --- the backends ---
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    """Zero rows at the end so that blocks along dim 0 do not run off the tensor."""
+    pad = -t.shape[0] % BLOCK_SIZE
+    return F.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+def _dequantize(t: MXTensor, dtype: torch.dtype) -> torch.Tensor:
+    """A 2D MXTensor quantized along its last dim -> values in ``dtype``, bit for bit
+    ``t.dequantize(dtype)``, with per-block scales broadcast rather than repeated and no full-size
+    fp32 temporaries for fp8 (this runs in backward, where memory peaks).
+
+    Elements and 2**e (e in [-127, 127]) are exact in bf16, and their product is exact in fp32,
+    which is how PyTorch multiplies bf16: one rounding to dtype, as ``dequantize`` does."""
+    rows, cols = t.shape
+    if t.elem == "e2m1":
+        codes = unpack_fp4(t.qdata)
+        table = torch.tensor(E2M1_VALUES, dtype=dtype, device=codes.device)
+        mag = table[(codes & 0x7).long()]
+        elems = torch.where((codes & 0x8) != 0, -mag, mag)
+    else:
+        elems = t.qdata.to(dtype)
+    biased = t.scale.view(torch.uint8).to(torch.int32)
+    factor = torch.where(biased == E8M0_NAN, torch.nan, exp2_fp32(biased - E8M0_BIAS)).to(dtype)
+    return (elems.view(rows, cols // t.block_size, t.block_size) * factor[..., None]).view(rows, cols)
+
+
+def plain_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``torch._grouped_mm`` in ``dtype``: a GEMM the recipe keeps in high precision, or an emulated one."""
+    return torch._grouped_mm(a.to(dtype), b.to(dtype), offs=offs)
+
+
+class EmulatedBackend:
+    """Fake-quant casts, then GEMMs in the input dtype. A cast along rows stays in its input's layout
+    and is handed out transposed (a view), so each GEMM takes its operands in the layouts of the
+    bf16 backward (gx = g @ w, gw = g.T @ x) and runs as fast as bf16 training's."""
+
+    name = "emulated"
+
+    def cast(
+        self, t: torch.Tensor, elem: str, rule: str, dtype: torch.dtype, along_rows: bool = False,
+        rounding: str = "nearest",
+    ) -> torch.Tensor:  # fmt: skip
+        if along_rows:
+            return fake_quant_along_m(t, elem, rule, rounding).to(dtype).transpose(-2, -1)
+        return fake_quant_dim0(t, elem, rule, rounding).to(dtype)
+
+    def cast_both(
+        self, t: torch.Tensor, elem: str, rule: str, dtype: torch.dtype, rounding: str = "nearest"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        along_last, along_rows = fake_quant_dim0_dim1(t, elem, rule, rounding)
+        return along_last.to(dtype), along_rows.to(dtype).transpose(-2, -1)
+
+    def cast_saved(self, t: torch.Tensor, elem: str, rule: str) -> MXTensor:
+        """t along rows in MX form, to save for backward (save_mx_input); ``load_saved`` makes it the operand."""
+        return cast_dim1(_pad_rows(t), elem, rule)
+
+    def load_saved(self, qdata: torch.Tensor, scale: torch.Tensor, elem: str, dtype: torch.dtype) -> torch.Tensor:
+        # made contiguous in the input's layout, [ceil32(R), C], as fake_quant_along_m writes it
+        return _dequantize(MXTensor(qdata, scale, elem, 1), dtype).t().contiguous().t()
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return torch.mm(a, b.t())  # both operands already in out_dtype
+
+    cast_experts = cast  # 2D or 3D alike; along rows: along N of each expert
+
+    def grouped_mm(
+        self, a: torch.Tensor, elem: str, rule: str, w: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype,
+        rounding: str = "nearest", layout: GroupLayout | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Token groups a [M, C], cast along C here, times per-expert operands w [E, D, C] -> [M, D]."""
+        return plain_grouped_mm(self.cast(a, elem, rule, dtype, rounding=rounding), w.transpose(-2, -1), offs, dtype)
+
+    def grouped_mm_along_m(
+        self, g: torch.Tensor, g_elem: str, x: torch.Tensor, x_elem: str, rule: str, offs: torch.Tensor,
+        layout: GroupLayout, dtype: torch.dtype, rounding: str = "nearest",
+    ) -> torch.Tensor:  # fmt: skip
+        """Per group e, g_e.T @ x_e -> [E, N, K], both quantized along M in blocks of 32 from each
+        group's start (a group's last block as if zero-padded) and left in their own layout: the GEMM
+        runs on the bf16 backward's operands and groups, no padded copies and no padding rows. Only
+        ``g`` takes ``rounding``."""
+        src = group_row_sources(layout[0], layout[2])
+        g_m = fake_quant_groups_along_m(g, src, g_elem, rule, rounding).to(dtype)
+        x_m = fake_quant_groups_along_m(x, src, x_elem, rule).to(dtype)
+        return plain_grouped_mm(g_m.t(), x_m, offs, dtype)
+
+
+class _MXBackend:
+    """Casts to MX tensors for a hardware MX GEMM, in the scale layout its kernel reads."""
+
+    name: str
+    blocked: bool
+
+    def cast(
+        self, t: torch.Tensor, elem: str, rule: str, dtype: torch.dtype, along_rows: bool = False,
+        rounding: str = "nearest",
+    ) -> MXOperand:  # fmt: skip
+        if along_rows:  # written transposed: [C, ceil32(R)]
+            return cast_dim1(_pad_rows(t).to(dtype), elem, rule, blocked_scales=self.blocked, rounding=rounding)
+        return cast_dim0(t.to(dtype), elem, rule, blocked_scales=self.blocked, rounding=rounding)
+
+    def cast_both(
+        self, t: torch.Tensor, elem: str, rule: str, dtype: torch.dtype, rounding: str = "nearest"
+    ) -> tuple[MXOperand, MXOperand]:
+        if t.shape[0] % BLOCK_SIZE or rounding != "nearest":  # the fused cast neither pads nor rounds stochastically
+            return self.cast(t, elem, rule, dtype, rounding=rounding), self.cast(t, elem, rule, dtype, True, rounding)
+        return cast_dim0_dim1(t.to(dtype), elem, rule, blocked_scales=self.blocked)
+
+    def cast_saved(self, t: torch.Tensor, elem: str, rule: str) -> MXOperand:
+        return self.cast(t, elem, rule, t.dtype, along_rows=True)
+
+
+class CublasBackend(_MXBackend):
+    """fp8 casts with blocked scales, then torch's MXFP8 GEMMs. ``scaled_mm`` / ``scaled_grouped_mm``:
+    callables with the signatures of torch's ops to run instead (tests pass an emulator's)."""
+
+    name, blocked = "cublas", True
+
+    def __init__(self, scaled_mm: ScaledMM | None = None, scaled_grouped_mm: ScaledGroupedMM | None = None):
+        self.scaled_mm, self.scaled_grouped_mm = scaled_mm, scaled_grouped_mm
+
+    def load_saved(self, qdata: torch.Tensor, scale: torch.Tensor, elem: str, dtype: torch.dtype) -> BlockedMXTensor:
+        rows, cols = qdata.shape  # fp8: one element per byte
+        return BlockedMXTensor(qdata, scale, elem, 1, (rows, cols // BLOCK_SIZE))
+
+    def mm(self, a: BlockedMXTensor, b: BlockedMXTensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return mx_mm_blocked(a, b, out_dtype, self.scaled_mm)
+
+    def cast_experts(self, w: torch.Tensor, elem: str, rule: str, dtype: torch.dtype, along_rows: bool = False):
+        """Per expert along K ([E, N, K]) or along N (written [E, K, N]), per-expert blocked scales."""
+        return (cast_3d_dim1 if along_rows else cast_3d_dim0)(w, elem, rule, blocked_scales=True)
+
+    def grouped_mm(
+        self, a: torch.Tensor, elem: str, rule: str, w: BlockedMXTensor, offs: torch.Tensor, dtype: torch.dtype,
+        rounding: str = "nearest", layout: GroupLayout | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The op takes token groups of multiples of 32 rows only: a's dim0 cast is row-local, so its
+        rows are scattered into groups padded to 32 after casting, and the output rows gathered back."""
+        dest, padded_offs, _ = layout = layout or padded_group_layout(offs, a.shape[0], BLOCK_SIZE)
+        a_padded = _pad_mx_rows(cast_dim0(a, elem, rule, rounding=rounding), layout)
+        y = mx_grouped_mm_2d_3d(a_padded, w, padded_offs, CUBLAS_GROUPED_OUT_DTYPE, self.scaled_grouped_mm)
+        return y.index_select(0, dest).to(dtype)
+
+    def grouped_mm_along_m(
+        self, g: torch.Tensor, g_elem: str, x: torch.Tensor, x_elem: str, rule: str, offs: torch.Tensor,
+        layout: GroupLayout, dtype: torch.dtype, rounding: str = "nearest",
+    ) -> torch.Tensor:  # fmt: skip
+        # rounding is "nearest": stochastic rounding is for e2m1, which has no cublas path
+        g_m = _cast_groups_along_m(g, g_elem, rule, layout)  # [N, size]
+        x_m = _cast_groups_along_m(x, x_elem, rule, layout)  # [K, size]
+        return mx_grouped_mm_2d_2d(g_m, x_m, CUBLAS_GROUPED_OUT_DTYPE, self.scaled_grouped_mm).to(dtype)
+
+
+class TritonBackend(_MXBackend):
+    """Casts with plain scales, then ``tl.dot_scaled``. Dense GEMMs only."""
+
+    name, blocked = "triton", False
+
+    def load_saved(self, qdata: torch.Tensor, scale: torch.Tensor, elem: str, dtype: torch.dtype) -> MXTensor:
+        return MXTensor(qdata, scale, elem, 1)
+
+    def mm(self, a: MXTensor, b: MXTensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return mx_mm_triton(a, b, out_dtype)
+
+
+Backend = EmulatedBackend | CublasBackend | TritonBackend
 
 
 # --- the cublas path: dense ---
@@ -263,13 +453,13 @@ def mx_mm(a: MXTensor, b: MXTensor, out_dtype: torch.dtype, backend: str = "auto
         raise ValueError(f"mx_mm needs both operands quantized along K (their last dim); got dims {a.dim}, {b.dim}")
     if a.shape[-1] != b.shape[-1]:
         raise ValueError(f"mx_mm: K differs, a {tuple(a.shape)} vs b {tuple(b.shape)}")
-    resolved = resolve_backend(backend, a.qdata.device)
+    resolved = _resolve_name(backend, a.qdata.device)
     if resolved == "triton":
         return mx_mm_triton(a, b, out_dtype)
     fp8 = {a.elem, b.elem} <= set(CUBLAS_ELEMS)
     if backend == "cublas" and not fp8:
         raise ValueError(f"mx_mm: backend 'cublas' takes fp8 MX operands {CUBLAS_ELEMS}, got {a.elem!r}, {b.elem!r}")
-    # 'auto' takes cublas for e4m3 only, as validate_backend does
+    # 'auto' takes cublas for e4m3 only, as resolve_backend does
     if resolved == "cublas" and (backend == "cublas" or a.elem == b.elem == "e4m3"):
         a_q, b_q = a.qdata.contiguous(), b.qdata.contiguous()
         return mx_scaled_mm(a_q, to_blocked(a.scale), b_q, to_blocked(b.scale), out_dtype)
@@ -288,7 +478,7 @@ def mx_mm_triton(a: MXTensor, b: MXTensor, out_dtype: torch.dtype) -> torch.Tens
     formats of TRITON_ELEMS, mixed too; fp32 accumulation; bf16, fp16 or fp32 out.
 
     Checks the operands, not the device: callers resolve the backend first (``mx_mm``,
-    ``validate_backend``). On sm_90 the result equals ``emulated`` up to summation order, except
+    ``resolve_backend``). On sm_90 the result equals ``emulated`` up to summation order, except
     where an element * 2**e leaves bf16's normal range (mx_kernels/mx_gemm.py).
     """
     for name, t in (("a", a), ("b", b)):
@@ -333,6 +523,42 @@ def blocked_row_groups(scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(trash + 1, dtype=torch.uint8, device=scale.device)
     out.index_copy_(0, byte.reshape(-1), scale.reshape(-1).view(torch.uint8).contiguous())
     return out[:trash].view(out_rows, padded_cols).view(scale.dtype)
+
+
+def group_row_sources(dest: torch.Tensor, size: int) -> torch.Tensor:
+    """The inverse of padded_group_layout's ``dest``: for each of the ``size`` padded rows, the row
+    of the unpadded tensor it holds, or -1 for a padding row (int32, on the device, no sync)."""
+    src = torch.full((size,), -1, dtype=torch.int32, device=dest.device)
+    return src.index_copy_(0, dest, torch.arange(dest.numel(), dtype=torch.int32, device=dest.device))
+
+
+def pad_groups(t: torch.Tensor, dest: torch.Tensor, size: int) -> torch.Tensor:
+    """Rows of ``t`` scattered to ``dest`` in a zeroed [size, ...] buffer."""
+    out = t.new_zeros(size, *t.shape[1:])
+    return out.index_copy_(0, dest, t)
+
+
+def _pad_mx_rows(t: MXTensor, layout: GroupLayout) -> MXTensor:
+    """A dim0 cast's rows (data and plain scales) scattered into groups padded to 32 rows; the
+    padding rows hold zero elements under scale byte 0 (2**-127), i.e. zeros."""
+    dest, _, size = layout
+    qdata = pad_groups(t.qdata.view(torch.uint8), dest, size).view(t.qdata.dtype)
+    scale = pad_groups(t.scale.view(torch.uint8), dest, size).view(t.scale.dtype)
+    return MXTensor(qdata, scale, t.elem, t.dim, t.block_size)
+
+
+def _cast_groups_along_m(t: torch.Tensor, elem: str, rule: str, layout: GroupLayout) -> BlockedMXTensor:
+    """t [M_total, C] along M inside each token group, groups padded to 32 rows: [C, size] with
+    per-group blocked scales, grouped by the E padded group ends.
+
+    cast_groups_dim1 wants groups that cover the whole buffer, so the buffer's tail past the last
+    padded group goes to it as one more (all-zero) group. Its scale tiles come after every expert's,
+    so the GEMM, given the E expert ends, reads the same bytes as without it and never the tail.
+    """
+    dest, padded_offs, size = layout
+    cast_offs = torch.cat([padded_offs, padded_offs.new_full((1,), size)])
+    cast = cast_groups_dim1(pad_groups(t, dest, size), cast_offs, elem, rule, blocked_scales=True)
+    return dataclasses.replace(cast, group_offs=padded_offs)
 
 
 def _torch_scaled_grouped_mm(

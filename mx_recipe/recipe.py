@@ -9,15 +9,15 @@ from mx_recipe.formats import ELEM_FORMATS, ROUNDINGS, SCALE_RULES
 HIGH_PRECISION = "bf16"  # keep that GEMM in bf16: no casts at all
 GEMM_FORMATS = (*ELEM_FORMATS, HIGH_PRECISION)
 GRAD_FORMATS = ("e4m3", "e5m2", "e2m1")
-# "cublas": torch's MXFP8 block-scaled GEMMs, sm_100 and later (mx_recipe.gemm.validate_backend
-# checks the device at startup). "triton": tl.dot_scaled, NVIDIA sm_89 and later, dense GEMMs only
+# "cublas": torch's MXFP8 block-scaled GEMMs, sm_100 and later (mx_recipe.gemm.resolve_backend
+# checks the device at conversion). "triton": tl.dot_scaled, NVIDIA sm_89 and later, dense GEMMs only
 # (mx_recipe/gemm.py; "auto" never picks it: on sm_90 it is slower than "emulated").
 BACKENDS = ("auto", "emulated", "cublas", "triton")
 
 
 @dataclass(frozen=True)
 class MXRecipe:
-    """Formats of the three GEMMs of ``y = x @ w.T`` (DESIGN.md, "three GEMMs, six casts").
+    """Formats of the three GEMMs of ``y = x @ w.T`` (docs/DESIGN.md, "The MX linear: three GEMMs, six casts").
 
     forward:     y  = x @ w.T   -- element format of x and w (or "bf16")
     grad_input:  gx = g @ w     -- element format of w (or "bf16"); g uses ``grad``

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch import nn
 
-from mx_recipe.convert import ConversionRecord, convert_to_mx, format_conversion_table
+from mx_recipe import gemm
+from mx_recipe.convert import ConversionRecord, MXGroupedExperts, convert_to_mx, format_conversion_table
+from mx_recipe.gemm import CublasBackend, EmulatedBackend
 from mx_recipe.linear import MXLinear
-from mx_recipe.recipe import RECIPES
+from mx_recipe.recipe import RECIPES, MXRecipe
 
 MXFP8 = RECIPES["mxfp8"]
 
@@ -59,23 +63,24 @@ class Model(nn.Module):
 
 SIZE_REASON = "skipped: features not multiples of 32"
 CONVERTED = "converted: mxfp8"
+EMULATED = "emulated"  # the backend on the CPU
 
 
 def expected_records(wq_skipped=False, output_skipped=True):
     rows = []
     for i in range(2):
         p = f"layers.{i}"
-        wq = ("skipped: matches 'layers.*.attention.wq'") if wq_skipped else CONVERTED
+        wq = ("skipped: matches 'layers.*.attention.wq'", "") if wq_skipped else (CONVERTED, EMULATED)
         rows += [
-            ConversionRecord(f"{p}.attention.wq", (64, 64), not wq_skipped, wq),
-            ConversionRecord(f"{p}.attention.wk", (32, 64), True, CONVERTED),
+            ConversionRecord(f"{p}.attention.wq", (64, 64), not wq_skipped, *wq),
+            ConversionRecord(f"{p}.attention.wk", (32, 64), True, CONVERTED, EMULATED),
             ConversionRecord(f"{p}.attention.wo", (48, 64), False, SIZE_REASON),
             ConversionRecord(f"{p}.proj", (64, 48), False, SIZE_REASON),
-            ConversionRecord(f"{p}.ffn.0", (128, 64), True, CONVERTED),
-            ConversionRecord(f"{p}.ffn.2", (64, 128), True, CONVERTED),
+            ConversionRecord(f"{p}.ffn.0", (128, 64), True, CONVERTED, EMULATED),
+            ConversionRecord(f"{p}.ffn.2", (64, 128), True, CONVERTED, EMULATED),
         ]
-    out = ("skipped: matches 'output'", False) if output_skipped else (CONVERTED, True)
-    rows.append(ConversionRecord("output", (128, 64), out[1], out[0]))
+    out = ("skipped: matches 'output'", False, "") if output_skipped else (CONVERTED, True, EMULATED)
+    rows.append(ConversionRecord("output", (128, 64), out[1], out[0], out[2]))
     return rows
 
 
@@ -185,7 +190,7 @@ def test_log_false_logs_nothing(caplog):
 def test_top_level_linear_and_empty_model():
     model = nn.Sequential(nn.Linear(32, 32))
     records = convert_to_mx(model, RECIPES["mxfp4"], log=False)
-    assert records == [ConversionRecord("0", (32, 32), True, "converted: mxfp4")]
+    assert records == [ConversionRecord("0", (32, 32), True, "converted: mxfp4", EMULATED)]
     assert type(model[0]) is MXLinear and model[0].recipe.name == "mxfp4"
     assert convert_to_mx(nn.ReLU(), MXFP8, log=False) == []
     assert format_conversion_table([]).splitlines()[-1] == "0 of 0 layers converted (linear layers and expert groups)"
@@ -216,3 +221,48 @@ def test_recipe_is_recorded(recipe):
     records = convert_to_mx(model, RECIPES[recipe], log=False)
     assert {r.reason for r in records if r.converted} == {f"converted: {recipe}"}
     assert model.layers[0].ffn[0].recipe is RECIPES[recipe]
+
+
+def _moe_model() -> nn.Module:
+    from mx_recipe.models import build_model, model_args
+
+    with torch.device("meta"):
+        return build_model(model_args("moe", "debug_moe", vocab_size=320, max_seq_len=32))
+
+
+def _backends(model: nn.Module) -> list:
+    return [m.backend for m in model.modules() if isinstance(m, (MXLinear, MXGroupedExperts))]
+
+
+def test_one_backend_object_for_the_model():
+    model = _moe_model()
+    records = convert_to_mx(model, MXFP8, log=False, device="cpu")
+    backends = _backends(model)
+    assert len(backends) == sum(r.converted for r in records) > 0
+    assert all(b is backends[0] for b in backends) and type(backends[0]) is EmulatedBackend
+    assert {r.backend for r in records if r.converted} == {"emulated"}
+
+
+@pytest.mark.parametrize("experts", [False, True])
+def test_backend_resolved_for_the_model_on_a_fake_sm100(monkeypatch, experts):
+    """sm_100 with a torch that lacks the grouped MXFP8 kernel: a model with experts runs every
+    layer emulated (dense ones included, as startup says), one without runs cublas."""
+    monkeypatch.setattr(gemm, "_device_capability", lambda d: (10, 0) if d.type == "cuda" else None)
+    monkeypatch.setattr(gemm, "cublas_grouped_available", lambda d: False)
+    model = _moe_model() if experts else Model()
+    records = convert_to_mx(model, MXFP8, log=False, device="cuda:0")
+    want = EmulatedBackend if experts else CublasBackend
+    assert {type(b) for b in _backends(model)} == {want}
+    assert {r.backend for r in records if r.converted} == {want.name}
+
+
+def test_forced_backend_the_device_lacks_converts_nothing():
+    model = Model()
+    with pytest.raises(ValueError, match=r"backend 'cublas' needs .*sm_100"):
+        convert_to_mx(model, MXRecipe.from_name("mxfp8", backend="cublas"), log=False, device="cpu")
+    assert not any(isinstance(m, MXLinear) for m in model.modules())
+
+
+def test_import_loads_no_model_zoo():
+    code = "import sys, mx_recipe.convert; sys.exit(any(m.startswith('mx_recipe.models') for m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

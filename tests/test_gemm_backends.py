@@ -1,7 +1,7 @@
 """GEMM backends on CPU: the cublas path's argument preparation, checked through the sm_100 emulator.
 
 * the emulator's blocked-scale reader against scale_layout.to_blocked (two independent codings
-  of the DESIGN.md formula);
+  of the docs/DESIGN.md formula);
 * our casts -> torch._scaled_mm arguments -> emulator, against a direct dequantize-and-matmul
   in fp64 (``to_mx(...).dequantize()``), bit for bit: ragged M and N (scale padding), K a multiple
   of 32 but not of 128, both scale rules, e4m3 and e5m2, the three GEMM orientations of a linear;
@@ -13,10 +13,10 @@
 from __future__ import annotations
 
 import pytest
+import scaled_mm_emulator as emu
 import torch
 
 from mx_recipe import gemm
-from mx_recipe import scaled_mm_emulator as emu
 from mx_recipe.cast import cast_3d_dim0, cast_3d_dim1, cast_dim0, cast_dim1, cast_groups_dim1
 from mx_recipe.formats import MXTensor, to_mx
 from mx_recipe.gemm import (
@@ -27,7 +27,6 @@ from mx_recipe.gemm import (
     mx_mm_blocked,
     mx_scaled_mm,
     resolve_backend,
-    validate_backend,
 )
 from mx_recipe.recipe import MXRecipe
 from mx_recipe.scale_layout import blocked_byte_offset, blocked_numel, to_blocked
@@ -383,53 +382,58 @@ def fake_gpu(monkeypatch):
     return install
 
 
+def backend_of(name: str, device: torch.device, grouped: bool = False, **overrides) -> str:
+    return resolve_backend(MXRecipe.from_name(name, **overrides), device, grouped).name
+
+
 def test_resolve_on_cpu():
-    assert resolve_backend("emulated", CPU) == "emulated"
-    assert resolve_backend("auto", CPU) == "emulated"
+    assert backend_of("mxfp8", CPU, backend="emulated") == "emulated"
+    assert backend_of("mxfp8", CPU) == "emulated"
+    assert type(resolve_backend(MXRecipe.from_name("mxfp8"), CPU)) is gemm.EmulatedBackend
     with pytest.raises(ValueError, match=r"'cublas' needs .*compute capability 10\.0.*cpu is not an NVIDIA CUDA"):
-        resolve_backend("cublas", CPU)
+        backend_of("mxfp8", CPU, backend="cublas")
     with pytest.raises(ValueError, match=r"'triton' needs .*cpu is not an NVIDIA CUDA"):  # tests/test_gemm_triton.py
-        resolve_backend("triton", CPU)
+        backend_of("mxfp8", CPU, backend="triton")
     with pytest.raises(ValueError, match="unknown MX GEMM backend 'tpu'"):
-        resolve_backend("tpu", CPU)
+        mx_mm(to_mx(_data(32, 32, seed=1)), to_mx(_data(32, 32, seed=2)), torch.float32, "tpu")
 
 
 def test_resolve_on_hopper_names_the_device(fake_gpu):
     fake_gpu((9, 0))
-    assert resolve_backend("auto", CUDA) == "emulated"
+    assert backend_of("mxfp8", CUDA) == "emulated"
     with pytest.raises(ValueError, match=r"cuda:0 has compute capability 9\.0 \(sm_90\)"):
-        resolve_backend("cublas", CUDA)
-    with pytest.raises(ValueError, match="sm_90"):
-        validate_backend(MXRecipe.from_name("mxfp8", backend="cublas"), CUDA)
+        backend_of("mxfp8", CUDA, backend="cublas")
 
 
 @pytest.mark.parametrize("capability", [(10, 0), (10, 3), (12, 0)])
 def test_resolve_on_blackwell(fake_gpu, capability):
     fake_gpu(capability)
-    assert resolve_backend("auto", CUDA) == "cublas"
-    assert resolve_backend("cublas", CUDA) == "cublas"
-    assert validate_backend(MXRecipe.from_name("mxfp8"), CUDA) == "cublas"
+    assert backend_of("mxfp8", CUDA) == "cublas"
+    assert backend_of("mxfp8", CUDA, backend="cublas") == "cublas"
+    assert type(resolve_backend(MXRecipe.from_name("mxfp8"), CUDA)) is gemm.CublasBackend
 
 
-def test_validate_backend_by_recipe(fake_gpu):
+def test_resolve_backend_by_recipe(fake_gpu):
     fake_gpu((10, 0))
     forced = dict(backend="cublas")
-    assert validate_backend(MXRecipe.from_name("mxfp8_wgrad_bf16", **forced), CUDA) == "cublas"
-    assert validate_backend(MXRecipe.from_name("mxfp8_e5m2_grads", **forced), CUDA) == "cublas"  # dense, v1 op
-    assert validate_backend(MXRecipe.from_name("mxfp8_e5m2_grads"), CUDA) == "emulated"  # auto: e4m3 only
-    assert validate_backend(MXRecipe.from_name("mxfp8"), CUDA, grouped=True) == "cublas"
-    assert validate_backend(MXRecipe.from_name("mxfp4"), CUDA) == "emulated"
+    assert backend_of("mxfp8_wgrad_bf16", CUDA, **forced) == "cublas"
+    assert backend_of("mxfp8_e5m2_grads", CUDA, **forced) == "cublas"  # dense, v1 op
+    assert backend_of("mxfp8_e5m2_grads", CUDA) == "emulated"  # auto: e4m3 only
+    assert backend_of("mxfp8", CUDA, grouped=True) == "cublas"
+    assert backend_of("mxfp4", CUDA) == "emulated"
     with pytest.raises(ValueError, match=r"'mxfp4' cannot use backend 'cublas'.*e2m1"):
-        validate_backend(MXRecipe.from_name("mxfp4", **forced), CUDA)
+        backend_of("mxfp4", CUDA, **forced)
     with pytest.raises(ValueError, match="float8_e4m3fn operands only"):
-        validate_backend(MXRecipe.from_name("mxfp8_e5m2_grads", **forced), CUDA, grouped=True)
+        backend_of("mxfp8_e5m2_grads", CUDA, grouped=True, **forced)
 
 
-def test_validate_backend_grouped_needs_the_build(fake_gpu):
+def test_resolve_backend_grouped_needs_the_build(fake_gpu):
+    """A torch without the grouped kernel: auto keeps a model with experts emulated, dense layers included."""
     fake_gpu((10, 0), grouped_build=False)
-    assert validate_backend(MXRecipe.from_name("mxfp8"), CUDA, grouped=True) == "emulated"
+    assert backend_of("mxfp8", CUDA, grouped=True) == "emulated"
+    assert backend_of("mxfp8", CUDA) == "cublas"
     with pytest.raises(ValueError, match="built with MSLK"):
-        validate_backend(MXRecipe.from_name("mxfp8", backend="cublas"), CUDA, grouped=True)
+        backend_of("mxfp8", CUDA, grouped=True, backend="cublas")
 
 
 def test_recipe_backends():

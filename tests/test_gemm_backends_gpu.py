@@ -11,9 +11,9 @@
 from __future__ import annotations
 
 import pytest
+import scaled_mm_emulator as emu
 import torch
 
-from mx_recipe import scaled_mm_emulator as emu
 from mx_recipe.cast import cast_3d_dim0, cast_3d_dim1, cast_dim0, cast_dim1, cast_groups_dim1
 from mx_recipe.gemm import (
     cublas_grouped_available,

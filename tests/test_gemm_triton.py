@@ -43,7 +43,7 @@ import torch
 from mx_recipe import gemm
 from mx_recipe.cast import cast_dim0, cast_dim1
 from mx_recipe.formats import E2M1_VALUES, MXTensor, to_mx, unpack_fp4
-from mx_recipe.gemm import mx_mm, mx_mm_triton, resolve_backend, triton_available, validate_backend
+from mx_recipe.gemm import mx_mm, mx_mm_triton, resolve_backend, triton_available
 from mx_recipe.recipe import MXRecipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -277,12 +277,14 @@ def fake_gpu(monkeypatch):
     return install
 
 
+def backend_of(name: str, device: torch.device, grouped: bool = False, **overrides) -> str:
+    return resolve_backend(MXRecipe.from_name(name, **overrides), device, grouped).name
+
+
 def test_resolve_triton_on_cpu_names_the_device():
     assert not triton_available(CPU)
     with pytest.raises(ValueError, match=r"'triton' needs .*compute capability 8\.9.*cpu is not an NVIDIA CUDA device"):
-        resolve_backend("triton", CPU)
-    with pytest.raises(ValueError, match="cpu is not an NVIDIA CUDA device"):
-        validate_backend(MXRecipe.from_name("mxfp8", backend="triton"), CPU)
+        backend_of("mxfp8", CPU, backend="triton")
     a, b = to_mx(_data(32, 64, seed=1)), to_mx(_data(16, 64, seed=2))
     with pytest.raises(ValueError, match="'triton' needs"):
         mx_mm(a, b, torch.float32, "triton")
@@ -293,16 +295,16 @@ def test_resolve_triton_too_old(fake_gpu, capability):
     fake_gpu(capability)
     sm = f"sm_{capability[0]}{capability[1]}"
     with pytest.raises(ValueError, match=rf"cuda:0 has compute capability .*\({sm}\)"):
-        resolve_backend("triton", CUDA)
+        backend_of("mxfp8", CUDA, backend="triton")
 
 
 @pytest.mark.parametrize("capability", [(8, 9), (9, 0), (10, 0), (12, 0)])
 def test_resolve_triton_forced(fake_gpu, capability):
     fake_gpu(capability)
     assert triton_available(CUDA)
-    assert resolve_backend("triton", CUDA) == "triton"
-    # auto never picks triton: cublas on sm_100 and later, emulated below (gemm.resolve_backend says why)
-    assert resolve_backend("auto", CUDA) == ("cublas" if capability >= (10, 0) else "emulated")
+    assert type(resolve_backend(MXRecipe.from_name("mxfp8", backend="triton"), CUDA)) is gemm.TritonBackend
+    # auto never picks triton: cublas on sm_100 and later, emulated below (gemm._resolve_name says why)
+    assert backend_of("mxfp8", CUDA) == ("cublas" if capability >= (10, 0) else "emulated")
 
 
 def test_resolve_triton_not_importable(fake_gpu, monkeypatch):
@@ -310,16 +312,16 @@ def test_resolve_triton_not_importable(fake_gpu, monkeypatch):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else find_spec(name, *a))
     with pytest.raises(ValueError, match=r"triton is not importable \(cuda:0 has compute capability 9\.0"):
-        resolve_backend("triton", CUDA)
+        backend_of("mxfp8", CUDA, backend="triton")
 
 
-def test_validate_backend_triton(fake_gpu):
+def test_resolve_backend_triton(fake_gpu):
     fake_gpu((9, 0))
     for name in ("mxfp8", "mxfp8_rceil", "mxfp8_wgrad_bf16", "mxfp8_e5m2_grads", "mxfp4"):
-        assert validate_backend(MXRecipe.from_name(name, backend="triton"), CUDA) == "triton"
-    assert validate_backend(MXRecipe.from_name("mxfp4"), CUDA) == "emulated"
+        assert backend_of(name, CUDA, backend="triton") == "triton"
+    assert backend_of("mxfp4", CUDA) == "emulated"
     with pytest.raises(ValueError, match=r"'mxfp8' cannot use backend 'triton'.*no MoE grouped GEMM"):
-        validate_backend(MXRecipe.from_name("mxfp8", backend="triton"), CUDA, grouped=True)
+        backend_of("mxfp8", CUDA, grouped=True, backend="triton")
 
 
 def test_recipe_accepts_triton():
@@ -406,20 +408,14 @@ def test_op_traces_fullgraph_without_running():
     assert len(ops) == 1, ops
 
 
-def _script(name: str, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # bench scripts import bench_meta as a sibling
-    spec = importlib.util.spec_from_file_location(f"{name}_under_test", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.mark.skipif(not HAS_TRITON, reason="benchmarks/timing.py imports triton.testing")
+def test_bench_gemm_rows_render(tmp_path):
+    """benchmarks/bench_gemm.py's row for one small shape on the CPU (emulated only, a stand-in timer),
+    with a made-up triton figure added, written as its --out file, rendered by perf_report.py."""
+    from script_module import load_benchmark, load_script
 
-
-@pytest.mark.skipif(not HAS_TRITON, reason="bench_gemm.py imports triton.testing")
-def test_bench_gemm_rows_render(monkeypatch, tmp_path):
-    """bench_gemm.py's row for one small shape on the CPU (emulated only, a stand-in timer), with a
-    made-up triton figure added, written as its --out file, rendered by perf_report.py."""
-    bench, report = _script("bench_gemm", monkeypatch), _script("perf_report", monkeypatch)
-    row = bench.bench_shape(64, 96, 32, "e4m3", "floor", compiled=False, sweep=False, device=CPU, timer=lambda f: 0.5)
+    bench, report = load_benchmark("bench_gemm"), load_script("perf_report")
+    row = bench.bench_shape(64, 96, 32, "e4m3", "floor", compiled=False, device=CPU, timer=lambda f: 0.5)
     assert set(row["mx"]) == {"emulated", "emulated_mm"}
     assert row["mx"]["emulated"]["rel_err"] < 2**-7 and row["mx"]["emulated_mm"]["ratio"] == 1.0
     other = bench.make_row(128, 64, 32, 0.5, {"emulated": (0.6, 0.0), "triton": (2.0, 1e-3)})

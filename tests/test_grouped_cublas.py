@@ -2,9 +2,9 @@
 torch._scaled_grouped_mm, with fp8 casts, blocked scales and token groups padded to 32 rows on
 the device.
 
-On the CPU the real op is replaced by the layout-faithful emulator (mx_recipe.scaled_mm_emulator),
-which reads the scales through the blocked layout the way the hardware does; the backend is forced
-the way tests/test_linear_cublas.py forces it for MXLinear (monkeypatch, test-only). Against the
+On the CPU the real op is replaced by the layout-faithful emulator (tests/scaled_mm_emulator.py),
+which reads the scales through the blocked layout the way the hardware does, given to a
+``CublasBackend`` as tests/test_linear_cublas.py gives it for MXLinear. Against the
 emulated backend (fake-quant casts + torch._grouped_mm in bf16), both multiply the same exact
 dequantized products; they differ only in the sum: the emulator rounds the exact sum to fp32, the
 emulated backend accumulates in fp32 in some order; then both round to bf16. Hence:
@@ -24,13 +24,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from scaled_mm_emulator import scaled_grouped_mm as emulated_scaled_grouped_mm
 
 import mx_recipe.gemm
 import mx_recipe.grouped
 from mx_recipe import MXRecipe
-from mx_recipe.gemm import cublas_grouped_available, validate_backend
+from mx_recipe.gemm import CublasBackend, cublas_grouped_available, resolve_backend
 from mx_recipe.grouped import mx_grouped_mm
-from mx_recipe.scaled_mm_emulator import scaled_grouped_mm as emulated_scaled_grouped_mm
 
 N, K = 96, 160  # K/32 = 5 scale columns: the blocked layout pads them to 8
 # Token group sizes: ragged (not multiples of 32), empty first, in the middle and last, and aligned.
@@ -92,11 +92,10 @@ def _cublas_run(monkeypatch, recipe: MXRecipe, x, w, offs, g, op=emulated_scaled
 
     def forced(recipe, device, grouped=False):
         assert grouped, "the MoE grouped GEMM must resolve its backend with grouped=True"
-        return "cublas"
+        return CublasBackend(scaled_grouped_mm=fake_op)
 
     with monkeypatch.context() as m:
-        m.setattr(mx_recipe.grouped, "validate_backend", forced)
-        m.setattr(mx_recipe.gemm, "_torch_scaled_grouped_mm", fake_op)
+        m.setattr(mx_recipe.grouped, "default_backend", forced)
         return _run(recipe, x, w, offs, g), calls
 
 
@@ -184,8 +183,8 @@ def test_forced_cublas_on_hopper_names_the_device(monkeypatch):
     monkeypatch.setattr(mx_recipe.gemm, "_device_capability", lambda d: (9, 0) if d.type == "cuda" else None)
     recipe = MXRecipe.from_name("mxfp8", backend="cublas")
     with pytest.raises(ValueError, match=r"'cublas' needs .*cuda:0 has compute capability 9\.0 \(sm_90\)"):
-        validate_backend(recipe, torch.device("cuda", 0), grouped=True)
-    assert validate_backend(MXRecipe.from_name("mxfp8"), torch.device("cuda", 0), grouped=True) == "emulated"
+        resolve_backend(recipe, torch.device("cuda", 0), grouped=True)
+    assert resolve_backend(MXRecipe.from_name("mxfp8"), torch.device("cuda", 0), grouped=True).name == "emulated"
 
 
 def test_train_py_forced_cublas_moe_stops_at_startup(tmp_path):

@@ -1,4 +1,4 @@
-"""MXLinear / mx_linear against a hand-written emulation of the three GEMMs (DESIGN.md).
+"""MXLinear / mx_linear against a hand-written emulation of the three GEMMs (docs/DESIGN.md).
 
 For y = x @ w.T with x: [M, K], w: [N, K] and upstream gradient g: [M, N]:
 
@@ -96,9 +96,9 @@ def emulate(x, w, b, g, r: MXRecipe):
     return y, gx.reshape(x.shape), gw, gb
 
 
-def run_mx(x, w, b, g, recipe):
+def run_mx(x, w, b, g, recipe, backend=None):
     x = x.clone().requires_grad_(True)
-    lin = MXLinear(K, N, bias=b is not None, recipe=recipe, dtype=x.dtype, device=x.device)
+    lin = MXLinear(K, N, bias=b is not None, recipe=recipe, backend=backend, dtype=x.dtype, device=x.device)
     with torch.no_grad():
         lin.weight.copy_(w)
         if b is not None:
@@ -356,16 +356,16 @@ def test_save_mx_input_saves_fewer_bytes(name, expected):
 
 def test_save_mx_input_casts_only_when_grad_weight_is_needed(monkeypatch):
     """No cast of x along M in forward under no_grad (evaluation) or for a frozen weight."""
-    import mx_recipe.linear as linear
+    import mx_recipe.gemm as gemm
 
     calls = []
 
     def counting_cast_dim1(t, *args, **kwargs):
         calls.append(tuple(t.shape))
-        return linear.cast_dim1.__wrapped__(t, *args, **kwargs)
+        return counting_cast_dim1.__wrapped__(t, *args, **kwargs)
 
-    counting_cast_dim1.__wrapped__ = linear.cast_dim1
-    monkeypatch.setattr(linear, "cast_dim1", counting_cast_dim1)
+    counting_cast_dim1.__wrapped__ = gemm.cast_dim1
+    monkeypatch.setattr(gemm, "cast_dim1", counting_cast_dim1)
     lin = MXLinear(K, N, recipe=with_save_mx(RECIPES["mxfp8"]))
     x = torch.randn(40, K, requires_grad=True)
     with torch.no_grad():
@@ -412,13 +412,13 @@ def test_x_along_m_made_in_forward_is_bit_identical(recipe, option, dtype, lead,
 def test_fuse_x_casts_reads_x_once_and_saves_x_along_m(monkeypatch):
     """Forward: one fake_quant_dim0_dim1 of x, no fake_quant_dim0 of x; backward: no cast of x along M
     (only w's along N). Saved: x along M padded to 32 rows, bf16, instead of x."""
-    import mx_recipe.linear as linear
+    import mx_recipe.gemm as gemm
 
     calls = []
     for name in ("fake_quant_dim0", "fake_quant_dim0_dim1", "fake_quant_along_m"):
-        fn = getattr(linear, name)
+        fn = getattr(gemm, name)
         monkeypatch.setattr(
-            linear, name, lambda t, *a, _n=name, _f=fn, **kw: calls.append((_n, t.shape)) or _f(t, *a, **kw)
+            gemm, name, lambda t, *a, _n=name, _f=fn, **kw: calls.append((_n, t.shape)) or _f(t, *a, **kw)
         )
     lin = MXLinear(K, N, bias=False, recipe=with_fuse_x(RECIPES["mxfp8"]), dtype=torch.bfloat16)
     x = torch.randn(40, K, dtype=torch.bfloat16, requires_grad=True)
@@ -435,11 +435,11 @@ def test_fuse_x_casts_reads_x_once_and_saves_x_along_m(monkeypatch):
 
 def test_fuse_x_casts_only_when_grad_weight_is_needed(monkeypatch):
     """Under no_grad or for a frozen weight forward casts x along K only, as without the option."""
-    import mx_recipe.linear as linear
+    import mx_recipe.gemm as gemm
 
     fused = []
-    fn = linear.fake_quant_dim0_dim1
-    monkeypatch.setattr(linear, "fake_quant_dim0_dim1", lambda *a, **kw: fused.append(1) or fn(*a, **kw))
+    fn = gemm.fake_quant_dim0_dim1
+    monkeypatch.setattr(gemm, "fake_quant_dim0_dim1", lambda *a, **kw: fused.append(1) or fn(*a, **kw))
     lin = MXLinear(K, N, recipe=with_fuse_x(RECIPES["mxfp8"]))
     x = torch.randn(40, K, requires_grad=True)
     with torch.no_grad():
@@ -477,7 +477,7 @@ def test_triton_backend_operands(monkeypatch, recipe, lead, save_mx):
     forward format; grad input g [M, N] in ``grad`` and w along N ([K, N]) in grad_input's; grad
     weight g and x along M, padded to a multiple of 32 ([N, Mp], [K, Mp]). With that stand-in the
     results are the emulated backend's bit for bit."""
-    import mx_recipe.linear as linear
+    import mx_recipe.gemm as gemm
 
     if save_mx and recipe.grad_weight == "bf16":
         pytest.skip("save_mx_input needs an MX grad_weight")
@@ -485,16 +485,20 @@ def test_triton_backend_operands(monkeypatch, recipe, lead, save_mx):
     x, w, b, gy = make_inputs(lead, torch.bfloat16, seed=8)
     want = emulate(x, w, b, gy, r)
     calls, fused = [], []
-    cast_dim0_dim1 = linear.cast_dim0_dim1
-    monkeypatch.setattr(linear, "validate_backend", lambda recipe, device: "triton")
-    monkeypatch.setattr(linear, "mx_mm_triton", fake_triton_mm(calls))
-    monkeypatch.setattr(linear, "cast_dim0_dim1", lambda *a, **kw: fused.append(1) or cast_dim0_dim1(*a, **kw))
-    got = run_mx(x, w, b, gy, r)
-    # x read once for both orientations where the formats agree and M needs no padding
-    assert len(fused) == int(save_mx and r.forward == r.grad_weight and lead[0] % 32 == 0)
+    cast_dim0_dim1 = gemm.cast_dim0_dim1
+    monkeypatch.setattr(gemm, "mx_mm_triton", fake_triton_mm(calls))
+    monkeypatch.setattr(
+        gemm, "cast_dim0_dim1", lambda t, *a, **kw: fused.append(t.shape) or cast_dim0_dim1(t, *a, **kw)
+    )
+    got = run_mx(x, w, b, gy, r, gemm.TritonBackend())
+    # one read for both orientations where M needs no padding: of x in forward where the formats
+    # agree, of g in backward where both backward GEMMs are MX and g rounds to nearest
+    m = lead[0]
+    fuse_x = save_mx and r.forward == r.grad_weight and m % 32 == 0
+    fuse_g = "bf16" not in (r.grad_input, r.grad_weight) and r.grad_rounding == "nearest" and m % 32 == 0
+    assert fused == [(m, K)] * fuse_x + [(m, N)] * fuse_g
     for what, a, e in zip(("y", "gx", "gw", "gb"), got, want, strict=True):
         assert torch.equal(a, e), what
-    m = lead[0]
     mp = -(-m // 32) * 32
     expected = []
     if r.forward != "bf16":
@@ -508,18 +512,17 @@ def test_triton_backend_operands(monkeypatch, recipe, lead, save_mx):
 
 @pytest.mark.parametrize("m", [64, 200])  # 64: one fused cast of x for both orientations; 200: padded along M
 @pytest.mark.parametrize("name", ["mxfp8", "mxfp8_e5m2_grads"])
-def test_cublas_save_mx_input_is_bit_identical(monkeypatch, name, m):
+def test_cublas_save_mx_input_is_bit_identical(name, m):
     """The cublas path (sm_100), its op replaced by the layout-faithful emulator as in
     tests/test_linear_cublas.py: the blocked x saved in forward gives the same bits."""
-    import mx_recipe.gemm
-    import mx_recipe.linear as linear
-    from mx_recipe.scaled_mm_emulator import scaled_mm as emulated_scaled_mm
+    from scaled_mm_emulator import scaled_mm as emulated_scaled_mm
 
-    monkeypatch.setattr(linear, "validate_backend", lambda recipe, device: "cublas")
-    monkeypatch.setattr(mx_recipe.gemm, "_torch_scaled_mm", emulated_scaled_mm)
+    from mx_recipe.gemm import CublasBackend
+
+    backend = CublasBackend(scaled_mm=emulated_scaled_mm)
     x, w, b, gy = make_inputs((m,), torch.bfloat16, seed=9)
-    base = run_mx(x, w, b, gy, RECIPES[name])
-    saved = run_mx(x, w, b, gy, with_save_mx(RECIPES[name]))
+    base = run_mx(x, w, b, gy, RECIPES[name], backend)
+    saved = run_mx(x, w, b, gy, with_save_mx(RECIPES[name]), backend)
     for what, a, e in zip(("y", "gx", "gw", "gb"), base, saved, strict=True):
         assert same_bits(a, e), what
 
@@ -548,3 +551,15 @@ def test_save_mx_input_is_bit_identical_cuda(name, lead, backend):
     saved = run_mx(*inputs, with_save_mx(recipe))
     for what, a, b in zip(("y", "gx", "gw", "gb"), base, saved, strict=True):
         assert same_bits(a, b), what
+
+
+def test_mx_linear_without_backend_resolves_once_per_recipe_and_device():
+    """The functional API resolves x's device's backend on the first call; later calls hit the cache."""
+    from mx_recipe.gemm import default_backend
+
+    default_backend.cache_clear()
+    x, w = torch.randn(40, K), torch.randn(N, K)
+    for _ in range(3):
+        mx_linear(x, w, None, RECIPES["mxfp8"])
+    info = default_backend.cache_info()
+    assert (info.misses, info.hits) == (1, 2)

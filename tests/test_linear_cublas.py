@@ -1,19 +1,18 @@
 """MXLinear's cublas path (sm_100) on the CPU: the real op is replaced by the layout-faithful
-emulator (mx_recipe.scaled_mm_emulator), which reads the scales through the blocked layout the
+emulator (tests/scaled_mm_emulator.py), which reads the scales through the blocked layout the
 way the hardware does. The three GEMMs must agree with the emulated backend up to summation
 order (the emulator sums exactly, the emulated backend in fp32)."""
 
 import pytest
 import torch
+from scaled_mm_emulator import scaled_mm as emulated_scaled_mm
 
-import mx_recipe.gemm
-import mx_recipe.linear
 from mx_recipe import MXLinear, MXRecipe
-from mx_recipe.scaled_mm_emulator import scaled_mm as emulated_scaled_mm
+from mx_recipe.gemm import CublasBackend
 
 
-def _run(recipe: MXRecipe, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor):
-    layer = MXLinear(w.shape[1], w.shape[0], bias=False, recipe=recipe, dtype=x.dtype)
+def _run(recipe: MXRecipe, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, backend=None):
+    layer = MXLinear(w.shape[1], w.shape[0], bias=False, recipe=recipe, backend=backend, dtype=x.dtype)
     with torch.no_grad():
         layer.weight.copy_(w)
     x = x.clone().requires_grad_()
@@ -24,7 +23,7 @@ def _run(recipe: MXRecipe, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor):
 
 @pytest.mark.parametrize("name", ["mxfp8", "mxfp8_rceil", "mxfp8_e5m2_grads", "mxfp8_wgrad_bf16"])
 @pytest.mark.parametrize("m", [64, 200])  # 200: rows not a multiple of 128 (scale padding) nor 32 (gw pad)
-def test_cublas_path_matches_emulated_backend(monkeypatch, name, m):
+def test_cublas_path_matches_emulated_backend(name, m):
     torch.manual_seed(0)
     k, n = 160, 96  # K/32 = 5 scale columns: the blocked layout pads them to 8
     x = torch.randn(m, k, dtype=torch.bfloat16)
@@ -39,9 +38,7 @@ def test_cublas_path_matches_emulated_backend(monkeypatch, name, m):
         calls.append((tuple(a.shape), tuple(b.shape)))
         return emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype)
 
-    monkeypatch.setattr(mx_recipe.linear, "validate_backend", lambda recipe, device: "cublas")
-    monkeypatch.setattr(mx_recipe.gemm, "_torch_scaled_mm", fake_op)
-    got = _run(recipe, x, w, g)
+    got = _run(recipe, x, w, g, CublasBackend(scaled_mm=fake_op))
     assert len(calls) == (2 if name == "mxfp8_wgrad_bf16" else 3)  # one op per MX GEMM
     for what, a, e in zip(("y", "gx", "gw"), got, expected, strict=True):
         torch.testing.assert_close(a, e, rtol=1.6e-2, atol=1e-2, msg=what)

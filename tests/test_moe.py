@@ -90,13 +90,13 @@ def test_fuse_expert_casts_is_bit_identical(name, sizes):
 def test_fuse_expert_casts_casts_w_once(monkeypatch):
     """Forward: one fake_quant_dim0_dim1 of w (not fake_quant_dim0); backward: no cast of w along N.
     Under no_grad, or when x needs no gradient, forward casts w along K only."""
-    import mx_recipe.grouped as grouped
+    import mx_recipe.gemm as gemm
 
     calls = []
     for fname in ("fake_quant_dim0", "fake_quant_dim0_dim1", "fake_quant_along_m"):
-        fn = getattr(grouped, fname)
+        fn = getattr(gemm, fname)
         monkeypatch.setattr(
-            grouped, fname, lambda t, *a, _n=fname, _f=fn, **kw: calls.append((_n, t.dim())) or _f(t, *a, **kw)
+            gemm, fname, lambda t, *a, _n=fname, _f=fn, **kw: calls.append((_n, t.dim())) or _f(t, *a, **kw)
         )
     recipe = MXRecipe.from_name("mxfp8", fuse_expert_casts=True)
     x = torch.randn(64, 64, requires_grad=True)

@@ -99,7 +99,7 @@ def test_unsupported_backend_via_from_name(backend):
 
 @pytest.mark.parametrize("backend", ["auto", "emulated", "cublas", "triton"])
 def test_every_backend_name_is_accepted(backend):
-    # whether the device can run it is validate_backend's question (mx_recipe/gemm.py), at startup
+    # whether the device can run it is resolve_backend's question (mx_recipe/gemm.py), at conversion
     assert MXRecipe.from_name("mxfp8", backend=backend).backend == backend
 
 

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
 from mx_recipe.convert import convert_to_mx, format_conversion_table
-from mx_recipe.gemm import validate_backend
 from mx_recipe.models import build_model, flops_per_token, model_args, moe_layers
 from mx_recipe.train.checkpoint import Checkpointer, TrainState
 from mx_recipe.train.config import Config, build_mx_recipe, config_to_toml
@@ -189,13 +188,14 @@ def build_sharded_model(config: Config, args, info: DistInfo, mesh, log) -> torc
         model = build_model(args)
     if config.mx.recipe != "none":
         recipe = build_mx_recipe(config.mx)
-        # A backend this device or recipe cannot run stops the run here, not mid-step.
+        # The GEMM backend is resolved once, here: one this device or recipe cannot run stops the run.
         try:
-            backend = validate_backend(recipe, info.device, grouped=bool(moe_layers(model)))
+            records = convert_to_mx(model, recipe, skip=config.mx.skip, log=False, device=info.device)
         except ValueError as e:
             raise SetupError(f"mx.backend: {e}") from None
+        backend = next((r.backend for r in records if r.converted), "none (no layer converted)")
         log(f"mx recipe {recipe.name}: GEMM backend {recipe.backend} -> {backend} on {info.device}")
-        log(format_conversion_table(convert_to_mx(model, recipe, skip=config.mx.skip, log=False)))
+        log(format_conversion_table(records))
     apply_activation_checkpointing(model, config.activation_checkpoint.mode)
     if config.compile.enable:
         apply_compile(model)
