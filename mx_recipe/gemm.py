@@ -1,34 +1,24 @@
-"""MX GEMM backends: each casts a GEMM's operands and runs ``a @ b.T`` on them, both quantized along K.
+"""MX GEMM backends: each casts a GEMM's operands along its K and runs ``a @ b.T`` on them.
 
-``resolve_backend(recipe, device, grouped)`` picks one once, when a model is converted
-(convert.py), and raises a clear error for a forced backend that the device or recipe cannot run:
+``resolve_backend(recipe, device, grouped)`` picks one once, when a model is converted, and raises a
+clear error for a forced backend that the device or recipe cannot run ("auto": cublas where the
+device and recipe allow it, else emulated; never triton):
 
-* ``EmulatedBackend`` ("emulated"): fake-quant casts (dequantized exactly, in the input dtype)
-  and a high-precision GEMM with fp32 accumulation. It reproduces a hardware MX GEMM up to
-  summation order, on any device.
-* ``CublasBackend`` ("cublas"): PyTorch's MXFP8 block-scaled GEMMs on sm_100 and later, with
-  float8_e8m0fnu scales in the blocked layout (scale_layout.py): ``torch.nn.functional.scaled_mm``
-  where the installed torch has it (BlockWise1x32 scales, SWIZZLE_32_4_4), else
-  ``torch._scaled_mm``; for MoE, ``torch.nn.functional.scaled_grouped_mm`` / ``torch._scaled_grouped_mm``.
-* ``TritonBackend`` ("triton"): ``tl.dot_scaled`` (mx_kernels/mx_gemm.py) on NVIDIA GPUs of sm_89
-  and later, for e4m3, e5m2 and e2m1 operands in any pairing, plain (not blocked) scales. Native
-  block-scaled MMA on sm_100; on sm_90 Triton upcasts both tiles to bf16 (exact, as in emulated)
-  and runs a bf16 MMA. Dense GEMMs only (no MoE grouped GEMM).
-* "auto": cublas where the device and the recipe allow it, else emulated; never triton.
+* ``EmulatedBackend``: fake-quant casts and a high-precision GEMM with fp32 accumulation, a hardware
+  MX GEMM up to summation order, on any device.
+* ``CublasBackend``: PyTorch's MXFP8 block-scaled GEMMs on sm_100 and later (blocked e8m0 scales,
+  scale_layout.py): ``F.scaled_mm`` where torch has it, else ``torch._scaled_mm``; for MoE,
+  ``F.scaled_grouped_mm`` / ``torch._scaled_grouped_mm``. Its ``scaled_mm`` / ``scaled_grouped_mm``
+  replace the ops (tests pass tests/scaled_mm_emulator.py's), as in ``mx_scaled_mm``,
+  ``mx_mm_blocked``, ``mx_grouped_mm_2d_3d`` and ``mx_grouped_mm_2d_2d``.
+* ``TritonBackend``: ``tl.dot_scaled`` (``mx_mm_triton``, through the custom op
+  ``torch.ops.mx_recipe.mx_gemm``, opaque to torch.compile) on NVIDIA sm_89 and later, for e4m3,
+  e5m2 and e2m1 in any pairing, plain scales. Native MX MMA on sm_100; on sm_90 Triton upcasts
+  both tiles to bf16 (exact) and runs a bf16 MMA. Dense GEMMs only.
 
-The interface: ``cast(t, ...)`` quantizes t [R, C] along C; with ``along_rows`` along R, rows
-zero-padded to a multiple of 32 (zero rows add nothing to a sum over R), as a [C, ceil32(R)]
-operand; ``cast_both`` gives both from one read of t where it can; ``mm(a, b)`` is ``a @ b.T``.
-MoE: ``cast_experts``, ``grouped_mm`` (token groups times per-expert weights) and
-``grouped_mm_along_m`` (the grad-weight GEMM, groups along its contraction dim).
-
-Entry points of the cublas path, each taking an optional ``scaled_mm`` / ``scaled_grouped_mm``
-callable with the real op's signature (as ``CublasBackend`` does; tests pass
-tests/scaled_mm_emulator.py's): ``mx_scaled_mm``, ``mx_mm_blocked`` (dense),
-``mx_grouped_mm_2d_3d`` (MoE forward, grad input), ``mx_grouped_mm_2d_2d`` (MoE grad weight). The
-triton path: ``mx_mm_triton``, through the custom op ``torch.ops.mx_recipe.mx_gemm`` (opaque to
-torch.compile). ``mx_mm(a, b, out_dtype, backend)`` multiplies two MXTensors on a backend named
-by string.
+``cast(t, ...)`` quantizes t [R, C] along C; with ``along_rows`` along R, rows zero-padded to a
+multiple of 32 (zero rows add nothing to a sum over R), as a [C, ceil32(R)] operand. ``mx_mm``
+multiplies two MXTensors on a backend named by string.
 """
 
 from __future__ import annotations
