@@ -418,7 +418,7 @@ def observe(out: str | None, device_key: str | None) -> None:
     dev = DEVICES[key]
     recipe = MXRecipe.from_name("mxfp8")
     elem, rule = recipe.forward, recipe.scale_rule
-    backend = resolve_backend(recipe.backend, torch.device("cuda"))
+    backend = resolve_backend(recipe, torch.device("cuda")).name
     path = PATHS[OURS_TODAY if backend == "emulated" else "native"]
     bench = lambda fn, **kw: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median", **kw) * 1e-3
 
