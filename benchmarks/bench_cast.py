@@ -29,13 +29,11 @@ from collections.abc import Callable
 import torch
 from timing import host_us, kernel_us, median_ms, run_meta
 
+import mx_recipe.cast as mx_cast
 from mx_recipe.cast import (
-    cast_3d_dim0,
-    cast_3d_dim1,
     cast_dim0,
     cast_dim0_dim1,
     cast_dim1,
-    cast_groups_dim1,
     fake_quant_along_m,
     fake_quant_dim0,
     fake_quant_dim0_dim1,
@@ -184,7 +182,7 @@ def bench_3d(res: Results, experts: list[int], n: int, k: int, elem: str, modes:
         w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16)
         copy_like(res, w)
         for mode in modes:
-            for name, fn in (("3d dim0 blocked", cast_3d_dim0), ("3d dim1 blocked", cast_3d_dim1)):
+            for name, fn in (("3d dim0 blocked", mx_cast.cast_3d_dim0), ("3d dim1 blocked", mx_cast.cast_3d_dim1)):
                 ms, out = timed(fn, w, elem, mode, True)
                 res.add(name, w.shape, mode, ms, nbytes(w) + out_bytes(out))
                 out = None
@@ -205,9 +203,9 @@ def bench_host(elem: str, mode: str) -> list[dict]:
         "dim1 blocked": lambda: cast_dim1(x, elem, mode, True),
         "dim0_dim1 fused": lambda: cast_dim0_dim1(x, elem, mode),
         "dim0_dim1 fused blocked": lambda: cast_dim0_dim1(x, elem, mode, True),
-        "3d dim1": lambda: cast_3d_dim1(w, elem, mode),
-        "3d dim1 blocked": lambda: cast_3d_dim1(w, elem, mode, True),
-        "groups dim1 blocked G=3": lambda: cast_groups_dim1(x, offs, elem, mode, blocked_scales=True),
+        "3d dim1": lambda: mx_cast.cast_3d_dim1(w, elem, mode),
+        "3d dim1 blocked": lambda: mx_cast.cast_3d_dim1(w, elem, mode, True),
+        "groups dim1 blocked G=3": lambda: mx_cast.cast_groups_dim1(x, offs, elem, mode, blocked_scales=True),
         "fake-quant dim0 + along M": lambda: fake_quant_dim0_dim1(x, elem, mode),
     }
     rows = []
@@ -242,7 +240,7 @@ def bench_groups(res: Results, m: int, k: int, num_groups: int, elem: str, modes
     offs = sizes.cumsum(0).to(torch.int32).cuda()
     copy_like(res, x)
     for mode in modes:
-        ms, out = timed(cast_groups_dim1, x, offs, elem, mode, blocked_scales=True)
+        ms, out = timed(mx_cast.cast_groups_dim1, x, offs, elem, mode, blocked_scales=True)
         res.add(f"groups dim1 blocked G={num_groups}", x.shape, mode, ms, nbytes(x) + out_bytes(out))
 
 

@@ -25,7 +25,7 @@ import json
 from collections.abc import Callable
 
 import torch
-from timing import median_ms, run_meta
+from timing import add_run_args, median_ms, require_cuda, run_meta
 
 from mx_recipe.cast import cast_dim0
 from mx_recipe.formats import ELEM_FORMATS, SCALE_RULES, MXTensor
@@ -113,11 +113,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--elem", default="e4m3", choices=list(ELEM_FORMATS))
     parser.add_argument("--rule", default="floor", choices=list(SCALE_RULES))
-    parser.add_argument("--eager", action="store_true", help="do not torch.compile the emulated dequantize + mm")
-    parser.add_argument("--out", help="write the rows as JSON here")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_gemm.py needs a CUDA GPU")
+    args = add_run_args(parser, rounds=False).parse_args()
+    require_cuda("bench_gemm.py")
     print(
         f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, elem {args.elem}, rule {args.rule}, "
         f"emulated {'eager' if args.eager else 'under torch.compile'}; TFLOP/s (time / bf16 time), "

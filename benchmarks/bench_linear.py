@@ -26,7 +26,7 @@ import dataclasses
 import json
 
 import torch
-from timing import interleaved, run_meta
+from timing import add_run_args, interleaved, require_cuda, run_meta
 
 from mx_recipe import MXLinear, MXRecipe
 from mx_recipe.saved_memory import saved_bytes
@@ -60,12 +60,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="mxfp8")
     parser.add_argument("--m", type=int, default=16384)
-    parser.add_argument("--eager", action="store_true", help="do not torch.compile either layer")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (timing.py)")
-    parser.add_argument("--out", help="write the rows as JSON here")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_linear.py needs a CUDA GPU")
+    args = add_run_args(parser).parse_args()
+    require_cuda("bench_linear.py")
     recipe = MXRecipe.from_name(args.recipe)
     # save_mx_input needs an MX grad-weight GEMM (recipe.py); without one that column stays empty
     save_recipe = None if recipe.grad_weight == "bf16" else dataclasses.replace(recipe, save_mx_input=True)

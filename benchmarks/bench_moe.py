@@ -22,7 +22,7 @@ import argparse
 import json
 
 import torch
-from timing import interleaved, run_meta
+from timing import add_run_args, interleaved, require_cuda, run_meta
 
 from mx_recipe import MXRecipe
 from mx_recipe.grouped import mx_grouped_mm
@@ -61,12 +61,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=5120)
     parser.add_argument("--recipe", default="mxfp8")
     parser.add_argument("--fuse-expert-casts", action="store_true", help="MXRecipe.fuse_expert_casts=True")
-    parser.add_argument("--eager", action="store_true", help="do not torch.compile either side")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (timing.py)")
-    parser.add_argument("--out", help="write the rows as JSON here")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_moe.py needs a CUDA GPU")
+    args = add_run_args(parser).parse_args()
+    require_cuda("bench_moe.py")
     device = torch.device("cuda")
     recipe = MXRecipe.from_name(args.recipe, fuse_expert_casts=args.fuse_expert_casts)
     label = f"{recipe.name}+fuse_expert_casts" if args.fuse_expert_casts else recipe.name

@@ -18,6 +18,7 @@ its kernels, and the host time of launching it.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import statistics
@@ -41,6 +42,20 @@ class Timing:
     def spread(self) -> float:
         """(slowest - fastest round median) / wall_us."""
         return (max(self.round_us) - min(self.round_us)) / self.wall_us
+
+
+def add_run_args(parser: argparse.ArgumentParser, rounds: bool = True) -> argparse.ArgumentParser:
+    """The options every benchmark shares: --eager (no torch.compile), --rounds (interleaved), --out (JSON)."""
+    parser.add_argument("--eager", action="store_true", help="do not torch.compile either side")
+    if rounds:
+        parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (timing.py)")
+    parser.add_argument("--out", help="write the rows as JSON here, with provenance (run_meta)")
+    return parser
+
+
+def require_cuda(script: str) -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA GPU")
 
 
 def median_ms(fn: Callable[[], object]) -> float:

@@ -373,23 +373,21 @@ Backend = EmulatedBackend | CublasBackend | TritonBackend
 # --- the cublas path: dense ---
 
 
+def _mxfp8_scale_args(scale_a: torch.Tensor, scale_b: torch.Tensor) -> tuple[tuple, dict]:
+    """The scale arguments of F.scaled_mm / F.scaled_grouped_mm for MXFP8: e8m0 scales of 1x32 blocks, both in
+    the blocked layout (docs/DESIGN.md, Scale layout)."""
+    block, swizzle = F.ScalingType.BlockWise1x32, F.SwizzleType.SWIZZLE_32_4_4
+    return (scale_a, block, scale_b, block), dict(swizzle_a=swizzle, swizzle_b=swizzle)
+
+
 def _torch_scaled_mm(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """The real MXFP8 op: a [M, K] row-major @ b [K, N] column-major, blocked e8m0 scales."""
     e4m3 = a.dtype == b.dtype == torch.float8_e4m3fn
     if hasattr(F, "scaled_mm") and e4m3:  # the documented API; its MXFP8 recipe takes e4m3 only
-        return F.scaled_mm(
-            a,
-            b,
-            scale_a,
-            F.ScalingType.BlockWise1x32,
-            scale_b,
-            F.ScalingType.BlockWise1x32,
-            swizzle_a=F.SwizzleType.SWIZZLE_32_4_4,
-            swizzle_b=F.SwizzleType.SWIZZLE_32_4_4,
-            output_dtype=out_dtype,
-        )
+        scales, swizzles = _mxfp8_scale_args(scale_a, scale_b)
+        return F.scaled_mm(a, b, *scales, output_dtype=out_dtype, **swizzles)
     # Infers MXFP8 from the e8m0 scale dtype and their blocked element count; accepts e5m2 too.
     return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype)
 
@@ -560,18 +558,8 @@ def _torch_scaled_grouped_mm(
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     if hasattr(F, "scaled_grouped_mm"):
-        return F.scaled_grouped_mm(
-            a,
-            b,
-            scale_a,
-            F.ScalingType.BlockWise1x32,
-            scale_b,
-            F.ScalingType.BlockWise1x32,
-            swizzle_a=F.SwizzleType.SWIZZLE_32_4_4,
-            swizzle_b=F.SwizzleType.SWIZZLE_32_4_4,
-            offs=offs,
-            output_dtype=out_dtype,
-        )
+        scales, swizzles = _mxfp8_scale_args(scale_a, scale_b)
+        return F.scaled_grouped_mm(a, b, *scales, offs=offs, output_dtype=out_dtype, **swizzles)
     return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=out_dtype)
 
 

@@ -4,6 +4,15 @@ import pytest
 import torch
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, for tests of small tensors: more threads only add contention on a busy host."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _has_sm100() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (10, 0)
 

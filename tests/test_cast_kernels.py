@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import mx_recipe.cast as mx_cast
 from mx_recipe.cast import (
     BlockedMXTensor,
-    cast_3d_dim1,
     cast_dim0,
     cast_dim0_dim1,
     cast_dim1,
@@ -279,7 +279,7 @@ def test_dispatch_reference_path_types():
     assert isinstance(b, BlockedMXTensor) and b.qdata.shape == (96, 64) and b.scale.shape == (blocked_numel(96, 2),)
     check_mx(b, to_mx(x.t().contiguous(), "e5m2", "floor"), to_blocked(to_mx(x.t().contiguous(), "e5m2").scale), "b")
     w = special_input((2, 64, 96), torch.float32, "cpu")
-    c = cast_3d_dim1(w, blocked_scales=True)
+    c = mx_cast.cast_3d_dim1(w, blocked_scales=True)
     assert c.qdata.shape == (2, 96, 64) and c.scale.shape == (2, blocked_numel(96, 2))
     d0, d1 = cast_dim0_dim1(x, "e2m1")  # fp4 takes the reference path everywhere
     assert d0.qdata.shape == (64, 48) and d1.qdata.shape == (96, 32)
@@ -401,9 +401,9 @@ class _GraphCaptured(Exception):
     pass
 
 
-def test_ops_trace_fullgraph_without_running():
-    """torch.compile(fullgraph=True) sees each op as one node, shapes from the fake impls; the
-    backend stops before anything runs, so no kernel (and no Triton) is needed."""
+def traced_ops(f, *args, name: str = "mx_recipe") -> list[str]:
+    """The ``name`` ops of the one graph torch.compile(fullgraph=True) traces for f(*args); the backend stops
+    before anything runs, so no kernel (and no Triton) is needed: shapes come from the fake implementations."""
     graphs = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
@@ -414,6 +414,14 @@ def test_ops_trace_fullgraph_without_running():
 
         return stop
 
+    torch._dynamo.reset()
+    with pytest.raises(_GraphCaptured):
+        torch.compile(f, backend=backend, fullgraph=True)(*args)
+    assert len(graphs) == 1
+    return [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function" and name in str(n.target)]
+
+
+def test_ops_trace_fullgraph_without_running():
     def f(x, w, offs):
         a = torch.ops.mx_recipe.cast_dim0(x, "e4m3", "rceil", True)
         b = torch.ops.mx_recipe.cast_dim0_dim1(x, "e5m2", "floor", False)
@@ -421,12 +429,8 @@ def test_ops_trace_fullgraph_without_running():
         d = torch.ops.mx_recipe.cast_groups_dim1(x, "e4m3", "floor", offs)
         return a[0].float().sum() + b[2].float().sum(), a[1], c, d
 
-    torch._dynamo.reset()
-    compiled = torch.compile(f, backend=backend, fullgraph=True)
-    with pytest.raises(_GraphCaptured):
-        compiled(torch.randn(96, 160), torch.randn(2, 64, 96), torch.tensor([32, 96], dtype=torch.int32))
-    assert len(graphs) == 1
-    ops = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function" and "mx_recipe" in str(n.target)]
+    args = torch.randn(96, 160), torch.randn(2, 64, 96), torch.tensor([32, 96], dtype=torch.int32)
+    ops = traced_ops(f, *args)
     assert len(ops) == 4, ops
 
 
@@ -676,7 +680,7 @@ def test_gpu_every_bf16_value_and_rejections():
     with pytest.raises(ValueError, match=r"dim 0 of shape \(33, 64\) has size 33"):
         cast_dim1(torch.randn(33, 64, device="cuda"))
     with pytest.raises(ValueError, match="dim 1 of shape"):
-        cast_3d_dim1(torch.randn(2, 33, 64, device="cuda"))
+        mx_cast.cast_3d_dim1(torch.randn(2, 33, 64, device="cuda"))
 
 
 @pytest.mark.gpu

@@ -35,13 +35,7 @@ CPU = torch.device("cpu")
 CUDA = torch.device("cuda", 0)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tensors are small: intra-op threads only add contention (several times slower on a busy host)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors (conftest.py)
 
 
 def _data(rows: int, cols: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -50,14 +50,16 @@ def test_forced_cublas_is_a_clear_error_off_sm100():
         layer(torch.randn(32, 64))
 
 
-def test_train_py_forced_cublas_stops_at_startup(tmp_path):
-    """Forcing a backend the device lacks is one clear line and exit 2, before any step runs."""
+@pytest.mark.parametrize("config", ["debug_mxfp8", "debug_moe_mxfp8"])
+def test_train_py_forced_cublas_stops_at_startup(tmp_path, config):
+    """Forcing a backend the device lacks (a dense model, and one with MoE experts, whose grouped GEMMs need
+    more) is one clear line and exit 2, before any step runs."""
     import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "train.py", "--config", "debug_mxfp8", "--mx.backend", "cublas",
+    cmd = [sys.executable, "train.py", "--config", config, "--mx.backend", "cublas",
            "--job.output_dir", str(tmp_path / "run"), "--data.max_bytes", "2000000"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
