@@ -23,9 +23,11 @@ import datetime
 import os
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -141,6 +143,22 @@ def git_commit() -> str:
         return "unknown"
 
 
+def command_line() -> str:
+    """The command that ran this benchmark, as a user would type it from the repository root (``--out``
+    left out: where the result was written is not part of what was measured)."""
+    args, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip or arg == "--out":
+            skip = not skip
+            continue
+        if not arg.startswith("--out="):
+            args.append(arg)
+    script = Path(sys.argv[0]).resolve()
+    root = Path(__file__).resolve().parents[1]
+    name = script.relative_to(root) if script.is_relative_to(root) else script.name
+    return " ".join(["python", str(name), *args])
+
+
 def run_meta(**extra: object) -> dict:
     """Provenance of a benchmark run, plus ``extra``: the ``meta`` object of every result file."""
     return dict(
@@ -148,5 +166,6 @@ def run_meta(**extra: object) -> dict:
         torch=torch.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         commit=git_commit(),
+        command=command_line(),
         **extra,
     )

@@ -54,4 +54,11 @@ def test_run_meta_names_the_device_and_the_commit(monkeypatch):
     meta = timing.run_meta(recipe="mxfp8")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     assert (meta["device"], meta["commit"], meta["recipe"]) == (device, "0123abc", "mxfp8")
-    assert set(meta) == {"device", "torch", "date", "commit", "recipe"}
+    assert set(meta) == {"device", "torch", "date", "commit", "command", "recipe"}
+
+
+def test_the_command_leaves_out_where_the_result_went(monkeypatch):
+    timing = _bench_timing()
+    script = str(timing.Path(timing.__file__).parent / "bench_moe.py")
+    monkeypatch.setattr(timing.sys, "argv", [script, "--out", "r.json", "--experts", "1", "4", "--out=s.json"])
+    assert timing.command_line() == "python benchmarks/bench_moe.py --experts 1 4"
