@@ -99,9 +99,9 @@ class Results:
         return row
 
     def casts(self, fake_quant: bool = False) -> list[dict]:
-        """The rows the >= 90% target of docs/DESIGN.md applies to: the MX casts (dim0, dim1, fused, 3D,
-        per-group), not copies or two-cast baselines; ``fake_quant``: the emulated GEMM path's fake-quants
-        instead (no target of their own)."""
+        """The rows the >= 90% target of docs/DESIGN.md (Performance targets) applies to: the MX casts (dim0,
+        dim1, fused, 3D, per-group), not copies or two-cast baselines; ``fake_quant``: the emulated GEMM path's
+        fake-quants instead (no target of their own)."""
         return [
             r
             for r in self.rows
@@ -245,7 +245,8 @@ def bench_groups(res: Results, m: int, k: int, num_groups: int, elem: str, modes
 
 
 def check_targets(res: Results, experts: list[int], n: int, k: int, modes: list[str]) -> list[str]:
-    """The cast targets of docs/DESIGN.md, each judged on the events time and on the kernel time."""
+    """The cast targets of docs/DESIGN.md (Performance targets), each judged on the events time and on the
+    kernel time."""
     lines = []
     for mode in modes:
         sep, fused = res.get("fq dim0 + along M separate", mode), res.get("fq dim0 + along M fused", mode)

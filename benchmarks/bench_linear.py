@@ -1,8 +1,8 @@
 """MXLinear against nn.Linear, forward + backward, both torch.compile'd, in the same run.
 
 For M = 16384 and (K, N) in (4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192) (the target of
-docs/DESIGN.md: MX time <= 1.10x bf16 on Hopper), prints the device, each time, the ratio and the peak
-memory of one step; --out writes JSON with provenance for docs/results/.
+docs/DESIGN.md, Performance targets: MX time <= 1.10x bf16 on Hopper), prints the device, each time, the ratio
+and the peak memory of one step; --out writes JSON with provenance for docs/results/.
 
 MX is timed as the recipe is and with ``fuse_x_casts`` (mx_fuse: x read once in forward for both
 of its fake-quants, x along M saved instead of x; recipe.py).

@@ -41,9 +41,9 @@ from mx_kernels.mx_quantize import blocked_scale_offset
 from mx_kernels.spec import cdiv
 from triton.experimental import gluon
 
-# The two tiles (docs/DESIGN.md, Kernels): H200, bf16, e4m3, events time: 16 groups of [16640, 5120] (1040 rows
-# on average) 70.6 us with LINES against 72.2, 16 of [65536, 4096] 207.4 against 220.7; 64 of [16640, 5120]
-# (260 rows) 79.1 against 74.3.
+# The two tiles (docs/DESIGN.md, Kernels: why each is shaped as it is): H200, bf16, e4m3, events time:
+# 16 groups of [16640, 5120] (1040 rows on average) 70.6 us with LINES against 72.2, 16 of [65536, 4096] 207.4
+# against 220.7; 64 of [16640, 5120] (260 rows) 79.1 against 74.3.
 SMALL_TILE = dict(NUM_SUB=1, ROWS=8, NUM_WARPS=4, REPS=1, WARPS_M=1, LINES=False)  # 32 x 256
 LINES_TILE = dict(NUM_SUB=4, ROWS=8, NUM_WARPS=2, REPS=1, WARPS_M=4, LINES=True)  # 128 x 128
 LINES_MIN_ROWS = 1024  # average rows a group from which LINES_TILE runs
@@ -87,7 +87,7 @@ def _tile_column_group(
         # Why: the lookup costs a 67 us cast 2.5 us (H200, 16 equal groups of [16384, 5120]: rows from constants
         # 64.6 us; with only the offs load and one reduction 65.1), its scan and reductions, not the load. Packed
         # against 6 reductions: 68.0 against 69.0 us at [16640, 5120] G=16, 199.3 against 200.3 at [65536, 4096];
-        # H100 within 0.3% (docs/profiles/2026-11-22_h200_h100_groups_lookup_3d_order.txt).
+        # H100 within 0.3%.
         owner = in_range & (first <= t) & (t < tiles_end)
         tail = (g_idx == num_groups - 1) & (tiles_end <= t)
         tile_fields = gl.where(owner, first | (tiles << 16), 0)

@@ -1,4 +1,5 @@
-"""A roofline model of one MX training step against the bf16 step (DESIGN.md, "three GEMMs, six casts").
+"""A roofline model of one MX training step against the bf16 step (docs/DESIGN.md, "The MX linear: three
+GEMMs, six casts").
 
 Every GEMM and every cast is one op; an op takes max(FLOPs / dense peak of its format,
 bytes / memory bandwidth), and a step is the sum of its ops: nothing overlaps (a cast never
@@ -84,20 +85,21 @@ class Efficiency:
 DEVICES: dict[str, Device] = {
     "b200": Device(
         "B200", 2.25e15, 4.5e15, 9.0e15, 8.0e12, None, True,
-        "NVIDIA Blackwell architecture brief pp. 19-20, via shared/seeds/002 (its GEMM table says 4.25 PF fp8; "
-        "its e2e section and the 2x-of-bf16 rule say 4.5 PF)",
+        "NVIDIA Blackwell architecture brief pp. 19-20, as quoted by the torchao MX performance tracker "
+        "(its GEMM table says 4.25 PF fp8; its e2e section and the 2x-of-bf16 rule say 4.5 PF)",
     ),
     "h100": Device(
         "H100 SXM", 989e12, 1979e12, None, 3.35e12, 3.0e12, False,
-        "H100 SXM datasheet (dense); copy ~3.0 TB/s measured on an H100 80GB HBM3 here (device notes)",
+        "H100 SXM datasheet (dense); copy ~3.0 TB/s measured on an H100 80GB HBM3 (docs/DESIGN.md, Hardware facts)",
     ),
     "h200": Device(
         "H200", 989e12, 1979e12, None, 4.8e12, 4.225e12, False,
-        "H200 datasheet (dense, same tensor cores as H100 SXM); copy 4225 GB/s measured (DESIGN.md)",
+        "H200 datasheet (dense, same tensor cores as H100 SXM); copy 4225 GB/s measured "
+        "(docs/DESIGN.md, Hardware facts)",
     ),
 }  # fmt: skip
 
-# Fractions of peak reached on an H200 (DESIGN.md, docs/PERFORMANCE.md): bf16 GEMM 740-770 of
+# Fractions of peak reached on an H200 (docs/DESIGN.md, Hardware facts; docs/PERFORMANCE.md): bf16 GEMM 740-770 of
 # 989 TF/s, fp8 tensorwise GEMM 1296 of 1979, our dim0 cast 3811 of 4800 GB/s. Applied to B200 as a guess.
 H200_ACHIEVED = Efficiency("H200-achieved fractions", 755 / 989, 1296 / 1979, 3811 / 4800)
 

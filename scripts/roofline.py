@@ -56,7 +56,7 @@ PROJECTIONS = [
     ("llama_mxfp8", 128256, "Llama 3 tokenizer"),
     ("moe_mxfp8", 102400, "DeepSeek-MoE tokenizer"),
 ]
-PEER_LLAMA = (1.16, 1.20)  # MXFP8 Llama3-8B on 8 B200, tokens/s over bf16 (docs/DESIGN.md)
+PEER_LLAMA = (1.16, 1.20)  # MXFP8 Llama3-8B on 8 B200, tokens/s over bf16 (docs/DESIGN.md, Hardware facts)
 PLOT_KN = (4096, 8192, 16384)
 # --observe: bench_cast's square shape, Llama 3 8B activation [M, K] and weight [N, K]; bench_moe's and
 # moe_16B's expert weights [E, N, K]; bench_linear's MX linear shapes (M, K, N) and a square GEMM.

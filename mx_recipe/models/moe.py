@@ -3,7 +3,7 @@ optional shared experts, routed experts as 3D weights run through ``torch._group
 auxiliary-loss-free load balancing (DeepSeek-V3's expert bias), dense and MoE layers
 interleaved as configured.
 
-Expert weights follow the grouped-GEMM convention of docs/DESIGN.md: w1, w3: [E, hidden, dim] and
+Expert weights follow the grouped-GEMM convention of docs/DESIGN.md (MoE grouped GEMMs): w1, w3: [E, hidden, dim] and
 w2: [E, dim, hidden]; group e computes x_e @ w[e].T. Nothing here knows about MX: the
 converter swaps ``GroupedExperts`` for its MX version.
 """
