@@ -1,9 +1,10 @@
 """Render the measured tables of docs/PERFORMANCE.md from the result files in docs/results/.
 
 Every figure in that document comes from a file a benchmark or a training run wrote:
-``*_bench_cast.json`` (scripts/bench_cast.py), ``*_bench_gemm.json`` (scripts/bench_gemm.py),
-``*_bench_linear.json`` (scripts/bench_linear.py), ``*_bench_moe.json`` (scripts/bench_moe.py) and
-``*_train_*/`` folders holding a ``meta.json`` and one ``metrics.jsonl`` per run (train.py).
+``*_bench_cast.json``, ``*_bench_gemm.json``, ``*_bench_linear.json``, ``*_bench_moe.json`` (benchmarks/),
+``*_roofline_observe.json`` (scripts/roofline.py --observe), ``*_train_*/`` folders holding a ``meta.json``
+and one ``metrics.jsonl`` per run (train.py) and ``*_parity_*/`` sets (scripts/parity_sweep.py). One file per
+benchmark, device and variant: the latest (older ones stay in git history).
 
     python scripts/perf_report.py            # print the tables
     python scripts/perf_report.py --write    # replace the generated part of docs/PERFORMANCE.md
@@ -26,7 +27,8 @@ BEGIN, END = "<!-- perf_report: begin -->", "<!-- perf_report: end -->"
 def source_line(meta: dict, name: str) -> str:
     when = f"{meta['device']}, torch {meta['torch']}, {meta['date'][:10]}, commit {meta['commit'][:7]}"
     note = f" {meta['note']}." if meta.get("note") else ""
-    return f"Source: `docs/results/{name}`: {when}.{note}"
+    command = f" Command: `{meta['command']}`." if meta.get("command") else ""
+    return f"Source: `docs/results/{name}`: {when}.{command}{note}"
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -35,27 +37,43 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
     ]
 
 
+def device_of(path: Path) -> str:
+    """The device tag of a result file's name (DATE_DEVICE_...): h200, h100, h200x4."""
+    return path.name.split("_")[1]
+
+
+def is_cast(r: dict) -> bool:
+    """An MX cast that the cast targets judge (not a fake-quant, a copy or a pair of separate casts)."""
+    return not r["name"].startswith(("fq", "copy")) and "separate" not in r["name"]
+
+
 def cast_section(path: Path) -> list[str]:
+    """One row per cast and shape: kernel time and % of copy under both scale rules, and the events figure
+    (which holds the host's launch path where it is slower than the kernels)."""
     data = json.loads(path.read_text())
     meta = data["meta"]
-    kernels = "kernel_us" in data["results"][0]  # runs since the kernel-time columns were added
-
-    def row(r: dict) -> list[str]:
-        cells = [r["name"], "x".join(map(str, r["shape"])), r["mode"], f"{r['us']:.1f}", f"{r['gbs']:.0f}"]
-        cells.append(f"{r['pct_copy']:.1f}%")
-        if kernels:
-            cells += [f"{r['kernel_us']:.1f}", f"{r['kernel_pct_copy']:.1f}%"]
-        ref = r.get("speedup_vs_compiled_ref")
-        return cells + ["" if ref is None else f"{ref:.2f}x"]
-
-    copy = f"copy bandwidth {meta['copy_gbs']:.0f} GB/s"
-    if kernels:
-        copy += f" (events), {meta['copy_kernel_gbs']:.0f} GB/s (kernel)"
-    header = ["cast", "shape", "rule", "time (us)", "GB/s", "% of copy"]
-    header += ["kernels (us)", "% of copy (kernels)"] if kernels else []
-    lines = [f"### MX casts, {meta['elem']}, bf16 input ({copy}, same run)", ""]
-    lines += table(header + ["vs torch.compile reference"], [row(r) for r in data["results"]])
-    lines += ["", "Targets as the benchmark judged them:", ""] + [f"- {t}" for t in data.get("targets", [])]
+    by_key: dict[tuple, dict] = {}
+    for r in data["results"]:
+        by_key.setdefault((r["name"], tuple(r["shape"])), {})[r["mode"]] = r
+    compiled = any(r.get("speedup_vs_compiled_ref") for r in data["results"])
+    rows = []
+    for (name, shape), modes in by_key.items():
+        first = next(iter(modes.values()))
+        cells = [name, "x".join(map(str, shape))]
+        for mode in ("floor", "rceil"):
+            r = modes.get(mode, modes.get("-") if mode == "floor" else None)
+            cells.append(f"{r['kernel_us']:.1f} ({r['kernel_pct_copy']:.1f}%)" if r else "")
+        cells.append(f"{first['us']:.1f} ({first['pct_copy']:.1f}%)")
+        if compiled:
+            ref = first.get("speedup_vs_compiled_ref")
+            cells.append("" if ref is None else f"{ref:.2f}x")
+        rows.append(cells)
+    copy = f"copy {meta['copy_kernel_gbs']:.0f} GB/s kernel time, {meta['copy_gbs']:.0f} GB/s events"
+    lines = [f"### MX casts, {meta['device']}, {meta['elem']}, bf16 input ({copy}, same run)", ""]
+    header = ["cast", "shape", "floor: kernels us (% of copy)", "rceil: kernels us (% of copy)"]
+    header += ["events us (% of copy)"] + (["vs torch.compile reference"] if compiled else [])
+    lines += table(header, rows)
+    lines += [""] + [f"{t[0].upper()}{t[1:]}." for t in data.get("targets", []) if t.startswith("fake-quant fused")]
     if data.get("host"):
         lines += ["", "Host time of one call, [256, 256] bf16 input (the GPU waits on the host):", ""]
         header = ["call", "host (us)", "launch cache off (us)", "torch x.to(fp8) (us)", "host / torch"]
@@ -68,7 +86,88 @@ def host_row(r: dict) -> list[str]:
     return cells + [f"{r['host_us'] / r['torch_fp8_us']:.1f}x"]
 
 
-GEMM_TITLES = {  # scripts/bench_gemm.py's backend names
+def cast_targets(path: Path) -> dict[str, str]:
+    """The cast targets of docs/DESIGN.md (Performance targets) judged on kernel time, one cell each."""
+    results = json.loads(path.read_text())["results"]
+    get = {(r["name"], tuple(r["shape"]), r["mode"]): r for r in results}
+    casts = [r for r in results if is_cast(r)]
+    worst = min(casts, key=lambda r: r["kernel_pct_copy"])
+    where = f"{worst['name']} {'x'.join(map(str, worst['shape']))} {worst['mode']}"
+    slowest = f"{worst['kernel_pct_copy']:.1f}% at the slowest ({where})"
+    fused = [
+        get[(f"dim0 + dim1 separate{tag}", k[1], k[2])]["kernel_us"] / r["kernel_us"]
+        for k, r in get.items()
+        for tag in ("", " blocked")
+        if k[0] == f"dim0_dim1 fused{tag}"
+    ]
+    rceil = [
+        r["kernel_us"] / get[(k[0], k[1], "floor")]["kernel_us"]
+        for k, r in get.items()
+        if k[2] == "rceil" and is_cast(r) and (k[0], k[1], "floor") in get
+    ]
+    flat = []
+    for name in {r["name"] for r in casts if r["name"].startswith("3d")}:
+        for mode in {r["mode"] for r in casts}:
+            gbs = [r["kernel_gbs"] for r in casts if (r["name"], r["mode"]) == (name, mode)]
+            flat.append(max(gbs) / min(gbs))
+    cells = {"MX casts >= 90% of copy bandwidth (kernel time)": slowest}
+    if fused:
+        cells["fused dim0+dim1 >= 1.4x faster than two casts"] = f"{min(fused):.2f}-{max(fused):.2f}x"
+    if rceil:
+        cells["rceil within 3% of floor"] = f"rceil/floor {min(rceil):.3f}-{max(rceil):.3f}"
+    if flat:
+        cells["3D casts flat across E within 10%"] = f"max/min GB/s over E {max(flat):.3f}"
+    return cells
+
+
+def training_targets(folders: list[Path]) -> dict[str, list[str]]:
+    """MXFP8 tokens/s against bf16, from the parity sets and the multi-GPU training sets."""
+    cells: dict[str, list[str]] = {}
+    for folder in folders:
+        device = device_of(folder)
+        if "_parity_" in folder.name:
+            summary = json.loads((folder / "summary.json").read_text())
+            name = folder.name.split("_parity_", 1)[1]
+            for r in summary["runs"]:
+                if r["mx_recipe"].startswith("mxfp8"):
+                    cells.setdefault(device, []).append(f"{name} {r['mx_recipe']} {r['tokens_per_sec_ratio']:.3f}x")
+        else:
+            speed = {run.name: float(run_summary(run)[4].replace(",", "")) for run in runs_of(folder)}
+            for name, tokens in speed.items():
+                if name.endswith("_mxfp8") and name.replace("_mxfp8", "_bf16") in speed:
+                    ratio = tokens / speed[name.replace("_mxfp8", "_bf16")]
+                    cells.setdefault(device, []).append(f"{name.removesuffix('_mxfp8')} {ratio:.3f}x")
+    return cells
+
+
+def targets_section(results: dict[str, list[Path]]) -> list[str]:
+    """Where each Hopper target stands, per device, computed from the latest result files below."""
+    devices = sorted({device_of(p) for paths in results.values() for p in paths})
+    cells: dict[str, dict[str, str]] = {}
+    for path in results["bench_cast"]:
+        for target, cell in cast_targets(path).items():
+            cells.setdefault(target, {})[device_of(path)] = cell
+    for path in results["bench_linear"]:
+        ratios = [r["ratio"] for r in json.loads(path.read_text())["rows"]]
+        cells.setdefault("MX linear fwd+bwd <= 1.10x bf16", {})[device_of(path)] = (
+            f"{min(ratios):.2f}-{max(ratios):.2f}x"
+        )
+    for path in results["bench_moe"]:
+        data = json.loads(path.read_text())
+        ratios = ", ".join(
+            f"E={r['B_shape'].strip('()').split(',')[0]} {r['scaled_e2e_us'] / r['bf16_e2e_us']:.2f}x"
+            for r in data["rows"]
+        )
+        target = f"MX grouped GEMM fwd+bwd <= 1.15x bf16 ({data['meta']['recipe']})"
+        cells.setdefault(target, {})[device_of(path)] = ratios
+    for device, runs in training_targets(results["train"]).items():
+        cells.setdefault("training step MXFP8 >= 0.90x bf16 tokens/s", {})[device] = "; ".join(runs)
+    rows = [[target, *(by_device.get(d, "") for d in devices)] for target, by_device in cells.items()]
+    lines = ["## The targets, from the latest runs", ""]
+    return lines + table(["target", *devices], rows) + [""]
+
+
+GEMM_TITLES = {  # benchmarks/bench_gemm.py's backend names
     "emulated": "emulated (dequantize + mm)",
     "emulated_mm": "emulated, mm alone",
     "triton": "triton dot_scaled",
@@ -124,7 +223,7 @@ def linear_section(path: Path) -> list[str]:
         header += ["MX fuse_x_casts ms", "fuse_x_casts/bf16", "fuse_x_casts peak GiB"]
         for row, r in zip(rows, data["rows"], strict=True):
             row += [f"{r['mx_fuse_ms']:.3f}", f"{r['mx_fuse_ratio']:.2f}x", f"{r['mx_fuse_peak_gib']:.2f}"]
-    if "kernel_ratio" in data["rows"][0]:  # runs timed in interleaved rounds (bench_timing.py)
+    if "kernel_ratio" in data["rows"][0]:  # runs timed in interleaved rounds (benchmarks/timing.py)
         header += ["MX/bf16 GPU kernel time", "rounds spread"]
         for row, r in zip(rows, data["rows"], strict=True):
             row += [f"{r['kernel_ratio']:.2f}x", f"{r['round_spread']:.1%}"]
@@ -136,7 +235,7 @@ def linear_section(path: Path) -> list[str]:
 
 def moe_section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
-    meta, keys = data["meta"], list(data["rows"][0])  # the seed's columns, in bench_moe.py's order
+    meta, keys = data["meta"], list(data["rows"][0])  # bench_moe.py's columns, in its order
 
     def fmt(key: str, value) -> str:
         if key.endswith("speedup"):
@@ -148,11 +247,12 @@ def moe_section(path: Path) -> list[str]:
     ratio = lambda r, side: r[f"scaled_{side}_us"] / r[f"bf16_{side}_us"]
     rows = [[fmt(k, r[k]) for k in keys] + [f"{ratio(r, 'e2e'):.2f}x"] for r in data["rows"]]
     extra = ["MX/bf16 e2e time (target <= 1.15x)"]
-    if "bf16_e2e_kernel_us" in keys:  # runs timed in interleaved rounds (bench_timing.py)
+    if "bf16_e2e_kernel_us" in keys:  # runs timed in interleaved rounds (benchmarks/timing.py)
         extra.append("MX/bf16 e2e GPU kernel time")
         for row, r in zip(rows, data["rows"], strict=True):
             row.append(f"{ratio(r, 'e2e_kernel'):.2f}x")
-    lines = ["### MoE grouped GEMM, the seed's table (e2e = forward + backward; both sides torch.compile'd)", ""]
+    title = f"### MoE grouped GEMM, {meta['recipe']} against bf16 (e2e = forward + backward; both torch.compile'd)"
+    lines = [title, ""]
     lines += table(keys + extra, rows)
     return lines + ["", source_line(meta, path.name), ""]
 
@@ -173,9 +273,13 @@ def run_summary(run: Path) -> list[str]:
     ]
 
 
+def runs_of(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if (p / "metrics.jsonl").is_file())
+
+
 def train_section(folder: Path) -> list[str]:
     meta = json.loads((folder / "meta.json").read_text())
-    runs = sorted(p for p in folder.iterdir() if (p / "metrics.jsonl").is_file())
+    runs = runs_of(folder)
     lines = [f"### Training runs, MX casts: {meta['casts']}", ""]
     lines += table(
         ["run", "steps", "loss at step 1", "final loss", "median tokens/s per GPU", "median MFU", "peak memory (GiB)"],
@@ -260,22 +364,39 @@ def projection_section() -> list[str]:
     ]
 
 
+def latest_results() -> dict[str, list[Path]]:
+    """The result files by benchmark; each benchmark, device and variant must have one file (the latest: older
+    runs stay in git history), which ``check_one_per_kind`` enforces."""
+    kinds = {"bench_cast": "*_bench_cast.json", "bench_gemm": "*_bench_gemm.json"}
+    kinds |= {"bench_linear": "*_bench_linear.json", "bench_moe": "*_bench_moe.json"}
+    kinds |= {"observe": "*_roofline_observe.json"}
+    found = {kind: sorted(RESULTS.glob(pattern)) for kind, pattern in kinds.items()}
+    runs = (p for p in RESULTS.iterdir() if p.is_dir() and ("_train_" in p.name or "_parity_" in p.name))
+    found["train"] = sorted(runs)
+    return found
+
+
+def check_one_per_kind(results: dict[str, list[Path]]) -> None:
+    """Raise if two files hold the same benchmark on the same device (their names differ only in the date)."""
+    seen: dict[str, str] = {}
+    for path in (p for paths in results.values() for p in paths):
+        kind = path.name.split("_", 1)[1]
+        if kind in seen:
+            raise SystemExit(f"{RESULTS}: {seen[kind]} and {path.name} hold the same run kind; keep the latest")
+        seen[kind] = path.name
+
+
 def render() -> str:
-    lines: list[str] = projection_section()
-    for path in sorted(RESULTS.glob("*_roofline_observe.json")):
-        lines += observe_section(path)
-    for path in sorted(RESULTS.glob("*_bench_cast.json")):
-        lines += cast_section(path)
-    for path in sorted(RESULTS.glob("*_bench_gemm.json")):
-        lines += gemm_section(path)
-    for path in sorted(RESULTS.glob("*_bench_linear.json")):
-        lines += linear_section(path)
-    for path in sorted(RESULTS.glob("*_bench_moe.json")):
-        lines += moe_section(path)
-    for folder in sorted(p for p in RESULTS.glob("*_train_*") if p.is_dir()):
-        lines += train_section(folder)
-    for folder in sorted(p for p in RESULTS.glob("*_parity_*") if p.is_dir()):
-        lines += parity_section(folder)
+    results = latest_results()
+    check_one_per_kind(results)
+    lines: list[str] = targets_section(results) + ["## Measured", ""] + projection_section()
+    sections = dict(observe=observe_section, bench_cast=cast_section, bench_gemm=gemm_section)
+    sections |= dict(bench_linear=linear_section, bench_moe=moe_section)
+    for kind, section in sections.items():
+        for path in results[kind]:
+            lines += section(path)
+    for folder in results["train"]:
+        lines += parity_section(folder) if "_parity_" in folder.name else train_section(folder)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -1,4 +1,4 @@
-"""The MX reference (mx_recipe/formats.py) against the numerics contract of DESIGN.md.
+"""The MX reference (mx_recipe/formats.py) against the numerics contract (docs/DESIGN.md, Numerics contract).
 
 Expected scale bytes and element bits below are derived BY HAND from the contract, with the
 derivation in a comment; none of them is computed by the code under test.
@@ -35,7 +35,7 @@ INF = math.inf
 NAN = math.nan
 RULES = ("floor", "rceil")
 FORMATS = ("e4m3", "e5m2", "e2m1")
-# Hand-written format facts (DESIGN.md table), kept apart from the ElemFormat objects under test.
+# Hand-written format facts (docs/DESIGN.md, Numerics contract), kept apart from the ElemFormat objects under test.
 MAX_NORMAL = {"e4m3": 448.0, "e5m2": 57344.0, "e2m1": 6.0}
 EMAX = {"e4m3": 8, "e5m2": 15, "e2m1": 2}
 EMIN = {"e4m3": -6, "e5m2": -14, "e2m1": 0}  # exponent of the smallest normal
@@ -490,7 +490,7 @@ def test_bf16_and_fp32_inputs_agree(elem, rule):
     a, b = to_mx(x, elem, rule), to_mx(x.float(), elem, rule)
     assert torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
     assert torch.equal(a.qdata.view(torch.uint8), b.qdata.view(torch.uint8))
-    # dequantized values are exact in bf16 within its range (DESIGN.md)
+    # dequantized values are exact in bf16 within its range (docs/DESIGN.md, Numerics contract)
     assert torch.equal(a.dequantize(torch.bfloat16).float(), a.dequantize(torch.float32))
 
 
@@ -526,7 +526,7 @@ def test_unknown_format_and_rule_raise_value_error():
 
 
 def test_format_table_matches_design():
-    # DESIGN.md: name, bits, max normal, emax, mantissa bits
+    # docs/DESIGN.md, Numerics contract: name, bits, max normal, emax, mantissa bits
     for name, bits, max_normal, emax, mbits in [
         ("e4m3", 8, 448.0, 8, 3),
         ("e5m2", 8, 57344.0, 15, 2),

@@ -1,7 +1,7 @@
 """GEMM backends on CPU: the cublas path's argument preparation, checked through the sm_100 emulator.
 
 * the emulator's blocked-scale reader against scale_layout.to_blocked (two independent codings
-  of the docs/DESIGN.md formula);
+  of the docs/DESIGN.md, Scale layout, formula);
 * our casts -> torch._scaled_mm arguments -> emulator, against a direct dequantize-and-matmul
   in fp64 (``to_mx(...).dequantize()``), bit for bit: ragged M and N (scale padding), K a multiple
   of 32 but not of 128, both scale rules, e4m3 and e5m2, the three GEMM orientations of a linear;

@@ -4,7 +4,7 @@ kernels/mx_gemm.py (``tl.dot_scaled``), against the emulated backend.
 Three groups of tests:
 
 * CPU, in this process: backend resolution and its startup errors, argument checks, the custom op
-  traced by torch.compile(fullgraph=True), scripts/bench_gemm.py's rows and their rendering by
+  traced by torch.compile(fullgraph=True), benchmarks/bench_gemm.py's rows and their rendering by
   scripts/perf_report.py.
 * CPU, Triton interpreter (``test_interp_*``), in a child pytest with TRITON_INTERPRET=1 as in
   tests/test_cast_kernels.py: the kernel's addressing, tile masks, fp4 byte offsets and K tails.

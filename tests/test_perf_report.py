@@ -3,6 +3,8 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,31 +29,46 @@ def test_every_result_carries_its_provenance():
     assert "commit unknown" not in rendered
 
 
-def test_cast_section_renders_the_kernel_columns(tmp_path):
-    """bench_cast runs since the kernel-time columns: both figures per row, both copy rates in the title."""
+def cast_file(tmp_path, host: list | None = None):
     import json
 
-    row = dict(name="dim1", shape=[64, 64], mode="floor", us=10.0, gbs=100.0, pct_copy=50.0)
-    row |= dict(kernel_us=8.0, kernel_gbs=125.0, kernel_pct_copy=60.0, speedup_vs_compiled_ref=2.0)
+    rows = []
+    for mode, us in (("floor", 8.0), ("rceil", 8.2)):
+        row = dict(name="dim1", shape=[64, 64], mode=mode, us=10.0, gbs=100.0, pct_copy=50.0)
+        rows.append(row | dict(kernel_us=us, kernel_gbs=125.0, kernel_pct_copy=60.0, speedup_vs_compiled_ref=None))
     meta = dict(elem="e4m3", copy_gbs=200.0, copy_kernel_gbs=210.0, device="GPU", torch="2.11", date="2026-11-21")
-    meta["commit"] = "abc1234"
+    meta |= dict(commit="abc1234", command="python benchmarks/bench_cast.py")
     path = tmp_path / "2026-11-21_gpu_bench_cast.json"
-    path.write_text(json.dumps(dict(meta=meta, results=[row], targets=["t"])))
-    lines = _perf_report().cast_section(path)
-    assert "200 GB/s (events), 210 GB/s (kernel)" in lines[0]
-    assert "| dim1 | 64x64 | floor | 10.0 | 100 | 50.0% | 8.0 | 60.0% | 2.00x |" in lines
-    assert not any("Host time" in line for line in lines)  # runs before the host-time section: no table
+    targets = ["fake-quant fused speedup over separate floor: 1.30x", "rceil/floor time dim1: 1.02"]
+    path.write_text(json.dumps(dict(meta=meta, results=rows, targets=targets, host=host or [])))
+    return path
+
+
+def test_cast_section_one_row_per_cast_with_both_rules(tmp_path):
+    lines = _perf_report().cast_section(cast_file(tmp_path))
+    assert "copy 210 GB/s kernel time, 200 GB/s events" in lines[0]
+    assert "| dim1 | 64x64 | 8.0 (60.0%) | 8.2 (60.0%) | 10.0 (50.0%) |" in lines
+    assert "Fake-quant fused speedup over separate floor: 1.30x." in lines
+    assert not any("rceil/floor time" in line or "Host time" in line for line in lines)
+    assert "Command: `python benchmarks/bench_cast.py`." in lines[-2]
 
 
 def test_cast_section_renders_the_host_times(tmp_path):
-    import json
-
-    row = dict(name="dim1", shape=[64, 64], mode="floor", us=10.0, gbs=100.0, pct_copy=50.0)
-    row |= dict(kernel_us=8.0, kernel_gbs=125.0, kernel_pct_copy=60.0, speedup_vs_compiled_ref=None)
-    meta = dict(elem="e4m3", copy_gbs=200.0, copy_kernel_gbs=210.0, device="GPU", torch="2.11", date="2026-11-21")
-    meta["commit"] = "abc1234"
     host = [dict(name="3d dim1", host_us=60.0, host_us_no_launch_cache=80.0, torch_fp8_us=8.0)]
-    path = tmp_path / "2026-11-21_gpu_bench_cast.json"
-    path.write_text(json.dumps(dict(meta=meta, results=[row], targets=["t"], host=host)))
-    lines = _perf_report().cast_section(path)
+    lines = _perf_report().cast_section(cast_file(tmp_path, host))
     assert "| 3d dim1 | 60.0 | 80.0 | 8.0 | 7.5x |" in lines
+
+
+def test_cast_targets_judge_kernel_time(tmp_path):
+    targets = _perf_report().cast_targets(cast_file(tmp_path))
+    assert targets["MX casts >= 90% of copy bandwidth (kernel time)"] == "60.0% at the slowest (dim1 64x64 floor)"
+    assert targets["rceil within 3% of floor"] == "rceil/floor 1.025-1.025"
+
+
+def test_one_result_per_benchmark_and_device(tmp_path, monkeypatch):
+    report = _perf_report()
+    for name in ("2026-11-21T1000_h200_bench_moe.json", "2026-11-22T1000_h200_bench_moe.json"):
+        (tmp_path / name).write_text("{}")
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    with pytest.raises(SystemExit, match="hold the same run kind; keep the latest"):
+        report.check_one_per_kind(report.latest_results())

@@ -1,6 +1,6 @@
 """The blocked scale layout reference (mx_recipe/scale_layout.py) on cases checked by hand.
 
-DESIGN.md: pad [rows, cols] to rows % 128 == 0 and cols % 4 == 0; 128x4 tiles in row-major
+docs/DESIGN.md, Scale layout: pad [rows, cols] to rows % 128 == 0 and cols % 4 == 0; 128x4 tiles in row-major
 tile order, 512 bytes each; inside a tile, scale (r, c) at byte (r % 32) * 16 + (r // 32) * 4 + c.
 """
 
