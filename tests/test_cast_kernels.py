@@ -1,4 +1,4 @@
-"""The Triton MX cast kernels (mx_kernels) and their dispatch (mx_recipe.dispatch, mx_recipe.cast), bit for bit
+"""The MX cast kernels (mx_kernels) and their dispatch (mx_recipe.dispatch, mx_recipe.cast), bit for bit
 vs ``to_mx``.
 
 Three groups of tests:
@@ -10,8 +10,9 @@ Three groups of tests:
   before that), so ``test_kernels_in_triton_interpreter`` runs these tests in a child pytest
   with the variable set; this process and the rest of the suite never see it. Run them
   directly with ``TRITON_INTERPRET=1 pytest tests/test_cast_kernels.py -k interp_``.
-* GPU (``@pytest.mark.gpu``): the Triton kernels on the hardware fp8 conversion path, same checks, more shapes
-  (the Gluon kernels, which the dispatch picks on Hopper, are checked against these in test_gluon_*.py).
+* GPU (``@pytest.mark.gpu``): the kernels on the hardware fp8 conversion path, same checks, more shapes, each
+  family under both implementations (the ``impl`` fixture: the Triton kernels, and on Hopper the Gluon ones);
+  what is particular to the Gluon kernels is in test_gluon_kernels.py.
 """
 
 from __future__ import annotations
@@ -108,45 +109,46 @@ def check_mx(actual: MXTensor | BlockedMXTensor, expected: MXTensor, blocked_ref
 
 
 # ---------------------------------------------------------------------------------------
-# the kernel checks, shared by the interpreter and GPU tests (they call the Triton launchers, on CUDA and in the
-# interpreter child alike)
+# the kernel checks, shared by the interpreter and GPU tests: they call a launcher directly (``impl``: "triton",
+# the only one the interpreter runs, or "gluon" on a Hopper GPU), on CUDA and in the interpreter child alike
+
+KERNEL_OPS = {
+    "dim0": "cast_dim0",
+    "dim1": "cast_dim1",
+    "dim0_dim1": "cast_dim0_dim1",
+    "groups_dim1": "cast_groups_dim1",
+}
 
 
-def _launch_all(name: str):
+def _launch_all(name: str, impl: str = "triton"):
     """The raw launcher of one kernel (so interpreter tests exercise the kernels on CPU tensors)."""
-    import mx_kernels.cast_groups_dim1
-    import mx_kernels.triton_casts
+    from mx_recipe import dispatch
 
-    return {
-        "dim0": mx_kernels.triton_casts.cast_dim0,
-        "dim1": mx_kernels.triton_casts.cast_dim1,
-        "dim0_dim1": mx_kernels.triton_casts.cast_dim0_dim1,
-        "groups_dim1": mx_kernels.cast_groups_dim1.cast_groups_dim1,
-    }[name]
+    return dispatch.launcher(KERNEL_OPS[name], impl)
 
 
-def run_dim0(x: torch.Tensor, elem: str, mode: str, blocked: bool):
-    q, s = _launch_all("dim0")(x, elem, mode, blocked)
+def run_dim0(x: torch.Tensor, elem: str, mode: str, blocked: bool, impl: str = "triton"):
+    q, s = _launch_all("dim0", impl)(x, elem, mode, blocked)
     shape = (*x.shape[:-1], x.shape[-1] // 32)
     return BlockedMXTensor(q, s, elem, x.dim() - 1, shape) if blocked else MXTensor(q, s, elem, x.dim() - 1)
 
 
-def run_dim1(x: torch.Tensor, elem: str, mode: str, blocked: bool):
-    q, s = _launch_all("dim1")(x, elem, mode, blocked)
+def run_dim1(x: torch.Tensor, elem: str, mode: str, blocked: bool, impl: str = "triton"):
+    q, s = _launch_all("dim1", impl)(x, elem, mode, blocked)
     shape = (*x.shape[:-2], x.shape[-1], x.shape[-2] // 32)
     return BlockedMXTensor(q, s, elem, x.dim() - 1, shape) if blocked else MXTensor(q, s, elem, x.dim() - 1)
 
 
-def run_dim0_dim1(x: torch.Tensor, elem: str, mode: str, blocked: bool):
-    q0, s0, q1, s1 = _launch_all("dim0_dim1")(x, elem, mode, blocked)
+def run_dim0_dim1(x: torch.Tensor, elem: str, mode: str, blocked: bool, impl: str = "triton"):
+    q0, s0, q1, s1 = _launch_all("dim0_dim1", impl)(x, elem, mode, blocked)
     m, k = x.shape
     if blocked:
         return BlockedMXTensor(q0, s0, elem, 1, (m, k // 32)), BlockedMXTensor(q1, s1, elem, 1, (k, m // 32))
     return MXTensor(q0, s0, elem, 1), MXTensor(q1, s1, elem, 1)
 
 
-def run_groups(x: torch.Tensor, offs: torch.Tensor, elem: str, mode: str):
-    q, s = _launch_all("groups_dim1")(x, offs, elem, mode)
+def run_groups(x: torch.Tensor, offs: torch.Tensor, elem: str, mode: str, impl: str = "triton"):
+    q, s = _launch_all("groups_dim1", impl)(x, offs, elem, mode)
     return BlockedMXTensor(q, s, elem, 1, (x.shape[1], x.shape[0] // 32), group_offs=offs)
 
 
@@ -154,37 +156,39 @@ def ref_scale_blocked(scale: torch.Tensor) -> torch.Tensor:
     return to_blocked(scale) if scale.dim() == 2 else to_blocked_3d(scale)
 
 
-def check_dim0(shape, dtype, elem, mode, blocked, device, seed=0):
+def check_dim0(shape, dtype, elem, mode, blocked, device, seed=0, impl="triton"):
     x = special_input(shape, dtype, device, seed)
     ref = to_mx(x.cpu(), elem, mode, dim=-1)
-    out = run_dim0(x, elem, mode, blocked)
-    check_mx(out, ref, ref_scale_blocked(ref.scale) if blocked else None, f"dim0 {shape} {dtype} {elem} {mode}")
+    out = run_dim0(x, elem, mode, blocked, impl)
+    what = f"{impl} dim0 {shape} {dtype} {elem} {mode}"
+    check_mx(out, ref, ref_scale_blocked(ref.scale) if blocked else None, what)
 
 
-def check_dim1(shape, dtype, elem, mode, blocked, device, seed=0):
+def check_dim1(shape, dtype, elem, mode, blocked, device, seed=0, impl="triton"):
     x = special_input(shape, dtype, device, seed)
     ref = to_mx(x.cpu().transpose(-2, -1).contiguous(), elem, mode, dim=-1)
-    out = run_dim1(x, elem, mode, blocked)
-    check_mx(out, ref, ref_scale_blocked(ref.scale) if blocked else None, f"dim1 {shape} {dtype} {elem} {mode}")
+    out = run_dim1(x, elem, mode, blocked, impl)
+    what = f"{impl} dim1 {shape} {dtype} {elem} {mode}"
+    check_mx(out, ref, ref_scale_blocked(ref.scale) if blocked else None, what)
 
 
-def check_dim0_dim1(shape, dtype, elem, mode, blocked, device, seed=0):
+def check_dim0_dim1(shape, dtype, elem, mode, blocked, device, seed=0, impl="triton"):
     x = special_input(shape, dtype, device, seed)
     ref0 = to_mx(x.cpu(), elem, mode, dim=-1)
     ref1 = to_mx(x.cpu().t().contiguous(), elem, mode, dim=-1)
-    out0, out1 = run_dim0_dim1(x, elem, mode, blocked)
-    what = f"dim0_dim1 {shape} {dtype} {elem} {mode}"
+    out0, out1 = run_dim0_dim1(x, elem, mode, blocked, impl)
+    what = f"{impl} dim0_dim1 {shape} {dtype} {elem} {mode}"
     check_mx(out0, ref0, to_blocked(ref0.scale) if blocked else None, what + " (dim0)")
     check_mx(out1, ref1, to_blocked(ref1.scale) if blocked else None, what + " (dim1)")
 
 
-def check_groups(group_sizes, k, dtype, elem, mode, device, seed=0):
+def check_groups(group_sizes, k, dtype, elem, mode, device, seed=0, impl="triton"):
     offs = torch.tensor(group_sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
     m = int(offs[-1])
     x = special_input((m, k), dtype, device, seed)
     ref = to_mx(x.cpu().t().contiguous(), elem, mode, dim=-1)
-    out = run_groups(x, offs.to(device), elem, mode)
-    what = f"groups {group_sizes} k={k} {dtype} {elem} {mode}"
+    out = run_groups(x, offs.to(device), elem, mode, impl)
+    what = f"{impl} groups {group_sizes} k={k} {dtype} {elem} {mode}"
     check_mx(out, ref, to_blocked_groups(ref.scale, offs), what)
     # each group's slice is that group's own dim1 cast
     start = 0
@@ -212,15 +216,15 @@ def ref_along_m(x: torch.Tensor, elem: str, mode: str) -> torch.Tensor:
     return to_mx(xt, elem, mode, dim=-1).dequantize(x.dtype).transpose(-2, -1).contiguous()
 
 
-def check_fake_quant_2d(shape, dtype, elem, mode, device, seed=0):
+def check_fake_quant_2d(shape, dtype, elem, mode, device, seed=0, impl="triton"):
     """The fused fake-quant kernel (both outputs, and each alone) against the reference."""
-    import mx_kernels.fake_quant_2d
+    from mx_recipe import dispatch
 
     x = special_input(shape, dtype, device, seed)
-    launch = mx_kernels.fake_quant_2d.fake_quant_2d
+    launch = dispatch.launcher("fake_quant_2d", impl)
     ref_k = to_mx(x.cpu(), elem, mode, dim=-1).dequantize(dtype) if shape[-1] % 32 == 0 else None
     ref_m = ref_along_m(x, elem, mode)
-    what = f"fake quant 2d {shape} {dtype} {elem} {mode}"
+    what = f"{impl} fake quant 2d {shape} {dtype} {elem} {mode}"
     if ref_k is not None:
         along_k, along_m = launch(x, elem, mode, True, True)
         assert_values_equal(along_k, ref_k, what + " along K")
@@ -252,19 +256,20 @@ def ref_groups_along_m(x: torch.Tensor, src: torch.Tensor, elem: str, mode: str)
     return out
 
 
-def check_fake_quant_groups_along_m(sizes, dtype, elem, mode, device, flip_first=False):
+def check_fake_quant_groups_along_m(sizes, dtype, elem, mode, device, flip_first=False, impl="triton"):
     """The group-aware along-M fake-quant (MoE groups padded on the way, unpadded result) against
     pad, then the reference, then drop the padding rows. ``flip_first``: the first group's rows
     listed in reverse (each must still come back to its own row)."""
-    import mx_kernels.fake_quant_2d
+    from mx_recipe import dispatch
 
     x = special_input((sum(sizes), 96), dtype, device, seed=len(sizes))
     src = group_sources(sizes, device)
     if flip_first:
         src[: sizes[0]] = src[: sizes[0]].flip(0)
-    got = mx_kernels.fake_quant_2d.fake_quant_groups_along_m(x, src, elem, mode)
+    got = dispatch.launcher("fake_quant_groups_along_m", impl)(x, src, elem, mode)
     assert got.shape == x.shape
-    assert_values_equal(got, ref_groups_along_m(x, src, elem, mode), f"groups along M {sizes} {dtype} {elem} {mode}")
+    what = f"{impl} groups along M {sizes} {dtype} {elem} {mode}"
+    assert_values_equal(got, ref_groups_along_m(x, src, elem, mode), what)
 
 
 # ---------------------------------------------------------------------------------------
@@ -582,7 +587,21 @@ def test_unblock_scales_rejects_a_wrong_size():
 
 
 # ---------------------------------------------------------------------------------------
-# GPU: the hardware cvt.rn.satfinite path
+# GPU: the hardware cvt.rn.satfinite path, each kernel family under both implementations
+
+IMPLS = ["gluon", "triton"]
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request, monkeypatch) -> str:
+    """The implementation under test: its launchers are called directly, and ``MX_RECIPE_GLUON`` makes the
+    public API's dispatch pick it too. The Gluon kernels are Hopper's: elsewhere that case skips."""
+    from mx_recipe import dispatch
+
+    if request.param == "gluon" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels run on compute capability 9.x (Hopper)")
+    monkeypatch.setenv(dispatch.GLUON_ENV, "1" if request.param == "gluon" else "0")
+    return request.param
 
 
 @pytest.mark.gpu
@@ -592,22 +611,22 @@ def test_unblock_scales_rejects_a_wrong_size():
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("blocked", [False, True])
 @pytest.mark.parametrize("kernel", ["dim0", "dim1", "dim0_dim1", "3d_dim0", "3d_dim1"])
-def test_gpu_bit_exact(kernel, blocked, mode, elem, dtype):
+def test_gpu_bit_exact(kernel, blocked, mode, elem, dtype, impl):
     if kernel == "dim0":
         for shape in [(96, 160), (4128, 160), (33, 96), (1000, 4096)]:
-            check_dim0(shape, dtype, elem, mode, blocked, "cuda")
+            check_dim0(shape, dtype, elem, mode, blocked, "cuda", impl=impl)
     elif kernel == "dim1":
         for shape in [(96, 160), (4128, 160), (160, 4128), (1024, 4096)]:
-            check_dim1(shape, dtype, elem, mode, blocked, "cuda")
+            check_dim1(shape, dtype, elem, mode, blocked, "cuda", impl=impl)
     elif kernel == "dim0_dim1":
         for shape in [(96, 160), (4128, 160), (160, 4128), (1024, 4096)]:
-            check_dim0_dim1(shape, dtype, elem, mode, blocked, "cuda")
+            check_dim0_dim1(shape, dtype, elem, mode, blocked, "cuda", impl=impl)
     elif kernel == "3d_dim0":
         for shape in [(1, 96, 160), (3, 200, 96), (5, 128, 256)]:
-            check_dim0(shape, dtype, elem, mode, blocked, "cuda")
+            check_dim0(shape, dtype, elem, mode, blocked, "cuda", impl=impl)
     else:
         for shape in [(1, 96, 160), (3, 224, 96), (5, 128, 256)]:
-            check_dim1(shape, dtype, elem, mode, blocked, "cuda")
+            check_dim1(shape, dtype, elem, mode, blocked, "cuda", impl=impl)
 
 
 @pytest.mark.gpu
@@ -615,54 +634,59 @@ def test_gpu_bit_exact(kernel, blocked, mode, elem, dtype):
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("mode", MODES)
-def test_gpu_groups_bit_exact(mode, elem, dtype):
-    check_groups([32, 0, 160, 0, 64], 96, dtype, elem, mode, "cuda")
-    check_groups([0, 0, 4096, 256, 32, 0], 160, dtype, elem, mode, "cuda")
-    check_groups([128] * 7 + [96], 4128, dtype, elem, mode, "cuda", seed=1)
-    # plain scales: the dim1 cast
+def test_gpu_groups_bit_exact(mode, elem, dtype, impl):
+    # (the Gluon kernel's tile follows the average group size: these cases run both of its tiles)
+    check_groups([32, 0, 160, 0, 64], 96, dtype, elem, mode, "cuda", impl=impl)
+    check_groups([0, 0, 4096, 256, 32, 0], 160, dtype, elem, mode, "cuda", impl=impl)
+    check_groups([128] * 7 + [96], 4128, dtype, elem, mode, "cuda", seed=1, impl=impl)
+    check_groups([2048, 0, 1056], 256, dtype, elem, mode, "cuda", seed=2, impl=impl)
+    # plain scales: the dim1 cast, through the public API's dispatch
     offs = torch.tensor([64, 64, 192], dtype=torch.int32, device="cuda")
     x = special_input((192, 96), dtype, "cuda")
     out = cast_groups_dim1(x, offs, elem, mode)
-    check_mx(out, to_mx(x.cpu().t().contiguous(), elem, mode), None, "groups plain")
+    check_mx(out, to_mx(x.cpu().t().contiguous(), elem, mode), None, f"{impl} groups plain")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("mode", MODES)
-def test_gpu_fake_quant_2d_bit_exact(mode, elem):
-    import mx_kernels.fake_quant_2d
+def test_gpu_fake_quant_2d_bit_exact(mode, elem, impl):
+    from mx_recipe import dispatch
 
     for shape in [(96, 160), (4130, 160), (160, 4128), (1024, 4096), (3, 224, 96), (5, 100, 256), (64, 80)]:
-        check_fake_quant_2d(shape, torch.bfloat16, elem, mode, "cuda")
+        check_fake_quant_2d(shape, torch.bfloat16, elem, mode, "cuda", impl=impl)
     bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
     x = bits.view(torch.bfloat16).reshape(-1, 32 * 16)
+    launch = dispatch.launcher("fake_quant_2d", impl)
     for t in (x, x.reshape(32 * 16, -1)):  # every bf16 value in blocks along K, then along M
-        along_k, along_m = mx_kernels.fake_quant_2d.fake_quant_2d(t.cuda(), elem, mode, True, True)
-        assert_values_equal(along_k, to_mx(t, elem, mode).dequantize(torch.bfloat16), f"all bf16 K {elem} {mode}")
-        assert_values_equal(along_m, ref_along_m(t, elem, mode), f"all bf16 M {elem} {mode}")
+        along_k, along_m = launch(t.cuda(), elem, mode, True, True)
+        what = f"{impl} all bf16 {elem} {mode}"
+        assert_values_equal(along_k, to_mx(t, elem, mode).dequantize(torch.bfloat16), f"{what} along K")
+        assert_values_equal(along_m, ref_along_m(t, elem, mode), f"{what} along M")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("elem", ELEMS)
 @pytest.mark.parametrize("mode", MODES)
-def test_gpu_fake_quant_groups_along_m_bit_exact(mode, elem):
+def test_gpu_fake_quant_groups_along_m_bit_exact(mode, elem, impl):
     for sizes in ([40, 0, 33, 1, 64], [1040] * 4 + [0, 7], [0, 0], [4096], [100, 3, 0, 29]):
-        check_fake_quant_groups_along_m(sizes, torch.bfloat16, elem, mode, "cuda")
-    check_fake_quant_groups_along_m([45, 3], torch.bfloat16, elem, mode, "cuda", flip_first=True)
+        check_fake_quant_groups_along_m(sizes, torch.bfloat16, elem, mode, "cuda", impl=impl)
+    check_fake_quant_groups_along_m([45, 3], torch.bfloat16, elem, mode, "cuda", flip_first=True, impl=impl)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_gpu_fake_quant_fp32_refused_by_kernel_and_exact_through_dispatch():
-    """The fp32 GPU fake-quant path gave wrong values on an H200: the launcher refuses it and the
+def test_gpu_fake_quant_fp32_refused_by_kernel_and_exact_through_dispatch(impl):
+    """The fp32 GPU fake-quant path gave wrong values on an H200: both launchers refuse it and the
     dispatch takes the reference, so fp32 results stay exact."""
-    import mx_kernels.fake_quant_2d
+    from mx_recipe import dispatch
 
     x = special_input((96, 160), torch.float32, "cuda")
     with pytest.raises(NotImplementedError, match="takes bf16 input"):
-        mx_kernels.fake_quant_2d.fake_quant_2d(x, "e4m3", "floor", True, False)
+        dispatch.launcher("fake_quant_2d", impl)(x, "e4m3", "floor", True, False)
+    assert dispatch.implementation("fake_quant_2d", x, "e4m3") == "reference"
     ref = to_mx(x.cpu(), "e4m3", "floor").dequantize(torch.float32)
     assert_values_equal(fake_quant_dim0(x, "e4m3", "floor"), ref, "fp32 dispatch")
     assert_values_equal(fake_quant_along_m(x, "e4m3", "floor"), ref_along_m(x, "e4m3", "floor"), "fp32 along M")
@@ -670,26 +694,34 @@ def test_gpu_fake_quant_fp32_refused_by_kernel_and_exact_through_dispatch():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_gpu_every_bf16_value_and_rejections():
+def test_gpu_every_bf16_value_and_rejections(impl):
     bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
     x = bits.view(torch.bfloat16).reshape(-1, 32 * 16)
     for elem in ELEMS:
         for mode in MODES:
-            for run, ref in ((run_dim0, to_mx(x, elem, mode)), (run_dim1, to_mx(x.t().contiguous(), elem, mode))):
-                check_mx(run(x.cuda(), elem, mode, False), ref, None, f"all bf16 {run.__name__} {elem} {mode}")
+            ref0, ref1 = to_mx(x, elem, mode), to_mx(x.t().contiguous(), elem, mode)
+            what = f"{impl} all bf16 {elem} {mode}"
+            check_mx(run_dim0(x.cuda(), elem, mode, False, impl), ref0, None, f"{what} dim0")
+            check_mx(run_dim1(x.cuda(), elem, mode, False, impl), ref1, None, f"{what} dim1")
+            out0, out1 = run_dim0_dim1(x.cuda(), elem, mode, True, impl)
+            check_mx(out0, ref0, to_blocked(ref0.scale), f"{what} fused (dim0)")
+            check_mx(out1, ref1, to_blocked(ref1.scale), f"{what} fused (dim1)")
     with pytest.raises(ValueError, match=r"dim 0 of shape \(33, 64\) has size 33"):
-        cast_dim1(torch.randn(33, 64, device="cuda"))
+        cast_dim1(torch.randn(33, 64, device="cuda", dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="dim 1 of shape"):
-        mx_cast.cast_3d_dim1(torch.randn(2, 33, 64, device="cuda"))
+        mx_cast.cast_3d_dim1(torch.randn(2, 33, 64, device="cuda", dtype=torch.bfloat16))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_gpu_strided_input_and_compile():
+def test_gpu_strided_input_and_compile(impl):
+    from mx_recipe import dispatch
+
     x = special_input((256, 512), torch.bfloat16, "cuda")
+    assert dispatch.implementation("cast_dim0_dim1", x, "e4m3") == impl  # the public API runs this implementation
     xt = x.t()  # non-contiguous [512, 256]
-    check_mx(cast_dim0(xt, "e4m3", "rceil"), to_mx(xt.cpu(), "e4m3", "rceil"), None, "strided dim0")
-    check_mx(cast_dim1(xt, "e4m3", "rceil"), to_mx(x.cpu(), "e4m3", "rceil"), None, "strided dim1")
+    check_mx(cast_dim0(xt, "e4m3", "rceil"), to_mx(xt.cpu(), "e4m3", "rceil"), None, f"{impl} strided dim0")
+    check_mx(cast_dim1(xt, "e4m3", "rceil"), to_mx(x.cpu(), "e4m3", "rceil"), None, f"{impl} strided dim1")
 
     def f(x):
         a, b = cast_dim0_dim1(x, "e4m3", "floor", blocked_scales=True)
@@ -698,10 +730,10 @@ def test_gpu_strided_input_and_compile():
     torch._dynamo.reset()
     outs = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
     ref0, ref1 = to_mx(x.cpu(), "e4m3", "floor"), to_mx(x.cpu().t().contiguous(), "e4m3", "floor")
-    assert_bits_equal(outs[0], ref0.qdata, "compiled q0")
-    assert_bits_equal(outs[1], to_blocked(ref0.scale), "compiled s0")
-    assert_bits_equal(outs[2], ref1.qdata, "compiled q1")
-    assert_bits_equal(outs[3], to_blocked(ref1.scale), "compiled s1")
+    assert_bits_equal(outs[0], ref0.qdata, f"{impl} compiled q0")
+    assert_bits_equal(outs[1], to_blocked(ref0.scale), f"{impl} compiled s0")
+    assert_bits_equal(outs[2], ref1.qdata, f"{impl} compiled q1")
+    assert_bits_equal(outs[3], to_blocked(ref1.scale), f"{impl} compiled s1")
 
 
 @pytest.mark.gpu

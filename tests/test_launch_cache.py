@@ -3,8 +3,8 @@ JIT launch writes.
 
 * CPU: the key (what Triton specializes on), and the cache's decisions, with a recording stand-in for a JIT
   kernel and for Triton's driver. A compiled kernel cannot be loaded without a GPU.
-* GPU (``@pytest.mark.gpu``): the Gluon casts, fake-quant and unblock launched through the cache, byte-equal to
-  the same launches through Triton's JIT (``MX_RECIPE_LAUNCH_CACHE=0``), x aligned and not.
+* GPU (``@pytest.mark.gpu``): every kernel (the Triton ones, the Gluon ones on Hopper) launched through the cache,
+  byte-equal to the same launches through Triton's JIT (``MX_RECIPE_LAUNCH_CACHE=0``), x aligned and not.
 """
 
 from __future__ import annotations
@@ -158,20 +158,38 @@ def test_an_unhashable_argument_is_launched_uncached(cache):
 # GPU: through the cache and through the JIT, the same bytes
 
 
-def launches(x: torch.Tensor):
-    """Public launchers whose Gluon / Triton launches go through a LaunchCache."""
-    from mx_kernels import gluon_cast_groups, gluon_casts, gluon_fake_quant
+def launches(x: torch.Tensor) -> dict:
+    """Launchers of every kernel (each launches through its module's LaunchCache): the Triton ones, and on Hopper
+    the Gluon ones."""
+    from mx_kernels import cast_groups_dim1, fake_quant_2d, triton_casts, unblock_scales
+    from mx_kernels.spec import blocked_numel
 
-    m = x.shape[-2]
+    m, k = x.shape
     offs = torch.tensor([m // 4 // 32 * 32, m // 32 * 32], dtype=torch.int32, device=x.device)
-    return {
-        "dim0 plain": lambda: gluon_casts.gluon_cast_dim0(x, "e4m3", "floor"),
-        "dim1 blocked": lambda: gluon_casts.gluon_cast_dim1(x, "e4m3", "rceil", True),
-        "fused plain": lambda: gluon_casts.gluon_cast_dim0_dim1(x, "e5m2", "floor"),
-        "3d dim1 plain": lambda: gluon_casts.gluon_cast_dim1(x.unsqueeze(0), "e4m3", "floor"),
-        "groups": lambda: gluon_cast_groups.gluon_cast_groups_dim1(x, offs, "e4m3", "rceil"),
-        "fake quant": lambda: gluon_fake_quant.gluon_fake_quant_2d(x, "e4m3", "floor", True, True),
+    src = torch.arange(m // 32 * 32, dtype=torch.int32, device=x.device)  # every row once, in order
+    scales = torch.arange(blocked_numel(m, k // 32), device=x.device).to(torch.uint8)
+    calls = {
+        "triton dim0 plain": lambda: triton_casts.cast_dim0(x, "e4m3", "floor"),
+        "triton dim1 blocked": lambda: triton_casts.cast_dim1(x, "e4m3", "rceil", True),
+        "triton fused": lambda: triton_casts.cast_dim0_dim1(x, "e5m2", "floor"),
+        "triton groups": lambda: cast_groups_dim1.cast_groups_dim1(x, offs, "e4m3", "rceil"),
+        "triton fake quant": lambda: fake_quant_2d.fake_quant_2d(x, "e4m3", "floor", True, True),
+        "triton groups along M": lambda: (fake_quant_2d.fake_quant_groups_along_m(x, src, "e5m2", "rceil"),),
+        "unblock": lambda: (unblock_scales.unblock_scales(scales, m, k // 32),),
     }
+    if torch.cuda.get_device_capability(x.device)[0] == 9:
+        from mx_kernels import gluon_cast_groups, gluon_casts, gluon_fake_quant
+
+        calls.update({
+            "gluon dim0 plain": lambda: gluon_casts.cast_dim0(x, "e4m3", "floor"),
+            "gluon dim1 blocked": lambda: gluon_casts.cast_dim1(x, "e4m3", "rceil", True),
+            "gluon fused plain": lambda: gluon_casts.cast_dim0_dim1(x, "e5m2", "floor"),
+            "gluon 3d dim1 plain": lambda: gluon_casts.cast_dim1(x.unsqueeze(0), "e4m3", "floor"),
+            "gluon groups": lambda: gluon_cast_groups.cast_groups_dim1(x, offs, "e4m3", "rceil"),
+            "gluon fake quant": lambda: gluon_fake_quant.fake_quant_2d(x, "e4m3", "floor", True, True),
+            "gluon groups along M": lambda: (gluon_fake_quant.fake_quant_groups_along_m(x, src, "e5m2", "rceil"),),
+        })  # fmt: skip
+    return calls
 
 
 @pytest.mark.gpu
