@@ -230,14 +230,14 @@ def _plain(blocked: torch.Tensor, x: torch.Tensor, rows: int, cols: int) -> torc
 
 def cast_dim0(x: torch.Tensor, elem: str, mode: str, blocked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] or [E, M, K] (bf16/fp32, K % 32 == 0) -> (qdata fp8 of x's shape, scales e8m0 [.., M, K/32], or
-    blocked: 1D for 2D x, [E, blocked_numel(M, K/32)] for 3D): ``mx_kernels.cast_dim0.cast_dim0``, bit for bit."""
+    blocked: 1D for 2D x, [E, blocked_numel(M, K/32)] for 3D): ``mx_kernels.triton_casts.cast_dim0``, bit for bit."""
     check_cast(x, elem, mode, ndims=(2, 3), qdim=-1, op="gluon cast_dim0")
     return _cast(x, elem, mode, blocked, dim0=True, dim1=False, k_first=True, op="gluon cast_dim0")
 
 
 def cast_dim1(x: torch.Tensor, elem: str, mode: str, blocked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] or [E, M, K] (bf16/fp32, M % 32 == 0) -> (qdata [.., K, M] fp8, scales e8m0 [.., K, M/32], or
-    blocked): ``mx_kernels.cast_dim1.cast_dim1``, bit for bit; 3D x: each expert's [K, M] written directly."""
+    blocked): ``mx_kernels.triton_casts.cast_dim1``, bit for bit; 3D x: each expert's [K, M] written directly."""
     check_cast(x, elem, mode, ndims=(2, 3), qdim=-2, op="gluon cast_dim1")
     k_first = x.dim() == 3 and x.is_cuda and _dim1_3d_k_first(x.device.index)
     return _cast(x, elem, mode, blocked, dim0=False, dim1=True, k_first=k_first, op="gluon cast_dim1")
@@ -247,7 +247,7 @@ def cast_dim0_dim1(
     x: torch.Tensor, elem: str, mode: str, blocked: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16/fp32, M and K multiples of 32) -> (q0 [M, K], s0, q1 [K, M], s1) from one read of x:
-    ``mx_kernels.cast_dim0_dim1.cast_dim0_dim1``, bit for bit."""
+    ``mx_kernels.triton_casts.cast_dim0_dim1``, bit for bit."""
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="gluon cast_dim0_dim1")
     check_cast(x, elem, mode, ndims=(2,), qdim=1, op="gluon cast_dim0_dim1")
     return _cast(x, elem, mode, blocked, dim0=True, dim1=True, k_first=True, op="gluon cast_dim0_dim1")

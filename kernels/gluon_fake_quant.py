@@ -163,7 +163,7 @@ def fake_quant_2d(
 
 
 def fake_quant_groups_along_m(x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str) -> torch.Tensor:
-    """x [M, K] bf16, row_src int32 [R] -> [M, K]: ``fake_quant_2d.fake_quant_groups_along_m`` bit for bit
+    """x [M, K] bf16, row_src int32 [R] -> [M, K]: ``mx_kernels.fake_quant_2d.fake_quant_groups_along_m`` bit for bit
     (row_src is not checked on the GPU: a row of x it does not list is left unwritten)."""
     return fake_quant_groups_outputs(x, row_src, elem, mode, _launch, "gluon fake_quant_groups_along_m")
 
