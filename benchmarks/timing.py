@@ -137,7 +137,8 @@ def git_commit() -> str:
     if os.environ.get("MX_GIT_COMMIT"):
         return os.environ["MX_GIT_COMMIT"]
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
+        root = Path(__file__).resolve().parents[1]
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=root).stdout
         return out.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

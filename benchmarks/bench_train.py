@@ -1,0 +1,166 @@
+"""Training steps of one config in bf16 and in each MX recipe, on one device, timed in interleaved rounds.
+
+    python benchmarks/bench_train.py --config llama1b_bf16 --recipes mxfp8 [--layers N] [--steps 10]
+        [--warmup 3] [--rounds 3] [--out FILE] [--section.key value ...]
+
+Every variant is the config as train.py builds it (conversion, activation checkpointing, compile per
+block, FSDP2 over a 1-process group), with ``mx.recipe`` set to "none" (bf16) or to one of ``--recipes``;
+``--layers`` keeps the first N blocks (to fit a large flavor on one GPU). All variants are resident at
+once and train on the same pre-drawn batches: after ``--warmup`` steps each (compilation), every round
+runs ``--steps`` steps of each variant in turn, so that a drift of the clock lands on all of them.
+Printed per variant: median tokens/s over the rounds, MFU, the peak memory of its steps (the other
+variants' weights and optimizer state included) and the ratio to bf16, with the device name; ``--out``
+writes JSON with provenance for docs/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+import torch
+from timing import run_meta
+
+from mx_recipe.models import flops_per_token, model_args
+from mx_recipe.train.config import ConfigError, load_config, parse_overrides
+from mx_recipe.train.data import build_datasets
+from mx_recipe.train.metrics import device_peak_flops
+from mx_recipe.train.parallel import build_mesh, destroy_distributed, init_distributed
+from mx_recipe.train.trainer import build_sharded_model, forward_backward, padded_vocab_size
+
+
+@dataclasses.dataclass
+class Variant:
+    """One recipe's model and optimizer, and what its rounds measured."""
+
+    recipe: str
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    flops_per_token: float
+    tokens_per_sec: list[float] = dataclasses.field(default_factory=list)
+    peak_gib: float | None = None  # CUDA only
+    losses: list[float] = dataclasses.field(default_factory=list)
+
+
+def with_layers(dims, layers: int | None):
+    """The model dims with only the first ``layers`` blocks (None: as the flavor has them)."""
+    if layers is None:
+        return dims
+    if not 0 < layers <= dims.n_layers:
+        raise SystemExit(f"--layers {layers}: the flavor has {dims.n_layers} blocks")
+    return dataclasses.replace(dims, n_layers=layers)
+
+
+def build_variant(config, recipe: str, dims, info, mesh) -> Variant:
+    config = dataclasses.replace(config, mx=dataclasses.replace(config.mx, recipe=recipe))
+    model = build_sharded_model(config, dims, info, mesh, log=lambda *a: None)
+    t = config.training
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay
+    )
+    return Variant(recipe, model, optimizer, flops_per_token(dims, model, t.seq_len))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_steps(v: Variant, batches: list, device: torch.device) -> float:
+    """Train on ``batches`` (one list of microbatches per step); returns the seconds it took, the device
+    synchronized at both ends. The last step's loss is kept (a non-finite one stops the benchmark)."""
+    synchronize(device)
+    start = time.perf_counter()
+    for microbatches in batches:
+        loss = forward_backward(v.model, microbatches, device)
+        v.optimizer.step()
+        v.optimizer.zero_grad(set_to_none=True)
+    synchronize(device)
+    elapsed = time.perf_counter() - start
+    v.losses.append(loss.item())
+    if not torch.isfinite(loss):
+        raise SystemExit(f"{v.recipe}: the loss is {loss.item()}")
+    return elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="configs/NAME[.toml] or a path; its mx.recipe is ignored")
+    parser.add_argument("--recipes", nargs="+", default=["mxfp8"], help="MX recipes to time against bf16")
+    parser.add_argument("--layers", type=int, help="keep the first N transformer blocks")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (compilation)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", help="write the rows as JSON here, with provenance")
+    args, rest = parser.parse_known_args()
+    if min(args.steps, args.rounds) < 1 or args.warmup < 0:
+        raise SystemExit("--steps and --rounds must be >= 1 and --warmup >= 0")
+    try:
+        config = load_config(args.config, parse_overrides(rest))
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
+
+    info = init_distributed()
+    if info.world_size != 1:
+        raise SystemExit("bench_train.py times one device: run it with python, not torchrun")
+    try:
+        t = config.training
+        data = build_datasets(config, info.rank, info.world_size)
+        vocab = padded_vocab_size(data.tokenizer.vocab_size)
+        dims = with_layers(model_args(config.model.name, config.model.flavor, vocab, t.seq_len), args.layers)
+        mesh = build_mesh(info, config.parallel.dp_replicate)
+        variants = [build_variant(config, r, dims, info, mesh) for r in ["none", *args.recipes]]
+        steps = max(args.steps, args.warmup)
+        batches = [[data.train.next_batch() for _ in range(t.gradient_accumulation_steps)] for _ in range(steps)]
+        tokens = args.steps * t.gradient_accumulation_steps * t.local_batch_size * t.seq_len
+        device_name = torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu"
+        print(
+            f"device: {device_name}, torch {torch.__version__}, {config.model.name} {config.model.flavor} "
+            f"({dims.n_layers} blocks), {t.local_batch_size} x {t.seq_len} tokens x {t.gradient_accumulation_steps} "
+            f"microbatches a step, compile {'on' if config.compile.enable else 'off'}"
+        )
+        for v in variants:
+            run_steps(v, batches[: args.warmup], info.device)
+        for _ in range(args.rounds):
+            for v in variants:
+                if info.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(info.device)
+                v.tokens_per_sec.append(tokens / run_steps(v, batches[: args.steps], info.device))
+                if info.device.type == "cuda":
+                    v.peak_gib = max(v.peak_gib or 0.0, torch.cuda.max_memory_allocated(info.device) / 2**30)
+        rows = report(variants, device_peak_flops(info.device))
+    finally:
+        destroy_distributed(barrier=False)
+    if args.out:
+        meta = run_meta(config=args.config, layers=dims.n_layers, steps=args.steps, rounds=args.rounds)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
+
+
+def report(variants: list[Variant], peak_flops: float | None) -> list[dict]:
+    """Print one line per variant and return them as rows (the first variant is bf16)."""
+    base = statistics.median(variants[0].tokens_per_sec)
+    rows = []
+    for v in variants:
+        tps = statistics.median(v.tokens_per_sec)
+        spread = (max(v.tokens_per_sec) - min(v.tokens_per_sec)) / tps
+        mfu = None if peak_flops is None else 100 * tps * v.flops_per_token / peak_flops
+        name = "bf16" if v.recipe == "none" else v.recipe
+        row = dict(recipe=name, tokens_per_sec=tps, ratio=tps / base, mfu=mfu, peak_gib=v.peak_gib)
+        rows.append(row | dict(rounds_spread=spread, last_loss=v.losses[-1]))
+        mfu_text = "n/a" if mfu is None else f"{mfu:.1f}%"
+        peak = "n/a" if v.peak_gib is None else f"{v.peak_gib:.2f} GiB"
+        print(
+            f"{name:>16}: {tps:>10,.0f} tokens/s  {tps / base:.3f}x bf16  MFU {mfu_text:>6}  "
+            f"peak {peak:>10}  rounds spread {spread:.1%}  last loss {v.losses[-1]:.4f}"
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())

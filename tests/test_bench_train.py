@@ -1,0 +1,39 @@
+"""benchmarks/bench_train.py on the CPU: every variant trains on the same batches from the same weights, and the
+result file holds one row per recipe with bf16 first (its timings only mean something on a GPU)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from script_module import BENCHMARKS, REPO, load_benchmark
+
+
+def test_bf16_and_mx_rows_from_one_run(tmp_path):
+    out = tmp_path / "train.json"
+    cmd = [sys.executable, str(BENCHMARKS / "bench_train.py"), "--config", "debug_bf16", "--recipes", "mxfp8"]
+    cmd += ["--steps", "1", "--warmup", "1", "--rounds", "2", "--out", str(out), "--compile.enable", "false"]
+    cmd += ["--training.seq_len", "64", "--training.local_batch_size", "2", "--model.flavor", "debug"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "device: cpu" in done.stdout and "x bf16" in done.stdout
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert [r["recipe"] for r in rows] == ["bf16", "mxfp8"]
+    assert rows[0]["ratio"] == 1.0 and rows[1]["tokens_per_sec"] > 0
+    assert rows[0]["peak_gib"] is None  # CUDA only
+    # same weights and batches, three steps each: close losses, but MX rounding makes them differ
+    bf16, mx = rows[0]["last_loss"], rows[1]["last_loss"]
+    assert bf16 != mx and abs(bf16 - mx) < 0.05 * bf16
+    assert data["meta"]["command"].startswith("python benchmarks/bench_train.py --config debug_bf16")
+    assert data["meta"]["layers"] == 4
+
+
+def test_layers_keeps_the_first_blocks_and_refuses_more_than_the_flavor_has():
+    bench = load_benchmark("bench_train")
+    from mx_recipe.models import model_args
+
+    dims = model_args("llama", "debug", 256, 64)
+    assert bench.with_layers(dims, None) is dims and bench.with_layers(dims, 2).n_layers == 2
+    with pytest.raises(SystemExit, match="--layers 5: the flavor has 4 blocks"):
+        bench.with_layers(dims, 5)
