@@ -73,6 +73,8 @@ def synchronize(device: torch.device) -> None:
 def run_steps(v: Variant, batches: list, device: torch.device) -> float:
     """Train on ``batches`` (one list of microbatches per step); returns the seconds it took, the device
     synchronized at both ends. The last step's loss is kept (a non-finite one stops the benchmark)."""
+    if not batches:  # --warmup 0
+        return 0.0
     synchronize(device)
     start = time.perf_counter()
     for microbatches in batches:

@@ -132,7 +132,7 @@ def training_targets(folders: list[Path]) -> dict[str, list[str]]:
                 if r["mx_recipe"].startswith("mxfp8"):
                     cells.setdefault(device, []).append(f"{name} {r['mx_recipe']} {r['tokens_per_sec_ratio']:.3f}x")
         else:
-            speed = {run.name: float(run_summary(run)[4].replace(",", "")) for run in runs_of(folder)}
+            speed = {run.name: median_tokens_per_sec(train_records(run)) for run in runs_of(folder)}
             for name, tokens in speed.items():
                 if name.endswith("_mxfp8") and name.replace("_mxfp8", "_bf16") in speed:
                     ratio = tokens / speed[name.replace("_mxfp8", "_bf16")]
@@ -257,17 +257,25 @@ def moe_section(path: Path) -> list[str]:
     return lines + ["", source_line(meta, path.name), ""]
 
 
-def run_summary(run: Path) -> list[str]:
+def train_records(run: Path) -> list[dict]:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train = [r for r in records if "loss" in r]
-    steady = [r["tokens_per_sec"] for r in train if r["step"] > 1] or [train[-1]["tokens_per_sec"]]
+    return [r for r in records if "loss" in r]
+
+
+def median_tokens_per_sec(train: list[dict]) -> float:
+    """Over the steps after the first (compilation), or the last step where there is only one."""
+    return statistics.median([r["tokens_per_sec"] for r in train if r["step"] > 1] or [train[-1]["tokens_per_sec"]])
+
+
+def run_summary(run: Path) -> list[str]:
+    train = train_records(run)
     mfu = [r["mfu"] for r in train if r["step"] > 1 and r.get("mfu") is not None]
     return [
         run.name,
         str(train[-1]["step"]),
         f"{train[0]['loss']:.4f}",
         f"{train[-1]['loss']:.4f}",
-        f"{statistics.median(steady):,.0f}",
+        f"{median_tokens_per_sec(train):,.0f}",
         f"{statistics.median(mfu):.1f}%" if mfu else "n/a",
         f"{max(r['memory_gib'] for r in train):.2f}",
     ]

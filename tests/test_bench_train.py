@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from script_module import BENCHMARKS, REPO, load_benchmark
 
 
@@ -37,3 +38,10 @@ def test_layers_keeps_the_first_blocks_and_refuses_more_than_the_flavor_has():
     assert bench.with_layers(dims, None) is dims and bench.with_layers(dims, 2).n_layers == 2
     with pytest.raises(SystemExit, match="--layers 5: the flavor has 4 blocks"):
         bench.with_layers(dims, 5)
+
+
+def test_no_warmup_steps_run_nothing():
+    bench = load_benchmark("bench_train")
+    model = torch.nn.Linear(2, 2)
+    v = bench.Variant("none", model, torch.optim.AdamW(model.parameters()), 1.0)
+    assert bench.run_steps(v, [], torch.device("cpu")) == 0.0 and v.losses == []
