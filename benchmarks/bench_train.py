@@ -11,6 +11,10 @@ runs ``--steps`` steps of each variant in turn, so that a drift of the clock lan
 Printed per variant: median tokens/s over the rounds, MFU, the peak memory of its steps (the other
 variants' weights and optimizer state included) and the ratio to bf16, with the device name; ``--out``
 writes JSON with provenance for docs/results/.
+
+``--profile`` then profiles two more steps of each variant (torch.profiler) and prints where a step's
+time goes: GPU kernel time by kind (GEMM, attention, MX cast, fused elementwise, optimizer, copies)
+and the rest of the wall time, when the GPU waits on the host.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import statistics
 import sys
 import time
 
 import torch
 from timing import run_meta
+from torch.profiler import ProfilerActivity, profile
 
 from mx_recipe.models import flops_per_token, model_args
 from mx_recipe.train.config import ConfigError, load_config, parse_overrides
@@ -44,6 +50,7 @@ class Variant:
     tokens_per_sec: list[float] = dataclasses.field(default_factory=list)
     peak_gib: float | None = None  # CUDA only
     losses: list[float] = dataclasses.field(default_factory=list)
+    profile: dict[str, float] | None = None  # ms per step by kernel kind, and "GPU idle"
 
 
 def with_layers(dims, layers: int | None):
@@ -89,6 +96,44 @@ def run_steps(v: Variant, batches: list, device: torch.device) -> float:
     return elapsed
 
 
+# Kernel kinds by name, first match wins: our MX kernels, Inductor's (triton_poi/red/per_fused_...), then
+# flash attention, cuBLAS/CUTLASS GEMMs, the fused optimizer, copies and collectives; then the rest.
+KERNEL_KINDS = [
+    ("MX cast", re.compile(r"_cast_kernel|_cast_groups_dim1|fake_quant|_unblock_kernel")),
+    ("fused elementwise", re.compile(r"^triton_")),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),  # before GEMM: their names hold "cutlass"
+    ("GEMM", re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|sm90_|sm100_|s16816|cublas", re.I)),
+    ("optimizer", re.compile(r"multi_tensor|foreach|adam", re.I)),
+    ("copy/collective", re.compile(r"nccl|memcpy|memset|copy|cat_|chunk_cat|split_with_sizes", re.I)),
+]
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+
+
+def profile_steps(v: Variant, batches: list, device: torch.device) -> dict[str, float]:
+    """ms per step of each kernel kind over ``batches`` (profiled), and "GPU idle": the wall time no
+    kernel covers (the GPU waiting on the host; a lower bound when kernels overlap)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # no CPU events: they slow the host
+        wall = run_steps(v, batches, device)
+    by_kind = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
+    for event in prof.key_averages():
+        if event.device_type.name == "CUDA":
+            by_kind[kernel_kind(event.key)] += event.device_time_total / 1e3 / len(batches)
+    by_kind["GPU idle"] = max(0.0, 1e3 * wall / len(batches) - sum(by_kind.values()))
+    return by_kind
+
+
+def print_profiles(variants: list[Variant]) -> None:
+    kinds = list(variants[0].profile)
+    print("\nms per step by kernel kind (torch.profiler):")
+    print(f"{'':>18}" + "".join(f"{v.recipe if v.recipe != 'none' else 'bf16':>12}" for v in variants))
+    for kind in kinds:
+        print(f"{kind:>18}" + "".join(f"{v.profile[kind]:>12.1f}" for v in variants))
+    print(f"{'step':>18}" + "".join(f"{sum(v.profile.values()):>12.1f}" for v in variants))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="configs/NAME[.toml] or a path; its mx.recipe is ignored")
@@ -98,6 +143,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (compilation)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", help="write the rows as JSON here, with provenance")
+    parser.add_argument("--profile", action="store_true", help="then profile 2 steps of each variant")
     args, rest = parser.parse_known_args()
     if min(args.steps, args.rounds) < 1 or args.warmup < 0:
         raise SystemExit("--steps and --rounds must be >= 1 and --warmup >= 0")
@@ -109,6 +155,8 @@ def main() -> int:
     info = init_distributed()
     if info.world_size != 1:
         raise SystemExit("bench_train.py times one device: run it with python, not torchrun")
+    if args.profile and info.device.type != "cuda":
+        raise SystemExit("--profile breaks GPU kernel time down: it needs a CUDA device")
     try:
         t = config.training
         data = build_datasets(config, info.rank, info.world_size)
@@ -116,7 +164,7 @@ def main() -> int:
         dims = with_layers(model_args(config.model.name, config.model.flavor, vocab, t.seq_len), args.layers)
         mesh = build_mesh(info, config.parallel.dp_replicate)
         variants = [build_variant(config, r, dims, info, mesh) for r in ["none", *args.recipes]]
-        steps = max(args.steps, args.warmup)
+        steps = max(args.steps, args.warmup, 2)
         batches = [[data.train.next_batch() for _ in range(t.gradient_accumulation_steps)] for _ in range(steps)]
         tokens = args.steps * t.gradient_accumulation_steps * t.local_batch_size * t.seq_len
         device_name = torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu"
@@ -135,6 +183,10 @@ def main() -> int:
                 if info.device.type == "cuda":
                     v.peak_gib = max(v.peak_gib or 0.0, torch.cuda.max_memory_allocated(info.device) / 2**30)
         rows = report(variants, device_peak_flops(info.device))
+        if args.profile:
+            for v, row in zip(variants, rows, strict=True):
+                v.profile = row["profile_ms_per_step"] = profile_steps(v, batches[:2], info.device)
+            print_profiles(variants)
     finally:
         destroy_distributed(barrier=False)
     if args.out:

@@ -93,15 +93,18 @@ def cast_groups_dim1(x: torch.Tensor, offs: torch.Tensor, elem: str, mode: str) 
     m, k = x.shape
     if k == 0:
         return qdata, scale
-    max_tile_cols = cdiv(m // 32, 4) + offs.numel()  # as spec.blocked_groups_numel
-    grid = (max_tile_cols, cdiv(cdiv(k, 128) * 128, BLOCK_K))
-    _LAUNCHES.launch(
-        grid,
-        dict(
+    software = software_round(x, "cast_groups_dim1")
+
+    def build() -> tuple[tuple[int, int], dict]:
+        max_tile_cols = cdiv(m // 32, 4) + offs.numel()  # as spec.blocked_groups_numel
+        grid = (max_tile_cols, cdiv(cdiv(k, 128) * 128, BLOCK_K))
+        return grid, dict(
             x_ptr=x, offs_ptr=offs, q_ptr=qdata.view(torch.uint8), s_ptr=scale.view(torch.uint8), M=m, K=k,
             num_groups=offs.numel(), max_tile_cols=max_tile_cols, stride_xm=x.stride(0), stride_xk=x.stride(1),
             GROUPS_POW2=triton.next_power_of_2(offs.numel()), BLOCK_K=BLOCK_K, ELEM=elem, RCEIL=mode == "rceil",
-            SOFTWARE_ROUND=software_round(x, "cast_groups_dim1"), num_warps=NUM_WARPS,
-        ),
-    )  # fmt: skip
+            SOFTWARE_ROUND=software, num_warps=NUM_WARPS,
+        )  # fmt: skip
+
+    key = (x.shape, x.stride(), x.dtype, offs.numel(), elem, mode, software)
+    _LAUNCHES.launch_keyed(key, build, x_ptr=x, offs_ptr=offs, q_ptr=qdata, s_ptr=scale)
     return qdata, scale

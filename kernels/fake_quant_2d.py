@@ -113,20 +113,29 @@ def _launch(
     along_k: bool, along_m: bool, m: int, m_pad: int,
 ) -> None:  # fmt: skip
     """``m``: the rows the kernel walks (x's, or row_src's with row_src); ``m_pad``: along M's rows."""
+    software = software_round(x, "fake_quant_2d")
+    key = (x.shape, x.stride(), x.dtype, row_src is None, elem, mode, along_k, along_m, m, m_pad, software)
+    _LAUNCHES.launch_keyed(
+        key, lambda: _kernel_launch(x, row_src, out_k, out_m, elem, mode, along_k, along_m, m, m_pad, software),
+        x_ptr=x, src_ptr=x if row_src is None else row_src, k_ptr=out_k, m_ptr=out_m,
+    )  # fmt: skip
+
+
+def _kernel_launch(
+    x: torch.Tensor, row_src: torch.Tensor | None, out_k: torch.Tensor, out_m: torch.Tensor, elem: str, mode: str,
+    along_k: bool, along_m: bool, m: int, m_pad: int, software: bool,
+) -> tuple[tuple[int, int, int], dict]:  # fmt: skip
+    """(grid, keyword arguments) of one launch."""
     x3 = x if x.dim() == 3 else x.unsqueeze(0)
     num_batch, _, k = x3.shape
     block_m, block_k, num_warps = TILE if along_k else ALONG_M_TILE
-    software = software_round(x, "fake_quant_2d")
     bits = software and x.dtype == torch.bfloat16  # the interpreter: bf16 bits rounded by hand
     grid = (cdiv(m_pad if along_m else m, block_m), cdiv(k, block_k), num_batch)
-    _LAUNCHES.launch(
-        grid,
-        dict(
-            x_ptr=x3, src_ptr=x3 if row_src is None else row_src,
-            k_ptr=out_k.view(torch.int16) if bits and along_k else out_k,
-            m_ptr=out_m.view(torch.int16) if bits and along_m else out_m,
-            M=m, M_PAD=m_pad, K=k, stride_xb=x3.stride(0), stride_xm=x3.stride(1), stride_xk=x3.stride(2),
-            BLOCK_M=block_m, BLOCK_K=block_k, ALONG_K=along_k, ALONG_M=along_m, ELEM=elem, RCEIL=mode == "rceil",
-            SOFTWARE_ROUND=software, OUT_BF16_BITS=bits, GATHER=row_src is not None, num_warps=num_warps,
-        ),
+    return grid, dict(
+        x_ptr=x3, src_ptr=x3 if row_src is None else row_src,
+        k_ptr=out_k.view(torch.int16) if bits and along_k else out_k,
+        m_ptr=out_m.view(torch.int16) if bits and along_m else out_m,
+        M=m, M_PAD=m_pad, K=k, stride_xb=x3.stride(0), stride_xm=x3.stride(1), stride_xk=x3.stride(2),
+        BLOCK_M=block_m, BLOCK_K=block_k, ALONG_K=along_k, ALONG_M=along_m, ELEM=elem, RCEIL=mode == "rceil",
+        SOFTWARE_ROUND=software, OUT_BF16_BITS=bits, GATHER=row_src is not None, num_warps=num_warps,
     )  # fmt: skip

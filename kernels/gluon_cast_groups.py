@@ -265,9 +265,14 @@ def cast_groups_dim1(x: torch.Tensor, offs: torch.Tensor, elem: str, mode: str) 
     if k and not m:  # no rows: the buffer (G tile columns of padding) is zeros, as the Triton kernel writes it
         scale.view(torch.uint8).zero_()
     elif k:
-        tile = tile_for(m, offs.numel())
-        grid, kwargs = kernel_launch(x, offs, qdata.view(torch.uint8), scale.view(torch.uint8), elem, mode, tile)
-        _LAUNCHES.launch(grid, kwargs)
+        key = (x.shape, x.stride(), x.dtype, offs.numel(), elem, mode)
+        _LAUNCHES.launch_keyed(
+            key,
+            lambda: kernel_launch(
+                x, offs, qdata.view(torch.uint8), scale.view(torch.uint8), elem, mode, tile_for(m, offs.numel())
+            ),
+            x_ptr=x, offs_ptr=offs, q_ptr=qdata, s_ptr=scale,
+        )  # fmt: skip
     return qdata, scale
 
 

@@ -210,9 +210,14 @@ def _cast(
         empty_outputs(x, elem, dim1_shapes(x.shape, True)) if dim1 else []
     )
     if x.numel():
-        views = [t.view(torch.uint8) for t in outs]
-        grid, kwargs = kernel_launch(x, tuple(views * (2 if len(views) == 2 else 1)), elem, mode, dim0, dim1, k_first)
-        _LAUNCHES.launch(grid, kwargs)
+        q0, s0, q1, s1 = outs * (2 if len(outs) == 2 else 1)  # a one-sided cast: its pair stands in for the other
+
+        def build() -> tuple[tuple[int, ...], dict]:
+            views = tuple(t.view(torch.uint8) for t in (q0, s0, q1, s1))
+            return kernel_launch(x, views, elem, mode, dim0, dim1, k_first)
+
+        key = (x.shape, x.stride(), x.dtype, elem, mode, dim0, dim1, k_first)
+        _LAUNCHES.launch_keyed(key, build, x_ptr=x, q0_ptr=q0, s0_ptr=s0, q1_ptr=q1, s1_ptr=s1)
     if not blocked:  # [E, n] blocked -> [E, rows, cols] for 3D x, all experts in one launch
         m, k = x.shape[-2:]
         if dim0:

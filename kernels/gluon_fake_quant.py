@@ -150,8 +150,11 @@ def _launch(
     require_gpu(x, "gluon fake_quant_2d")
     if x.dtype != torch.bfloat16:
         raise NotImplementedError(f"gluon fake_quant_2d: the Gluon kernel takes bf16 input, got {x.dtype}")
-    grid, kwargs = kernel_launch(x, row_src, out_k, out_m, elem, mode, along_k, along_m, m, m_pad)
-    _LAUNCHES.launch(grid, kwargs)
+    key = (x.shape, x.stride(), row_src is None, elem, mode, along_k, along_m, m, m_pad)
+    _LAUNCHES.launch_keyed(
+        key, lambda: kernel_launch(x, row_src, out_k, out_m, elem, mode, along_k, along_m, m, m_pad),
+        x_ptr=x, src_ptr=x if row_src is None else row_src, k_ptr=out_k, m_ptr=out_m,
+    )  # fmt: skip
 
 
 def fake_quant_2d(

@@ -15,13 +15,18 @@ A key seen before runs the CompiledKernel that Triton's first launch returned. A
 the JIT launch, which compiles the kernel or finds it in Triton's own cache. The JIT launch is also taken
 when launch hooks are set (profilers such as proton see every launch then), under the Triton interpreter,
 and with ``MX_RECIPE_LAUNCH_CACHE=0``.
+
+Building the keyword arguments and their key still cost about 10 us a call on that host. A launcher that
+knows a cheaper key, its own arguments (shapes, strides, formats), calls ``launch_keyed(key, build,
+**tensors)`` instead: ``build()`` runs only the first time that key (with the tensors' alignments) is
+seen, and later calls pass the tensors' addresses straight to the compiled kernel's launcher.
 """
 
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from triton import knobs
@@ -54,9 +59,14 @@ class _Plan:
         self.function, self.packed_metadata = compiled.function, compiled.packed_metadata
         self.grid = (*grid, 1, 1)[:3]
         self.args = [kwargs.get(p.name, p.default) for p in params]  # as the JIT binds them, defaults included
-        self.slots = [(i, p.name) for i, p in enumerate(params) if isinstance(self.args[i], torch.Tensor)]
+        self.slots = self.tensor_slots(params, kwargs)
         for i, _ in self.slots:  # hold no tensor of the first call: it would stay allocated as long as the plan
             self.args[i] = None
+
+    @staticmethod
+    def tensor_slots(params: list, kwargs: dict) -> list[tuple[int, str]]:
+        """(position, name) of each tensor argument of a launch."""
+        return [(i, p.name) for i, p in enumerate(params) if isinstance(kwargs.get(p.name), torch.Tensor)]
 
     def __call__(self, kwargs: dict, device: int) -> None:
         args = self.args.copy()
@@ -74,10 +84,15 @@ class LaunchCache:
         self.kernel = kernel
         self.max_plans = max_plans
         self.plans: OrderedDict[tuple, _Plan] = OrderedDict()
+        self.keyed: OrderedDict[tuple, _Plan] = OrderedDict()  # launch_keyed's keys
+
+    def _bypass(self) -> bool:
+        """Whether every launch takes Triton's JIT path (see the module docstring)."""
+        return os.environ.get(LAUNCH_CACHE_ENV) == "0" or knobs.runtime.interpret or _hooks_set()
 
     def launch(self, grid: Sequence[int], kwargs: dict) -> None:
         """``kernel[grid](**kwargs)``, with every argument passed by name (num_warps and the like included)."""
-        if os.environ.get(LAUNCH_CACHE_ENV) == "0" or knobs.runtime.interpret or _hooks_set():
+        if self._bypass():
             self.kernel[grid](**kwargs)
             return
         device = driver.active.get_current_device()
@@ -95,3 +110,28 @@ class LaunchCache:
         self.plans[key] = _Plan(compiled, grid, self.kernel.params, kwargs)
         if len(self.plans) > self.max_plans:
             self.plans.popitem(last=False)
+
+    def launch_keyed(self, key: tuple, build: Callable[[], tuple[Sequence[int], dict]], **tensors: torch.Tensor):
+        """``launch(*build())`` where ``key`` (hashable) determines ``build()``'s grid and every argument except
+        the addresses of ``tensors``, the launch's tensor arguments by parameter name (so their shapes, strides
+        and dtypes belong in ``key``; a tensor may be passed as any view of the same address)."""
+        if self._bypass():
+            grid, kwargs = build()
+            self.kernel[grid](**kwargs)
+            return
+        device = driver.active.get_current_device()
+        ptrs = {name: t.data_ptr() for name, t in tensors.items()}
+        full_key = (device, key, *[p % 16 == 0 for p in ptrs.values()])
+        plan = self.keyed.get(full_key)
+        if plan is None:
+            grid, kwargs = build()
+            if {name for _, name in _Plan.tensor_slots(self.kernel.params, kwargs)} != set(tensors):
+                raise ValueError(f"launch_keyed: the tensors passed, {sorted(tensors)}, are not the launch's")
+            self.launch(grid, kwargs)
+            plan = self.plans.get(launch_key(grid, kwargs, device))
+            if plan is not None:
+                self.keyed[full_key] = plan
+                if len(self.keyed) > self.max_plans:
+                    self.keyed.popitem(last=False)
+            return
+        plan(ptrs, device)  # addresses as ints: Triton's launcher takes them as they are

@@ -72,22 +72,26 @@ def _cast(x: torch.Tensor, elem: str, mode: str, blocked: bool, dim0: bool, dim1
     )
     if not any(t.numel() for t in outs):
         return outs
-    x3 = x if x.dim() == 3 else x.unsqueeze(0)
-    num_batch, m, k = x3.shape
-    num_sub, block_k, num_warps = DIM1_TILE if dim1 else DIM0_TILE
-    grid = (*tile_grid(m, k, 32 * num_sub, block_k, 128 if blocked else 1), num_batch)
-    q0, s0, q1, s1 = [t.view(torch.uint8) for t in outs] * (1 if dim0 and dim1 else 2)  # a missing half: stand-ins
-    _LAUNCHES.launch(
-        grid,
-        dict(
-            x_ptr=x3, q0_ptr=q0, s0_ptr=s0, q1_ptr=q1, s1_ptr=s1, M=m, K=k, stride_xb=x3.stride(0),
+    q0, s0, q1, s1 = outs * (1 if dim0 and dim1 else 2)  # a missing half: stand-ins
+    software = software_round(x, op)
+
+    def build() -> tuple[tuple[int, ...], dict]:
+        x3 = x if x.dim() == 3 else x.unsqueeze(0)
+        num_batch, m, k = x3.shape
+        num_sub, block_k, num_warps = DIM1_TILE if dim1 else DIM0_TILE
+        grid = (*tile_grid(m, k, 32 * num_sub, block_k, 128 if blocked else 1), num_batch)
+        u8 = [t.view(torch.uint8) for t in (q0, s0, q1, s1)]
+        return grid, dict(
+            x_ptr=x3, q0_ptr=u8[0], s0_ptr=u8[1], q1_ptr=u8[2], s1_ptr=u8[3], M=m, K=k, stride_xb=x3.stride(0),
             stride_xm=x3.stride(1), stride_xk=x3.stride(2), stride_qb=m * k,
             stride_s0b=s0[0].numel() if x.dim() == 3 and dim0 else 0,
             stride_s1b=s1[0].numel() if x.dim() == 3 and dim1 else 0, DIM0=dim0, DIM1=dim1, NUM_SUB=num_sub,
-            BLOCK_K=block_k, BLOCKED=blocked, ELEM=elem, RCEIL=mode == "rceil", SOFTWARE_ROUND=software_round(x, op),
+            BLOCK_K=block_k, BLOCKED=blocked, ELEM=elem, RCEIL=mode == "rceil", SOFTWARE_ROUND=software,
             num_warps=num_warps,
-        ),
-    )  # fmt: skip
+        )  # fmt: skip
+
+    key = (x.shape, x.stride(), x.dtype, elem, mode, blocked, dim0, dim1, software)
+    _LAUNCHES.launch_keyed(key, build, x_ptr=x, q0_ptr=q0, s0_ptr=s0, q1_ptr=q1, s1_ptr=s1)
     return outs
 
 

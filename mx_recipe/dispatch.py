@@ -194,33 +194,39 @@ def device_table() -> str:
 
 # --- the custom ops ---
 
+# Defined with torch.library.Library rather than torch.library.custom_op: the same dispatcher op, but its
+# wrappers (autograd checks, alias checks) cost about 28 us a call on an H200 host, more than the launch.
+_LIB = torch.library.Library("mx_recipe", "FRAGMENT")
 
-def _one_side_cast_op(name: str, qdim: int, shapes: Callable) -> Callable:
-    """The custom op of the one-sided cast ``name`` (x [M, K] or [E, M, K], quantized along ``qdim``)."""
 
-    @torch.library.custom_op(f"mx_recipe::{name}", mutates_args=())
-    def op(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
+def _define(schema: str, kernel: Callable, fake: Callable) -> None:
+    """torch.ops.mx_recipe.<name>: ``kernel`` on CUDA tensors (and CPU ones, which the Triton interpreter
+    runs and the launchers otherwise refuse), ``fake`` for tracing (shapes only)."""
+    name = schema.split("(")[0]
+    _LIB.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
+    for device in ("CUDA", "CPU"):
+        _LIB.impl(name, kernel, device)
+    torch.library.register_fake(f"mx_recipe::{name}", fake, lib=_LIB)
+
+
+def _one_side_cast_op(name: str, qdim: int, shapes: Callable) -> None:
+    """The op of the one-sided cast ``name`` (x [M, K] or [E, M, K], quantized along ``qdim``)."""
+
+    def kernel(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
         return _kernel(name, x)(x, elem, mode, blocked)
 
-    @op.register_fake
-    def _(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
+    def fake(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
         check_cast(x, elem, mode, ndims=(2, 3), qdim=qdim, op=name)
         return tuple(empty_outputs(x, elem, shapes(x.shape, blocked)))
 
-    return op
+    _define(f"{name}(Tensor x, str elem, str mode, bool blocked) -> (Tensor, Tensor)", kernel, fake)
 
 
-cast_dim0 = _one_side_cast_op("cast_dim0", -1, dim0_shapes)
-cast_dim1 = _one_side_cast_op("cast_dim1", -2, dim1_shapes)
+_one_side_cast_op("cast_dim0", -1, dim0_shapes)
+_one_side_cast_op("cast_dim1", -2, dim1_shapes)
 
 
-@torch.library.custom_op("mx_recipe::cast_dim0_dim1", mutates_args=())
-def cast_dim0_dim1(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _kernel("cast_dim0_dim1", x)(x, elem, mode, blocked)
-
-
-@cast_dim0_dim1.register_fake
-def _(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _cast_dim0_dim1_fake(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_dim0_dim1")
     check_cast(x, elem, mode, ndims=(2,), qdim=1, op="cast_dim0_dim1")
     return (
@@ -229,43 +235,52 @@ def _(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor, T
     )
 
 
-@torch.library.custom_op("mx_recipe::cast_groups_dim1", mutates_args=())
-def cast_groups_dim1(x: Tensor, elem: str, mode: str, offs: Tensor) -> tuple[Tensor, Tensor]:
-    return _kernel("cast_groups_dim1", x)(x, offs, elem, mode)
+_define(
+    "cast_dim0_dim1(Tensor x, str elem, str mode, bool blocked) -> (Tensor, Tensor, Tensor, Tensor)",
+    lambda x, elem, mode, blocked: _kernel("cast_dim0_dim1", x)(x, elem, mode, blocked),
+    _cast_dim0_dim1_fake,
+)
 
 
-@cast_groups_dim1.register_fake
-def _(x: Tensor, elem: str, mode: str, offs: Tensor) -> tuple[Tensor, Tensor]:
+def _cast_groups_dim1_fake(x: Tensor, elem: str, mode: str, offs: Tensor) -> tuple[Tensor, Tensor]:
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_groups_dim1")
     return tuple(empty_outputs(x, elem, groups_dim1_shapes(x.shape, offs.shape[0], blocked=True)))
 
 
-@torch.library.custom_op("mx_recipe::fake_quant_2d", mutates_args=())
-def fake_quant_2d(x: Tensor, elem: str, mode: str, along_k: bool, along_m: bool) -> tuple[Tensor, Tensor]:
-    return _kernel("fake_quant_2d", x)(x, elem, mode, along_k, along_m)
+_define(
+    "cast_groups_dim1(Tensor x, str elem, str mode, Tensor offs) -> (Tensor, Tensor)",
+    lambda x, elem, mode, offs: _kernel("cast_groups_dim1", x)(x, offs, elem, mode),
+    _cast_groups_dim1_fake,
+)
 
 
-@fake_quant_2d.register_fake
-def _(x: Tensor, elem: str, mode: str, along_k: bool, along_m: bool) -> tuple[Tensor, Tensor]:
+def _fake_quant_2d_fake(x: Tensor, elem: str, mode: str, along_k: bool, along_m: bool) -> tuple[Tensor, Tensor]:
     check_cast(x, elem, mode, ndims=(2, 3), qdim=-1 if along_k else None, op="fake_quant_2d")
     k_shape, m_shape = fake_quant_2d_shapes(x.shape, along_k, along_m)
     return x.new_empty(k_shape), x.new_empty(m_shape)
 
 
-@torch.library.custom_op("mx_recipe::fake_quant_groups_along_m", mutates_args=())
-def fake_quant_groups_along_m(x: Tensor, elem: str, mode: str, row_src: Tensor) -> Tensor:
-    return _kernel("fake_quant_groups_along_m", x)(x, row_src, elem, mode)
+_define(
+    "fake_quant_2d(Tensor x, str elem, str mode, bool along_k, bool along_m) -> (Tensor, Tensor)",
+    lambda x, elem, mode, along_k, along_m: _kernel("fake_quant_2d", x)(x, elem, mode, along_k, along_m),
+    _fake_quant_2d_fake,
+)
 
 
-@fake_quant_groups_along_m.register_fake
-def _(x: Tensor, elem: str, mode: str, row_src: Tensor) -> Tensor:
+def _fake_quant_groups_along_m_fake(x: Tensor, elem: str, mode: str, row_src: Tensor) -> Tensor:
     check_cast(x, elem, mode, ndims=(2,), qdim=None, op="fake_quant_groups_along_m")
     groups_along_m_rows(row_src)
     return x.new_empty(x.shape[0], x.shape[1])
 
 
-@torch.library.custom_op("mx_recipe::mx_gemm", mutates_args=())
-def mx_gemm(
+_define(
+    "fake_quant_groups_along_m(Tensor x, str elem, str mode, Tensor row_src) -> Tensor",
+    lambda x, elem, mode, row_src: _kernel("fake_quant_groups_along_m", x)(x, row_src, elem, mode),
+    _fake_quant_groups_along_m_fake,
+)
+
+
+def _mx_gemm(
     a_q: Tensor, a_scale: Tensor, a_elem: str, b_q: Tensor, b_scale: Tensor, b_elem: str, out_dtype: torch.dtype
 ) -> Tensor:
     """The triton GEMM backend's ``tl.dot_scaled`` kernel (mx_kernels.mx_gemm); no reference or Gluon form."""
@@ -274,9 +289,14 @@ def mx_gemm(
     return launch(a_q, a_scale, a_elem, b_q, b_scale, b_elem, out_dtype)
 
 
-@mx_gemm.register_fake
-def _(a_q: Tensor, a_scale: Tensor, a_elem: str, b_q: Tensor, b_scale: Tensor, b_elem: str, out_dtype: torch.dtype):
-    return a_q.new_empty((a_q.shape[0], b_q.shape[0]), dtype=out_dtype)
+_define(
+    "mx_gemm(Tensor a_q, Tensor a_scale, str a_elem, Tensor b_q, Tensor b_scale, str b_elem, ScalarType out_dtype)"
+    " -> Tensor",
+    _mx_gemm,
+    lambda a_q, a_scale, a_elem, b_q, b_scale, b_elem, out_dtype: a_q.new_empty(
+        (a_q.shape[0], b_q.shape[0]), dtype=out_dtype
+    ),
+)
 
 
 def run(op: str, x: Tensor, elem: str, mode: str, *args, rounding: str = "nearest", generator=None):

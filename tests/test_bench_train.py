@@ -45,3 +45,14 @@ def test_no_warmup_steps_run_nothing():
     model = torch.nn.Linear(2, 2)
     v = bench.Variant("none", model, torch.optim.AdamW(model.parameters()), 1.0)
     assert bench.run_steps(v, [], torch.device("cpu")) == 0.0 and v.losses == []
+
+
+def test_kernel_kinds_of_the_kernels_a_step_launches():
+    kind = load_benchmark("bench_train").kernel_kind
+    assert kind("_gluon_fake_quant_kernel") == kind("_cast_kernel") == "MX cast"
+    assert kind("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == kind("sm90_xmma_gemm_bf16bf16") == "GEMM"
+    assert kind("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<cutlass::bfloat16_t>>") == "attention"
+    assert kind("void at::native::multi_tensor_apply_kernel<...>") == "optimizer"
+    assert kind("triton_poi_fused_add_mul_silu_0") == kind("triton_red_fused__to_copy_1") == "fused elementwise"
+    assert kind("Memcpy HtoD (Pageable -> Device)") == "copy/collective"
+    assert kind("void at::native::vectorized_elementwise_kernel<...>") == "other"

@@ -154,6 +154,41 @@ def test_an_unhashable_argument_is_launched_uncached(cache):
     assert len(kernel.jit_launches) == 2 and not cache.plans
 
 
+def test_a_keyed_launch_builds_its_arguments_once_per_key_and_alignment(cache):
+    cache, kernel = cache
+    builds = []
+
+    def build(t: torch.Tensor, m: int):
+        def make():
+            builds.append(m)
+            return (4,), dict(x_ptr=t, M=m)
+
+        return make
+
+    x = torch.empty(64)
+    for t, m in ((x, 64), (x, 64), (x[1:], 64), (x, 32)):  # x[1:]: 4 bytes on, another specialization
+        cache.launch_keyed(("m", m), build(t, m), x_ptr=t)
+    assert builds == [64, 64, 32] and len(kernel.jit_launches) == 3
+    ((grid, _, _, _, _, _, _, args),) = kernel.direct_launches
+    assert grid == (4, 1, 1) and args == (x.data_ptr(), 64, 16)  # the address as an int, then the arguments
+
+
+def test_a_keyed_launch_must_name_every_tensor_of_the_launch(cache):
+    cache, _ = cache
+    with pytest.raises(ValueError, match="are not the launch's"):
+        cache.launch_keyed(("k",), lambda: ((4,), dict(x_ptr=torch.empty(4), M=4)), y_ptr=torch.empty(4))
+
+
+def test_a_keyed_launch_takes_the_jit_when_the_cache_is_off(cache, monkeypatch):
+    from mx_kernels.launch_cache import LAUNCH_CACHE_ENV
+
+    cache, kernel = cache
+    monkeypatch.setenv(LAUNCH_CACHE_ENV, "0")
+    for _ in range(2):
+        cache.launch_keyed(("k",), lambda: ((4,), dict(x_ptr=torch.empty(4), M=4)), x_ptr=torch.empty(4))
+    assert len(kernel.jit_launches) == 2 and not kernel.direct_launches and not cache.keyed
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: through the cache and through the JIT, the same bytes
 
