@@ -19,6 +19,8 @@ fake-quants, and forward saves the along-M one (bf16) instead of x.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -26,26 +28,30 @@ from mx_recipe.gemm import Backend, Operand, default_backend
 from mx_recipe.recipe import HIGH_PRECISION, MXRecipe
 
 
-def _forward(
-    x: torch.Tensor, w: torch.Tensor, recipe: MXRecipe, backend: Backend, save_mx: bool, fuse_x: bool
-) -> tuple[torch.Tensor, Operand | None]:
-    """y = x @ w.T: x along K, w along K. Also x along M, the grad-weight GEMM's operand, when
-    ``save_mx`` (MX form) or ``fuse_x`` (the emulated operand) has forward make it."""
+def _input_casts(
+    x: torch.Tensor, recipe: MXRecipe, backend: Backend, save_mx: bool, fuse_x: bool
+) -> tuple[Operand | None, Operand | None]:
+    """x along K, the forward GEMM's operand (None when that GEMM runs in bf16), and x along M, the
+    grad-weight GEMM's, when ``save_mx`` (MX form) or ``fuse_x`` (the emulated operand) has forward make it."""
     elem, rule, dtype = recipe.forward, recipe.scale_rule, x.dtype
-    x_m = None
-    if elem == HIGH_PRECISION:
-        y = torch.mm(x, w.to(dtype).t())
-    else:
+    x_k = x_m = None
+    if elem != HIGH_PRECISION:
         # One read of x for both orientations. Not for save_mx_input on the emulated backend, whose
         # fused cast gives fake-quants: there the saved x along M is an MX cast of its own (below).
         if fuse_x or (save_mx and backend.name != "emulated" and recipe.grad_weight == elem):
             x_k, x_m = backend.cast_both(x, elem, rule, dtype)
         else:
             x_k = backend.cast(x, elem, rule, dtype)
-        y = backend.mm(x_k, backend.cast(w, elem, rule, dtype), dtype)
     if save_mx and x_m is None:
         x_m = backend.cast_saved(x, recipe.grad_weight, rule)
-    return y, x_m
+    return x_k, x_m
+
+
+def _forward(x: torch.Tensor, x_k: Operand | None, w: torch.Tensor, recipe: MXRecipe, backend: Backend) -> torch.Tensor:
+    """y = x @ w.T: x along K (``x_k``), w along K."""
+    if x_k is None:
+        return torch.mm(x, w.to(x.dtype).t())
+    return backend.mm(x_k, backend.cast(w, recipe.forward, recipe.scale_rule, x.dtype), x.dtype)
 
 
 def _grad_input(
@@ -76,12 +82,24 @@ def _grad_weight(
 
 class _MXLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: MXRecipe, backend: Backend, for_grad_weight: bool):
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        recipe: MXRecipe,
+        backend: Backend,
+        for_grad_weight: bool,
+        x_casts: tuple[Operand | None, Operand | None] | None = None,
+    ):
         """``for_grad_weight``: the grad-weight GEMM will run, so the recipe's save_mx_input and
-        fuse_x_casts may cast x for it here."""
-        save_mx = for_grad_weight and recipe.save_mx_input
-        fuse_x = for_grad_weight and recipe.fuse_x_casts and backend.name == "emulated"
-        y, x_m = _forward(x, w, recipe, backend, save_mx, fuse_x)
+        fuse_x_casts may cast x for it here. ``x_casts``: x's casts made once for several linears
+        (``linears_on_one_input``), used instead."""
+        if x_casts is None:
+            save_mx = for_grad_weight and recipe.save_mx_input
+            fuse_x = for_grad_weight and recipe.fuse_x_casts and backend.name == "emulated"
+            x_casts = _input_casts(x, recipe, backend, save_mx, fuse_x)
+        x_k, x_m = x_casts
+        y = _forward(x, x_k, w, recipe, backend)
         ctx.recipe, ctx.backend, ctx.x_dtype = recipe, backend, x.dtype
         # what backward gets for x: "x" itself, "operand" (x along M as the grad-weight GEMM takes it)
         # or "mx" (x along M in MX form, to load as that operand)
@@ -123,7 +141,35 @@ class _MXLinearFunction(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
+
+
+def _check_weight(w: torch.Tensor, recipe: MXRecipe) -> None:
+    n, k = w.shape
+    if k % recipe.block_size or n % recipe.block_size:
+        raise ValueError(
+            f"mx_linear: weight shape {tuple(w.shape)} needs in and out features divisible by {recipe.block_size}"
+        )
+
+
+def _apply(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    recipe: MXRecipe,
+    backend: Backend,
+    x_casts: tuple[Operand | None, Operand | None] | None = None,
+) -> torch.Tensor:
+    n, k = w.shape
+    # Cast x for grad weight in forward (save_mx_input, fuse_x_casts) only when that gradient will
+    # be computed (not under no_grad, as in evaluation, nor for a frozen weight).
+    for_grad_weight = torch.is_grad_enabled() and w.requires_grad
+    if x_casts is not None and not for_grad_weight:
+        x_casts = (x_casts[0], None)
+    x2 = x.reshape(-1, k)
+    y = _MXLinearFunction.apply(x2, w, recipe, backend, for_grad_weight, x_casts).reshape(*x.shape[:-1], n)
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 def mx_linear(
@@ -131,18 +177,46 @@ def mx_linear(
 ) -> torch.Tensor:
     """``F.linear`` with each of its three GEMMs in MX as ``recipe`` says. x: [..., K], w: [N, K].
     ``backend``: from ``gemm.resolve_backend``; None resolves it for x's device (cached)."""
-    n, k = w.shape
-    if k % recipe.block_size or n % recipe.block_size:
-        raise ValueError(
-            f"mx_linear: weight shape {tuple(w.shape)} needs in and out features divisible by {recipe.block_size}"
-        )
-    if backend is None:
-        backend = default_backend(recipe, x.device)
-    # Cast x for grad weight in forward (save_mx_input, fuse_x_casts) only when that gradient will
-    # be computed (not under no_grad, as in evaluation, nor for a frozen weight).
-    for_grad_weight = torch.is_grad_enabled() and w.requires_grad
-    y = _MXLinearFunction.apply(x.reshape(-1, k), w, recipe, backend, for_grad_weight).reshape(*x.shape[:-1], n)
-    return y if bias is None else y + bias.to(y.dtype)
+    _check_weight(w, recipe)
+    return _apply(x, w, bias, recipe, backend or default_backend(recipe, x.device))
+
+
+def linears_on_one_input(x: torch.Tensor, linears: Sequence[MXLinear]) -> list[torch.Tensor]:
+    """``[linear(x) for linear in linears]`` with x cast once per orientation for all of them (wq, wk and wv;
+    w1 and w3): x along K for the forward GEMMs and, where a grad-weight GEMM will run, x along M, made in
+    forward and saved once for all of them. The same casts each linear makes of x on its own, so outputs and
+    gradients are bit for bit those of the separate calls. Linears of different recipes or backends, and a
+    recipe without share_input_casts, are called one by one."""
+    first = linears[0]
+    recipe, backend = first.recipe, first.backend or default_backend(first.recipe, x.device)
+    # something of x to share: a cast along K, or along M for an MX grad-weight GEMM
+    shared = recipe.share_input_casts and (recipe.forward, recipe.grad_weight) != (HIGH_PRECISION, HIGH_PRECISION)
+    if not shared or any(lin.recipe != recipe or (lin.backend or backend) is not backend for lin in linears[1:]):
+        return [lin(x) for lin in linears]
+    for lin in linears:
+        _check_weight(lin.weight, recipe)
+    x2 = x.reshape(-1, x.shape[-1])
+    any_grad_weight = torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in linears)
+    with torch.no_grad():  # the casts carry no gradient: each linear's backward gives x its own
+        x_casts = _shared_casts(x2, recipe, backend, any_grad_weight)
+    return [_apply(x, lin.weight, lin.bias, recipe, backend, x_casts) for lin in linears]
+
+
+def _shared_casts(
+    x: torch.Tensor, recipe: MXRecipe, backend: Backend, for_grad_weight: bool
+) -> tuple[Operand | None, Operand | None]:
+    """x along K and, for an MX grad-weight GEMM that will run, x along M: in MX form where the backend takes
+    MX operands or the recipe saves MX inputs, else the emulated operand (one fused read when both casts
+    share a format)."""
+    mx_grad_weight = for_grad_weight and recipe.grad_weight != HIGH_PRECISION
+    if not mx_grad_weight:
+        return _input_casts(x, recipe, backend, save_mx=False, fuse_x=False)
+    if recipe.save_mx_input or backend.name != "emulated":
+        return _input_casts(x, recipe, backend, save_mx=True, fuse_x=False)
+    if recipe.grad_weight == recipe.forward:
+        return _input_casts(x, recipe, backend, save_mx=False, fuse_x=True)
+    x_k, _ = _input_casts(x, recipe, backend, save_mx=False, fuse_x=False)
+    return x_k, backend.cast(x, recipe.grad_weight, recipe.scale_rule, x.dtype, along_rows=True)
 
 
 class MXLinear(nn.Linear):
@@ -176,6 +250,12 @@ class MXLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return mx_linear(x, self.weight, self.bias, self.recipe, self.backend)
+
+    @staticmethod
+    def apply_to_shared_input(x: torch.Tensor, linears: Sequence[MXLinear]) -> list[torch.Tensor]:
+        """``[linear(x) for linear in linears]``, x cast once for all (``linears_on_one_input``): the hook
+        the models call where several linears read one input."""
+        return linears_on_one_input(x, linears)
 
     def extra_repr(self) -> str:
         backend = "" if self.backend is None else f", backend={self.backend.name}"

@@ -58,6 +58,7 @@ class MXRecipe:
     save_mx_input: bool = False
     fuse_x_casts: bool = False
     fuse_expert_casts: bool = False
+    share_input_casts: bool = True
 
     def __post_init__(self) -> None:
         for field in ("forward", "grad_input", "grad_weight"):
@@ -100,6 +101,8 @@ class MXRecipe:
                 f"MXRecipe.fuse_expert_casts=True needs grad_input == forward and MX, got forward={self.forward!r}, "
                 f"grad_input={self.grad_input!r}: one kernel casts w for both GEMMs in one format"
             )
+        if not isinstance(self.share_input_casts, bool):
+            raise ValueError(f"MXRecipe.share_input_casts={self.share_input_casts!r}: expected True or False")
         if self.fuse_x_casts and self.save_mx_input:
             raise ValueError(
                 "MXRecipe.fuse_x_casts=True and save_mx_input=True: choose one (fuse_x_casts saves x along M "

@@ -2,7 +2,7 @@
 
 Plain nn.Modules with torchtitan's parameter names (tok_embeddings, layers.N.attention.wq,
 layers.N.feed_forward.w1, norm, output). Nothing here knows about MX: convert_to_mx swaps
-the linears afterwards.
+the linears afterwards; ``project`` lets linears that read one input share work on it.
 """
 
 from __future__ import annotations
@@ -67,6 +67,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.flatten(-2).type_as(x)
 
 
+def project(x: torch.Tensor, *linears: nn.Module) -> list[torch.Tensor]:
+    """Each of ``linears`` applied to x. Linears that share work on a common input say how through a static
+    ``apply_to_shared_input(x, linears)`` (mx_recipe's MXLinear casts x once for all of them)."""
+    shared = getattr(linears[0], "apply_to_shared_input", None)
+    if shared is not None and all(type(lin) is type(linears[0]) for lin in linears):
+        return shared(x, linears)
+    return [lin(x) for lin in linears]
+
+
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
@@ -78,9 +87,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bs, seq_len, _ = x.shape
-        q = self.wq(x).view(bs, seq_len, self.n_heads, self.head_dim)
-        k = self.wk(x).view(bs, seq_len, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(bs, seq_len, self.n_kv_heads, self.head_dim)
+        q, k, v = project(x, self.wq, self.wk, self.wv)
+        q = q.view(bs, seq_len, self.n_heads, self.head_dim)
+        k = k.view(bs, seq_len, self.n_kv_heads, self.head_dim)
+        v = v.view(bs, seq_len, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         repeats = self.n_heads // self.n_kv_heads  # grouped-query attention: share each kv head
         k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
@@ -101,7 +111,8 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        h1, h3 = project(x, self.w1, self.w3)
+        return self.w2(F.silu(h1) * h3)
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)

@@ -99,6 +99,7 @@ class MXConfig:
     save_mx_input: bool = False  # save x for backward in MX form (MXRecipe.save_mx_input)
     fuse_x_casts: bool = False  # emulated: both fake-quants of x in forward (MXRecipe.fuse_x_casts)
     fuse_expert_casts: bool = False  # emulated MoE: both fake-quants of w in forward (MXRecipe.fuse_expert_casts)
+    share_input_casts: bool = True  # one cast of an input read by several linears (MXRecipe.share_input_casts)
     grad_rounding: str = ""  # nearest or stochastic (MXRecipe.grad_rounding); "" keeps the recipe's
 
 
@@ -371,6 +372,7 @@ def _mx_overrides(mx: MXConfig) -> dict[str, str | bool]:
         "save_mx_input": mx.save_mx_input,
         "fuse_x_casts": mx.fuse_x_casts,
         "fuse_expert_casts": mx.fuse_expert_casts,
+        "share_input_casts": mx.share_input_casts,
     }
     if mx.grad_rounding:
         overrides["grad_rounding"] = mx.grad_rounding
@@ -379,7 +381,7 @@ def _mx_overrides(mx: MXConfig) -> dict[str, str | bool]:
 
 def build_mx_recipe(mx: MXConfig) -> MXRecipe | None:
     """The MXRecipe that [mx] describes (the named recipe with backend, save_mx_input, fuse_x_casts,
-    fuse_expert_casts and grad_rounding set from the config), or None for recipe "none"."""
+    fuse_expert_casts, share_input_casts and grad_rounding set from the config), or None for recipe "none"."""
     from mx_recipe.recipe import MXRecipe
 
     if mx.recipe == "none":

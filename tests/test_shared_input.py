@@ -1,0 +1,166 @@
+"""linears_on_one_input: several MXLinears reading one input (wq, wk, wv; w1, w3) cast it once per orientation,
+and give bit for bit the outputs and gradients of the separate calls (docs/DESIGN.md, "The MX linear: three
+GEMMs, six casts"): every recipe, save_mx_input, fuse_x_casts, the cublas path through the emulator, a frozen
+weight, no_grad, under torch.compile(fullgraph=True), and in the Llama model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from scaled_mm_emulator import scaled_mm as emulated_scaled_mm
+
+import mx_recipe.linear as linear_module
+from mx_recipe.gemm import CublasBackend, EmulatedBackend
+from mx_recipe.linear import MXLinear, linears_on_one_input
+from mx_recipe.recipe import RECIPES, MXRecipe
+
+K, OUTS = 64, (96, 32, 32)  # wq-like, wk-like, wv-like
+
+CASES = [
+    *RECIPES.values(),
+    MXRecipe.from_name("mxfp8", save_mx_input=True),
+    MXRecipe.from_name("mxfp4_sr", fuse_x_casts=True),
+    MXRecipe("fwd_e4m3_wgrad_e5m2", grad_weight="e5m2"),  # x along M in another format: cast on its own
+]
+
+
+def make_linears(recipe: MXRecipe, backend=None, seed: int = 0) -> list[MXLinear]:
+    gen = torch.Generator().manual_seed(seed)
+    linears = [MXLinear(K, n, bias=False, recipe=recipe, backend=backend, dtype=torch.bfloat16) for n in OUTS]
+    with torch.no_grad():
+        for lin in linears:
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) / K**0.5)
+    return linears
+
+
+def run(fn, linears: list[MXLinear], x: torch.Tensor, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Outputs, x.grad and the weights' grads of one forward + backward of ``fn(x, linears)``."""
+    x = x.detach().requires_grad_(True)
+    for lin in linears:
+        lin.weight.grad = None
+    ys = fn(x, linears)
+    torch.manual_seed(0)  # stochastic rounding's draws, the same for both
+    torch.autograd.backward(ys, grads)
+    return [*(y.detach() for y in ys), x.grad, *(lin.weight.grad for lin in linears)]
+
+
+def separate(x, linears):
+    return [lin(x) for lin in linears]
+
+
+def inputs(lead=(2, 20)):  # M = 40 rows: x along M is padded to 64
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(*lead, K, generator=gen).to(torch.bfloat16)
+    return x, [torch.randn(*lead, n, generator=gen).to(torch.bfloat16) for n in OUTS]
+
+
+def assert_equal(got, want, what):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert (a is None and b is None) or torch.equal(a, b), f"{what}: tensor {i} differs"
+
+
+@pytest.mark.parametrize("recipe", CASES, ids=lambda r: r.name)
+def test_shared_casts_give_the_bits_of_separate_calls(recipe):
+    linears = make_linears(recipe)
+    x, grads = inputs()
+    assert_equal(run(linears_on_one_input, linears, x, grads), run(separate, linears, x, grads), recipe.name)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_e5m2_grads"])
+def test_shared_casts_on_the_cublas_path(recipe):
+    """MX operands (blocked scales), x along M saved in MX form once, through the scaled_mm emulator."""
+    linears = make_linears(RECIPES[recipe], CublasBackend(scaled_mm=emulated_scaled_mm))
+    linears[1].backend = linears[2].backend = linears[0].backend  # one backend object, as convert_to_mx gives
+    x, grads = inputs((64,))
+    assert_equal(run(linears_on_one_input, linears, x, grads), run(separate, linears, x, grads), recipe)
+
+
+def test_x_is_cast_once_per_orientation(monkeypatch):
+    calls = []
+    backend = EmulatedBackend()
+    for name in ("cast", "cast_both"):
+        original = getattr(backend, name)
+        monkeypatch.setattr(backend, name, lambda t, *a, _f=original, _n=name, **k: calls.append(_n) or _f(t, *a, **k))
+    linears = make_linears(RECIPES["mxfp8"], backend)
+    x, grads = inputs()
+    run(linears_on_one_input, linears, x, grads)
+    # forward: x once for both orientations, each weight along K; backward per linear: g both ways, w along N
+    assert calls.count("cast_both") == 1 + 3 and calls.count("cast") == 3 + 3
+    calls.clear()
+    run(separate, linears, x, grads)  # each linear: x along K, w, then g both ways, w and x along M
+    assert calls.count("cast_both") == 3 and calls.count("cast") == 3 * 4
+
+
+def test_a_frozen_weight_and_no_grad(monkeypatch):
+    recipe = RECIPES["mxfp8"]
+    linears = make_linears(recipe)
+    linears[1].weight.requires_grad_(False)
+    x, grads = inputs()
+    assert_equal(run(linears_on_one_input, linears, x, grads), run(separate, linears, x, grads), "frozen wk")
+    with torch.no_grad():
+        assert_equal(linears_on_one_input(x, linears), separate(x, linears), "no_grad")
+
+
+def test_off_or_mixed_recipes_fall_back_to_separate_calls(monkeypatch):
+    seen = []
+    monkeypatch.setattr(linear_module, "_shared_casts", lambda *a: seen.append(a) or None)
+    x, _ = inputs()
+    linears_on_one_input(x, make_linears(MXRecipe.from_name("mxfp8", share_input_casts=False)))
+    mixed = make_linears(RECIPES["mxfp8"])
+    mixed[2].recipe = RECIPES["mxfp8_rceil"]
+    linears_on_one_input(x, mixed)
+    assert not seen
+    with pytest.raises(ValueError, match="share_input_casts"):
+        MXRecipe(share_input_casts=1)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4_sr"])
+def test_fullgraph_compile_equals_eager(recipe):
+    torch._dynamo.reset()
+    linears = make_linears(RECIPES[recipe])
+    x, grads = inputs()
+    compiled = torch.compile(linears_on_one_input, fullgraph=True, backend="aot_eager")
+    assert_equal(run(compiled, linears, x, grads), run(separate, linears, x, grads), recipe)
+
+
+def test_llama_shares_the_casts_and_trains_the_same_bits(monkeypatch):
+    """A converted debug Llama: project() takes the shared path in attention and FFN, and the loss and every
+    gradient equal those of the same model with share_input_casts off."""
+    from mx_recipe.convert import convert_to_mx
+    from mx_recipe.models.llama import LLAMA_FLAVORS, Transformer
+
+    def build(share: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        args = dataclasses.replace(LLAMA_FLAVORS["debug"], vocab_size=128, n_layers=2, max_seq_len=64)
+        model = Transformer(args).to(torch.bfloat16)
+        model.init_weights()
+        convert_to_mx(model, MXRecipe.from_name("mxfp8", share_input_casts=share), log=False)
+        return model
+
+    tokens = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(2))
+    calls = []
+    real = linear_module._shared_casts
+    monkeypatch.setattr(linear_module, "_shared_casts", lambda *a: calls.append(a) or real(*a))
+    results, shared_calls = [], []
+    for share in (True, False):
+        model = build(share)
+        calls.clear()
+        loss = model(tokens).float().logsumexp(-1).mean()
+        loss.backward()
+        results.append([loss.detach(), *(p.grad for p in model.parameters())])
+        shared_calls.append(len(calls))
+    assert_equal(*results, "llama")
+    assert shared_calls == [4, 0]  # two blocks, attention and FFN each; none with sharing off
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_rceil", "mxfp8_e5m2_grads"])
+def test_gpu_shared_casts_give_the_bits_of_separate_calls(recipe):
+    """On the GPU the casts are the fake-quant kernels (Gluon on Hopper), and the fused one makes both of x's."""
+    linears = [lin.cuda() for lin in make_linears(RECIPES[recipe])]
+    x, grads = inputs((4, 100))
+    x, grads = x.cuda(), [g.cuda() for g in grads]
+    assert_equal(run(linears_on_one_input, linears, x, grads), run(separate, linears, x, grads), recipe)
