@@ -11,9 +11,7 @@ the speedup over torch.compile of the reference (``to_mx`` for dim0, ``to_mx(x.t
 for dim1). Then the cast targets of docs/DESIGN.md (Performance targets), judged on both figures:
 every cast >= 90% of copy bandwidth, rceil within 3% of floor, fused >= 1.4x two separate casts, 3D
 GB/s flat across E within 10%. A copy of the same bytes as each 3D and per-group input is timed too:
-what the copy itself reaches at that size. Last, the host time of one call of each cast on a small
-input (the GPU waits on the host), with the launch cache on and off (``MX_RECIPE_LAUNCH_CACHE=0``),
-against torch's own conversion to fp8 of the same input.
+what the copy itself reaches at that size. (The host time of each call: benchmarks/bench_host.py.)
 
 ``MX_RECIPE_GLUON=0`` in the environment times the Triton kernels where Gluon ones would run.
 ``--out`` writes JSON with provenance for docs/results/ (rendered by scripts/perf_report.py).
@@ -23,11 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Callable
 
 import torch
-from timing import host_us, kernel_us, median_ms, run_meta
+from timing import kernel_us, median_ms, run_meta
 
 import mx_recipe.cast as mx_cast
 from mx_recipe.cast import (
@@ -38,9 +35,7 @@ from mx_recipe.cast import (
     fake_quant_dim0,
     fake_quant_dim0_dim1,
 )
-from mx_recipe.formats import elem_format, to_mx
-
-LAUNCH_CACHE_ENV = "MX_RECIPE_LAUNCH_CACHE"  # "0" turns the casts' launch cache off
+from mx_recipe.formats import to_mx
 
 
 def timed(fn: Callable, *args, **kwargs) -> tuple[tuple[float, float], object]:
@@ -190,45 +185,6 @@ def bench_3d(res: Results, experts: list[int], n: int, k: int, elem: str, modes:
         torch.cuda.empty_cache()
 
 
-def bench_host(elem: str, mode: str) -> list[dict]:
-    """Host time per call of the public casts on small inputs, launch cache on and off, and of torch's
-    ``x.to(float8)`` on the same input (one torch kernel launch: the baseline)."""
-    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
-    w = x.unsqueeze(0)
-    offs = torch.tensor([64, 128, 256], dtype=torch.int32, device="cuda")
-    fp8 = elem_format(elem).torch_dtype
-    baseline = host_us(lambda: x.to(fp8))
-    calls = {
-        "dim0": lambda: cast_dim0(x, elem, mode),
-        "dim1 blocked": lambda: cast_dim1(x, elem, mode, True),
-        "dim0_dim1 fused": lambda: cast_dim0_dim1(x, elem, mode),
-        "dim0_dim1 fused blocked": lambda: cast_dim0_dim1(x, elem, mode, True),
-        "3d dim1": lambda: mx_cast.cast_3d_dim1(w, elem, mode),
-        "3d dim1 blocked": lambda: mx_cast.cast_3d_dim1(w, elem, mode, True),
-        "groups dim1 blocked G=3": lambda: mx_cast.cast_groups_dim1(x, offs, elem, mode, blocked_scales=True),
-        "fake-quant dim0 + along M": lambda: fake_quant_dim0_dim1(x, elem, mode),
-    }
-    rows = []
-    print(f"\nhost time per call, {tuple(x.shape)} bf16, {elem} {mode}; torch x.to(fp8): {baseline:.1f} us")
-    before = os.environ.pop(LAUNCH_CACHE_ENV, None)  # read by the casts at each call
-    try:
-        for name, call in calls.items():
-            os.environ[LAUNCH_CACHE_ENV] = "0"
-            uncached = host_us(call)
-            del os.environ[LAUNCH_CACHE_ENV]
-            cached = host_us(call)
-            rows.append(dict(name=name, host_us=cached, host_us_no_launch_cache=uncached, torch_fp8_us=baseline))
-            print(
-                f"{name:28s} {cached:7.1f} us ({cached / baseline:5.1f}x torch's fp8 cast); launch cache off "
-                f"{uncached:7.1f} us"
-            )
-    finally:
-        os.environ.pop(LAUNCH_CACHE_ENV, None)
-        if before is not None:
-            os.environ[LAUNCH_CACHE_ENV] = before
-    return rows
-
-
 def bench_groups(res: Results, m: int, k: int, num_groups: int, elem: str, modes: list[str]) -> None:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     # uneven groups, multiples of 32 rows, one empty, summing to m
@@ -315,8 +271,7 @@ def main() -> None:
     bench_3d(res, experts, args.n3d, args.k3d, args.elem, modes)
     bench_groups(res, 16640, args.k3d, 16, args.elem, modes)
     meta = run_meta(copy_gbs=copy_gbs[0], copy_kernel_gbs=copy_gbs[1], elem=args.elem)
-    host_rows = bench_host(args.elem, modes[0])
-    write_json(args.out, meta, res, [], host_rows)  # in case the compiled references run out of time
+    write_json(args.out, meta, res, [])  # in case the compiled references run out of time
     if not args.no_compile_ref:
         try:
             bench_compiled_refs(res, args.m, args.k, args.elem, modes)
@@ -339,13 +294,13 @@ def main() -> None:
         )
     targets = check_targets(res, experts, args.n3d, args.k3d, modes)
     print("\n" + "\n".join(targets))
-    write_json(args.out, meta, res, targets, host_rows)
+    write_json(args.out, meta, res, targets)
 
 
-def write_json(path: str | None, meta: dict, res: Results, targets: list[str], host_rows: list[dict]) -> None:
+def write_json(path: str | None, meta: dict, res: Results, targets: list[str]) -> None:
     if path:
         with open(path, "w") as f:
-            data = dict(meta=meta, results=res.rows, targets=targets, host=host_rows)
+            data = dict(meta=meta, results=res.rows, targets=targets)
             json.dump(data, f, indent=1)
 
 

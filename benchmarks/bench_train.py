@@ -171,7 +171,7 @@ def main() -> int:
         print(
             f"device: {device_name}, torch {torch.__version__}, {config.model.name} {config.model.flavor} "
             f"({dims.n_layers} blocks), {t.local_batch_size} x {t.seq_len} tokens x {t.gradient_accumulation_steps} "
-            f"microbatches a step, compile {'on' if config.compile.enable else 'off'}"
+            f"microbatches a step, compile {f'on ({config.compile.mode})' if config.compile.enable else 'off'}"
         )
         for v in variants:
             run_steps(v, batches[: args.warmup], info.device)

@@ -13,8 +13,8 @@ Each GEMM is ``backend.mm(a, b) = a @ b.T`` of two operands cast along its K by 
 With ``recipe.save_mx_input`` the forward also casts x along M (for the grad-weight GEMM) and
 saves that MX tensor for backward instead of x: the same operand backward would have cast, so
 the gradients are bit-identical, and the saved activation is ~1.03 bytes per element, not 2.
-With ``recipe.fuse_x_casts`` (emulated backend) one kernel reads x once for both of its
-fake-quants, and forward saves the along-M one (bf16) instead of x.
+With ``recipe.fuse_x_casts`` (on by default; emulated backend, one format for both GEMMs of x) one
+kernel reads x once for both of its fake-quants, and forward saves the along-M one (bf16) instead of x.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class _MXLinearFunction(torch.autograd.Function):
         (``linears_on_one_input``), used instead."""
         if x_casts is None:
             save_mx = for_grad_weight and recipe.save_mx_input
-            fuse_x = for_grad_weight and recipe.fuse_x_casts and backend.name == "emulated"
+            fuse_x = for_grad_weight and recipe.fuses_x_casts(backend.name)
             x_casts = _input_casts(x, recipe, backend, save_mx, fuse_x)
         x_k, x_m = x_casts
         y = _forward(x, x_k, w, recipe, backend)

@@ -1,7 +1,8 @@
 """Render the measured tables of docs/PERFORMANCE.md from the result files in docs/results/.
 
 Every figure in that document comes from a file a benchmark or a training run wrote:
-``*_bench_cast.json``, ``*_bench_gemm.json``, ``*_bench_linear.json``, ``*_bench_moe.json`` (benchmarks/),
+``*_bench_cast.json``, ``*_bench_gemm.json``, ``*_bench_linear.json``, ``*_bench_moe.json``,
+``*_bench_host.json``, ``*_bench_train_CONFIG.json`` (benchmarks/),
 ``*_roofline_observe.json`` (scripts/roofline.py --observe), ``*_train_*/`` folders holding a ``meta.json``
 and one ``metrics.jsonl`` per run (train.py) and ``*_parity_*/`` sets (scripts/parity_sweep.py). One file per
 benchmark, device and variant: the latest (older ones stay in git history).
@@ -74,16 +75,7 @@ def cast_section(path: Path) -> list[str]:
     header += ["events us (% of copy)"] + (["vs torch.compile reference"] if compiled else [])
     lines += table(header, rows)
     lines += [""] + [f"{t[0].upper()}{t[1:]}." for t in data.get("targets", []) if t.startswith("fake-quant fused")]
-    if data.get("host"):
-        lines += ["", "Host time of one call, [256, 256] bf16 input (the GPU waits on the host):", ""]
-        header = ["call", "host (us)", "launch cache off (us)", "torch x.to(fp8) (us)", "host / torch"]
-        lines += table(header, [host_row(r) for r in data["host"]])
     return lines + ["", source_line(meta, path.name), ""]
-
-
-def host_row(r: dict) -> list[str]:
-    cells = [r["name"], f"{r['host_us']:.1f}", f"{r['host_us_no_launch_cache']:.1f}", f"{r['torch_fp8_us']:.1f}"]
-    return cells + [f"{r['host_us'] / r['torch_fp8_us']:.1f}x"]
 
 
 def cast_targets(path: Path) -> dict[str, str]:
@@ -162,6 +154,14 @@ def targets_section(results: dict[str, list[Path]]) -> list[str]:
         cells.setdefault(target, {})[device_of(path)] = ratios
     for device, runs in training_targets(results["train"]).items():
         cells.setdefault("training step MXFP8 >= 0.90x bf16 tokens/s", {})[device] = "; ".join(runs)
+    for path in results["bench_train"]:
+        target = "bench_train: Llama MXFP8 >= 0.97x, MoE >= 0.90x bf16 tokens/s"
+        by_device, device = cells.setdefault(target, {}), device_of(path)
+        by_device[device] = "; ".join(filter(None, [by_device.get(device), bench_train_targets(path)]))
+    for path in results["bench_host"]:
+        cells.setdefault("host time of one MX cast or fake-quant call <= 20 us", {})[device_of(path)] = host_targets(
+            path
+        )
     rows = [[target, *(by_device.get(d, "") for d in devices)] for target, by_device in cells.items()]
     lines = ["## The targets, from the latest runs", ""]
     return lines + table(["target", *devices], rows) + [""]
@@ -255,6 +255,53 @@ def moe_section(path: Path) -> list[str]:
     lines = [title, ""]
     lines += table(keys + extra, rows)
     return lines + ["", source_line(meta, path.name), ""]
+
+
+def host_section(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    meta = data["meta"]
+    ratio = lambda r: f"{r['host_us'] / r['torch_us']:.1f}x"  # noqa: E731
+    rows = [[r["name"], f"{r['host_us']:.1f}", r["torch_op"], f"{r['torch_us']:.1f}", ratio(r)] for r in data["rows"]]
+    lines = [f"### Host time of one MX call, {meta['shape']} bf16 input (the GPU waits on the host)", ""]
+    lines += table(["call", "host (us)", "torch's op", "torch (us)", "MX / torch"], rows)
+    return lines + ["", source_line(meta, path.name), ""]
+
+
+def host_targets(path: Path) -> str:
+    """The slowest cast or fake-quant call (the calls a training step makes), public or as compiled code makes it."""
+    rows = [r for r in json.loads(path.read_text())["rows"] if r["torch_op"] != "bf16" and "plain" not in r["name"]]
+    worst = max(rows, key=lambda r: r["host_us"])
+    return f"{min(r['host_us'] for r in rows):.0f}-{worst['host_us']:.0f} us (slowest: {worst['name']})"
+
+
+def bench_train_section(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    meta, rows = data["meta"], data["rows"]
+    lines = [f"### Training steps, {meta['config']} ({meta['layers']} blocks), MX against bf16 in one run", ""]
+    lines += table(
+        ["recipe", "tokens/s", "ratio to bf16", "MFU", "peak memory (GiB)", "rounds spread", "last loss"],
+        [
+            [
+                r["recipe"], f"{r['tokens_per_sec']:,.0f}", f"{r['ratio']:.3f}x",
+                "n/a" if r["mfu"] is None else f"{r['mfu']:.1f}%",
+                "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}", f"{r['rounds_spread']:.1%}",
+                f"{r['last_loss']:.4f}",
+            ]
+            for r in rows
+        ],
+    )  # fmt: skip
+    if all("profile_ms_per_step" in r for r in rows):
+        kinds = list(rows[0]["profile_ms_per_step"])
+        lines += ["", "GPU time per step by kernel kind (ms, torch.profiler; GPU idle: the GPU waits on the host):", ""]
+        profile = [[kind, *(f"{r['profile_ms_per_step'][kind]:.1f}" for r in rows)] for kind in kinds]
+        profile.append(["step", *(f"{sum(r['profile_ms_per_step'].values()):.1f}" for r in rows)])
+        lines += table(["kind", *(r["recipe"] for r in rows)], profile)
+    return lines + ["", source_line(meta, path.name), ""]
+
+
+def bench_train_targets(path: Path) -> str:
+    data = json.loads(path.read_text())
+    return ", ".join(f"{data['meta']['config']} {r['recipe']} {r['ratio']:.3f}x" for r in data["rows"][1:])
 
 
 def train_records(run: Path) -> list[dict]:
@@ -377,6 +424,7 @@ def latest_results() -> dict[str, list[Path]]:
     runs stay in git history), which ``check_one_per_kind`` enforces."""
     kinds = {"bench_cast": "*_bench_cast.json", "bench_gemm": "*_bench_gemm.json"}
     kinds |= {"bench_linear": "*_bench_linear.json", "bench_moe": "*_bench_moe.json"}
+    kinds |= {"bench_host": "*_bench_host.json", "bench_train": "*_bench_train_*.json"}
     kinds |= {"observe": "*_roofline_observe.json"}
     found = {kind: sorted(RESULTS.glob(pattern)) for kind, pattern in kinds.items()}
     runs = (p for p in RESULTS.iterdir() if p.is_dir() and ("_train_" in p.name or "_parity_" in p.name))
@@ -399,7 +447,8 @@ def render() -> str:
     check_one_per_kind(results)
     lines: list[str] = targets_section(results) + ["## Measured", ""] + projection_section()
     sections = dict(observe=observe_section, bench_cast=cast_section, bench_gemm=gemm_section)
-    sections |= dict(bench_linear=linear_section, bench_moe=moe_section)
+    sections |= dict(bench_linear=linear_section, bench_moe=moe_section, bench_host=host_section)
+    sections |= dict(bench_train=bench_train_section)
     for kind, section in sections.items():
         for path in results[kind]:
             lines += section(path)

@@ -390,8 +390,14 @@ def with_fuse_x(r: MXRecipe) -> MXRecipe:
     return MXRecipe(**{**r.__dict__, "fuse_x_casts": True})
 
 
+def unfused(r: MXRecipe) -> MXRecipe:
+    """Each cast of x on its own: x along K in forward, along M in backward (fuse_x_casts is on by default)."""
+    return MXRecipe(**{**r.__dict__, "fuse_x_casts": False})
+
+
 # Both options make x along M in forward, the operand backward would otherwise make from x.
-X_IN_FORWARD = [(r, with_save_mx(r)) for r in SAVE_MX_RECIPES] + [(r, with_fuse_x(r)) for r in FUSE_X_RECIPES]
+X_IN_FORWARD = [(unfused(r), with_save_mx(r)) for r in SAVE_MX_RECIPES]
+X_IN_FORWARD += [(unfused(r), with_fuse_x(r)) for r in FUSE_X_RECIPES]
 
 
 @pytest.mark.parametrize("lead, special", SAVE_MX_CASES.values(), ids=SAVE_MX_CASES.keys())
@@ -430,7 +436,7 @@ def test_fuse_x_casts_reads_x_once_and_saves_x_along_m(monkeypatch):
     # g read once for both of its fake-quants, w along N; x is not read again
     assert calls == [("fake_quant_dim0_dim1", (40, N)), ("fake_quant_along_m", (N, K))]
     assert saved_bytes(lin, x) == 64 * K * 2  # [64, K] bf16, where x itself is 40 * K * 2 bytes
-    lin.recipe = RECIPES["mxfp8"]
+    lin.recipe = MXRecipe.from_name("mxfp8", fuse_x_casts=False)
     assert saved_bytes(lin, x) == 40 * K * 2
 
 
@@ -522,7 +528,7 @@ def test_cublas_save_mx_input_is_bit_identical(name, m):
 
     backend = CublasBackend(scaled_mm=emulated_scaled_mm)
     x, w, b, gy = make_inputs((m,), torch.bfloat16, seed=9)
-    base = run_mx(x, w, b, gy, RECIPES[name], backend)
+    base = run_mx(x, w, b, gy, unfused(RECIPES[name]), backend)
     saved = run_mx(x, w, b, gy, with_save_mx(RECIPES[name]), backend)
     for what, a, e in zip(("y", "gx", "gw", "gb"), base, saved, strict=True):
         assert same_bits(a, e), what
@@ -534,7 +540,7 @@ def test_cublas_save_mx_input_is_bit_identical(name, m):
 def test_fuse_x_casts_is_bit_identical_cuda(name, lead):
     """On the GPU: fake_quant_2d's kernel for x in forward, bit-identical to the separate casts."""
     inputs = [None if t is None else t.cuda() for t in special_input(lead, torch.bfloat16)]
-    base = run_mx(*inputs, RECIPES[name])
+    base = run_mx(*inputs, unfused(RECIPES[name]))
     fused = run_mx(*inputs, with_fuse_x(RECIPES[name]))
     for what, a, b in zip(("y", "gx", "gw", "gb"), base, fused, strict=True):
         assert same_bits(a, b), what

@@ -53,10 +53,37 @@ def test_cast_section_one_row_per_cast_with_both_rules(tmp_path):
     assert "Command: `python benchmarks/bench_cast.py`." in lines[-2]
 
 
-def test_cast_section_renders_the_host_times(tmp_path):
-    host = [dict(name="3d dim1", host_us=60.0, host_us_no_launch_cache=80.0, torch_fp8_us=8.0)]
-    lines = _perf_report().cast_section(cast_file(tmp_path, host))
-    assert "| 3d dim1 | 60.0 | 80.0 | 8.0 | 7.5x |" in lines
+def test_host_section_and_target(tmp_path):
+    import json
+
+    rows = [dict(name="fake-quant dim0", host_us=24.0, torch_us=12.0, torch_op="x.to(float8_e4m3fn)")]
+    rows += [dict(name="linear fwd+bwd", host_us=300.0, torch_us=100.0, torch_op="bf16")]
+    path = tmp_path / "2026-11-25T1000_h200_bench_host.json"
+    meta = dict(device="GPU", torch="2.11", date="2026-11-25", commit="abc1234", shape=[256, 256])
+    path.write_text(json.dumps(dict(meta=meta, rows=rows)))
+    report = _perf_report()
+    assert "| fake-quant dim0 | 24.0 | x.to(float8_e4m3fn) | 12.0 | 2.0x |" in report.host_section(path)
+    assert report.host_targets(path) == "24-24 us (slowest: fake-quant dim0)"  # the layers are not calls
+
+
+def test_bench_train_section_with_its_profile(tmp_path):
+    import json
+
+    profile = {"MX cast": 0.0, "GEMM": 10.0, "GPU idle": 2.0}
+    rows = [
+        dict(recipe="bf16", tokens_per_sec=1000.0, ratio=1.0, mfu=50.0, peak_gib=10.0, rounds_spread=0.01,
+             last_loss=3.0, profile_ms_per_step=profile),
+        dict(recipe="mxfp8", tokens_per_sec=950.0, ratio=0.95, mfu=47.5, peak_gib=10.5, rounds_spread=0.02,
+             last_loss=3.01, profile_ms_per_step=profile | {"MX cast": 1.5}),
+    ]  # fmt: skip
+    meta = dict(device="GPU", torch="2.11", date="2026-11-25", commit="abc1234", config="llama1b_bf16", layers=16)
+    path = tmp_path / "2026-11-25T1000_h200_bench_train_llama1b.json"
+    path.write_text(json.dumps(dict(meta=meta, rows=rows)))
+    report = _perf_report()
+    lines = report.bench_train_section(path)
+    assert "| mxfp8 | 950 | 0.950x | 47.5% | 10.50 | 2.0% | 3.0100 |" in lines
+    assert "| MX cast | 0.0 | 1.5 |" in lines and "| step | 12.0 | 13.5 |" in lines
+    assert report.bench_train_targets(path) == "llama1b_bf16 mxfp8 0.950x"
 
 
 def test_cast_targets_judge_kernel_time(tmp_path):

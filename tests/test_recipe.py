@@ -158,22 +158,16 @@ def test_save_mx_input_rejected_with_bf16_grad_weight():
         MXRecipe(save_mx_input="yes")
 
 
-@pytest.mark.parametrize("name", sorted(n for n in DOCUMENTED if DOCUMENTED[n][2] != "bf16"))
-def test_fuse_x_casts_accepted_where_forward_and_grad_weight_agree(name):
-    r = MXRecipe.from_name(name, fuse_x_casts=True)
-    assert r.fuse_x_casts is True and r.forward == r.grad_weight
-    assert MXRecipe.from_name(name).fuse_x_casts is False  # an option, on in no named recipe
-
-
-def test_fuse_x_casts_rejections():
-    """One kernel casts x for both GEMMs in one format; save_mx_input is the other way to save x."""
-    with pytest.raises(ValueError, match=r"fuse_x_casts=True needs grad_weight == forward") as err:
-        MXRecipe.from_name("mxfp8_wgrad_bf16", fuse_x_casts=True)
-    assert "grad_weight='bf16'" in str(err.value)
-    with pytest.raises(ValueError, match=r"fuse_x_casts=True needs grad_weight == forward"):
-        MXRecipe(forward="e4m3", grad_weight="e2m1", fuse_x_casts=True)
-    with pytest.raises(ValueError, match=r"choose one"):
-        MXRecipe(fuse_x_casts=True, save_mx_input=True)
+def test_fuse_x_casts_applies_where_one_format_serves_both_gemms_of_x():
+    """On by default; it applies on the emulated backend where grad_weight == forward (MX) and save_mx_input
+    (the other way to save x) is off, and changes nothing elsewhere."""
+    for name in ("mxfp8", "mxfp8_rceil", "mxfp8_e5m2_grads", "mxfp4", "mxfp4_sr"):
+        r = MXRecipe.from_name(name)
+        assert r.fuse_x_casts and r.fuses_x_casts("emulated") and not r.fuses_x_casts("cublas"), name
+    assert not MXRecipe.from_name("mxfp8_wgrad_bf16").fuses_x_casts("emulated")
+    assert not MXRecipe(forward="e4m3", grad_weight="e2m1").fuses_x_casts("emulated")
+    assert not MXRecipe(save_mx_input=True).fuses_x_casts("emulated")
+    assert not MXRecipe(fuse_x_casts=False).fuses_x_casts("emulated")
     with pytest.raises(ValueError, match=r"MXRecipe\.fuse_x_casts="):
         MXRecipe(fuse_x_casts=1)
 

@@ -89,6 +89,11 @@ def test_x_is_cast_once_per_orientation(monkeypatch):
     # forward: x once for both orientations, each weight along K; backward per linear: g both ways, w along N
     assert calls.count("cast_both") == 1 + 3 and calls.count("cast") == 3 + 3
     calls.clear()
+    run(separate, linears, x, grads)  # each linear: x both ways (fuse_x_casts), w, then g both ways, w along N
+    assert calls.count("cast_both") == 3 + 3 and calls.count("cast") == 3 + 3
+    calls.clear()
+    for lin in linears:
+        lin.recipe = MXRecipe.from_name("mxfp8", fuse_x_casts=False, share_input_casts=False)
     run(separate, linears, x, grads)  # each linear: x along K, w, then g both ways, w and x along M
     assert calls.count("cast_both") == 3 and calls.count("cast") == 3 * 4
 
@@ -156,7 +161,6 @@ def test_llama_shares_the_casts_and_trains_the_same_bits(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_rceil", "mxfp8_e5m2_grads"])
 def test_gpu_shared_casts_give_the_bits_of_separate_calls(recipe):
     """On the GPU the casts are the fake-quant kernels (Gluon on Hopper), and the fused one makes both of x's."""

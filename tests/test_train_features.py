@@ -257,3 +257,13 @@ def test_compile_with_selective_ac_trains_like_eager(tmp_path):
     assert sorted(losses) == [1, 2]
     for step, loss in losses.items():  # compiled kernels round differently: close, not equal
         assert abs(loss - expected[step]) <= 1e-2 * expected[step]
+
+
+def test_deterministic_run_gives_the_reference_losses_and_restores_the_mode(tmp_path):
+    """training.deterministic turns torch's deterministic algorithms on for the run (for comparing two runs
+    bit for bit on a GPU) and back off after it; on the CPU the losses are the plain run's."""
+    assert not torch.are_deterministic_algorithms_enabled()
+    code, _, err = run_in_process([*BF16_ARGS, "--training.deterministic", "true", "--job.output_dir", str(tmp_path)])
+    assert code == 0, err
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert last_losses(tmp_path) == bf16_reference()

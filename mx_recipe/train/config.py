@@ -23,6 +23,8 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = "debug_mxfp8"
 REQUIRED: Any = object()  # sentinel default: the key must be given
 AC_MODES = ("none", "selective", "full")
+# torch.compile modes; "reduce-overhead" captures each compiled block in CUDA graphs (no host launch cost)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
 class ConfigError(ValueError):
@@ -61,6 +63,7 @@ class TrainingConfig:
     max_norm: float = 1.0  # gradient-norm clipping; 0 turns it off
     gradient_accumulation_steps: int = 1  # microbatches of local_batch_size per optimizer step
     skip_nan_steps: int = 0  # skip up to this many steps with a NaN/Inf loss before stopping
+    deterministic: bool = False  # torch.use_deterministic_algorithms: two runs give the same bits (slower)
 
 
 @dataclass
@@ -97,7 +100,7 @@ class MXConfig:
     backend: str = "auto"
     skip: list[str] = field(default_factory=lambda: ["output", "*router.gate"])  # fqn patterns left in bf16
     save_mx_input: bool = False  # save x for backward in MX form (MXRecipe.save_mx_input)
-    fuse_x_casts: bool = False  # emulated: both fake-quants of x in forward (MXRecipe.fuse_x_casts)
+    fuse_x_casts: bool = True  # emulated: both fake-quants of x in forward, where it applies (MXRecipe.fuse_x_casts)
     fuse_expert_casts: bool = False  # emulated MoE: both fake-quants of w in forward (MXRecipe.fuse_expert_casts)
     share_input_casts: bool = True  # one cast of an input read by several linears (MXRecipe.share_input_casts)
     grad_rounding: str = ""  # nearest or stochastic (MXRecipe.grad_rounding); "" keeps the recipe's
@@ -114,6 +117,7 @@ class MetricsConfig:
 @dataclass
 class CompileConfig:
     enable: bool = False  # torch.compile each transformer block
+    mode: str = "default"  # torch.compile's mode: default, reduce-overhead (CUDA graphs), max-autotune-no-cudagraphs
 
 
 @dataclass
@@ -330,7 +334,7 @@ def validate(config: Config) -> None:
         try:  # keys that are fine alone but not together
             MXRecipe.from_name(config.mx.recipe, **_mx_overrides(config.mx))
         except ValueError as e:
-            fail("mx.fuse_x_casts", f"{e} (recipe {config.mx.recipe!r})")
+            fail("mx", f"{e} (recipe {config.mx.recipe!r})")
     positive = [
         ("training.gradient_accumulation_steps", t.gradient_accumulation_steps),
         ("validation.interval", config.validation.interval),
@@ -349,6 +353,8 @@ def validate(config: Config) -> None:
             fail(key, f"must be >= 0, got {value}")
     if not 0.0 <= config.data.validation_fraction < 1.0:
         fail("data.validation_fraction", f"must be in [0, 1), got {config.data.validation_fraction}")
+    if config.compile.mode not in COMPILE_MODES:
+        fail("compile.mode", f"unknown mode {config.compile.mode!r}; known: {', '.join(COMPILE_MODES)}")
     if config.activation_checkpoint.mode not in AC_MODES:
         fail(
             "activation_checkpoint.mode",

@@ -150,10 +150,10 @@ def _checkpointed(forward: Callable, context_fn: Callable) -> Callable:
     return checkpointed_forward
 
 
-def apply_compile(model: nn.Module) -> None:
-    """torch.compile each block in place (``nn.Module.compile``: same names, same state dict)."""
+def apply_compile(model: nn.Module, mode: str = "default") -> None:
+    """torch.compile each block in place (``nn.Module.compile``: same names, same state dict) in ``mode``."""
     for block in model.layers.values():
-        block.compile()
+        block.compile(mode=None if mode == "default" else mode)
 
 
 @torch.no_grad()

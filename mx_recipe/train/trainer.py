@@ -198,7 +198,7 @@ def build_sharded_model(config: Config, args, info: DistInfo, mesh, log) -> torc
         log(format_conversion_table(records))
     apply_activation_checkpointing(model, config.activation_checkpoint.mode)
     if config.compile.enable:
-        apply_compile(model)
+        apply_compile(model, config.compile.mode)
     seed_everything(config.job.seed)  # the same initial weights on every world size
     materialize_and_shard(model, info, mesh, reshard_after_forward=config.parallel.reshard_after_forward)
     return model
@@ -208,8 +208,20 @@ def train(config: Config, info: DistInfo) -> list[dict]:
     """Run ``config`` on this rank; returns the logged records (identical on every rank).
 
     Returns early, after saving a checkpoint, when SIGTERM or SIGUSR1 arrives. Raises
-    TrainingError (one-line message, exit code) for a run that cannot go on.
+    TrainingError (one-line message, exit code) for a run that cannot go on. With
+    ``training.deterministic`` the run uses deterministic algorithms (restored after it).
     """
+    previous = torch.are_deterministic_algorithms_enabled()
+    if config.training.deterministic:  # flash attention's backward and index_add_ otherwise race
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts, after this
+        torch.use_deterministic_algorithms(True)
+    try:
+        return _train(config, info)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def _train(config: Config, info: DistInfo) -> list[dict]:
     log = print if info.is_main else (lambda *a, **k: None)
     t, ckpt = config.training, config.checkpoint
     output_dir = Path(config.job.output_dir)
@@ -241,7 +253,8 @@ def train(config: Config, info: DistInfo) -> list[dict]:
         f"model {config.model.name} {config.model.flavor}: {num_params / 1e6:.1f}M parameters, "
         f"mx recipe {config.mx.recipe}, {info.world_size} x {info.device.type} (mesh {tuple(mesh.shape)}), "
         f"global batch {global_batch} x {t.seq_len} tokens, activation checkpointing "
-        f"{config.activation_checkpoint.mode}, compile {'on' if config.compile.enable else 'off'}"
+        f"{config.activation_checkpoint.mode}, compile "
+        f"{f'on ({config.compile.mode})' if config.compile.enable else 'off'}"
     )
 
     optimizer = torch.optim.AdamW(
