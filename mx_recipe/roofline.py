@@ -118,6 +118,8 @@ class MXPath:
     # the upstream gradient g read once for both of its casts in the linear's backward (not for
     # grouped GEMMs, whose along-M cast works per token group)
     fused_grad_cast: bool = False
+    # a linear's x read once for both of its casts in forward (fuse_x_casts; on by default)
+    fused_x_cast: bool = False
 
 
 PATHS: dict[str, MXPath] = {
@@ -133,17 +135,19 @@ PATHS: dict[str, MXPath] = {
             False,
             False,
             False,
-            "casts write dequantized bf16 (a linear's g: both in one read), MoE groups unpadded; bf16-rate GEMM",
+            "casts write dequantized bf16 (a linear's x and g: both in one read), MoE groups unpadded; bf16-rate GEMM",
             fake_quant=True,
             fused_grad_cast=True,
+            fused_x_cast=True,
         ),
     )
 }
 # linear.py and grouped.py run the emulated backend through fake-quant kernels (mx_recipe.cast: one
 # read of bf16, one write of the dequantized bf16 per result), on every device. dim0 and dim1 are
-# separate kernels except for a linear's g (fake_quant_dim0_dim1); the MoE grad-weight casts quantize
-# each token group in place (fake_quant_groups_along_m), so its GEMM runs over the unpadded rows.
-# Not modeled: the recipe options fuse_x_casts and fuse_expert_casts (off by default).
+# separate kernels except for a linear's x and g (fake_quant_dim0_dim1); the MoE grad-weight casts
+# quantize each token group in place (fake_quant_groups_along_m), so its GEMM runs over the unpadded
+# rows. Not modeled: the recipe option fuse_expert_casts (off by default), and an input shared by
+# several linears (wq, wk, wv) cast once for all of them (the model is per linear).
 OURS_TODAY = "fake_quant"
 
 
@@ -281,8 +285,8 @@ def mx_ops(g: Gemm, recipe: MXRecipe, path: MXPath) -> list[Op]:
     ]
     for t, numel0, e0, numel1, e1 in needs:
         d0, d1 = e0 != HIGH_PRECISION, e1 != HIGH_PRECISION
-        grad_once = t == "g" and g.groups == 1 and path.fused_grad_cast
-        one_read = d0 and d1 and e0 == e1 and (path.fused_casts or grad_once)
+        linear_once = g.groups == 1 and (path.fused_grad_cast if t == "g" else t == "x" and path.fused_x_cast)
+        one_read = d0 and d1 and e0 == e1 and (path.fused_casts or linear_once)
         if path.fake_quant:  # reads the unpadded tensor (numel0); the along-M result has m_gw rows
             if one_read:
                 ops.append(fake_quant_op(f"cast {t} dim0+dim1", numel0, numel0, numel1))

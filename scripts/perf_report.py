@@ -268,10 +268,16 @@ def host_section(path: Path) -> list[str]:
 
 
 def host_targets(path: Path) -> str:
-    """The slowest cast or fake-quant call (the calls a training step makes), public or as compiled code makes it."""
-    rows = [r for r in json.loads(path.read_text())["rows"] if r["torch_op"] != "bf16" and "plain" not in r["name"]]
-    worst = max(rows, key=lambda r: r["host_us"])
-    return f"{min(r['host_us'] for r in rows):.0f}-{worst['host_us']:.0f} us (slowest: {worst['name']})"
+    """Host time per call by family: the fake-quants (the emulated path), the casts with blocked scales (the
+    sm_100 path) and those with plain scales (the triton backend's), public and as compiled code calls them."""
+    rows = [r for r in json.loads(path.read_text())["rows"] if r["torch_op"] != "bf16"]  # not the layers
+    families: dict[str, list[float]] = {"fake-quant": [], "blocked cast": [], "plain-scale cast": []}
+    for r in rows:
+        name = r["name"]
+        families["fake-quant" if "fake" in name else "blocked cast" if "blocked" in name else "plain-scale cast"].append(
+            r["host_us"]
+        )
+    return "; ".join(f"{name} {min(us):.0f}-{max(us):.0f} us" for name, us in families.items() if us)
 
 
 def bench_train_section(path: Path) -> list[str]:
@@ -301,7 +307,8 @@ def bench_train_section(path: Path) -> list[str]:
 
 def bench_train_targets(path: Path) -> str:
     data = json.loads(path.read_text())
-    return ", ".join(f"{data['meta']['config']} {r['recipe']} {r['ratio']:.3f}x" for r in data["rows"][1:])
+    name = f"{data['meta']['config']} ({data['meta']['layers']} blocks)"
+    return ", ".join(f"{name} {r['recipe']} {r['ratio']:.3f}x" for r in data["rows"][1:])
 
 
 def train_records(run: Path) -> list[dict]:

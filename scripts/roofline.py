@@ -90,8 +90,9 @@ def rate(flops: float | None, unit: float = 1e12) -> str:
 def casts_cell(p: MXPath) -> str:
     if p.fused_casts:
         return "fused dim0+dim1 (one read)"
-    if p.fused_grad_cast:
-        return "dim0 and dim1 separate (two reads), except a linear's g (one read)"
+    if p.fused_grad_cast or p.fused_x_cast:
+        which = " and ".join(t for t, fused in (("x", p.fused_x_cast), ("g", p.fused_grad_cast)) if fused)
+        return f"dim0 and dim1 separate (two reads), except a linear's {which} (one read)"
     return "dim0 and dim1 separate (two reads)"
 
 

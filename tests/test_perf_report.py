@@ -57,13 +57,14 @@ def test_host_section_and_target(tmp_path):
     import json
 
     rows = [dict(name="fake-quant dim0", host_us=24.0, torch_us=12.0, torch_op="x.to(float8_e4m3fn)")]
+    rows += [dict(name="op cast_dim0 (compiled code)", host_us=60.0, torch_us=12.0, torch_op="x.to(float8_e4m3fn)")]
     rows += [dict(name="linear fwd+bwd", host_us=300.0, torch_us=100.0, torch_op="bf16")]
     path = tmp_path / "2026-11-25T1000_h200_bench_host.json"
     meta = dict(device="GPU", torch="2.11", date="2026-11-25", commit="abc1234", shape=[256, 256])
     path.write_text(json.dumps(dict(meta=meta, rows=rows)))
     report = _perf_report()
     assert "| fake-quant dim0 | 24.0 | x.to(float8_e4m3fn) | 12.0 | 2.0x |" in report.host_section(path)
-    assert report.host_targets(path) == "24-24 us (slowest: fake-quant dim0)"  # the layers are not calls
+    assert report.host_targets(path) == "fake-quant 24-24 us; plain-scale cast 60-60 us"  # layers are not calls
 
 
 def test_bench_train_section_with_its_profile(tmp_path):
@@ -83,7 +84,7 @@ def test_bench_train_section_with_its_profile(tmp_path):
     lines = report.bench_train_section(path)
     assert "| mxfp8 | 950 | 0.950x | 47.5% | 10.50 | 2.0% | 3.0100 |" in lines
     assert "| MX cast | 0.0 | 1.5 |" in lines and "| step | 12.0 | 13.5 |" in lines
-    assert report.bench_train_targets(path) == "llama1b_bf16 mxfp8 0.950x"
+    assert report.bench_train_targets(path) == "llama1b_bf16 (16 blocks) mxfp8 0.950x"
 
 
 def test_cast_targets_judge_kernel_time(tmp_path):

@@ -161,14 +161,16 @@ def test_grouped_grad_weight_pads_groups():
     assert "pad g, x rows" not in _names(mx_ops(g, MXFP8, FUSED))
 
 
-def test_fake_quant_linear_reads_g_once():
+def test_fake_quant_linear_reads_x_and_g_once():
     m, k, n, m_pad = 8200, 4096, 1024, 8224  # M not a multiple of 32: along M, ceil32(M) rows
     ops = {op.name: op for op in mx_ops(Gemm("l", m, k, n), MXFP8, FAKE_QUANT)}
     # linear.py's backward: one kernel reads g and writes both fake-quants in bf16 (fake_quant_dim0_dim1)
     assert [name for name in ops if "cast g" in name] == ["cast g dim0+dim1"]
     assert ops["cast g dim0+dim1"].bytes == (m * n + m * n + m_pad * n) * 2
-    # x and w: a read each per cast; the kernels write the zero rows (no padding copy), the GEMM runs over them
-    assert ops["cast x dim1"].bytes == (m * k + m_pad * k) * 2
+    # x likewise in forward (fuse_x_casts); w: a read per cast. The kernels write the zero rows (no padding
+    # copy), and the GEMM runs over them
+    assert [name for name in ops if "cast x" in name] == ["cast x dim0+dim1"]
+    assert ops["cast x dim0+dim1"].bytes == (m * k + m * k + m_pad * k) * 2
     assert {"cast w dim0", "cast w dim1"} <= ops.keys() and "pad g, x rows" not in ops
     assert ops["grad-weight GEMM"].flops == 2 * m_pad * k * n
     # with grad weight in bf16, g has one cast left
