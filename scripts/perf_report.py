@@ -274,9 +274,8 @@ def host_targets(path: Path) -> str:
     families: dict[str, list[float]] = {"fake-quant": [], "blocked cast": [], "plain-scale cast": []}
     for r in rows:
         name = r["name"]
-        families["fake-quant" if "fake" in name else "blocked cast" if "blocked" in name else "plain-scale cast"].append(
-            r["host_us"]
-        )
+        family = "fake-quant" if "fake" in name else "blocked cast" if "blocked" in name else "plain-scale cast"
+        families[family].append(r["host_us"])
     return "; ".join(f"{name} {min(us):.0f}-{max(us):.0f} us" for name, us in families.items() if us)
 
 
