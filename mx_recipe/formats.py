@@ -252,6 +252,10 @@ def _quantize_blocks(
         raise TypeError(f"to_mx takes bf16 or fp32 input, got {x.dtype}")
     if x.dim() == 0:
         raise ValueError("to_mx needs at least one dimension")
+    if not -x.dim() <= dim < x.dim():  # dim % x.dim() would take dim=2 of a 2D tensor as dim 0
+        raise ValueError(
+            f"to_mx: dim {dim} is out of range for a {x.dim()}D tensor (expected -{x.dim()} to {x.dim() - 1})"
+        )
     dim = dim % x.dim()
     if x.shape[dim] % block_size:
         raise ValueError(

@@ -76,6 +76,10 @@ def test_minimal_config_and_defaults():
         (_with("mx", "fuse_expert_casts", "on"), r"key 'mx.fuse_expert_casts': expected true or false"),
         (_with("model", "flavor", "13B"), r"key 'model.flavor': unknown llama flavor '13B'"),
         (_with("training", "steps", 0), r"key 'training.steps': must be positive"),
+        (_with("training", "lr", float("nan")), r"key 'training.lr': expected a finite number, got nan"),
+        (_with("training", "lr", float("inf")), r"key 'training.lr': expected a finite number, got inf"),
+        (_with("training", "max_norm", float("-inf")), r"key 'training.max_norm': expected a finite number"),
+        (_with("job", "seed", -1), r"key 'job.seed': must be in \[0, 2\*\*32\), got -1"),
         (_with("metrics", "log_freq", -1), r"key 'metrics.log_freq'"),
         (_with("activation_checkpoint", "mode", "some"), r"key 'activation_checkpoint.mode': unknown mode 'some'"),
         (_with("training", "gradient_accumulation_steps", 0), r"key 'training.gradient_accumulation_steps'"),
@@ -115,6 +119,11 @@ def test_overrides_are_typed():
         build_config(MINIMAL, "mem.toml", parse_overrides(["--training.steps", "many"]))
     with pytest.raises(ConfigError, match=r"unknown key 'training.nope'"):
         build_config(MINIMAL, "mem.toml", parse_overrides(["--training.nope", "1"]))
+    for bad in ("nan", "inf", "-inf"):  # as users type them: a config error, not a traceback or a NaN run
+        with pytest.raises(ConfigError, match=rf"key 'training.lr': expected a finite number, got {bad}"):
+            build_config(MINIMAL, "mem.toml", parse_overrides(["--training.lr", bad]))
+    with pytest.raises(ConfigError, match=r"key 'job.seed': must be in"):
+        build_config(MINIMAL, "mem.toml", parse_overrides(["--job.seed", "-1"]))
     with pytest.raises(ConfigError, match="needs a value"):
         parse_overrides(["--training.steps"])
     with pytest.raises(ConfigError, match="expected --section.key"):

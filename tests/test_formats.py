@@ -506,6 +506,15 @@ def test_dim_not_multiple_of_32_raises(shape, dim, named_dim):
     assert f"dim {named_dim}" in msg, msg
 
 
+@pytest.mark.parametrize("dim", [2, -3, 5])
+def test_dim_out_of_range_raises(dim):
+    """Not taken modulo the rank: dim=2 of a 2D tensor is an error, not dim 0."""
+    with pytest.raises(ValueError, match=rf"dim {dim} is out of range for a 2D tensor \(expected -2 to 1\)"):
+        to_mx(torch.zeros(32, 32), "e4m3", "floor", dim=dim)
+    with pytest.raises(ValueError, match="out of range"):
+        fake_quant(torch.zeros(32, 32), "e4m3", "floor", dim=dim)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64, torch.int32, torch.float8_e4m3fn])
 def test_wrong_dtype_raises_type_error(dtype):
     with pytest.raises(TypeError, match=str(dtype).replace("torch.", "")):

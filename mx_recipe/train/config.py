@@ -6,6 +6,7 @@ Every error names the key and the file, so a bad run stops before any model is b
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,6 +185,8 @@ def _check_value(value: Any, tp: Any) -> Any:
         if isinstance(value, list) and all(isinstance(v, item) for v in value):
             return list(value)
     elif tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):  # every float key is a rate, a ratio or a bound: nan and inf mean nothing
+            raise TypeError(f"expected a finite number, got {value!r}")
         return float(value)
     elif tp is int and isinstance(value, int) and not isinstance(value, bool):
         return value
@@ -205,9 +208,10 @@ def _parse_override(text: str, tp: Any) -> Any:
             return False
         raise TypeError(f"expected true or false, got {text!r}")
     try:
-        return tp(text)
+        value = tp(text)
     except ValueError:
         raise TypeError(f"expected {_type_name(tp)}, got {text!r}") from None
+    return _check_value(value, tp)  # the checks a TOML value gets (a finite float)
 
 
 def resolve_config_path(name_or_path: str | None) -> Path:
@@ -299,6 +303,8 @@ def validate(config: Config) -> None:
     def fail(key: str, message: str) -> None:
         raise ConfigError(f"{src}: key '{key}': {message}")
 
+    if not 0 <= config.job.seed < 2**32:  # what numpy's seeding takes
+        fail("job.seed", f"must be in [0, 2**32), got {config.job.seed}")
     t = config.training
     for key in ("steps", "local_batch_size", "seq_len"):
         if getattr(t, key) <= 0:
