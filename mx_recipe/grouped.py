@@ -25,6 +25,8 @@ The padding happens on the device, into a buffer of static size ceil32(M_total) 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mx_recipe.formats import BLOCK_SIZE
@@ -32,6 +34,8 @@ from mx_recipe.gemm import Backend, GroupLayout, Operand, default_backend, plain
 from mx_recipe.gemm import pad_groups as pad_groups  # tests import it from here
 from mx_recipe.recipe import HIGH_PRECISION, MXRecipe
 from mx_recipe.scale_layout import padded_group_layout
+
+CHECK_OFFS_ENV = "MX_RECIPE_CHECK_OFFS"  # "1": check offs on the host on every call, GPU too (debugging)
 
 
 def _forward(
@@ -78,6 +82,23 @@ def _grad_weight(
     )
 
 
+def _zero_rows_past_groups(y: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """y with the rows at and past offs[-1] (in no group) set to zero: the grouped GEMMs leave them unwritten.
+    A mask computed on the device, so nothing waits for the host (torch.compile fuses it with y's consumer)."""
+    rows = torch.arange(y.shape[0], device=y.device)
+    return torch.where((rows < offs[-1])[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
+def check_group_ends(offs: torch.Tensor, m: int) -> None:
+    """Raise unless ``offs`` holds non-decreasing group ends in [0, m]. Reads offs on the host: a device sync on
+    a GPU, so mx_grouped_mm does it there only when asked (``MX_RECIPE_CHECK_OFFS=1``)."""
+    ends = offs.cpu().to(torch.int64)
+    if (torch.diff(ends, prepend=ends.new_zeros(1)) < 0).any():
+        raise ValueError(f"mx_grouped_mm: offs must be non-decreasing group ends >= 0, got {ends.tolist()}")
+    if ends[-1].item() > m:
+        raise ValueError(f"mx_grouped_mm: offs ends at row {ends[-1].item()}, past x's {m} rows: {ends.tolist()}")
+
+
 class _MXGroupedMMFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -86,6 +107,7 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         """``for_grad_input``: the grad-input GEMM will run, so fuse_expert_casts may cast w for it here."""
         fuse_w = for_grad_input and recipe.fuse_expert_casts and backend.name == "emulated"
         y, w_n = _forward(x, w, offs, recipe, backend, fuse_w)
+        y = _zero_rows_past_groups(y, offs)
         ctx.recipe, ctx.backend, ctx.w_dtype = recipe, backend, w.dtype
         ctx.save_for_backward(x, w, offs, w_n)
         return y
@@ -102,6 +124,7 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         if need_gw and recipe.grad_weight != HIGH_PRECISION:
             layout = padded_group_layout(offs, x.shape[0], BLOCK_SIZE)
         gx = _grad_input(g, w, w_n, offs, layout, recipe, ctx.backend) if need_gx else None
+        gx = None if gx is None else _zero_rows_past_groups(gx, offs)
         gw = _grad_weight(g, x, offs, layout, recipe, ctx.backend) if need_gw else None
         return (
             None if gx is None else gx.to(x.dtype),
@@ -117,7 +140,12 @@ def mx_grouped_mm(
     x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: MXRecipe, backend: Backend | None = None
 ) -> torch.Tensor:
     """Differentiable grouped GEMM in MX: x [M_total, K], w [E, N, K], offs int32 [E] -> [M_total, N].
-    ``backend``: from ``gemm.resolve_backend(..., grouped=True)``; None resolves it for x's device (cached)."""
+    ``backend``: from ``gemm.resolve_backend(..., grouped=True)``; None resolves it for x's device (cached).
+
+    offs: non-decreasing group ends in [0, M_total]; rows at and past offs[-1] belong to no group and come
+    back as zeros, with zero gradients. The values are checked on the host for CPU tensors, and on a GPU
+    only with ``MX_RECIPE_CHECK_OFFS=1`` (a device sync per call); unchecked, bad offs give unspecified
+    values."""
     if x.dim() != 2 or w.dim() != 3 or offs.dim() != 1 or offs.shape[0] != w.shape[0]:
         raise ValueError(
             f"mx_grouped_mm: expected x [M, K], w [E, N, K], offs [E]; got {tuple(x.shape)}, "
@@ -130,6 +158,10 @@ def mx_grouped_mm(
         raise ValueError(f"mx_grouped_mm: K differs, x {tuple(x.shape)} vs w {tuple(w.shape)}")
     if k % recipe.block_size or n % recipe.block_size:
         raise ValueError(f"mx_grouped_mm: w {tuple(w.shape)} needs N and K divisible by {recipe.block_size}")
+    if offs.device != x.device:
+        raise ValueError(f"mx_grouped_mm: offs is on {offs.device}, x on {x.device}")
+    if not torch.compiler.is_compiling() and (not x.is_cuda or os.environ.get(CHECK_OFFS_ENV) == "1"):
+        check_group_ends(offs, x.shape[0])  # free on the CPU; a device sync on a GPU
     if backend is None:
         backend = default_backend(recipe, x.device, grouped=True)
     # w along N is cast in forward (fuse_expert_casts) only when grad input will be computed

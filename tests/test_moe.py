@@ -134,6 +134,55 @@ def test_mx_grouped_mm_input_errors():
         mx_grouped_mm(torch.randn(64, 48), torch.randn(2, 96, 48), torch.tensor([32, 64], dtype=torch.int32), recipe)
 
 
+@pytest.mark.parametrize(
+    "offs, error",
+    [
+        ([64, 32], r"offs must be non-decreasing group ends >= 0, got \[64, 32\]"),
+        ([-8, 64], r"offs must be non-decreasing group ends >= 0, got \[-8, 64\]"),
+        ([64, 200], r"offs ends at row 200, past x's 96 rows"),
+        ([32, 32], None),  # an empty group
+        ([32, 70], None),  # rows past the last group: zeros (below)
+    ],
+)
+def test_mx_grouped_mm_refuses_bad_group_ends_on_the_cpu(offs, error):
+    """Decreasing, negative or past M: an error that shows them (on a GPU: with MX_RECIPE_CHECK_OFFS=1)."""
+    x, w, offs = torch.randn(96, 64), torch.randn(2, 96, 64), torch.tensor(offs, dtype=torch.int32)
+    if error is None:
+        mx_grouped_mm(x, w, offs, MXRecipe.from_name("mxfp8"))
+        return
+    with pytest.raises(ValueError, match="mx_grouped_mm: " + error):
+        mx_grouped_mm(x, w, offs, MXRecipe.from_name("mxfp8"))
+
+
+def check_rows_past_the_last_group(device: str, recipe: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(96, 64, generator=gen).to(device, torch.bfloat16).requires_grad_(True)
+    w = torch.randn(2, 64, 64, generator=gen).to(device, torch.bfloat16).requires_grad_(True)
+    offs = torch.tensor([32, 70], dtype=torch.int32, device=device)  # rows 70..95 in no group
+    y = mx_grouped_mm(x, w, offs, MXRecipe.from_name(recipe))
+    again = mx_grouped_mm(x, w, offs, MXRecipe.from_name(recipe))
+    assert torch.equal(y, again) and not y[70:].any() and y[:70].abs().sum() > 0
+    y.backward(torch.randn(y.shape, generator=gen).to(device, torch.bfloat16))
+    assert not x.grad[70:].any() and x.grad[:70].abs().sum() > 0 and torch.isfinite(w.grad).all()
+    full = torch.tensor([32, 96], dtype=torch.int32, device=device)  # the rows in the last group: written
+    assert mx_grouped_mm(x, w, full, MXRecipe.from_name(recipe))[70:].abs().sum() > 0
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
+def test_rows_past_the_last_group_are_zero_with_zero_gradients(recipe):
+    check_rows_past_the_last_group("cpu", recipe)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_rceil"])
+def test_gpu_rows_past_the_last_group_are_zero_with_zero_gradients(recipe, monkeypatch):
+    check_rows_past_the_last_group("cuda", recipe)
+    monkeypatch.setenv("MX_RECIPE_CHECK_OFFS", "1")
+    x, w = torch.randn(96, 64, device="cuda"), torch.randn(2, 96, 64, device="cuda")
+    with pytest.raises(ValueError, match="past x's 96 rows"):
+        mx_grouped_mm(x, w, torch.tensor([64, 200], dtype=torch.int32, device="cuda"), MXRecipe.from_name(recipe))
+
+
 def _small_moe_args(**kw) -> MoEArgs:
     base = dict(
         dim=64,
