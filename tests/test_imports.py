@@ -72,3 +72,24 @@ def test_fresh_import_reports_failures():
     with pytest.raises(AssertionError, match="failed in a fresh interpreter"):
         _fresh_import("mx_recipe.does_not_exist")
     assert json.dumps(_modules("mx_kernels")).count("mx_kernels.spec") == 1
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_installed_triton_is_the_tested_one():
+    """pyproject bounds Triton to the release the kernels are tested with (pip would otherwise pick the newest,
+    whose Gluon API differs); the environment running these tests must hold such a Triton."""
+    import re
+
+    import triton
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [d for d in deps if d.startswith("triton")]
+    low, high = re.match(r"triton>=([\d.]+),<([\d.]+);", spec).groups()
+    version = tuple(int(p) for p in triton.__version__.split(".")[:2])
+    as_tuple = lambda v: tuple(int(p) for p in v.split(".")[:2])  # noqa: E731
+    assert as_tuple(low) <= version < as_tuple(high), f"triton {triton.__version__} is outside {spec}"
