@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +13,6 @@ from mx_recipe.gemm import Backend, resolve_backend
 from mx_recipe.grouped import mx_grouped_mm
 from mx_recipe.linear import MXLinear
 from mx_recipe.recipe import MXRecipe
-
-logger = logging.getLogger(__name__)
 
 # Stay in high precision by default: the output projection (its logits feed the loss directly)
 # and MoE router gates (tiny GEMMs whose top-k choice is sensitive to rounding).
@@ -119,8 +116,8 @@ def convert_to_mx(
             module.__class__ = _mx_experts_class(type(module))
             module.recipe, module.backend = recipe, backend
         records.append(ConversionRecord(fqn, shape, True, f"converted: {recipe.name}", backend.name))
-    if log:
-        logger.info("convert_to_mx(%s, %s backend):\n%s", recipe.name, backend.name, format_conversion_table(records))
+    if log:  # printed: logging.info reaches nobody unless the caller configured logging
+        print(f"convert_to_mx({recipe.name}, {backend.name} backend):\n{format_conversion_table(records)}")
     return records
 
 
