@@ -16,13 +16,15 @@ import sys
 
 import torch
 
-from mx_recipe.train.config import DEFAULT_CONFIG, ConfigError, load_config, parse_overrides
+from mx_recipe.train.config import DEFAULT_CONFIG, ConfigError, config_help, load_config, parse_overrides
 from mx_recipe.train.parallel import destroy_distributed, init_distributed
 from mx_recipe.train.trainer import TrainingError, memory_report, train
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, epilog=config_help(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", default=None, help=f"configs/NAME[.toml] or a path (default: {DEFAULT_CONFIG})")
     args, rest = parser.parse_known_args(argv)
     try:

@@ -174,3 +174,22 @@ def test_mx_keys_build_the_recipe():
 
     none = {**MINIMAL, "mx": {"recipe": "none", "save_mx_input": True, "grad_rounding": "stochastic"}}
     assert build_mx_recipe(build_config(none, "mem.toml", []).mx) is None
+
+
+def test_help_lists_every_key_with_type_default_and_meaning():
+    """train.py --help is generated from the config classes: each key, its type, its default, one line of meaning."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    from mx_recipe.train.config import _SECTION_TYPES
+
+    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True).stdout
+    for section, cls in _SECTION_TYPES.items():
+        assert f"  [{section}]" in out
+        for f in dataclasses.fields(cls):
+            (line,) = [ln for ln in out.splitlines() if ln.strip().startswith(f"{section}.{f.name} (")]
+            assert "required" in line or "default " in line, line
+            assert line.split("): ", 1)[1].strip(), f"{section}.{f.name} has no meaning in --help"
+    assert "training.lr (number, required): peak learning rate" in out
+    assert 'mx.skip (list of strings, default ["output", "*router.gate"])' in out

@@ -6,7 +6,10 @@ Every error names the key and the file, so a bad run stops before any model is b
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import json
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,29 +41,29 @@ def required() -> Any:
 
 @dataclass
 class JobConfig:
-    output_dir: str = required()
-    seed: int = required()
-    description: str = ""
+    output_dir: str = required()  # metrics, checkpoints and the resolved config go here
+    seed: int = required()  # initial weights, data order and stochastic rounding, in [0, 2**32)
+    description: str = ""  # free text, logged with the run
 
 
 @dataclass
 class ModelConfig:
-    name: str = required()
-    flavor: str = required()
+    name: str = required()  # llama or moe
+    flavor: str = required()  # the model size: debug, 1B, 8B, 70B (llama); debug_moe, moe_1B, moe_16B, moe_scout
 
 
 @dataclass
 class TrainingConfig:
-    steps: int = required()
-    local_batch_size: int = required()
-    seq_len: int = required()
-    lr: float = required()
-    warmup_steps: int = required()
+    steps: int = required()  # optimizer steps of the whole run
+    local_batch_size: int = required()  # sequences per microbatch on each GPU
+    seq_len: int = required()  # tokens per sequence
+    lr: float = required()  # peak learning rate of AdamW, after warm-up
+    warmup_steps: int = required()  # linear warm-up steps, then cosine decay
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    weight_decay: float = 0.1  # AdamW decoupled weight decay
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW epsilon
     max_norm: float = 1.0  # gradient-norm clipping; 0 turns it off
     gradient_accumulation_steps: int = 1  # microbatches of local_batch_size per optimizer step
     skip_nan_steps: int = 0  # skip up to this many steps with a NaN/Inf loss before stopping
@@ -71,9 +74,9 @@ class TrainingConfig:
 class DataConfig:
     dataset: str = "python_stdlib"  # python_stdlib (offline), files (path glob), hf (Hugging Face, streaming)
     path: str = ""  # for files: a glob of .txt, .jsonl or .parquet files
-    hf_name: str = "allenai/c4"  # for hf
-    hf_config: str = "en"
-    hf_split: str = "train"
+    hf_name: str = "allenai/c4"  # for hf: the dataset name on the Hugging Face hub
+    hf_config: str = "en"  # for hf: the dataset configuration
+    hf_split: str = "train"  # for hf: the split to stream
     text_field: str = "text"  # the text column of jsonl, parquet and hf rows
     tokenizer: str = "byte"  # byte, or the path of a Hugging Face tokenizer.json
     max_bytes: int = 64 * 2**20  # read at most this much of a local corpus
@@ -82,14 +85,14 @@ class DataConfig:
 
 @dataclass
 class ValidationConfig:
-    enable: bool = False
+    enable: bool = False  # evaluate the held-out loss during training
     interval: int = 100  # steps between validations
     steps: int = 10  # batches per validation
 
 
 @dataclass
 class CheckpointConfig:
-    enable: bool = False
+    enable: bool = False  # save checkpoints (one is saved on SIGTERM/SIGUSR1 regardless)
     interval: int = 500  # steps between checkpoints; one is also written at the end
     keep_latest_k: int = 3  # 0 keeps all
     folder: str = "checkpoints"  # under job.output_dir
@@ -98,7 +101,7 @@ class CheckpointConfig:
 @dataclass
 class MXConfig:
     recipe: str = required()  # an MXRecipe name, or "none" for bf16
-    backend: str = "auto"
+    backend: str = "auto"  # MX GEMM backend: auto, emulated, cublas (sm_100), triton
     skip: list[str] = field(default_factory=lambda: ["output", "*router.gate"])  # fqn patterns left in bf16
     save_mx_input: bool = False  # save x for backward in MX form (MXRecipe.save_mx_input)
     fuse_x_casts: bool = True  # emulated: both fake-quants of x in forward, where it applies (MXRecipe.fuse_x_casts)
@@ -109,10 +112,10 @@ class MXConfig:
 
 @dataclass
 class MetricsConfig:
-    log_freq: int = required()
+    log_freq: int = required()  # log loss, tokens/s, MFU and memory every this many steps
     tensorboard: bool = False  # event files under job.output_dir/tb
     wandb: bool = False  # offline mode when no API key is set
-    wandb_project: str = "mx-recipe"
+    wandb_project: str = "mx-recipe"  # the wandb project of the run
 
 
 @dataclass
@@ -128,7 +131,7 @@ class ActivationCheckpointConfig:
 
 @dataclass
 class ParallelConfig:
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = True  # FSDP2: free the gathered weights after forward (less memory)
     dp_replicate: int = 1  # HSDP: replicate x shard mesh; 1 is plain FSDP
 
 
@@ -165,6 +168,26 @@ _KEY_TYPES: dict[str, dict[str, Any]] = {
     name: {f.name: f.type for f in dataclasses.fields(cls)} for name, cls in _SECTION_TYPES.items()
 }
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool, "list[str]": list[str]}
+
+
+def _key_comments(cls: type) -> dict[str, str]:
+    """The one-line meaning of each key: the comment after its field in the class's source."""
+    pattern = re.compile(r"^    (\w+): [^#]*#\s*(.+)$")
+    return {m.group(1): m.group(2) for line in inspect.getsource(cls).splitlines() if (m := pattern.match(line))}
+
+
+def config_help() -> str:
+    """Every section and key with its type, default and meaning, for ``train.py --help``."""
+    lines = ["config keys (in the TOML file, or on the command line as --section.key value):"]
+    for section, cls in _SECTION_TYPES.items():
+        lines.append(f"  [{section}]")
+        comments = _key_comments(cls)
+        for f in dataclasses.fields(cls):
+            value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            default = "required" if value is REQUIRED else f"default {json.dumps(value)}"  # TOML spells these so
+            kind = _type_name(_key_type(section, f.name)).removeprefix("an ").removeprefix("a ")
+            lines.append(f"    {section}.{f.name} ({kind}, {default}): {comments.get(f.name, '')}".rstrip(": "))
+    return "\n".join(lines)
 
 
 def _key_type(section: str, key: str) -> Any:
