@@ -267,3 +267,24 @@ def test_deterministic_run_gives_the_reference_losses_and_restores_the_mode(tmp_
     assert code == 0, err
     assert not torch.are_deterministic_algorithms_enabled()
     assert last_losses(tmp_path) == bf16_reference()
+
+
+def test_a_finished_run_without_checkpoints_is_not_overwritten(tmp_path):
+    """Run again into the output_dir of a finished run that left no checkpoint: refused (exit 2, one line naming
+    the folder), and its metrics.jsonl, config.toml and DONE are kept as they were."""
+    args = [*BF16_ARGS, "--training.steps", "2", "--job.output_dir", str(tmp_path)]
+    code, _, err = run_in_process(args)
+    assert code == 0, err
+    before = {name: (tmp_path / name).read_bytes() for name in ("metrics.jsonl", "config.toml", "DONE")}
+    code, _, err = run_in_process([*args, "--training.lr", "1e-3"])
+    assert code == 2
+    assert f"job.output_dir {tmp_path} holds the metrics of a finished run (2 records in metrics.jsonl)" in err
+    assert len(err.strip().splitlines()) == 1
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+
+
+def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
+    path = tmp_path / "taken"
+    path.write_text("not a folder")
+    code, _, err = run_in_process([*BF16_ARGS, "--job.output_dir", str(path)])
+    assert code == 2 and f"job.output_dir {path} is a file, not a folder" in err and path.read_text() == "not a folder"

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from mx_recipe.convert import convert_to_mx, format_conversion_table
 from mx_recipe.models import build_model, flops_per_token, model_args, moe_layers
-from mx_recipe.train.checkpoint import Checkpointer, TrainState
+from mx_recipe.train.checkpoint import Checkpointer, TrainState, latest_checkpoint
 from mx_recipe.train.config import Config, build_mx_recipe, config_to_toml
 from mx_recipe.train.data import build_datasets
 from mx_recipe.train.faults import fault_hooks
@@ -204,6 +204,29 @@ def build_sharded_model(config: Config, args, info: DistInfo, mesh, log) -> torc
     return model
 
 
+def _output_dir_problem(output_dir: Path, checkpoint_folder: Path) -> str | None:
+    """Why a run cannot start in ``output_dir`` (None: it can; the folder is created). A new run there would
+    replace the metrics of an earlier one that left no checkpoint to resume from: refused, so nothing is lost."""
+    if output_dir.exists() and not output_dir.is_dir():
+        return f"job.output_dir {output_dir} is a file, not a folder: choose another job.output_dir"
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"job.output_dir: cannot create {output_dir} ({e.strerror}): choose another job.output_dir"
+    if not os.access(output_dir, os.W_OK):
+        return f"job.output_dir {output_dir} is not writable: choose another job.output_dir"
+    metrics = output_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size and latest_checkpoint(checkpoint_folder) is None:
+        records = sum(1 for line in metrics.read_text().splitlines() if line.strip())
+        finished = "a finished run" if (output_dir / "DONE").exists() else "an earlier run"
+        return (
+            f"job.output_dir {output_dir} holds the metrics of {finished} ({records} records in metrics.jsonl) and no "
+            "checkpoint to resume from, so a new run would replace them: choose another job.output_dir, or delete "
+            f"{metrics} to start over"
+        )
+    return None
+
+
 def train(config: Config, info: DistInfo) -> list[dict]:
     """Run ``config`` on this rank; returns the logged records (identical on every rank).
 
@@ -225,8 +248,12 @@ def _train(config: Config, info: DistInfo) -> list[dict]:
     log = print if info.is_main else (lambda *a, **k: None)
     t, ckpt = config.training, config.checkpoint
     output_dir = Path(config.job.output_dir)
+    problem = _output_dir_problem(output_dir, output_dir / ckpt.folder) if info.is_main else None
+    box = [problem]
+    dist.broadcast_object_list(box, src=0)  # rank 0 looked: every rank stops, or none
+    if box[0] is not None:
+        raise SetupError(box[0])
     if info.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.toml").write_text(config_to_toml(config))
 
     # Everything that can fail fast does so before the model is built.
