@@ -2,14 +2,15 @@
 TensorBoard event files, wandb (offline without a key, a clear message when it is missing)."""
 
 import json
+import struct
 import sys
-import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from mx_recipe.train.config import MetricsConfig
-from mx_recipe.train.metrics import MetricsLogger, check_metrics_config
+from mx_recipe.train.metrics import MetricsLogger, check_metrics_config, wandb_mode
 
 CPU = torch.device("cpu")
 TRAIN_KEYS = {"step", "loss", "tokens_per_sec", "tflops", "mfu", "memory_gib", "time", "elapsed_s"}
@@ -122,43 +123,64 @@ def test_missing_wandb_names_the_extra(tmp_path, monkeypatch):
     assert check_metrics_config(MetricsConfig(log_freq=1)) is None
 
 
-class FakeRun:
-    def __init__(self, **kwargs):
-        self.kwargs, self.logged, self.finished = kwargs, [], False
+def wandb_records(output_dir: Path) -> tuple[str, list[dict], list[str]]:
+    """(run id, history rows, record kinds) of the one offline run wandb wrote under output_dir, read from its
+    .wandb file: a log of 32 KiB blocks of records (7-byte header: crc32, length, kind 1 full / 2 first /
+    3 middle / 4 last), each a wandb_internal_pb2.Record, after a 7-byte file header that starts ":W&B"."""
+    from wandb.proto import wandb_internal_pb2 as pb
 
-    def log(self, values, step):
-        self.logged.append((step, values))
-
-    def finish(self):
-        self.finished = True
-
-
-def _fake_wandb(monkeypatch) -> list[FakeRun]:
-    runs: list[FakeRun] = []
-    ids = iter(["id1", "id2"])
-    module = types.ModuleType("wandb")
-    module.init = lambda **kw: runs.append(FakeRun(**kw)) or runs[-1]
-    module.util = types.SimpleNamespace(generate_id=lambda: next(ids))
-    monkeypatch.setitem(sys.modules, "wandb", module)
-    return runs
+    (path,) = (output_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, parts, records = 7, b"", []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # no room for a header: the block's tail is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if (kind, length) == (0, 0):
+            break
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        parts = chunk if kind in (1, 2) else parts + chunk
+        if kind in (1, 4):
+            records.append(pb.Record.FromString(parts))
+    run_ids = [r.run.run_id for r in records if r.WhichOneof("record_type") == "run"]
+    history = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+    return run_ids[0], history, [r.WhichOneof("record_type") for r in records]
 
 
 def test_wandb_offline_without_a_key_and_resumed_into_the_same_run(tmp_path, monkeypatch):
-    runs = _fake_wandb(monkeypatch)
+    """The real wandb package, offline (no WANDB_API_KEY, no network): the run is named after output_dir, logs
+    train/ and val/ numbers by step, and a resumed run continues the same wandb run; a fresh one starts another."""
+    pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "my_run"
     config = MetricsConfig(log_freq=1, wandb=True, wandb_project="proj")
     logger = _logger(out, metrics_config=config)
+    assert logger.wandb.settings.mode == "offline" and logger.wandb.project == "proj" and logger.wandb.name == "my_run"
     _log(logger, 1, loss=3.0)
     logger.log_validation(1, 2.0)
     logger.close()
-    run = runs[0]
-    assert run.finished
-    assert run.kwargs["mode"] == "offline" and run.kwargs["project"] == "proj" and run.kwargs["name"] == "my_run"
-    assert run.logged[0][0] == 1 and run.logged[0][1]["train/loss"] == 3.0 and "train/mfu" not in run.logged[0][1]
-    assert run.logged[1] == (1, {"val/loss": 2.0})
+    run_id = (out / "wandb_run_id").read_text().strip()
+    got_id, history, kinds = wandb_records(out)
+    assert got_id == run_id and "exit" in kinds  # finished
+    assert history[0]["_step"] == 1 and history[0]["train/loss"] == 3.0 and history[0]["val/loss"] == 2.0
+    assert "train/mfu" not in history[0]  # no MFU on the CPU
+    resumed = _logger(out, append=True, metrics_config=config)
+    assert resumed.wandb.id == run_id
+    resumed.close()
+    fresh = _logger(out, metrics_config=config)  # a fresh run in the same folder is a new wandb run
+    assert fresh.wandb.id != run_id and (out / "wandb_run_id").read_text().strip() == fresh.wandb.id
+    fresh.close()
+
+
+def test_wandb_goes_online_with_a_key(monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert wandb_mode() == "offline"
     monkeypatch.setenv("WANDB_API_KEY", "x")
-    _logger(out, append=True, metrics_config=config).close()
-    assert runs[1].kwargs["mode"] == "online" and runs[1].kwargs["id"] == run.kwargs["id"] == "id1"
-    _logger(out, metrics_config=config).close()  # a fresh run in the same folder is a new wandb run
-    assert runs[2].kwargs["id"] == "id2"
+    assert wandb_mode() == "online"

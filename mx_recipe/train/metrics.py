@@ -8,6 +8,7 @@ import os
 import resource
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,11 @@ def _tensorboard_writer(log_dir: Path):
     return SummaryWriter(log_dir=str(log_dir))
 
 
+def wandb_mode() -> str:
+    """Online with an API key in the environment, else offline (the run is kept on disk for ``wandb sync``)."""
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
 def _wandb_run(output_dir: Path, project: str, append: bool):
     """A wandb run named after output_dir; offline without WANDB_API_KEY; a resumed run (append)
     continues the run whose id output_dir keeps."""
@@ -72,7 +78,8 @@ def _wandb_run(output_dir: Path, project: str, append: bool):
     except ImportError:
         raise ImportError(f"metrics.wandb = true needs the wandb package: {WANDB_HINT}") from None
     id_file = output_dir / WANDB_RUN_ID_FILE
-    run_id = id_file.read_text().strip() if append and id_file.is_file() else wandb.util.generate_id()
+    # our own id (wandb.util.generate_id is gone from wandb 0.31): 8 lowercase hex digits, as wandb's are
+    run_id = id_file.read_text().strip() if append and id_file.is_file() else uuid.uuid4().hex[:8]
     id_file.write_text(run_id + "\n")
     return wandb.init(
         project=project,
@@ -80,7 +87,7 @@ def _wandb_run(output_dir: Path, project: str, append: bool):
         id=run_id,
         resume="allow",
         dir=str(output_dir),
-        mode="online" if os.environ.get("WANDB_API_KEY") else "offline",
+        mode=wandb_mode(),
     )
 
 
