@@ -288,3 +288,30 @@ def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
     path.write_text("not a folder")
     code, _, err = run_in_process([*BF16_ARGS, "--job.output_dir", str(path)])
     assert code == 2 and f"job.output_dir {path} is a file, not a folder" in err and path.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("case", ["max_bytes", "short_corpus", "bad_jsonl", "bad_parquet"])
+def test_data_that_cannot_make_a_run_is_one_line_and_exit_2(tmp_path, case):
+    """The README's promise for a run that cannot start: exit 2 and one line that names the problem."""
+    args = [*BF16_ARGS, "--job.output_dir", str(tmp_path / "run")]
+    if case == "max_bytes":  # one document: none to hold out for validation
+        args += ["--data.max_bytes", "300", "--validation.enable", "true"]
+        expected = "data: data.dataset 'python_stdlib' has 1 document(s): too few to hold out 1 for validation"
+    else:
+        args += ["--data.validation_fraction", "0"]
+    if case == "short_corpus":
+        (tmp_path / "tiny.txt").write_text("too short")
+        args += ["--data.dataset", "files", "--data.path", str(tmp_path / "tiny.txt")]
+        expected = "is too short for seq_len"
+    elif case == "bad_jsonl":
+        (tmp_path / "docs.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+        args += ["--data.dataset", "files", "--data.path", str(tmp_path / "docs.jsonl")]
+        expected = f"data: {tmp_path / 'docs.jsonl'}:2: not valid JSON"
+    elif case == "bad_parquet":
+        pytest.importorskip("pyarrow")
+        (tmp_path / "docs.parquet").write_bytes(b"PAR1 this is not parquet PAR1")
+        args += ["--data.dataset", "files", "--data.path", str(tmp_path / "docs.parquet")]
+        expected = "data: "
+    code, _, err = run_in_process(args)
+    assert code == 2, err
+    assert expected in err and len(err.strip().splitlines()) == 1, err

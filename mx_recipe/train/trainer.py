@@ -257,7 +257,10 @@ def _train(config: Config, info: DistInfo) -> list[dict]:
         (output_dir / "config.toml").write_text(config_to_toml(config))
 
     # Everything that can fail fast does so before the model is built.
-    data = build_datasets(config, info.rank, info.world_size)
+    try:
+        data = build_datasets(config, info.rank, info.world_size)
+    except (ValueError, OSError) as e:  # a missing or malformed file, a corpus too short (pyarrow's are ValueErrors)
+        raise SetupError(f"data: {e}") from None
     if config.validation.enable and data.validation is None:
         raise SetupError(
             f"validation.enable is true but data.dataset {config.data.dataset!r} has no validation split "
