@@ -115,3 +115,85 @@ def test_two_process_resume_is_exact_and_reshards(tmp_path):
 
 
 _POPEN = {"cwd": REPO, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": ENV}
+
+
+CKPT_EVERY_2 = ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
+
+
+@pytest.fixture(scope="module")
+def died_after_step_4(tmp_path_factory) -> Path:
+    """A 4-step run with checkpoints at steps 2 and 4, as it would be had it died right after saving step 4."""
+    run = tmp_path_factory.mktemp("ckpt") / "run"
+    code, _, err = run_in_process([*BF16_ARGS, *CKPT_EVERY_2, "--job.output_dir", str(run)])
+    assert code == 0, err
+    (run / "DONE").unlink()
+    return run
+
+
+def _damage(run: Path, tmp_path: Path, how: str) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (shard,) = (copy / "checkpoints" / "step-4").glob("__0_*.distcp")
+    data = bytearray(shard.read_bytes())
+    if how == "truncated":
+        shard.write_bytes(data[: len(data) // 2])
+    else:  # 256 bytes in the middle overwritten: the size stays, the tensors change
+        middle = len(data) // 2
+        data[middle : middle + 256] = bytes(256)
+        shard.write_bytes(data)
+    return copy
+
+
+def test_checkpoints_carry_checksums_and_their_config(died_after_step_4):
+    from mx_recipe.train.checkpoint import damaged_files
+
+    for step in (2, 4):
+        folder = died_after_step_4 / "checkpoints" / f"step-{step}"
+        listing = json.loads((folder / "checksums.json").read_text())
+        assert ".metadata" in listing and any(name.endswith(".distcp") for name in listing)
+        assert damaged_files(folder) == [] and "[model]" in (folder / "config.toml").read_text()
+
+
+@pytest.mark.parametrize("how", ["truncated", "overwritten"])
+def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumes(died_after_step_4, tmp_path, how):
+    """Truncated or 256 bytes overwritten: the checksum names the file, the run resumes from step 2 and
+    ends with the losses of a run that never stopped (an overwrite used to resume silently and diverge)."""
+    run = _damage(died_after_step_4, tmp_path, how)
+    code, out, err = run_in_process([*BF16_ARGS, *CKPT_EVERY_2, "--job.output_dir", str(run)])
+    assert code == 0, err
+    folder = run / "checkpoints"
+    problem = "has" if how == "truncated" else "does not match its checksum"
+    assert f"warning: checkpoint {folder / 'step-4'} is damaged: __0_0.distcp {problem}" in out
+    assert f"resuming from checkpoint {folder / 'step-2'} (step 2 of 4)" in out
+    assert last_losses(run) == bf16_reference()
+
+
+def test_strict_stops_at_a_damaged_checkpoint_and_all_damaged_stops_too(died_after_step_4, tmp_path):
+    run = _damage(died_after_step_4, tmp_path, "overwritten")
+    strict = ["--checkpoint.strict", "true", "--job.output_dir", str(run)]
+    code, _, err = run_in_process([*BF16_ARGS, *CKPT_EVERY_2, *strict])
+    assert code == 2 and f"checkpoint {run / 'checkpoints' / 'step-4'} is damaged" in err and "strict" in err
+    (shard,) = (run / "checkpoints" / "step-2").glob("__0_*.distcp")
+    shard.write_bytes(shard.read_bytes()[:100])
+    code, _, err = run_in_process([*BF16_ARGS, *CKPT_EVERY_2, "--job.output_dir", str(run)])
+    assert code == 2 and "every checkpoint under" in err and "(step-4, step-2)" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_resume_under_another_model_or_recipe_is_refused_unless_allowed(died_after_step_4, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(died_after_step_4, run)
+    moe = [*BF16_ARGS, *CKPT_EVERY_2, "--job.output_dir", str(run), "--model.name", "moe"]
+    moe += ["--model.flavor", "debug_moe"]
+    code, _, err = run_in_process(moe)
+    assert code == 2 and "model.name: 'llama' -> 'moe'; model.flavor: 'debug' -> 'debug_moe'" in err
+    assert "checkpoint.allow_config_change true" in err
+    mx = [*BF16_ARGS, *CKPT_EVERY_2, "--job.output_dir", str(run), "--mx.recipe", "mxfp8"]
+    code, _, err = run_in_process(mx)
+    assert code == 2 and "mx.recipe: 'none' -> 'mxfp8'" in err
+    code, out, err = run_in_process([*mx, "--checkpoint.allow_config_change", "true"])
+    assert code == 0, err
+    assert "resuming from checkpoint" in out and "config changed: mx.recipe: 'none' -> 'mxfp8'" in out
+    # the history of the run's config: the earlier one kept beside the current one
+    assert 'recipe = "none"' in (run / "config-1.toml").read_text()
+    assert 'recipe = "mxfp8"' in (run / "config.toml").read_text()

@@ -13,16 +13,23 @@ previous checkpoint the latest.
 What a checkpoint holds: the model and optimizer (``get_state_dict``: FSDP2's sharded DTensors,
 so DCP reshards them on load; the model's persistent buffers, such as the MoE expert biases,
 come with it), the LR scheduler, the train state (step, NaN skips), and per rank a pickled blob
-of its data position and RNG states.
+of its data position and RNG states. Beside them, ``checksums.json`` (size and CRC-32 of every
+file, each rank hashing the shards it wrote) and ``config.toml`` (the run's resolved config).
+
+``verify(path)`` checks the files against ``checksums.json`` before a load: a damaged checkpoint
+(a truncated, overwritten or missing file) is reported by name, and the trainer falls back to the
+newest intact one, or stops when ``checkpoint.strict`` asks.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
 import shutil
 import signal
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +66,40 @@ def committed_checkpoints(folder: Path) -> list[tuple[int, Path]]:
 def latest_checkpoint(folder: Path) -> Path | None:
     found = committed_checkpoints(folder)
     return found[-1][1] if found else None
+
+
+CHECKSUMS = "checksums.json"
+CONFIG = "config.toml"
+
+
+def file_checksum(path: Path, chunk: int = 1 << 24) -> dict[str, int]:
+    """Size and CRC-32 of a file (CRC-32: any burst of 32 bits or fewer changes it, and it runs at GB/s)."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc, size = zlib.crc32(block, crc), size + len(block)
+    return {"size": size, "crc32": crc}
+
+
+def damaged_files(path: Path, names: list[str] | None = None) -> list[str]:
+    """What is wrong with checkpoint ``path`` (empty: intact), for the files ``names`` of its checksums.json
+    (None: all of them)."""
+    listing = path / CHECKSUMS
+    if not listing.is_file():  # written before checksums were: unverified, not damaged
+        return []
+    expected = json.loads(listing.read_text())
+    problems = []
+    for name in expected if names is None else names:
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+            continue
+        got = file_checksum(file)
+        if got["size"] != expected[name]["size"]:
+            problems.append(f"{name} has {got['size']} bytes, {expected[name]['size']} were written")
+        elif got["crc32"] != expected[name]["crc32"]:
+            problems.append(f"{name} does not match its checksum")
+    return problems
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -98,6 +139,20 @@ class Checkpointer:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.last: Path | None = None  # the latest committed checkpoint, saved or loaded by this run
         self.last_step = -1
+        self.config_text: str | None = None  # the run's resolved config, saved with each checkpoint
+
+    def verify(self, path: Path) -> list[str]:
+        """``damaged_files(path)``, the files shared out among the ranks; every rank gets the whole list."""
+        names = sorted(json.loads((path / CHECKSUMS).read_text())) if (path / CHECKSUMS).is_file() else []
+        mine = damaged_files(path, names[self.rank :: self.world_size])
+        every = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        return [problem for part in every for problem in part]
+
+    def committed(self) -> list[Path]:
+        """Every committed checkpoint, newest first, as rank 0 sees them."""
+        found = committed_checkpoints(self.folder) if self.rank == 0 else []
+        return self._broadcast([path for _, path in reversed(found)])
 
     def _broadcast(self, value: Any) -> Any:
         box = [value]
@@ -147,7 +202,16 @@ class Checkpointer:
         if step == fault_hooks().kill_in_save_step:  # tests only (faults.py)
             os.kill(os.getpid(), signal.SIGKILL)  # no handler, no cleanup, as a node failure
         dist.barrier()  # every rank's shards are on disk
+        # each rank hashes its own shards (DCP names them __RANK_*), rank 0 the metadata too
+        mine = {f.name: file_checksum(f) for f in sorted(tmp.iterdir()) if f.name.startswith(f"__{self.rank}_")}
         if self.rank == 0:
+            mine[".metadata"] = file_checksum(tmp / ".metadata")
+        every = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        if self.rank == 0:
+            (tmp / CHECKSUMS).write_text(json.dumps({k: v for part in every for k, v in part.items()}, indent=0))
+            if self.config_text is not None:
+                (tmp / CONFIG).write_text(self.config_text)
             if final.exists():  # only from a run that ended at this very step: replace it
                 _remove(final)
             tmp.rename(final)

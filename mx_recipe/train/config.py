@@ -96,6 +96,8 @@ class CheckpointConfig:
     interval: int = 500  # steps between checkpoints; one is also written at the end
     keep_latest_k: int = 3  # 0 keeps all
     folder: str = "checkpoints"  # under job.output_dir
+    strict: bool = False  # stop at a damaged newest checkpoint instead of falling back to an older intact one
+    allow_config_change: bool = False  # resume a checkpoint written under another [model] or [mx] config
 
 
 @dataclass

@@ -11,6 +11,7 @@ import math
 import os
 import random
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -20,10 +21,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
 from mx_recipe.convert import convert_to_mx, format_conversion_table
 from mx_recipe.models import build_model, flops_per_token, model_args, moe_layers
-from mx_recipe.train.checkpoint import Checkpointer, TrainState, latest_checkpoint
-from mx_recipe.train.config import Config, build_mx_recipe, config_to_toml
+from mx_recipe.train.checkpoint import CONFIG, Checkpointer, TrainState, latest_checkpoint
+from mx_recipe.train.config import Config, build_mx_recipe, config_to_dict, config_to_toml
 from mx_recipe.train.data import build_datasets
 from mx_recipe.train.faults import fault_hooks
 from mx_recipe.train.metrics import MetricsLogger, peak_memory_gib
@@ -204,6 +210,14 @@ def build_sharded_model(config: Config, args, info: DistInfo, mesh, log) -> torc
     return model
 
 
+def _write_config(path: Path, text: str) -> None:
+    """The run's resolved config; one that a resumed run changed is kept as config-N.toml (N = 1, 2, ...)."""
+    if path.is_file() and path.read_text().splitlines()[1:] != text.splitlines()[1:]:  # line 0: a timestamp
+        n = 1 + sum(1 for _ in path.parent.glob("config-*.toml"))
+        path.rename(path.with_name(f"config-{n}.toml"))
+    path.write_text(text)
+
+
 def _output_dir_problem(output_dir: Path, checkpoint_folder: Path) -> str | None:
     """Why a run cannot start in ``output_dir`` (None: it can; the folder is created). A new run there would
     replace the metrics of an earlier one that left no checkpoint to resume from: refused, so nothing is lost."""
@@ -223,6 +237,60 @@ def _output_dir_problem(output_dir: Path, checkpoint_folder: Path) -> str | None
             f"job.output_dir {output_dir} holds the metrics of {finished} ({records} records in metrics.jsonl) and no "
             "checkpoint to resume from, so a new run would replace them: choose another job.output_dir, or delete "
             f"{metrics} to start over"
+        )
+    return None
+
+
+def _config_changes(saved: Path, config: Config) -> list[str]:
+    """The [model] and [mx] keys whose values differ from those of the checkpoint's saved config."""
+    if not saved.is_file():  # written before checkpoints kept their config
+        return []
+    before, now = tomllib.loads(saved.read_text()), config_to_dict(config)
+    return [
+        f"{section}.{key}: {before.get(section, {}).get(key)!r} -> {value!r}"
+        for section in ("model", "mx")
+        for key, value in now[section].items()
+        if before.get(section, {}).get(key) != value
+    ]
+
+
+def _resume(checkpointer: Checkpointer, config: Config, model, optimizer, scheduler, data, state, log) -> Path | None:
+    """Load the newest intact checkpoint (None: there is none, a fresh run). A damaged one is reported by name
+    and the one before it tried, unless checkpoint.strict; one written under another model or recipe is
+    refused unless checkpoint.allow_config_change."""
+    ckpt, damaged = config.checkpoint, []
+    for path in checkpointer.committed():
+        problems = checkpointer.verify(path)
+        changed = [] if problems else _config_changes(path / CONFIG, config)
+        if changed and not ckpt.allow_config_change:
+            raise SetupError(
+                f"checkpoint {path} was written under another model or recipe ({'; '.join(changed)}): resume with "
+                "the config it was written with, or set checkpoint.allow_config_change true"
+            )
+        if not problems:
+            try:
+                note = checkpointer.load(path, model, optimizer, scheduler, data, state)
+            except ValueError as e:  # e.g. a data position that cannot move to this world size
+                raise SetupError(f"cannot resume from {path}: {e}") from None
+            except Exception as e:  # unreadable without a checksum to tell (written before checksums were)
+                problems = [f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]
+            else:
+                notes = [note] if note else []
+                notes += [f"config changed: {'; '.join(changed)}"] if changed else []
+                log(
+                    f"resuming from checkpoint {path} (step {state.step} of {config.training.steps})"
+                    + "".join(f"; {n}" for n in notes)
+                )
+                return path
+        what = f"checkpoint {path} is damaged: {'; '.join(problems[:3])}"
+        if ckpt.strict:
+            raise SetupError(f"{what}; checkpoint.strict is true: delete it to resume from the one before it")
+        log(f"warning: {what}; trying the checkpoint before it")
+        damaged.append(path.name)
+    if damaged:  # a fresh start would replace this run's metrics and, in time, prune its checkpoints
+        raise SetupError(
+            f"every checkpoint under {checkpointer.folder} is damaged ({', '.join(damaged)}): nothing to resume from; "
+            "delete them to start over"
         )
     return None
 
@@ -254,7 +322,7 @@ def _train(config: Config, info: DistInfo) -> list[dict]:
     if box[0] is not None:
         raise SetupError(box[0])
     if info.is_main:
-        (output_dir / "config.toml").write_text(config_to_toml(config))
+        _write_config(output_dir / "config.toml", config_to_toml(config))
 
     # Everything that can fail fast does so before the model is built.
     try:
@@ -294,13 +362,8 @@ def _train(config: Config, info: DistInfo) -> list[dict]:
         optimizer, lambda i: lr_lambda(i + 1, t.warmup_steps, t.steps, t.min_lr_ratio)
     )
     state = TrainState()
-    resume_from = checkpointer.latest()
-    if resume_from is not None:
-        try:
-            note = checkpointer.load(resume_from, model, optimizer, scheduler, data.train, state)
-        except ValueError as e:  # e.g. a data position that cannot move to this world size
-            raise SetupError(f"cannot resume from {resume_from}: {e}") from None
-        log(f"resuming from checkpoint {resume_from} (step {state.step} of {t.steps})" + (f"; {note}" if note else ""))
+    checkpointer.config_text = config_to_toml(config)
+    resume_from = _resume(checkpointer, config, model, optimizer, scheduler, data.train, state, log)
     metrics = MetricsLogger(
         output_dir,
         info.device,
