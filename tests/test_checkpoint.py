@@ -197,3 +197,30 @@ def test_resume_under_another_model_or_recipe_is_refused_unless_allowed(died_aft
     # the history of the run's config: the earlier one kept beside the current one
     assert 'recipe = "none"' in (run / "config-1.toml").read_text()
     assert 'recipe = "mxfp8"' in (run / "config.toml").read_text()
+
+
+def test_a_save_on_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """DCP on a full disk fails with "unexpected pos 704 vs 598"; the run stops with one line that says the disk is
+    full and names the checkpoint still intact, and the partial save is removed. The disk is made full by stand-ins
+    for DCP's write at step 4 and for the disk's free space."""
+    import collections
+
+    from mx_recipe.train import checkpoint
+
+    real_save = checkpoint.dcp.save
+
+    def save(state, checkpoint_id):
+        if Path(checkpoint_id).name == "step-4.tmp":
+            raise RuntimeError("unexpected pos 704 vs 598")
+        return real_save(state, checkpoint_id=checkpoint_id)
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpoint.dcp, "save", save)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(100 * 2**30, 100 * 2**30, 2**20))
+    run = tmp_path / "run"
+    code, _, err = run_in_process([*BF16_ARGS, *CKPT_EVERY_2, "--job.output_dir", str(run)])
+    folder = run / "checkpoints"
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"cannot save checkpoint {folder / 'step-4'}: no space left on the disk of {folder} (0.00 GiB free)" in err
+    assert f"the newest intact checkpoint is {folder / 'step-2'}" in err
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2"]

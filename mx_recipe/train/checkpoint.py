@@ -102,6 +102,22 @@ def damaged_files(path: Path, names: list[str] | None = None) -> list[str]:
     return problems
 
 
+class CheckpointSaveError(RuntimeError):
+    """A save that failed; its message says why in one line and which checkpoint is still intact."""
+
+
+def _save_failure(final: Path, error: Exception, intact: Path | None) -> str:
+    """One line for a failed save: a full disk said as such (DCP's own message is about stream positions)."""
+    usage = shutil.disk_usage(final.parent)
+    text = f"{error!r} {error.__cause__!r} {error.__context__!r}"
+    if "No space left" in text or "Errno 28" in text or usage.free < 0.01 * usage.total:
+        why = f"no space left on the disk of {final.parent} ({usage.free / 2**30:.2f} GiB free)"
+    else:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        why = f"{type(error).__name__}: {first}"
+    return f"cannot save checkpoint {final}: {why}; the newest intact checkpoint is {intact or 'none (no save yet)'}"
+
+
 def _rng_state(device: torch.device) -> dict[str, Any]:
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -198,7 +214,12 @@ class Checkpointer:
         state = self._state(model, optimizer, scheduler, train_state)
         # Each rank's data position and RNG: a leaf of bytes, so its structure is the data source's business.
         state[f"rank_{self.rank}"] = pickle.dumps({"data": data.state_dict(), "rng": _rng_state(self.device)})
-        dcp.save(state, checkpoint_id=tmp)
+        try:
+            dcp.save(state, checkpoint_id=tmp)
+        except Exception as e:  # DCP raises on every rank when one fails to write
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # give back what the partial save took
+            raise CheckpointSaveError(_save_failure(final, e, self.last)) from e
         if step == fault_hooks().kill_in_save_step:  # tests only (faults.py)
             os.kill(os.getpid(), signal.SIGKILL)  # no handler, no cleanup, as a node failure
         dist.barrier()  # every rank's shards are on disk

@@ -28,7 +28,7 @@ else:  # pragma: no cover
 
 from mx_recipe.convert import convert_to_mx, format_conversion_table
 from mx_recipe.models import build_model, flops_per_token, model_args, moe_layers
-from mx_recipe.train.checkpoint import CONFIG, Checkpointer, TrainState, latest_checkpoint
+from mx_recipe.train.checkpoint import CONFIG, Checkpointer, CheckpointSaveError, TrainState, latest_checkpoint
 from mx_recipe.train.config import Config, build_mx_recipe, config_to_dict, config_to_toml
 from mx_recipe.train.data import build_datasets
 from mx_recipe.train.faults import fault_hooks
@@ -423,7 +423,10 @@ def _train(config: Config, info: DistInfo) -> list[dict]:
                     metrics.log_validation(step, val_loss)
                 periodic = ckpt.enable and (step % ckpt.interval == 0 or step == t.steps)
                 if (periodic or signum) and can_checkpoint and checkpointer.last_step != step:
-                    path = checkpointer.save(model, optimizer, scheduler, data.train, state)
+                    try:
+                        path = checkpointer.save(model, optimizer, scheduler, data.train, state)
+                    except CheckpointSaveError as e:
+                        raise TrainingError(str(e)) from None
                     log(f"saved checkpoint {path}")
                 if signum and step < t.steps:
                     name = signal.Signals(signum).name
