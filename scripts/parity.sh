@@ -15,7 +15,8 @@
 # override fails before any training; a warning names the keys (outside [job], [mx], [metrics]) in which
 # the two configs differ.
 #
-# Resuming (SLURM requeue): a run whose directory holds DONE is not run again. A USR1 goes on to the
+# Resuming (SLURM requeue): a run whose directory holds DONE is not run again; DIR/SETTINGS records the
+# configs, seed, process count and overrides, and a rerun into DIR with other ones is refused (exit 2). A USR1 goes on to the
 # training processes (they checkpoint at the next step boundary and exit 0); this script then stops without
 # comparing, exit 0, and running the same command again resumes (with checkpoint.enable true).
 # Environment: PYTHON (python3), MX_TRAIN_SCRIPT (train.py; tests use a stand-in).
@@ -91,7 +92,16 @@ run_launcher() {
   return "$rc"
 }
 
+# What this comparison is: a rerun into the same --out with other settings would skip the DONE runs and
+# report their old verdict, so it is refused; a requeue (the same command) goes on.
+settings="configs: $config_a $config_b; seed: $seed; nproc: $nproc; overrides: ${overrides[*]}"
 mkdir -p "$out"
+if [[ -e $out/SETTINGS && $(cat "$out/SETTINGS") != "$settings" ]]; then
+  echo "parity.sh: $out holds a comparison with other settings ($(cat "$out/SETTINGS")); now: $settings." \
+    "Use another --out, or delete $out" >&2
+  exit 2
+fi
+echo "$settings" >"$out/SETTINGS"
 rm -f "$out/DONE"
 for config in "$config_a" "$config_b"; do
   name=$(basename "${config%.toml}")

@@ -226,3 +226,19 @@ def test_parity_sh_one_process_passes_usr1_to_train_py(tmp_path, fake):
     assert rc == 0, output
     assert (out / "debug_bf16" / "usr1.rank0").exists() and not (out / "debug_mxfp8").exists()
     assert "stopped by USR1 during debug_bf16" in output and not (out / "DONE").exists()
+
+
+def test_parity_sh_refuses_other_settings_in_a_finished_out(tmp_path, fake):
+    """A requeue (the same command) skips the DONE runs; the same --out with other settings is refused, naming both,
+    where it used to skip both runs and report the old verdict."""
+    out = tmp_path / "parity"
+    env = {**fake, "FAKE_MODE": "done"}
+    cmd = ["bash", "scripts/parity.sh", "debug_bf16", "debug_mxfp8", "--out", str(out), "--nproc", "1"]
+    assert run(cmd, env).returncode == 0 and (out / "DONE").exists()
+    verdict = (out / "DONE").read_text()
+    again = run(cmd, env)
+    assert again.returncode == 0 and again.stdout.count("is DONE; not run again") == 2
+    other = run([*cmd, "--training.lr", "1e-3"], env)
+    assert other.returncode == 2
+    assert f"parity.sh: {out} holds a comparison with other settings" in other.stderr
+    assert "overrides: --training.lr 1e-3" in other.stderr and (out / "DONE").read_text() == verdict
