@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import fault_entry
 import pytest
@@ -315,3 +316,11 @@ def test_data_that_cannot_make_a_run_is_one_line_and_exit_2(tmp_path, case):
     code, _, err = run_in_process(args)
     assert code == 2, err
     assert expected in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no folder can be made")
+def test_an_output_dir_that_cannot_be_created_is_refused(tmp_path):
+    """As on a read-only disk (as root, permissions do not stop a write: /proc refuses it)."""
+    code, _, err = run_in_process([*BF16_ARGS, "--job.output_dir", "/proc/mx_recipe_run"])
+    assert code == 2 and "job.output_dir: cannot create /proc/mx_recipe_run" in err
+    assert len(err.strip().splitlines()) == 1
