@@ -61,6 +61,17 @@ def _matches(fqn: str, patterns: list[str] | tuple[str, ...]) -> str | None:
     return None
 
 
+def skip_reason(fqn: str, features: tuple[int, ...], skip: list[str] | tuple[str, ...], block_size: int) -> str | None:
+    """Why the layer at ``fqn`` stays in high precision (None: it is converted): it matches a ``skip`` pattern,
+    or its features (a linear's (out, in), experts' (hidden, dim)) are not multiples of the MX block."""
+    pattern = _matches(fqn, skip)
+    if pattern is not None:
+        return f"skipped: matches {pattern!r}"
+    if any(d % block_size for d in features):
+        return f"skipped: features not multiples of {block_size}"
+    return None
+
+
 def convert_to_mx(
     model: nn.Module,
     recipe: MXRecipe,
@@ -90,13 +101,7 @@ def convert_to_mx(
             shape = features = (module.out_features, module.in_features)
         else:
             continue
-        pattern = _matches(fqn, skip)
-        if pattern is not None:
-            layers.append((fqn, module, shape, f"skipped: matches {pattern!r}"))
-        elif any(d % recipe.block_size for d in features):
-            layers.append((fqn, module, shape, f"skipped: features not multiples of {recipe.block_size}"))
-        else:
-            layers.append((fqn, module, shape, None))
+        layers.append((fqn, module, shape, skip_reason(fqn, features, skip, recipe.block_size)))
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     grouped = any(skipped is None and _is_experts(module) for _, module, _, skipped in layers)
