@@ -1,8 +1,9 @@
 """mx-recipe: MX (microscaling) low-precision training recipes for Llama and MoE models.
 
 The public API: ``to_mx`` and ``MXTensor`` (the reference), ``MXRecipe``, ``mx_linear`` / ``MXLinear``,
-``mx_grouped_mm`` (MoE experts) and ``convert_to_mx``. The last two are imported on first use: they bring in
-the MoE grouped GEMM and the converter, which ``import mx_recipe`` alone does not need.
+``mx_grouped_mm`` (MoE experts), ``convert_to_mx``, and the NVFP4 reference ``to_nvfp4`` / ``NVFP4Tensor``. The
+last ones are imported on first use: they bring in the MoE grouped GEMM, the converter and the NVFP4 format,
+which ``import mx_recipe`` alone does not need.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ _LAZY = {
     "format_conversion_table": "mx_recipe.convert",
     "mx_grouped_mm": "mx_recipe.grouped",
     "mx_mm": "mx_recipe.gemm",
+    "NVFP4Tensor": "mx_recipe.nvfp4",
+    "to_nvfp4": "mx_recipe.nvfp4",
 }
 
 __all__ = [
@@ -31,12 +34,14 @@ __all__ = [
     "MXLinear",
     "MXRecipe",
     "MXTensor",
+    "NVFP4Tensor",
     "convert_to_mx",
     "format_conversion_table",
     "mx_grouped_mm",
     "mx_linear",
     "mx_mm",
     "to_mx",
+    "to_nvfp4",
 ]
 
 
