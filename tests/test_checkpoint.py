@@ -168,6 +168,18 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_resumes(died_
     assert last_losses(run) == bf16_reference()
 
 
+def test_a_damaged_checkpoint_without_checksums_falls_back_too(died_after_step_4, tmp_path):
+    """A checkpoint written before checksums were (no checksums.json) and truncated: DCP's load fails with its
+    CheckpointException, a BaseException, and the run still names it and resumes from step 2."""
+    run = _damage(died_after_step_4, tmp_path, "truncated")
+    for step in (2, 4):
+        (run / "checkpoints" / f"step-{step}" / "checksums.json").unlink()
+    code, out, err = run_in_process([*BF16_ARGS, *CKPT_EVERY_2, "--job.output_dir", str(run)])
+    assert code == 0, err
+    assert f"warning: checkpoint {run / 'checkpoints' / 'step-4'} is damaged: CheckpointException" in out
+    assert last_losses(run) == bf16_reference()
+
+
 def test_strict_stops_at_a_damaged_checkpoint_and_all_damaged_stops_too(died_after_step_4, tmp_path):
     run = _damage(died_after_step_4, tmp_path, "overwritten")
     strict = ["--checkpoint.strict", "true", "--job.output_dir", str(run)]
@@ -205,13 +217,16 @@ def test_a_save_on_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_pat
     for DCP's write at step 4 and for the disk's free space."""
     import collections
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from mx_recipe.train import checkpoint
 
     real_save = checkpoint.dcp.save
 
     def save(state, checkpoint_id):
-        if Path(checkpoint_id).name == "step-4.tmp":
-            raise RuntimeError("unexpected pos 704 vs 598")
+        if Path(checkpoint_id).name == "step-4.tmp":  # what DCP raises there: a BaseException, not an Exception
+            failure = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+            raise CheckpointException("CheckpointException ranks:dict_keys([0])", {0: (failure, None)})
         return real_save(state, checkpoint_id=checkpoint_id)
 
     usage = collections.namedtuple("usage", "total used free")

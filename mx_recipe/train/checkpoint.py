@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from mx_recipe.train.faults import fault_hooks
@@ -102,11 +103,16 @@ def damaged_files(path: Path, names: list[str] | None = None) -> list[str]:
     return problems
 
 
+# What DCP raises when a rank fails to read or write: its CheckpointException derives from BaseException, not
+# Exception, so an `except Exception` lets it through.
+DCP_ERRORS = (Exception, CheckpointException)
+
+
 class CheckpointSaveError(RuntimeError):
     """A save that failed; its message says why in one line and which checkpoint is still intact."""
 
 
-def _save_failure(final: Path, error: Exception, intact: Path | None) -> str:
+def _save_failure(final: Path, error: BaseException, intact: Path | None) -> str:
     """One line for a failed save: a full disk said as such (DCP's own message is about stream positions)."""
     usage = shutil.disk_usage(final.parent)
     text = f"{error!r} {error.__cause__!r} {error.__context__!r}"
@@ -216,7 +222,7 @@ class Checkpointer:
         state[f"rank_{self.rank}"] = pickle.dumps({"data": data.state_dict(), "rng": _rng_state(self.device)})
         try:
             dcp.save(state, checkpoint_id=tmp)
-        except Exception as e:  # DCP raises on every rank when one fails to write
+        except DCP_ERRORS as e:  # DCP raises on every rank when one fails to write
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # give back what the partial save took
             raise CheckpointSaveError(_save_failure(final, e, self.last)) from e

@@ -28,7 +28,14 @@ else:  # pragma: no cover
 
 from mx_recipe.convert import convert_to_mx, format_conversion_table
 from mx_recipe.models import build_model, flops_per_token, model_args, moe_layers
-from mx_recipe.train.checkpoint import CONFIG, Checkpointer, CheckpointSaveError, TrainState, latest_checkpoint
+from mx_recipe.train.checkpoint import (
+    CONFIG,
+    DCP_ERRORS,
+    Checkpointer,
+    CheckpointSaveError,
+    TrainState,
+    latest_checkpoint,
+)
 from mx_recipe.train.config import Config, build_mx_recipe, config_to_dict, config_to_toml
 from mx_recipe.train.data import build_datasets
 from mx_recipe.train.faults import fault_hooks
@@ -272,7 +279,7 @@ def _resume(checkpointer: Checkpointer, config: Config, model, optimizer, schedu
                 note = checkpointer.load(path, model, optimizer, scheduler, data, state)
             except ValueError as e:  # e.g. a data position that cannot move to this world size
                 raise SetupError(f"cannot resume from {path}: {e}") from None
-            except Exception as e:  # unreadable without a checksum to tell (written before checksums were)
+            except DCP_ERRORS as e:  # unreadable without a checksum to tell (written before checksums were)
                 problems = [f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]
             else:
                 notes = [note] if note else []
