@@ -12,7 +12,7 @@ from torch import nn
 from mx_recipe.gemm import Backend, resolve_backend
 from mx_recipe.grouped import mx_grouped_mm
 from mx_recipe.linear import MXLinear
-from mx_recipe.recipe import MXRecipe
+from mx_recipe.recipe import MXRecipe, NVFP4Recipe
 
 # Stay in high precision by default: the output projection (its logits feed the loss directly)
 # and MoE router gates (tiny GEMMs whose top-k choice is sensitive to rounding).
@@ -74,7 +74,7 @@ def skip_reason(fqn: str, features: tuple[int, ...], skip: list[str] | tuple[str
 
 def convert_to_mx(
     model: nn.Module,
-    recipe: MXRecipe,
+    recipe: MXRecipe | NVFP4Recipe,
     skip: list[str] | tuple[str, ...] = DEFAULT_SKIP,
     log: bool = True,
     device: torch.device | str | None = None,
@@ -101,7 +101,10 @@ def convert_to_mx(
             shape = features = (module.out_features, module.in_features)
         else:
             continue
-        layers.append((fqn, module, shape, skip_reason(fqn, features, skip, recipe.block_size)))
+        reason = skip_reason(fqn, features, skip, recipe.block_size)
+        if reason is None and _is_experts(module) and isinstance(recipe, NVFP4Recipe):
+            reason = "skipped: the MoE grouped GEMM has no NVFP4 path"
+        layers.append((fqn, module, shape, reason))
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     grouped = any(skipped is None and _is_experts(module) for _, module, _, skipped in layers)

@@ -46,7 +46,7 @@ from mx_recipe.cast import (
     fake_quant_groups_along_m,
 )
 from mx_recipe.formats import BLOCK_SIZE, E2M1_VALUES, E8M0_BIAS, E8M0_NAN, MXTensor, exp2_fp32, unpack_fp4
-from mx_recipe.recipe import HIGH_PRECISION, MXRecipe
+from mx_recipe.recipe import HIGH_PRECISION, MXRecipe, NVFP4Recipe
 from mx_recipe.scale_layout import (
     SCALE_TILE_COLS,
     SCALE_TILE_ROWS,
@@ -168,7 +168,7 @@ def _cublas_gaps(recipe: MXRecipe, device: torch.device, grouped: bool) -> list[
     return gaps
 
 
-def resolve_backend(recipe: MXRecipe, device: torch.device, grouped: bool = False) -> Backend:
+def resolve_backend(recipe: MXRecipe | NVFP4Recipe, device: torch.device, grouped: bool = False) -> Backend:
     """The backend that runs ``recipe.backend`` on ``device``, resolved once, before training.
 
     ``grouped``: the model has MoE experts (grouped GEMMs). A forced 'cublas' that the device or the
@@ -179,6 +179,10 @@ def resolve_backend(recipe: MXRecipe, device: torch.device, grouped: bool = Fals
     'cublas' runs e5m2 dense GEMMs through torch._scaled_mm, whose checks accept it (unverified on
     hardware).
     """
+    if isinstance(recipe, NVFP4Recipe):  # its GEMMs are emulated (nvfp4_linear); the backend object is unused
+        if grouped:
+            raise ValueError(f"NVFP4 recipe {recipe.name!r}: the MoE grouped GEMM has no NVFP4 path")
+        return EmulatedBackend()
     name = _resolve_name(recipe.backend, device)
     if name == "triton" and grouped:
         raise ValueError(

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from mx_recipe.gemm import Backend, Operand, default_backend
-from mx_recipe.recipe import HIGH_PRECISION, MXRecipe
+from mx_recipe.nvfp4_linear import nvfp4_linear
+from mx_recipe.recipe import HIGH_PRECISION, MXRecipe, NVFP4Recipe
 
 
 def _input_casts(
@@ -173,10 +174,17 @@ def _apply(
 
 
 def mx_linear(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: MXRecipe, backend: Backend | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    recipe: MXRecipe | NVFP4Recipe,
+    backend: Backend | None = None,
 ) -> torch.Tensor:
     """``F.linear`` with each of its three GEMMs in MX as ``recipe`` says. x: [..., K], w: [N, K].
-    ``backend``: from ``gemm.resolve_backend``; None resolves it for x's device (cached)."""
+    ``backend``: from ``gemm.resolve_backend``; None resolves it for x's device (cached). An NVFP4Recipe
+    runs ``nvfp4_linear`` (emulated; no backend)."""
+    if isinstance(recipe, NVFP4Recipe):
+        return nvfp4_linear(x, w, bias, recipe)
     _check_weight(w, recipe)
     return _apply(x, w, bias, recipe, backend or default_backend(recipe, x.device))
 
@@ -188,6 +196,8 @@ def linears_on_one_input(x: torch.Tensor, linears: Sequence[MXLinear]) -> list[t
     gradients are bit for bit those of the separate calls. Linears of different recipes or backends, and a
     recipe without share_input_casts, are called one by one."""
     first = linears[0]
+    if not isinstance(first.recipe, MXRecipe):  # NVFP4: each linear quantizes x itself
+        return [lin(x) for lin in linears]
     recipe, backend = first.recipe, first.backend or default_backend(first.recipe, x.device)
     # something of x to share: a cast along K, or along M for an MX grad-weight GEMM
     shared = recipe.share_input_casts and (recipe.forward, recipe.grad_weight) != (HIGH_PRECISION, HIGH_PRECISION)

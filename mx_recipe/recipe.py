@@ -126,3 +126,63 @@ RECIPES: dict[str, MXRecipe] = {
         ),
     )
 }
+
+
+NVFP4_BACKENDS = ("auto", "emulated")  # no hardware NVFP4 GEMM is wired: both mean emulated
+
+
+@dataclass(frozen=True)
+class NVFP4Recipe:
+    """NVIDIA's NVFP4 training recipe (docs/DESIGN.md, "NVFP4"), each piece an option to ablate.
+
+    All three GEMMs of a linear take NVFP4 operands: 1x16 blocks for activations and gradients, and
+    weight_tiles: 16x16 tiles for the weight, so that its forward (along K) and grad-input (along N)
+        quantizations are one tensor; off, 1x16 blocks along each GEMM's K;
+    hadamard: the grad-weight GEMM's operands (g and x, along the tokens) go through the 16-point
+        random Hadamard transform first, whose signs come from ``hadamard_seed`` (train.py uses the
+        run's job.seed, so a checkpoint's config.toml fixes them);
+    grad_rounding: "stochastic" (the recipe's) or "nearest" for the gradient's casts; x and w round to
+        nearest.
+    Which layers stay in bf16 (the recipe keeps the last few) is the converter's ``skip``.
+    """
+
+    name: str = "nvfp4"
+    weight_tiles: bool = True
+    hadamard: bool = True
+    hadamard_seed: int = 0
+    grad_rounding: str = "stochastic"
+    backend: str = "auto"
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for field in ("weight_tiles", "hadamard"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"NVFP4Recipe.{field}={getattr(self, field)!r}: expected True or False")
+        if not isinstance(self.hadamard_seed, int) or not 0 <= self.hadamard_seed < 2**63:
+            raise ValueError(f"NVFP4Recipe.hadamard_seed={self.hadamard_seed!r}: expected an integer >= 0")
+        if self.grad_rounding not in ROUNDINGS:
+            raise ValueError(f"NVFP4Recipe.grad_rounding={self.grad_rounding!r}: expected one of {list(ROUNDINGS)}")
+        if self.backend not in NVFP4_BACKENDS:
+            raise ValueError(
+                f"NVFP4Recipe.backend={self.backend!r}: expected one of {list(NVFP4_BACKENDS)} (NVFP4 GEMMs are "
+                "emulated: no hardware NVFP4 GEMM is wired)"
+            )
+        if self.block_size != 16:
+            raise ValueError(f"NVFP4Recipe.block_size={self.block_size}: NVFP4 blocks are 16 elements")
+
+    @staticmethod
+    def from_name(name: str, **overrides: str | bool | int) -> NVFP4Recipe:
+        if name not in NVFP4_RECIPES:
+            raise ValueError(f"unknown NVFP4 recipe {name!r}; expected one of {sorted(NVFP4_RECIPES)}")
+        return replace(NVFP4_RECIPES[name], **overrides)
+
+
+NVFP4_RECIPES: dict[str, NVFP4Recipe] = {
+    r.name: r
+    for r in (
+        NVFP4Recipe("nvfp4"),
+        NVFP4Recipe("nvfp4_no_rht", hadamard=False),
+        NVFP4Recipe("nvfp4_1d_weights", weight_tiles=False),
+        NVFP4Recipe("nvfp4_nearest_grads", grad_rounding="nearest"),
+    )
+}

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args, get_origin
 
 if TYPE_CHECKING:
-    from mx_recipe.recipe import MXRecipe
+    from mx_recipe.recipe import MXRecipe, NVFP4Recipe
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -102,7 +102,7 @@ class CheckpointConfig:
 
 @dataclass
 class MXConfig:
-    recipe: str = required()  # an MXRecipe name, or "none" for bf16
+    recipe: str = required()  # an MXRecipe name (mxfp8, mxfp4, ...), an NVFP4Recipe name (nvfp4, ...) or "none" (bf16)
     backend: str = "auto"  # MX GEMM backend: auto, emulated, cublas (sm_100), triton
     skip: list[str] = field(default_factory=lambda: ["output", "*router.gate"])  # fqn patterns left in bf16
     save_mx_input: bool = False  # save x for backward in MX form (MXRecipe.save_mx_input)
@@ -321,7 +321,7 @@ def validate(config: Config) -> None:
     # Imported here: the registries live in the library, the config only reads them.
     from mx_recipe.formats import ROUNDINGS
     from mx_recipe.models import MODEL_FLAVORS
-    from mx_recipe.recipe import BACKENDS, RECIPES, MXRecipe
+    from mx_recipe.recipe import BACKENDS, NVFP4_RECIPES, RECIPES, MXRecipe
 
     src = config.source
 
@@ -349,13 +349,19 @@ def validate(config: Config) -> None:
     flavors = MODEL_FLAVORS[config.model.name]
     if config.model.flavor not in flavors:
         fail("model.flavor", f"unknown {config.model.name} flavor {config.model.flavor!r}; known: {', '.join(flavors)}")
-    if config.mx.recipe != "none" and config.mx.recipe not in RECIPES:
-        fail("mx.recipe", f"unknown recipe {config.mx.recipe!r}; known: none, {', '.join(RECIPES)}")
+    if config.mx.recipe != "none" and config.mx.recipe not in RECIPES and config.mx.recipe not in NVFP4_RECIPES:
+        known = ", ".join(["none", *RECIPES, *NVFP4_RECIPES])
+        fail("mx.recipe", f"unknown recipe {config.mx.recipe!r}; known: {known}")
     if config.mx.backend not in BACKENDS:
         fail("mx.backend", f"unknown backend {config.mx.backend!r}; available: {', '.join(BACKENDS)}")
     if config.mx.grad_rounding not in ("", *ROUNDINGS):
         fail("mx.grad_rounding", f"unknown rounding {config.mx.grad_rounding!r}; known: {', '.join(ROUNDINGS)}")
-    if config.mx.recipe != "none":  # with "none" the MX keys go unused, as mx.backend does
+    if config.mx.recipe in NVFP4_RECIPES:
+        try:
+            build_mx_recipe(config.mx)
+        except ValueError as e:
+            fail("mx.backend", f"{e} (recipe {config.mx.recipe!r})")
+    elif config.mx.recipe != "none":  # with "none" the MX keys go unused, as mx.backend does
         # the recipe's own checks (e.g. stochastic rounding needs e2m1 gradients), one key at a time
         for key, value in _mx_overrides(config.mx).items():
             try:
@@ -416,13 +422,18 @@ def _mx_overrides(mx: MXConfig) -> dict[str, str | bool]:
     return overrides
 
 
-def build_mx_recipe(mx: MXConfig) -> MXRecipe | None:
-    """The MXRecipe that [mx] describes (the named recipe with backend, save_mx_input, fuse_x_casts,
-    fuse_expert_casts, share_input_casts and grad_rounding set from the config), or None for recipe "none"."""
-    from mx_recipe.recipe import MXRecipe
+def build_mx_recipe(mx: MXConfig, seed: int = 0) -> MXRecipe | NVFP4Recipe | None:
+    """The recipe that [mx] describes, or None for recipe "none". An MXRecipe: the named recipe with backend,
+    save_mx_input, fuse_x_casts, fuse_expert_casts, share_input_casts and grad_rounding set from the config.
+    An NVFP4Recipe: with backend and grad_rounding, and ``seed`` (the run's job.seed) for the Hadamard signs;
+    the MX cast options do not apply to it."""
+    from mx_recipe.recipe import NVFP4_RECIPES, MXRecipe, NVFP4Recipe
 
     if mx.recipe == "none":
         return None
+    if mx.recipe in NVFP4_RECIPES:
+        rounding = {"grad_rounding": mx.grad_rounding} if mx.grad_rounding else {}
+        return NVFP4Recipe.from_name(mx.recipe, backend=mx.backend, hadamard_seed=seed, **rounding)
     return MXRecipe.from_name(mx.recipe, **_mx_overrides(mx))
 
 

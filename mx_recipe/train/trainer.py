@@ -200,7 +200,7 @@ def build_sharded_model(config: Config, args, info: DistInfo, mesh, log) -> torc
     with torch.device("meta"):
         model = build_model(args)
     if config.mx.recipe != "none":
-        recipe = build_mx_recipe(config.mx)
+        recipe = build_mx_recipe(config.mx, seed=config.job.seed)
         # The GEMM backend is resolved once, here: one this device or recipe cannot run stops the run.
         try:
             records = convert_to_mx(model, recipe, skip=config.mx.skip, log=False, device=info.device)
