@@ -13,18 +13,24 @@ config function of your own, ``with_mx(config, "mxfp8")`` or the converters them
 from __future__ import annotations
 
 try:
-    import torchtitan  # noqa: F401
-except ImportError as e:  # pragma: no cover - the message is the point
+    import torchtitan
+except ImportError as e:  # the message is the point
     raise ImportError("mx_recipe.integrations.torchtitan needs torchtitan: pip install -e '.[torchtitan]'") from e
 
-from mx_recipe.integrations.torchtitan.converters import (
-    TORCHTITAN_SKIP,
-    MXGroupedExpertsConverter,
-    MXLinearConverter,
-    TorchTitanMXLinear,
-    mx_converters,
-    with_mx,
-)
+try:
+    from mx_recipe.integrations.torchtitan.converters import (
+        TORCHTITAN_SKIP,
+        MXGroupedExpertsConverter,
+        MXLinearConverter,
+        TorchTitanMXLinear,
+        mx_converters,
+        with_mx,
+    )
+except ImportError as e:  # another torchtitan release, or a torch too old for the one installed
+    raise ImportError(
+        f"mx_recipe.integrations.torchtitan: torchtitan {getattr(torchtitan, '__version__', '?')} or a module it needs "
+        f"did not import ({e}). These converters are written for torchtitan 0.3 (tested with torch 2.13)."
+    ) from e
 
 __all__ = [
     "TORCHTITAN_SKIP",
