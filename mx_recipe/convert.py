@@ -101,10 +101,7 @@ def convert_to_mx(
             shape = features = (module.out_features, module.in_features)
         else:
             continue
-        reason = skip_reason(fqn, features, skip, recipe.block_size)
-        if reason is None and _is_experts(module) and isinstance(recipe, NVFP4Recipe):
-            reason = "skipped: the MoE grouped GEMM has no NVFP4 path"
-        layers.append((fqn, module, shape, reason))
+        layers.append((fqn, module, shape, skip_reason(fqn, features, skip, recipe.block_size)))
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     grouped = any(skipped is None and _is_experts(module) for _, module, _, skipped in layers)

@@ -179,9 +179,7 @@ def resolve_backend(recipe: MXRecipe | NVFP4Recipe, device: torch.device, groupe
     'cublas' runs e5m2 dense GEMMs through torch._scaled_mm, whose checks accept it (unverified on
     hardware).
     """
-    if isinstance(recipe, NVFP4Recipe):  # its GEMMs are emulated (nvfp4_linear); the backend object is unused
-        if grouped:
-            raise ValueError(f"NVFP4 recipe {recipe.name!r}: the MoE grouped GEMM has no NVFP4 path")
+    if isinstance(recipe, NVFP4Recipe):  # its GEMMs are emulated (nvfp4_linear, nvfp4_grouped): the object is unused
         return EmulatedBackend()
     name = _resolve_name(recipe.backend, device)
     if name == "triton" and grouped:

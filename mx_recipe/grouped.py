@@ -32,7 +32,8 @@ import torch
 from mx_recipe.formats import BLOCK_SIZE
 from mx_recipe.gemm import Backend, GroupLayout, Operand, default_backend, plain_grouped_mm
 from mx_recipe.gemm import pad_groups as pad_groups  # tests import it from here
-from mx_recipe.recipe import HIGH_PRECISION, MXRecipe
+from mx_recipe.nvfp4_grouped import nvfp4_grouped_mm
+from mx_recipe.recipe import HIGH_PRECISION, MXRecipe, NVFP4Recipe
 from mx_recipe.scale_layout import padded_group_layout
 
 CHECK_OFFS_ENV = "MX_RECIPE_CHECK_OFFS"  # "1": check offs on the host on every call, GPU too (debugging)
@@ -137,10 +138,11 @@ class _MXGroupedMMFunction(torch.autograd.Function):
 
 
 def mx_grouped_mm(
-    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: MXRecipe, backend: Backend | None = None
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: MXRecipe | NVFP4Recipe, backend: Backend | None = None
 ) -> torch.Tensor:
     """Differentiable grouped GEMM in MX: x [M_total, K], w [E, N, K], offs int32 [E] -> [M_total, N].
     ``backend``: from ``gemm.resolve_backend(..., grouped=True)``; None resolves it for x's device (cached).
+    An NVFP4Recipe runs ``nvfp4_grouped_mm`` (emulated; no backend).
 
     offs: non-decreasing group ends in [0, M_total]; rows at and past offs[-1] belong to no group and come
     back as zeros, with zero gradients. The values are checked on the host for CPU tensors, and on a GPU
@@ -162,6 +164,8 @@ def mx_grouped_mm(
         raise ValueError(f"mx_grouped_mm: offs is on {offs.device}, x on {x.device}")
     if not torch.compiler.is_compiling() and (not x.is_cuda or os.environ.get(CHECK_OFFS_ENV) == "1"):
         check_group_ends(offs, x.shape[0])  # free on the CPU; a device sync on a GPU
+    if isinstance(recipe, NVFP4Recipe):  # emulated; no backend
+        return nvfp4_grouped_mm(x, w, offs, recipe)
     if backend is None:
         backend = default_backend(recipe, x.device, grouped=True)
     # w along N is cast in forward (fuse_expert_casts) only when grad input will be computed
