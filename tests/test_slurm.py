@@ -102,7 +102,7 @@ def start_and_signal(
     torchrun and the ranks (as SLURM does to every process of a step); return its exit status and output."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 60
+        deadline = time.time() + 180  # generous: on a loaded 2-core machine the launchers take a while
         while not all((out / f"rank{r}.json").exists() for r in range(nranks)):
             assert proc.poll() is None and time.time() < deadline, "the stand-in ranks did not start"
             time.sleep(0.05)
