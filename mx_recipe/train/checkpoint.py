@@ -115,6 +115,9 @@ class CheckpointSaveError(RuntimeError):
 def _save_failure(final: Path, error: BaseException, intact: Path | None) -> str:
     """One line for a failed save: a full disk said as such (DCP's own message is about stream positions)."""
     usage = shutil.disk_usage(final.parent)
+    if isinstance(error, CheckpointException) and error.failures:  # the first rank's own error says more
+        failure = next(iter(error.failures.values()))
+        error = failure[0] if isinstance(failure, tuple) else failure
     text = f"{error!r} {error.__cause__!r} {error.__context__!r}"
     if "No space left" in text or "Errno 28" in text or usage.free < 0.01 * usage.total:
         why = f"no space left on the disk of {final.parent} ({usage.free / 2**30:.2f} GiB free)"
@@ -223,9 +226,10 @@ class Checkpointer:
         try:
             dcp.save(state, checkpoint_id=tmp)
         except DCP_ERRORS as e:  # DCP raises on every rank when one fails to write
+            message = _save_failure(final, e, self.last)  # while the partial save still fills the disk
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # give back what the partial save took
-            raise CheckpointSaveError(_save_failure(final, e, self.last)) from e
+            raise CheckpointSaveError(message) from e
         if step == fault_hooks().kill_in_save_step:  # tests only (faults.py)
             os.kill(os.getpid(), signal.SIGKILL)  # no handler, no cleanup, as a node failure
         dist.barrier()  # every rank's shards are on disk
