@@ -312,7 +312,7 @@ def test_data_that_cannot_make_a_run_is_one_line_and_exit_2(tmp_path, case):
         pytest.importorskip("pyarrow")
         (tmp_path / "docs.parquet").write_bytes(b"PAR1 this is not parquet PAR1")
         args += ["--data.dataset", "files", "--data.path", str(tmp_path / "docs.parquet")]
-        expected = "data: "
+        expected = f"data: {tmp_path / 'docs.parquet'}: not a readable parquet file"
     code, _, err = run_in_process(args)
     assert code == 2, err
     assert expected in err and len(err.strip().splitlines()) == 1, err

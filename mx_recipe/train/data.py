@@ -107,7 +107,10 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
 def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
     import pyarrow.parquet as pq
 
-    parquet = pq.ParquetFile(path)
+    try:
+        parquet = pq.ParquetFile(path)
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError; its message names no file
+        raise ValueError(f"{path}: not a readable parquet file ({e})") from e
     if text_field not in parquet.schema_arrow.names:
         names = ", ".join(parquet.schema_arrow.names)
         raise ValueError(f"{path}: no column {text_field!r} (data.text_field); columns: {names}")
