@@ -97,12 +97,12 @@ def reference_fake_quant_groups_along_m(x: Tensor, elem: str, mode: str, row_src
         listed = row_src[row_src >= 0].long()
         if not torch.equal(listed.sort().values, torch.arange(rows, device=x.device)) or bool((row_src < -1).any()):
             raise ValueError(f"fake_quant_groups_along_m: row_src must list each of x's {rows} rows once, -1 elsewhere")
-    listed = row_src >= 0
-    src = torch.where(listed, row_src, rows).long()  # -1: the appended zero row
+    in_x = row_src >= 0  # a row of x; -1: a padding row
+    src = torch.where(in_x, row_src, rows).long()  # -1: the appended zero row
     fq = _fake_quant_along_m(torch.cat([x, x.new_zeros(1, x.shape[1])])[src], elem, mode, **rounding)
     # back to x's row order: padded row p goes to row src[p], padding row p to row rows + p (dropped); the
     # destinations are distinct, so this is deterministic, and the shapes do not depend on the values
-    dest = torch.where(listed, row_src, rows + torch.arange(row_src.shape[0], device=x.device, dtype=row_src.dtype))
+    dest = torch.where(in_x, row_src, rows + torch.arange(row_src.shape[0], device=x.device, dtype=row_src.dtype))
     out = fq.new_empty(rows + row_src.shape[0], x.shape[1])
     out[dest.long()] = fq
     return out[:rows]

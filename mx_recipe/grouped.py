@@ -34,7 +34,7 @@ from mx_recipe.gemm import Backend, GroupLayout, Operand, default_backend, plain
 from mx_recipe.gemm import pad_groups as pad_groups  # tests import it from here
 from mx_recipe.nvfp4_grouped import nvfp4_grouped_mm
 from mx_recipe.recipe import HIGH_PRECISION, MXRecipe, NVFP4Recipe
-from mx_recipe.scale_layout import padded_group_layout
+from mx_recipe.scale_layout import padded_group_layout, zero_rows_past_groups
 
 CHECK_OFFS_ENV = "MX_RECIPE_CHECK_OFFS"  # "1": check offs on the host on every call, GPU too (debugging)
 
@@ -83,13 +83,6 @@ def _grad_weight(
     )
 
 
-def _zero_rows_past_groups(y: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """y with the rows at and past offs[-1] (in no group) set to zero: the grouped GEMMs leave them unwritten.
-    A mask computed on the device, so nothing waits for the host (torch.compile fuses it with y's consumer)."""
-    rows = torch.arange(y.shape[0], device=y.device)
-    return torch.where((rows < offs[-1])[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
-
-
 def check_group_ends(offs: torch.Tensor, m: int) -> None:
     """Raise unless ``offs`` holds non-decreasing group ends in [0, m]. Reads offs on the host: a device sync on
     a GPU, so mx_grouped_mm does it there only when asked (``MX_RECIPE_CHECK_OFFS=1``)."""
@@ -108,7 +101,7 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         """``for_grad_input``: the grad-input GEMM will run, so fuse_expert_casts may cast w for it here."""
         fuse_w = for_grad_input and recipe.fuse_expert_casts and backend.name == "emulated"
         y, w_n = _forward(x, w, offs, recipe, backend, fuse_w)
-        y = _zero_rows_past_groups(y, offs)
+        y = zero_rows_past_groups(y, offs)
         ctx.recipe, ctx.backend, ctx.w_dtype = recipe, backend, w.dtype
         ctx.save_for_backward(x, w, offs, w_n)
         return y
@@ -125,7 +118,7 @@ class _MXGroupedMMFunction(torch.autograd.Function):
         if need_gw and recipe.grad_weight != HIGH_PRECISION:
             layout = padded_group_layout(offs, x.shape[0], BLOCK_SIZE)
         gx = _grad_input(g, w, w_n, offs, layout, recipe, ctx.backend) if need_gx else None
-        gx = None if gx is None else _zero_rows_past_groups(gx, offs)
+        gx = None if gx is None else zero_rows_past_groups(gx, offs)
         gw = _grad_weight(g, x, offs, layout, recipe, ctx.backend) if need_gw else None
         return (
             None if gx is None else gx.to(x.dtype),

@@ -16,44 +16,31 @@ from __future__ import annotations
 
 import torch
 
-from mx_recipe.nvfp4 import NVFP4_BLOCK, hadamard_transform, nvfp4_operand
-from mx_recipe.nvfp4_linear import ROWS, TILES, _alpha, _signs
+from mx_recipe.nvfp4 import NVFP4_BLOCK, nvfp4_operand
+from mx_recipe.nvfp4_linear import quantize_along_m, weight_operand
 from mx_recipe.recipe import NVFP4Recipe
-from mx_recipe.scale_layout import padded_group_layout
+from mx_recipe.scale_layout import padded_group_layout, zero_rows_past_groups
 
 
-def _in_groups(t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """t with the rows at and past offs[-1] set to zero (a mask on the device: no sync)."""
-    rows = torch.arange(t.shape[0], device=t.device)
-    return torch.where((rows < offs[-1])[:, None], t, torch.zeros((), dtype=t.dtype, device=t.device))
+def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, alpha: torch.Tensor, dtype: torch.dtype):
+    """``torch._grouped_mm`` in ``dtype``, times the product of the per-tensor scales ``alpha`` in fp32."""
+    return (torch._grouped_mm(a.to(dtype), b.to(dtype), offs=offs).float() * alpha).to(dtype)
 
 
-def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, alpha, dtype: torch.dtype) -> torch.Tensor:
-    out = torch._grouped_mm(a.to(dtype), b.to(dtype), offs=offs)
-    return out if alpha is None else (out.float() * alpha).to(dtype)
-
-
-def _along_m_in_groups(
-    t: torch.Tensor, offs: torch.Tensor, layout, recipe: NVFP4Recipe, rounding: str
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """t [M, C] scattered into groups padded to 16 rows, transformed along M when the recipe says so, and
-    quantized along M: the grad-weight GEMM's operand [size, C] and its s_dec."""
+def _padded_groups(t: torch.Tensor, offs: torch.Tensor, layout) -> torch.Tensor:
+    """t [M, C] with each group's rows moved into a group padded with zero rows to a multiple of 16 ([size, C])."""
     dest, _, size = layout
-    padded = t.new_zeros(size, t.shape[1]).index_copy_(0, dest, _in_groups(t, offs))
-    if recipe.hadamard:
-        padded = hadamard_transform(padded, _signs(recipe.hadamard_seed, t.device), dim=0)  # fp32, cast as it is
-    return nvfp4_operand(padded, dim=0, rounding=rounding)
+    return t.new_zeros(size, t.shape[1]).index_copy_(0, dest, zero_rows_past_groups(t, offs))
 
 
 class _NVFP4GroupedMMFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: NVFP4Recipe) -> torch.Tensor:
-        dtype = x.dtype
         x_k, s_x = nvfp4_operand(x, dim=-1)
-        w_k, s_w = nvfp4_operand(w.to(dtype), dim=-1, block_shape=TILES if recipe.weight_tiles else ROWS)
+        w_k, s_w = weight_operand(w, -1, recipe, x.dtype)
         ctx.recipe = recipe
         ctx.save_for_backward(x, w, offs)
-        return _in_groups(_grouped(x_k, w_k.transpose(-2, -1), offs, _alpha(s_x, s_w), dtype), offs)
+        return zero_rows_past_groups(_grouped(x_k, w_k.transpose(-2, -1), offs, s_x * s_w, x.dtype), offs)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
@@ -63,13 +50,13 @@ class _NVFP4GroupedMMFunction(torch.autograd.Function):
         gx = gw = None
         if ctx.needs_input_grad[0]:
             g_n, s_g = nvfp4_operand(g, dim=-1, rounding=rounding)
-            w_n, s_w = nvfp4_operand(w.to(dtype), dim=1, block_shape=TILES if recipe.weight_tiles else ROWS)
-            gx = _in_groups(_grouped(g_n, w_n, offs, _alpha(s_g, s_w), dtype), offs).to(x.dtype)
+            w_n, s_w = weight_operand(w, 1, recipe, dtype)
+            gx = zero_rows_past_groups(_grouped(g_n, w_n, offs, s_g * s_w, dtype), offs).to(x.dtype)
         if ctx.needs_input_grad[1]:
             layout = padded_group_layout(offs, x.shape[0], NVFP4_BLOCK)
-            g_m, s_g = _along_m_in_groups(g, offs, layout, recipe, rounding)
-            x_m, s_x = _along_m_in_groups(x.to(dtype), offs, layout, recipe, "nearest")
-            gw = _grouped(g_m.t(), x_m, layout[1], _alpha(s_g, s_x), dtype).to(w.dtype)
+            g_m, s_g = quantize_along_m(_padded_groups(g, offs, layout), recipe, rounding)
+            x_m, s_x = quantize_along_m(_padded_groups(x.to(dtype), offs, layout), recipe, "nearest")
+            gw = _grouped(g_m.t(), x_m, layout[1], s_g * s_x, dtype).to(w.dtype)
         return gx, gw, None, None
 
 

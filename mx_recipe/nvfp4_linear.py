@@ -26,19 +26,27 @@ ROWS = (1, NVFP4_BLOCK)
 
 
 @functools.lru_cache
-def _signs(seed: int, device: torch.device) -> torch.Tensor:
+def hadamard_signs(seed: int, device: torch.device) -> torch.Tensor:
+    """The recipe's transform signs on ``device``, made once per seed and device."""
     return random_signs(seed, device)
 
 
-def _scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """a @ b.T in ``dtype``, times the per-tensor scales' product ``alpha`` in fp32."""
-    out = torch.mm(a.to(dtype), b.to(dtype).t())
-    return out if alpha is None else (out.float() * alpha).to(dtype)
+def weight_operand(w: torch.Tensor, dim: int, recipe: NVFP4Recipe, dtype: torch.dtype):
+    """w quantized along ``dim`` in the recipe's weight blocks (16x16 tiles, or 1x16): operand and s_dec."""
+    return nvfp4_operand(w.to(dtype), dim=dim, block_shape=TILES if recipe.weight_tiles else ROWS)
 
 
-def _alpha(*scales: torch.Tensor | None) -> torch.Tensor | None:
-    present = [s for s in scales if s is not None]
-    return None if not present else functools.reduce(torch.mul, present)
+def quantize_along_m(t: torch.Tensor, recipe: NVFP4Recipe, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [M, C], M a multiple of 16 (blocks never straddling what they must not), transformed along M when the
+    recipe has the Hadamard transform, then quantized along M: the grad-weight GEMM's operand and its s_dec."""
+    if recipe.hadamard:
+        t = hadamard_transform(t, hadamard_signs(recipe.hadamard_seed, t.device), dim=0)  # fp32, quantized as is
+    return nvfp4_operand(t, dim=0, rounding=rounding)
+
+
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a @ b.T in ``dtype``, times the product of the per-tensor scales ``alpha`` in fp32."""
+    return (torch.mm(a.to(dtype), b.to(dtype).t()).float() * alpha).to(dtype)
 
 
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
@@ -46,25 +54,14 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, pad)) if pad else t
 
 
-def _along_m(t: torch.Tensor, recipe: NVFP4Recipe, rounding: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """t [M, C] quantized along M (rows zero-padded to 16), after the Hadamard transform when the recipe has it:
-    the grad-weight GEMM's operand, [ceil16(M), C] in t's dtype, and its s_dec."""
-    t = _pad_rows(t)
-    if recipe.hadamard:
-        t = hadamard_transform(t, _signs(recipe.hadamard_seed, t.device), dim=0)
-    values, s_dec = nvfp4_operand(t, dim=0, rounding=rounding)
-    return values, s_dec
-
-
 class _NVFP4LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: NVFP4Recipe) -> torch.Tensor:
-        dtype = x.dtype
         x_k, s_x = nvfp4_operand(x, dim=-1)
-        w_k, s_w = nvfp4_operand(w.to(dtype), dim=-1, block_shape=TILES if recipe.weight_tiles else ROWS)
+        w_k, s_w = weight_operand(w, -1, recipe, x.dtype)
         ctx.recipe = recipe
         ctx.save_for_backward(x, w)
-        return _scaled_mm(x_k, w_k, _alpha(s_x, s_w), dtype)
+        return _scaled_mm(x_k, w_k, s_x * s_w, x.dtype)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
@@ -74,12 +71,12 @@ class _NVFP4LinearFunction(torch.autograd.Function):
         gx = gw = None
         if ctx.needs_input_grad[0]:
             g_n, s_g = nvfp4_operand(g, dim=-1, rounding=rounding)
-            w_n, s_w = nvfp4_operand(w.to(dtype), dim=0, block_shape=TILES if recipe.weight_tiles else ROWS)
-            gx = _scaled_mm(g_n, w_n.t(), _alpha(s_g, s_w), dtype).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            g_m, s_g = _along_m(g, recipe, rounding)
-            x_m, s_x = _along_m(x.to(dtype), recipe, "nearest")
-            gw = _scaled_mm(g_m.t(), x_m.t(), _alpha(s_g, s_x), dtype).to(w.dtype)
+            w_n, s_w = weight_operand(w, 0, recipe, dtype)
+            gx = _scaled_mm(g_n, w_n.t(), s_g * s_w, dtype).to(x.dtype)
+        if ctx.needs_input_grad[1]:  # token rows zero-padded to 16: zero rows add nothing to the sum
+            g_m, s_g = quantize_along_m(_pad_rows(g), recipe, rounding)
+            x_m, s_x = quantize_along_m(_pad_rows(x.to(dtype)), recipe, "nearest")
+            gw = _scaled_mm(g_m.t(), x_m.t(), s_g * s_x, dtype).to(w.dtype)
         return gx, gw, None
 
 

@@ -193,3 +193,10 @@ def padded_group_layout(offs: torch.Tensor, total_rows: int, block: int) -> tupl
     dest = rows - starts[group] + padded_starts[group]
     size = -(-total_rows // block) * block + block * len(offs)  # >= sum of padded sizes, a multiple of block
     return dest, padded_ends.to(torch.int32), size
+
+
+def zero_rows_past_groups(y: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """y with the rows at and past offs[-1] (in no group) set to zero: the grouped GEMMs leave them unwritten.
+    A mask computed on the device, so nothing waits for the host (torch.compile fuses it with y's consumer)."""
+    rows = torch.arange(y.shape[0], device=y.device)
+    return torch.where((rows < offs[-1])[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
