@@ -357,6 +357,9 @@ def validate(config: Config) -> None:
     if config.mx.grad_rounding not in ("", *ROUNDINGS):
         fail("mx.grad_rounding", f"unknown rounding {config.mx.grad_rounding!r}; known: {', '.join(ROUNDINGS)}")
     if config.mx.recipe in NVFP4_RECIPES:
+        for key in ("save_mx_input", "fuse_expert_casts"):  # MX cast options that would do nothing here
+            if getattr(config.mx, key):
+                fail(f"mx.{key}", f"is an MX cast option; recipe {config.mx.recipe!r} (NVFP4) has no such cast")
         try:
             build_mx_recipe(config.mx)
         except ValueError as e:
