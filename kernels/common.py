@@ -20,16 +20,19 @@ from mx_kernels.spec import (
 )
 
 
-def check_cast(x: torch.Tensor, elem: str, mode: str, ndims: tuple[int, ...], qdim: int | None, op: str) -> None:
+def check_cast(
+    x: torch.Tensor, elem: str, mode: str, ndims: tuple[int, ...], qdim: int | None, op: str, fp4: bool = False
+) -> None:
     """Raise the reference's errors (and the kernels' own limits) before any launch. ``qdim``: the
-    quantized dim, whose size must be a multiple of 32 (None: the kernel pads it)."""
-    if elem == "e2m1":
+    quantized dim, whose size must be a multiple of 32 (None: the kernel pads it). ``fp4``: the kernel
+    takes e2m1 too (the fake-quants, which write no packed codes)."""
+    if elem == "e2m1" and not fp4:
         raise ValueError(
             f"{op}: the Triton MX cast kernels write fp8 (e4m3, e5m2) only; e2m1 is not supported "
             "here (mx_recipe.cast takes the reference for it)"
         )
     elem_format(elem)  # unknown names raise the reference's ValueError
-    if elem not in KERNEL_ELEMS:
+    if elem not in KERNEL_ELEMS + (("e2m1",) if fp4 else ()):
         raise ValueError(f"{op}: element format {elem!r} is not one of {KERNEL_ELEMS}")
     if mode not in SCALE_RULES:
         raise ValueError(f"unknown MX scale rule {mode!r}; expected one of {list(SCALE_RULES)}")
@@ -63,7 +66,7 @@ def fake_quant_2d_outputs(x: torch.Tensor, elem: str, mode: str, along_k: bool, 
     out_k, out_m, elem, mode, along_k, along_m, rows, m_pad)``."""
     if not (along_k or along_m):
         raise ValueError(f"{op}: ask for along_k, along_m or both")
-    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1 if along_k else None, op=op)
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1 if along_k else None, op=op, fp4=True)
     k_shape, m_shape = fake_quant_2d_shapes(x.shape, along_k, along_m)
     out_k, out_m = x.new_empty(k_shape), x.new_empty(m_shape)
     if x.numel():
@@ -74,7 +77,7 @@ def fake_quant_2d_outputs(x: torch.Tensor, elem: str, mode: str, along_k: bool, 
 
 def fake_quant_groups_outputs(x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str, launch, op: str):
     """The host side of a fake_quant_groups_along_m launcher, as ``fake_quant_2d_outputs``."""
-    check_cast(x, elem, mode, ndims=(2,), qdim=None, op=op)
+    check_cast(x, elem, mode, ndims=(2,), qdim=None, op=op, fp4=True)
     rows = groups_along_m_rows(row_src)
     out = x.new_empty(x.shape[0], x.shape[1])
     if out.numel():

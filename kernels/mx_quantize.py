@@ -133,11 +133,9 @@ def store_scales(s_ptr, scale, rows, cols, n_rows, n_cols, BLOCKED: tl.constexpr
 
 
 @triton.jit
-def dequantize_blocks(q, scale, AXIS: tl.constexpr, ELEM: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
-    """fp8 bits (uint8) and biased scales -> fp32 element * 2**(scale - 127), NaN where the scale
-    is 0xFF: ``MXTensor.dequantize`` in fp32. On the GPU the element comes from the hardware fp8
-    conversion (exact; one cvt per two elements: the fake-quant kernels are ALU-bound otherwise).
-    Under SOFTWARE_ROUND it is built from bits, which the interpreter computes exactly too."""
+def fp8_bits_to_fp32(q, ELEM: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
+    """fp8 bits (uint8, not NaN) -> their fp32 value, exact. On the GPU the hardware conversion; under
+    SOFTWARE_ROUND built from bits, which the interpreter computes exactly too."""
     MBITS: tl.constexpr = fmt(ELEM, "mbits")
     EMIN: tl.constexpr = fmt(ELEM, "emin")
     if SOFTWARE_ROUND:
@@ -153,6 +151,38 @@ def dequantize_blocks(q, scale, AXIS: tl.constexpr, ELEM: tl.constexpr, SOFTWARE
         element = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
         element = q.to(tl.float8e5, bitcast=True).to(tl.float32)
+    return element
+
+
+@triton.jit
+def round_e2m1(v, u, STOCHASTIC: tl.constexpr):
+    """fp32 v -> the nearest e2m1 value as fp32, ties to even, saturating at +-6, the sign kept (-0 too):
+    ``formats.round_to_format`` for e2m1, bit for bit. STOCHASTIC: up to the next value when the uniform
+    draw u (fp32 in [0, 1), v's shape) is below the fraction, ``formats.round_to_format_stochastic``. Every
+    step is exact in fp32 (power-of-two scalings, floor, a subtraction of two nearby values), so the GPU
+    and the interpreter agree. NaN gives some value: callers mask NaN blocks."""
+    bits = v.to(tl.int32, bitcast=True)
+    mag = tl.minimum((bits & 0x7FFFFFFF).to(tl.float32, bitcast=True), 6.0)
+    # the grid's spacing in |v|'s binade: 0.5 below 2 (subnormals share it), 1 in [2, 4), 2 in [4, 6]
+    ulp = tl.where(mag >= 4.0, 2.0, tl.where(mag >= 2.0, 1.0, 0.5))
+    units = mag * tl.where(mag >= 4.0, 0.5, tl.where(mag >= 2.0, 1.0, 2.0))
+    lo = tl.floor(units)
+    frac = units - lo
+    if STOCHASTIC:
+        up = u < frac
+    else:
+        up = (frac > 0.5) | ((frac == 0.5) & ((lo.to(tl.int32) & 1) == 1))
+    q = (lo + up.to(tl.float32)) * ulp
+    return (q.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dequantize_blocks(q, scale, AXIS: tl.constexpr, ELEM: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
+    """fp8 bits (uint8) and biased scales -> fp32 element * 2**(scale - 127), NaN where the scale
+    is 0xFF: ``MXTensor.dequantize`` in fp32. On the GPU the element comes from the hardware fp8
+    conversion (exact; one cvt per two elements: the fake-quant kernels are ALU-bound otherwise).
+    Under SOFTWARE_ROUND it is built from bits, which the interpreter computes exactly too."""
+    element = fp8_bits_to_fp32(q, ELEM, SOFTWARE_ROUND)
     s = scale.to(tl.int32)
     factor = tl.where(s > 0, s << 23, 0x400000).to(tl.float32, bitcast=True)  # 2**(s - 127); s = 0: 2**-127
     factor = tl.where(s == 0xFF, float("nan"), factor)  # element * NaN is NaN, zeros included
@@ -166,11 +196,32 @@ def fake_quant_blocks(
 ):  # fmt: skip
     """fp32 blocks of 32 along AXIS -> their MX quantize-dequantize, same shape: fp32, or bf16 bits
     (int16) under OUT_BF16_BITS (the interpreter, whose bf16 store is not trusted)."""
-    q, scale = quantize_blocks(blocks, AXIS, ELEM, RCEIL, SOFTWARE_ROUND)
-    v = dequantize_blocks(q, scale, AXIS, ELEM, SOFTWARE_ROUND)
+    if ELEM == "e2m1":
+        v = fake_quant_e2m1_blocks(blocks, AXIS, RCEIL, SOFTWARE_ROUND)
+    else:
+        q, scale = quantize_blocks(blocks, AXIS, ELEM, RCEIL, SOFTWARE_ROUND)
+        v = dequantize_blocks(q, scale, AXIS, ELEM, SOFTWARE_ROUND)
     if OUT_BF16_BITS:
         v = bf16_bits_rne(v)
     return v
+
+
+@triton.jit
+def fake_quant_e2m1_blocks(blocks, AXIS: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
+    """fp32 blocks of 32 along AXIS -> their MXFP4 quantize-dequantize in fp32: ``formats.fake_quant`` for e2m1.
+    The e2m1 value times 2**e directly: no packed codes, no e8m0 byte (e2m1 * 2**e is exact in fp32 and bf16)."""
+    if SOFTWARE_ROUND:
+        amax_bits = tl.max(blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=AXIS)
+    else:
+        amax = tl.reduce(tl.abs(blocks), AXIS, _max_propagating_nan)
+        amax_bits = amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    is_nan = amax_bits > 0x7F800000
+    e = scale_exponent(amax_bits, "e2m1", RCEIL)
+    inv_scale = tl.where(e < 127, (127 - e) << 23, 0x400000).to(tl.float32, bitcast=True)
+    factor = tl.where(e > -127, (e + 127) << 23, 0x400000).to(tl.float32, bitcast=True)  # 2**e
+    factor = tl.where(is_nan, float("nan"), factor)
+    q = round_e2m1(blocks * tl.expand_dims(inv_scale, AXIS), 0.0, False)
+    return q * tl.expand_dims(factor, AXIS)
 
 
 @triton.jit

@@ -52,7 +52,7 @@ E5M2 = ElemFormat("e5m2", ebits=5, mbits=2, emax=15, max_normal=57344.0, torch_d
 E2M1 = ElemFormat("e2m1", ebits=2, mbits=1, emax=2, max_normal=6.0, torch_dtype=None)
 
 ELEM_FORMATS: dict[str, ElemFormat] = {f.name: f for f in (E4M3, E5M2, E2M1)}
-KERNEL_ELEMS = ("e4m3", "e5m2")  # what the cast kernels write; e2m1 takes the reference
+KERNEL_ELEMS = ("e4m3", "e5m2")  # what the cast kernels write; e2m1: the fake-quant kernels only
 SCALE_RULES = ("floor", "rceil")
 ROUNDINGS = ("nearest", "stochastic")
 

@@ -3,8 +3,9 @@
 Every op has a pure-PyTorch reference (built on ``formats.to_mx``, the judge of every kernel), a Triton
 kernel and, for Hopper, a Gluon kernel; all three give the same bits. ``implementation`` is the rule:
 
-* the reference off CUDA, for e2m1 (no fp4 kernels), for stochastic rounding (the kernels round to
-  nearest) and for fp32 input to a fake-quant (the fake-quant kernels take bf16);
+* the reference off CUDA, for stochastic rounding (the kernels round to nearest), for fp32 input to a
+  fake-quant (the fake-quant kernels take bf16) and for e2m1 casts (no packed-fp4 cast kernels);
+* e2m1 fake-quants of bf16 (the emulated MXFP4 GEMMs): the Triton kernel on every CUDA device;
 * the Gluon kernel on an NVIDIA GPU of compute capability 9.x for bf16 input, unless ``MX_RECIPE_GLUON=0``;
 * the Triton kernel on every other CUDA device (Blackwell included) and input.
 
@@ -120,6 +121,7 @@ class KernelOp:
     triton: str
     gluon: str
     bf16_only: bool = False
+    fp4: bool = False  # the Triton kernel takes e2m1 too (the Gluon one does not)
 
 
 OPS: dict[str, KernelOp] = {
@@ -130,13 +132,18 @@ OPS: dict[str, KernelOp] = {
         reference_cast_groups_dim1, "cast_groups_dim1:cast_groups_dim1", "gluon_cast_groups:cast_groups_dim1"
     ),
     "fake_quant_2d": KernelOp(
-        reference_fake_quant_2d, "fake_quant_2d:fake_quant_2d", "gluon_fake_quant:fake_quant_2d", bf16_only=True
+        reference_fake_quant_2d,
+        "fake_quant_2d:fake_quant_2d",
+        "gluon_fake_quant:fake_quant_2d",
+        bf16_only=True,
+        fp4=True,
     ),
     "fake_quant_groups_along_m": KernelOp(
         reference_fake_quant_groups_along_m,
         "fake_quant_2d:fake_quant_groups_along_m",
         "gluon_fake_quant:fake_quant_groups_along_m",
         bf16_only=True,
+        fp4=True,
     ),
 }
 
@@ -147,8 +154,10 @@ def rule(
     """The one rule: "reference", "triton" or "gluon" for ``op`` on a device of CUDA compute ``capability``
     (None: not an NVIDIA CUDA device), input ``dtype``, element format and rounding; ``gluon``: the Gluon
     kernels are allowed (``MX_RECIPE_GLUON`` is not "0")."""
-    if capability is None or elem not in KERNEL_ELEMS or rounding != "nearest":
+    if capability is None or rounding != "nearest":
         return "reference"
+    if elem not in KERNEL_ELEMS:  # e2m1: the Triton fake-quants take bf16 (MXFP4 on the emulated backend)
+        return "triton" if OPS[op].fp4 and dtype == torch.bfloat16 else "reference"
     if dtype != torch.bfloat16:
         return "reference" if OPS[op].bf16_only else "triton"
     return "gluon" if gluon and capability[0] == 9 else "triton"
@@ -173,10 +182,10 @@ def launcher(op: str, kind: str) -> Callable:
     return getattr(importlib.import_module(f"mx_kernels.{module}"), name)
 
 
-def _kernel(op: str, x: Tensor) -> Callable:
-    """Inside a custom op, where a kernel was chosen: the launcher the rule names for an fp8 nearest cast
-    (an input the kernels refuse reaches the Triton launcher, which says why)."""
-    kind = implementation(op, x, "e4m3")
+def _kernel(op: str, x: Tensor, elem: str = "e4m3") -> Callable:
+    """Inside a custom op, where a kernel was chosen: the launcher the rule names for a nearest cast to
+    ``elem`` (an input the kernels refuse reaches the Triton launcher, which says why)."""
+    kind = implementation(op, x, elem)
     return launcher(op, "gluon" if kind == "gluon" else "triton")
 
 
@@ -185,14 +194,15 @@ DEVICES = {"CPU": None, "Hopper (sm_90)": (9, 0), "Blackwell (sm_100)": (10, 0)}
 
 def device_table() -> str:
     """What runs where, as the README's markdown table, from ``rule`` (e4m3/e5m2 and round-to-nearest unless
-    the column says otherwise)."""
-    header = ["op", *(f"{d}, bf16" for d in DEVICES), "Hopper, fp32", "any device, e2m1 or stochastic"]
+    the column says otherwise; "CUDA" is the same on Hopper and Blackwell)."""
+    header = ["op", *(f"{d}, bf16" for d in DEVICES), "Hopper, fp32", "CUDA, bf16, e2m1", "any device, stochastic"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for op in OPS:
         cells = [rule(op, cap, torch.bfloat16, "e4m3", "nearest") for cap in DEVICES.values()]
         cells += [
             rule(op, (9, 0), torch.float32, "e4m3", "nearest"),
             rule(op, (10, 0), torch.bfloat16, "e2m1", "nearest"),
+            rule(op, (10, 0), torch.bfloat16, "e4m3", "stochastic"),
         ]
         lines.append("| " + " | ".join([f"`{op}`", *cells]) + " |")
     return "\n".join(lines)
@@ -261,27 +271,27 @@ _define(
 
 
 def _fake_quant_2d_fake(x: Tensor, elem: str, mode: str, along_k: bool, along_m: bool) -> tuple[Tensor, Tensor]:
-    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1 if along_k else None, op="fake_quant_2d")
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1 if along_k else None, op="fake_quant_2d", fp4=True)
     k_shape, m_shape = fake_quant_2d_shapes(x.shape, along_k, along_m)
     return x.new_empty(k_shape), x.new_empty(m_shape)
 
 
 _define(
     "fake_quant_2d(Tensor x, str elem, str mode, bool along_k, bool along_m) -> (Tensor, Tensor)",
-    lambda x, elem, mode, along_k, along_m: _kernel("fake_quant_2d", x)(x, elem, mode, along_k, along_m),
+    lambda x, elem, mode, along_k, along_m: _kernel("fake_quant_2d", x, elem)(x, elem, mode, along_k, along_m),
     _fake_quant_2d_fake,
 )
 
 
 def _fake_quant_groups_along_m_fake(x: Tensor, elem: str, mode: str, row_src: Tensor) -> Tensor:
-    check_cast(x, elem, mode, ndims=(2,), qdim=None, op="fake_quant_groups_along_m")
+    check_cast(x, elem, mode, ndims=(2,), qdim=None, op="fake_quant_groups_along_m", fp4=True)
     groups_along_m_rows(row_src)
     return x.new_empty(x.shape[0], x.shape[1])
 
 
 _define(
     "fake_quant_groups_along_m(Tensor x, str elem, str mode, Tensor row_src) -> Tensor",
-    lambda x, elem, mode, row_src: _kernel("fake_quant_groups_along_m", x)(x, row_src, elem, mode),
+    lambda x, elem, mode, row_src: _kernel("fake_quant_groups_along_m", x, elem)(x, row_src, elem, mode),
     _fake_quant_groups_along_m_fake,
 )
 

@@ -23,9 +23,14 @@ def test_rule(op):
     assert dispatch.rule(op, (9, 0), bf16, "e5m2", "nearest", gluon=False) == "triton"  # MX_RECIPE_GLUON=0
     assert dispatch.rule(op, BLACKWELL, bf16, "e5m2", "nearest") == "triton"
     assert dispatch.rule(op, (8, 9), bf16, "e4m3", "nearest") == "triton"
-    assert dispatch.rule(op, HOPPER, bf16, "e2m1", "nearest") == "reference"  # no fp4 kernels
+    fake_quant = op.startswith("fake_quant")
+    fp4_kernel = "triton" if fake_quant else "reference"  # e2m1: the Triton fake-quants, no packed-fp4 casts
+    assert dispatch.rule(op, HOPPER, bf16, "e2m1", "nearest") == fp4_kernel
+    assert dispatch.rule(op, BLACKWELL, bf16, "e2m1", "nearest") == fp4_kernel
+    assert dispatch.rule(op, HOPPER, fp32, "e2m1", "nearest") == "reference"
+    assert dispatch.rule(op, HOPPER, bf16, "e2m1", "stochastic") == "reference"
     assert dispatch.rule(op, HOPPER, bf16, "e4m3", "stochastic") == "reference"  # kernels round to nearest
-    fp32_kernel = "reference" if op.startswith("fake_quant") else "triton"  # the fake-quant kernels take bf16
+    fp32_kernel = "reference" if fake_quant else "triton"  # the fake-quant kernels take bf16
     assert dispatch.rule(op, HOPPER, fp32, "e4m3", "nearest") == fp32_kernel
 
 
