@@ -263,3 +263,43 @@ def hadamard_transform(x: torch.Tensor, signs: torch.Tensor, dim: int = -1, inve
     else:  # v @ D H / 4
         out = _walsh_hadamard(blocks * signs) * 0.25
     return out.reshape(v.shape).movedim(-1, dim).contiguous()
+
+
+# --- the stochastic-rounding stream of the NVFP4 kernels ---
+
+_PHILOX_ROUND = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_KEY = (0x9E3779B9, 0xBB67AE85)
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul_wide(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit words of the 64-bit product of the constant ``a`` and ``b`` (int64 holding uint32),
+    in 16-bit halves so that no partial product overflows int64."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    b_hi, b_lo = b >> 16, b & 0xFFFF
+    lo_lo = a_lo * b_lo
+    mid = a_hi * b_lo + a_lo * b_hi + (lo_lo >> 16)
+    return a_hi * b_hi + (mid >> 16), ((mid & 0xFFFF) << 16) | (lo_lo & 0xFFFF)
+
+
+def philox_uniform(seed: int, stream: int, shape: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+    """The uniform draws the NVFP4 kernels round with (``mx_kernels.fake_quant_nvfp4``), fp32 of ``shape``:
+    element i (row-major) is output i mod 4 of Philox4x32-10 (Triton's ``tl.philox``) at counter (i div 4,
+    its high word, ``stream``, 0) under the 64-bit key ``seed``, its top 24 bits times 2**-24. The last dim
+    must be a multiple of 4."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    if shape and shape[-1] % 4:
+        raise ValueError(f"philox_uniform: the last dim of {shape} must be a multiple of 4")
+    counter = torch.arange(numel // 4, dtype=torch.int64)
+    c = [counter & _MASK32, counter >> 32, torch.full_like(counter, stream), torch.zeros_like(counter)]
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    a, b = _PHILOX_ROUND
+    for _ in range(10):
+        hi_b, lo_b = _mul_wide(b, c[2])
+        hi_a, lo_a = _mul_wide(a, c[0])
+        c = [hi_b ^ c[1] ^ k0, lo_b, hi_a ^ c[3] ^ k1, lo_a]
+        k0, k1 = (k0 + _PHILOX_KEY[0]) & _MASK32, (k1 + _PHILOX_KEY[1]) & _MASK32
+    bits = torch.stack(c, dim=-1).reshape(shape)
+    return ((bits >> 8).to(torch.float32) * 2.0**-24).to(device)

@@ -5,7 +5,8 @@
     grad input   gx = g @ w     g along N (1x16, stochastic rounding), w along N (the same tiles)
     grad weight  gw = g.T @ x   g and x along M, after the random Hadamard transform along M
 
-Each operand is ``nvfp4_operand``'s exact e2m1 * scale in the input dtype; the GEMM runs in that dtype
+Each operand is ``nvfp4_operand``'s exact e2m1 * scale in the input dtype (``fake_quant_nvfp4``: the Triton
+kernel for bf16 on CUDA, the reference elsewhere); the GEMM runs in that dtype
 with fp32 accumulation, and its output is multiplied by the two per-tensor decode scales in fp32 (one
 rounding to the output dtype more than the hardware's fp32 epilogue). Token rows are zero-padded to a
 multiple of 16 for the along-M casts (zero rows add nothing to the grad-weight sum).
@@ -16,9 +17,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from mx_recipe.nvfp4 import NVFP4_BLOCK, hadamard_transform, nvfp4_operand, random_signs
+from mx_recipe.nvfp4_fake_quant import NVFP4Operands, fake_quant_nvfp4
 from mx_recipe.recipe import NVFP4Recipe
 
 TILES = (NVFP4_BLOCK, NVFP4_BLOCK)
@@ -49,34 +50,41 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, dtype: tor
     return (torch.mm(a.to(dtype), b.to(dtype).t()).float() * alpha).to(dtype)
 
 
-def _pad_rows(t: torch.Tensor) -> torch.Tensor:
-    pad = -t.shape[0] % NVFP4_BLOCK
-    return F.pad(t, (0, 0, 0, pad)) if pad else t
+def _weight_along_k(w: torch.Tensor, recipe: NVFP4Recipe, dtype: torch.dtype) -> NVFP4Operands:
+    return fake_quant_nvfp4(w.to(dtype), along_k=True, tiles=recipe.weight_tiles)
 
 
 class _NVFP4LinearFunction(torch.autograd.Function):
+    """The operands come from ``fake_quant_nvfp4``: one kernel per operand on the GPU (g's two in one read)."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: NVFP4Recipe) -> torch.Tensor:
-        x_k, s_x = nvfp4_operand(x, dim=-1)
-        w_k, s_w = weight_operand(w, -1, recipe, x.dtype)
+        xq, wq = fake_quant_nvfp4(x), _weight_along_k(w, recipe, x.dtype)
         ctx.recipe = recipe
         ctx.save_for_backward(x, w)
-        return _scaled_mm(x_k, w_k, s_x * s_w, x.dtype)
+        return _scaled_mm(xq.along_k, wq.along_k, xq.s_dec_k * wq.s_dec_k, x.dtype)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         x, w = ctx.saved_tensors
         recipe: NVFP4Recipe = ctx.recipe
-        g, dtype, rounding = g.contiguous(), g.dtype, recipe.grad_rounding
+        g, dtype = g.contiguous(), g.dtype
+        need_gx, need_gw = ctx.needs_input_grad[:2]
+        signs = hadamard_signs(recipe.hadamard_seed, g.device) if recipe.hadamard else None
+        # g along N (grad input) and along M (grad weight, token rows zero-padded to 16) from one read
+        gq = fake_quant_nvfp4(g, need_gx, need_gw, signs=signs, rounding=recipe.grad_rounding)
         gx = gw = None
-        if ctx.needs_input_grad[0]:
-            g_n, s_g = nvfp4_operand(g, dim=-1, rounding=rounding)
-            w_n, s_w = weight_operand(w, 0, recipe, dtype)
-            gx = _scaled_mm(g_n, w_n.t(), s_g * s_w, dtype).to(x.dtype)
-        if ctx.needs_input_grad[1]:  # token rows zero-padded to 16: zero rows add nothing to the sum
-            g_m, s_g = quantize_along_m(_pad_rows(g), recipe, rounding)
-            x_m, s_x = quantize_along_m(_pad_rows(x.to(dtype)), recipe, "nearest")
-            gw = _scaled_mm(g_m.t(), x_m.t(), s_g * s_x, dtype).to(w.dtype)
+        if need_gx:  # w along N: with 16x16 tiles the very values of the forward's w along K
+            if recipe.weight_tiles:
+                wq = _weight_along_k(w, recipe, dtype)
+                w_n, s_w = wq.along_k, wq.s_dec_k
+            else:
+                wq = fake_quant_nvfp4(w.to(dtype), along_k=False, along_m=True)
+                w_n, s_w = wq.along_m, wq.s_dec_m
+            gx = _scaled_mm(gq.along_k, w_n.t(), gq.s_dec_k * s_w, dtype).to(x.dtype)
+        if need_gw:  # zero rows add nothing to the sum
+            xq = fake_quant_nvfp4(x.to(dtype), along_k=False, along_m=True, signs=signs)
+            gw = _scaled_mm(gq.along_m.t(), xq.along_m.t(), gq.s_dec_m * xq.s_dec_m, dtype).to(w.dtype)
         return gx, gw, None
 
 

@@ -1,0 +1,259 @@
+"""NVFP4 fake-quant along K and/or along M in one read of x: the operands of the emulated NVFP4 GEMMs.
+
+``mx_recipe.nvfp4.nvfp4_operand`` is the contract: each output is e2m1 * float(e4m3 block scale) in x's
+dtype (exact), the per-tensor decode scale s_dec left for the GEMM's output. Two kernels:
+
+* ``_amax_kernel`` reduces max|x| (for along K) and max|RHT(x)| (for along M, after the random Hadamard
+  transform along M when it is asked for) into two fp32 words by integer atomic max of their bits
+  (non-negative floats order like their bits, and a NaN sorts above inf, so NaN wins as in the reference);
+* ``_fake_quant_kernel`` reads those, derives the per-tensor encode scale with correctly rounded
+  divisions (``div_rn``: Triton's ``/`` is approximate), and quantizes its tile in blocks of 16 along K
+  (or in 16x16 tiles, the recipe's weights) and in blocks of 16 along M, as the reference does, step for
+  step in fp32.
+
+Along M, rows past M read as zeros and the result has ceil(M / 16) * 16 rows (the zero-padded operand the
+grad-weight GEMM uses), in x's layout (a bf16 GEMM takes it transposed for free).
+
+Stochastic rounding draws from Philox4x32-10 keyed by a 64-bit seed read from device memory (so a
+captured or compiled step draws a new one each time without a host sync): element i of x (row-major
+index r * K + c) takes output (i mod 4) of counter (i div 4, i's high word, stream, 0), stream 0 along K
+and 1 along M, its top 24 bits times 2**-24 as the uniform draw. ``mx_recipe.nvfp4.philox_uniform`` is
+the same stream in PyTorch, which the tests hand to the reference as its ``uniform``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from mx_kernels.common import interpreting, software_round
+from mx_kernels.launch_cache import LaunchCache
+from mx_kernels.mx_quantize import bf16_bits_rne, fp8_bits_to_fp32, round_e2m1, round_to_fp8_bits, to_fp32
+from mx_kernels.spec import cdiv
+
+BLOCK = 16
+TILE = (32, 128, 4)  # (BLOCK_M, BLOCK_K, num_warps)
+FP32_MAX = 3.4028234663852886e38
+ONE_SIXTH = 0.16666667163372040  # fl(1/6), exact as an fp32 constant
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _min_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _butterfly(v, H: tl.constexpr, NB: tl.constexpr, C: tl.constexpr):
+    """One stage of the fast Walsh-Hadamard transform along axis 1 of v [NB, 16, C]: pairs at distance H
+    become (a + b, a - b), as ``mx_recipe.nvfp4._walsh_hadamard`` forms them."""
+    v = tl.permute(tl.reshape(v, (NB, 16 // (2 * H), 2, H, C)), (0, 1, 3, 4, 2))
+    a, b = tl.split(v)
+    v = tl.permute(tl.join(a + b, a - b), (0, 1, 4, 2, 3))
+    return tl.reshape(v, (NB, 16, C))
+
+
+@triton.jit
+def hadamard_along_m(x, signs, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] fp32 -> [BLOCK_M // 16, 16, BLOCK_K]: each block of 16 rows v becomes
+    v @ diag(signs) H16 / 4 (``mx_recipe.nvfp4.hadamard_transform`` along M, the same fp32 operations)."""
+    NB: tl.constexpr = BLOCK_M // 16
+    v = tl.reshape(x, (NB, 16, BLOCK_K)) * signs[None, :, None]
+    v = _butterfly(v, 1, NB, BLOCK_K)
+    v = _butterfly(v, 2, NB, BLOCK_K)
+    v = _butterfly(v, 4, NB, BLOCK_K)
+    v = _butterfly(v, 8, NB, BLOCK_K)
+    return v * 0.25
+
+
+@triton.jit
+def amax_bits(v, AXIS: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
+    """fp32 bits of max|v| along AXIS, NaN winning (the interpreter: integer max of |bits|)."""
+    if SOFTWARE_ROUND:
+        bits = tl.max(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=AXIS)
+    else:
+        bits = tl.reduce(tl.abs(v), AXIS, _max_nan).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return bits
+
+
+@triton.jit
+def uniform_tile(seed, stream, rows, col0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The stochastic-rounding draws of tile [rows, col0 + BLOCK_K) of x [.., K]: fp32 in [0, 1), multiples of
+    2**-24 (module docstring). col0 and K are multiples of 16."""
+    first = rows.to(tl.int64)[:, None] * K + (col0 + 4 * tl.arange(0, BLOCK_K // 4))[None, :]  # [BM, BK/4]
+    counter = first >> 2
+    zero = tl.zeros_like(counter).to(tl.uint32)
+    r0, r1, r2, r3 = tl.philox(seed, counter.to(tl.uint32), (counter >> 32).to(tl.uint32), zero + stream, zero)
+    u0 = (r0 >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+    u1 = (r1 >> 8).to(tl.float32) * 5.9604644775390625e-08
+    u2 = (r2 >> 8).to(tl.float32) * 5.9604644775390625e-08
+    u3 = (r3 >> 8).to(tl.float32) * 5.9604644775390625e-08
+    return tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), (BLOCK_M, BLOCK_K))
+
+
+@triton.jit
+def fake_quant_nvfp4_blocks(v, block_amax, tensor_amax, u, STOCHASTIC: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
+    """fp32 values v, each block's max|.| ``block_amax`` (broadcast to v), the tensor's ``tensor_amax`` ->
+    e2m1 * float(e4m3 block scale) in fp32, NaN for NaN blocks: ``nvfp4._quantize`` with two-level scales."""
+    s_enc = _min_nan(tl.math.div_rn(2688.0, tensor_amax), FP32_MAX)  # 448 * 6
+    s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)  # amax = inf
+    s_dec = tl.math.div_rn(1.0, s_enc)
+    d = _min_nan(_min_nan(block_amax * (s_enc * ONE_SIXTH), FP32_MAX), 448.0)  # d >= 0 or NaN
+    if SOFTWARE_ROUND:
+        s_bits = round_to_fp8_bits(tl.where(d == d, d, 0.0), "e4m3")
+    else:
+        s_bits = d.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    s = tl.where(d == d, fp8_bits_to_fp32(s_bits, "e4m3", SOFTWARE_ROUND), float("nan"))
+    encode = _min_nan(tl.math.div_rn(1.0, s * s_dec), FP32_MAX)
+    return round_e2m1(v * encode, u, STOCHASTIC) * s
+
+
+@triton.jit
+def _amax_kernel(
+    x_ptr, amax_ptr, signs_ptr, M, K, stride_xm, stride_xk,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HADAMARD: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
+):  # fmt: skip
+    """int32 [2], zeroed: [0] = bits of max|x|, [1] = bits of max|RHT_M(x)| (HADAMARD) or of max|x| again."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    in_x = (rows < M)[:, None] & (cols < K)[None, :]
+    x = to_fp32(tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk, mask=in_x,
+                        other=0.0), SOFTWARE_ROUND)  # fmt: skip
+    plain = tl.max(amax_bits(x, 1, SOFTWARE_ROUND), axis=0)
+    tl.atomic_max(amax_ptr, plain)
+    if not HADAMARD:
+        tl.atomic_max(amax_ptr + 1, plain)
+    else:
+        signs = tl.load(signs_ptr + tl.arange(0, 16))
+        v = tl.reshape(hadamard_along_m(x, signs, BLOCK_M, BLOCK_K), (BLOCK_M, BLOCK_K))
+        tl.atomic_max(amax_ptr + 1, tl.max(amax_bits(v, 1, SOFTWARE_ROUND), axis=0))
+
+
+@triton.jit
+def _fake_quant_kernel(
+    x_ptr, amax_ptr, signs_ptr, seed_ptr, k_ptr, m_ptr, M, M_PAD, K, stride_xm, stride_xk,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ALONG_K: tl.constexpr, ALONG_M: tl.constexpr,
+    TILES: tl.constexpr, HADAMARD: tl.constexpr, STOCHASTIC: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
+    OUT_BF16_BITS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    in_x = (rows < M)[:, None] & (cols < K)[None, :]
+    x = to_fp32(tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk, mask=in_x,
+                        other=0.0), SOFTWARE_ROUND)  # fmt: skip
+    out_offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    seed = tl.load(seed_ptr) if STOCHASTIC else 0
+    if ALONG_K:
+        tensor_amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
+        u = uniform_tile(seed, 0, rows, tl.program_id(1) * BLOCK_K, K, BLOCK_M, BLOCK_K) if STOCHASTIC else 0.0
+        if TILES:  # one scale per 16 x 16 tile: [BM / 16, 16, BK / 16, 16]
+            v = tl.reshape(x, (BLOCK_M // 16, 16, BLOCK_K // 16, 16))
+            b = tl.max(amax_bits(v, 3, SOFTWARE_ROUND), axis=1)  # bits order like values: max of maxima
+            b = b.to(tl.float32, bitcast=True)[:, None, :, None]
+            u = tl.reshape(u, (BLOCK_M // 16, 16, BLOCK_K // 16, 16)) if STOCHASTIC else u
+        else:
+            v = tl.reshape(x, (BLOCK_M * BLOCK_K // 16, 16))
+            b = amax_bits(v, 1, SOFTWARE_ROUND).to(tl.float32, bitcast=True)[:, None]
+            u = tl.reshape(u, (BLOCK_M * BLOCK_K // 16, 16)) if STOCHASTIC else u
+        q = tl.reshape(fake_quant_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND), (BLOCK_M, BLOCK_K))
+        if OUT_BF16_BITS:
+            q = bf16_bits_rne(q)
+        tl.store(k_ptr + out_offs, q, mask=in_x)
+    if ALONG_M:  # blocks of 16 rows: [BM / 16, 16, BK], reduced over the middle dim
+        tensor_amax = tl.load(amax_ptr + 1).to(tl.float32, bitcast=True)
+        if HADAMARD:
+            v = hadamard_along_m(x, tl.load(signs_ptr + tl.arange(0, 16)), BLOCK_M, BLOCK_K)
+        else:
+            v = tl.reshape(x, (BLOCK_M // 16, 16, BLOCK_K))
+        b = amax_bits(v, 1, SOFTWARE_ROUND).to(tl.float32, bitcast=True)[:, None, :]
+        u = uniform_tile(seed, 1, rows, tl.program_id(1) * BLOCK_K, K, BLOCK_M, BLOCK_K) if STOCHASTIC else 0.0
+        u = tl.reshape(u, (BLOCK_M // 16, 16, BLOCK_K)) if STOCHASTIC else u
+        q = tl.reshape(fake_quant_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND), (BLOCK_M, BLOCK_K))
+        if OUT_BF16_BITS:
+            q = bf16_bits_rne(q)
+        tl.store(m_ptr + out_offs, q, mask=(rows < M_PAD)[:, None] & (cols < K)[None, :])
+
+
+_AMAX = LaunchCache(_amax_kernel)
+_FAKE_QUANT = LaunchCache(_fake_quant_kernel)
+
+
+def fake_quant_nvfp4(
+    x: torch.Tensor, along_k: bool, along_m: bool, tiles: bool, signs: torch.Tensor | None, seed: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16; any strides; K a multiple of 16, M too with ``tiles``) -> (along K [M, K], along M
+    [ceil16(M), K], amax fp32 [2]): NVFP4 operands e2m1 * block scale in x's dtype and the two per-tensor
+    maxima they were scaled by (max|x|, and max|RHT_M(x)| or max|x| for along M). ``tiles``: 16x16 scale
+    tiles along K; ``signs``: fp32 [16], the random Hadamard transform along M before quantizing along M;
+    ``seed``: int64 [1] on x's device for stochastic rounding, None to round to nearest. An output not asked
+    for is empty. Bit for bit ``mx_recipe.nvfp4`` (module docstring)."""
+    if not (along_k or along_m):
+        raise ValueError("fake_quant_nvfp4: ask for along_k, along_m or both")
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"fake_quant_nvfp4 takes a 2D bf16 tensor, got {x.dtype} {tuple(x.shape)}")
+    if x.dtype != torch.bfloat16 and not interpreting():
+        raise NotImplementedError(f"fake_quant_nvfp4: the GPU kernel takes bf16 input, got {x.dtype}")
+    m, k = x.shape
+    if k % BLOCK or (tiles and m % BLOCK):
+        need = "both dims" if tiles else "K"
+        raise ValueError(f"fake_quant_nvfp4: {need} of x {tuple(x.shape)} must be multiples of {BLOCK}")
+    m_pad = cdiv(m, BLOCK) * BLOCK
+    out_k = x.new_empty((m, k) if along_k else (0,))
+    out_m = x.new_empty((m_pad, k) if along_m else (0,))
+    amax = torch.zeros(2, dtype=torch.int32, device=x.device)
+    if x.numel():
+        software = software_round(x, "fake_quant_nvfp4")
+        hadamard = along_m and signs is not None
+        signs_arg = signs if hadamard else amax
+        key = (x.shape, x.stride(), x.dtype, along_k, along_m, tiles, hadamard, seed is not None, software)
+        _AMAX.launch_keyed(
+            key, lambda: _amax_launch(x, amax, signs_arg, hadamard, software), x_ptr=x, amax_ptr=amax,
+            signs_ptr=signs_arg,
+        )  # fmt: skip
+        seed_arg = amax if seed is None else seed
+        _FAKE_QUANT.launch_keyed(
+            key,
+            lambda: _fake_quant_launch(x, amax, signs_arg, seed_arg, out_k, out_m, along_k, along_m, tiles, hadamard,
+                                       seed is not None, software),  # fmt: skip
+            x_ptr=x, amax_ptr=amax, signs_ptr=signs_arg, seed_ptr=seed_arg, k_ptr=_bits(out_k, x, software),
+            m_ptr=_bits(out_m, x, software),
+        )  # fmt: skip
+    return out_k, out_m, amax.view(torch.float32)
+
+
+def _bits(out: torch.Tensor, x: torch.Tensor, software: bool) -> torch.Tensor:
+    """The interpreter stores bf16 as bits rounded by hand (its own bf16 store is not trusted)."""
+    return out.view(torch.int16) if software and x.dtype == torch.bfloat16 else out
+
+
+def _amax_launch(
+    x: torch.Tensor, amax: torch.Tensor, signs: torch.Tensor, hadamard: bool, software: bool
+) -> tuple[tuple[int, int], dict]:
+    block_m, block_k, num_warps = TILE
+    grid = (cdiv(x.shape[0], block_m), cdiv(x.shape[1], block_k))
+    return grid, dict(
+        x_ptr=x, amax_ptr=amax, signs_ptr=signs, M=x.shape[0], K=x.shape[1], stride_xm=x.stride(0),
+        stride_xk=x.stride(1), BLOCK_M=block_m, BLOCK_K=block_k, HADAMARD=hadamard,
+        SOFTWARE_ROUND=software, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def _fake_quant_launch(
+    x: torch.Tensor, amax: torch.Tensor, signs: torch.Tensor, seed: torch.Tensor, out_k: torch.Tensor,
+    out_m: torch.Tensor, along_k: bool, along_m: bool, tiles: bool, hadamard: bool, stochastic: bool, software: bool,
+) -> tuple[tuple[int, int], dict]:  # fmt: skip
+    block_m, block_k, num_warps = TILE
+    m, k = x.shape
+    m_pad = cdiv(m, BLOCK) * BLOCK
+    grid = (cdiv(m_pad, block_m), cdiv(k, block_k))
+    return grid, dict(
+        x_ptr=x, amax_ptr=amax, signs_ptr=signs, seed_ptr=seed, k_ptr=_bits(out_k, x, software),
+        m_ptr=_bits(out_m, x, software), M=m, M_PAD=m_pad, K=k, stride_xm=x.stride(0), stride_xk=x.stride(1),
+        BLOCK_M=block_m, BLOCK_K=block_k, ALONG_K=along_k, ALONG_M=along_m, TILES=tiles, HADAMARD=hadamard,
+        STOCHASTIC=stochastic, SOFTWARE_ROUND=software, OUT_BF16_BITS=software and x.dtype == torch.bfloat16,
+        num_warps=num_warps,
+    )  # fmt: skip

@@ -1,0 +1,123 @@
+"""The NVFP4 operands of the emulated GEMMs, from one entry point: ``fake_quant_nvfp4`` runs the Triton kernel
+(``mx_kernels.fake_quant_nvfp4``) for bf16 on CUDA and the reference (``nvfp4.nvfp4_operand``) otherwise;
+both give the same bits (docs/DESIGN.md, "NVFP4").
+
+One call quantizes x [M, K] along K (1x16 blocks, or 16x16 tiles for the recipe's weights) and/or along M
+(1x16 blocks of rows, after the random Hadamard transform along M when ``signs`` is given; rows zero-padded
+to a multiple of 16), reading x once on the GPU, and returns each operand with its per-tensor decode scale.
+
+Stochastic rounding: the reference draws from ``generator`` (or the default generator) as ``to_nvfp4`` does;
+the kernel rounds with a Philox stream keyed by a seed drawn from that generator on x's device
+(``nvfp4.philox_uniform`` is the same stream in PyTorch). The two draw different bits for the same
+generator state; each is exact against the reference given the same draws.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mx_recipe.nvfp4 import NVFP4_BLOCK, hadamard_transform, nvfp4_operand, per_tensor_scales
+
+TILES, ROWS = (NVFP4_BLOCK, NVFP4_BLOCK), (1, NVFP4_BLOCK)
+
+
+class NVFP4Operands(NamedTuple):
+    """What ``fake_quant_nvfp4`` returns: each operand (None if not asked for) and its decode scale s_dec."""
+
+    along_k: Tensor | None
+    s_dec_k: Tensor | None
+    along_m: Tensor | None
+    s_dec_m: Tensor | None
+
+
+def uses_kernel(x: Tensor) -> bool:
+    """The kernel takes bf16 on NVIDIA CUDA devices; everything else takes the reference."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and torch.version.hip is None
+
+
+def reference_fake_quant_nvfp4(
+    x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | None, rounding: str,
+    generator: torch.Generator | None = None, uniforms: tuple[Tensor | None, Tensor | None] = (None, None),
+) -> NVFP4Operands:  # fmt: skip
+    """The contract in plain PyTorch. ``uniforms``: the draws for along K and along M (stochastic rounding)."""
+    k = s_k = m = s_m = None
+    if along_k:
+        block_shape = TILES if tiles else ROWS
+        k, s_k = nvfp4_operand(x, -1, block_shape=block_shape, rounding=rounding, generator=generator,
+                               uniform=uniforms[0])  # fmt: skip
+    if along_m:
+        pad = -x.shape[0] % NVFP4_BLOCK
+        t = F.pad(x, (0, 0, 0, pad)) if pad else x
+        if signs is not None:
+            t = hadamard_transform(t, signs, dim=0)  # fp32, quantized as it is
+        m, s_m = nvfp4_operand(t, 0, rounding=rounding, generator=generator, uniform=uniforms[1])
+        m = m.to(x.dtype)  # exact: e2m1 * e4m3 has at most 6 significant bits
+    return NVFP4Operands(k, s_k, m, s_m)
+
+
+def _check(x: Tensor, along_k: bool, along_m: bool, tiles: bool) -> None:
+    if not (along_k or along_m):
+        raise ValueError("fake_quant_nvfp4: ask for along_k, along_m or both")
+    if x.dim() != 2:
+        raise ValueError(f"fake_quant_nvfp4 takes a 2D tensor, got shape {tuple(x.shape)}")
+    m, k = x.shape
+    if k % NVFP4_BLOCK or (tiles and m % NVFP4_BLOCK):
+        need = "both dims" if tiles else "dim 1"
+        raise ValueError(f"fake_quant_nvfp4: {need} of shape {tuple(x.shape)} must be multiples of {NVFP4_BLOCK}")
+
+
+def fake_quant_nvfp4(
+    x: Tensor, along_k: bool = True, along_m: bool = False, tiles: bool = False, signs: Tensor | None = None,
+    rounding: str = "nearest", generator: torch.Generator | None = None,
+) -> NVFP4Operands:  # fmt: skip
+    """x [M, K] (K a multiple of 16; M too with ``tiles``) -> its NVFP4 operands (``NVFP4Operands``):
+    along K [M, K] and along M [ceil16(M), K], each e2m1 * float(block scale) in x's dtype, and their fp32
+    decode scales. ``tiles``: 16x16 scale tiles along K; ``signs``: fp32 [16], the random Hadamard transform
+    along M first; ``rounding``: "nearest" or "stochastic" (the draws: module docstring)."""
+    _check(x, along_k, along_m, tiles)
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"fake_quant_nvfp4: rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if not uses_kernel(x):
+        return reference_fake_quant_nvfp4(x, along_k, along_m, tiles, signs, rounding, generator)
+    seed = None
+    if rounding == "stochastic":
+        seed = torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64, generator=generator)
+    k, m, amax = torch.ops.mx_recipe.fake_quant_nvfp4(x, along_k, along_m, tiles, signs, seed)
+    s_dec = per_tensor_scales(amax)[1]
+    return NVFP4Operands(k if along_k else None, s_dec[0], m if along_m else None, s_dec[1])
+
+
+# --- the custom op: opaque to torch.compile, traced by its fake ---
+
+_LIB = torch.library.Library("mx_recipe", "FRAGMENT")
+_LIB.define(
+    "fake_quant_nvfp4(Tensor x, bool along_k, bool along_m, bool tiles, Tensor? signs, Tensor? seed)"
+    " -> (Tensor, Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+
+
+def _kernel(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | None, seed: Tensor | None):
+    from mx_kernels.fake_quant_nvfp4 import fake_quant_nvfp4 as launch
+
+    return launch(x, along_k, along_m, tiles, signs, seed)
+
+
+def _fake(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | None, seed: Tensor | None):
+    _check(x, along_k, along_m, tiles)
+    m, k = x.shape
+    m_pad = -(-m // NVFP4_BLOCK) * NVFP4_BLOCK
+    return (
+        x.new_empty((m, k) if along_k else (0,)),
+        x.new_empty((m_pad, k) if along_m else (0,)),
+        x.new_empty(2, dtype=torch.float32),
+    )
+
+
+for _device in ("CUDA", "CPU"):  # CPU: the Triton interpreter (TRITON_INTERPRET=1), for tests
+    _LIB.impl("fake_quant_nvfp4", _kernel, _device)
+torch.library.register_fake("mx_recipe::fake_quant_nvfp4", _fake, lib=_LIB)

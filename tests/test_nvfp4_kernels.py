@@ -1,0 +1,189 @@
+"""The NVFP4 fake-quant kernel (mx_kernels/fake_quant_nvfp4.py) against the reference (mx_recipe/nvfp4.py), bit
+for bit: along K (1x16 and 16x16 tiles), along M with and without the random Hadamard transform, both at once,
+nearest and stochastic rounding (the kernel's Philox draws handed to the reference), the edge cases of
+``special_input`` (NaN, +-inf, zero blocks, subnormals, saturation), a NaN-free tensor with an inf, ragged M.
+
+On the CPU the kernel runs in the Triton interpreter (a child pytest with TRITON_INTERPRET=1, as in
+test_cast_kernels.py): every step of the kernel is exact fp32 or integer arithmetic with SOFTWARE_ROUND, so
+the interpreter checks the bits too. The GPU tests run the hardware conversions.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_cast_kernels import HAS_CUDA, HAS_TRITON, INTERP, assert_values_equal, interp_only, special_input
+
+from mx_recipe.nvfp4 import per_tensor_scales, philox_uniform, random_signs
+from mx_recipe.nvfp4_fake_quant import fake_quant_nvfp4, reference_fake_quant_nvfp4
+
+# (along_k, along_m, tiles, hadamard): the forward (x; w in tiles or rows), the gradient (both sides, the
+# transform on the grad-weight side), the grad-weight x, a 1x16 weight along N
+CASES = [
+    (True, False, False, False),
+    (True, False, True, False),
+    (True, True, False, True),
+    (False, True, False, True),
+    (False, True, False, False),
+    (True, True, False, False),
+]
+
+
+def check(shape, device, along_k, along_m, tiles, hadamard, stochastic, seed=0, x=None):
+    from mx_kernels.fake_quant_nvfp4 import fake_quant_nvfp4 as launch
+
+    if x is None:
+        x = special_input(shape, torch.bfloat16, device, seed)
+    signs = random_signs(seed + 7, device) if hadamard else None
+    key = torch.tensor([0x1234_5678_9ABC_DEF0 + seed], dtype=torch.int64, device=device) if stochastic else None
+    k, m, amax = launch(x, along_k, along_m, tiles, signs, key)
+    m_pad = -(-x.shape[0] // 16) * 16
+    uniforms = (
+        philox_uniform(int(key.item()), 0, tuple(x.shape)) if stochastic else None,
+        philox_uniform(int(key.item()), 1, (m_pad, x.shape[1])) if stochastic else None,
+    )
+    ref = reference_fake_quant_nvfp4(
+        x.cpu(), along_k, along_m, tiles, None if signs is None else signs.cpu(),
+        "stochastic" if stochastic else "nearest", uniforms=uniforms,
+    )  # fmt: skip
+    what = f"nvfp4 {tuple(x.shape)} k={along_k} m={along_m} tiles={tiles} rht={hadamard} sr={stochastic}"
+    if along_k:
+        assert_values_equal(k, ref.along_k, what + " along K")
+    else:
+        assert k.numel() == 0
+    if along_m:
+        assert_values_equal(m, ref.along_m, what + " along M")
+    else:
+        assert m.numel() == 0
+    # the decode scales the GEMM multiplies by, from the kernel's maxima, as the reference's
+    s_dec = per_tensor_scales(amax.cpu())[1]
+    if along_k:
+        assert_values_equal(s_dec[:1], ref.s_dec_k.reshape(1), what + " s_dec along K")
+    if along_m:
+        assert_values_equal(s_dec[1:], ref.s_dec_m.reshape(1), what + " s_dec along M")
+
+
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
+def test_nvfp4_kernel_in_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interp_"]
+    proc = subprocess.run(cmd, env=env, cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-3000:]
+
+
+@interp_only
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_interp_nvfp4_fake_quant(case, stochastic):
+    check((96, 160), "cpu", *case, stochastic)
+    check((48, 48) if case[2] else (40, 48), "cpu", *case, stochastic, seed=1)  # ragged M where allowed
+
+
+@interp_only
+def test_interp_nvfp4_edge_tensors():
+    for x in (
+        torch.zeros(32, 32, dtype=torch.bfloat16),  # amax 0: s_enc is the fp32 max
+        torch.full((32, 32), float("inf"), dtype=torch.bfloat16),  # amax inf: s_enc = 1
+        special_input((64, 128), torch.bfloat16, "cpu").nan_to_num(nan=1.0),  # infinities, no NaN
+    ):
+        for case in CASES:
+            check(None, "cpu", *case, False, x=x)
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16).reshape(-1, 512).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # every finite value
+    check(None, "cpu", True, True, False, False, False, x=x)
+
+
+@interp_only
+def test_interp_dispatch_and_errors():
+    x = torch.randn(32, 48, dtype=torch.bfloat16)
+    out = torch.ops.mx_recipe.fake_quant_nvfp4(x, True, True, False, None, None)  # the op's CPU kernel
+    ref = reference_fake_quant_nvfp4(x, True, True, False, None, "nearest")
+    assert_values_equal(out[0], ref.along_k, "op along K")
+    assert_values_equal(out[1], ref.along_m, "op along M")
+    with pytest.raises(ValueError, match="ask for along_k, along_m or both"):
+        fake_quant_nvfp4(x, False, False)
+    with pytest.raises(ValueError, match="must be multiples of 16"):
+        fake_quant_nvfp4(torch.randn(24, 40), True, False, tiles=True)
+
+
+def test_philox_uniform_is_uniform_and_reproducible():
+    u = philox_uniform(5, 0, (256, 64))
+    assert u.dtype == torch.float32 and u.shape == (256, 64)
+    assert 0.0 <= u.min() and u.max() < 1.0 and abs(u.mean().item() - 0.5) < 0.01
+    assert torch.equal(u, philox_uniform(5, 0, (256, 64)))
+    assert not torch.equal(u, philox_uniform(5, 1, (256, 64)))
+    assert not torch.equal(u, philox_uniform(6, 0, (256, 64)))
+    assert torch.equal((u * 2**24).floor(), u * 2**24)  # multiples of 2**-24
+    with pytest.raises(ValueError, match="multiple of 4"):
+        philox_uniform(0, 0, (4, 6))
+
+
+def test_reference_path_off_cuda():
+    x = torch.randn(40, 32, dtype=torch.bfloat16)
+    ops = fake_quant_nvfp4(x, True, True, signs=random_signs(0))
+    assert ops.along_k.shape == (40, 32) and ops.along_m.shape == (48, 32) and ops.along_m.dtype == torch.bfloat16
+    assert ops.s_dec_k.dim() == 0 and ops.s_dec_m.dim() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_gpu_nvfp4_fake_quant_bit_exact(case, stochastic):
+    check((96, 160), "cuda", *case, stochastic)  # NaN, inf, zero blocks: every block of the tensor is NaN
+    for shape in [(96, 160), (4128, 256), (1024, 4096)]:  # the same without the NaN
+        check(None, "cuda", *case, stochastic, x=special_input(shape, torch.bfloat16, "cuda").nan_to_num(nan=1.0))
+    if not case[2]:
+        check((40, 48), "cuda", *case, stochastic, seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_nvfp4_edge_tensors_and_dispatch():
+    for x in (
+        torch.zeros(32, 32, dtype=torch.bfloat16),
+        torch.full((32, 32), float("inf"), dtype=torch.bfloat16),
+        special_input((64, 128), torch.bfloat16, "cpu").nan_to_num(nan=1.0),
+    ):
+        for case in CASES:
+            check(None, "cuda", *case, False, x=x.cuda())
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16).reshape(-1, 512).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    check(None, "cuda", True, True, False, False, False, x=x.cuda())
+    # the public entry point takes the kernel on CUDA, also under torch.compile
+    x, signs = special_input((256, 512), torch.bfloat16, "cuda"), random_signs(1, "cuda")
+    eager = fake_quant_nvfp4(x, True, True, signs=signs)
+    compiled = torch.compile(lambda t, s: fake_quant_nvfp4(t, True, True, signs=s), fullgraph=True)
+    for a, b in zip(eager, compiled(x, signs), strict=True):
+        assert_values_equal(a, b, "compiled")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["nvfp4_nearest_grads", "nvfp4_1d_weights"])
+def test_gpu_nvfp4_linear_on_the_kernels_matches_the_cpu_reference(name):
+    """The linear's wiring on the kernel path (which operand, which orientation, which decode scale): the CUDA
+    layer against the CPU reference pieces, nearest rounding, equal up to the GEMMs' summation order."""
+    from test_nvfp4_linear import _expected
+
+    from mx_recipe import mx_linear
+    from mx_recipe.recipe import NVFP4Recipe
+
+    recipe = NVFP4Recipe.from_name(name, hadamard_seed=3, grad_rounding="nearest")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 256, generator=generator).to(torch.bfloat16)
+    w = (torch.randn(128, 256, generator=generator) * 0.1).to(torch.bfloat16)
+    g = torch.randn(200, 128, generator=generator).to(torch.bfloat16)
+    xc, wc = x.cuda().requires_grad_(), w.cuda().requires_grad_()
+    y = mx_linear(xc, wc, None, recipe)
+    y.backward(g.cuda())
+    expected = _expected(x, w, g, recipe, seed=0)
+    for got, want, what in zip((y, xc.grad, wc.grad), expected, ("y", "gx", "gw"), strict=True):
+        err = (got.float().cpu() - want.float()).abs().max() / want.float().abs().max()
+        assert err < 1e-2, f"{name} {what}: max error {err:.3g} of the largest value"
