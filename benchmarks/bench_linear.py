@@ -1,7 +1,8 @@
 """MXLinear against nn.Linear, forward + backward, both torch.compile'd, in the same run.
 
 For M = 16384 and (K, N) in (4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192) (the target of
-docs/DESIGN.md, Performance targets: MX time <= 1.10x bf16 on Hopper), prints the device, each time, the ratio
+docs/DESIGN.md, Performance targets: MX time <= 1.10x bf16 on Hopper, <= 1.15x for the 4-bit recipes), prints
+the device, each time, the ratio
 and the peak memory of one step; --out writes JSON with provenance for docs/results/.
 
 MX is timed as the recipe is and with ``fuse_x_casts`` (mx_fuse: x read once in forward for both
@@ -17,6 +18,9 @@ drift of the GPU between measurements lands on all of them; each row also carrie
 kernel time of one step per variant and the spread of the round medians.
 
     python benchmarks/bench_linear.py [--recipe mxfp8] [--m 16384] [--eager] [--rounds 5] [--out FILE]
+
+--recipe takes the MX recipes and the NVFP4 ones (nvfp4, nvfp4_no_rht, ...); an NVFP4 recipe has no
+save_mx_input or fuse_x_casts variant.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 from timing import add_run_args, interleaved, require_cuda, run_meta
 
 from mx_recipe import MXLinear, MXRecipe
+from mx_recipe.recipe import NVFP4_RECIPES, NVFP4Recipe
 from mx_recipe.saved_memory import saved_bytes
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192)]
@@ -62,12 +67,16 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=16384)
     args = add_run_args(parser).parse_args()
     require_cuda("bench_linear.py")
-    recipe = MXRecipe.from_name(args.recipe)
-    # save_mx_input needs an MX grad-weight GEMM (recipe.py); without one that column stays empty
-    save_recipe = None if recipe.grad_weight == "bf16" else dataclasses.replace(recipe, save_mx_input=True)
-    # fuse_x_casts needs one MX format for x in both of its GEMMs (recipe.py)
-    fuse = recipe.grad_weight != "bf16" and recipe.grad_weight == recipe.forward
-    fuse_recipe = dataclasses.replace(recipe, fuse_x_casts=True) if fuse else None
+    if args.recipe in NVFP4_RECIPES:
+        recipe, save_recipe, fuse_recipe = NVFP4Recipe.from_name(args.recipe), None, None
+    else:
+        recipe = MXRecipe.from_name(args.recipe)
+        # save_mx_input needs an MX grad-weight GEMM (recipe.py); without one that column stays empty
+        save_recipe = None if recipe.grad_weight == "bf16" else dataclasses.replace(recipe, save_mx_input=True)
+        # fuse_x_casts needs one MX format for x in both of its GEMMs (recipe.py)
+        fuse = recipe.grad_weight != "bf16" and recipe.grad_weight == recipe.forward
+        fuse_recipe = dataclasses.replace(recipe, fuse_x_casts=True) if fuse else None
+    target = 1.15 if isinstance(recipe, NVFP4Recipe) or recipe.forward == "e2m1" else 1.10
     print(
         f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, recipe {recipe.name}, "
         f"{'eager' if args.eager else 'torch.compile'}, M = {args.m}"
@@ -112,19 +121,20 @@ def main() -> None:
         f"{'bf16 GiB':>9} {'MX GiB':>8}"
     )
     for r in rows:
-        verdict = "meets" if r["ratio"] <= 1.10 else "misses"
+        verdict = "meets" if r["ratio"] <= target else "misses"
         print(
             f"{r['M']:>6} {r['K']:>6} {r['N']:>6} {r['bf16_ms']:>9.3f} {r['mx_ms']:>9.3f} {r['ratio']:>7.2f}x "
-            f"{r['bf16_tflops']:>13.0f} {r['bf16_peak_gib']:>9.2f} {r['mx_peak_gib']:>8.2f}  ({verdict} <= 1.10x; "
+            f"{r['bf16_tflops']:>13.0f} {r['bf16_peak_gib']:>9.2f} {r['mx_peak_gib']:>8.2f}  "
+            f"({verdict} <= {target:.2f}x; "
             f"GPU kernel time {r['kernel_ratio']:.2f}x, rounds spread {r['round_spread']:.1%})"
         )
     if "mx_fuse_ms" in rows[0]:
         print("\nwith fuse_x_casts (mx_fuse):")
         for r in rows:
-            verdict = "meets" if r["mx_fuse_ratio"] <= 1.10 else "misses"
+            verdict = "meets" if r["mx_fuse_ratio"] <= target else "misses"
             print(
                 f"{r['M']:>6} {r['K']:>6} {r['N']:>6} {r['bf16_ms']:>9.3f} {r['mx_fuse_ms']:>9.3f} "
-                f"{r['mx_fuse_ratio']:>7.2f}x {r['mx_fuse_peak_gib']:>8.2f} GiB  ({verdict} <= 1.10x)"
+                f"{r['mx_fuse_ratio']:>7.2f}x {r['mx_fuse_peak_gib']:>8.2f} GiB  ({verdict} <= {target:.2f}x)"
             )
     variants = [v for v in ("bf16", "mx", "mx_save", "mx_fuse") if f"{v}_ms" in rows[0]]
     print("\nactivation memory per layer: saved for backward (MiB, eager hooks), held from forward to backward")

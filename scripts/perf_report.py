@@ -1,7 +1,8 @@
 """Render the measured tables of docs/PERFORMANCE.md from the result files in docs/results/.
 
 Every figure in that document comes from a file a benchmark or a training run wrote:
-``*_bench_cast.json``, ``*_bench_gemm.json``, ``*_bench_linear.json``, ``*_bench_moe.json``,
+``*_bench_cast.json``, ``*_bench_fp4_cast.json``, ``*_bench_gemm.json``, ``*_bench_linear[_RECIPE].json``,
+``*_bench_moe.json``,
 ``*_bench_host.json``, ``*_bench_train_CONFIG.json`` (benchmarks/),
 ``*_roofline_observe.json`` (scripts/roofline.py --observe), ``*_train_*/`` folders holding a ``meta.json``
 and one ``metrics.jsonl`` per run (train.py) and ``*_parity_*/`` sets (scripts/parity_sweep.py). One file per
@@ -140,10 +141,14 @@ def targets_section(results: dict[str, list[Path]]) -> list[str]:
         for target, cell in cast_targets(path).items():
             cells.setdefault(target, {})[device_of(path)] = cell
     for path in results["bench_linear"]:
-        ratios = [r["ratio"] for r in json.loads(path.read_text())["rows"]]
-        cells.setdefault("MX linear fwd+bwd <= 1.10x bf16", {})[device_of(path)] = (
-            f"{min(ratios):.2f}-{max(ratios):.2f}x"
-        )
+        data = json.loads(path.read_text())
+        ratios, recipe = [r["ratio"] for r in data["rows"]], data["meta"]["recipe"]
+        target = f"MX linear fwd+bwd <= 1.15x bf16 ({recipe})" if "fp4" in recipe else "MX linear fwd+bwd <= 1.10x bf16"
+        cells.setdefault(target, {})[device_of(path)] = f"{min(ratios):.2f}-{max(ratios):.2f}x"
+    for path in results["bench_fp4_cast"]:
+        shares = [r["of_copy"] for r in json.loads(path.read_text())["rows"]]
+        share = f"{min(shares):.0%}-{max(shares):.0%}"
+        cells.setdefault("4-bit fake-quants >= 85% of copy", {})[device_of(path)] = share
     for path in results["bench_moe"]:
         data = json.loads(path.read_text())
         ratios = ", ".join(
@@ -217,7 +222,8 @@ def linear_section(path: Path) -> list[str]:
         ]
         for r in data["rows"]
     ]
-    header = ["M", "K", "N", "bf16 ms", "MX ms", "MX/bf16 (target <= 1.10x)", "bf16 TFLOP/s", "bf16 peak GiB"]
+    target = "1.15x" if "fp4" in meta["recipe"] else "1.10x"  # the 4-bit recipes' target (DESIGN.md)
+    header = ["M", "K", "N", "bf16 ms", "MX ms", f"MX/bf16 (target <= {target})", "bf16 TFLOP/s", "bf16 peak GiB"]
     header += ["MX peak GiB"]
     if "mx_fuse_ms" in data["rows"][0]:  # MX with fuse_x_casts, in runs that timed it
         header += ["MX fuse_x_casts ms", "fuse_x_casts/bf16", "fuse_x_casts peak GiB"]
@@ -230,6 +236,18 @@ def linear_section(path: Path) -> list[str]:
     how = "torch.compile'd" if meta.get("compiled", True) else "eager"
     lines = [f"### MX linear forward + backward, {meta['recipe']} against bf16 nn.Linear (both {how})", ""]
     lines += table(header, rows)
+    return lines + ["", source_line(meta, path.name), ""]
+
+
+def fp4_cast_section(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    meta = data["meta"]
+    rows = [
+        [r["name"], f"{r['M']} x {r['K']}", f"{r['gpu_ms']:.3f}", f"{r['gbs']:.0f}", f"{r['of_copy']:.1%}"]
+        for r in data["rows"]
+    ]
+    lines = [f"### 4-bit fake-quant kernels against a copy ({meta['copy_gbs']:.0f} GB/s)", ""]
+    lines += table(["operand", "x (bf16)", "GPU ms", "GB/s", "of copy (target >= 85%)"], rows)
     return lines + ["", source_line(meta, path.name), ""]
 
 
@@ -429,7 +447,8 @@ def latest_results() -> dict[str, list[Path]]:
     """The result files by benchmark; each benchmark, device and variant must have one file (the latest: older
     runs stay in git history), which ``check_one_per_kind`` enforces."""
     kinds = {"bench_cast": "*_bench_cast.json", "bench_gemm": "*_bench_gemm.json"}
-    kinds |= {"bench_linear": "*_bench_linear.json", "bench_moe": "*_bench_moe.json"}
+    kinds |= {"bench_linear": "*_bench_linear*.json", "bench_moe": "*_bench_moe.json"}
+    kinds |= {"bench_fp4_cast": "*_bench_fp4_cast.json"}
     kinds |= {"bench_host": "*_bench_host.json", "bench_train": "*_bench_train_*.json"}
     kinds |= {"observe": "*_roofline_observe.json"}
     found = {kind: sorted(RESULTS.glob(pattern)) for kind, pattern in kinds.items()}
@@ -452,7 +471,8 @@ def render() -> str:
     results = latest_results()
     check_one_per_kind(results)
     lines: list[str] = targets_section(results) + ["## Measured", ""] + projection_section()
-    sections = dict(observe=observe_section, bench_cast=cast_section, bench_gemm=gemm_section)
+    sections = dict(observe=observe_section, bench_cast=cast_section, bench_fp4_cast=fp4_cast_section)
+    sections |= dict(bench_gemm=gemm_section)
     sections |= dict(bench_linear=linear_section, bench_moe=moe_section, bench_host=host_section)
     sections |= dict(bench_train=bench_train_section)
     for kind, section in sections.items():
