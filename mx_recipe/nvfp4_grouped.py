@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from mx_recipe.nvfp4 import NVFP4_BLOCK, nvfp4_operand
+from mx_recipe.nvfp4 import NVFP4_BLOCK
+from mx_recipe.nvfp4_fake_quant import fake_quant_nvfp4
 from mx_recipe.nvfp4_linear import quantize_along_m, weight_operand
 from mx_recipe.recipe import NVFP4Recipe
 from mx_recipe.scale_layout import padded_group_layout, zero_rows_past_groups
@@ -36,11 +37,11 @@ def _padded_groups(t: torch.Tensor, offs: torch.Tensor, layout) -> torch.Tensor:
 class _NVFP4GroupedMMFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: NVFP4Recipe) -> torch.Tensor:
-        x_k, s_x = nvfp4_operand(x, dim=-1)
-        w_k, s_w = weight_operand(w, -1, recipe, x.dtype)
+        xq = fake_quant_nvfp4(x)
+        w_k, s_w = weight_operand(w, True, recipe, x.dtype)
         ctx.recipe = recipe
         ctx.save_for_backward(x, w, offs)
-        return zero_rows_past_groups(_grouped(x_k, w_k.transpose(-2, -1), offs, s_x * s_w, x.dtype), offs)
+        return zero_rows_past_groups(_grouped(xq.along_k, w_k.transpose(-2, -1), offs, xq.s_dec_k * s_w, x.dtype), offs)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
@@ -49,9 +50,9 @@ class _NVFP4GroupedMMFunction(torch.autograd.Function):
         g, dtype, rounding = g.contiguous(), g.dtype, recipe.grad_rounding
         gx = gw = None
         if ctx.needs_input_grad[0]:
-            g_n, s_g = nvfp4_operand(g, dim=-1, rounding=rounding)
-            w_n, s_w = weight_operand(w, 1, recipe, dtype)
-            gx = zero_rows_past_groups(_grouped(g_n, w_n, offs, s_g * s_w, dtype), offs).to(x.dtype)
+            gq = fake_quant_nvfp4(g, rounding=rounding)
+            w_n, s_w = weight_operand(w, False, recipe, dtype)
+            gx = zero_rows_past_groups(_grouped(gq.along_k, w_n, offs, gq.s_dec_k * s_w, dtype), offs).to(x.dtype)
         if ctx.needs_input_grad[1]:
             layout = padded_group_layout(offs, x.shape[0], NVFP4_BLOCK)
             g_m, s_g = quantize_along_m(_padded_groups(g, offs, layout), recipe, rounding)

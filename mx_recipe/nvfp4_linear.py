@@ -18,12 +18,9 @@ import functools
 
 import torch
 
-from mx_recipe.nvfp4 import NVFP4_BLOCK, hadamard_transform, nvfp4_operand, random_signs
-from mx_recipe.nvfp4_fake_quant import NVFP4Operands, fake_quant_nvfp4
+from mx_recipe.nvfp4 import NVFP4_BLOCK, random_signs
+from mx_recipe.nvfp4_fake_quant import fake_quant_nvfp4
 from mx_recipe.recipe import NVFP4Recipe
-
-TILES = (NVFP4_BLOCK, NVFP4_BLOCK)
-ROWS = (1, NVFP4_BLOCK)
 
 
 @functools.lru_cache
@@ -32,17 +29,26 @@ def hadamard_signs(seed: int, device: torch.device) -> torch.Tensor:
     return random_signs(seed, device)
 
 
-def weight_operand(w: torch.Tensor, dim: int, recipe: NVFP4Recipe, dtype: torch.dtype):
-    """w quantized along ``dim`` in the recipe's weight blocks (16x16 tiles, or 1x16): operand and s_dec."""
-    return nvfp4_operand(w.to(dtype), dim=dim, block_shape=TILES if recipe.weight_tiles else ROWS)
+def weight_operand(w: torch.Tensor, along_k: bool, recipe: NVFP4Recipe, dtype: torch.dtype):
+    """w [N, K] or [E, N, K] in the recipe's weight blocks, quantized along K or along N (with 16x16 tiles the same
+    values either way; N is a multiple of 16, so no block straddles two experts): the operand [.., N, K] and s_dec."""
+    w2 = w.to(dtype).reshape(-1, w.shape[-1])
+    if along_k or recipe.weight_tiles:
+        q = fake_quant_nvfp4(w2, tiles=recipe.weight_tiles)
+        return q.along_k.view(w.shape), q.s_dec_k
+    q = fake_quant_nvfp4(w2, along_k=False, along_m=True)
+    return q.along_m.view(w.shape), q.s_dec_m
 
 
 def quantize_along_m(t: torch.Tensor, recipe: NVFP4Recipe, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
     """t [M, C], M a multiple of 16 (blocks never straddling what they must not), transformed along M when the
     recipe has the Hadamard transform, then quantized along M: the grad-weight GEMM's operand and its s_dec."""
-    if recipe.hadamard:
-        t = hadamard_transform(t, hadamard_signs(recipe.hadamard_seed, t.device), dim=0)  # fp32, quantized as is
-    return nvfp4_operand(t, dim=0, rounding=rounding)
+    q = fake_quant_nvfp4(t, along_k=False, along_m=True, signs=_signs(recipe, t.device), rounding=rounding)
+    return q.along_m, q.s_dec_m
+
+
+def _signs(recipe: NVFP4Recipe, device: torch.device) -> torch.Tensor | None:
+    return hadamard_signs(recipe.hadamard_seed, device) if recipe.hadamard else None
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -50,19 +56,16 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, dtype: tor
     return (torch.mm(a.to(dtype), b.to(dtype).t()).float() * alpha).to(dtype)
 
 
-def _weight_along_k(w: torch.Tensor, recipe: NVFP4Recipe, dtype: torch.dtype) -> NVFP4Operands:
-    return fake_quant_nvfp4(w.to(dtype), along_k=True, tiles=recipe.weight_tiles)
-
-
 class _NVFP4LinearFunction(torch.autograd.Function):
     """The operands come from ``fake_quant_nvfp4``: one kernel per operand on the GPU (g's two in one read)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: NVFP4Recipe) -> torch.Tensor:
-        xq, wq = fake_quant_nvfp4(x), _weight_along_k(w, recipe, x.dtype)
+        xq = fake_quant_nvfp4(x)
+        w_k, s_w = weight_operand(w, True, recipe, x.dtype)
         ctx.recipe = recipe
         ctx.save_for_backward(x, w)
-        return _scaled_mm(xq.along_k, wq.along_k, xq.s_dec_k * wq.s_dec_k, x.dtype)
+        return _scaled_mm(xq.along_k, w_k, xq.s_dec_k * s_w, x.dtype)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
@@ -70,17 +73,12 @@ class _NVFP4LinearFunction(torch.autograd.Function):
         recipe: NVFP4Recipe = ctx.recipe
         g, dtype = g.contiguous(), g.dtype
         need_gx, need_gw = ctx.needs_input_grad[:2]
-        signs = hadamard_signs(recipe.hadamard_seed, g.device) if recipe.hadamard else None
         # g along N (grad input) and along M (grad weight, token rows zero-padded to 16) from one read
+        signs = _signs(recipe, g.device)
         gq = fake_quant_nvfp4(g, need_gx, need_gw, signs=signs, rounding=recipe.grad_rounding)
         gx = gw = None
-        if need_gx:  # w along N: with 16x16 tiles the very values of the forward's w along K
-            if recipe.weight_tiles:
-                wq = _weight_along_k(w, recipe, dtype)
-                w_n, s_w = wq.along_k, wq.s_dec_k
-            else:
-                wq = fake_quant_nvfp4(w.to(dtype), along_k=False, along_m=True)
-                w_n, s_w = wq.along_m, wq.s_dec_m
+        if need_gx:
+            w_n, s_w = weight_operand(w, False, recipe, dtype)
             gx = _scaled_mm(gq.along_k, w_n.t(), gq.s_dec_k * s_w, dtype).to(x.dtype)
         if need_gw:  # zero rows add nothing to the sum
             xq = fake_quant_nvfp4(x.to(dtype), along_k=False, along_m=True, signs=signs)
