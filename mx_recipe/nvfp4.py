@@ -228,9 +228,14 @@ def nvfp4_operand(
 
 
 def random_signs(seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """16 random signs (+-1, fp32) from ``seed``: the D of the transform, fixed for a run."""
-    generator = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 2, (HADAMARD_SIZE,), generator=generator) * 2 - 1).to(torch.float32).to(device)
+    """16 random signs (+-1, fp32) from ``seed``: the D of the transform, fixed for a run. Sign i is -1 where bit
+    i of SplitMix64(seed) is set: plain integer arithmetic, so torch.compile folds it into a constant (a
+    torch.Generator in a compiled backward would break the graph)."""
+    z = (seed + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    z ^= z >> 31
+    return torch.tensor([1.0 - 2.0 * ((z >> i) & 1) for i in range(HADAMARD_SIZE)], dtype=torch.float32, device=device)
 
 
 def _walsh_hadamard(v: torch.Tensor) -> torch.Tensor:

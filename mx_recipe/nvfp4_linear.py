@@ -14,19 +14,11 @@ multiple of 16 for the along-M casts (zero rows add nothing to the grad-weight s
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from mx_recipe.nvfp4 import NVFP4_BLOCK, random_signs
 from mx_recipe.nvfp4_fake_quant import fake_quant_nvfp4
 from mx_recipe.recipe import NVFP4Recipe
-
-
-@functools.lru_cache
-def hadamard_signs(seed: int, device: torch.device) -> torch.Tensor:
-    """The recipe's transform signs on ``device``, made once per seed and device."""
-    return random_signs(seed, device)
 
 
 def weight_operand(w: torch.Tensor, along_k: bool, recipe: NVFP4Recipe, dtype: torch.dtype):
@@ -48,7 +40,7 @@ def quantize_along_m(t: torch.Tensor, recipe: NVFP4Recipe, rounding: str) -> tup
 
 
 def _signs(recipe: NVFP4Recipe, device: torch.device) -> torch.Tensor | None:
-    return hadamard_signs(recipe.hadamard_seed, device) if recipe.hadamard else None
+    return random_signs(recipe.hadamard_seed, device) if recipe.hadamard else None
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

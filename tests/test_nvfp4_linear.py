@@ -137,3 +137,15 @@ def test_train_py_runs_an_nvfp4_recipe_and_resumes_with_its_signs(tmp_path):
     again = [line for line in out.splitlines() if line.startswith("step      3/3")]
     loss = [lines[0].split("loss")[1].split()[0] for lines in (first, again)]
     assert loss[0] == loss[1]  # the same bits: the signs and the random bits of stochastic rounding resume
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4_1d_weights"])
+def test_nvfp4_linear_compiles_as_one_graph(name):
+    """Forward and backward trace without a graph break (the training loop compiles each block; a break in the
+    autograd.Function's backward, such as a torch.Generator, would run the whole layer eagerly)."""
+    recipe = NVFP4Recipe.from_name(name, hadamard_seed=3)
+    x = torch.randn(40, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(48, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.compile(lambda x, w: mx_linear(x, w, None, recipe), fullgraph=True)(x, w)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
