@@ -33,8 +33,8 @@ from mx_kernels.spec import cdiv
 
 BLOCK = 16
 TILE = (32, 128, 4)  # (BLOCK_M, BLOCK_K, num_warps)
-FP32_MAX = 3.4028234663852886e38
-ONE_SIXTH = 0.16666667163372040  # fl(1/6), exact as an fp32 constant
+FP32_MAX = tl.constexpr(3.4028234663852886e38)
+ONE_SIXTH = tl.constexpr(0.16666667163372040)  # fl(1/6), exact as an fp32 constant
 
 
 @triton.jit
@@ -257,3 +257,19 @@ def _fake_quant_launch(
         STOCHASTIC=stochastic, SOFTWARE_ROUND=software, OUT_BF16_BITS=software and x.dtype == torch.bfloat16,
         num_warps=num_warps,
     )  # fmt: skip
+
+
+def compile_for_target(
+    shape: tuple[int, int], along_k: bool, along_m: bool, tiles: bool, hadamard: bool, stochastic: bool, arch: int
+):  # fmt: skip
+    """Compile both kernels of one ``fake_quant_nvfp4`` launch on a contiguous bf16 x of ``shape`` for CUDA
+    ``arch`` without a GPU (CPU tests): (amax kernel, fake-quant kernel) as CompiledKernels."""
+    from mx_kernels.gluon_common import compile_for_arch
+
+    x = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+    amax = torch.empty(2, dtype=torch.int32, device="meta")
+    signs, seed = torch.empty(16, device="meta"), torch.empty(1, dtype=torch.int64, device="meta")
+    out = torch.empty(16, dtype=torch.bfloat16, device="meta")
+    _, amax_kwargs = _amax_launch(x, amax, signs, hadamard, False)
+    _, kwargs = _fake_quant_launch(x, amax, signs, seed, out, out, along_k, along_m, tiles, hadamard, stochastic, False)
+    return compile_for_arch(_amax_kernel, amax_kwargs, arch), compile_for_arch(_fake_quant_kernel, kwargs, arch)

@@ -374,12 +374,13 @@ def require_gpu(x: torch.Tensor, op: str) -> None:
 
 
 def compile_for_arch(kernel, kwargs: dict, arch: int):
-    """Compile the Gluon ``kernel`` for CUDA ``arch`` without a GPU, its arguments (``kwargs``, by name,
-    ``num_warps`` included) specialized as a launch would specialize them (16-divisible ints, stride
+    """Compile the Gluon (or Triton) ``kernel`` for CUDA ``arch`` without a GPU, its arguments (``kwargs``, by
+    name, ``num_warps`` included) specialized as a launch would specialize them (16-divisible ints, stride
     1): the CompiledKernel, with ``.asm["ttgir"]``, ``["ptx"]`` and ``["cubin"]``."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
     signature, constexprs, attrs = {}, {}, {}
     for i, p in enumerate(kernel.params):
@@ -392,5 +393,6 @@ def compile_for_arch(kernel, kwargs: dict, arch: int):
             constexprs[p.name] = value
         elif attr:
             attrs[(i,)] = BaseBackend.parse_attr(attr)
-    src = GluonASTSource(kernel, signature, constexprs, attrs)
+    source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    src = source(kernel, signature, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=kwargs["num_warps"]))

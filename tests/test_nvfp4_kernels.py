@@ -187,3 +187,16 @@ def test_gpu_nvfp4_linear_on_the_kernels_matches_the_cpu_reference(name):
     for got, want, what in zip((y, xc.grad, wc.grad), expected, ("y", "gx", "gw"), strict=True):
         err = (got.float().cpu() - want.float()).abs().max() / want.float().abs().max()
         assert err < 1e-2, f"{name} {what}: max error {err:.3g} of the largest value"
+
+
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
+@pytest.mark.parametrize("arch", [90, 100])
+def test_kernels_compile_for_hopper_and_blackwell(arch):
+    """What the interpreter cannot check: the kernels compile to cubin (constexpr globals, layouts of the
+    butterflies and joins) for every case the layers launch, stochastic rounding included."""
+    from mx_kernels.fake_quant_nvfp4 import compile_for_target
+
+    for along_k, along_m, tiles, hadamard in CASES:
+        for stochastic in (False, True):
+            amax_kernel, kernel = compile_for_target((4096, 4096), along_k, along_m, tiles, hadamard, stochastic, arch)
+            assert amax_kernel.asm["cubin"] and kernel.asm["cubin"]
