@@ -35,6 +35,7 @@ BLOCK = 16
 TILE = (32, 128, 4)  # (BLOCK_M, BLOCK_K, num_warps)
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
 ONE_SIXTH = tl.constexpr(0.16666667163372040)  # fl(1/6), exact as an fp32 constant
+EMPTY_S_DEC = 1 / 3.4028234663852886e38  # an empty tensor's amax is 0: s_enc is the fp32 max
 
 
 @triton.jit
@@ -96,12 +97,18 @@ def uniform_tile(seed, stream, rows, col0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
+def per_tensor_scales(tensor_amax):
+    """(s_enc, s_dec) from the tensor's max|x|: ``nvfp4.per_tensor_scales``, correctly rounded divisions."""
+    s_enc = _min_nan(tl.math.div_rn(2688.0, tensor_amax), FP32_MAX)  # 448 * 6
+    s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)  # amax = inf
+    return s_enc, tl.math.div_rn(1.0, s_enc)
+
+
+@triton.jit
 def fake_quant_nvfp4_blocks(v, block_amax, tensor_amax, u, STOCHASTIC: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
     """fp32 values v, each block's max|.| ``block_amax`` (broadcast to v), the tensor's ``tensor_amax`` ->
     e2m1 * float(e4m3 block scale) in fp32, NaN for NaN blocks: ``nvfp4._quantize`` with two-level scales."""
-    s_enc = _min_nan(tl.math.div_rn(2688.0, tensor_amax), FP32_MAX)  # 448 * 6
-    s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)  # amax = inf
-    s_dec = tl.math.div_rn(1.0, s_enc)
+    s_enc, s_dec = per_tensor_scales(tensor_amax)
     d = _min_nan(_min_nan(block_amax * (s_enc * ONE_SIXTH), FP32_MAX), 448.0)  # d >= 0 or NaN
     if SOFTWARE_ROUND:
         s_bits = round_to_fp8_bits(tl.where(d == d, d, 0.0), "e4m3")
@@ -135,11 +142,16 @@ def _amax_kernel(
 
 @triton.jit
 def _fake_quant_kernel(
-    x_ptr, amax_ptr, signs_ptr, seed_ptr, k_ptr, m_ptr, M, M_PAD, K, stride_xm, stride_xk,
+    x_ptr, amax_ptr, signs_ptr, seed_ptr, k_ptr, m_ptr, s_dec_ptr, M, M_PAD, K, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ALONG_K: tl.constexpr, ALONG_M: tl.constexpr,
     TILES: tl.constexpr, HADAMARD: tl.constexpr, STOCHASTIC: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
     OUT_BF16_BITS: tl.constexpr,
 ):  # fmt: skip
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):  # the decode scales the GEMM multiplies by
+        _, s_dec_k = per_tensor_scales(tl.load(amax_ptr).to(tl.float32, bitcast=True))
+        _, s_dec_m = per_tensor_scales(tl.load(amax_ptr + 1).to(tl.float32, bitcast=True))
+        tl.store(s_dec_ptr, s_dec_k)
+        tl.store(s_dec_ptr + 1, s_dec_m)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_x = (rows < M)[:, None] & (cols < K)[None, :]
@@ -186,8 +198,8 @@ def fake_quant_nvfp4(
     x: torch.Tensor, along_k: bool, along_m: bool, tiles: bool, signs: torch.Tensor | None, seed: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16; any strides; K a multiple of 16, M too with ``tiles``) -> (along K [M, K], along M
-    [ceil16(M), K], amax fp32 [2]): NVFP4 operands e2m1 * block scale in x's dtype and the two per-tensor
-    maxima they were scaled by (max|x|, and max|RHT_M(x)| or max|x| for along M). ``tiles``: 16x16 scale
+    [ceil16(M), K], s_dec fp32 [2]): NVFP4 operands e2m1 * block scale in x's dtype and the decode scales of
+    the per-tensor maxima they were scaled by (max|x|, and max|RHT_M(x)| or max|x| for along M). ``tiles``: 16x16 scale
     tiles along K; ``signs``: fp32 [16], the random Hadamard transform along M before quantizing along M;
     ``seed``: int64 [1] on x's device for stochastic rounding, None to round to nearest. An output not asked
     for is empty. Bit for bit ``mx_recipe.nvfp4`` (module docstring)."""
@@ -205,6 +217,7 @@ def fake_quant_nvfp4(
     out_k = x.new_empty((m, k) if along_k else (0,))
     out_m = x.new_empty((m_pad, k) if along_m else (0,))
     amax = torch.zeros(2, dtype=torch.int32, device=x.device)
+    s_dec = torch.full((2,), EMPTY_S_DEC, dtype=torch.float32, device=x.device)  # written by the kernel
     if x.numel():
         software = software_round(x, "fake_quant_nvfp4")
         hadamard = along_m and signs is not None
@@ -217,12 +230,12 @@ def fake_quant_nvfp4(
         seed_arg = amax if seed is None else seed
         _FAKE_QUANT.launch_keyed(
             key,
-            lambda: _fake_quant_launch(x, amax, signs_arg, seed_arg, out_k, out_m, along_k, along_m, tiles, hadamard,
-                                       seed is not None, software),  # fmt: skip
+            lambda: _fake_quant_launch(x, amax, signs_arg, seed_arg, out_k, out_m, s_dec, along_k, along_m, tiles,
+                                       hadamard, seed is not None, software),  # fmt: skip
             x_ptr=x, amax_ptr=amax, signs_ptr=signs_arg, seed_ptr=seed_arg, k_ptr=_bits(out_k, x, software),
-            m_ptr=_bits(out_m, x, software),
+            m_ptr=_bits(out_m, x, software), s_dec_ptr=s_dec,
         )  # fmt: skip
-    return out_k, out_m, amax.view(torch.float32)
+    return out_k, out_m, s_dec
 
 
 def _bits(out: torch.Tensor, x: torch.Tensor, software: bool) -> torch.Tensor:
@@ -244,7 +257,8 @@ def _amax_launch(
 
 def _fake_quant_launch(
     x: torch.Tensor, amax: torch.Tensor, signs: torch.Tensor, seed: torch.Tensor, out_k: torch.Tensor,
-    out_m: torch.Tensor, along_k: bool, along_m: bool, tiles: bool, hadamard: bool, stochastic: bool, software: bool,
+    out_m: torch.Tensor, s_dec: torch.Tensor, along_k: bool, along_m: bool, tiles: bool, hadamard: bool,
+    stochastic: bool, software: bool,
 ) -> tuple[tuple[int, int], dict]:  # fmt: skip
     block_m, block_k, num_warps = TILE
     m, k = x.shape
@@ -252,7 +266,8 @@ def _fake_quant_launch(
     grid = (cdiv(m_pad, block_m), cdiv(k, block_k))
     return grid, dict(
         x_ptr=x, amax_ptr=amax, signs_ptr=signs, seed_ptr=seed, k_ptr=_bits(out_k, x, software),
-        m_ptr=_bits(out_m, x, software), M=m, M_PAD=m_pad, K=k, stride_xm=x.stride(0), stride_xk=x.stride(1),
+        m_ptr=_bits(out_m, x, software), s_dec_ptr=s_dec, M=m, M_PAD=m_pad, K=k, stride_xm=x.stride(0),
+        stride_xk=x.stride(1),
         BLOCK_M=block_m, BLOCK_K=block_k, ALONG_K=along_k, ALONG_M=along_m, TILES=tiles, HADAMARD=hadamard,
         STOCHASTIC=stochastic, SOFTWARE_ROUND=software, OUT_BF16_BITS=software and x.dtype == torch.bfloat16,
         num_warps=num_warps,
@@ -271,5 +286,7 @@ def compile_for_target(
     signs, seed = torch.empty(16, device="meta"), torch.empty(1, dtype=torch.int64, device="meta")
     out = torch.empty(16, dtype=torch.bfloat16, device="meta")
     _, amax_kwargs = _amax_launch(x, amax, signs, hadamard, False)
-    _, kwargs = _fake_quant_launch(x, amax, signs, seed, out, out, along_k, along_m, tiles, hadamard, stochastic, False)
+    s_dec = torch.empty(2, device="meta")
+    _, kwargs = _fake_quant_launch(x, amax, signs, seed, out, out, s_dec, along_k, along_m, tiles, hadamard,
+                                   stochastic, False)  # fmt: skip
     return compile_for_arch(_amax_kernel, amax_kwargs, arch), compile_for_arch(_fake_quant_kernel, kwargs, arch)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mx_recipe.nvfp4 import NVFP4_BLOCK, hadamard_transform, nvfp4_operand, per_tensor_scales
+from mx_recipe.nvfp4 import NVFP4_BLOCK, hadamard_transform, nvfp4_operand
 
 TILES, ROWS = (NVFP4_BLOCK, NVFP4_BLOCK), (1, NVFP4_BLOCK)
 
@@ -86,8 +86,7 @@ def fake_quant_nvfp4(
     seed = None
     if rounding == "stochastic":
         seed = torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64, generator=generator)
-    k, m, amax = torch.ops.mx_recipe.fake_quant_nvfp4(x, along_k, along_m, tiles, signs, seed)
-    s_dec = per_tensor_scales(amax)[1]
+    k, m, s_dec = torch.ops.mx_recipe.fake_quant_nvfp4(x, along_k, along_m, tiles, signs, seed)
     return NVFP4Operands(k if along_k else None, s_dec[0], m if along_m else None, s_dec[1])
 
 
