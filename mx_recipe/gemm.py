@@ -179,8 +179,8 @@ def resolve_backend(recipe: MXRecipe | NVFP4Recipe, device: torch.device, groupe
     'cublas' runs e5m2 dense GEMMs through torch._scaled_mm, whose checks accept it (unverified on
     hardware).
     """
-    if isinstance(recipe, NVFP4Recipe):  # its GEMMs are emulated (nvfp4_linear, nvfp4_grouped): the object is unused
-        return EmulatedBackend()
+    if isinstance(recipe, NVFP4Recipe):
+        return _resolve_nvfp4(recipe, device, grouped)
     name = _resolve_name(recipe.backend, device)
     if name == "triton" and grouped:
         raise ValueError(
@@ -194,6 +194,25 @@ def resolve_backend(recipe: MXRecipe | NVFP4Recipe, device: torch.device, groupe
         elif gaps:
             raise ValueError(f"MX recipe {recipe.name!r} cannot use backend 'cublas' on {device}: " + "; ".join(gaps))
     return {"emulated": EmulatedBackend, "cublas": CublasBackend, "triton": TritonBackend}[name]()
+
+
+def _resolve_nvfp4(recipe: NVFP4Recipe, device: torch.device, grouped: bool) -> Backend:
+    """NVFP4: 'cublas' runs the dense linears' GEMMs through torch._scaled_mm with NVFP4 operands (sm_100;
+    ``nvfp4_linear``); 'auto' and 'emulated' emulate them. No NVFP4 grouped GEMM is wired, so a forced
+    'cublas' on a model with MoE experts is an error, as it is off sm_100."""
+    if recipe.backend != "cublas":
+        return EmulatedBackend()
+    if not cublas_available(device):
+        raise ValueError(
+            f"NVFP4 recipe {recipe.name!r}: backend 'cublas' needs an NVIDIA GPU of compute capability 10.0 or "
+            f"later (sm_100) for torch._scaled_mm with NVFP4 operands, but {_describe(device)}. Use 'emulated'."
+        )
+    if grouped:
+        raise ValueError(
+            f"NVFP4 recipe {recipe.name!r}: backend 'cublas' has no NVFP4 grouped GEMM for the MoE experts. "
+            "Use 'emulated'."
+        )
+    return CublasBackend()
 
 
 @functools.lru_cache

@@ -182,9 +182,9 @@ def mx_linear(
 ) -> torch.Tensor:
     """``F.linear`` with each of its three GEMMs in MX as ``recipe`` says. x: [..., K], w: [N, K].
     ``backend``: from ``gemm.resolve_backend``; None resolves it for x's device (cached). An NVFP4Recipe
-    runs ``nvfp4_linear`` (emulated; no backend)."""
+    runs ``nvfp4_linear`` (emulated, or cublas on sm_100)."""
     if isinstance(recipe, NVFP4Recipe):
-        return nvfp4_linear(x, w, bias, recipe)
+        return nvfp4_linear(x, w, bias, recipe, backend or default_backend(recipe, x.device))
     _check_weight(w, recipe)
     return _apply(x, w, bias, recipe, backend or default_backend(recipe, x.device))
 

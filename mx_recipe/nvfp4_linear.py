@@ -1,5 +1,5 @@
-"""The NVFP4 linear layer, emulated: the three GEMMs of y = x @ w.T with NVFP4 operands (docs/DESIGN.md,
-"NVFP4"), as NVIDIA's recipe runs them.
+"""The NVFP4 linear layer: the three GEMMs of y = x @ w.T with NVFP4 operands (docs/DESIGN.md, "NVFP4"), as
+NVIDIA's recipe runs them, emulated or (backend 'cublas', sm_100) on torch._scaled_mm.
 
     forward      y  = x @ w.T   x along K (1x16), w along K (16x16 tiles, or 1x16)
     grad input   gx = g @ w     g along N (1x16, stochastic rounding), w along N (the same tiles)
@@ -10,15 +10,23 @@ kernel for bf16 on CUDA, the reference elsewhere); the GEMM runs in that dtype
 with fp32 accumulation, and its output is multiplied by the two per-tensor decode scales in fp32 (one
 rounding to the output dtype more than the hardware's fp32 epilogue). Token rows are zero-padded to a
 multiple of 16 for the along-M casts (zero rows add nothing to the grad-weight sum).
+
+The cublas path quantizes with ``to_nvfp4`` (packed e2m1, e4m3 block scales; the reference casts: no packed
+cast kernel yet) into the layouts the op takes, rows padded to 32, and multiplies its fp32 output by the two
+decode scales; its values are the emulated path's, its sums the hardware's.
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
-from mx_recipe.nvfp4 import NVFP4_BLOCK, random_signs
-from mx_recipe.nvfp4_fake_quant import fake_quant_nvfp4
+import torch
+import torch.nn.functional as F
+
+from mx_recipe.nvfp4 import NVFP4_BLOCK, NVFP4Tensor, hadamard_transform, random_signs, to_nvfp4
+from mx_recipe.nvfp4_fake_quant import ROWS, TILES, fake_quant_nvfp4
 from mx_recipe.recipe import NVFP4Recipe
+from mx_recipe.scale_layout import to_blocked
 
 
 def weight_operand(w: torch.Tensor, along_k: bool, recipe: NVFP4Recipe, dtype: torch.dtype):
@@ -78,11 +86,85 @@ class _NVFP4LinearFunction(torch.autograd.Function):
         return gx, gw, None
 
 
-def nvfp4_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe) -> torch.Tensor:
-    """``F.linear`` with its three GEMMs in NVFP4 as ``recipe`` says (emulated). x: [..., K], w: [N, K], both
-    multiples of 16."""
+# --- the cublas path (sm_100): packed NVFP4 operands for torch._scaled_mm ---
+
+CUBLAS_ROWS = 32  # the op's K (a.size(1) packed) must be a multiple of 16 bytes: 32 elements
+
+
+def torch_nvfp4_scaled_mm(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The real op: a [M, K/2] row-major @ b [K/2, N] column-major, float4_e2m1fn_x2, blocked e4m3 scales of 1x16
+    blocks (the NVFP4 recipe, which torch infers from the scales' dtype and count)."""
+    return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype)
+
+
+def _nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype, scaled_mm: Callable) -> torch.Tensor:
+    """a [M, K] @ b [N, K].T, both quantized along K: the block-scaled GEMM in fp32, then both per-tensor decode
+    scales in fp32 and one rounding to ``out_dtype``."""
+    fp4 = torch.float4_e2m1fn_x2
+    out = scaled_mm(a.qdata.view(fp4), b.qdata.view(fp4).t(), to_blocked(a.scale), to_blocked(b.scale), torch.float32)
+    return (out * (a.per_tensor_scale * b.per_tensor_scale)).to(out_dtype)
+
+
+def _along_m(t: torch.Tensor, recipe: NVFP4Recipe, rounding: str) -> NVFP4Tensor:
+    """t [M, C] zero-padded to 32 rows, transformed along M as the recipe says, quantized along M and stored
+    transposed ([C, M / 2] packed): a grad-weight operand. The padding adds zero blocks only, so the values
+    are the emulated path's."""
+    pad = -t.shape[0] % CUBLAS_ROWS
+    t = F.pad(t, (0, 0, 0, pad)) if pad else t
+    signs = _signs(recipe, t.device)
+    if signs is not None:
+        t = hadamard_transform(t, signs, dim=0)
+    return to_nvfp4(t.t().contiguous(), -1, rounding=rounding)
+
+
+class _NVFP4CublasLinearFunction(torch.autograd.Function):
+    """The recipe's three GEMMs as torch._scaled_mm calls on packed NVFP4 operands (``to_nvfp4``'s bits, so the
+    same quantized values as the emulated path; only the GEMMs' summation differs)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: NVFP4Recipe, scaled_mm: Callable) -> torch.Tensor:
+        block_shape = TILES if recipe.weight_tiles else ROWS
+        ctx.recipe, ctx.scaled_mm = recipe, scaled_mm
+        ctx.save_for_backward(x, w)
+        return _nvfp4_gemm(to_nvfp4(x, -1), to_nvfp4(w.to(x.dtype), -1, block_shape=block_shape), x.dtype, scaled_mm)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, w = ctx.saved_tensors
+        recipe: NVFP4Recipe = ctx.recipe
+        g, dtype = g.contiguous(), g.dtype
+        gx = gw = None
+        if ctx.needs_input_grad[0]:  # w along N, stored [K, N / 2]; with tiles the values of the forward's w
+            block_shape = TILES if recipe.weight_tiles else ROWS
+            w_n = to_nvfp4(w.to(dtype).t().contiguous(), -1, block_shape=block_shape)
+            g_n = to_nvfp4(g, -1, rounding=recipe.grad_rounding)
+            gx = _nvfp4_gemm(g_n, w_n, dtype, ctx.scaled_mm).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            g_m, x_m = _along_m(g, recipe, recipe.grad_rounding), _along_m(x.to(dtype), recipe, "nearest")
+            gw = _nvfp4_gemm(g_m, x_m, dtype, ctx.scaled_mm).to(w.dtype)
+        return gx, gw, None, None
+
+
+def nvfp4_linear(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe, backend=None
+) -> torch.Tensor:
+    """``F.linear`` with its three GEMMs in NVFP4 as ``recipe`` says. x: [..., K], w: [N, K], both multiples of 16
+    (of 32 on the cublas path). ``backend`` (``gemm.resolve_backend``): None or emulated, the emulated GEMMs; a
+    cublas backend, torch._scaled_mm on sm_100 (or the backend's ``scaled_mm`` stand-in, as the tests pass)."""
     n, k = w.shape
     if k % NVFP4_BLOCK or n % NVFP4_BLOCK:
         raise ValueError(f"nvfp4_linear: weight shape {tuple(w.shape)} needs in and out features divisible by 16")
-    y = _NVFP4LinearFunction.apply(x.reshape(-1, k), w, recipe).reshape(*x.shape[:-1], n)
+    x2 = x.reshape(-1, k)
+    if backend is not None and backend.name == "cublas":
+        if k % CUBLAS_ROWS or n % CUBLAS_ROWS:
+            raise ValueError(
+                f"nvfp4_linear: the cublas path needs in and out features divisible by {CUBLAS_ROWS} (torch._scaled_mm "
+                f"takes K/2 in multiples of 16 bytes), got weight shape {tuple(w.shape)}"
+            )
+        y = _NVFP4CublasLinearFunction.apply(x2, w, recipe, backend.scaled_mm or torch_nvfp4_scaled_mm)
+    else:
+        y = _NVFP4LinearFunction.apply(x2, w, recipe)
+    y = y.reshape(*x.shape[:-1], n)
     return y if bias is None else y + bias.to(y.dtype)

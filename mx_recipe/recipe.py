@@ -128,7 +128,8 @@ RECIPES: dict[str, MXRecipe] = {
 }
 
 
-NVFP4_BACKENDS = ("auto", "emulated")  # no hardware NVFP4 GEMM is wired: both mean emulated
+# "auto" means emulated: the cublas path (sm_100, dense linears) casts through the reference, so it is opt-in
+NVFP4_BACKENDS = ("auto", "emulated", "cublas")
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ class NVFP4Recipe:
         if self.backend not in NVFP4_BACKENDS:
             raise ValueError(
                 f"NVFP4Recipe.backend={self.backend!r}: expected one of {list(NVFP4_BACKENDS)} (NVFP4 GEMMs are "
-                "emulated: no hardware NVFP4 GEMM is wired)"
+                "emulated, or torch._scaled_mm's on sm_100 with 'cublas')"
             )
         if self.block_size != 16:
             raise ValueError(f"NVFP4Recipe.block_size={self.block_size}: NVFP4 blocks are 16 elements")

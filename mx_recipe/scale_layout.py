@@ -60,8 +60,9 @@ def blocked_byte_offset(r, c, cols: int):
 
 
 def _as_bytes(scale: torch.Tensor) -> torch.Tensor:
-    if scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
-        raise TypeError(f"MX scales are uint8 or float8_e8m0fnu, got {scale.dtype}")
+    """Scale bytes: MX e8m0 (or raw uint8), or NVFP4's e4m3 block scales, which the same layout holds."""
+    if scale.dtype not in (torch.uint8, torch.float8_e8m0fnu, torch.float8_e4m3fn):
+        raise TypeError(f"block scales are uint8, float8_e8m0fnu or float8_e4m3fn, got {scale.dtype}")
     return scale.view(torch.uint8)
 
 

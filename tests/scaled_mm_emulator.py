@@ -1,4 +1,4 @@
-"""A layout-faithful emulator of PyTorch's MXFP8 block-scaled GEMMs on sm_100 (Blackwell).
+"""A layout-faithful emulator of PyTorch's MXFP8 (and NVFP4) block-scaled GEMMs on sm_100 (Blackwell).
 
 ``scaled_mm`` takes the arguments of ``torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=...)``
 in its MXFP8 form, and ``scaled_grouped_mm`` those of ``torch._scaled_grouped_mm(...)``; both
@@ -147,6 +147,63 @@ def scaled_mm(
     cols = _ceil_div(k, BLOCK_SIZE)
     a_f64 = _dequantize(a, read_blocked_scales(scale_a, m, cols))
     b_f64 = _dequantize(b.t(), read_blocked_scales(scale_b, n, cols))  # [N, K]
+    return _finish(a_f64 @ b_f64.t(), out_dtype)
+
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+NVFP4_BLOCK = 16
+
+
+def _unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, C] holding two e2m1 codes a byte, the first element in the low nibble -> fp64 [R, 2C]."""
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1).to(torch.int64)
+    magnitude = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64, device=packed.device)[codes & 7]
+    return torch.where(codes >= 8, -magnitude, magnitude)
+
+
+def nvfp4_scaled_mm(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype)`` for NVFP4 (sm_100): a [M, K/2] row-major
+    and b [K/2, N] column-major, float4_e2m1fn_x2 (two e2m1 a byte, the first in the low nibble); scale_a and
+    scale_b float8_e4m3fn, one per 16 elements along K, blocked as MXFP8's e8m0 scales are (rows padded to
+    128, K/16 padded to 4), contiguous. The op's size checks (torch's ``_check_scaled_mm_sizes``): a.size(1)
+    % 16 == 0 and both dims of b multiples of 16, so K % 32 == 0. No per-tensor scale: the caller multiplies
+    the fp32 output by it."""
+    if a.dtype != torch.float4_e2m1fn_x2 or b.dtype != torch.float4_e2m1fn_x2:
+        raise TypeError(f"nvfp4_scaled_mm: a and b must be float4_e2m1fn_x2, got {a.dtype} and {b.dtype}")
+    for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if scale.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"nvfp4_scaled_mm: {name} must be float8_e4m3fn NVFP4 block scales, got {scale.dtype}")
+        if not scale.is_contiguous():
+            raise ValueError(f"nvfp4_scaled_mm: {name} must be contiguous")
+    if out_dtype not in DENSE_OUT_DTYPES:
+        raise TypeError(f"nvfp4_scaled_mm: out_dtype must be one of {DENSE_OUT_DTYPES}, got {out_dtype}")
+    m, half_k = a.shape
+    if b.shape[0] != half_k:
+        raise ValueError(f"nvfp4_scaled_mm: a {tuple(a.shape)} and b {tuple(b.shape)} do not share K/2")
+    n = b.shape[1]
+    if m and half_k and not _is_row_major(a):
+        raise ValueError(f"nvfp4_scaled_mm: a must be row-major, got strides {a.stride()}")
+    if n and half_k and not _is_col_major(b):
+        raise ValueError(f"nvfp4_scaled_mm: b must be column-major, got strides {b.stride()}")
+    if half_k % 16 or n % 16:
+        raise ValueError(f"nvfp4_scaled_mm: a.size(1) and both dims of b must be multiples of 16, got {half_k}, {n}")
+    k = 2 * half_k
+    cols = _ceil_div(k, NVFP4_BLOCK)
+    for name, scale, rows in (("scale_a", scale_a, m), ("scale_b", scale_b, n)):
+        expected = _round_up(rows, TILE_ROWS) * _round_up(cols, TILE_COLS)
+        if scale.numel() != expected:
+            raise ValueError(
+                f"nvfp4_scaled_mm: {name} has {scale.numel()} elements; {rows} rows with K={k} need {expected}"
+            )
+
+    def dequantize(q: torch.Tensor, scale: torch.Tensor, rows: int) -> torch.Tensor:
+        factor = read_blocked_scales(scale, rows, cols).view(torch.float8_e4m3fn).to(torch.float64)
+        return _unpack_e2m1(q.view(torch.uint8)) * factor.repeat_interleave(NVFP4_BLOCK, dim=-1)
+
+    a_f64 = dequantize(a, scale_a, m)
+    b_f64 = dequantize(b.view(torch.uint8).t().contiguous(), scale_b, n)  # [N, K] (fp4x2 tensors do not copy)
     return _finish(a_f64 @ b_f64.t(), out_dtype)
 
 

@@ -93,8 +93,8 @@ def test_each_option_changes_what_it_says():
         mx_linear(x[:, :40], w[:, :40], None, NVFP4Recipe())
     with pytest.raises(ValueError, match="unknown NVFP4 recipe"):
         NVFP4Recipe.from_name("nvfp8")
-    with pytest.raises(ValueError, match="no hardware NVFP4 GEMM"):
-        NVFP4Recipe(backend="cublas")
+    with pytest.raises(ValueError, match="expected one of"):
+        NVFP4Recipe(backend="triton")
 
 
 def test_conversion_and_the_recipe_from_the_config(tmp_path):
@@ -110,8 +110,8 @@ def test_conversion_and_the_recipe_from_the_config(tmp_path):
     assert build_mx_recipe(mx, seed=5) == NVFP4Recipe(
         "nvfp4_no_rht", hadamard=False, grad_rounding="nearest", hadamard_seed=5
     )
-    with pytest.raises(ConfigError, match="key 'mx.backend'.*no hardware NVFP4 GEMM"):
-        load_config("debug_mxfp8", parse_overrides(["--mx.recipe", "nvfp4", "--mx.backend", "cublas"]))
+    with pytest.raises(ConfigError, match="key 'mx.backend'.*NVFP4Recipe.backend='triton'"):
+        load_config("debug_mxfp8", parse_overrides(["--mx.recipe", "nvfp4", "--mx.backend", "triton"]))
     with pytest.raises(ConfigError, match="key 'mx.save_mx_input': is an MX cast option"):
         load_config("debug_mxfp8", parse_overrides(["--mx.recipe", "nvfp4", "--mx.save_mx_input", "true"]))
     with pytest.raises(ConfigError, match="key 'mx.recipe'.*nvfp4_no_rht"):  # the known names include NVFP4's
@@ -149,3 +149,50 @@ def test_nvfp4_linear_compiles_as_one_graph(name):
     y = torch.compile(lambda x, w: mx_linear(x, w, None, recipe), fullgraph=True)(x, w)
     y.sum().backward()
     assert x.grad.shape == x.shape and w.grad.shape == w.shape
+
+
+# --- the cublas path (sm_100) on the CPU, through the layout-faithful emulator of torch._scaled_mm ---
+
+
+@pytest.mark.parametrize("name", ["nvfp4_nearest_grads", "nvfp4_1d_weights", "nvfp4_no_rht"])
+@pytest.mark.parametrize("rows", [64, 200])  # 200: token rows padded to 224 for the grad-weight GEMM
+def test_cublas_path_matches_the_emulated_path(name, rows):
+    """The three GEMMs through the emulator of the NVFP4 torch._scaled_mm (packed e2m1, blocked e4m3 scales read
+    the way the hardware reads them) against the emulated path: the same quantized values, nearest rounding,
+    equal up to the GEMMs' summation order and the emulated path's bf16 rounding before the decode scales."""
+    from scaled_mm_emulator import nvfp4_scaled_mm
+
+    from mx_recipe.gemm import CublasBackend
+
+    recipe = NVFP4Recipe.from_name(name, hadamard_seed=3, grad_rounding="nearest")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 160, generator=generator).to(torch.bfloat16)  # K/16 = 10 scale columns, padded to 12
+    w = (torch.randn(96, 160, generator=generator) * 0.1).to(torch.bfloat16)
+    g = torch.randn(rows, 96, generator=generator).to(torch.bfloat16)
+    calls = []
+
+    def op(a, b, scale_a, scale_b, out_dtype):
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        return nvfp4_scaled_mm(a, b, scale_a, scale_b, out_dtype)
+
+    results = []
+    for backend in (None, CublasBackend(scaled_mm=op)):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = mx_linear(xr, wr, None, recipe, backend)
+        y.backward(g)
+        results.append((y, xr.grad, wr.grad))
+    half_m = (rows + -rows % 32) // 2  # token rows padded to 32 for the grad-weight GEMM, two e2m1 a byte
+    assert calls == [((rows, 80), (80, 96)), ((rows, 48), (48, 160)), ((96, half_m), (half_m, 160))]
+    for what, got, want in zip(("y", "gx", "gw"), results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2 * want.abs().max().item(), msg=what)
+
+
+def test_cublas_path_errors_and_selection():
+    from mx_recipe.gemm import CublasBackend, EmulatedBackend, resolve_backend
+
+    cpu = torch.device("cpu")
+    assert isinstance(resolve_backend(NVFP4Recipe(), cpu), EmulatedBackend)  # auto: emulated
+    with pytest.raises(ValueError, match=r"backend 'cublas' needs .*sm_100"):
+        resolve_backend(NVFP4Recipe(backend="cublas"), cpu)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        mx_linear(torch.randn(8, 48), torch.randn(32, 48), None, NVFP4Recipe(), CublasBackend())

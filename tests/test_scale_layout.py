@@ -106,7 +106,7 @@ def test_groups_layout():
 def test_errors():
     with pytest.raises(ValueError, match="2D"):
         to_blocked(torch.zeros(4, dtype=torch.uint8))
-    with pytest.raises(TypeError, match="uint8 or float8_e8m0fnu"):
+    with pytest.raises(TypeError, match="uint8, float8_e8m0fnu or float8_e4m3fn"):
         to_blocked(torch.zeros(4, 4))
     with pytest.raises(ValueError, match="do not hold"):
         from_blocked(torch.zeros(100, dtype=torch.uint8), 4, 4)
