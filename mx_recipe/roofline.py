@@ -12,6 +12,9 @@ the bf16 step is three bf16 GEMMs; the MX step adds the casts its three GEMMs ne
 
 A cast reads bf16 (2 B/elem) and writes qdata (1 B fp8, 0.5 B fp4) and scales (1 B per 32);
 a fused dim0+dim1 cast reads once and writes both; a fake-quant cast writes the dequantized bf16.
+An NVFP4 recipe (``NVFP4Recipe``) is modeled as e2m1 operands with one e4m3 scale per 16 elements,
+plus one more read of each cast tensor for its per-tensor maximum (the Hadamard transform and the
+stochastic rounding are arithmetic, free at these intensities).
 ``MXPath`` says how the GEMMs run: natively (sm_100: the block-scaled GEMM at the fp8/fp4 rate) or
 emulated (Hopper has no MX GEMM: the bf16 rate, after dequantizing each operand to bf16 in memory
 unless that is fused into the GEMM or the casts write bf16 themselves).
@@ -28,11 +31,14 @@ import fnmatch
 import math
 from dataclasses import dataclass, replace
 
-from mx_recipe.recipe import HIGH_PRECISION, MXRecipe
+from mx_recipe.recipe import HIGH_PRECISION, MXRecipe, NVFP4Recipe
 
 BF16_BYTES = 2.0
-ELEM_BYTES = {"e4m3": 1.0, "e5m2": 1.0, "e2m1": 0.5}
+NVFP4 = "nvfp4"  # the operand format of every GEMM of an NVFP4 recipe
+ELEM_BYTES = {"e4m3": 1.0, "e5m2": 1.0, "e2m1": 0.5, NVFP4: 0.5}
 SCALE_BYTES = 1 / 32  # one E8M0 byte per 32 elements
+NVFP4_SCALE_BYTES = 1 / 16  # one e4m3 byte per 16 elements
+FP4_ELEMS = ("e2m1", NVFP4)
 BLOCK = 32
 
 
@@ -172,8 +178,8 @@ class Op:
 
 
 def mx_bytes(elem: str) -> float:
-    """Bytes per element of an MX tensor: qdata plus its share of the scales."""
-    return ELEM_BYTES[elem] + SCALE_BYTES
+    """Bytes per element of an MX (or NVFP4) tensor: qdata plus its share of the scales."""
+    return ELEM_BYTES[elem] + (NVFP4_SCALE_BYTES if elem == NVFP4 else SCALE_BYTES)
 
 
 def cast_op(name: str, numel: float, elem: str, fused: bool = False) -> Op:
@@ -246,7 +252,7 @@ def _mx_gemm(name: str, flops: float, a: tuple[float, str], b: tuple[float, str]
         return [gemm_op(name, flops, (a_numel, BF16_BYTES), (b_numel, BF16_BYTES), out, "bf16")]
     a_mx, b_mx = (a_numel, mx_bytes(a_elem)), (b_numel, mx_bytes(b_elem))
     if path.native_gemm:
-        fmt = "fp4" if a_elem == b_elem == "e2m1" else "fp8"  # mixed fp4 x fp8 runs at the fp8 rate
+        fmt = "fp4" if a_elem in FP4_ELEMS and b_elem in FP4_ELEMS else "fp8"  # fp4 x fp8 runs at the fp8 rate
         return [gemm_op(name, flops, a_mx, b_mx, out, fmt)]
     if path.fake_quant:  # the operands are already dequantized bf16
         return [gemm_op(name, flops, (a_numel, BF16_BYTES), (b_numel, BF16_BYTES), out, "bf16")]
@@ -260,12 +266,19 @@ def _mx_gemm(name: str, flops: float, a: tuple[float, str], b: tuple[float, str]
     ]
 
 
-def mx_ops(g: Gemm, recipe: MXRecipe, path: MXPath) -> list[Op]:
+def _formats(recipe: MXRecipe | NVFP4Recipe) -> tuple[str, str, str, str, str]:
+    """(forward, grad input, grad weight, g in grad input, g in grad weight) operand formats."""
+    if isinstance(recipe, NVFP4Recipe):
+        return (NVFP4,) * 5
+    fwd, gi, gw = recipe.forward, recipe.grad_input, recipe.grad_weight
+    return fwd, gi, gw, recipe.grad_elem(gi), recipe.grad_elem(gw)  # the upstream gradient's format in each
+
+
+def mx_ops(g: Gemm, recipe: MXRecipe | NVFP4Recipe, path: MXPath) -> list[Op]:
     """Casts, padding, dequantize passes and GEMMs of one MX linear or grouped GEMM, forward + backward."""
     if not g.mx:
         return bf16_ops(g)
-    fwd, gi, gw = recipe.forward, recipe.grad_input, recipe.grad_weight
-    g_gi, g_gw = recipe.grad_elem(gi), recipe.grad_elem(gw)  # the upstream gradient's format in each
+    fwd, gi, gw, g_gi, g_gw = _formats(recipe)
     ops: list[Op] = []
     # Grad weight quantizes along M: linear.py pads M to a multiple of 32 when it is not one (its
     # GEMM runs over the padded rows); with group_pad_copy grouped.py copies g and x into a zeroed
@@ -285,6 +298,8 @@ def mx_ops(g: Gemm, recipe: MXRecipe, path: MXPath) -> list[Op]:
     ]
     for t, numel0, e0, numel1, e1 in needs:
         d0, d1 = e0 != HIGH_PRECISION, e1 != HIGH_PRECISION
+        if NVFP4 in (e0, e1):  # the per-tensor maximum first: one more read (both directions' in one)
+            ops.append(Op(f"amax {t}", 0.0, numel0 * BF16_BYTES, None))
         linear_once = g.groups == 1 and (path.fused_grad_cast if t == "g" else t == "x" and path.fused_x_cast)
         one_read = d0 and d1 and e0 == e1 and (path.fused_casts or linear_once)
         if path.fake_quant:  # reads the unpadded tensor (numel0); the along-M result has m_gw rows
@@ -336,7 +351,7 @@ class GemmEstimate:
         return self.bf16_s / self.mx_s
 
 
-def estimate(g: Gemm, dev: Device, recipe: MXRecipe, path: MXPath) -> GemmEstimate:
+def estimate(g: Gemm, dev: Device, recipe: MXRecipe | NVFP4Recipe, path: MXPath) -> GemmEstimate:
     check_path(dev, path)
     ops = mx_ops(g, recipe, path)
     gemms = [op for op in ops if op.name.endswith("GEMM")]
@@ -435,7 +450,7 @@ class ModelEstimate:
         return self.bf16_step_s / self.mx_step_s
 
 
-def estimate_model(mg: ModelGemms, dev: Device, recipe: MXRecipe, path: MXPath) -> ModelEstimate:
+def estimate_model(mg: ModelGemms, dev: Device, recipe: MXRecipe | NVFP4Recipe, path: MXPath) -> ModelEstimate:
     """Non-GEMM time is attention (at the bf16 peak) only, the same in both steps; norms, RoPE,
     SwiGLU, routing, loss, optimizer and communication are left out (they only lower the speedup)."""
     check_path(dev, path)

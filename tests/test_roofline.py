@@ -216,3 +216,18 @@ def test_plot_is_committed_and_small():
 def test_observe_without_cuda_is_a_clear_error():
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         _script().main(["--observe"])
+
+
+def test_nvfp4_ops_add_the_amax_reads_and_run_at_the_fp4_rate():
+    from mx_recipe.recipe import NVFP4Recipe
+    from mx_recipe.roofline import DEVICES, PATHS, Gemm, estimate, mx_ops
+
+    g = Gemm("w1", 8192, 4096, 14336)
+    ops = {op.name: op for op in mx_ops(g, NVFP4Recipe(), PATHS["native"])}
+    assert ops["amax x"].bytes == 8192 * 4096 * 2 and ops["amax g"].bytes == 8192 * 14336 * 2
+    assert ops["cast w dim0"].bytes == 4096 * 14336 * (2 + 0.5 + 1 / 16)  # e2m1 and an e4m3 scale per 16
+    assert {ops[f"{n} GEMM"].fmt for n in ("forward", "grad-input", "grad-weight")} == {"fp4"}
+    b200 = DEVICES["b200"]
+    mxfp4 = estimate(g, b200, MXRecipe.from_name("mxfp4"), PATHS["native"])
+    nvfp4 = estimate(g, b200, NVFP4Recipe(), PATHS["native"])
+    assert mxfp4.bf16_s == nvfp4.bf16_s and mxfp4.mx_s < nvfp4.mx_s  # the same GEMMs, more bytes around them
