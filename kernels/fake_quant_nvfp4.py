@@ -28,7 +28,14 @@ import triton
 import triton.language as tl
 from mx_kernels.common import interpreting, software_round
 from mx_kernels.launch_cache import LaunchCache
-from mx_kernels.mx_quantize import bf16_bits_rne, fp8_bits_to_fp32, round_e2m1, round_to_fp8_bits, to_fp32
+from mx_kernels.mx_quantize import (
+    bf16_bits_rne,
+    block_amax_bits,
+    fp8_bits_to_fp32,
+    round_e2m1,
+    round_to_fp8_bits,
+    to_fp32,
+)
 from mx_kernels.spec import cdiv
 
 BLOCK = 16
@@ -36,11 +43,6 @@ TILE = (32, 128, 4)  # (BLOCK_M, BLOCK_K, num_warps)
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
 ONE_SIXTH = tl.constexpr(0.16666667163372040)  # fl(1/6), exact as an fp32 constant
 EMPTY_S_DEC = 1 / 3.4028234663852886e38  # an empty tensor's amax is 0: s_enc is the fp32 max
-
-
-@triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -69,16 +71,6 @@ def hadamard_along_m(x, signs, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     v = _butterfly(v, 4, NB, BLOCK_K)
     v = _butterfly(v, 8, NB, BLOCK_K)
     return v * 0.25
-
-
-@triton.jit
-def amax_bits(v, AXIS: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
-    """fp32 bits of max|v| along AXIS, NaN winning (the interpreter: integer max of |bits|)."""
-    if SOFTWARE_ROUND:
-        bits = tl.max(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=AXIS)
-    else:
-        bits = tl.reduce(tl.abs(v), AXIS, _max_nan).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    return bits
 
 
 @triton.jit
@@ -130,14 +122,14 @@ def _amax_kernel(
     in_x = (rows < M)[:, None] & (cols < K)[None, :]
     x = to_fp32(tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk, mask=in_x,
                         other=0.0), SOFTWARE_ROUND)  # fmt: skip
-    plain = tl.max(amax_bits(x, 1, SOFTWARE_ROUND), axis=0)
+    plain = tl.max(block_amax_bits(x, 1, SOFTWARE_ROUND), axis=0)
     tl.atomic_max(amax_ptr, plain)
     if not HADAMARD:
         tl.atomic_max(amax_ptr + 1, plain)
     else:
         signs = tl.load(signs_ptr + tl.arange(0, 16))
         v = tl.reshape(hadamard_along_m(x, signs, BLOCK_M, BLOCK_K), (BLOCK_M, BLOCK_K))
-        tl.atomic_max(amax_ptr + 1, tl.max(amax_bits(v, 1, SOFTWARE_ROUND), axis=0))
+        tl.atomic_max(amax_ptr + 1, tl.max(block_amax_bits(v, 1, SOFTWARE_ROUND), axis=0))
 
 
 @triton.jit
@@ -164,12 +156,12 @@ def _fake_quant_kernel(
         u = uniform_tile(seed, 0, rows, tl.program_id(1) * BLOCK_K, K, BLOCK_M, BLOCK_K) if STOCHASTIC else 0.0
         if TILES:  # one scale per 16 x 16 tile: [BM / 16, 16, BK / 16, 16]
             v = tl.reshape(x, (BLOCK_M // 16, 16, BLOCK_K // 16, 16))
-            b = tl.max(amax_bits(v, 3, SOFTWARE_ROUND), axis=1)  # bits order like values: max of maxima
+            b = tl.max(block_amax_bits(v, 3, SOFTWARE_ROUND), axis=1)  # bits order like values: max of maxima
             b = b.to(tl.float32, bitcast=True)[:, None, :, None]
             u = tl.reshape(u, (BLOCK_M // 16, 16, BLOCK_K // 16, 16)) if STOCHASTIC else u
         else:
             v = tl.reshape(x, (BLOCK_M * BLOCK_K // 16, 16))
-            b = amax_bits(v, 1, SOFTWARE_ROUND).to(tl.float32, bitcast=True)[:, None]
+            b = block_amax_bits(v, 1, SOFTWARE_ROUND).to(tl.float32, bitcast=True)[:, None]
             u = tl.reshape(u, (BLOCK_M * BLOCK_K // 16, 16)) if STOCHASTIC else u
         q = tl.reshape(fake_quant_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND), (BLOCK_M, BLOCK_K))
         if OUT_BF16_BITS:
@@ -181,7 +173,7 @@ def _fake_quant_kernel(
             v = hadamard_along_m(x, tl.load(signs_ptr + tl.arange(0, 16)), BLOCK_M, BLOCK_K)
         else:
             v = tl.reshape(x, (BLOCK_M // 16, 16, BLOCK_K))
-        b = amax_bits(v, 1, SOFTWARE_ROUND).to(tl.float32, bitcast=True)[:, None, :]
+        b = block_amax_bits(v, 1, SOFTWARE_ROUND).to(tl.float32, bitcast=True)[:, None, :]
         u = uniform_tile(seed, 1, rows, tl.program_id(1) * BLOCK_K, K, BLOCK_M, BLOCK_K) if STOCHASTIC else 0.0
         u = tl.reshape(u, (BLOCK_M // 16, 16, BLOCK_K)) if STOCHASTIC else u
         q = tl.reshape(fake_quant_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND), (BLOCK_M, BLOCK_K))

@@ -78,10 +78,8 @@ def _max_propagating_nan(a, b):
 
 
 @triton.jit
-def quantize_blocks(blocks, AXIS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
-    """fp32 blocks of 32 along AXIS (the tile's whole extent there) -> (fp8 bits uint8, same
-    shape; biased E8M0 scales uint8, AXIS reduced away). The Triton kernels' one quantize routine."""
-    MAX_NORMAL: tl.constexpr = fmt(ELEM, "max_normal")
+def block_amax_bits(blocks, AXIS: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
+    """fp32 bits of each block's max |v| along AXIS, a NaN winning (its bits sort above inf's)."""
     if SOFTWARE_ROUND:
         # the interpreter runs a custom-combine reduce in Python: use the integer max of |bits|
         # (non-negative floats order like their bits, and a NaN sorts above inf)
@@ -90,6 +88,15 @@ def quantize_blocks(blocks, AXIS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.co
         # max of |v| that propagates NaN: one FMNMX.NaN with |.| operands per element
         amax = tl.reduce(tl.abs(blocks), AXIS, _max_propagating_nan)
         amax_bits = amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return amax_bits
+
+
+@triton.jit
+def quantize_blocks(blocks, AXIS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
+    """fp32 blocks of 32 along AXIS (the tile's whole extent there) -> (fp8 bits uint8, same
+    shape; biased E8M0 scales uint8, AXIS reduced away). The Triton kernels' one quantize routine."""
+    MAX_NORMAL: tl.constexpr = fmt(ELEM, "max_normal")
+    amax_bits = block_amax_bits(blocks, AXIS, SOFTWARE_ROUND)
     is_nan = amax_bits > 0x7F800000
     e = scale_exponent(amax_bits, ELEM, RCEIL)
     # 2**-e from bits; -e = -127 is the one subnormal (0x00400000 = 2**-127)
@@ -210,11 +217,7 @@ def fake_quant_blocks(
 def fake_quant_e2m1_blocks(blocks, AXIS: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
     """fp32 blocks of 32 along AXIS -> their MXFP4 quantize-dequantize in fp32: ``formats.fake_quant`` for e2m1.
     The e2m1 value times 2**e directly: no packed codes, no e8m0 byte (e2m1 * 2**e is exact in fp32 and bf16)."""
-    if SOFTWARE_ROUND:
-        amax_bits = tl.max(blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=AXIS)
-    else:
-        amax = tl.reduce(tl.abs(blocks), AXIS, _max_propagating_nan)
-        amax_bits = amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    amax_bits = block_amax_bits(blocks, AXIS, SOFTWARE_ROUND)
     is_nan = amax_bits > 0x7F800000
     e = scale_exponent(amax_bits, "e2m1", RCEIL)
     inv_scale = tl.where(e < 127, (127 - e) << 23, 0x400000).to(tl.float32, bitcast=True)

@@ -111,6 +111,22 @@ def _check_e8m0(name: str, scale: torch.Tensor) -> None:
         raise TypeError(f"{name} must be float8_e8m0fnu MX scales, got {scale.dtype}")
 
 
+def _check_dense_layout(a: torch.Tensor, b: torch.Tensor, op: str) -> tuple[int, int, int]:
+    """(M, K, N) of a [M, K] row-major @ b [K, N] column-major, K and N multiples of 16, as the op checks them
+    (for packed fp4, K counts bytes)."""
+    m, k = a.shape
+    if b.shape[0] != k:
+        raise ValueError(f"{op}: a {tuple(a.shape)} and b {tuple(b.shape)} do not share K")
+    n = b.shape[1]
+    if m and k and not _is_row_major(a):
+        raise ValueError(f"{op}: a must be row-major, got strides {a.stride()}")
+    if n and k and not _is_col_major(b):
+        raise ValueError(f"{op}: b must be column-major (pass w.t() of a row-major w [N, K]), got strides {b.stride()}")
+    if k % 16 or n % 16:
+        raise ValueError(f"{op}: K and N must be multiples of 16, got K={k}, N={n}")
+    return m, k, n
+
+
 def scaled_mm(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -123,18 +139,7 @@ def scaled_mm(
     _check_e8m0("scale_b", scale_b)
     if out_dtype not in DENSE_OUT_DTYPES:
         raise TypeError(f"scaled_mm: out_dtype must be one of {DENSE_OUT_DTYPES}, got {out_dtype}")
-    m, k = a.shape
-    if b.shape[0] != k:
-        raise ValueError(f"scaled_mm: a {tuple(a.shape)} and b {tuple(b.shape)} do not share K")
-    n = b.shape[1]
-    if m and k and not _is_row_major(a):
-        raise ValueError(f"scaled_mm: a must be row-major, got strides {a.stride()}")
-    if n and k and not _is_col_major(b):
-        raise ValueError(
-            f"scaled_mm: b must be column-major (pass w.t() of a row-major w [N, K]), got strides {b.stride()}"
-        )
-    if k % 16 or n % 16:
-        raise ValueError(f"scaled_mm: K and N must be multiples of 16, got K={k}, N={n}")
+    m, k, n = _check_dense_layout(a, b, "scaled_mm")
     for name, scale, rows in (("scale_a", scale_a, m), ("scale_b", scale_b, n)):
         expected = blocked_scale_count(rows, k)
         if scale.numel() != expected:
@@ -179,16 +184,7 @@ def nvfp4_scaled_mm(
             raise ValueError(f"nvfp4_scaled_mm: {name} must be contiguous")
     if out_dtype not in DENSE_OUT_DTYPES:
         raise TypeError(f"nvfp4_scaled_mm: out_dtype must be one of {DENSE_OUT_DTYPES}, got {out_dtype}")
-    m, half_k = a.shape
-    if b.shape[0] != half_k:
-        raise ValueError(f"nvfp4_scaled_mm: a {tuple(a.shape)} and b {tuple(b.shape)} do not share K/2")
-    n = b.shape[1]
-    if m and half_k and not _is_row_major(a):
-        raise ValueError(f"nvfp4_scaled_mm: a must be row-major, got strides {a.stride()}")
-    if n and half_k and not _is_col_major(b):
-        raise ValueError(f"nvfp4_scaled_mm: b must be column-major, got strides {b.stride()}")
-    if half_k % 16 or n % 16:
-        raise ValueError(f"nvfp4_scaled_mm: a.size(1) and both dims of b must be multiples of 16, got {half_k}, {n}")
+    m, half_k, n = _check_dense_layout(a, b, "nvfp4_scaled_mm")  # packed: the sizes are of bytes along K
     k = 2 * half_k
     cols = _ceil_div(k, NVFP4_BLOCK)
     for name, scale, rows in (("scale_a", scale_a, m), ("scale_b", scale_b, n)):

@@ -440,14 +440,19 @@ def test_ops_trace_fullgraph_without_running():
     assert len(ops) == 4, ops
 
 
-@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
-def test_kernels_in_triton_interpreter():
-    """Run the test_interp_* tests in a child pytest with TRITON_INTERPRET=1 (see module doc)."""
+def run_interpreter_tests(test_file: str) -> None:
+    """Run ``test_file``'s test_interp_* tests in a child pytest with TRITON_INTERPRET=1; none may skip."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interp_"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", "interp_"]
     proc = subprocess.run(cmd, env=env, cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-3000:]
+
+
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
+def test_kernels_in_triton_interpreter():
+    """Run the test_interp_* tests in a child pytest with TRITON_INTERPRET=1 (see module doc)."""
+    run_interpreter_tests(__file__)
 
 
 # ---------------------------------------------------------------------------------------

@@ -10,14 +10,17 @@ the interpreter checks the bits too. The GPU tests run the hardware conversions.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from test_cast_kernels import HAS_CUDA, HAS_TRITON, INTERP, assert_values_equal, interp_only, special_input
+from test_cast_kernels import (
+    HAS_CUDA,
+    HAS_TRITON,
+    INTERP,
+    assert_values_equal,
+    interp_only,
+    run_interpreter_tests,
+    special_input,
+)
 
 from mx_recipe.nvfp4 import philox_uniform, random_signs
 from mx_recipe.nvfp4_fake_quant import fake_quant_nvfp4, reference_fake_quant_nvfp4
@@ -69,11 +72,7 @@ def check(shape, device, along_k, along_m, tiles, hadamard, stochastic, seed=0, 
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
 def test_nvfp4_kernel_in_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interp_"]
-    proc = subprocess.run(cmd, env=env, cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-3000:]
+    run_interpreter_tests(__file__)
 
 
 @interp_only
