@@ -61,12 +61,14 @@ def empty_outputs(x: torch.Tensor, elem: str, shapes: tuple[tuple[int, ...], tup
     return [x.new_empty(q_shape, dtype=fp8_dtype(elem)), x.new_empty(s_shape, dtype=torch.float8_e8m0fnu)]
 
 
-def fake_quant_2d_outputs(x: torch.Tensor, elem: str, mode: str, along_k: bool, along_m: bool, launch, op: str):
+def fake_quant_2d_outputs(
+    x: torch.Tensor, elem: str, mode: str, along_k: bool, along_m: bool, launch, op: str, fp4: bool = False
+):  # fmt: skip
     """The host side of a fake_quant_2d launcher (Triton or Gluon): checks, outputs, one ``launch(x, row_src,
-    out_k, out_m, elem, mode, along_k, along_m, rows, m_pad)``."""
+    out_k, out_m, elem, mode, along_k, along_m, rows, m_pad)``. ``fp4``: the kernel takes e2m1 (Triton's)."""
     if not (along_k or along_m):
         raise ValueError(f"{op}: ask for along_k, along_m or both")
-    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1 if along_k else None, op=op, fp4=True)
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1 if along_k else None, op=op, fp4=fp4)
     k_shape, m_shape = fake_quant_2d_shapes(x.shape, along_k, along_m)
     out_k, out_m = x.new_empty(k_shape), x.new_empty(m_shape)
     if x.numel():
@@ -75,9 +77,11 @@ def fake_quant_2d_outputs(x: torch.Tensor, elem: str, mode: str, along_k: bool, 
     return out_k, out_m
 
 
-def fake_quant_groups_outputs(x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str, launch, op: str):
+def fake_quant_groups_outputs(
+    x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str, launch, op: str, fp4: bool = False
+):  # fmt: skip
     """The host side of a fake_quant_groups_along_m launcher, as ``fake_quant_2d_outputs``."""
-    check_cast(x, elem, mode, ndims=(2,), qdim=None, op=op, fp4=True)
+    check_cast(x, elem, mode, ndims=(2,), qdim=None, op=op, fp4=fp4)
     rows = groups_along_m_rows(row_src)
     out = x.new_empty(x.shape[0], x.shape[1])
     if out.numel():

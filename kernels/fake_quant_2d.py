@@ -75,7 +75,8 @@ def _fake_quant_2d_kernel(
 def fake_quant_2d(
     x: torch.Tensor, elem: str, mode: str, along_k: bool, along_m: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] or [E, M, K] (bf16; any strides) -> (along K, along M), each dequantized in x's dtype.
+    """x [M, K] or [E, M, K] (bf16; any strides) -> (along K, along M), each dequantized in x's dtype; elem e4m3,
+    e5m2 or e2m1 (MXFP4: the e2m1 value times 2**e, ``mx_quantize.fake_quant_e2m1_blocks``).
 
     - along K: [.., M, K] = ``to_mx(x, elem, mode, dim=-1).dequantize(x.dtype)``;
     - along M: [.., ceil32(M), K], x zero-padded along M and quantized along it, not transposed:
@@ -83,7 +84,7 @@ def fake_quant_2d(
 
     An output not asked for is an empty tensor. Bit for bit the reference's."""
     _require_bf16(x, "fake_quant_2d")
-    return fake_quant_2d_outputs(x, elem, mode, along_k, along_m, _launch, "fake_quant_2d")
+    return fake_quant_2d_outputs(x, elem, mode, along_k, along_m, _launch, "fake_quant_2d", fp4=True)
 
 
 def fake_quant_groups_along_m(x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str) -> torch.Tensor:
@@ -95,7 +96,7 @@ def fake_quant_groups_along_m(x: torch.Tensor, row_src: torch.Tensor, elem: str,
     ``fake_quant_2d(x_padded, along_m=True)`` with the padding rows dropped. row_src is not checked on
     the GPU (no host sync): a row of x it does not list is left unwritten."""
     _require_bf16(x, "fake_quant_groups_along_m")
-    return fake_quant_groups_outputs(x, row_src, elem, mode, _launch, "fake_quant_groups_along_m")
+    return fake_quant_groups_outputs(x, row_src, elem, mode, _launch, "fake_quant_groups_along_m", fp4=True)
 
 
 def _require_bf16(x: torch.Tensor, op: str) -> None:

@@ -131,8 +131,10 @@ def test_fake_quant_argument_errors(monkeypatch):
         fq(torch.randn(64, 48, dtype=BF16), "e4m3", "floor", False, True)
     with pytest.raises(ValueError, match="takes a 2D or 3D tensor"):
         fq(torch.randn(64), "e4m3", "floor", False, True)
-    with pytest.raises(ValueError, match="e2m1 is not supported"):
+    with pytest.raises(ValueError, match="e2m1 is not supported"):  # MXFP4 fake-quants are the Triton kernel's
         fq(x, "e2m1", "floor", True, True)
+    with pytest.raises(ValueError, match="e2m1 is not supported"):
+        groups(x, torch.zeros(64, dtype=torch.int32), "e2m1", "floor")
     with pytest.raises(ValueError, match="row_src must be 1D int32"):
         groups(x, torch.zeros(64, dtype=torch.int64), "e4m3", "floor")
     with pytest.raises(ValueError, match="row_src length 40 is not a multiple of 32"):
