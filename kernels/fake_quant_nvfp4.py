@@ -6,10 +6,10 @@ dtype (exact), the per-tensor decode scale s_dec left for the GEMM's output. Two
 * ``_amax_kernel`` reduces max|x| (for along K) and max|RHT(x)| (for along M, after the random Hadamard
   transform along M when it is asked for) into two fp32 words by integer atomic max of their bits
   (non-negative floats order like their bits, and a NaN sorts above inf, so NaN wins as in the reference);
-* ``_fake_quant_kernel`` reads those, derives the per-tensor encode scale with correctly rounded
-  divisions (``div_rn``: Triton's ``/`` is approximate), and quantizes its tile in blocks of 16 along K
-  (or in 16x16 tiles, the recipe's weights) and in blocks of 16 along M, as the reference does, step for
-  step in fp32.
+* ``_fake_quant_kernel`` reads those, derives the per-tensor scales with correctly rounded divisions
+  (``div_rn``: Triton's ``/`` is approximate; its first program writes the two decode scales for the GEMM),
+  and quantizes its tile in blocks of 16 along K (or in 16x16 tiles, the recipe's weights) and in blocks
+  of 16 along M, as the reference does, step for step in fp32.
 
 Along M, rows past M read as zeros and the result has ceil(M / 16) * 16 rows (the zero-padded operand the
 grad-weight GEMM uses), in x's layout (a bf16 GEMM takes it transposed for free).
