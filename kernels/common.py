@@ -12,6 +12,7 @@ import torch
 from mx_kernels.spec import (
     BLOCK_SIZE,
     KERNEL_ELEMS,
+    NVFP4_BLOCK,
     SCALE_RULES,
     blocked_groups_numel,
     blocked_numel,
@@ -49,6 +50,19 @@ def check_cast(
             f"{op}: dim {qdim} of shape {tuple(x.shape)} has size {x.shape[qdim]}, "
             f"which is not a multiple of the block size {BLOCK_SIZE}"
         )
+
+
+def check_nvfp4_fake_quant(x: torch.Tensor, along_k: bool, along_m: bool, tiles: bool) -> None:
+    """The NVFP4 fake-quant's argument errors (its entry point, its op's fake and its launcher): a 2D x whose K,
+    and M too with 16x16 ``tiles``, are multiples of 16; at least one direction asked for."""
+    if not (along_k or along_m):
+        raise ValueError("fake_quant_nvfp4: ask for along_k, along_m or both")
+    if x.dim() != 2:
+        raise ValueError(f"fake_quant_nvfp4 takes a 2D tensor, got shape {tuple(x.shape)}")
+    m, k = x.shape
+    if k % NVFP4_BLOCK or (tiles and m % NVFP4_BLOCK):
+        need = "both dims" if tiles else "dim 1"
+        raise ValueError(f"fake_quant_nvfp4: {need} of shape {tuple(x.shape)} must be multiples of {NVFP4_BLOCK}")
 
 
 def fp8_dtype(elem: str) -> torch.dtype:

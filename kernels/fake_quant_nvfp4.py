@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from mx_kernels.common import interpreting, software_round
+from mx_kernels.common import check_nvfp4_fake_quant, interpreting, software_round
 from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.mx_quantize import (
     bf16_bits_rne,
@@ -36,9 +36,9 @@ from mx_kernels.mx_quantize import (
     round_to_fp8_bits,
     to_fp32,
 )
+from mx_kernels.spec import NVFP4_BLOCK as BLOCK
 from mx_kernels.spec import cdiv
 
-BLOCK = 16
 TILE = (32, 128, 4)  # (BLOCK_M, BLOCK_K, num_warps)
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
 ONE_SIXTH = tl.constexpr(0.16666667163372040)  # fl(1/6), exact as an fp32 constant
@@ -195,16 +195,12 @@ def fake_quant_nvfp4(
     tiles along K; ``signs``: fp32 [16], the random Hadamard transform along M before quantizing along M;
     ``seed``: int64 [1] on x's device for stochastic rounding, None to round to nearest. An output not asked
     for is empty. Bit for bit ``mx_recipe.nvfp4`` (module docstring)."""
-    if not (along_k or along_m):
-        raise ValueError("fake_quant_nvfp4: ask for along_k, along_m or both")
-    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"fake_quant_nvfp4 takes a 2D bf16 tensor, got {x.dtype} {tuple(x.shape)}")
+    check_nvfp4_fake_quant(x, along_k, along_m, tiles)
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"fake_quant_nvfp4 takes bf16 input, got {x.dtype}")
     if x.dtype != torch.bfloat16 and not interpreting():
         raise NotImplementedError(f"fake_quant_nvfp4: the GPU kernel takes bf16 input, got {x.dtype}")
     m, k = x.shape
-    if k % BLOCK or (tiles and m % BLOCK):
-        need = "both dims" if tiles else "K"
-        raise ValueError(f"fake_quant_nvfp4: {need} of x {tuple(x.shape)} must be multiples of {BLOCK}")
     m_pad = cdiv(m, BLOCK) * BLOCK
     out_k = x.new_empty((m, k) if along_k else (0,))
     out_m = x.new_empty((m_pad, k) if along_m else (0,))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 BLOCK_SIZE = 32  # elements per MX block, along the quantized dim
+NVFP4_BLOCK = 16  # elements per NVFP4 block (one e4m3 scale each)
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 SCALE_EXP_MIN = -127

@@ -216,7 +216,7 @@ def _resolve_nvfp4(recipe: NVFP4Recipe, device: torch.device, grouped: bool) -> 
 
 
 @functools.lru_cache
-def default_backend(recipe: MXRecipe, device: torch.device, grouped: bool = False) -> Backend:
+def default_backend(recipe: MXRecipe | NVFP4Recipe, device: torch.device, grouped: bool = False) -> Backend:
     """``resolve_backend``, cached: what ``mx_linear`` and ``mx_grouped_mm`` run on when given no backend."""
     return resolve_backend(recipe, device, grouped)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from mx_kernels.spec import NVFP4_BLOCK
 
 from mx_recipe.formats import (
     E2M1,
@@ -42,7 +43,6 @@ from mx_recipe.formats import (
     unpack_fp4,
 )
 
-NVFP4_BLOCK = 16
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 FP32_MAX = torch.finfo(torch.float32).max

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from mx_kernels.common import check_nvfp4_fake_quant
 from torch import Tensor
 
 from mx_recipe.nvfp4 import NVFP4_BLOCK, hadamard_transform, nvfp4_operand
@@ -59,17 +60,6 @@ def reference_fake_quant_nvfp4(
     return NVFP4Operands(k, s_k, m, s_m)
 
 
-def _check(x: Tensor, along_k: bool, along_m: bool, tiles: bool) -> None:
-    if not (along_k or along_m):
-        raise ValueError("fake_quant_nvfp4: ask for along_k, along_m or both")
-    if x.dim() != 2:
-        raise ValueError(f"fake_quant_nvfp4 takes a 2D tensor, got shape {tuple(x.shape)}")
-    m, k = x.shape
-    if k % NVFP4_BLOCK or (tiles and m % NVFP4_BLOCK):
-        need = "both dims" if tiles else "dim 1"
-        raise ValueError(f"fake_quant_nvfp4: {need} of shape {tuple(x.shape)} must be multiples of {NVFP4_BLOCK}")
-
-
 def fake_quant_nvfp4(
     x: Tensor, along_k: bool = True, along_m: bool = False, tiles: bool = False, signs: Tensor | None = None,
     rounding: str = "nearest", generator: torch.Generator | None = None,
@@ -78,7 +68,7 @@ def fake_quant_nvfp4(
     along K [M, K] and along M [ceil16(M), K], each e2m1 * float(block scale) in x's dtype, and their fp32
     decode scales. ``tiles``: 16x16 scale tiles along K; ``signs``: fp32 [16], the random Hadamard transform
     along M first; ``rounding``: "nearest" or "stochastic" (the draws: module docstring)."""
-    _check(x, along_k, along_m, tiles)
+    check_nvfp4_fake_quant(x, along_k, along_m, tiles)
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"fake_quant_nvfp4: rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if not uses_kernel(x):
@@ -107,7 +97,7 @@ def _kernel(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor 
 
 
 def _fake(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | None, seed: Tensor | None):
-    _check(x, along_k, along_m, tiles)
+    check_nvfp4_fake_quant(x, along_k, along_m, tiles)
     m, k = x.shape
     m_pad = -(-m // NVFP4_BLOCK) * NVFP4_BLOCK
     return (

@@ -57,7 +57,8 @@ def section(folder: Path, summary_md: str) -> list[str]:
         f"### {folder.name.split('_parity_', 1)[1]}",
         "",
         f"Source: `docs/{rel}/`: {meta['device']}, torch {meta['torch']}, {meta['date'][:10]}, "
-        f"commit {meta['commit']}. Command: `{meta['commands']['all']}`.",
+        f"commit {meta['commit']}.{' ' + meta['note'] + '.' if meta.get('note') else ''} "
+        f"Command: `{meta['commands']['all']}`.",
         *(f"Run `{name}`: {what}." for name, what in meta["commands"].items() if name != "all"),
         "",
         *(line for block in body for line in (block, "")),
