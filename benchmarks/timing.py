@@ -65,15 +65,15 @@ def median_ms(fn: Callable[[], object]) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def kernel_us(
+def kernel_us_by_name(
     step: Callable[[], object],
     calls: int = 5,
     grad_to_none: list[torch.Tensor] | None = None,
     flush_l2: bool = False,
-) -> float:
-    """Summed device time of the CUDA kernels (and memcpys) one call of ``step`` launches, mean over
+) -> dict[str, float]:
+    """Device time of each CUDA kernel (and memcpy) one call of ``step`` launches, by kernel name, mean over
     ``calls``. ``flush_l2``: L2 flushed before each call as do_bench does; the flush's fill kernels,
-    and with them any fill of ``step`` itself, are left out of the sum."""
+    and with them any fill of ``step`` itself, are left out."""
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda") if flush_l2 else None
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -87,10 +87,20 @@ def kernel_us(
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     if flush_l2:
         events = [e for e in events if "FillFunctor" not in e.key]
-    total_us = sum(e.device_time_total for e in events)
-    if total_us <= 0:
+    times = {e.key: e.device_time_total / calls for e in events}
+    if sum(times.values()) <= 0:
         raise RuntimeError(f"the profiler saw no GPU work in {calls} calls")
-    return total_us / calls
+    return times
+
+
+def kernel_us(
+    step: Callable[[], object],
+    calls: int = 5,
+    grad_to_none: list[torch.Tensor] | None = None,
+    flush_l2: bool = False,
+) -> float:
+    """Summed device time of the CUDA kernels (and memcpys) one call of ``step`` launches (``kernel_us_by_name``)."""
+    return sum(kernel_us_by_name(step, calls, grad_to_none, flush_l2).values())
 
 
 def host_us(fn: Callable[[], object], calls: int = 500) -> float:

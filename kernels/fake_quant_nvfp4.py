@@ -16,9 +16,11 @@ grad-weight GEMM uses), in x's layout (a bf16 GEMM takes it transposed for free)
 
 Stochastic rounding draws from Philox4x32-10 keyed by a 64-bit seed read from device memory (so a
 captured or compiled step draws a new one each time without a host sync): element i of x (row-major
-index r * K + c) takes output (i mod 4) of counter (i div 4, i's high word, stream, 0), stream 0 along K
-and 1 along M, its top 24 bits times 2**-24 as the uniform draw. ``mx_recipe.nvfp4.philox_uniform`` is
-the same stream in PyTorch, which the tests hand to the reference as its ``uniform``.
+index r * K + c) takes half a word of the counter (i div 8, i's high word, stream, 0), stream 0 along K and
+1 along M: output word (i mod 8) div 2, its high 16 bits for even i and its low 16 bits for odd i, times
+2**-16. One Philox call per eight elements a side (the generator was most of the gradient cast's work).
+``mx_recipe.nvfp4.philox_uniform`` is the same stream in PyTorch, which the tests hand to the reference
+as its ``uniform``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from mx_kernels.mx_quantize import (
     bf16_bits_rne,
     block_amax_bits,
     fp8_bits_to_fp32,
+    max_abs,
     round_e2m1,
     round_to_fp8_bits,
     to_fp32,
@@ -40,6 +43,8 @@ from mx_kernels.spec import NVFP4_BLOCK as BLOCK
 from mx_kernels.spec import cdiv
 
 TILE = (32, 128, 4)  # (BLOCK_M, BLOCK_K, num_warps)
+AMAX_PROGRAMS = 1024  # about 8 per SM: the maximum kernel folds tiles until its grid is down to this
+AMAX_MAX_ROW_TILES = 32
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
 ONE_SIXTH = tl.constexpr(0.16666667163372040)  # fl(1/6), exact as an fp32 constant
 EMPTY_S_DEC = 1 / 3.4028234663852886e38  # an empty tensor's amax is 0: s_enc is the fp32 max
@@ -76,16 +81,17 @@ def hadamard_along_m(x, signs, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def uniform_tile(seed, stream, rows, col0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """The stochastic-rounding draws of tile [rows, col0 + BLOCK_K) of x [.., K]: fp32 in [0, 1), multiples of
-    2**-24 (module docstring). col0 and K are multiples of 16."""
-    first = rows.to(tl.int64)[:, None] * K + (col0 + 4 * tl.arange(0, BLOCK_K // 4))[None, :]  # [BM, BK/4]
-    counter = first >> 2
+    2**-16 (module docstring). col0 and K are multiples of 16."""
+    first = rows.to(tl.int64)[:, None] * K + (col0 + 8 * tl.arange(0, BLOCK_K // 8))[None, :]  # [BM, BK/8]
+    counter = first >> 3
     zero = tl.zeros_like(counter).to(tl.uint32)
     r0, r1, r2, r3 = tl.philox(seed, counter.to(tl.uint32), (counter >> 32).to(tl.uint32), zero + stream, zero)
-    u0 = (r0 >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
-    u1 = (r1 >> 8).to(tl.float32) * 5.9604644775390625e-08
-    u2 = (r2 >> 8).to(tl.float32) * 5.9604644775390625e-08
-    u3 = (r3 >> 8).to(tl.float32) * 5.9604644775390625e-08
-    return tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), (BLOCK_M, BLOCK_K))
+    # [.., word // 2, word % 2, half]: row-major, element 2 * word + half, the high half first
+    high = tl.join(tl.join(r0 >> 16, r2 >> 16), tl.join(r1 >> 16, r3 >> 16))
+    low = tl.join(tl.join(r0 & 0xFFFF, r2 & 0xFFFF), tl.join(r1 & 0xFFFF, r3 & 0xFFFF))
+    # k * 2**-16 as (1 + k * 2**-16) - 1 from bits: the integer-to-float conversion issues at 1/8 of the fp32 rate
+    one_plus = (tl.reshape(tl.join(high, low), (BLOCK_M, BLOCK_K)) << 7) | 0x3F800000
+    return one_plus.to(tl.float32, bitcast=True) - 1.0
 
 
 @triton.jit
@@ -114,22 +120,31 @@ def fake_quant_nvfp4_blocks(v, block_amax, tensor_amax, u, STOCHASTIC: tl.conste
 @triton.jit
 def _amax_kernel(
     x_ptr, amax_ptr, signs_ptr, M, K, stride_xm, stride_xk,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HADAMARD: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr, HADAMARD: tl.constexpr,
+    SOFTWARE_ROUND: tl.constexpr,
 ):  # fmt: skip
-    """int32 [2], zeroed: [0] = bits of max|x|, [1] = bits of max|RHT_M(x)| (HADAMARD) or of max|x| again."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """int32 [2], zeroed: [0] = bits of max|x|, [1] = bits of max|RHT_M(x)| (HADAMARD) or of max|x| again.
+    Each program folds ROW_TILES tiles down a column strip into an elementwise maximum, reduces it once and
+    adds it with one atomic per word (one atomic per tile was a queue on two addresses)."""
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    in_x = (rows < M)[:, None] & (cols < K)[None, :]
-    x = to_fp32(tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk, mask=in_x,
-                        other=0.0), SOFTWARE_ROUND)  # fmt: skip
-    plain = tl.max(block_amax_bits(x, 1, SOFTWARE_ROUND), axis=0)
-    tl.atomic_max(amax_ptr, plain)
-    if not HADAMARD:
-        tl.atomic_max(amax_ptr + 1, plain)
-    else:
+    plain = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+    transformed = tl.zeros((BLOCK_M // 16, 16, BLOCK_K), tl.float32)
+    if HADAMARD:
         signs = tl.load(signs_ptr + tl.arange(0, 16))
-        v = tl.reshape(hadamard_along_m(x, signs, BLOCK_M, BLOCK_K), (BLOCK_M, BLOCK_K))
-        tl.atomic_max(amax_ptr + 1, tl.max(block_amax_bits(v, 1, SOFTWARE_ROUND), axis=0))
+    for i in range(ROW_TILES):
+        rows = (tl.program_id(0) * ROW_TILES + i) * BLOCK_M + tl.arange(0, BLOCK_M)
+        in_x = (rows < M)[:, None] & (cols < K)[None, :]
+        x = to_fp32(tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk,
+                            mask=in_x, other=0.0), SOFTWARE_ROUND)  # fmt: skip
+        plain = max_abs(plain, x)
+        if HADAMARD:
+            transformed = max_abs(transformed, hadamard_along_m(x, signs, BLOCK_M, BLOCK_K))
+    plain_bits = block_amax_bits(tl.reshape(plain, (BLOCK_M * BLOCK_K,)), 0, SOFTWARE_ROUND)
+    tl.atomic_max(amax_ptr, plain_bits)
+    if HADAMARD:
+        tl.atomic_max(amax_ptr + 1, block_amax_bits(tl.reshape(transformed, (BLOCK_M * BLOCK_K,)), 0, SOFTWARE_ROUND))
+    else:
+        tl.atomic_max(amax_ptr + 1, plain_bits)
 
 
 @triton.jit
@@ -235,10 +250,14 @@ def _amax_launch(
     x: torch.Tensor, amax: torch.Tensor, signs: torch.Tensor, hadamard: bool, software: bool
 ) -> tuple[tuple[int, int], dict]:
     block_m, block_k, num_warps = TILE
-    grid = (cdiv(x.shape[0], block_m), cdiv(x.shape[1], block_k))
+    tiles_m, tiles_k = cdiv(x.shape[0], block_m), cdiv(x.shape[1], block_k)
+    row_tiles = 1  # a power of two: few compiled variants
+    while row_tiles < AMAX_MAX_ROW_TILES and tiles_m * tiles_k >= 2 * row_tiles * AMAX_PROGRAMS:
+        row_tiles *= 2
+    grid = (cdiv(tiles_m, row_tiles), tiles_k)
     return grid, dict(
         x_ptr=x, amax_ptr=amax, signs_ptr=signs, M=x.shape[0], K=x.shape[1], stride_xm=x.stride(0),
-        stride_xk=x.stride(1), BLOCK_M=block_m, BLOCK_K=block_k, HADAMARD=hadamard,
+        stride_xk=x.stride(1), BLOCK_M=block_m, BLOCK_K=block_k, ROW_TILES=row_tiles, HADAMARD=hadamard,
         SOFTWARE_ROUND=software, num_warps=num_warps,
     )  # fmt: skip
 

@@ -78,6 +78,12 @@ def _max_propagating_nan(a, b):
 
 
 @triton.jit
+def max_abs(acc, v):
+    """max(acc, |v|) elementwise, a NaN winning (FMNMX.NaN with an |.| operand: one instruction)."""
+    return tl.maximum(acc, tl.abs(v), propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def block_amax_bits(blocks, AXIS: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
     """fp32 bits of each block's max |v| along AXIS, a NaN winning (its bits sort above inf's)."""
     if SOFTWARE_ROUND:
@@ -166,21 +172,28 @@ def round_e2m1(v, u, STOCHASTIC: tl.constexpr):
     """fp32 v -> the nearest e2m1 value as fp32, ties to even, saturating at +-6, the sign kept (-0 too):
     ``formats.round_to_format`` for e2m1, bit for bit. STOCHASTIC: up to the next value when the uniform
     draw u (fp32 in [0, 1), v's shape) is below the fraction, ``formats.round_to_format_stochastic``. Every
-    step is exact in fp32 (power-of-two scalings, floor, a subtraction of two nearby values), so the GPU
-    and the interpreter agree. NaN gives some value: callers mask NaN blocks."""
+    step is exact in fp32 or a single correctly rounded fp32 add, so the GPU and the interpreter agree.
+    NaN gives some value: callers mask NaN blocks."""
     bits = v.to(tl.int32, bitcast=True)
     mag = tl.minimum((bits & 0x7FFFFFFF).to(tl.float32, bitcast=True), 6.0)
-    # the grid's spacing in |v|'s binade: 0.5 below 2 (subnormals share it), 1 in [2, 4), 2 in [4, 6]
-    ulp = tl.where(mag >= 4.0, 2.0, tl.where(mag >= 2.0, 1.0, 0.5))
-    units = mag * tl.where(mag >= 4.0, 0.5, tl.where(mag >= 2.0, 1.0, 2.0))
-    lo = tl.floor(units)
-    frac = units - lo
+    # the grid's spacing in |v|'s binade is half its power of two: 0.5 below 2 (subnormals share it),
+    # 1 in [2, 4), 2 in [4, 6]
+    binade = tl.maximum(mag.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
     if STOCHASTIC:
-        up = u < frac
+        inv_ulp = ((254 << 23) - binade).to(tl.float32, bitcast=True) * 2.0  # 1 / spacing, a power of two
+        units = mag * inv_ulp  # in [0, 4)
+        # floor(units) without a conversion instruction (those issue at 1/8 of the fp32 rate): adding 1.5 * 2**23
+        # rounds units - 1/2 to an integer, which is the floor but for the ties (units an integer) that went
+        # down to an even one; the comparison lifts those back
+        lo = ((units - 0.5) + 12582912.0) - 12582912.0
+        lo += (lo + 1.0 <= units).to(tl.float32)
+        q = (lo + (u < units - lo).to(tl.float32)) * (binade - (1 << 23)).to(tl.float32, bitcast=True)
     else:
-        up = (frac > 0.5) | ((frac == 0.5) & ((lo.to(tl.int32) & 1) == 1))
-    q = (lo + up.to(tl.float32)) * ulp
-    return (q.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+        # spacing * 2**23 has an fp32 ulp of one spacing over [it, 2x it), which holds it + |v|: the add
+        # rounds |v| to the grid, ties to even (an even multiple of the spacing), and the subtraction is exact
+        magic = (binade + (22 << 23)).to(tl.float32, bitcast=True)
+        q = (mag + magic) - magic
+    return (q.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

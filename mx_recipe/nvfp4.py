@@ -289,15 +289,15 @@ def _mul_wide(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def philox_uniform(seed: int, stream: int, shape: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
     """The uniform draws the NVFP4 kernels round with (``mx_kernels.fake_quant_nvfp4``), fp32 of ``shape``:
-    element i (row-major) is output i mod 4 of Philox4x32-10 (Triton's ``tl.philox``) at counter (i div 4,
-    its high word, ``stream``, 0) under the 64-bit key ``seed``, its top 24 bits times 2**-24. The last dim
-    must be a multiple of 4."""
+    element i (row-major) takes half of output word (i mod 8) div 2 of Philox4x32-10 (Triton's ``tl.philox``)
+    at counter (i div 8, its high word, ``stream``, 0) under the 64-bit key ``seed``: the high 16 bits for
+    even i, the low 16 bits for odd i, times 2**-16. The last dim must be a multiple of 8."""
     numel = 1
     for size in shape:
         numel *= size
-    if shape and shape[-1] % 4:
-        raise ValueError(f"philox_uniform: the last dim of {shape} must be a multiple of 4")
-    counter = torch.arange(numel // 4, dtype=torch.int64)
+    if shape and shape[-1] % 8:
+        raise ValueError(f"philox_uniform: the last dim of {shape} must be a multiple of 8")
+    counter = torch.arange(numel // 8, dtype=torch.int64)
     c = [counter & _MASK32, counter >> 32, torch.full_like(counter, stream), torch.zeros_like(counter)]
     k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
     a, b = _PHILOX_ROUND
@@ -306,5 +306,6 @@ def philox_uniform(seed: int, stream: int, shape: tuple[int, ...], device: torch
         hi_a, lo_a = _mul_wide(a, c[0])
         c = [hi_b ^ c[1] ^ k0, lo_b, hi_a ^ c[3] ^ k1, lo_a]
         k0, k1 = (k0 + _PHILOX_KEY[0]) & _MASK32, (k1 + _PHILOX_KEY[1]) & _MASK32
-    bits = torch.stack(c, dim=-1).reshape(shape)
-    return ((bits >> 8).to(torch.float32) * 2.0**-24).to(device)
+    words = torch.stack(c, dim=-1)
+    halves = torch.stack([words >> 16, words & 0xFFFF], dim=-1).reshape(shape)
+    return (halves.to(torch.float32) * 2.0**-16).to(device)
