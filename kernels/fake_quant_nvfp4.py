@@ -89,9 +89,7 @@ def uniform_tile(seed, stream, rows, col0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl
     # [.., word // 2, word % 2, half]: row-major, element 2 * word + half, the high half first
     high = tl.join(tl.join(r0 >> 16, r2 >> 16), tl.join(r1 >> 16, r3 >> 16))
     low = tl.join(tl.join(r0 & 0xFFFF, r2 & 0xFFFF), tl.join(r1 & 0xFFFF, r3 & 0xFFFF))
-    # k * 2**-16 as (1 + k * 2**-16) - 1 from bits: the integer-to-float conversion issues at 1/8 of the fp32 rate
-    one_plus = (tl.reshape(tl.join(high, low), (BLOCK_M, BLOCK_K)) << 7) | 0x3F800000
-    return one_plus.to(tl.float32, bitcast=True) - 1.0
+    return tl.reshape(tl.join(high, low), (BLOCK_M, BLOCK_K)).to(tl.float32) * 1.52587890625e-05  # 2**-16
 
 
 @triton.jit

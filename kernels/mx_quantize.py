@@ -181,12 +181,8 @@ def round_e2m1(v, u, STOCHASTIC: tl.constexpr):
     binade = tl.maximum(mag.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
     if STOCHASTIC:
         inv_ulp = ((254 << 23) - binade).to(tl.float32, bitcast=True) * 2.0  # 1 / spacing, a power of two
-        units = mag * inv_ulp  # in [0, 4)
-        # floor(units) without a conversion instruction (those issue at 1/8 of the fp32 rate): adding 1.5 * 2**23
-        # rounds units - 1/2 to an integer, which is the floor but for the ties (units an integer) that went
-        # down to an even one; the comparison lifts those back
-        lo = ((units - 0.5) + 12582912.0) - 12582912.0
-        lo += (lo + 1.0 <= units).to(tl.float32)
+        units = mag * inv_ulp
+        lo = tl.floor(units)
         q = (lo + (u < units - lo).to(tl.float32)) * (binade - (1 << 23)).to(tl.float32, bitcast=True)
     else:
         # spacing * 2**23 has an fp32 ulp of one spacing over [it, 2x it), which holds it + |v|: the add
