@@ -101,9 +101,10 @@ def per_tensor_scales(tensor_amax):
 
 
 @triton.jit
-def fake_quant_nvfp4_blocks(v, block_amax, tensor_amax, u, STOCHASTIC: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
+def quantize_nvfp4_blocks(v, block_amax, tensor_amax, u, STOCHASTIC: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
     """fp32 values v, each block's max|.| ``block_amax`` (broadcast to v), the tensor's ``tensor_amax`` ->
-    e2m1 * float(e4m3 block scale) in fp32, NaN for NaN blocks: ``nvfp4._quantize`` with two-level scales."""
+    (e2m1 values in fp32, v's shape, some value in NaN blocks; e4m3 block scale bits, 0x7F for NaN blocks;
+    float(block scale), NaN for NaN blocks): ``nvfp4._quantize`` with two-level scales."""
     s_enc, s_dec = per_tensor_scales(tensor_amax)
     d = _min_nan(_min_nan(block_amax * (s_enc * ONE_SIXTH), FP32_MAX), 448.0)  # d >= 0 or NaN
     if SOFTWARE_ROUND:
@@ -112,7 +113,25 @@ def fake_quant_nvfp4_blocks(v, block_amax, tensor_amax, u, STOCHASTIC: tl.conste
         s_bits = d.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     s = tl.where(d == d, fp8_bits_to_fp32(s_bits, "e4m3", SOFTWARE_ROUND), float("nan"))
     encode = _min_nan(tl.math.div_rn(1.0, s * s_dec), FP32_MAX)
-    return round_e2m1(v * encode, u, STOCHASTIC) * s
+    return round_e2m1(v * encode, u, STOCHASTIC), tl.where(d == d, s_bits, 0x7F).to(tl.uint8), s
+
+
+@triton.jit
+def e2m1_codes(q, s):
+    """e2m1 values q (fp32) -> their 4-bit codes (int32, the sign in bit 3), 0 where the block scale s is NaN
+    (``formats._encode_e2m1``): 0 and 0.5 are codes 0 and 1; from 1 on, the code is 2 + 2 * exponent +
+    the one mantissa bit, which is the value's fp32 bits >> 22, less 252."""
+    bits = q.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    code = tl.where(mag >= 0x3F800000, (mag >> 22) - 252, tl.where(mag == 0x3F000000, 1, 0))
+    return tl.where(s == s, code | ((bits >> 28) & 8), 0)
+
+
+@triton.jit
+def pack_pairs(codes):
+    """[R, C] codes -> [R, C / 2] bytes, element 2i in the low nibble (``formats.pack_fp4``)."""
+    lo, hi = tl.split(tl.reshape(codes, (codes.shape[0], codes.shape[1] // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
 
 
 @triton.jit
@@ -147,11 +166,14 @@ def _amax_kernel(
 
 @triton.jit
 def _fake_quant_kernel(
-    x_ptr, amax_ptr, signs_ptr, seed_ptr, k_ptr, m_ptr, s_dec_ptr, M, M_PAD, K, stride_xm, stride_xk,
+    x_ptr, amax_ptr, signs_ptr, seed_ptr, k_ptr, m_ptr, k_scale_ptr, m_scale_ptr, s_dec_ptr, M, M_PAD, K,
+    stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ALONG_K: tl.constexpr, ALONG_M: tl.constexpr,
-    TILES: tl.constexpr, HADAMARD: tl.constexpr, STOCHASTIC: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
-    OUT_BF16_BITS: tl.constexpr,
+    TILES: tl.constexpr, HADAMARD: tl.constexpr, STOCHASTIC: tl.constexpr, PACKED: tl.constexpr,
+    SOFTWARE_ROUND: tl.constexpr, OUT_BF16_BITS: tl.constexpr,
 ):  # fmt: skip
+    """The fake-quant (e2m1 * block scale in x's dtype) or, PACKED, the cast: along K, codes [M, K / 2] and
+    e4m3 scale bits [M, K / 16]; along M, transposed, codes [K, M_PAD / 2] and scale bits [K, M_PAD / 16]."""
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):  # the decode scales the GEMM multiplies by
         _, s_dec_k = per_tensor_scales(tl.load(amax_ptr).to(tl.float32, bitcast=True))
         _, s_dec_m = per_tensor_scales(tl.load(amax_ptr + 1).to(tl.float32, bitcast=True))
@@ -176,10 +198,23 @@ def _fake_quant_kernel(
             v = tl.reshape(x, (BLOCK_M * BLOCK_K // 16, 16))
             b = block_amax_bits(v, 1, SOFTWARE_ROUND).to(tl.float32, bitcast=True)[:, None]
             u = tl.reshape(u, (BLOCK_M * BLOCK_K // 16, 16)) if STOCHASTIC else u
-        q = tl.reshape(fake_quant_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND), (BLOCK_M, BLOCK_K))
-        if OUT_BF16_BITS:
-            q = bf16_bits_rne(q)
-        tl.store(k_ptr + out_offs, q, mask=in_x)
+        q, s_bits, s = quantize_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND)
+        if PACKED:  # row-major codes; one scale per row and block of 16 (a tile's repeated over its rows)
+            pairs = pack_pairs(tl.reshape(e2m1_codes(q, s), (BLOCK_M, BLOCK_K)))
+            pair_cols = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+            tl.store(k_ptr + rows.to(tl.int64)[:, None] * (K // 2) + pair_cols[None, :], pairs,
+                     mask=(rows < M)[:, None] & (pair_cols < K // 2)[None, :])  # fmt: skip
+            if TILES:
+                s_bits = tl.broadcast_to(s_bits, (BLOCK_M // 16, 16, BLOCK_K // 16, 1))
+            block_cols = tl.program_id(1) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+            tl.store(k_scale_ptr + rows.to(tl.int64)[:, None] * (K // 16) + block_cols[None, :],
+                     tl.reshape(s_bits, (BLOCK_M, BLOCK_K // 16)),
+                     mask=(rows < M)[:, None] & (block_cols < K // 16)[None, :])  # fmt: skip
+        else:
+            q = tl.reshape(q * s, (BLOCK_M, BLOCK_K))
+            if OUT_BF16_BITS:
+                q = bf16_bits_rne(q)
+            tl.store(k_ptr + out_offs, q, mask=in_x)
     if ALONG_M:  # blocks of 16 rows: [BM / 16, 16, BK], reduced over the middle dim
         tensor_amax = tl.load(amax_ptr + 1).to(tl.float32, bitcast=True)
         if HADAMARD:
@@ -189,10 +224,22 @@ def _fake_quant_kernel(
         b = block_amax_bits(v, 1, SOFTWARE_ROUND).to(tl.float32, bitcast=True)[:, None, :]
         u = uniform_tile(seed, 1, rows, tl.program_id(1) * BLOCK_K, K, BLOCK_M, BLOCK_K) if STOCHASTIC else 0.0
         u = tl.reshape(u, (BLOCK_M // 16, 16, BLOCK_K)) if STOCHASTIC else u
-        q = tl.reshape(fake_quant_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND), (BLOCK_M, BLOCK_K))
-        if OUT_BF16_BITS:
-            q = bf16_bits_rne(q)
-        tl.store(m_ptr + out_offs, q, mask=(rows < M_PAD)[:, None] & (cols < K)[None, :])
+        q, s_bits, s = quantize_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND)
+        if PACKED:  # stored transposed: row c of the output holds column c's codes, paired along M
+            codes = tl.reshape(e2m1_codes(q, s), (BLOCK_M // 2, 2, BLOCK_K))
+            pairs = tl.trans(pack_pairs(tl.reshape(tl.permute(codes, (0, 2, 1)), (BLOCK_M // 2, 2 * BLOCK_K))))
+            pair_rows = tl.program_id(0) * (BLOCK_M // 2) + tl.arange(0, BLOCK_M // 2)
+            tl.store(m_ptr + cols.to(tl.int64)[:, None] * (M_PAD // 2) + pair_rows[None, :], pairs,
+                     mask=(cols < K)[:, None] & (pair_rows < M_PAD // 2)[None, :])  # fmt: skip
+            block_rows = tl.program_id(0) * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16)
+            tl.store(m_scale_ptr + cols.to(tl.int64)[:, None] * (M_PAD // 16) + block_rows[None, :],
+                     tl.trans(tl.reshape(s_bits, (BLOCK_M // 16, BLOCK_K))),
+                     mask=(cols < K)[:, None] & (block_rows < M_PAD // 16)[None, :])  # fmt: skip
+        else:
+            q = tl.reshape(q * s, (BLOCK_M, BLOCK_K))
+            if OUT_BF16_BITS:
+                q = bf16_bits_rne(q)
+            tl.store(m_ptr + out_offs, q, mask=(rows < M_PAD)[:, None] & (cols < K)[None, :])
 
 
 _AMAX = LaunchCache(_amax_kernel)
@@ -209,39 +256,75 @@ def fake_quant_nvfp4(
     ``seed``: int64 [1] on x's device for stochastic rounding, None to round to nearest. An output not asked
     for is empty. Bit for bit ``mx_recipe.nvfp4`` (module docstring)."""
     check_nvfp4_fake_quant(x, along_k, along_m, tiles)
-    if x.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"fake_quant_nvfp4 takes bf16 input, got {x.dtype}")
-    if x.dtype != torch.bfloat16 and not interpreting():
-        raise NotImplementedError(f"fake_quant_nvfp4: the GPU kernel takes bf16 input, got {x.dtype}")
     m, k = x.shape
     m_pad = cdiv(m, BLOCK) * BLOCK
     out_k = x.new_empty((m, k) if along_k else (0,))
     out_m = x.new_empty((m_pad, k) if along_m else (0,))
+    s_dec = _launch(x, along_k, along_m, tiles, signs, seed, (out_k, out_m, None, None), m_pad)
+    return out_k, out_m, s_dec
+
+
+def cast_nvfp4(
+    x: torch.Tensor, along_k: bool, along_m: bool, tiles: bool, signs: torch.Tensor | None, seed: torch.Tensor | None,
+    pad_m: int = BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The packed NVFP4 cast of x [M, K], arguments as ``fake_quant_nvfp4``'s: (along K: codes uint8 [M, K / 2]
+    and scales float8_e4m3fn [M, K / 16]; along M, transposed, rows zero-padded to a multiple of ``pad_m``
+    (16 or 32): codes [K, M_pad / 2] and scales [K, M_pad / 16]; s_dec fp32 [2]). Codes are two e2m1 per byte,
+    the first element in the low nibble: ``to_nvfp4(x, -1)`` and ``to_nvfp4(x_padded.t(), -1)``, bit for bit."""
+    check_nvfp4_fake_quant(x, along_k, along_m, tiles)
+    if pad_m not in (BLOCK, 2 * BLOCK):
+        raise ValueError(f"cast_nvfp4: pad_m must be {BLOCK} or {2 * BLOCK}, got {pad_m}")
+    m, k = x.shape
+    m_pad = cdiv(m, pad_m) * pad_m
+    u8 = dict(dtype=torch.uint8)
+    q_k = x.new_empty((m, k // 2) if along_k else (0,), **u8)
+    scale_k = x.new_empty((m, k // BLOCK) if along_k else (0,), **u8)
+    q_m = x.new_empty((k, m_pad // 2) if along_m else (0,), **u8)
+    scale_m = x.new_empty((k, m_pad // BLOCK) if along_m else (0,), **u8)
+    s_dec = _launch(x, along_k, along_m, tiles, signs, seed, (q_k, q_m, scale_k, scale_m), m_pad)
+    e4m3 = torch.float8_e4m3fn
+    return q_k, scale_k.view(e4m3), q_m, scale_m.view(e4m3), s_dec
+
+
+def _launch(
+    x: torch.Tensor, along_k: bool, along_m: bool, tiles: bool, signs: torch.Tensor | None, seed: torch.Tensor | None,
+    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], m_pad: int,
+) -> torch.Tensor:  # fmt: skip
+    """Both kernels into ``outputs`` (along K, along M, and for the packed cast their scales); returns s_dec."""
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"fake_quant_nvfp4 takes bf16 input, got {x.dtype}")
+    if x.dtype != torch.bfloat16 and not interpreting():
+        raise NotImplementedError(f"fake_quant_nvfp4: the GPU kernel takes bf16 input, got {x.dtype}")
     amax = torch.zeros(2, dtype=torch.int32, device=x.device)
     s_dec = torch.full((2,), EMPTY_S_DEC, dtype=torch.float32, device=x.device)  # written by the kernel
     if x.numel():
         software = software_round(x, "fake_quant_nvfp4")
         hadamard = along_m and signs is not None
         signs_arg = signs if hadamard else amax
-        key = (x.shape, x.stride(), x.dtype, along_k, along_m, tiles, hadamard, seed is not None, software)
+        packed = outputs[2] is not None
+        stochastic = seed is not None
+        key = (x.shape, x.stride(), x.dtype, along_k, along_m, tiles, hadamard, stochastic, packed, m_pad, software)
         _AMAX.launch_keyed(
             key, lambda: _amax_launch(x, amax, signs_arg, hadamard, software), x_ptr=x, amax_ptr=amax,
             signs_ptr=signs_arg,
         )  # fmt: skip
         seed_arg = amax if seed is None else seed
+        # the fake-quant writes no scales: any pointer stands in for them
+        out_k, out_m, k_scale, m_scale = outputs if packed else (*outputs[:2], amax, amax)
         _FAKE_QUANT.launch_keyed(
             key,
-            lambda: _fake_quant_launch(x, amax, signs_arg, seed_arg, out_k, out_m, s_dec, along_k, along_m, tiles,
-                                       hadamard, seed is not None, software),  # fmt: skip
+            lambda: _fake_quant_launch(x, amax, signs_arg, seed_arg, out_k, out_m, k_scale, m_scale, s_dec, along_k,
+                                       along_m, tiles, hadamard, stochastic, packed, m_pad, software),  # fmt: skip
             x_ptr=x, amax_ptr=amax, signs_ptr=signs_arg, seed_ptr=seed_arg, k_ptr=_bits(out_k, x, software),
-            m_ptr=_bits(out_m, x, software), s_dec_ptr=s_dec,
+            m_ptr=_bits(out_m, x, software), k_scale_ptr=k_scale, m_scale_ptr=m_scale, s_dec_ptr=s_dec,
         )  # fmt: skip
-    return out_k, out_m, s_dec
+    return s_dec
 
 
 def _bits(out: torch.Tensor, x: torch.Tensor, software: bool) -> torch.Tensor:
     """The interpreter stores bf16 as bits rounded by hand (its own bf16 store is not trusted)."""
-    return out.view(torch.int16) if software and x.dtype == torch.bfloat16 else out
+    return out.view(torch.int16) if software and out.dtype == torch.bfloat16 else out
 
 
 def _amax_launch(
@@ -262,36 +345,39 @@ def _amax_launch(
 
 def _fake_quant_launch(
     x: torch.Tensor, amax: torch.Tensor, signs: torch.Tensor, seed: torch.Tensor, out_k: torch.Tensor,
-    out_m: torch.Tensor, s_dec: torch.Tensor, along_k: bool, along_m: bool, tiles: bool, hadamard: bool,
-    stochastic: bool, software: bool,
+    out_m: torch.Tensor, k_scale: torch.Tensor, m_scale: torch.Tensor, s_dec: torch.Tensor, along_k: bool,
+    along_m: bool, tiles: bool, hadamard: bool, stochastic: bool, packed: bool, m_pad: int, software: bool,
 ) -> tuple[tuple[int, int], dict]:  # fmt: skip
     block_m, block_k, num_warps = TILE
     m, k = x.shape
-    m_pad = cdiv(m, BLOCK) * BLOCK
     grid = (cdiv(m_pad, block_m), cdiv(k, block_k))
     return grid, dict(
         x_ptr=x, amax_ptr=amax, signs_ptr=signs, seed_ptr=seed, k_ptr=_bits(out_k, x, software),
-        m_ptr=_bits(out_m, x, software), s_dec_ptr=s_dec, M=m, M_PAD=m_pad, K=k, stride_xm=x.stride(0),
-        stride_xk=x.stride(1),
+        m_ptr=_bits(out_m, x, software), k_scale_ptr=k_scale, m_scale_ptr=m_scale, s_dec_ptr=s_dec, M=m,
+        M_PAD=m_pad, K=k, stride_xm=x.stride(0), stride_xk=x.stride(1),
         BLOCK_M=block_m, BLOCK_K=block_k, ALONG_K=along_k, ALONG_M=along_m, TILES=tiles, HADAMARD=hadamard,
-        STOCHASTIC=stochastic, SOFTWARE_ROUND=software, OUT_BF16_BITS=software and x.dtype == torch.bfloat16,
-        num_warps=num_warps,
+        STOCHASTIC=stochastic, PACKED=packed, SOFTWARE_ROUND=software,
+        OUT_BF16_BITS=software and out_k.dtype == torch.bfloat16, num_warps=num_warps,
     )  # fmt: skip
 
 
 def compile_for_target(
-    shape: tuple[int, int], along_k: bool, along_m: bool, tiles: bool, hadamard: bool, stochastic: bool, arch: int
+    shape: tuple[int, int], along_k: bool, along_m: bool, tiles: bool, hadamard: bool, stochastic: bool, arch: int,
+    packed: bool = False,
 ):  # fmt: skip
-    """Compile both kernels of one ``fake_quant_nvfp4`` launch on a contiguous bf16 x of ``shape`` for CUDA
-    ``arch`` without a GPU (CPU tests): (amax kernel, fake-quant kernel) as CompiledKernels."""
+    """Compile both kernels of one ``fake_quant_nvfp4`` (or, ``packed``, ``cast_nvfp4``) launch on a contiguous
+    bf16 x of ``shape`` for CUDA ``arch`` without a GPU (CPU tests): (amax kernel, fake-quant kernel) as
+    CompiledKernels."""
     from mx_kernels.gluon_common import compile_for_arch
 
     x = torch.empty(shape, dtype=torch.bfloat16, device="meta")
     amax = torch.empty(2, dtype=torch.int32, device="meta")
     signs, seed = torch.empty(16, device="meta"), torch.empty(1, dtype=torch.int64, device="meta")
-    out = torch.empty(16, dtype=torch.bfloat16, device="meta")
+    out = torch.empty(16, dtype=torch.uint8 if packed else torch.bfloat16, device="meta")
+    scale = torch.empty(16, dtype=torch.uint8, device="meta") if packed else amax
     _, amax_kwargs = _amax_launch(x, amax, signs, hadamard, False)
     s_dec = torch.empty(2, device="meta")
-    _, kwargs = _fake_quant_launch(x, amax, signs, seed, out, out, s_dec, along_k, along_m, tiles, hadamard,
-                                   stochastic, False)  # fmt: skip
+    m_pad = cdiv(shape[0], 2 * BLOCK) * 2 * BLOCK
+    _, kwargs = _fake_quant_launch(x, amax, signs, seed, out, out, scale, scale, s_dec, along_k, along_m, tiles,
+                                   hadamard, stochastic, packed, m_pad, False)  # fmt: skip
     return compile_for_arch(_amax_kernel, amax_kwargs, arch), compile_for_arch(_fake_quant_kernel, kwargs, arch)

@@ -158,7 +158,7 @@ def _quantize(
     else:
         d = amax * (s_enc * torch.reciprocal(amax.new_tensor(E2M1_MAX)))
     d = torch.minimum(d, d.new_tensor(FP32_MAX)).clamp(-E4M3_MAX, E4M3_MAX)
-    s = d.to(torch.float8_e4m3fn)
+    s = d.abs().to(torch.float8_e4m3fn)  # d >= 0; abs makes a NaN's sign (the platform's) +: the scale 0x7F
     s_value = s.to(torch.float32)
     denominator = s_value if s_dec is None else s_value * s_dec
     encode = torch.minimum(torch.div(1.0, denominator), denominator.new_tensor(FP32_MAX))

@@ -11,9 +11,9 @@ with fp32 accumulation, and its output is multiplied by the two per-tensor decod
 rounding to the output dtype more than the hardware's fp32 epilogue). Token rows are zero-padded to a
 multiple of 16 for the along-M casts (zero rows add nothing to the grad-weight sum).
 
-The cublas path quantizes with ``to_nvfp4`` (packed e2m1, e4m3 block scales; the reference casts: no packed
-cast kernel yet) into the layouts the op takes, rows padded to 32, and multiplies its fp32 output by the two
-decode scales; its values are the emulated path's, its sums the hardware's.
+The cublas path quantizes with ``cast_nvfp4`` (packed e2m1, e4m3 block scales: the same kernel, writing codes,
+on CUDA) into the layouts the op takes, rows padded to 32, and multiplies its fp32 output by the two decode
+scales; its values are the emulated path's, its sums the hardware's.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-from mx_recipe.nvfp4 import NVFP4_BLOCK, NVFP4Tensor, hadamard_transform, random_signs, to_nvfp4
-from mx_recipe.nvfp4_fake_quant import ROWS, TILES, fake_quant_nvfp4
+from mx_recipe.nvfp4 import NVFP4_BLOCK, NVFP4Tensor, random_signs
+from mx_recipe.nvfp4_cast import cast_nvfp4
+from mx_recipe.nvfp4_fake_quant import fake_quant_nvfp4
 from mx_recipe.recipe import NVFP4Recipe
 from mx_recipe.scale_layout import to_blocked
 
@@ -107,42 +107,34 @@ def _nvfp4_gemm(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype, scaled_m
     return (out * (a.per_tensor_scale * b.per_tensor_scale)).to(out_dtype)
 
 
-def _along_m(t: torch.Tensor, recipe: NVFP4Recipe, rounding: str) -> NVFP4Tensor:
-    """t [M, C] zero-padded to 32 rows, transformed along M as the recipe says, quantized along M and stored
-    transposed ([C, M / 2] packed): a grad-weight operand. The padding adds zero blocks only, so the values
-    are the emulated path's."""
-    pad = -t.shape[0] % CUBLAS_ROWS
-    t = F.pad(t, (0, 0, 0, pad)) if pad else t
-    signs = _signs(recipe, t.device)
-    if signs is not None:
-        t = hadamard_transform(t, signs, dim=0)
-    return to_nvfp4(t.t().contiguous(), -1, rounding=rounding)
-
-
 class _NVFP4CublasLinearFunction(torch.autograd.Function):
-    """The recipe's three GEMMs as torch._scaled_mm calls on packed NVFP4 operands (``to_nvfp4``'s bits, so the
-    same quantized values as the emulated path; only the GEMMs' summation differs)."""
+    """The recipe's three GEMMs as torch._scaled_mm calls on packed NVFP4 operands (``cast_nvfp4``: the kernel
+    on CUDA, the same bits as ``to_nvfp4``, so the same quantized values as the emulated path; only the GEMMs'
+    summation differs). The grad-weight operands are quantized along M with the token rows zero-padded to 32
+    (zero blocks only) and stored transposed, as the op reads them; g's two come from one read."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: NVFP4Recipe, scaled_mm: Callable) -> torch.Tensor:
-        block_shape = TILES if recipe.weight_tiles else ROWS
         ctx.recipe, ctx.scaled_mm = recipe, scaled_mm
         ctx.save_for_backward(x, w)
-        return _nvfp4_gemm(to_nvfp4(x, -1), to_nvfp4(w.to(x.dtype), -1, block_shape=block_shape), x.dtype, scaled_mm)
+        xq, _ = cast_nvfp4(x)
+        wq, _ = cast_nvfp4(w.to(x.dtype), tiles=recipe.weight_tiles)
+        return _nvfp4_gemm(xq, wq, x.dtype, scaled_mm)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         x, w = ctx.saved_tensors
         recipe: NVFP4Recipe = ctx.recipe
         g, dtype = g.contiguous(), g.dtype
+        need_gx, need_gw = ctx.needs_input_grad[:2]
+        signs = _signs(recipe, g.device)
+        g_n, g_m = cast_nvfp4(g, need_gx, need_gw, signs=signs, rounding=recipe.grad_rounding, pad_m=CUBLAS_ROWS)
         gx = gw = None
-        if ctx.needs_input_grad[0]:  # w along N, stored [K, N / 2]; with tiles the values of the forward's w
-            block_shape = TILES if recipe.weight_tiles else ROWS
-            w_n = to_nvfp4(w.to(dtype).t().contiguous(), -1, block_shape=block_shape)
-            g_n = to_nvfp4(g, -1, rounding=recipe.grad_rounding)
+        if need_gx:  # w along N, [K, N / 2] packed: w.T along its K; with tiles the values of the forward's w
+            w_n, _ = cast_nvfp4(w.to(dtype).t(), tiles=recipe.weight_tiles)
             gx = _nvfp4_gemm(g_n, w_n, dtype, ctx.scaled_mm).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            g_m, x_m = _along_m(g, recipe, recipe.grad_rounding), _along_m(x.to(dtype), recipe, "nearest")
+        if need_gw:
+            _, x_m = cast_nvfp4(x.to(dtype), False, True, signs=signs, pad_m=CUBLAS_ROWS)
             gw = _nvfp4_gemm(g_m, x_m, dtype, ctx.scaled_mm).to(w.dtype)
         return gx, gw, None, None
 

@@ -23,6 +23,7 @@ from test_cast_kernels import (
 )
 
 from mx_recipe.nvfp4 import philox_uniform, random_signs
+from mx_recipe.nvfp4_cast import cast_nvfp4, reference_cast_nvfp4
 from mx_recipe.nvfp4_fake_quant import fake_quant_nvfp4, reference_fake_quant_nvfp4
 
 # (along_k, along_m, tiles, hadamard): the forward (x; w in tiles or rows), the gradient (both sides, the
@@ -70,6 +71,34 @@ def check(shape, device, along_k, along_m, tiles, hadamard, stochastic, seed=0, 
         assert_values_equal(s_dec[1:], ref.s_dec_m.reshape(1), what + " s_dec along M")
 
 
+def check_packed(x, along_k, along_m, tiles, hadamard, stochastic, pad_m, seed=0):
+    """The kernel's packed cast (codes, e4m3 scales, decode scales) against ``to_nvfp4`` through the reference
+    entry point, bit for bit; the along-M side transposed with its rows zero-padded to ``pad_m``."""
+    from mx_kernels.fake_quant_nvfp4 import cast_nvfp4 as launch
+
+    signs = random_signs(seed + 7, x.device) if hadamard else None
+    key = torch.tensor([0x0FED_CBA9_8765_4321 + seed], dtype=torch.int64, device=x.device) if stochastic else None
+    q_k, scale_k, q_m, scale_m, s_dec = launch(x, along_k, along_m, tiles, signs, key, pad_m)
+    m_pad = -(-x.shape[0] // pad_m) * pad_m
+    uniforms = (None, None)
+    if stochastic:  # the kernel's draws, in each reference operand's layout (along M: [K, M_pad])
+        uniforms = (philox_uniform(int(key.item()), 0, tuple(x.shape)),
+                    philox_uniform(int(key.item()), 1, (m_pad, x.shape[1])).t().contiguous())  # fmt: skip
+    ref_k, ref_m = reference_cast_nvfp4(
+        x.cpu(), along_k, along_m, tiles, None if signs is None else signs.cpu(),
+        "stochastic" if stochastic else "nearest", pad_m, uniforms=uniforms,
+    )  # fmt: skip
+    what = f"packed nvfp4 {tuple(x.shape)} k={along_k} m={along_m} tiles={tiles} rht={hadamard} sr={stochastic}"
+    sides = (("along K", q_k, scale_k, s_dec[0], ref_k), ("along M", q_m, scale_m, s_dec[1], ref_m))
+    for side, q, scale, s, ref in sides:
+        if ref is None:
+            assert q.numel() == 0 and scale.numel() == 0, f"{what} {side}: asked for nothing"
+            continue
+        assert q.shape == ref.qdata.shape and torch.equal(q.cpu(), ref.qdata), f"{what} {side}: codes"
+        assert torch.equal(scale.cpu().view(torch.uint8), ref.scale.view(torch.uint8)), f"{what} {side}: scales"
+        assert_values_equal(s.reshape(1), ref.per_tensor_scale.reshape(1), f"{what} {side}: s_dec")
+
+
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
 def test_nvfp4_kernel_in_triton_interpreter():
     run_interpreter_tests(__file__)
@@ -98,6 +127,15 @@ def test_interp_nvfp4_edge_tensors():
 
 
 @interp_only
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_interp_nvfp4_packed_cast(case, stochastic):
+    check_packed(special_input((96, 160), torch.bfloat16, "cpu"), *case, stochastic, 16)  # NaN: every scale NaN
+    x = special_input((48, 48) if case[2] else (40, 48), torch.bfloat16, "cpu", 1).nan_to_num(nan=1.0)
+    check_packed(x, *case, stochastic, 32, seed=1)  # ragged M where allowed, padded to 32 along M
+
+
+@interp_only
 def test_interp_dispatch_and_errors():
     x = torch.randn(32, 48, dtype=torch.bfloat16)
     out = torch.ops.mx_recipe.fake_quant_nvfp4(x, True, True, False, None, None)  # the op's CPU kernel
@@ -108,6 +146,11 @@ def test_interp_dispatch_and_errors():
         fake_quant_nvfp4(x, False, False)
     with pytest.raises(ValueError, match="must be multiples of 16"):
         fake_quant_nvfp4(torch.randn(24, 40), True, False, tiles=True)
+    packed = torch.ops.mx_recipe.cast_nvfp4(x, True, True, False, None, None, 32)  # the op's CPU kernel
+    ref_k, ref_m = reference_cast_nvfp4(x, True, True, False, None, "nearest", 32)
+    assert torch.equal(packed[0], ref_k.qdata) and torch.equal(packed[2], ref_m.qdata)
+    with pytest.raises(ValueError, match="pad_m must be one of"):
+        cast_nvfp4(x, pad_m=8)
 
 
 def test_philox_uniform_is_uniform_and_reproducible():
@@ -196,8 +239,11 @@ def test_kernels_compile_for_hopper_and_blackwell(arch):
 
     for along_k, along_m, tiles, hadamard in CASES:
         for stochastic in (False, True):
-            amax_kernel, kernel = compile_for_target((4096, 4096), along_k, along_m, tiles, hadamard, stochastic, arch)
-            assert amax_kernel.asm["cubin"] and kernel.asm["cubin"]
+            for packed in (False, True):
+                amax_kernel, kernel = compile_for_target(
+                    (4096, 4096), along_k, along_m, tiles, hadamard, stochastic, arch, packed
+                )
+                assert amax_kernel.asm["cubin"] and kernel.asm["cubin"]
 
 
 @pytest.mark.gpu
@@ -226,3 +272,16 @@ def test_gpu_nvfp4_grouped_on_the_kernels_matches_the_cpu_reference(name):
         err = (got.float().cpu() - want.float()).abs().max() / want.float().abs().max()
         assert err < 1e-2, f"{name} {what}: max error {err:.3g} of the largest value"
     assert (y[500:] == 0).all() and (xc.grad[500:] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_gpu_nvfp4_packed_cast_bit_exact(case, stochastic):
+    check_packed(special_input((96, 160), torch.bfloat16, "cuda"), *case, stochastic, 16)
+    for shape in [(96, 160), (4128, 256), (1024, 4096)]:
+        x = special_input(shape, torch.bfloat16, "cuda").nan_to_num(nan=1.0)
+        check_packed(x, *case, stochastic, 32)
+    if not case[2]:
+        check_packed(special_input((40, 48), torch.bfloat16, "cuda", 1).nan_to_num(nan=1.0), *case, stochastic, 32, 1)

@@ -1,0 +1,102 @@
+"""The packed NVFP4 cast, from one entry point: ``cast_nvfp4`` runs the Triton kernel
+(``mx_kernels.fake_quant_nvfp4.cast_nvfp4``) for bf16 on CUDA and the reference (``nvfp4.to_nvfp4``) otherwise;
+both give the same bits (docs/DESIGN.md, "NVFP4").
+
+It forms the operands of the cublas NVFP4 GEMMs (sm_100, ``nvfp4_linear``): x [M, K] along K (1x16 blocks, or
+16x16 tiles for the recipe's weights) and/or along M, stored transposed as the grad-weight GEMM reads it
+([K, M_pad] quantized along its last dim, rows zero-padded to ``pad_m``, after the random Hadamard transform
+along M when ``signs`` is given), reading x once on the GPU. Stochastic rounding draws as ``fake_quant_nvfp4``
+does: the kernel from a Philox stream keyed by a seed drawn from ``generator`` on x's device, the reference
+from ``generator`` itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from mx_kernels.common import check_nvfp4_fake_quant
+from torch import Tensor
+
+from mx_recipe.nvfp4 import NVFP4Tensor, hadamard_transform, to_nvfp4
+from mx_recipe.nvfp4_fake_quant import ROWS, TILES, uses_kernel
+
+PAD_M = (16, 32)  # the kernel's zero-padding of the token rows along M: a block, or the cublas op's 32
+
+
+def reference_cast_nvfp4(
+    x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | None, rounding: str, pad_m: int,
+    generator: torch.Generator | None = None, uniforms: tuple[Tensor | None, Tensor | None] = (None, None),
+) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:  # fmt: skip
+    """The contract in plain PyTorch. ``uniforms``: the draws for along K ([M, K]) and along M ([K, M_pad])."""
+    k = m = None
+    if along_k:
+        k = to_nvfp4(x, -1, block_shape=TILES if tiles else ROWS, rounding=rounding, generator=generator,
+                     uniform=uniforms[0])  # fmt: skip
+    if along_m:
+        pad = -x.shape[0] % pad_m
+        t = F.pad(x, (0, 0, 0, pad)) if pad else x
+        if signs is not None:
+            t = hadamard_transform(t, signs, dim=0)  # fp32, quantized as it is
+        m = to_nvfp4(t.t().contiguous(), -1, rounding=rounding, generator=generator, uniform=uniforms[1])
+    return k, m
+
+
+def cast_nvfp4(
+    x: Tensor, along_k: bool = True, along_m: bool = False, tiles: bool = False, signs: Tensor | None = None,
+    rounding: str = "nearest", generator: torch.Generator | None = None, pad_m: int = 16,
+) -> tuple[NVFP4Tensor | None, NVFP4Tensor | None]:  # fmt: skip
+    """x [M, K] (K a multiple of 16; M too with ``tiles``; any strides) -> (x along K as an ``NVFP4Tensor``
+    [M, K], x along M as one [K, M_pad], M_pad the next multiple of ``pad_m``), None for a side not asked for.
+    ``tiles``: 16x16 scale tiles along K; ``signs``: fp32 [16], the random Hadamard transform along M first;
+    ``rounding``: "nearest" or "stochastic"."""
+    check_nvfp4_fake_quant(x, along_k, along_m, tiles)
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"cast_nvfp4: rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if pad_m not in PAD_M:
+        raise ValueError(f"cast_nvfp4: pad_m must be one of {PAD_M}, got {pad_m}")
+    if not uses_kernel(x):
+        return reference_cast_nvfp4(x, along_k, along_m, tiles, signs, rounding, pad_m, generator)
+    seed = None
+    if rounding == "stochastic":
+        seed = torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64, generator=generator)
+    q_k, scale_k, q_m, scale_m, s_dec = torch.ops.mx_recipe.cast_nvfp4(x, along_k, along_m, tiles, signs, seed, pad_m)
+    k = NVFP4Tensor(q_k, scale_k, s_dec[0], 1, TILES if tiles else ROWS) if along_k else None
+    m = NVFP4Tensor(q_m, scale_m, s_dec[1], 1, ROWS) if along_m else None
+    return k, m
+
+
+# --- the custom op: opaque to torch.compile, traced by its fake ---
+
+_LIB = torch.library.Library("mx_recipe", "FRAGMENT")
+_LIB.define(
+    "cast_nvfp4(Tensor x, bool along_k, bool along_m, bool tiles, Tensor? signs, Tensor? seed, int pad_m)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+
+
+def _kernel(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | None, seed: Tensor | None,
+            pad_m: int):  # fmt: skip
+    from mx_kernels.fake_quant_nvfp4 import cast_nvfp4 as launch
+
+    return launch(x, along_k, along_m, tiles, signs, seed, pad_m)
+
+
+def _fake(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | None, seed: Tensor | None,
+          pad_m: int):  # fmt: skip
+    check_nvfp4_fake_quant(x, along_k, along_m, tiles)
+    m, k = x.shape
+    m_pad = -(-m // pad_m) * pad_m
+    u8, e4m3 = torch.uint8, torch.float8_e4m3fn
+    return (
+        x.new_empty((m, k // 2) if along_k else (0,), dtype=u8),
+        x.new_empty((m, k // 16) if along_k else (0,), dtype=e4m3),
+        x.new_empty((k, m_pad // 2) if along_m else (0,), dtype=u8),
+        x.new_empty((k, m_pad // 16) if along_m else (0,), dtype=e4m3),
+        x.new_empty(2, dtype=torch.float32),
+    )
+
+
+for _device in ("CUDA", "CPU"):  # CPU: the Triton interpreter (TRITON_INTERPRET=1), for tests
+    _LIB.impl("cast_nvfp4", _kernel, _device)
+torch.library.register_fake("mx_recipe::cast_nvfp4", _fake, lib=_LIB)
