@@ -198,11 +198,13 @@ def resolve_backend(recipe: MXRecipe | NVFP4Recipe, device: torch.device, groupe
 
 def _resolve_nvfp4(recipe: NVFP4Recipe, device: torch.device, grouped: bool) -> Backend:
     """NVFP4: 'cublas' runs the dense linears' GEMMs through torch._scaled_mm with NVFP4 operands (sm_100;
-    ``nvfp4_linear``); 'auto' and 'emulated' emulate them. No NVFP4 grouped GEMM is wired, so a forced
-    'cublas' on a model with MoE experts is an error, as it is off sm_100."""
-    if recipe.backend != "cublas":
+    ``nvfp4_linear``), 'emulated' emulates them, and 'auto' takes cublas where it can run (a dense linear on
+    sm_100), as the MX recipes do. No NVFP4 grouped GEMM is wired, so a forced 'cublas' on a model with MoE
+    experts is an error, as it is off sm_100."""
+    available = cublas_available(device)
+    if recipe.backend == "emulated" or (recipe.backend == "auto" and (grouped or not available)):
         return EmulatedBackend()
-    if not cublas_available(device):
+    if not available:
         raise ValueError(
             f"NVFP4 recipe {recipe.name!r}: backend 'cublas' needs an NVIDIA GPU of compute capability 10.0 or "
             f"later (sm_100) for torch._scaled_mm with NVFP4 operands, but {_describe(device)}. Use 'emulated'."

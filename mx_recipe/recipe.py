@@ -128,7 +128,7 @@ RECIPES: dict[str, MXRecipe] = {
 }
 
 
-# "auto" means emulated: the cublas path (sm_100, dense linears) casts through the reference, so it is opt-in
+# "auto": cublas for dense linears on sm_100 (gemm._resolve_nvfp4), emulated elsewhere
 NVFP4_BACKENDS = ("auto", "emulated", "cublas")
 
 
