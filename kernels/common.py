@@ -76,31 +76,48 @@ def empty_outputs(x: torch.Tensor, elem: str, shapes: tuple[tuple[int, ...], tup
 
 
 def fake_quant_2d_outputs(
-    x: torch.Tensor, elem: str, mode: str, along_k: bool, along_m: bool, launch, op: str, fp4: bool = False
+    x: torch.Tensor, elem: str, mode: str, along_k: bool, along_m: bool, launch, op: str, fp4: bool = False,
+    seed: torch.Tensor | None = None,
 ):  # fmt: skip
     """The host side of a fake_quant_2d launcher (Triton or Gluon): checks, outputs, one ``launch(x, row_src,
-    out_k, out_m, elem, mode, along_k, along_m, rows, m_pad)``. ``fp4``: the kernel takes e2m1 (Triton's)."""
+    out_k, out_m, elem, mode, along_k, along_m, rows, m_pad)``. ``fp4``: the kernel takes e2m1 (Triton's);
+    ``seed``: stochastic rounding, which the launch then takes as its last argument."""
     if not (along_k or along_m):
         raise ValueError(f"{op}: ask for along_k, along_m or both")
     check_cast(x, elem, mode, ndims=(2, 3), qdim=-1 if along_k else None, op=op, fp4=fp4)
+    random = _check_stochastic(x, elem, seed, fp4, op)
     k_shape, m_shape = fake_quant_2d_shapes(x.shape, along_k, along_m)
     out_k, out_m = x.new_empty(k_shape), x.new_empty(m_shape)
     if x.numel():
         m_pad = m_shape[-2] if along_m else x.shape[-2]
-        launch(x, None, out_k, out_m, elem, mode, along_k, along_m, x.shape[-2], m_pad)
+        launch(x, None, out_k, out_m, elem, mode, along_k, along_m, x.shape[-2], m_pad, *random)
     return out_k, out_m
 
 
 def fake_quant_groups_outputs(
-    x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str, launch, op: str, fp4: bool = False
+    x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str, launch, op: str, fp4: bool = False,
+    seed: torch.Tensor | None = None,
 ):  # fmt: skip
     """The host side of a fake_quant_groups_along_m launcher, as ``fake_quant_2d_outputs``."""
     check_cast(x, elem, mode, ndims=(2,), qdim=None, op=op, fp4=fp4)
+    random = _check_stochastic(x, elem, seed, fp4, op)
     rows = groups_along_m_rows(row_src)
     out = x.new_empty(x.shape[0], x.shape[1])
     if out.numel():
-        launch(x, row_src, out, out, elem, mode, False, True, rows, rows)
+        launch(x, row_src, out, out, elem, mode, False, True, rows, rows, *random)
     return out
+
+
+def _check_stochastic(x: torch.Tensor, elem: str, seed: torch.Tensor | None, fp4: bool, op: str) -> tuple:
+    """() to round to nearest, (seed,) to round stochastically: e2m1 on the Triton kernel, K a multiple of 8
+    (the draws come eight to a Philox call along K)."""
+    if seed is None:
+        return ()
+    if not fp4 or elem != "e2m1":
+        raise ValueError(f"{op}: stochastic rounding runs on the Triton e2m1 fake-quants only, got {elem}")
+    if x.shape[-1] % 8:
+        raise ValueError(f"{op}: stochastic rounding needs the last dim a multiple of 8, got shape {tuple(x.shape)}")
+    return (seed,)
 
 
 def interpreting() -> bool:

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from mx_kernels.common import fake_quant_2d_outputs, fake_quant_groups_outputs, interpreting, software_round
 from mx_kernels.launch_cache import LaunchCache
-from mx_kernels.mx_quantize import fake_quant_blocks, to_fp32
+from mx_kernels.mx_quantize import fake_quant_blocks, to_fp32, uniform_tile
 from mx_kernels.spec import cdiv
 
 # (BLOCK_M, BLOCK_K, num_warps), the best of H200 sweeps: both outputs of 16384 x 4096 and of 3D expert
@@ -37,9 +37,10 @@ ALONG_M_TILE = (32, 64, 2)
 
 @triton.jit
 def _fake_quant_2d_kernel(
-    x_ptr, src_ptr, k_ptr, m_ptr, M, M_PAD, K, stride_xb, stride_xm, stride_xk,
+    x_ptr, src_ptr, k_ptr, m_ptr, seed_ptr, M, M_PAD, K, stride_xb, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ALONG_K: tl.constexpr, ALONG_M: tl.constexpr, ELEM: tl.constexpr,
     RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr, OUT_BF16_BITS: tl.constexpr, GATHER: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -55,15 +56,25 @@ def _fake_quant_2d_kernel(
         x_rows = rows.to(tl.int64)
     x_offs = pid_b * stride_xb + x_rows[:, None] * stride_xm + cols[None, :] * stride_xk
     x = to_fp32(tl.load(x_ptr + x_offs, mask=in_x, other=0.0), SOFTWARE_ROUND)
+    seed = tl.load(seed_ptr) if STOCHASTIC else 0
     if ALONG_K:  # blocks of 32 along K: [BLOCK_M * BLOCK_K / 32, 32]
         blocks = tl.reshape(x, (BLOCK_M * BLOCK_K // 32, 32))
-        v = fake_quant_blocks(blocks, 1, ELEM, RCEIL, SOFTWARE_ROUND, OUT_BF16_BITS)
+        u = 0.0
+        if STOCHASTIC:  # each element draws by its index in the output (stream 0)
+            u = uniform_tile(seed, 0, pid_b * M + rows, pid_k * BLOCK_K, K, BLOCK_M, BLOCK_K)
+            u = tl.reshape(u, (BLOCK_M * BLOCK_K // 32, 32))
+        v = fake_quant_blocks(blocks, 1, ELEM, RCEIL, SOFTWARE_ROUND, OUT_BF16_BITS, u, STOCHASTIC)
         v = tl.reshape(v, (BLOCK_M, BLOCK_K))
         k_offs = pid_b * M * K + rows.to(tl.int64)[:, None] * K + cols[None, :]
         tl.store(k_ptr + k_offs, v, mask=in_x)
     if ALONG_M:  # blocks of 32 along M: [BLOCK_M / 32, 32, BLOCK_K], reduced over the middle dim
         blocks = tl.reshape(x, (BLOCK_M // 32, 32, BLOCK_K))
-        v = fake_quant_blocks(blocks, 1, ELEM, RCEIL, SOFTWARE_ROUND, OUT_BF16_BITS)
+        u = 0.0
+        if STOCHASTIC:  # by the index in the output (stream 1): x's row when gathered, else the padded row
+            out_rows = x_rows if GATHER else pid_b * M_PAD + rows
+            u = uniform_tile(seed, 1, out_rows, pid_k * BLOCK_K, K, BLOCK_M, BLOCK_K)
+            u = tl.reshape(u, (BLOCK_M // 32, 32, BLOCK_K))
+        v = fake_quant_blocks(blocks, 1, ELEM, RCEIL, SOFTWARE_ROUND, OUT_BF16_BITS, u, STOCHASTIC)
         v = tl.reshape(v, (BLOCK_M, BLOCK_K))
         if GATHER:  # each row back to its own row of x's shape; padding rows are dropped
             tl.store(m_ptr + x_rows[:, None] * K + cols[None, :], v, mask=in_x)
@@ -73,7 +84,7 @@ def _fake_quant_2d_kernel(
 
 
 def fake_quant_2d(
-    x: torch.Tensor, elem: str, mode: str, along_k: bool, along_m: bool
+    x: torch.Tensor, elem: str, mode: str, along_k: bool, along_m: bool, seed: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] or [E, M, K] (bf16; any strides) -> (along K, along M), each dequantized in x's dtype; elem e4m3,
     e5m2 or e2m1 (MXFP4: the e2m1 value times 2**e, ``mx_quantize.fake_quant_e2m1_blocks``).
@@ -82,21 +93,26 @@ def fake_quant_2d(
     - along M: [.., ceil32(M), K], x zero-padded along M and quantized along it, not transposed:
       ``to_mx(pad(x).transpose(-2, -1).contiguous(), elem, mode).dequantize(x.dtype).transpose(-2, -1)``.
 
-    An output not asked for is an empty tensor. Bit for bit the reference's."""
+    ``seed``: int64 [1] on x's device: e2m1 rounded stochastically, each element with the draw of its index in
+    its output (``mx_quantize.uniform_tile``, stream 0 along K and 1 along M; K a multiple of 8). An output not
+    asked for is an empty tensor. Bit for bit the reference's, given the same draws."""
     _require_bf16(x, "fake_quant_2d")
-    return fake_quant_2d_outputs(x, elem, mode, along_k, along_m, _launch, "fake_quant_2d", fp4=True)
+    return fake_quant_2d_outputs(x, elem, mode, along_k, along_m, _launch, "fake_quant_2d", fp4=True, seed=seed)
 
 
-def fake_quant_groups_along_m(x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str) -> torch.Tensor:
+def fake_quant_groups_along_m(
+    x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str, seed: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [M, K] (bf16; any strides), row_src int32 [R] -> [M, K] contiguous, in x's dtype.
 
     row_src lays x's rows out in padded token groups: R a multiple of 32, every row of x listed once,
     -1 for a padding row (``grouped.group_row_sources``). The laid-out rows are quantized along R in
     blocks of 32 and dequantized, and each comes back to its own row: bit for bit
     ``fake_quant_2d(x_padded, along_m=True)`` with the padding rows dropped. row_src is not checked on
-    the GPU (no host sync): a row of x it does not list is left unwritten."""
+    the GPU (no host sync): a row of x it does not list is left unwritten. ``seed``: stochastic rounding
+    (e2m1), each element drawing by its index in the [M, K] output (stream 1)."""
     _require_bf16(x, "fake_quant_groups_along_m")
-    return fake_quant_groups_outputs(x, row_src, elem, mode, _launch, "fake_quant_groups_along_m", fp4=True)
+    return fake_quant_groups_outputs(x, row_src, elem, mode, _launch, "fake_quant_groups_along_m", fp4=True, seed=seed)
 
 
 def _require_bf16(x: torch.Tensor, op: str) -> None:
@@ -111,20 +127,23 @@ _LAUNCHES = LaunchCache(_fake_quant_2d_kernel)
 
 def _launch(
     x: torch.Tensor, row_src: torch.Tensor | None, out_k: torch.Tensor, out_m: torch.Tensor, elem: str, mode: str,
-    along_k: bool, along_m: bool, m: int, m_pad: int,
+    along_k: bool, along_m: bool, m: int, m_pad: int, seed: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """``m``: the rows the kernel walks (x's, or row_src's with row_src); ``m_pad``: along M's rows."""
     software = software_round(x, "fake_quant_2d")
-    key = (x.shape, x.stride(), x.dtype, row_src is None, elem, mode, along_k, along_m, m, m_pad, software)
+    stochastic = seed is not None
+    key = (x.shape, x.stride(), x.dtype, row_src is None, elem, mode, along_k, along_m, m, m_pad, software, stochastic)
     _LAUNCHES.launch_keyed(
-        key, lambda: _kernel_launch(x, row_src, out_k, out_m, elem, mode, along_k, along_m, m, m_pad, software),
+        key,
+        lambda: _kernel_launch(x, row_src, out_k, out_m, elem, mode, along_k, along_m, m, m_pad, software, seed),
         x_ptr=x, src_ptr=x if row_src is None else row_src, k_ptr=out_k, m_ptr=out_m,
+        seed_ptr=x if seed is None else seed,
     )  # fmt: skip
 
 
 def _kernel_launch(
     x: torch.Tensor, row_src: torch.Tensor | None, out_k: torch.Tensor, out_m: torch.Tensor, elem: str, mode: str,
-    along_k: bool, along_m: bool, m: int, m_pad: int, software: bool,
+    along_k: bool, along_m: bool, m: int, m_pad: int, software: bool, seed: torch.Tensor | None,
 ) -> tuple[tuple[int, int, int], dict]:  # fmt: skip
     """(grid, keyword arguments) of one launch."""
     x3 = x if x.dim() == 3 else x.unsqueeze(0)
@@ -135,8 +154,9 @@ def _kernel_launch(
     return grid, dict(
         x_ptr=x3, src_ptr=x3 if row_src is None else row_src,
         k_ptr=out_k.view(torch.int16) if bits and along_k else out_k,
-        m_ptr=out_m.view(torch.int16) if bits and along_m else out_m,
+        m_ptr=out_m.view(torch.int16) if bits and along_m else out_m, seed_ptr=x3 if seed is None else seed,
         M=m, M_PAD=m_pad, K=k, stride_xb=x3.stride(0), stride_xm=x3.stride(1), stride_xk=x3.stride(2),
         BLOCK_M=block_m, BLOCK_K=block_k, ALONG_K=along_k, ALONG_M=along_m, ELEM=elem, RCEIL=mode == "rceil",
-        SOFTWARE_ROUND=software, OUT_BF16_BITS=bits, GATHER=row_src is not None, num_warps=num_warps,
+        SOFTWARE_ROUND=software, OUT_BF16_BITS=bits, GATHER=row_src is not None, STOCHASTIC=seed is not None,
+        num_warps=num_warps,
     )  # fmt: skip

@@ -38,6 +38,7 @@ from mx_kernels.mx_quantize import (
     round_e2m1,
     round_to_fp8_bits,
     to_fp32,
+    uniform_tile,
 )
 from mx_kernels.spec import NVFP4_BLOCK as BLOCK
 from mx_kernels.spec import cdiv
@@ -76,20 +77,6 @@ def hadamard_along_m(x, signs, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     v = _butterfly(v, 4, NB, BLOCK_K)
     v = _butterfly(v, 8, NB, BLOCK_K)
     return v * 0.25
-
-
-@triton.jit
-def uniform_tile(seed, stream, rows, col0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The stochastic-rounding draws of tile [rows, col0 + BLOCK_K) of x [.., K]: fp32 in [0, 1), multiples of
-    2**-16 (module docstring). col0 and K are multiples of 16."""
-    first = rows.to(tl.int64)[:, None] * K + (col0 + 8 * tl.arange(0, BLOCK_K // 8))[None, :]  # [BM, BK/8]
-    counter = first >> 3
-    zero = tl.zeros_like(counter).to(tl.uint32)
-    r0, r1, r2, r3 = tl.philox(seed, counter.to(tl.uint32), (counter >> 32).to(tl.uint32), zero + stream, zero)
-    # [.., word // 2, word % 2, half]: row-major, element 2 * word + half, the high half first
-    high = tl.join(tl.join(r0 >> 16, r2 >> 16), tl.join(r1 >> 16, r3 >> 16))
-    low = tl.join(tl.join(r0 & 0xFFFF, r2 & 0xFFFF), tl.join(r1 & 0xFFFF, r3 & 0xFFFF))
-    return tl.reshape(tl.join(high, low), (BLOCK_M, BLOCK_K)).to(tl.float32) * 1.52587890625e-05  # 2**-16
 
 
 @triton.jit

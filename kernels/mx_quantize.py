@@ -168,6 +168,23 @@ def fp8_bits_to_fp32(q, ELEM: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
 
 
 @triton.jit
+def uniform_tile(seed, stream, rows, col0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The stochastic-rounding draws of the tile [rows, col0 + BLOCK_K) of an output [.., K], fp32 in [0, 1),
+    multiples of 2**-16: the element of row-major index i takes half a word of Philox4x32-10 at counter
+    (i div 8, i's high word, ``stream``, 0) under the 64-bit key ``seed``, output word (i mod 8) div 2, its
+    high 16 bits for even i and its low 16 bits for odd i (``mx_recipe.nvfp4.philox_uniform``). ``rows``: the
+    tile's row indices in the output (int); col0 and K are multiples of 8."""
+    first = rows.to(tl.int64)[:, None] * K + (col0 + 8 * tl.arange(0, BLOCK_K // 8))[None, :]  # [BM, BK/8]
+    counter = first >> 3
+    zero = tl.zeros_like(counter).to(tl.uint32)
+    r0, r1, r2, r3 = tl.philox(seed, counter.to(tl.uint32), (counter >> 32).to(tl.uint32), zero + stream, zero)
+    # [.., word // 2, word % 2, half]: row-major, element 2 * word + half, the high half first
+    high = tl.join(tl.join(r0 >> 16, r2 >> 16), tl.join(r1 >> 16, r3 >> 16))
+    low = tl.join(tl.join(r0 & 0xFFFF, r2 & 0xFFFF), tl.join(r1 & 0xFFFF, r3 & 0xFFFF))
+    return tl.reshape(tl.join(high, low), (BLOCK_M, BLOCK_K)).to(tl.float32) * 1.52587890625e-05  # 2**-16
+
+
+@triton.jit
 def round_e2m1(v, u, STOCHASTIC: tl.constexpr):
     """fp32 v -> the nearest e2m1 value as fp32, ties to even, saturating at +-6, the sign kept (-0 too):
     ``formats.round_to_format`` for e2m1, bit for bit. STOCHASTIC: up to the next value when the uniform
@@ -208,13 +225,15 @@ def dequantize_blocks(q, scale, AXIS: tl.constexpr, ELEM: tl.constexpr, SOFTWARE
 @triton.jit
 def fake_quant_blocks(
     blocks, AXIS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
-    OUT_BF16_BITS: tl.constexpr,
+    OUT_BF16_BITS: tl.constexpr, u, STOCHASTIC: tl.constexpr,
 ):  # fmt: skip
     """fp32 blocks of 32 along AXIS -> their MX quantize-dequantize, same shape: fp32, or bf16 bits
-    (int16) under OUT_BF16_BITS (the interpreter, whose bf16 store is not trusted)."""
+    (int16) under OUT_BF16_BITS (the interpreter, whose bf16 store is not trusted). STOCHASTIC (e2m1 only):
+    rounded with the draws ``u`` (blocks' shape)."""
     if ELEM == "e2m1":
-        v = fake_quant_e2m1_blocks(blocks, AXIS, RCEIL, SOFTWARE_ROUND)
+        v = fake_quant_e2m1_blocks(blocks, AXIS, RCEIL, SOFTWARE_ROUND, u, STOCHASTIC)
     else:
+        tl.static_assert(not STOCHASTIC, "the fp8 fake-quant kernels round to nearest")
         q, scale = quantize_blocks(blocks, AXIS, ELEM, RCEIL, SOFTWARE_ROUND)
         v = dequantize_blocks(q, scale, AXIS, ELEM, SOFTWARE_ROUND)
     if OUT_BF16_BITS:
@@ -223,16 +242,19 @@ def fake_quant_blocks(
 
 
 @triton.jit
-def fake_quant_e2m1_blocks(blocks, AXIS: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
-    """fp32 blocks of 32 along AXIS -> their MXFP4 quantize-dequantize in fp32: ``formats.fake_quant`` for e2m1.
-    The e2m1 value times 2**e directly: no packed codes, no e8m0 byte (e2m1 * 2**e is exact in fp32 and bf16)."""
+def fake_quant_e2m1_blocks(
+    blocks, AXIS: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr, u, STOCHASTIC: tl.constexpr,
+):  # fmt: skip
+    """fp32 blocks of 32 along AXIS -> their MXFP4 quantize-dequantize in fp32: ``formats.fake_quant`` for e2m1,
+    to nearest or (STOCHASTIC) with the draws ``u``. The e2m1 value times 2**e directly: no packed codes, no
+    e8m0 byte (e2m1 * 2**e is exact in fp32 and bf16)."""
     amax_bits = block_amax_bits(blocks, AXIS, SOFTWARE_ROUND)
     is_nan = amax_bits > 0x7F800000
     e = scale_exponent(amax_bits, "e2m1", RCEIL)
     inv_scale = tl.where(e < 127, (127 - e) << 23, 0x400000).to(tl.float32, bitcast=True)
     factor = tl.where(e > -127, (e + 127) << 23, 0x400000).to(tl.float32, bitcast=True)  # 2**e
     factor = tl.where(is_nan, float("nan"), factor)
-    q = round_e2m1(blocks * tl.expand_dims(inv_scale, AXIS), 0.0, False)
+    q = round_e2m1(blocks * tl.expand_dims(inv_scale, AXIS), u, STOCHASTIC)
     return q * tl.expand_dims(factor, AXIS)
 
 

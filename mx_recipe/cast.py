@@ -15,9 +15,10 @@ multiplies. ``fake_quant_dim0`` quantizes along K; ``fake_quant_along_m`` along 
 ([.., M padded to 32, K]: a bf16 GEMM takes either operand transposed, so nothing is written transposed);
 ``fake_quant_dim0_dim1`` returns both from one read of the input.
 
-``rounding="stochastic"`` (the 2D casts and fake-quants; recipe.py allows it for e2m1 gradients) takes the
-reference: the kernels round to nearest. Its random bits come from ``generator``, or the default generator of
-the input's device when it is None (formats.to_mx).
+``rounding="stochastic"`` (the 2D casts and fake-quants; recipe.py allows it for e2m1 gradients): the e2m1
+fake-quants of bf16 on CUDA run on the Triton kernel, which draws from a Philox stream keyed by a seed drawn
+from ``generator`` (``dispatch.run``); everything else takes the reference, whose random bits come from
+``generator``, or the default generator of the input's device when it is None (formats.to_mx).
 """
 
 from __future__ import annotations

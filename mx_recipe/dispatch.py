@@ -3,9 +3,10 @@
 Every op has a pure-PyTorch reference (built on ``formats.to_mx``, the judge of every kernel), a Triton
 kernel and, for Hopper, a Gluon kernel; all three give the same bits. ``implementation`` is the rule:
 
-* the reference off CUDA, for stochastic rounding (the kernels round to nearest), for fp32 input to a
-  fake-quant (the fake-quant kernels take bf16) and for e2m1 casts (no packed-fp4 cast kernels);
-* e2m1 fake-quants of bf16 (the emulated MXFP4 GEMMs): the Triton kernel on every CUDA device;
+* the reference off CUDA, for fp32 input to a fake-quant (the fake-quant kernels take bf16), for e2m1 casts
+  (no packed-fp4 MX cast kernels) and for stochastic rounding of fp8;
+* e2m1 fake-quants of bf16 (the emulated MXFP4 GEMMs), to nearest or stochastically: the Triton kernel on
+  every CUDA device;
 * the Gluon kernel on an NVIDIA GPU of compute capability 9.x for bf16 input, unless ``MX_RECIPE_GLUON=0``;
 * the Triton kernel on every other CUDA device (Blackwell included) and input.
 
@@ -154,10 +155,12 @@ def rule(
     """The one rule: "reference", "triton" or "gluon" for ``op`` on a device of CUDA compute ``capability``
     (None: not an NVIDIA CUDA device), input ``dtype``, element format and rounding; ``gluon``: the Gluon
     kernels are allowed (``MX_RECIPE_GLUON`` is not "0")."""
-    if capability is None or rounding != "nearest":
+    if capability is None:
         return "reference"
-    if elem not in KERNEL_ELEMS:  # e2m1: the Triton fake-quants take bf16 (MXFP4 on the emulated backend)
-        return "triton" if OPS[op].fp4 and dtype == torch.bfloat16 else "reference"
+    if elem not in KERNEL_ELEMS or rounding != "nearest":
+        # e2m1, to nearest or stochastically: the Triton fake-quants of bf16 (MXFP4 on the emulated backend);
+        # stochastic rounding of fp8 has no kernel
+        return "triton" if elem == "e2m1" and OPS[op].fp4 and dtype == torch.bfloat16 else "reference"
     if dtype != torch.bfloat16:
         return "reference" if OPS[op].bf16_only else "triton"
     return "gluon" if gluon and capability[0] == 9 else "triton"
@@ -170,7 +173,11 @@ def _capability(device_index: int) -> tuple[int, int] | None:
 
 
 def implementation(op: str, x: Tensor, elem: str, rounding: str = "nearest") -> str:
-    """``rule`` for ``op`` on x (the environment is read at each call)."""
+    """``rule`` for ``op`` on x (the environment is read at each call). The kernels' draws for stochastic
+    rounding come eight to a Philox call along the last dim: x's last dim not a multiple of 8 takes the
+    reference."""
+    if rounding != "nearest" and x.shape[-1] % 8:
+        return "reference"
     capability = _capability(x.device.index) if x.is_cuda else None
     return rule(op, capability, x.dtype, elem, rounding, os.environ.get(GLUON_ENV) != "0")
 
@@ -195,7 +202,10 @@ DEVICES = {"CPU": None, "Hopper (sm_90)": (9, 0), "Blackwell (sm_100)": (10, 0)}
 def device_table() -> str:
     """What runs where, as the README's markdown table, from ``rule`` (e4m3/e5m2 and round-to-nearest unless
     the column says otherwise; "CUDA" is the same on Hopper and Blackwell)."""
-    header = ["op", *(f"{d}, bf16" for d in DEVICES), "Hopper, fp32", "CUDA, bf16, e2m1", "any device, stochastic"]
+    header = [
+        "op", *(f"{d}, bf16" for d in DEVICES), "Hopper, fp32", "CUDA, bf16, e2m1 (either rounding)",
+        "any device, fp8, stochastic",
+    ]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for op in OPS:
         cells = [rule(op, cap, torch.bfloat16, "e4m3", "nearest") for cap in DEVICES.values()]
@@ -270,28 +280,48 @@ _define(
 )
 
 
-def _fake_quant_2d_fake(x: Tensor, elem: str, mode: str, along_k: bool, along_m: bool) -> tuple[Tensor, Tensor]:
+def _fake_quant_2d_fake(
+    x: Tensor, elem: str, mode: str, along_k: bool, along_m: bool, seed: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     check_cast(x, elem, mode, ndims=(2, 3), qdim=-1 if along_k else None, op="fake_quant_2d", fp4=True)
     k_shape, m_shape = fake_quant_2d_shapes(x.shape, along_k, along_m)
     return x.new_empty(k_shape), x.new_empty(m_shape)
 
 
+def _fake_quant_2d_kernel(
+    x: Tensor, elem: str, mode: str, along_k: bool, along_m: bool, seed: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    if seed is not None:  # only the Triton kernel rounds stochastically
+        return launcher("fake_quant_2d", "triton")(x, elem, mode, along_k, along_m, seed)
+    return _kernel("fake_quant_2d", x, elem)(x, elem, mode, along_k, along_m)
+
+
 _define(
-    "fake_quant_2d(Tensor x, str elem, str mode, bool along_k, bool along_m) -> (Tensor, Tensor)",
-    lambda x, elem, mode, along_k, along_m: _kernel("fake_quant_2d", x, elem)(x, elem, mode, along_k, along_m),
+    "fake_quant_2d(Tensor x, str elem, str mode, bool along_k, bool along_m, Tensor? seed=None) -> (Tensor, Tensor)",
+    _fake_quant_2d_kernel,
     _fake_quant_2d_fake,
 )
 
 
-def _fake_quant_groups_along_m_fake(x: Tensor, elem: str, mode: str, row_src: Tensor) -> Tensor:
+def _fake_quant_groups_along_m_fake(
+    x: Tensor, elem: str, mode: str, row_src: Tensor, seed: Tensor | None = None
+) -> Tensor:
     check_cast(x, elem, mode, ndims=(2,), qdim=None, op="fake_quant_groups_along_m", fp4=True)
     groups_along_m_rows(row_src)
     return x.new_empty(x.shape[0], x.shape[1])
 
 
+def _fake_quant_groups_along_m_kernel(
+    x: Tensor, elem: str, mode: str, row_src: Tensor, seed: Tensor | None = None
+) -> Tensor:
+    if seed is not None:
+        return launcher("fake_quant_groups_along_m", "triton")(x, row_src, elem, mode, seed)
+    return _kernel("fake_quant_groups_along_m", x, elem)(x, row_src, elem, mode)
+
+
 _define(
-    "fake_quant_groups_along_m(Tensor x, str elem, str mode, Tensor row_src) -> Tensor",
-    lambda x, elem, mode, row_src: _kernel("fake_quant_groups_along_m", x, elem)(x, row_src, elem, mode),
+    "fake_quant_groups_along_m(Tensor x, str elem, str mode, Tensor row_src, Tensor? seed=None) -> Tensor",
+    _fake_quant_groups_along_m_kernel,
     _fake_quant_groups_along_m_fake,
 )
 
@@ -316,8 +346,13 @@ _define(
 
 
 def run(op: str, x: Tensor, elem: str, mode: str, *args, rounding: str = "nearest", generator=None):
-    """``op`` on x: the reference or, through its custom op, the kernel the rule picks."""
+    """``op`` on x: the reference or, through its custom op, the kernel the rule picks. Stochastic rounding:
+    the reference draws from ``generator`` (None: the default one); a kernel from a Philox stream keyed by a
+    seed drawn from it on x's device, so the two round differently for the same generator state."""
     if implementation(op, x, elem, rounding) == "reference":
         random = {} if rounding == "nearest" else dict(rounding=rounding, generator=generator)
         return OPS[op].reference(x, elem, mode, *args, **random)
-    return getattr(torch.ops.mx_recipe, op)(x, elem, mode, *args)
+    if rounding == "nearest":
+        return getattr(torch.ops.mx_recipe, op)(x, elem, mode, *args)
+    seed = torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64, generator=generator)
+    return getattr(torch.ops.mx_recipe, op)(x, elem, mode, *args, seed=seed)

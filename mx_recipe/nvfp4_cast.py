@@ -13,12 +13,11 @@ from ``generator`` itself.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from mx_kernels.common import check_nvfp4_fake_quant
 from torch import Tensor
 
-from mx_recipe.nvfp4 import NVFP4Tensor, hadamard_transform, to_nvfp4
-from mx_recipe.nvfp4_fake_quant import ROWS, TILES, uses_kernel
+from mx_recipe.nvfp4 import NVFP4Tensor, to_nvfp4
+from mx_recipe.nvfp4_fake_quant import ROWS, TILES, along_m_input, uses_kernel
 
 PAD_M = (16, 32)  # the kernel's zero-padding of the token rows along M: a block, or the cublas op's 32
 
@@ -33,10 +32,7 @@ def reference_cast_nvfp4(
         k = to_nvfp4(x, -1, block_shape=TILES if tiles else ROWS, rounding=rounding, generator=generator,
                      uniform=uniforms[0])  # fmt: skip
     if along_m:
-        pad = -x.shape[0] % pad_m
-        t = F.pad(x, (0, 0, 0, pad)) if pad else x
-        if signs is not None:
-            t = hadamard_transform(t, signs, dim=0)  # fp32, quantized as it is
+        t = along_m_input(x, signs, pad_m)
         m = to_nvfp4(t.t().contiguous(), -1, rounding=rounding, generator=generator, uniform=uniforms[1])
     return k, m
 

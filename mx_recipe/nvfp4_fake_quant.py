@@ -40,6 +40,14 @@ def uses_kernel(x: Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and torch.version.hip is None
 
 
+def along_m_input(x: Tensor, signs: Tensor | None, pad_m: int) -> Tensor:
+    """What the references quantize along M: x [M, C] zero-padded to a multiple of ``pad_m`` rows, then put
+    through the random Hadamard transform along M (fp32, quantized as it is) when ``signs`` is given."""
+    pad = -x.shape[0] % pad_m
+    t = F.pad(x, (0, 0, 0, pad)) if pad else x
+    return t if signs is None else hadamard_transform(t, signs, dim=0)
+
+
 def reference_fake_quant_nvfp4(
     x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | None, rounding: str,
     generator: torch.Generator | None = None, uniforms: tuple[Tensor | None, Tensor | None] = (None, None),
@@ -51,10 +59,7 @@ def reference_fake_quant_nvfp4(
         k, s_k = nvfp4_operand(x, -1, block_shape=block_shape, rounding=rounding, generator=generator,
                                uniform=uniforms[0])  # fmt: skip
     if along_m:
-        pad = -x.shape[0] % NVFP4_BLOCK
-        t = F.pad(x, (0, 0, 0, pad)) if pad else x
-        if signs is not None:
-            t = hadamard_transform(t, signs, dim=0)  # fp32, quantized as it is
+        t = along_m_input(x, signs, NVFP4_BLOCK)
         m, s_m = nvfp4_operand(t, 0, rounding=rounding, generator=generator, uniform=uniforms[1])
         m = m.to(x.dtype)  # exact: e2m1 * e4m3 has at most 6 significant bits
     return NVFP4Operands(k, s_k, m, s_m)

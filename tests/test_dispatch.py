@@ -28,8 +28,9 @@ def test_rule(op):
     assert dispatch.rule(op, HOPPER, bf16, "e2m1", "nearest") == fp4_kernel
     assert dispatch.rule(op, BLACKWELL, bf16, "e2m1", "nearest") == fp4_kernel
     assert dispatch.rule(op, HOPPER, fp32, "e2m1", "nearest") == "reference"
-    assert dispatch.rule(op, HOPPER, bf16, "e2m1", "stochastic") == "reference"
-    assert dispatch.rule(op, HOPPER, bf16, "e4m3", "stochastic") == "reference"  # kernels round to nearest
+    assert dispatch.rule(op, HOPPER, bf16, "e2m1", "stochastic") == fp4_kernel  # the Triton fake-quants' draws
+    assert dispatch.rule(op, HOPPER, fp32, "e2m1", "stochastic") == "reference"
+    assert dispatch.rule(op, HOPPER, bf16, "e4m3", "stochastic") == "reference"  # fp8 kernels round to nearest
     fp32_kernel = "reference" if fake_quant else "triton"  # the fake-quant kernels take bf16
     assert dispatch.rule(op, HOPPER, fp32, "e4m3", "nearest") == fp32_kernel
 

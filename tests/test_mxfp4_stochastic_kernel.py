@@ -1,0 +1,142 @@
+"""Stochastic rounding of MXFP4 on the Triton fake-quant kernel (mx_kernels/fake_quant_2d.py) against the
+reference (``formats.fake_quant`` with ``rounding="stochastic"``), bit for bit: the kernel's Philox draws
+(``nvfp4.philox_uniform``, each element by its row-major index in its output, stream 0 along K and 1 along M)
+handed to the reference as its ``uniform``. Along K, along M (zero-padded rows), both from one read, 3D
+experts, gathered token groups, both scale rules, the edge cases of ``special_input``.
+
+On the CPU the kernel runs in the Triton interpreter (a child pytest), where every step is exact; the GPU
+tests run the same checks on the hardware. The dispatch sends stochastic e2m1 fake-quants of bf16 on CUDA to
+this kernel (``dispatch.rule``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_cast_kernels import (
+    HAS_CUDA,
+    HAS_TRITON,
+    INTERP,
+    MODES,
+    assert_values_equal,
+    group_sources,
+    interp_only,
+    run_interpreter_tests,
+    special_input,
+)
+
+from mx_recipe.formats import fake_quant
+from mx_recipe.nvfp4 import philox_uniform
+
+
+def _seed(device, seed: int = 0) -> torch.Tensor:
+    return torch.tensor([0x2468_ACE0_1357_9BDF + seed], dtype=torch.int64, device=device)
+
+
+def check_2d(x: torch.Tensor, mode: str, along_k: bool, along_m: bool, seed: int = 0) -> None:
+    from mx_kernels.fake_quant_2d import fake_quant_2d
+
+    key = _seed(x.device, seed)
+    got_k, got_m = fake_quant_2d(x, "e2m1", mode, along_k, along_m, key)
+    xc, what = x.cpu(), f"mxfp4 SR {tuple(x.shape)} {mode} k={along_k} m={along_m}"
+    if along_k:
+        u = philox_uniform(int(key.item()), 0, tuple(x.shape))
+        want = fake_quant(xc, "e2m1", mode, dim=-1, rounding="stochastic", uniform=u)
+        assert_values_equal(got_k, want, what + " along K")
+    if along_m:
+        padded = F.pad(xc, (0, 0, 0, -x.shape[-2] % 32))
+        u = philox_uniform(int(key.item()), 1, tuple(padded.shape))
+        want = fake_quant(padded, "e2m1", mode, dim=-2, rounding="stochastic", uniform=u)
+        assert_values_equal(got_m, want, what + " along M")
+
+
+def check_groups(sizes: list[int], mode: str, device) -> None:
+    """Each row draws by its own index in the [M, K] output, wherever its group puts it."""
+    from mx_kernels.fake_quant_2d import fake_quant_groups_along_m
+
+    x = special_input((sum(sizes), 96), torch.bfloat16, device, seed=len(sizes)).nan_to_num(nan=1.0)
+    src, key = group_sources(sizes, device), _seed(device, len(sizes))
+    got = fake_quant_groups_along_m(x, src, "e2m1", mode, key)
+    u = philox_uniform(int(key.item()), 1, tuple(x.shape))
+    rows = src.cpu().long()
+    laid = torch.cat([x.cpu(), x.new_zeros(1, 96).cpu()])[rows]  # -1 picks the zero row
+    laid_u = torch.cat([u, u.new_zeros(1, 96)])[rows]
+    fq = fake_quant(laid, "e2m1", mode, dim=0, rounding="stochastic", uniform=laid_u)
+    want = torch.empty_like(x.cpu())
+    want[rows[rows >= 0]] = fq[rows >= 0]
+    assert_values_equal(got, want, f"mxfp4 SR groups {sizes} {mode}")
+
+
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
+def test_mxfp4_stochastic_kernel_in_triton_interpreter():
+    run_interpreter_tests(__file__)
+
+
+@interp_only
+@pytest.mark.parametrize("mode", MODES)
+def test_interp_mxfp4_stochastic_fake_quant(mode):
+    x = special_input((96, 160), torch.bfloat16, "cpu")  # NaN, inf, zero blocks, subnormals
+    for along_k, along_m in ((True, False), (False, True), (True, True)):
+        check_2d(x, mode, along_k, along_m)
+    check_2d(special_input((2, 70, 96), torch.bfloat16, "cpu", 1), mode, True, True)  # 3D, M padded along M
+    check_groups([40, 0, 33, 1, 64], mode, "cpu")
+
+
+@interp_only
+def test_interp_mxfp4_stochastic_errors():
+    from mx_kernels.fake_quant_2d import fake_quant_2d
+
+    x = torch.randn(64, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="e2m1 fake-quants only"):
+        fake_quant_2d(x, "e4m3", "floor", True, False, _seed("cpu"))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        fake_quant_2d(torch.randn(64, 20, dtype=torch.bfloat16), "e2m1", "floor", False, True, _seed("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_mxfp4_stochastic_fake_quant_bit_exact(mode):
+    for shape in [(96, 160), (4130, 160), (1024, 4096), (3, 224, 96)]:
+        x = special_input(shape, torch.bfloat16, "cuda")
+        for along_k, along_m in ((True, False), (False, True), (True, True)):
+            check_2d(x, mode, along_k, along_m)
+    check_groups([40, 0, 33, 1, 64], mode, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_stochastic_e2m1_entry_points_take_the_kernel():
+    """The public fake-quants send stochastic e2m1 on CUDA to the kernel: its draws, not the reference's."""
+    from mx_recipe import dispatch
+    from mx_recipe.cast import fake_quant_dim0
+
+    x = special_input((256, 512), torch.bfloat16, "cuda").nan_to_num(nan=1.0)
+    assert dispatch.implementation("fake_quant_2d", x, "e2m1", "stochastic") == "triton"
+    generator = torch.Generator("cuda").manual_seed(3)
+    got = fake_quant_dim0(x, "e2m1", "floor", rounding="stochastic", generator=generator)
+    key = torch.randint(
+        0, 2**62, (1,), device="cuda", dtype=torch.int64, generator=torch.Generator("cuda").manual_seed(3)
+    )
+    u = philox_uniform(int(key.item()), 0, tuple(x.shape))
+    want = fake_quant(x.cpu(), "e2m1", "floor", dim=-1, rounding="stochastic", uniform=u)
+    assert_values_equal(got, want, "fake_quant_dim0 stochastic on CUDA")
+
+
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
+@pytest.mark.parametrize("arch", [90, 100])
+def test_stochastic_variants_compile_for_hopper_and_blackwell(arch):
+    """What the interpreter cannot check: the stochastic kernel (2D both sides, 3D, gathered) compiles to cubin."""
+    from mx_kernels import fake_quant_2d as fq
+    from mx_kernels.gluon_common import compile_for_arch
+
+    seed = torch.empty(1, dtype=torch.int64, device="meta")
+    for shape, gather in (((4096, 4096), False), ((8, 512, 1024), False), ((4096, 1024), True)):
+        x = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+        out = torch.empty(16, dtype=torch.bfloat16, device="meta")
+        row_src = torch.empty(4096, dtype=torch.int32, device="meta") if gather else None
+        along_k = not gather
+        m = shape[-2]
+        _, kwargs = fq._kernel_launch(x, row_src, out, out, "e2m1", "floor", along_k, True, m, m, False, seed)
+        assert compile_for_arch(fq._fake_quant_2d_kernel, kwargs, arch).asm["cubin"]
