@@ -288,7 +288,7 @@ def _fake_quant_2d_fake(
     return x.new_empty(k_shape), x.new_empty(m_shape)
 
 
-def _fake_quant_2d_kernel(
+def _fake_quant_2d_op(
     x: Tensor, elem: str, mode: str, along_k: bool, along_m: bool, seed: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     if seed is not None:  # only the Triton kernel rounds stochastically
@@ -298,7 +298,7 @@ def _fake_quant_2d_kernel(
 
 _define(
     "fake_quant_2d(Tensor x, str elem, str mode, bool along_k, bool along_m, Tensor? seed=None) -> (Tensor, Tensor)",
-    _fake_quant_2d_kernel,
+    _fake_quant_2d_op,
     _fake_quant_2d_fake,
 )
 
@@ -311,7 +311,7 @@ def _fake_quant_groups_along_m_fake(
     return x.new_empty(x.shape[0], x.shape[1])
 
 
-def _fake_quant_groups_along_m_kernel(
+def _fake_quant_groups_along_m_op(
     x: Tensor, elem: str, mode: str, row_src: Tensor, seed: Tensor | None = None
 ) -> Tensor:
     if seed is not None:
@@ -321,7 +321,7 @@ def _fake_quant_groups_along_m_kernel(
 
 _define(
     "fake_quant_groups_along_m(Tensor x, str elem, str mode, Tensor row_src, Tensor? seed=None) -> Tensor",
-    _fake_quant_groups_along_m_kernel,
+    _fake_quant_groups_along_m_op,
     _fake_quant_groups_along_m_fake,
 )
 
