@@ -26,11 +26,11 @@ def check_cast(
 ) -> None:
     """Raise the reference's errors (and the kernels' own limits) before any launch. ``qdim``: the
     quantized dim, whose size must be a multiple of 32 (None: the kernel pads it). ``fp4``: the kernel
-    takes e2m1 too (the fake-quants, which write no packed codes)."""
+    takes e2m1 too (the Triton casts and fake-quants; not the Gluon kernels or the per-group cast)."""
     if elem == "e2m1" and not fp4:
         raise ValueError(
-            f"{op}: the Triton MX cast kernels write fp8 (e4m3, e5m2) only; e2m1 is not supported "
-            "here (mx_recipe.cast takes the reference for it)"
+            f"{op}: this kernel writes fp8 (e4m3, e5m2) only; e2m1 is not supported here (mx_recipe.cast "
+            "takes the Triton kernel or the reference for it)"
         )
     elem_format(elem)  # unknown names raise the reference's ValueError
     if elem not in KERNEL_ELEMS + (("e2m1",) if fp4 else ()):
@@ -70,9 +70,14 @@ def fp8_dtype(elem: str) -> torch.dtype:
 
 
 def empty_outputs(x: torch.Tensor, elem: str, shapes: tuple[tuple[int, ...], tuple[int, ...]]) -> list[torch.Tensor]:
-    """[qdata, scale] of one cast, uninitialized, on x's device (fake tensors too, for the custom ops)."""
+    """[qdata, scale] of one cast, uninitialized, on x's device (fake tensors too, for the custom ops). e2m1
+    qdata is packed as the reference packs it: uint8, two codes a byte along the last dim."""
     q_shape, s_shape = shapes
-    return [x.new_empty(q_shape, dtype=fp8_dtype(elem)), x.new_empty(s_shape, dtype=torch.float8_e8m0fnu)]
+    if elem == "e2m1":
+        q = x.new_empty((*q_shape[:-1], q_shape[-1] // 2), dtype=torch.uint8)
+    else:
+        q = x.new_empty(q_shape, dtype=fp8_dtype(elem))
+    return [q, x.new_empty(s_shape, dtype=torch.float8_e8m0fnu)]
 
 
 def fake_quant_2d_outputs(

@@ -33,8 +33,11 @@ from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.mx_quantize import (
     bf16_bits_rne,
     block_amax_bits,
+    e2m1_codes,
     fp8_bits_to_fp32,
     max_abs,
+    pack_pairs,
+    pack_pairs_along_rows,
     round_e2m1,
     round_to_fp8_bits,
     to_fp32,
@@ -104,24 +107,6 @@ def quantize_nvfp4_blocks(v, block_amax, tensor_amax, u, STOCHASTIC: tl.constexp
 
 
 @triton.jit
-def e2m1_codes(q, s):
-    """e2m1 values q (fp32) -> their 4-bit codes (int32, the sign in bit 3), 0 where the block scale s is NaN
-    (``formats._encode_e2m1``): 0 and 0.5 are codes 0 and 1; from 1 on, the code is 2 + 2 * exponent +
-    the one mantissa bit, which is the value's fp32 bits >> 22, less 252."""
-    bits = q.to(tl.int32, bitcast=True)
-    mag = bits & 0x7FFFFFFF
-    code = tl.where(mag >= 0x3F800000, (mag >> 22) - 252, tl.where(mag == 0x3F000000, 1, 0))
-    return tl.where(s == s, code | ((bits >> 28) & 8), 0)
-
-
-@triton.jit
-def pack_pairs(codes):
-    """[R, C] codes -> [R, C / 2] bytes, element 2i in the low nibble (``formats.pack_fp4``)."""
-    lo, hi = tl.split(tl.reshape(codes, (codes.shape[0], codes.shape[1] // 2, 2)))
-    return (lo | (hi << 4)).to(tl.uint8)
-
-
-@triton.jit
 def _amax_kernel(
     x_ptr, amax_ptr, signs_ptr, M, K, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr, HADAMARD: tl.constexpr,
@@ -187,7 +172,7 @@ def _fake_quant_kernel(
             u = tl.reshape(u, (BLOCK_M * BLOCK_K // 16, 16)) if STOCHASTIC else u
         q, s_bits, s = quantize_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND)
         if PACKED:  # row-major codes; one scale per row and block of 16 (a tile's repeated over its rows)
-            pairs = pack_pairs(tl.reshape(e2m1_codes(q, s), (BLOCK_M, BLOCK_K)))
+            pairs = pack_pairs(tl.reshape(tl.where(s == s, e2m1_codes(q), 0), (BLOCK_M, BLOCK_K)))
             pair_cols = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
             tl.store(k_ptr + rows.to(tl.int64)[:, None] * (K // 2) + pair_cols[None, :], pairs,
                      mask=(rows < M)[:, None] & (pair_cols < K // 2)[None, :])  # fmt: skip
@@ -213,8 +198,8 @@ def _fake_quant_kernel(
         u = tl.reshape(u, (BLOCK_M // 16, 16, BLOCK_K)) if STOCHASTIC else u
         q, s_bits, s = quantize_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND)
         if PACKED:  # stored transposed: row c of the output holds column c's codes, paired along M
-            codes = tl.reshape(e2m1_codes(q, s), (BLOCK_M // 2, 2, BLOCK_K))
-            pairs = tl.trans(pack_pairs(tl.reshape(tl.permute(codes, (0, 2, 1)), (BLOCK_M // 2, 2 * BLOCK_K))))
+            codes = tl.reshape(tl.where(s == s, e2m1_codes(q), 0), (BLOCK_M, BLOCK_K))
+            pairs = tl.trans(pack_pairs_along_rows(codes))
             pair_rows = tl.program_id(0) * (BLOCK_M // 2) + tl.arange(0, BLOCK_M // 2)
             tl.store(m_ptr + cols.to(tl.int64)[:, None] * (M_PAD // 2) + pair_rows[None, :], pairs,
                      mask=(cols < K)[:, None] & (pair_rows < M_PAD // 2)[None, :])  # fmt: skip

@@ -99,7 +99,7 @@ def block_amax_bits(blocks, AXIS: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
 
 @triton.jit
 def quantize_blocks(blocks, AXIS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
-    """fp32 blocks of 32 along AXIS (the tile's whole extent there) -> (fp8 bits uint8, same
+    """fp32 blocks of 32 along AXIS (the tile's whole extent there) -> (fp8 bits uint8, or e2m1 codes, same
     shape; biased E8M0 scales uint8, AXIS reduced away). The Triton kernels' one quantize routine."""
     MAX_NORMAL: tl.constexpr = fmt(ELEM, "max_normal")
     amax_bits = block_amax_bits(blocks, AXIS, SOFTWARE_ROUND)
@@ -110,6 +110,9 @@ def quantize_blocks(blocks, AXIS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.co
     v = blocks * tl.expand_dims(inv_scale, AXIS)
     # clamp first: inf saturates, and the result does not depend on cvt's satfinite
     v = tl.minimum(tl.maximum(v, -MAX_NORMAL), MAX_NORMAL)
+    if ELEM == "e2m1":  # 4-bit codes, packed by the caller; a NaN block's are 0, as the reference's
+        q = tl.where(tl.expand_dims(is_nan, AXIS), 0, e2m1_codes(round_e2m1(v, 0.0, False))).to(tl.uint8)
+        return q, tl.where(is_nan, 0xFF, e + 127).to(tl.uint8)
     if SOFTWARE_ROUND:
         q = round_to_fp8_bits(v, ELEM)
     elif ELEM == "e4m3":
@@ -207,6 +210,33 @@ def round_e2m1(v, u, STOCHASTIC: tl.constexpr):
         magic = (binade + (22 << 23)).to(tl.float32, bitcast=True)
         q = (mag + magic) - magic
     return (q.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_codes(q):
+    """e2m1 values q (fp32) -> their 4-bit codes (int32, the sign in bit 3), ``formats._encode_e2m1``: 0 and 0.5
+    are codes 0 and 1; from 1 on, the code is 2 + 2 * exponent + the one mantissa bit, which is the value's
+    fp32 bits >> 22, less 252."""
+    bits = q.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    code = tl.where(mag >= 0x3F800000, (mag >> 22) - 252, tl.where(mag == 0x3F000000, 1, 0))
+    return code | ((bits >> 28) & 8)
+
+
+@triton.jit
+def pack_pairs(codes):
+    """[R, C] codes -> [R, C / 2] bytes, element 2i in the low nibble (``formats.pack_fp4``)."""
+    lo, hi = tl.split(tl.reshape(codes, (codes.shape[0], codes.shape[1] // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def pack_pairs_along_rows(codes):
+    """[R, C] codes -> [R / 2, C] bytes, row 2i in the low nibble: what ``pack_pairs`` gives for the transpose,
+    left untransposed."""
+    rows_in_pairs = tl.reshape(tl.permute(tl.reshape(codes, (codes.shape[0] // 2, 2, codes.shape[1])), (0, 2, 1)),
+                               (codes.shape[0] // 2, 2 * codes.shape[1]))  # fmt: skip
+    return pack_pairs(rows_in_pairs)
 
 
 @triton.jit

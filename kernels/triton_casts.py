@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, empty_outputs, software_round, tile_grid
 from mx_kernels.launch_cache import LaunchCache
-from mx_kernels.mx_quantize import quantize_blocks, store_scales, to_fp32
+from mx_kernels.mx_quantize import pack_pairs, pack_pairs_along_rows, quantize_blocks, store_scales, to_fp32
 
 # (NUM_SUB, BLOCK_K, num_warps). dim0: 32 x 512 with 8 warps, 2-3% faster than 32 x 256 with 4 warps on an
 # H200 with blocked scales. dim1 and both: one warp per program, since Triton spreads warps along M and a
@@ -50,13 +50,26 @@ def _cast_kernel(
         x = to_fp32(tl.load(x_ptr + x_offs, mask=mask, other=0.0), SOFTWARE_ROUND)
         if DIM0:  # blocks of 32 along K: row-major [M, K] output, scales [M, K/32]
             q0, s0 = quantize_blocks(tl.reshape(x, (BLOCK_K, 32)), 1, ELEM, RCEIL, SOFTWARE_ROUND)
-            q0_offs = pid_b * stride_qb + rows.to(tl.int64)[:, None] * K + cols[None, :]
-            tl.store(q0_ptr + q0_offs, tl.reshape(q0, (32, BLOCK_K)), mask=mask)
+            q0 = tl.reshape(q0, (32, BLOCK_K))
+            if ELEM == "e2m1":  # two codes a byte along K: [M, K/2]
+                half = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+                q0_offs = pid_b * stride_qb + rows.to(tl.int64)[:, None] * (K // 2) + half[None, :]
+                tl.store(q0_ptr + q0_offs, pack_pairs(q0), mask=(rows < M)[:, None] & (half < K // 2)[None, :])
+            else:
+                q0_offs = pid_b * stride_qb + rows.to(tl.int64)[:, None] * K + cols[None, :]
+                tl.store(q0_ptr + q0_offs, q0, mask=mask)
             s0 = tl.reshape(s0, (32, BLOCK_K // 32))
             store_scales(s0_ptr + pid_b * stride_s0b, s0, rows, s0_cols, M, K >> 5, BLOCKED)
         if DIM1:  # one block of 32 along M per column: transposed [K, M] output, scales [K, M/32]
             q1, s1 = quantize_blocks(x, 0, ELEM, RCEIL, SOFTWARE_ROUND)
-            tl.store(q1_ptr + pid_b * stride_qb + cols.to(tl.int64)[None, :] * M + rows[:, None], q1, mask=mask)
+            if ELEM == "e2m1":  # two codes a byte along M: [K, M/2]
+                half = (pid_m * NUM_SUB + i) * 16 + tl.arange(0, 16)
+                q1_offs = pid_b * stride_qb + cols.to(tl.int64)[None, :] * (M // 2) + half[:, None]
+                tl.store(
+                    q1_ptr + q1_offs, pack_pairs_along_rows(q1), mask=(half < M // 2)[:, None] & (cols < K)[None, :]
+                )
+            else:
+                tl.store(q1_ptr + pid_b * stride_qb + cols.to(tl.int64)[None, :] * M + rows[:, None], q1, mask=mask)
             s1_tile = tl.where(sub[None, :] == i, s1[:, None], s1_tile)
     if DIM1:
         store_scales(s1_ptr + pid_b * stride_s1b, s1_tile, cols, pid_m * NUM_SUB + sub, K, M >> 5, BLOCKED)
@@ -83,7 +96,7 @@ def _cast(x: torch.Tensor, elem: str, mode: str, blocked: bool, dim0: bool, dim1
         u8 = [t.view(torch.uint8) for t in (q0, s0, q1, s1)]
         return grid, dict(
             x_ptr=x3, q0_ptr=u8[0], s0_ptr=u8[1], q1_ptr=u8[2], s1_ptr=u8[3], M=m, K=k, stride_xb=x3.stride(0),
-            stride_xm=x3.stride(1), stride_xk=x3.stride(2), stride_qb=m * k,
+            stride_xm=x3.stride(1), stride_xk=x3.stride(2), stride_qb=m * k // (2 if elem == "e2m1" else 1),
             stride_s0b=s0[0].numel() if x.dim() == 3 and dim0 else 0,
             stride_s1b=s1[0].numel() if x.dim() == 3 and dim1 else 0, DIM0=dim0, DIM1=dim1, NUM_SUB=num_sub,
             BLOCK_K=block_k, BLOCKED=blocked, ELEM=elem, RCEIL=mode == "rceil", SOFTWARE_ROUND=software,
@@ -98,14 +111,14 @@ def _cast(x: torch.Tensor, elem: str, mode: str, blocked: bool, dim0: bool, dim1
 def cast_dim0(x: torch.Tensor, elem: str, mode: str, blocked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] or [E, M, K] (bf16/fp32, any strides) -> (qdata fp8 of x's shape, scales e8m0 [.., M, K/32] or,
     with ``blocked``, blocked: 1D for 2D x, [E, padded] per expert). Bit-identical to ``to_mx(x, elem, mode)``."""
-    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1, op="cast_dim0")
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-1, op="cast_dim0", fp4=True)
     return tuple(_cast(x, elem, mode, blocked, True, False, "cast_dim0"))
 
 
 def cast_dim1(x: torch.Tensor, elem: str, mode: str, blocked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] or [E, M, K] (bf16/fp32, any strides) -> (qdata [.., K, M] fp8, scales e8m0 [.., K, M/32] or
     blocked). Bit-identical to ``to_mx(x.transpose(-2, -1).contiguous(), elem, mode)``."""
-    check_cast(x, elem, mode, ndims=(2, 3), qdim=-2, op="cast_dim1")
+    check_cast(x, elem, mode, ndims=(2, 3), qdim=-2, op="cast_dim1", fp4=True)
     return tuple(_cast(x, elem, mode, blocked, False, True, "cast_dim1"))
 
 
@@ -115,6 +128,6 @@ def cast_dim0_dim1(
     """x [M, K] (bf16/fp32, any strides) -> (q0 [M, K], s0, q1 [K, M], s1) from one read of x, as ``cast_dim0``
     and ``cast_dim1``: every operand of the MX linear is needed in both orientations, and one read instead of
     two saves a third of the bytes."""
-    check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_dim0_dim1")
-    check_cast(x, elem, mode, ndims=(2,), qdim=1, op="cast_dim0_dim1")
+    check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_dim0_dim1", fp4=True)
+    check_cast(x, elem, mode, ndims=(2,), qdim=1, op="cast_dim0_dim1", fp4=True)
     return tuple(_cast(x, elem, mode, blocked, True, True, "cast_dim0_dim1"))

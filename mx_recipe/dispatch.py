@@ -3,10 +3,10 @@
 Every op has a pure-PyTorch reference (built on ``formats.to_mx``, the judge of every kernel), a Triton
 kernel and, for Hopper, a Gluon kernel; all three give the same bits. ``implementation`` is the rule:
 
-* the reference off CUDA, for fp32 input to a fake-quant (the fake-quant kernels take bf16), for e2m1 casts
-  (no packed-fp4 MX cast kernels) and for stochastic rounding of fp8;
-* e2m1 fake-quants of bf16 (the emulated MXFP4 GEMMs), to nearest or stochastically: the Triton kernel on
-  every CUDA device;
+* the reference off CUDA, for fp32 input to a fake-quant (the fake-quant kernels take bf16), for the per-group
+  e2m1 cast, and for stochastic rounding of fp8 and of the casts;
+* e2m1 (MXFP4): the Triton casts (packed codes) and the Triton fake-quants of bf16 (to nearest or
+  stochastically), on every CUDA device;
 * the Gluon kernel on an NVIDIA GPU of compute capability 9.x for bf16 input, unless ``MX_RECIPE_GLUON=0``;
 * the Triton kernel on every other CUDA device (Blackwell included) and input.
 
@@ -123,12 +123,15 @@ class KernelOp:
     gluon: str
     bf16_only: bool = False
     fp4: bool = False  # the Triton kernel takes e2m1 too (the Gluon one does not)
+    stochastic: bool = False  # the Triton kernel rounds e2m1 stochastically too
 
 
 OPS: dict[str, KernelOp] = {
-    "cast_dim0": KernelOp(reference_cast_dim0, "triton_casts:cast_dim0", "gluon_casts:cast_dim0"),
-    "cast_dim1": KernelOp(reference_cast_dim1, "triton_casts:cast_dim1", "gluon_casts:cast_dim1"),
-    "cast_dim0_dim1": KernelOp(reference_cast_dim0_dim1, "triton_casts:cast_dim0_dim1", "gluon_casts:cast_dim0_dim1"),
+    "cast_dim0": KernelOp(reference_cast_dim0, "triton_casts:cast_dim0", "gluon_casts:cast_dim0", fp4=True),
+    "cast_dim1": KernelOp(reference_cast_dim1, "triton_casts:cast_dim1", "gluon_casts:cast_dim1", fp4=True),
+    "cast_dim0_dim1": KernelOp(
+        reference_cast_dim0_dim1, "triton_casts:cast_dim0_dim1", "gluon_casts:cast_dim0_dim1", fp4=True
+    ),
     "cast_groups_dim1": KernelOp(
         reference_cast_groups_dim1, "cast_groups_dim1:cast_groups_dim1", "gluon_cast_groups:cast_groups_dim1"
     ),
@@ -138,6 +141,7 @@ OPS: dict[str, KernelOp] = {
         "gluon_fake_quant:fake_quant_2d",
         bf16_only=True,
         fp4=True,
+        stochastic=True,
     ),
     "fake_quant_groups_along_m": KernelOp(
         reference_fake_quant_groups_along_m,
@@ -145,6 +149,7 @@ OPS: dict[str, KernelOp] = {
         "gluon_fake_quant:fake_quant_groups_along_m",
         bf16_only=True,
         fp4=True,
+        stochastic=True,
     ),
 }
 
@@ -155,14 +160,15 @@ def rule(
     """The one rule: "reference", "triton" or "gluon" for ``op`` on a device of CUDA compute ``capability``
     (None: not an NVIDIA CUDA device), input ``dtype``, element format and rounding; ``gluon``: the Gluon
     kernels are allowed (``MX_RECIPE_GLUON`` is not "0")."""
+    spec = OPS[op]
     if capability is None:
         return "reference"
-    if elem not in KERNEL_ELEMS or rounding != "nearest":
-        # e2m1, to nearest or stochastically: the Triton fake-quants of bf16 (MXFP4 on the emulated backend);
-        # stochastic rounding of fp8 has no kernel
-        return "triton" if elem == "e2m1" and OPS[op].fp4 and dtype == torch.bfloat16 else "reference"
+    if rounding != "nearest":  # e2m1 on the Triton fake-quants of bf16 (MXFP4 gradients); fp8 has no kernel
+        return "triton" if elem == "e2m1" and spec.stochastic and dtype == torch.bfloat16 else "reference"
+    if elem not in KERNEL_ELEMS:  # e2m1: the Triton casts, and the Triton fake-quants of bf16
+        return "triton" if spec.fp4 and (dtype == torch.bfloat16 or not spec.bf16_only) else "reference"
     if dtype != torch.bfloat16:
-        return "reference" if OPS[op].bf16_only else "triton"
+        return "reference" if spec.bf16_only else "triton"
     return "gluon" if gluon and capability[0] == 9 else "triton"
 
 
@@ -203,7 +209,7 @@ def device_table() -> str:
     """What runs where, as the README's markdown table, from ``rule`` (e4m3/e5m2 and round-to-nearest unless
     the column says otherwise; "CUDA" is the same on Hopper and Blackwell)."""
     header = [
-        "op", *(f"{d}, bf16" for d in DEVICES), "Hopper, fp32", "CUDA, bf16, e2m1 (either rounding)",
+        "op", *(f"{d}, bf16" for d in DEVICES), "Hopper, fp32", "CUDA, bf16, e2m1", "CUDA, bf16, e2m1, stochastic",
         "any device, fp8, stochastic",
     ]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
@@ -212,6 +218,7 @@ def device_table() -> str:
         cells += [
             rule(op, (9, 0), torch.float32, "e4m3", "nearest"),
             rule(op, (10, 0), torch.bfloat16, "e2m1", "nearest"),
+            rule(op, (10, 0), torch.bfloat16, "e2m1", "stochastic"),
             rule(op, (10, 0), torch.bfloat16, "e4m3", "stochastic"),
         ]
         lines.append("| " + " | ".join([f"`{op}`", *cells]) + " |")
@@ -242,7 +249,7 @@ def _one_side_cast_op(name: str, qdim: int, shapes: Callable) -> None:
         return _kernel(name, x)(x, elem, mode, blocked)
 
     def fake(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
-        check_cast(x, elem, mode, ndims=(2, 3), qdim=qdim, op=name)
+        check_cast(x, elem, mode, ndims=(2, 3), qdim=qdim, op=name, fp4=True)
         return tuple(empty_outputs(x, elem, shapes(x.shape, blocked)))
 
     _define(f"{name}(Tensor x, str elem, str mode, bool blocked) -> (Tensor, Tensor)", kernel, fake)
@@ -253,8 +260,8 @@ _one_side_cast_op("cast_dim1", -2, dim1_shapes)
 
 
 def _cast_dim0_dim1_fake(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_dim0_dim1")
-    check_cast(x, elem, mode, ndims=(2,), qdim=1, op="cast_dim0_dim1")
+    check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_dim0_dim1", fp4=True)
+    check_cast(x, elem, mode, ndims=(2,), qdim=1, op="cast_dim0_dim1", fp4=True)
     return (
         *empty_outputs(x, elem, dim0_shapes(x.shape, blocked)),
         *empty_outputs(x, elem, dim1_shapes(x.shape, blocked)),

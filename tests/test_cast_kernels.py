@@ -51,6 +51,7 @@ DTYPES = [torch.bfloat16, torch.float32]
 GPU_DTYPES = [torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.slow)]
 ELEMS = ["e4m3", "e5m2"]
 FAKE_QUANT_ELEMS = [*ELEMS, "e2m1"]  # the Triton fake-quants take MXFP4 too
+CAST_ELEMS = [*ELEMS, "e2m1"]  # and so do the Triton casts (packed codes), but for the per-group one
 MODES = ["floor", "rceil"]
 
 
@@ -287,7 +288,7 @@ def test_dispatch_reference_path_types():
     w = special_input((2, 64, 96), torch.float32, "cpu")
     c = mx_cast.cast_3d_dim1(w, blocked_scales=True)
     assert c.qdata.shape == (2, 96, 64) and c.scale.shape == (2, blocked_numel(96, 2))
-    d0, d1 = cast_dim0_dim1(x, "e2m1")  # fp4 takes the reference path everywhere
+    d0, d1 = cast_dim0_dim1(x, "e2m1")  # the reference on the CPU
     assert d0.qdata.shape == (64, 48) and d1.qdata.shape == (96, 32)
 
 
@@ -461,14 +462,15 @@ def test_kernels_in_triton_interpreter():
 
 @interp_only
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("elem", ELEMS)
+@pytest.mark.parametrize("elem", CAST_ELEMS)
 @pytest.mark.parametrize("mode", MODES)
 def test_interp_all_kernels(dtype, elem, mode):
     for blocked in (False, True):
         check_dim0((96, 160), dtype, elem, mode, blocked, "cpu")
         check_dim1((96, 160), dtype, elem, mode, blocked, "cpu")
         check_dim0_dim1((64, 96), dtype, elem, mode, blocked, "cpu")
-    check_groups([32, 0, 160, 0, 64], 96, dtype, elem, mode, "cpu")
+    if elem != "e2m1":  # the per-group cast writes fp8 only
+        check_groups([32, 0, 160, 0, 64], 96, dtype, elem, mode, "cpu")
 
 
 @interp_only
@@ -519,6 +521,8 @@ def test_interp_ragged_3d_and_strided():
     check_dim0((2, 40, 64), torch.bfloat16, "e4m3", "floor", True, "cpu")
     check_dim1((3, 64, 96), torch.float32, "e5m2", "rceil", True, "cpu")
     check_dim1((1, 32, 32), torch.bfloat16, "e4m3", "floor", False, "cpu")
+    check_dim0((2, 40, 64), torch.bfloat16, "e2m1", "rceil", True, "cpu")  # packed e2m1, 3D, ragged rows
+    check_dim1((3, 64, 96), torch.float32, "e2m1", "floor", False, "cpu")
     x = special_input((96, 64), torch.bfloat16, "cpu").t()  # non-contiguous: read through strides
     q, s = _launch_all("dim0")(x, "e4m3", "floor")
     ref = to_mx(x, "e4m3", "floor")
@@ -624,17 +628,18 @@ def impl(request, monkeypatch) -> str:
 
 def skip_fp4_on_gluon(elem: str, impl: str) -> None:
     if elem == "e2m1" and impl == "gluon":
-        pytest.skip("the Gluon fake-quants write fp8 only; e2m1 runs on the Triton kernel")
+        pytest.skip("the Gluon kernels write fp8 only; e2m1 runs on the Triton kernels")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("elem", ELEMS)
+@pytest.mark.parametrize("elem", CAST_ELEMS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("blocked", [False, True])
 @pytest.mark.parametrize("kernel", ["dim0", "dim1", "dim0_dim1", "3d_dim0", "3d_dim1"])
 def test_gpu_bit_exact(kernel, blocked, mode, elem, dtype, impl):
+    skip_fp4_on_gluon(elem, impl)
     if kernel == "dim0":
         for shape in [(96, 160), (4128, 160), (33, 96), (1000, 4096)]:
             check_dim0(shape, dtype, elem, mode, blocked, "cuda", impl=impl)
@@ -767,3 +772,23 @@ def test_gpu_strided_input_and_compile(impl):
 def test_gpu_unblock_scales(rows, cols):
     for experts in (None, 3):
         check_unblock_scales(rows, cols, experts, "cuda")
+
+
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
+@pytest.mark.parametrize("arch", [90, 100])
+def test_e2m1_casts_compile_for_hopper_and_blackwell(arch):
+    """What the interpreter cannot check: the packed e2m1 cast (dim0, dim1, both; blocked scales) compiles to
+    cubin, on the tiles the launcher picks."""
+    from mx_kernels import triton_casts
+    from mx_kernels.gluon_common import compile_for_arch
+
+    x = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
+    u8 = torch.empty(16, dtype=torch.uint8, device="meta")
+    for dim0, dim1 in ((True, False), (False, True), (True, True)):
+        num_sub, block_k, num_warps = triton_casts.DIM1_TILE if dim1 else triton_casts.DIM0_TILE
+        kwargs = dict(
+            x_ptr=x, q0_ptr=u8, s0_ptr=u8, q1_ptr=u8, s1_ptr=u8, M=4096, K=4096, stride_xb=0, stride_xm=4096,
+            stride_xk=1, stride_qb=4096 * 2048, stride_s0b=0, stride_s1b=0, DIM0=dim0, DIM1=dim1, NUM_SUB=num_sub,
+            BLOCK_K=block_k, BLOCKED=True, ELEM="e2m1", RCEIL=False, SOFTWARE_ROUND=False, num_warps=num_warps,
+        )  # fmt: skip
+        assert compile_for_arch(triton_casts._cast_kernel, kwargs, arch).asm["cubin"]

@@ -24,11 +24,12 @@ def test_rule(op):
     assert dispatch.rule(op, BLACKWELL, bf16, "e5m2", "nearest") == "triton"
     assert dispatch.rule(op, (8, 9), bf16, "e4m3", "nearest") == "triton"
     fake_quant = op.startswith("fake_quant")
-    fp4_kernel = "triton" if fake_quant else "reference"  # e2m1: the Triton fake-quants, no packed-fp4 casts
+    fp4_kernel = "reference" if op == "cast_groups_dim1" else "triton"  # e2m1: the Triton casts and fake-quants
     assert dispatch.rule(op, HOPPER, bf16, "e2m1", "nearest") == fp4_kernel
     assert dispatch.rule(op, BLACKWELL, bf16, "e2m1", "nearest") == fp4_kernel
-    assert dispatch.rule(op, HOPPER, fp32, "e2m1", "nearest") == "reference"
-    assert dispatch.rule(op, HOPPER, bf16, "e2m1", "stochastic") == fp4_kernel  # the Triton fake-quants' draws
+    assert dispatch.rule(op, HOPPER, fp32, "e2m1", "nearest") == ("reference" if fake_quant else fp4_kernel)
+    sr_kernel = "triton" if fake_quant else "reference"  # the Triton fake-quants' draws; the casts round to nearest
+    assert dispatch.rule(op, HOPPER, bf16, "e2m1", "stochastic") == sr_kernel
     assert dispatch.rule(op, HOPPER, fp32, "e2m1", "stochastic") == "reference"
     assert dispatch.rule(op, HOPPER, bf16, "e4m3", "stochastic") == "reference"  # fp8 kernels round to nearest
     fp32_kernel = "reference" if fake_quant else "triton"  # the fake-quant kernels take bf16
