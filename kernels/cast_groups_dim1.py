@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from mx_kernels.common import check_cast, fp8_dtype, groups_dim1_shapes, software_round
+from mx_kernels.common import check_cast, empty_outputs, groups_dim1_shapes, software_round
 from mx_kernels.launch_cache import LaunchCache
-from mx_kernels.mx_quantize import blocked_scale_offset, quantize_blocks, to_fp32
+from mx_kernels.mx_quantize import blocked_scale_offset, pack_pairs_along_rows, quantize_blocks, to_fp32
 from mx_kernels.spec import cdiv
 
 BLOCK_K, NUM_WARPS = 64, 1  # one warp per program: see triton_casts.py; 128 source rows (one scale tile column)
@@ -65,7 +65,14 @@ def _cast_groups_dim1_kernel(
         x_offs = rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
         x = to_fp32(tl.load(x_ptr + x_offs, mask=mask, other=0.0), SOFTWARE_ROUND)
         q, scale = quantize_blocks(x, 0, ELEM, RCEIL, SOFTWARE_ROUND)
-        tl.store(q_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], q, mask=mask)
+        if ELEM == "e2m1":  # two codes a byte along M: [K, M_total/2]
+            half = (row0 + i * 32) // 2 + tl.arange(0, 16)
+            q_offs = cols.to(tl.int64)[None, :] * (M // 2) + half[:, None]
+            tl.store(
+                q_ptr + q_offs, pack_pairs_along_rows(q), mask=(half < row_end // 2)[:, None] & (cols < K)[None, :]
+            )
+        else:
+            tl.store(q_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], q, mask=mask)
         scales = tl.where(c[None, :] == i, scale[:, None], scales)
 
     # This program's [BLOCK_K, 4] scales: rows of tile (k // 128, t - tile_start) of its group,
@@ -82,14 +89,13 @@ _LAUNCHES = LaunchCache(_cast_groups_dim1_kernel)
 
 
 def cast_groups_dim1(x: torch.Tensor, offs: torch.Tensor, elem: str, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M_total, K], offs int32 [G] -> (qdata [K, M_total] fp8, per-group blocked scales e8m0, 1D).
+    """x [M_total, K], offs int32 [G] -> (qdata [K, M_total] fp8, or e2m1 packed [K, M_total / 2] uint8;
+    per-group blocked scales e8m0, 1D).
 
     The caller validates ``offs`` (``common.check_offs``); for plain scales use ``cast_dim1``.
     """
-    check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_groups_dim1")
-    q_shape, s_shape = groups_dim1_shapes(x.shape, offs.numel(), blocked=True)
-    qdata = torch.empty(q_shape, dtype=fp8_dtype(elem), device=x.device)
-    scale = torch.empty(s_shape, dtype=torch.float8_e8m0fnu, device=x.device)
+    check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_groups_dim1", fp4=True)
+    qdata, scale = empty_outputs(x, elem, groups_dim1_shapes(x.shape, offs.numel(), blocked=True))
     m, k = x.shape
     if k == 0:
         return qdata, scale

@@ -3,8 +3,8 @@
 Every op has a pure-PyTorch reference (built on ``formats.to_mx``, the judge of every kernel), a Triton
 kernel and, for Hopper, a Gluon kernel; all three give the same bits. ``implementation`` is the rule:
 
-* the reference off CUDA, for fp32 input to a fake-quant (the fake-quant kernels take bf16), for the per-group
-  e2m1 cast, and for stochastic rounding of fp8 and of the casts;
+* the reference off CUDA, for fp32 input to a fake-quant (the fake-quant kernels take bf16), and for
+  stochastic rounding of fp8 and of the casts;
 * e2m1 (MXFP4): the Triton casts (packed codes) and the Triton fake-quants of bf16 (to nearest or
   stochastically), on every CUDA device;
 * the Gluon kernel on an NVIDIA GPU of compute capability 9.x for bf16 input, unless ``MX_RECIPE_GLUON=0``;
@@ -133,7 +133,10 @@ OPS: dict[str, KernelOp] = {
         reference_cast_dim0_dim1, "triton_casts:cast_dim0_dim1", "gluon_casts:cast_dim0_dim1", fp4=True
     ),
     "cast_groups_dim1": KernelOp(
-        reference_cast_groups_dim1, "cast_groups_dim1:cast_groups_dim1", "gluon_cast_groups:cast_groups_dim1"
+        reference_cast_groups_dim1,
+        "cast_groups_dim1:cast_groups_dim1",
+        "gluon_cast_groups:cast_groups_dim1",
+        fp4=True,
     ),
     "fake_quant_2d": KernelOp(
         reference_fake_quant_2d,
@@ -276,7 +279,7 @@ _define(
 
 
 def _cast_groups_dim1_fake(x: Tensor, elem: str, mode: str, offs: Tensor) -> tuple[Tensor, Tensor]:
-    check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_groups_dim1")
+    check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_groups_dim1", fp4=True)
     return tuple(empty_outputs(x, elem, groups_dim1_shapes(x.shape, offs.shape[0], blocked=True)))
 
 

@@ -51,7 +51,7 @@ DTYPES = [torch.bfloat16, torch.float32]
 GPU_DTYPES = [torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.slow)]
 ELEMS = ["e4m3", "e5m2"]
 FAKE_QUANT_ELEMS = [*ELEMS, "e2m1"]  # the Triton fake-quants take MXFP4 too
-CAST_ELEMS = [*ELEMS, "e2m1"]  # and so do the Triton casts (packed codes), but for the per-group one
+CAST_ELEMS = [*ELEMS, "e2m1"]  # and so do the Triton casts (packed codes)
 MODES = ["floor", "rceil"]
 
 
@@ -192,12 +192,13 @@ def check_groups(group_sizes, k, dtype, elem, mode, device, seed=0, impl="triton
     out = run_groups(x, offs.to(device), elem, mode, impl)
     what = f"{impl} groups {group_sizes} k={k} {dtype} {elem} {mode}"
     check_mx(out, ref, to_blocked_groups(ref.scale, offs), what)
-    # each group's slice is that group's own dim1 cast
-    start = 0
+    # each group's slice is that group's own dim1 cast (e2m1: two rows a byte)
+    start, per_byte = 0, 2 if elem == "e2m1" else 1
     for end in offs.tolist():
         if end > start:
             ref_g = to_mx(x.cpu()[start:end].t().contiguous(), elem, mode, dim=-1)
-            assert_bits_equal(out.qdata[:, start:end], ref_g.qdata, f"{what} group qdata [{start}, {end})")
+            got_g = out.qdata[:, start // per_byte : end // per_byte]
+            assert_bits_equal(got_g, ref_g.qdata, f"{what} group qdata [{start}, {end})")
         start = end
 
 
@@ -469,8 +470,7 @@ def test_interp_all_kernels(dtype, elem, mode):
         check_dim0((96, 160), dtype, elem, mode, blocked, "cpu")
         check_dim1((96, 160), dtype, elem, mode, blocked, "cpu")
         check_dim0_dim1((64, 96), dtype, elem, mode, blocked, "cpu")
-    if elem != "e2m1":  # the per-group cast writes fp8 only
-        check_groups([32, 0, 160, 0, 64], 96, dtype, elem, mode, "cpu")
+    check_groups([32, 0, 160, 0, 64], 96, dtype, elem, mode, "cpu")
 
 
 @interp_only
@@ -660,9 +660,10 @@ def test_gpu_bit_exact(kernel, blocked, mode, elem, dtype, impl):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("elem", ELEMS)
+@pytest.mark.parametrize("elem", CAST_ELEMS)
 @pytest.mark.parametrize("mode", MODES)
 def test_gpu_groups_bit_exact(mode, elem, dtype, impl):
+    skip_fp4_on_gluon(elem, impl)
     # (the Gluon kernel's tile follows the average group size: these cases run both of its tiles)
     check_groups([32, 0, 160, 0, 64], 96, dtype, elem, mode, "cuda", impl=impl)
     check_groups([0, 0, 4096, 256, 32, 0], 160, dtype, elem, mode, "cuda", impl=impl)
@@ -777,9 +778,9 @@ def test_gpu_unblock_scales(rows, cols):
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
 @pytest.mark.parametrize("arch", [90, 100])
 def test_e2m1_casts_compile_for_hopper_and_blackwell(arch):
-    """What the interpreter cannot check: the packed e2m1 cast (dim0, dim1, both; blocked scales) compiles to
-    cubin, on the tiles the launcher picks."""
-    from mx_kernels import triton_casts
+    """What the interpreter cannot check: the packed e2m1 casts (dim0, dim1, both; per group; blocked scales)
+    compile to cubin, on the tiles the launchers pick."""
+    from mx_kernels import cast_groups_dim1, triton_casts
     from mx_kernels.gluon_common import compile_for_arch
 
     x = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
@@ -792,3 +793,10 @@ def test_e2m1_casts_compile_for_hopper_and_blackwell(arch):
             BLOCK_K=block_k, BLOCKED=True, ELEM="e2m1", RCEIL=False, SOFTWARE_ROUND=False, num_warps=num_warps,
         )  # fmt: skip
         assert compile_for_arch(triton_casts._cast_kernel, kwargs, arch).asm["cubin"]
+    offs = torch.empty(8, dtype=torch.int32, device="meta")
+    kwargs = dict(
+        x_ptr=x, offs_ptr=offs, q_ptr=u8, s_ptr=u8, M=4096, K=4096, num_groups=8, max_tile_cols=40, stride_xm=4096,
+        stride_xk=1, GROUPS_POW2=8, BLOCK_K=cast_groups_dim1.BLOCK_K, ELEM="e2m1", RCEIL=False, SOFTWARE_ROUND=False,
+        num_warps=cast_groups_dim1.NUM_WARPS,
+    )  # fmt: skip
+    assert compile_for_arch(cast_groups_dim1._cast_groups_dim1_kernel, kwargs, arch).asm["cubin"]

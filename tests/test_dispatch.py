@@ -24,7 +24,7 @@ def test_rule(op):
     assert dispatch.rule(op, BLACKWELL, bf16, "e5m2", "nearest") == "triton"
     assert dispatch.rule(op, (8, 9), bf16, "e4m3", "nearest") == "triton"
     fake_quant = op.startswith("fake_quant")
-    fp4_kernel = "reference" if op == "cast_groups_dim1" else "triton"  # e2m1: the Triton casts and fake-quants
+    fp4_kernel = "triton"  # e2m1: the Triton casts (packed codes) and fake-quants
     assert dispatch.rule(op, HOPPER, bf16, "e2m1", "nearest") == fp4_kernel
     assert dispatch.rule(op, BLACKWELL, bf16, "e2m1", "nearest") == fp4_kernel
     assert dispatch.rule(op, HOPPER, fp32, "e2m1", "nearest") == ("reference" if fake_quant else fp4_kernel)
