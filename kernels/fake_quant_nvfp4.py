@@ -14,6 +14,10 @@ dtype (exact), the per-tensor decode scale s_dec left for the GEMM's output. Two
 Along M, rows past M read as zeros and the result has ceil(M / 16) * 16 rows (the zero-padded operand the
 grad-weight GEMM uses), in x's layout (a bf16 GEMM takes it transposed for free).
 
+``cast_nvfp4`` is the same pair of kernels writing the packed operands of the sm_100 GEMM instead
+(``PACKED``): e2m1 codes two a byte and the e4m3 scale bits, along K row-major and along M transposed
+([K, M_pad / 2], rows padded to 16 or 32), bit for bit ``to_nvfp4``.
+
 Stochastic rounding draws from Philox4x32-10 keyed by a 64-bit seed read from device memory (so a
 captured or compiled step draws a new one each time without a host sync): element i of x (row-major
 index r * K + c) takes half a word of the counter (i div 8, i's high word, stream, 0), stream 0 along K and
