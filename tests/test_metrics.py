@@ -4,6 +4,7 @@ TensorBoard event files, wandb (offline without a key, a clear message when it i
 import json
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -150,7 +151,18 @@ def wandb_records(output_dir: Path) -> tuple[str, list[dict], list[str]]:
         for r in records
         if r.WhichOneof("record_type") == "history"
     ]
-    return run_ids[0], history, [r.WhichOneof("record_type") for r in records]
+    return (run_ids or [None])[0], history, [r.WhichOneof("record_type") for r in records]
+
+
+def finished_wandb_records(output_dir: Path, timeout_s: float = 30.0) -> tuple[str, list[dict], list[str]]:
+    """``wandb_records`` once the file holds the run and its exit: wandb's service process writes the file
+    on its own, and under load it was seen without them right after ``finish()`` returned."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        run_id, history, kinds = wandb_records(output_dir)
+        if (run_id is not None and "exit" in kinds) or time.monotonic() > deadline:
+            return run_id, history, kinds
+        time.sleep(0.2)
 
 
 def test_wandb_offline_without_a_key_and_resumed_into_the_same_run(tmp_path, monkeypatch):
@@ -167,7 +179,7 @@ def test_wandb_offline_without_a_key_and_resumed_into_the_same_run(tmp_path, mon
     logger.log_validation(1, 2.0)
     logger.close()
     run_id = (out / "wandb_run_id").read_text().strip()
-    got_id, history, kinds = wandb_records(out)
+    got_id, history, kinds = finished_wandb_records(out)
     assert got_id == run_id and "exit" in kinds  # finished
     assert history[0]["_step"] == 1 and history[0]["train/loss"] == 3.0 and history[0]["val/loss"] == 2.0
     assert "train/mfu" not in history[0]  # no MFU on the CPU
