@@ -52,17 +52,25 @@ def check_cast(
         )
 
 
-def check_nvfp4_fake_quant(x: torch.Tensor, along_k: bool, along_m: bool, tiles: bool) -> None:
-    """The NVFP4 fake-quant's argument errors (its entry point, its op's fake and its launcher): a 2D x whose K,
-    and M too with 16x16 ``tiles``, are multiples of 16; at least one direction asked for."""
+NVFP4_PAD_M = (NVFP4_BLOCK, 2 * NVFP4_BLOCK)  # the rows along M are padded to a block, or to the cublas op's 32
+
+
+def check_nvfp4(
+    x: torch.Tensor, along_k: bool, along_m: bool, tiles: bool, op: str = "fake_quant_nvfp4", pad_m: int = NVFP4_BLOCK
+) -> None:
+    """The argument errors of the NVFP4 fake-quant and cast (``op``: their entry points, their ops' fakes and
+    their launchers): a 2D x whose K, and M too with 16x16 ``tiles``, are multiples of 16; at least one
+    direction asked for; rows along M padded to 16 or 32 (``pad_m``)."""
     if not (along_k or along_m):
-        raise ValueError("fake_quant_nvfp4: ask for along_k, along_m or both")
+        raise ValueError(f"{op}: ask for along_k, along_m or both")
     if x.dim() != 2:
-        raise ValueError(f"fake_quant_nvfp4 takes a 2D tensor, got shape {tuple(x.shape)}")
+        raise ValueError(f"{op} takes a 2D tensor, got shape {tuple(x.shape)}")
     m, k = x.shape
     if k % NVFP4_BLOCK or (tiles and m % NVFP4_BLOCK):
         need = "both dims" if tiles else "dim 1"
-        raise ValueError(f"fake_quant_nvfp4: {need} of shape {tuple(x.shape)} must be multiples of {NVFP4_BLOCK}")
+        raise ValueError(f"{op}: {need} of shape {tuple(x.shape)} must be multiples of {NVFP4_BLOCK}")
+    if pad_m not in NVFP4_PAD_M:
+        raise ValueError(f"{op}: pad_m must be one of {NVFP4_PAD_M}, got {pad_m}")
 
 
 def fp8_dtype(elem: str) -> torch.dtype:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from mx_kernels.common import check_nvfp4_fake_quant, interpreting, software_round
+from mx_kernels.common import check_nvfp4, interpreting, software_round
 from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.mx_quantize import (
     bf16_bits_rne,
@@ -231,12 +231,12 @@ def fake_quant_nvfp4(
     tiles along K; ``signs``: fp32 [16], the random Hadamard transform along M before quantizing along M;
     ``seed``: int64 [1] on x's device for stochastic rounding, None to round to nearest. An output not asked
     for is empty. Bit for bit ``mx_recipe.nvfp4`` (module docstring)."""
-    check_nvfp4_fake_quant(x, along_k, along_m, tiles)
+    check_nvfp4(x, along_k, along_m, tiles)
     m, k = x.shape
     m_pad = cdiv(m, BLOCK) * BLOCK
     out_k = x.new_empty((m, k) if along_k else (0,))
     out_m = x.new_empty((m_pad, k) if along_m else (0,))
-    s_dec = _launch(x, along_k, along_m, tiles, signs, seed, (out_k, out_m, None, None), m_pad)
+    s_dec = _launch(x, along_k, along_m, tiles, signs, seed, (out_k, out_m, None, None), m_pad, "fake_quant_nvfp4")
     return out_k, out_m, s_dec
 
 
@@ -248,9 +248,7 @@ def cast_nvfp4(
     and scales float8_e4m3fn [M, K / 16]; along M, transposed, rows zero-padded to a multiple of ``pad_m``
     (16 or 32): codes [K, M_pad / 2] and scales [K, M_pad / 16]; s_dec fp32 [2]). Codes are two e2m1 per byte,
     the first element in the low nibble: ``to_nvfp4(x, -1)`` and ``to_nvfp4(x_padded.t(), -1)``, bit for bit."""
-    check_nvfp4_fake_quant(x, along_k, along_m, tiles)
-    if pad_m not in (BLOCK, 2 * BLOCK):
-        raise ValueError(f"cast_nvfp4: pad_m must be {BLOCK} or {2 * BLOCK}, got {pad_m}")
+    check_nvfp4(x, along_k, along_m, tiles, "cast_nvfp4", pad_m)
     m, k = x.shape
     m_pad = cdiv(m, pad_m) * pad_m
     u8 = dict(dtype=torch.uint8)
@@ -258,24 +256,24 @@ def cast_nvfp4(
     scale_k = x.new_empty((m, k // BLOCK) if along_k else (0,), **u8)
     q_m = x.new_empty((k, m_pad // 2) if along_m else (0,), **u8)
     scale_m = x.new_empty((k, m_pad // BLOCK) if along_m else (0,), **u8)
-    s_dec = _launch(x, along_k, along_m, tiles, signs, seed, (q_k, q_m, scale_k, scale_m), m_pad)
+    s_dec = _launch(x, along_k, along_m, tiles, signs, seed, (q_k, q_m, scale_k, scale_m), m_pad, "cast_nvfp4")
     e4m3 = torch.float8_e4m3fn
     return q_k, scale_k.view(e4m3), q_m, scale_m.view(e4m3), s_dec
 
 
 def _launch(
     x: torch.Tensor, along_k: bool, along_m: bool, tiles: bool, signs: torch.Tensor | None, seed: torch.Tensor | None,
-    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], m_pad: int,
+    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], m_pad: int, op: str,
 ) -> torch.Tensor:  # fmt: skip
     """Both kernels into ``outputs`` (along K, along M, and for the packed cast their scales); returns s_dec."""
     if x.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"fake_quant_nvfp4 takes bf16 input, got {x.dtype}")
+        raise ValueError(f"{op} takes bf16 input, got {x.dtype}")
     if x.dtype != torch.bfloat16 and not interpreting():
-        raise NotImplementedError(f"fake_quant_nvfp4: the GPU kernel takes bf16 input, got {x.dtype}")
+        raise NotImplementedError(f"{op}: the GPU kernel takes bf16 input, got {x.dtype}")
     amax = torch.zeros(2, dtype=torch.int32, device=x.device)
     s_dec = torch.full((2,), EMPTY_S_DEC, dtype=torch.float32, device=x.device)  # written by the kernel
     if x.numel():
-        software = software_round(x, "fake_quant_nvfp4")
+        software = software_round(x, op)
         hadamard = along_m and signs is not None
         signs_arg = signs if hadamard else amax
         packed = outputs[2] is not None

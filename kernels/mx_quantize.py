@@ -98,16 +98,21 @@ def block_amax_bits(blocks, AXIS: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
 
 
 @triton.jit
+def scale_blocks(blocks, AXIS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
+    """fp32 blocks of 32 along AXIS -> (NaN block?, shared exponent e, AXIS reduced away; blocks * 2**-e)."""
+    amax_bits = block_amax_bits(blocks, AXIS, SOFTWARE_ROUND)
+    e = scale_exponent(amax_bits, ELEM, RCEIL)
+    # 2**-e from bits; -e = -127 is the one subnormal (0x00400000 = 2**-127)
+    inv_scale = tl.where(e < 127, (127 - e) << 23, 0x400000).to(tl.float32, bitcast=True)
+    return amax_bits > 0x7F800000, e, blocks * tl.expand_dims(inv_scale, AXIS)
+
+
+@triton.jit
 def quantize_blocks(blocks, AXIS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
     """fp32 blocks of 32 along AXIS (the tile's whole extent there) -> (fp8 bits uint8, or e2m1 codes, same
     shape; biased E8M0 scales uint8, AXIS reduced away). The Triton kernels' one quantize routine."""
     MAX_NORMAL: tl.constexpr = fmt(ELEM, "max_normal")
-    amax_bits = block_amax_bits(blocks, AXIS, SOFTWARE_ROUND)
-    is_nan = amax_bits > 0x7F800000
-    e = scale_exponent(amax_bits, ELEM, RCEIL)
-    # 2**-e from bits; -e = -127 is the one subnormal (0x00400000 = 2**-127)
-    inv_scale = tl.where(e < 127, (127 - e) << 23, 0x400000).to(tl.float32, bitcast=True)
-    v = blocks * tl.expand_dims(inv_scale, AXIS)
+    is_nan, e, v = scale_blocks(blocks, AXIS, ELEM, RCEIL, SOFTWARE_ROUND)
     # clamp first: inf saturates, and the result does not depend on cvt's satfinite
     v = tl.minimum(tl.maximum(v, -MAX_NORMAL), MAX_NORMAL)
     if ELEM == "e2m1":  # 4-bit codes, packed by the caller; a NaN block's are 0, as the reference's
@@ -278,13 +283,10 @@ def fake_quant_e2m1_blocks(
     """fp32 blocks of 32 along AXIS -> their MXFP4 quantize-dequantize in fp32: ``formats.fake_quant`` for e2m1,
     to nearest or (STOCHASTIC) with the draws ``u``. The e2m1 value times 2**e directly: no packed codes, no
     e8m0 byte (e2m1 * 2**e is exact in fp32 and bf16)."""
-    amax_bits = block_amax_bits(blocks, AXIS, SOFTWARE_ROUND)
-    is_nan = amax_bits > 0x7F800000
-    e = scale_exponent(amax_bits, "e2m1", RCEIL)
-    inv_scale = tl.where(e < 127, (127 - e) << 23, 0x400000).to(tl.float32, bitcast=True)
+    is_nan, e, v = scale_blocks(blocks, AXIS, "e2m1", RCEIL, SOFTWARE_ROUND)
     factor = tl.where(e > -127, (e + 127) << 23, 0x400000).to(tl.float32, bitcast=True)  # 2**e
     factor = tl.where(is_nan, float("nan"), factor)
-    q = round_e2m1(blocks * tl.expand_dims(inv_scale, AXIS), u, STOCHASTIC)
+    q = round_e2m1(v, u, STOCHASTIC)
     return q * tl.expand_dims(factor, AXIS)
 
 

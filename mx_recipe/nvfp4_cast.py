@@ -13,13 +13,11 @@ from ``generator`` itself.
 from __future__ import annotations
 
 import torch
-from mx_kernels.common import check_nvfp4_fake_quant
+from mx_kernels.common import check_nvfp4
 from torch import Tensor
 
 from mx_recipe.nvfp4 import NVFP4Tensor, to_nvfp4
 from mx_recipe.nvfp4_fake_quant import ROWS, TILES, along_m_input, uses_kernel
-
-PAD_M = (16, 32)  # the kernel's zero-padding of the token rows along M: a block, or the cublas op's 32
 
 
 def reference_cast_nvfp4(
@@ -45,11 +43,9 @@ def cast_nvfp4(
     [M, K], x along M as one [K, M_pad], M_pad the next multiple of ``pad_m``), None for a side not asked for.
     ``tiles``: 16x16 scale tiles along K; ``signs``: fp32 [16], the random Hadamard transform along M first;
     ``rounding``: "nearest" or "stochastic"."""
-    check_nvfp4_fake_quant(x, along_k, along_m, tiles)
+    check_nvfp4(x, along_k, along_m, tiles, "cast_nvfp4", pad_m)
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"cast_nvfp4: rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-    if pad_m not in PAD_M:
-        raise ValueError(f"cast_nvfp4: pad_m must be one of {PAD_M}, got {pad_m}")
     if not uses_kernel(x):
         return reference_cast_nvfp4(x, along_k, along_m, tiles, signs, rounding, pad_m, generator)
     seed = None
@@ -80,7 +76,7 @@ def _kernel(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor 
 
 def _fake(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | None, seed: Tensor | None,
           pad_m: int):  # fmt: skip
-    check_nvfp4_fake_quant(x, along_k, along_m, tiles)
+    check_nvfp4(x, along_k, along_m, tiles, "cast_nvfp4", pad_m)
     m, k = x.shape
     m_pad = -(-m // pad_m) * pad_m
     u8, e4m3 = torch.uint8, torch.float8_e4m3fn

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from mx_kernels.common import check_nvfp4_fake_quant
+from mx_kernels.common import check_nvfp4
 from torch import Tensor
 
 from mx_recipe.nvfp4 import NVFP4_BLOCK, hadamard_transform, nvfp4_operand
@@ -73,7 +73,7 @@ def fake_quant_nvfp4(
     along K [M, K] and along M [ceil16(M), K], each e2m1 * float(block scale) in x's dtype, and their fp32
     decode scales. ``tiles``: 16x16 scale tiles along K; ``signs``: fp32 [16], the random Hadamard transform
     along M first; ``rounding``: "nearest" or "stochastic" (the draws: module docstring)."""
-    check_nvfp4_fake_quant(x, along_k, along_m, tiles)
+    check_nvfp4(x, along_k, along_m, tiles)
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"fake_quant_nvfp4: rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if not uses_kernel(x):
@@ -102,7 +102,7 @@ def _kernel(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor 
 
 
 def _fake(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | None, seed: Tensor | None):
-    check_nvfp4_fake_quant(x, along_k, along_m, tiles)
+    check_nvfp4(x, along_k, along_m, tiles)
     m, k = x.shape
     m_pad = -(-m // NVFP4_BLOCK) * NVFP4_BLOCK
     return (
