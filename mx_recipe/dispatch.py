@@ -198,7 +198,7 @@ def launcher(op: str, kind: str) -> Callable:
     return getattr(importlib.import_module(f"mx_kernels.{module}"), name)
 
 
-def _kernel(op: str, x: Tensor, elem: str = "e4m3") -> Callable:
+def _kernel(op: str, x: Tensor, elem: str) -> Callable:
     """Inside a custom op, where a kernel was chosen: the launcher the rule names for a nearest cast to
     ``elem`` (an input the kernels refuse reaches the Triton launcher, which says why)."""
     kind = implementation(op, x, elem)
@@ -249,7 +249,7 @@ def _one_side_cast_op(name: str, qdim: int, shapes: Callable) -> None:
     """The op of the one-sided cast ``name`` (x [M, K] or [E, M, K], quantized along ``qdim``)."""
 
     def kernel(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
-        return _kernel(name, x)(x, elem, mode, blocked)
+        return _kernel(name, x, elem)(x, elem, mode, blocked)
 
     def fake(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
         check_cast(x, elem, mode, ndims=(2, 3), qdim=qdim, op=name, fp4=True)
@@ -273,7 +273,7 @@ def _cast_dim0_dim1_fake(x: Tensor, elem: str, mode: str, blocked: bool) -> tupl
 
 _define(
     "cast_dim0_dim1(Tensor x, str elem, str mode, bool blocked) -> (Tensor, Tensor, Tensor, Tensor)",
-    lambda x, elem, mode, blocked: _kernel("cast_dim0_dim1", x)(x, elem, mode, blocked),
+    lambda x, elem, mode, blocked: _kernel("cast_dim0_dim1", x, elem)(x, elem, mode, blocked),
     _cast_dim0_dim1_fake,
 )
 
@@ -285,7 +285,7 @@ def _cast_groups_dim1_fake(x: Tensor, elem: str, mode: str, offs: Tensor) -> tup
 
 _define(
     "cast_groups_dim1(Tensor x, str elem, str mode, Tensor offs) -> (Tensor, Tensor)",
-    lambda x, elem, mode, offs: _kernel("cast_groups_dim1", x)(x, offs, elem, mode),
+    lambda x, elem, mode, offs: _kernel("cast_groups_dim1", x, elem)(x, offs, elem, mode),
     _cast_groups_dim1_fake,
 )
 

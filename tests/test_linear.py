@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mx_recipe.dispatch import implementation
 from mx_recipe.formats import to_mx
 from mx_recipe.linear import MXLinear, mx_linear
+from mx_recipe.nvfp4 import philox_uniform
 from mx_recipe.recipe import RECIPES, MXRecipe
 from mx_recipe.saved_memory import saved_bytes
 
@@ -47,17 +49,29 @@ SR_SEED = 1234  # run_mx seeds the default generator with it before backward
 
 
 def grad_operands(g2: torch.Tensor, r: MXRecipe, dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The quantized upstream gradient of the backward GEMMs: (g along N [M, N], g along M [Mp, N]).
+    """The quantized upstream gradient of the backward GEMMs of the emulated backend: (g along N [M, N], g along
+    M [Mp, N]).
 
-    Stochastic rounding replays the backward's draws from the default generator: seeded with
-    SR_SEED, grad input's first (one per element of g [M, N]), then grad weight's, one per element
-    of the padded g read transposed ([N, Mp], the layout its cast quantizes)."""
+    Stochastic rounding replays the backward's draws from the default generator, seeded with SR_SEED. On the
+    reference: grad input's first (one per element of g [M, N]), then grad weight's, one per element of the
+    padded g read transposed ([N, Mp], the layout its cast quantizes). On the Triton fake-quant (bf16 e2m1 on
+    CUDA, dispatch.rule): the one seed of the backward's one fake-quant call, and Philox streams 0 (along N)
+    and 1 (along M) indexed by each output's row-major position (``nvfp4.philox_uniform``)."""
     rule = r.scale_rule
     if r.grad_rounding == "nearest":
         return deq(g2, r.grad, rule, 1, dt), deq(pad_rows(g2), r.grad, rule, 0, dt).contiguous()
     torch.manual_seed(SR_SEED)
-    g_n = to_mx(g2, r.grad, rule, dim=1, rounding="stochastic").dequantize(dt) if r.grad_input != "bf16" else None
-    g_m = to_mx(pad_rows(g2).t().contiguous(), r.grad, rule, dim=1, rounding="stochastic").dequantize(dt).t()
+    g_m_in = pad_rows(g2).t().contiguous()
+    if implementation("fake_quant_2d", g2, r.grad, "stochastic") == "triton":
+        seed = int(torch.randint(0, 2**62, (1,), device=g2.device, dtype=torch.int64).item())  # one call, one seed
+        u_n = philox_uniform(seed, 0, tuple(g2.shape), g2.device)
+        u_m = philox_uniform(seed, 1, (g_m_in.shape[1], g_m_in.shape[0]), g2.device).t().contiguous()
+        random_n, random_m = dict(uniform=u_n), dict(uniform=u_m)
+    else:
+        random_n = random_m = {}
+    sr = dict(dim=1, rounding="stochastic")
+    g_n = to_mx(g2, r.grad, rule, **sr, **random_n).dequantize(dt) if r.grad_input != "bf16" else None
+    g_m = to_mx(g_m_in, r.grad, rule, **sr, **random_m).dequantize(dt).t()
     return g_n, g_m.contiguous()
 
 

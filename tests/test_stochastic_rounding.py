@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mx_recipe.cast import cast_dim0, cast_dim1, fake_quant_along_m, fake_quant_dim0
+from mx_recipe.dispatch import implementation
 from mx_recipe.formats import elem_format, fake_quant, round_to_format, round_to_format_stochastic, to_mx
 
 FORMATS = ("e4m3", "e5m2", "e2m1")
@@ -224,7 +225,8 @@ def test_argument_errors():
 
 
 # ---------------------------------------------------------------------------------------------
-# Dispatch (cast.py): the casts take the reference's stochastic path, draws in the layout they read.
+# Dispatch (cast.py): the casts take the reference's stochastic path, draws in the layout they read (and so
+# do the fake-quants, except the Triton kernel for bf16 e2m1 on CUDA, tested in test_mxfp4_stochastic_kernel.py).
 # ---------------------------------------------------------------------------------------------
 def _casts_match(device: str) -> None:
     x = torch.randn(64, 96, device=device, dtype=torch.bfloat16)
@@ -242,9 +244,10 @@ def _casts_match(device: str) -> None:
         for got, ref in ((got0, ref0), (got1, ref1)):
             assert torch.equal(got.qdata.view(torch.uint8), ref.qdata.view(torch.uint8)), elem
             assert torch.equal(got.scale.view(torch.uint8), ref.scale.view(torch.uint8)), elem
-        assert torch.equal(fake_quant_dim0(x, elem, "floor", generator=gen(1), **sr), ref0.dequantize(x.dtype))
-        along_m = fake_quant_along_m(x, elem, "floor", generator=gen(1), **sr)  # [64, 96]: x's layout
-        assert torch.equal(along_m, ref1.dequantize(x.dtype).t())
+        if implementation("fake_quant_2d", x, elem, "stochastic") == "reference":  # the kernel draws Philox bits
+            assert torch.equal(fake_quant_dim0(x, elem, "floor", generator=gen(1), **sr), ref0.dequantize(x.dtype))
+            along_m = fake_quant_along_m(x, elem, "floor", generator=gen(1), **sr)  # [64, 96]: x's layout
+            assert torch.equal(along_m, ref1.dequantize(x.dtype).t())
         # and it is not round-to-nearest
         assert not torch.equal(got0.qdata.view(torch.uint8), cast_dim0(x, elem, "floor").qdata.view(torch.uint8))
 
