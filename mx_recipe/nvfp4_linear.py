@@ -24,7 +24,7 @@ import torch
 
 from mx_recipe.nvfp4 import NVFP4_BLOCK, NVFP4Tensor, random_signs
 from mx_recipe.nvfp4_cast import cast_nvfp4
-from mx_recipe.nvfp4_fake_quant import fake_quant_nvfp4
+from mx_recipe.nvfp4_fake_quant import ROWS, fake_quant_nvfp4
 from mx_recipe.recipe import NVFP4Recipe
 from mx_recipe.scale_layout import to_blocked
 
@@ -57,19 +57,22 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, dtype: tor
 
 
 class _NVFP4LinearFunction(torch.autograd.Function):
-    """The operands come from ``fake_quant_nvfp4``: one kernel per operand on the GPU (g's two in one read)."""
+    """The operands come from ``fake_quant_nvfp4``: one kernel per operand on the GPU (g's two in one read).
+    The forward quantizes x along K and, when w needs a gradient, along M (the grad-weight operand) from one
+    read of x, and saves the along-M operand instead of x (the same size): backward does not read x again."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: NVFP4Recipe) -> torch.Tensor:
-        xq = fake_quant_nvfp4(x)
+        need_gw = ctx.needs_input_grad[1]
+        xq = fake_quant_nvfp4(x, along_m=need_gw, signs=_signs(recipe, x.device) if need_gw else None)
         w_k, s_w = weight_operand(w, True, recipe, x.dtype)
-        ctx.recipe = recipe
-        ctx.save_for_backward(x, w)
+        ctx.recipe, ctx.x_dtype = recipe, x.dtype
+        ctx.save_for_backward(w, *((xq.along_m, xq.s_dec_m) if need_gw else ()))
         return _scaled_mm(xq.along_k, w_k, xq.s_dec_k * s_w, x.dtype)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        x, w = ctx.saved_tensors
+        w, *x_m = ctx.saved_tensors
         recipe: NVFP4Recipe = ctx.recipe
         g, dtype = g.contiguous(), g.dtype
         need_gx, need_gw = ctx.needs_input_grad[:2]
@@ -79,10 +82,10 @@ class _NVFP4LinearFunction(torch.autograd.Function):
         gx = gw = None
         if need_gx:
             w_n, s_w = weight_operand(w, False, recipe, dtype)
-            gx = _scaled_mm(gq.along_k, w_n.t(), gq.s_dec_k * s_w, dtype).to(x.dtype)
+            gx = _scaled_mm(gq.along_k, w_n.t(), gq.s_dec_k * s_w, dtype).to(ctx.x_dtype)
         if need_gw:  # zero rows add nothing to the sum
-            xq = fake_quant_nvfp4(x.to(dtype), along_k=False, along_m=True, signs=signs)
-            gw = _scaled_mm(gq.along_m.t(), xq.along_m.t(), gq.s_dec_m * xq.s_dec_m, dtype).to(w.dtype)
+            x_along_m, s_x = x_m
+            gw = _scaled_mm(gq.along_m.t(), x_along_m.t(), gq.s_dec_m * s_x, dtype).to(w.dtype)
         return gx, gw, None
 
 
@@ -111,19 +114,22 @@ class _NVFP4CublasLinearFunction(torch.autograd.Function):
     """The recipe's three GEMMs as torch._scaled_mm calls on packed NVFP4 operands (``cast_nvfp4``: the kernel
     on CUDA, the same bits as ``to_nvfp4``, so the same quantized values as the emulated path; only the GEMMs'
     summation differs). The grad-weight operands are quantized along M with the token rows zero-padded to 32
-    (zero blocks only) and stored transposed, as the op reads them; g's two come from one read."""
+    (zero blocks only) and stored transposed, as the op reads them; g's two come from one read, and so do x's:
+    the forward saves x along M, packed (about 0.56 bytes an element), instead of x."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: NVFP4Recipe, scaled_mm: Callable) -> torch.Tensor:
-        ctx.recipe, ctx.scaled_mm = recipe, scaled_mm
-        ctx.save_for_backward(x, w)
-        xq, _ = cast_nvfp4(x)
+        need_gw = ctx.needs_input_grad[1]
+        ctx.recipe, ctx.scaled_mm, ctx.x_dtype = recipe, scaled_mm, x.dtype
+        signs = _signs(recipe, x.device) if need_gw else None
+        xq, x_m = cast_nvfp4(x, True, need_gw, signs=signs, pad_m=CUBLAS_ROWS)
+        ctx.save_for_backward(w, *((x_m.qdata, x_m.scale, x_m.per_tensor_scale) if need_gw else ()))
         wq, _ = cast_nvfp4(w.to(x.dtype), tiles=recipe.weight_tiles)
         return _nvfp4_gemm(xq, wq, x.dtype, scaled_mm)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        x, w = ctx.saved_tensors
+        w, *x_m = ctx.saved_tensors
         recipe: NVFP4Recipe = ctx.recipe
         g, dtype = g.contiguous(), g.dtype
         need_gx, need_gw = ctx.needs_input_grad[:2]
@@ -132,10 +138,9 @@ class _NVFP4CublasLinearFunction(torch.autograd.Function):
         gx = gw = None
         if need_gx:  # w along N, [K, N / 2] packed: w.T along its K; with tiles the values of the forward's w
             w_n, _ = cast_nvfp4(w.to(dtype).t(), tiles=recipe.weight_tiles)
-            gx = _nvfp4_gemm(g_n, w_n, dtype, ctx.scaled_mm).to(x.dtype)
+            gx = _nvfp4_gemm(g_n, w_n, dtype, ctx.scaled_mm).to(ctx.x_dtype)
         if need_gw:
-            _, x_m = cast_nvfp4(x.to(dtype), False, True, signs=signs, pad_m=CUBLAS_ROWS)
-            gw = _nvfp4_gemm(g_m, x_m, dtype, ctx.scaled_mm).to(w.dtype)
+            gw = _nvfp4_gemm(g_m, NVFP4Tensor(*x_m, 1, ROWS), dtype, ctx.scaled_mm).to(w.dtype)
         return gx, gw, None, None
 
 
