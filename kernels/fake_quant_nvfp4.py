@@ -19,12 +19,14 @@ grad-weight GEMM uses), in x's layout (a bf16 GEMM takes it transposed for free)
 ([K, M_pad / 2], rows padded to 16 or 32), bit for bit ``to_nvfp4``.
 
 Stochastic rounding draws from Philox4x32-10 keyed by a 64-bit seed read from device memory (so a
-captured or compiled step draws a new one each time without a host sync): element i of x (row-major
-index r * K + c) takes half a word of the counter (i div 8, i's high word, stream, 0), stream 0 along K and
-1 along M: output word (i mod 8) div 2, its high 16 bits for even i and its low 16 bits for odd i, times
-2**-16. One Philox call per eight elements a side (the generator was most of the gradient cast's work).
-``mx_recipe.nvfp4.philox_uniform`` is the same stream in PyTorch, which the tests hand to the reference
-as its ``uniform``.
+captured or compiled step draws a new one each time without a host sync), one call for eight elements,
+each taking half of output word j div 2 for its place j in the eight (the high 16 bits for even j, the low
+for odd j) times 2**-16. Along K (stream 0) the eight are consecutive in a row: element i of x (row-major
+index r * K + c) is place i mod 8 at counter (i div 8, i's high word, 0, 0). Along M (stream 1) they are
+consecutive in a column, where each thread holds its column's rows: element (r, c) is place r mod 8 at
+counter (r div 8, c, 1, 0), so the draws never move between threads (eight rows of a row-major draw would
+cost seven layout conversions through shared memory). ``mx_recipe.nvfp4.philox_uniform`` is the same
+stream in PyTorch (``along_rows`` for along M), which the tests hand to the reference as its ``uniform``.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from mx_kernels.mx_quantize import (
     round_to_fp8_bits,
     to_fp32,
     uniform_tile,
+    uniform_tile_along_rows,
 )
 from mx_kernels.spec import NVFP4_BLOCK as BLOCK
 from mx_kernels.spec import cdiv
@@ -198,8 +201,11 @@ def _fake_quant_kernel(
         else:
             v = tl.reshape(x, (BLOCK_M // 16, 16, BLOCK_K))
         b = block_amax_bits(v, 1, SOFTWARE_ROUND).to(tl.float32, bitcast=True)[:, None, :]
-        u = uniform_tile(seed, 1, rows, tl.program_id(1) * BLOCK_K, K, BLOCK_M, BLOCK_K) if STOCHASTIC else 0.0
-        u = tl.reshape(u, (BLOCK_M // 16, 16, BLOCK_K)) if STOCHASTIC else u
+        if STOCHASTIC:  # a column's rows in one thread: eight rows to a Philox call
+            u = uniform_tile_along_rows(seed, 1, tl.program_id(0) * BLOCK_M, cols, BLOCK_M, BLOCK_K)
+            u = tl.reshape(u, (BLOCK_M // 16, 16, BLOCK_K))
+        else:
+            u = 0.0
         q, s_bits, s = quantize_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND)
         if PACKED:  # stored transposed: row c of the output holds column c's codes, paired along M
             codes = tl.reshape(tl.where(s == s, e2m1_codes(q), 0), (BLOCK_M, BLOCK_K))

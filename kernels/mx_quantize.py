@@ -193,6 +193,25 @@ def uniform_tile(seed, stream, rows, col0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
+def uniform_tile_along_rows(seed, stream, row0, cols, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The draws of the tile [row0, row0 + BLOCK_M) x ``cols`` (int, [BLOCK_K]) of an output quantized along
+    its rows, [BLOCK_M // 8, 8, BLOCK_K]: element (r, c) is place r mod 8 of the Philox4x32-10 call at counter
+    (r div 8, c, ``stream``, 0) under the 64-bit key ``seed``, half of output word (r mod 8) div 2, the high
+    16 bits for even r (``mx_recipe.nvfp4.philox_uniform`` with along_rows). A column's eight rows share a
+    call, so a thread that holds a column draws its own, without moving draws between threads. row0: a
+    multiple of 8."""
+    groups = (row0 // 8 + tl.arange(0, BLOCK_M // 8)).to(tl.uint32)[:, None, None]  # [BM / 8, 1, 1]
+    c0 = groups + tl.zeros((BLOCK_M // 8, 1, BLOCK_K), tl.uint32)
+    c1 = cols.to(tl.uint32)[None, None, :] + tl.zeros((BLOCK_M // 8, 1, BLOCK_K), tl.uint32)
+    zero = tl.zeros((BLOCK_M // 8, 1, BLOCK_K), tl.uint32)
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero + stream, zero)
+    place = tl.arange(0, 8)[None, :, None]  # [1, 8, 1]
+    word = tl.where(place < 4, tl.where(place < 2, r0, r1), tl.where(place < 6, r2, r3))
+    half = tl.where(place % 2 == 0, word >> 16, word & 0xFFFF)
+    return half.to(tl.float32) * 1.52587890625e-05  # 2**-16
+
+
+@triton.jit
 def round_e2m1(v, u, STOCHASTIC: tl.constexpr):
     """fp32 v -> the nearest e2m1 value as fp32, ties to even, saturating at +-6, the sign kept (-0 too):
     ``formats.round_to_format`` for e2m1, bit for bit. STOCHASTIC: up to the next value when the uniform

@@ -49,7 +49,7 @@ def check(shape, device, along_k, along_m, tiles, hadamard, stochastic, seed=0, 
     m_pad = -(-x.shape[0] // 16) * 16
     uniforms = (
         philox_uniform(int(key.item()), 0, tuple(x.shape)) if stochastic else None,
-        philox_uniform(int(key.item()), 1, (m_pad, x.shape[1])) if stochastic else None,
+        philox_uniform(int(key.item()), 1, (m_pad, x.shape[1]), along_rows=True) if stochastic else None,
     )
     ref = reference_fake_quant_nvfp4(
         x.cpu(), along_k, along_m, tiles, None if signs is None else signs.cpu(),
@@ -82,8 +82,8 @@ def check_packed(x, along_k, along_m, tiles, hadamard, stochastic, pad_m, seed=0
     m_pad = -(-x.shape[0] // pad_m) * pad_m
     uniforms = (None, None)
     if stochastic:  # the kernel's draws, in each reference operand's layout (along M: [K, M_pad])
-        uniforms = (philox_uniform(int(key.item()), 0, tuple(x.shape)),
-                    philox_uniform(int(key.item()), 1, (m_pad, x.shape[1])).t().contiguous())  # fmt: skip
+        u_m = philox_uniform(int(key.item()), 1, (m_pad, x.shape[1]), along_rows=True)
+        uniforms = (philox_uniform(int(key.item()), 0, tuple(x.shape)), u_m.t().contiguous())
     ref_k, ref_m = reference_cast_nvfp4(
         x.cpu(), along_k, along_m, tiles, None if signs is None else signs.cpu(),
         "stochastic" if stochastic else "nearest", pad_m, uniforms=uniforms,
@@ -163,6 +163,12 @@ def test_philox_uniform_is_uniform_and_reproducible():
     assert torch.equal((u * 2**16).floor(), u * 2**16)  # multiples of 2**-16
     with pytest.raises(ValueError, match="multiple of 8"):
         philox_uniform(0, 0, (4, 12))
+    # along rows, column 0's groups of eight rows are counters (g, 0): the row-major stream's first calls
+    v = philox_uniform(5, 1, (64, 24), along_rows=True)
+    assert torch.equal(v[:, 0], philox_uniform(5, 1, (64,)))
+    assert not torch.equal(v[:, 1], v[:, 0]) and abs(v.mean().item() - 0.5) < 0.02
+    with pytest.raises(ValueError, match="along_rows takes a 2D shape"):
+        philox_uniform(0, 0, (12, 8), along_rows=True)
 
 
 def test_reference_path_off_cuda():
