@@ -13,9 +13,10 @@ format reads its input twice. The last column is the share of a copy's speed ove
 x once: for a one-sided NVFP4 cast at most two thirds, whatever its kernels do.
 
 Rows: MXFP4 (e2m1, blocks of 32, both scale rules) along K, along M and both from one read; NVFP4 x along
-K (forward), w along K in 16x16 tiles, g along N and along M with the random Hadamard transform and
-stochastic rounding (the gradient, one read), the same rounded to nearest, x along M with the transform
-(the grad-weight input).
+K (a frozen weight's forward), x along K and along M with the random Hadamard transform (the nvfp4 linear's
+forward, one read; also g's cast rounded to nearest), w along K in 16x16 tiles, g along N and along M with
+the transform and stochastic rounding (the gradient, one read), x along M with the transform alone (the
+MoE grad-weight input).
 """
 
 from __future__ import annotations
@@ -67,11 +68,11 @@ def main() -> None:
         "mxfp4 along M (floor)": lambda: fake_quant_along_m(x, "e2m1", "floor"),
         "mxfp4 along K + M, one read (floor)": lambda: fake_quant_dim0_dim1(x, "e2m1", "floor"),
         "nvfp4 x along K": lambda: fake_quant_nvfp4(x),
+        "nvfp4 x along K + along M, RHT": lambda: fake_quant_nvfp4(x, True, True, signs=signs),
         "nvfp4 w along K, 16x16 tiles": lambda: fake_quant_nvfp4(x, tiles=True),
         "nvfp4 g along N + along M, RHT, SR": lambda: fake_quant_nvfp4(
             x, True, True, signs=signs, rounding="stochastic"
         ),
-        "nvfp4 g along N + along M, RHT": lambda: fake_quant_nvfp4(x, True, True, signs=signs),
         "nvfp4 x along M, RHT": lambda: fake_quant_nvfp4(x, False, True, signs=signs),
     }
     x_bytes = x.numel() * x.element_size()
