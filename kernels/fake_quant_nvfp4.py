@@ -276,29 +276,30 @@ def _launch(
         raise ValueError(f"{op} takes bf16 input, got {x.dtype}")
     if x.dtype != torch.bfloat16 and not interpreting():
         raise NotImplementedError(f"{op}: the GPU kernel takes bf16 input, got {x.dtype}")
+    if not x.numel():
+        return torch.full((2,), EMPTY_S_DEC, dtype=torch.float32, device=x.device)
     amax = torch.zeros(2, dtype=torch.int32, device=x.device)
-    s_dec = torch.full((2,), EMPTY_S_DEC, dtype=torch.float32, device=x.device)  # written by the kernel
-    if x.numel():
-        software = software_round(x, op)
-        hadamard = along_m and signs is not None
-        signs_arg = signs if hadamard else amax
-        packed = outputs[2] is not None
-        stochastic = seed is not None
-        key = (x.shape, x.stride(), x.dtype, along_k, along_m, tiles, hadamard, stochastic, packed, m_pad, software)
-        _AMAX.launch_keyed(
-            key, lambda: _amax_launch(x, amax, signs_arg, hadamard, software), x_ptr=x, amax_ptr=amax,
-            signs_ptr=signs_arg,
-        )  # fmt: skip
-        seed_arg = amax if seed is None else seed
-        # the fake-quant writes no scales: any pointer stands in for them
-        out_k, out_m, k_scale, m_scale = outputs if packed else (*outputs[:2], amax, amax)
-        _FAKE_QUANT.launch_keyed(
-            key,
-            lambda: _fake_quant_launch(x, amax, signs_arg, seed_arg, out_k, out_m, k_scale, m_scale, s_dec, along_k,
-                                       along_m, tiles, hadamard, stochastic, packed, m_pad, software),  # fmt: skip
-            x_ptr=x, amax_ptr=amax, signs_ptr=signs_arg, seed_ptr=seed_arg, k_ptr=_bits(out_k, x, software),
-            m_ptr=_bits(out_m, x, software), k_scale_ptr=k_scale, m_scale_ptr=m_scale, s_dec_ptr=s_dec,
-        )  # fmt: skip
+    s_dec = torch.empty(2, dtype=torch.float32, device=x.device)  # the fake-quant kernel's first program writes it
+    software = software_round(x, op)
+    hadamard = along_m and signs is not None
+    signs_arg = signs if hadamard else amax
+    packed = outputs[2] is not None
+    stochastic = seed is not None
+    key = (x.shape, x.stride(), x.dtype, along_k, along_m, tiles, hadamard, stochastic, packed, m_pad, software)
+    _AMAX.launch_keyed(
+        key, lambda: _amax_launch(x, amax, signs_arg, hadamard, software), x_ptr=x, amax_ptr=amax,
+        signs_ptr=signs_arg,
+    )  # fmt: skip
+    seed_arg = amax if seed is None else seed
+    # the fake-quant writes no scales: any pointer stands in for them
+    out_k, out_m, k_scale, m_scale = outputs if packed else (*outputs[:2], amax, amax)
+    _FAKE_QUANT.launch_keyed(
+        key,
+        lambda: _fake_quant_launch(x, amax, signs_arg, seed_arg, out_k, out_m, k_scale, m_scale, s_dec, along_k,
+                                   along_m, tiles, hadamard, stochastic, packed, m_pad, software),  # fmt: skip
+        x_ptr=x, amax_ptr=amax, signs_ptr=signs_arg, seed_ptr=seed_arg, k_ptr=_bits(out_k, x, software),
+        m_ptr=_bits(out_m, x, software), k_scale_ptr=k_scale, m_scale_ptr=m_scale, s_dec_ptr=s_dec,
+    )  # fmt: skip
     return s_dec
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from mx_recipe.gemm import Backend, Operand, default_backend
-from mx_recipe.nvfp4_linear import nvfp4_linear
+from mx_recipe.nvfp4_linear import nvfp4_input_casts, nvfp4_linear
 from mx_recipe.recipe import HIGH_PRECISION, MXRecipe, NVFP4Recipe
 
 
@@ -193,12 +193,16 @@ def linears_on_one_input(x: torch.Tensor, linears: Sequence[MXLinear]) -> list[t
     """``[linear(x) for linear in linears]`` with x cast once per orientation for all of them (wq, wk and wv;
     w1 and w3): x along K for the forward GEMMs and, where a grad-weight GEMM will run, x along M, made in
     forward and saved once for all of them. The same casts each linear makes of x on its own, so outputs and
-    gradients are bit for bit those of the separate calls. Linears of different recipes or backends, and a
-    recipe without share_input_casts, are called one by one."""
+    gradients are bit for bit those of the separate calls. Linears of different recipes or backends, and an MX
+    recipe without share_input_casts, are called one by one (NVFP4 recipes always share)."""
     first = linears[0]
-    if not isinstance(first.recipe, MXRecipe):  # NVFP4: each linear quantizes x itself
-        return [lin(x) for lin in linears]
     recipe, backend = first.recipe, first.backend or default_backend(first.recipe, x.device)
+    if isinstance(recipe, NVFP4Recipe):  # always shared: the same casts, one read of x
+        if any(lin.recipe != recipe or (lin.backend or backend) is not backend for lin in linears[1:]):
+            return [lin(x) for lin in linears]
+        any_grad_weight = torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in linears)
+        x_casts = nvfp4_input_casts(x, recipe, backend, any_grad_weight)
+        return [nvfp4_linear(x, lin.weight, lin.bias, recipe, backend, x_casts) for lin in linears]
     # something of x to share: a cast along K, or along M for an MX grad-weight GEMM
     shared = recipe.share_input_casts and (recipe.forward, recipe.grad_weight) != (HIGH_PRECISION, HIGH_PRECISION)
     if not shared or any(lin.recipe != recipe or (lin.backend or backend) is not backend for lin in linears[1:]):

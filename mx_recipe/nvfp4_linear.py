@@ -24,7 +24,7 @@ import torch
 
 from mx_recipe.nvfp4 import NVFP4_BLOCK, NVFP4Tensor, random_signs
 from mx_recipe.nvfp4_cast import cast_nvfp4
-from mx_recipe.nvfp4_fake_quant import ROWS, fake_quant_nvfp4
+from mx_recipe.nvfp4_fake_quant import ROWS, NVFP4Operands, fake_quant_nvfp4
 from mx_recipe.recipe import NVFP4Recipe
 from mx_recipe.scale_layout import to_blocked
 
@@ -51,6 +51,15 @@ def _signs(recipe: NVFP4Recipe, device: torch.device) -> torch.Tensor | None:
     return random_signs(recipe.hadamard_seed, device) if recipe.hadamard else None
 
 
+def _input_casts(x: torch.Tensor, recipe: NVFP4Recipe, packed: bool, for_grad_weight: bool):
+    """x [M, K] along K and, ``for_grad_weight``, along M after the Hadamard transform (the grad-weight operand),
+    from one read: ``fake_quant_nvfp4``'s operands, or (``packed``, the cublas path) ``cast_nvfp4``'s tensors."""
+    signs = _signs(recipe, x.device) if for_grad_weight else None
+    if packed:
+        return cast_nvfp4(x, True, for_grad_weight, signs=signs, pad_m=CUBLAS_ROWS)
+    return fake_quant_nvfp4(x, along_m=for_grad_weight, signs=signs)
+
+
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """a @ b.T in ``dtype``, times the product of the per-tensor scales ``alpha`` in fp32."""
     return (torch.mm(a.to(dtype), b.to(dtype).t()).float() * alpha).to(dtype)
@@ -62,9 +71,11 @@ class _NVFP4LinearFunction(torch.autograd.Function):
     read of x, and saves the along-M operand instead of x (the same size): backward does not read x again."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: NVFP4Recipe) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, w: torch.Tensor, recipe: NVFP4Recipe, x_casts: NVFP4Operands | None
+    ) -> torch.Tensor:
         need_gw = ctx.needs_input_grad[1]
-        xq = fake_quant_nvfp4(x, along_m=need_gw, signs=_signs(recipe, x.device) if need_gw else None)
+        xq = x_casts if x_casts is not None else _input_casts(x, recipe, False, need_gw)
         w_k, s_w = weight_operand(w, True, recipe, x.dtype)
         ctx.recipe, ctx.x_dtype = recipe, x.dtype
         ctx.save_for_backward(w, *((xq.along_m, xq.s_dec_m) if need_gw else ()))
@@ -86,7 +97,7 @@ class _NVFP4LinearFunction(torch.autograd.Function):
         if need_gw:  # zero rows add nothing to the sum
             x_along_m, s_x = x_m
             gw = _scaled_mm(gq.along_m.t(), x_along_m.t(), gq.s_dec_m * s_x, dtype).to(w.dtype)
-        return gx, gw, None
+        return gx, gw, None, None
 
 
 # --- the cublas path (sm_100): packed NVFP4 operands for torch._scaled_mm ---
@@ -118,11 +129,13 @@ class _NVFP4CublasLinearFunction(torch.autograd.Function):
     the forward saves x along M, packed (about 0.56 bytes an element), instead of x."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: NVFP4Recipe, scaled_mm: Callable) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, w: torch.Tensor, recipe: NVFP4Recipe, scaled_mm: Callable,
+        x_casts: tuple[NVFP4Tensor, NVFP4Tensor | None] | None,
+    ) -> torch.Tensor:  # fmt: skip
         need_gw = ctx.needs_input_grad[1]
         ctx.recipe, ctx.scaled_mm, ctx.x_dtype = recipe, scaled_mm, x.dtype
-        signs = _signs(recipe, x.device) if need_gw else None
-        xq, x_m = cast_nvfp4(x, True, need_gw, signs=signs, pad_m=CUBLAS_ROWS)
+        xq, x_m = x_casts if x_casts is not None else _input_casts(x, recipe, True, need_gw)
         ctx.save_for_backward(w, *((x_m.qdata, x_m.scale, x_m.per_tensor_scale) if need_gw else ()))
         wq, _ = cast_nvfp4(w.to(x.dtype), tiles=recipe.weight_tiles)
         return _nvfp4_gemm(xq, wq, x.dtype, scaled_mm)
@@ -141,27 +154,40 @@ class _NVFP4CublasLinearFunction(torch.autograd.Function):
             gx = _nvfp4_gemm(g_n, w_n, dtype, ctx.scaled_mm).to(ctx.x_dtype)
         if need_gw:
             gw = _nvfp4_gemm(g_m, NVFP4Tensor(*x_m, 1, ROWS), dtype, ctx.scaled_mm).to(w.dtype)
-        return gx, gw, None, None
+        return gx, gw, None, None, None
 
 
 def nvfp4_linear(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe, backend=None
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: NVFP4Recipe, backend=None, x_casts=None
 ) -> torch.Tensor:
     """``F.linear`` with its three GEMMs in NVFP4 as ``recipe`` says. x: [..., K], w: [N, K], both multiples of 16
     (of 32 on the cublas path). ``backend`` (``gemm.resolve_backend``): None or emulated, the emulated GEMMs; a
-    cublas backend, torch._scaled_mm on sm_100 (or the backend's ``scaled_mm`` stand-in, as the tests pass)."""
+    cublas backend, torch._scaled_mm on sm_100 (or the backend's ``scaled_mm`` stand-in, as the tests pass).
+    ``x_casts``: x's casts from ``nvfp4_input_casts``, made once for several linears that read x."""
     n, k = w.shape
     if k % NVFP4_BLOCK or n % NVFP4_BLOCK:
         raise ValueError(f"nvfp4_linear: weight shape {tuple(w.shape)} needs in and out features divisible by 16")
     x2 = x.reshape(-1, k)
-    if backend is not None and backend.name == "cublas":
+    if _is_cublas(backend):
         if k % CUBLAS_ROWS or n % CUBLAS_ROWS:
             raise ValueError(
                 f"nvfp4_linear: the cublas path needs in and out features divisible by {CUBLAS_ROWS} (torch._scaled_mm "
                 f"takes K/2 in multiples of 16 bytes), got weight shape {tuple(w.shape)}"
             )
-        y = _NVFP4CublasLinearFunction.apply(x2, w, recipe, backend.scaled_mm or torch_nvfp4_scaled_mm)
+        y = _NVFP4CublasLinearFunction.apply(x2, w, recipe, backend.scaled_mm or torch_nvfp4_scaled_mm, x_casts)
     else:
-        y = _NVFP4LinearFunction.apply(x2, w, recipe)
+        y = _NVFP4LinearFunction.apply(x2, w, recipe, x_casts)
     y = y.reshape(*x.shape[:-1], n)
     return y if bias is None else y + bias.to(y.dtype)
+
+
+def nvfp4_input_casts(x: torch.Tensor, recipe: NVFP4Recipe, backend, for_grad_weight: bool):
+    """x [..., K] cast once for several linears of ``recipe`` and ``backend`` that read it (wq, wk and wv; w1 and
+    w3): along K, and along M where a grad-weight GEMM will run (``for_grad_weight``). Each linear makes the
+    same casts of x on its own, so outputs and gradients are bit for bit those of separate calls."""
+    with torch.no_grad():  # the casts carry no gradient: each linear's backward gives x its own
+        return _input_casts(x.reshape(-1, x.shape[-1]), recipe, _is_cublas(backend), for_grad_weight)
+
+
+def _is_cublas(backend) -> bool:
+    return backend is not None and backend.name == "cublas"

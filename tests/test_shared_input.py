@@ -1,7 +1,8 @@
 """linears_on_one_input: several MXLinears reading one input (wq, wk, wv; w1, w3) cast it once per orientation,
 and give bit for bit the outputs and gradients of the separate calls (docs/DESIGN.md, "The MX linear: three
 GEMMs, six casts"): every recipe, save_mx_input, fuse_x_casts, the cublas path through the emulator, a frozen
-weight, no_grad, under torch.compile(fullgraph=True), and in the Llama model."""
+weight, no_grad, under torch.compile(fullgraph=True), and in the Llama model; NVFP4 recipes too (x along K
+and, after the Hadamard transform, along M from one read, shared)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from scaled_mm_emulator import scaled_mm as emulated_scaled_mm
 import mx_recipe.linear as linear_module
 from mx_recipe.gemm import CublasBackend, EmulatedBackend
 from mx_recipe.linear import MXLinear, linears_on_one_input
-from mx_recipe.recipe import RECIPES, MXRecipe
+from mx_recipe.recipe import NVFP4_RECIPES, RECIPES, MXRecipe, NVFP4Recipe
 
 K, OUTS = 64, (96, 32, 32)  # wq-like, wk-like, wv-like
 
@@ -26,7 +27,7 @@ CASES = [
 ]
 
 
-def make_linears(recipe: MXRecipe, backend=None, seed: int = 0) -> list[MXLinear]:
+def make_linears(recipe: MXRecipe | NVFP4Recipe, backend=None, seed: int = 0) -> list[MXLinear]:
     gen = torch.Generator().manual_seed(seed)
     linears = [MXLinear(K, n, bias=False, recipe=recipe, backend=backend, dtype=torch.bfloat16) for n in OUTS]
     with torch.no_grad():
@@ -160,11 +161,50 @@ def test_llama_shares_the_casts_and_trains_the_same_bits(monkeypatch):
     assert shared_calls == [4, 0]  # two blocks, attention and FFN each; none with sharing off
 
 
+@pytest.mark.parametrize("name", sorted(NVFP4_RECIPES))
+def test_nvfp4_shares_one_cast_of_x(name, monkeypatch):
+    """NVFP4: the same bits as separate calls, with x quantized once (both of its operands) instead of once a
+    linear; a frozen weight and no_grad too."""
+    import mx_recipe.nvfp4_linear as nvfp4_linear
+
+    recipe = NVFP4Recipe.from_name(name, hadamard_seed=5)
+    linears = make_linears(recipe)
+    x, grads = inputs()
+    casts_of_x = []
+    real = nvfp4_linear.fake_quant_nvfp4
+
+    def counting(t, *args, **kwargs):
+        casts_of_x.append(t.shape == (40, K) and not kwargs.get("rounding"))  # x's casts round to nearest
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(nvfp4_linear, "fake_quant_nvfp4", counting)
+    shared = run(linears_on_one_input, linears, x, grads)
+    assert sum(casts_of_x) == 1
+    casts_of_x.clear()
+    assert_equal(shared, run(separate, linears, x, grads), name)
+    assert sum(casts_of_x) == 3
+    linears[1].weight.requires_grad_(False)
+    assert_equal(run(linears_on_one_input, linears, x, grads), run(separate, linears, x, grads), "frozen wk")
+    with torch.no_grad():
+        assert_equal(linears_on_one_input(x, linears), separate(x, linears), "no_grad")
+
+
+def test_nvfp4_shared_casts_on_the_cublas_path():
+    """Packed operands through the NVFP4 scaled_mm emulator: x cast once, the same bits as separate calls."""
+    from scaled_mm_emulator import nvfp4_scaled_mm
+
+    linears = make_linears(NVFP4_RECIPES["nvfp4"], CublasBackend(scaled_mm=nvfp4_scaled_mm))
+    linears[1].backend = linears[2].backend = linears[0].backend
+    x, grads = inputs((64,))
+    assert_equal(run(linears_on_one_input, linears, x, grads), run(separate, linears, x, grads), "nvfp4 cublas")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_rceil", "mxfp8_e5m2_grads"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_rceil", "mxfp8_e5m2_grads", "nvfp4"])
 def test_gpu_shared_casts_give_the_bits_of_separate_calls(recipe):
-    """On the GPU the casts are the fake-quant kernels (Gluon on Hopper), and the fused one makes both of x's."""
-    linears = [lin.cuda() for lin in make_linears(RECIPES[recipe])]
+    """On the GPU the casts are the fake-quant kernels (Gluon on Hopper; NVFP4's Triton kernel), and the fused
+    one makes both of x's."""
+    linears = [lin.cuda() for lin in make_linears({**RECIPES, **NVFP4_RECIPES}[recipe])]
     x, grads = inputs((4, 100))
     x, grads = x.cuda(), [g.cuda() for g in grads]
     assert_equal(run(linears_on_one_input, linears, x, grads), run(separate, linears, x, grads), recipe)
