@@ -15,8 +15,8 @@ x once: for a one-sided NVFP4 cast at most two thirds, whatever its kernels do.
 Rows: MXFP4 (e2m1, blocks of 32, both scale rules) along K, along M and both from one read; NVFP4 x along
 K (a frozen weight's forward), x along K and along M with the random Hadamard transform (the nvfp4 linear's
 forward, one read; also g's cast rounded to nearest), w along K in 16x16 tiles, g along N and along M with
-the transform and stochastic rounding (the gradient, one read), x along M with the transform alone (the
-MoE grad-weight input).
+the transform and stochastic rounding (the gradient, one read), the same without the transform (recipe
+nvfp4_no_rht), x along M with the transform alone (the MoE grad-weight input).
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ def main() -> None:
         "nvfp4 g along N + along M, RHT, SR": lambda: fake_quant_nvfp4(
             x, True, True, signs=signs, rounding="stochastic"
         ),
+        "nvfp4 g along N + along M, SR": lambda: fake_quant_nvfp4(x, True, True, rounding="stochastic"),
         "nvfp4 x along M, RHT": lambda: fake_quant_nvfp4(x, False, True, signs=signs),
     }
     x_bytes = x.numel() * x.element_size()

@@ -22,11 +22,13 @@ Stochastic rounding draws from Philox4x32-10 keyed by a 64-bit seed read from de
 captured or compiled step draws a new one each time without a host sync), one call for eight elements,
 each taking half of output word j div 2 for its place j in the eight (the high 16 bits for even j, the low
 for odd j) times 2**-16. Along K (stream 0) the eight are consecutive in a row: element i of x (row-major
-index r * K + c) is place i mod 8 at counter (i div 8, i's high word, 0, 0). Along M (stream 1) they are
-consecutive in a column, where each thread holds its column's rows: element (r, c) is place r mod 8 at
-counter (r div 8, c, 1, 0), so the draws never move between threads (eight rows of a row-major draw would
-cost seven layout conversions through shared memory). ``mx_recipe.nvfp4.philox_uniform`` is the same
-stream in PyTorch (``along_rows`` for along M), which the tests hand to the reference as its ``uniform``.
+index r * K + c) is place i mod 8 at counter (i div 8, i's high word, 0, 0). Along M (stream 1) the same,
+except after the Hadamard transform, which leaves each thread a column's rows: there the eight are
+consecutive in a column, element (r, c) being place r mod 8 at counter (r div 8, c, 1, 0), so that the
+draws never move between threads (row-major draws cost seven layout conversions through shared memory
+there, and column draws without the transform were computed eight times over by replicated threads).
+``mx_recipe.nvfp4.philox_uniform`` is the same stream in PyTorch (``along_rows`` for along M after the
+transform), which the tests hand to the reference as its ``uniform``.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def quantize_nvfp4_blocks(v, block_amax, tensor_amax, u, STOCHASTIC: tl.constexp
         s_bits = d.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     s = tl.where(d == d, fp8_bits_to_fp32(s_bits, "e4m3", SOFTWARE_ROUND), float("nan"))
     encode = _min_nan(tl.math.div_rn(1.0, s * s_dec), FP32_MAX)
-    return round_e2m1(v * encode, u, STOCHASTIC, SOFTWARE_ROUND), tl.where(d == d, s_bits, 0x7F).to(tl.uint8), s
+    return round_e2m1(v * encode, u, STOCHASTIC), tl.where(d == d, s_bits, 0x7F).to(tl.uint8), s
 
 
 @triton.jit
@@ -204,8 +206,11 @@ def _fake_quant_kernel(
         else:
             v = tl.reshape(x, (BLOCK_M // 16, 16, BLOCK_K))
         b = block_amax_bits(v, 1, SOFTWARE_ROUND).to(tl.float32, bitcast=True)[:, None, :]
-        if STOCHASTIC:  # a column's rows in one thread: eight rows to a Philox call
+        if STOCHASTIC and HADAMARD:  # the transform leaves each thread a column: eight of its rows to a call
             u = uniform_tile_along_rows(seed, 1, tl.program_id(0) * BLOCK_M, cols, BLOCK_M, BLOCK_K)
+            u = tl.reshape(u, (BLOCK_M // 16, 16, BLOCK_K))
+        elif STOCHASTIC:  # x's own layout: eight of a row's columns to a call, as along K
+            u = uniform_tile(seed, 1, rows, tl.program_id(1) * BLOCK_K, K, BLOCK_M, BLOCK_K)
             u = tl.reshape(u, (BLOCK_M // 16, 16, BLOCK_K))
         else:
             u = 0.0

@@ -9,7 +9,6 @@ exact like the reference's.
 import triton
 import triton.language as tl
 from mx_kernels.spec import ELEM_FORMATS
-from triton.language.extra.cuda import libdevice
 
 # A kernel takes its element format (ELEM: "e4m3" or "e5m2") and scale rule (RCEIL) as compile-time
 # constants; these derive the rest of the format's constants from them at compile time.
@@ -178,12 +177,11 @@ def fp8_bits_to_fp32(q, ELEM: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
 
 @triton.jit
 def uniform_tile(seed, stream, rows, col0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The stochastic-rounding draws of the tile [rows, col0 + BLOCK_K) of an output [.., K], each as 1 + u
-    (``one_plus_draw``; u in [0, 1), a multiple of 2**-16): the element of row-major index i takes half a
-    word of Philox4x32-10 at counter (i div 8, i's high word, ``stream``, 0) under the 64-bit key ``seed``,
-    output word (i mod 8) div 2, its high 16 bits for even i and its low 16 bits for odd i
-    (``mx_recipe.nvfp4.philox_uniform``). ``rows``: the tile's row indices in the output (int); col0 and K
-    are multiples of 8."""
+    """The stochastic-rounding draws of the tile [rows, col0 + BLOCK_K) of an output [.., K], fp32 in [0, 1),
+    multiples of 2**-16: the element of row-major index i takes half a word of Philox4x32-10 at counter
+    (i div 8, i's high word, ``stream``, 0) under the 64-bit key ``seed``, output word (i mod 8) div 2, its
+    high 16 bits for even i and its low 16 bits for odd i (``mx_recipe.nvfp4.philox_uniform``). ``rows``: the
+    tile's row indices in the output (int); col0 and K are multiples of 8."""
     first = rows.to(tl.int64)[:, None] * K + (col0 + 8 * tl.arange(0, BLOCK_K // 8))[None, :]  # [BM, BK/8]
     counter = first >> 3
     zero = tl.zeros_like(counter).to(tl.uint32)
@@ -191,24 +189,17 @@ def uniform_tile(seed, stream, rows, col0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl
     # [.., word // 2, word % 2, half]: row-major, element 2 * word + half, the high half first
     high = tl.join(tl.join(r0 >> 16, r2 >> 16), tl.join(r1 >> 16, r3 >> 16))
     low = tl.join(tl.join(r0 & 0xFFFF, r2 & 0xFFFF), tl.join(r1 & 0xFFFF, r3 & 0xFFFF))
-    return one_plus_draw(tl.reshape(tl.join(high, low), (BLOCK_M, BLOCK_K)))
-
-
-@triton.jit
-def one_plus_draw(d):
-    """16-bit draws d (uint32) -> 1 + d * 2**-16 in fp32, built from bits (exact; no int-to-float
-    conversion, a quarter-rate instruction that was a large share of the stochastic casts)."""
-    return ((d << 7) | 0x3F800000).to(tl.float32, bitcast=True)
+    return tl.reshape(tl.join(high, low), (BLOCK_M, BLOCK_K)).to(tl.float32) * 1.52587890625e-05  # 2**-16
 
 
 @triton.jit
 def uniform_tile_along_rows(seed, stream, row0, cols, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """The draws of the tile [row0, row0 + BLOCK_M) x ``cols`` (int, [BLOCK_K]) of an output quantized along
-    its rows, [BLOCK_M // 8, 8, BLOCK_K], each as 1 + u (``one_plus_draw``): element (r, c) is place r mod 8
-    of the Philox4x32-10 call at counter (r div 8, c, ``stream``, 0) under the 64-bit key ``seed``, half of
-    output word (r mod 8) div 2, the high 16 bits for even r (``mx_recipe.nvfp4.philox_uniform`` with
-    along_rows). A column's eight rows share a call, so a thread that holds a column draws its own, without
-    moving draws between threads. row0: a multiple of 8."""
+    its rows, [BLOCK_M // 8, 8, BLOCK_K]: element (r, c) is place r mod 8 of the Philox4x32-10 call at counter
+    (r div 8, c, ``stream``, 0) under the 64-bit key ``seed``, half of output word (r mod 8) div 2, the high
+    16 bits for even r (``mx_recipe.nvfp4.philox_uniform`` with along_rows). A column's eight rows share a
+    call, so a thread that holds a column draws its own, without moving draws between threads. row0: a
+    multiple of 8."""
     groups = (row0 // 8 + tl.arange(0, BLOCK_M // 8)).to(tl.uint32)[:, None, None]  # [BM / 8, 1, 1]
     c0 = groups + tl.zeros((BLOCK_M // 8, 1, BLOCK_K), tl.uint32)
     c1 = cols.to(tl.uint32)[None, None, :] + tl.zeros((BLOCK_M // 8, 1, BLOCK_K), tl.uint32)
@@ -216,16 +207,17 @@ def uniform_tile_along_rows(seed, stream, row0, cols, BLOCK_M: tl.constexpr, BLO
     r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero + stream, zero)
     place = tl.arange(0, 8)[None, :, None]  # [1, 8, 1]
     word = tl.where(place < 4, tl.where(place < 2, r0, r1), tl.where(place < 6, r2, r3))
-    return one_plus_draw(tl.where(place % 2 == 0, word >> 16, word & 0xFFFF))
+    half = tl.where(place % 2 == 0, word >> 16, word & 0xFFFF)
+    return half.to(tl.float32) * 1.52587890625e-05  # 2**-16
 
 
 @triton.jit
-def round_e2m1(v, u, STOCHASTIC: tl.constexpr, SOFTWARE_ROUND: tl.constexpr = False):
+def round_e2m1(v, u, STOCHASTIC: tl.constexpr):
     """fp32 v -> the nearest e2m1 value as fp32, ties to even, saturating at +-6, the sign kept (-0 too):
-    ``formats.round_to_format`` for e2m1, bit for bit. STOCHASTIC: up to the next value when the draw is
-    below the fraction, ``formats.round_to_format_stochastic``; ``u`` holds 1 + draw (``one_plus_draw``),
-    v's shape. Every step is exact fp32 or a single correctly rounded fp32 add, so the GPU and the
-    interpreter agree. NaN gives some value: callers mask NaN blocks."""
+    ``formats.round_to_format`` for e2m1, bit for bit. STOCHASTIC: up to the next value when the uniform
+    draw u (fp32 in [0, 1), v's shape) is below the fraction, ``formats.round_to_format_stochastic``. Every
+    step is exact in fp32 or a single correctly rounded fp32 add, so the GPU and the interpreter agree.
+    NaN gives some value: callers mask NaN blocks."""
     bits = v.to(tl.int32, bitcast=True)
     mag = tl.minimum((bits & 0x7FFFFFFF).to(tl.float32, bitcast=True), 6.0)
     # the grid's spacing in |v|'s binade is half its power of two: 0.5 below 2 (subnormals share it),
@@ -233,18 +225,9 @@ def round_e2m1(v, u, STOCHASTIC: tl.constexpr, SOFTWARE_ROUND: tl.constexpr = Fa
     binade = tl.maximum(mag.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
     if STOCHASTIC:
         inv_ulp = ((254 << 23) - binade).to(tl.float32, bitcast=True) * 2.0  # 1 / spacing, a power of two
-        units = mag * inv_ulp  # in [0, 12]
-        if SOFTWARE_ROUND:  # the interpreter has no directed-rounding adds
-            lo = tl.floor(units)
-            up = u - 1.0 < units - lo
-        else:
-            # floor: adding 2**23 rounding down lands on the integer grid; no FRND (a quarter-rate conversion).
-            # draw < fraction is 1 + draw < 1 + fraction rounded up: rounding up never crosses the draw's
-            # grid points. The directed adds flush a subnormal fraction to zero, which only a zero draw sees
-            lo = libdevice.add_rd(units, 8388608.0) - 8388608.0
-            frac = units - lo
-            up = (u < libdevice.add_ru(frac, 1.0)) | ((u == 1.0) & (frac > 0.0))
-        q = tl.where(up, lo + 1.0, lo) * (binade - (1 << 23)).to(tl.float32, bitcast=True)
+        units = mag * inv_ulp
+        lo = tl.floor(units)
+        q = (lo + (u < units - lo).to(tl.float32)) * (binade - (1 << 23)).to(tl.float32, bitcast=True)
     else:
         # spacing * 2**23 has an fp32 ulp of one spacing over [it, 2x it), which holds it + |v|: the add
         # rounds |v| to the grid, ties to even (an even multiple of the spacing), and the subtraction is exact
@@ -322,7 +305,7 @@ def fake_quant_e2m1_blocks(
     is_nan, e, v = scale_blocks(blocks, AXIS, "e2m1", RCEIL, SOFTWARE_ROUND)
     factor = tl.where(e > -127, (e + 127) << 23, 0x400000).to(tl.float32, bitcast=True)  # 2**e
     factor = tl.where(is_nan, float("nan"), factor)
-    q = round_e2m1(v, u, STOCHASTIC, SOFTWARE_ROUND)
+    q = round_e2m1(v, u, STOCHASTIC)
     return q * tl.expand_dims(factor, AXIS)
 
 

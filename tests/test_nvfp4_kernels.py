@@ -49,7 +49,7 @@ def check(shape, device, along_k, along_m, tiles, hadamard, stochastic, seed=0, 
     m_pad = -(-x.shape[0] // 16) * 16
     uniforms = (
         philox_uniform(int(key.item()), 0, tuple(x.shape)) if stochastic else None,
-        philox_uniform(int(key.item()), 1, (m_pad, x.shape[1]), along_rows=True) if stochastic else None,
+        philox_uniform(int(key.item()), 1, (m_pad, x.shape[1]), along_rows=hadamard) if stochastic else None,
     )
     ref = reference_fake_quant_nvfp4(
         x.cpu(), along_k, along_m, tiles, None if signs is None else signs.cpu(),
@@ -82,7 +82,7 @@ def check_packed(x, along_k, along_m, tiles, hadamard, stochastic, pad_m, seed=0
     m_pad = -(-x.shape[0] // pad_m) * pad_m
     uniforms = (None, None)
     if stochastic:  # the kernel's draws, in each reference operand's layout (along M: [K, M_pad])
-        u_m = philox_uniform(int(key.item()), 1, (m_pad, x.shape[1]), along_rows=True)
+        u_m = philox_uniform(int(key.item()), 1, (m_pad, x.shape[1]), along_rows=hadamard)
         uniforms = (philox_uniform(int(key.item()), 0, tuple(x.shape)), u_m.t().contiguous())
     ref_k, ref_m = reference_cast_nvfp4(
         x.cpu(), along_k, along_m, tiles, None if signs is None else signs.cpu(),
