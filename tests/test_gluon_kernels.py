@@ -444,8 +444,9 @@ def test_fake_quant_launch_facts():
 @pytest.mark.parametrize("capability", [(9, 0), (10, 0), (8, 9)], ids=str)
 @pytest.mark.parametrize("env", ["1", "0"])
 def test_kernel_choice_follows_the_capability_and_environment(monkeypatch, capability, env):
-    """Inside a custom op (``dispatch._kernel``): the Gluon launcher exactly for bf16 on compute capability 9.x
-    unless MX_RECIPE_GLUON=0, else the Triton one (also for input the kernels refuse, which it names)."""
+    """Inside a custom op (``dispatch._kernel``): the Gluon launcher exactly for fp8 casts of bf16 on compute
+    capability 9.x unless MX_RECIPE_GLUON=0, else the Triton one (e2m1 always; also for input the kernels
+    refuse, which it names)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     monkeypatch.setattr(dispatch, "_capability", lambda index: capability)
@@ -462,7 +463,9 @@ def test_kernel_choice_follows_the_capability_and_environment(monkeypatch, capab
                     want = "reference" if spec.bf16_only else "triton"
                 assert dispatch.implementation(op, x, "e4m3") == want, (op, dtype)
                 kind = "gluon" if want == "gluon" else "triton"
-                assert dispatch._kernel(op, x) is launchers[op, kind], (op, dtype)
+                assert dispatch._kernel(op, x, "e4m3") is launchers[op, kind], (op, dtype)
+                # e2m1: the Triton kernels on every device (the Gluon ones write fp8 only)
+                assert dispatch._kernel(op, x, "e2m1") is launchers[op, "triton"], (op, dtype, "e2m1")
 
 
 def reference_from_launcher_args(op: str, *args):
