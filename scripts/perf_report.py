@@ -234,7 +234,8 @@ def linear_section(path: Path) -> list[str]:
         for row, r in zip(rows, data["rows"], strict=True):
             row += [f"{r['kernel_ratio']:.2f}x", f"{r['round_spread']:.1%}"]
     how = "torch.compile'd" if meta.get("compiled", True) else "eager"
-    lines = [f"### MX linear forward + backward, {meta['recipe']} against bf16 nn.Linear (both {how})", ""]
+    title = f"MX linear forward + backward, {meta['recipe']} against bf16 nn.Linear (both {how}), {meta['device']}"
+    lines = [f"### {title}", ""]
     lines += table(header, rows)
     return lines + ["", source_line(meta, path.name), ""]
 
@@ -251,7 +252,7 @@ def fp4_cast_section(path: Path) -> list[str]:
             f"{share:.1%}" if first and share is not None else "",
         ])  # fmt: skip
         last = r["name"]
-    lines = [f"### 4-bit fake-quant kernels against a copy ({meta['copy_gbs']:.0f} GB/s)", ""]
+    lines = [f"### 4-bit fake-quant kernels, {meta['device']}, against a copy ({meta['copy_gbs']:.0f} GB/s)", ""]
     lines += [
         "Each kernel's bandwidth counts the bytes it moves: the NVFP4 maxima kernel reads x, the fake-quant reads",
         "x again and writes its outputs. The last column is the whole call's share of a copy's speed counting x",
