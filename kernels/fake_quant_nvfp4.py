@@ -206,14 +206,13 @@ def _fake_quant_kernel(
         else:
             v = tl.reshape(x, (BLOCK_M // 16, 16, BLOCK_K))
         b = block_amax_bits(v, 1, SOFTWARE_ROUND).to(tl.float32, bitcast=True)[:, None, :]
-        if STOCHASTIC and HADAMARD:  # the transform leaves each thread a column: eight of its rows to a call
-            u = uniform_tile_along_rows(seed, 1, tl.program_id(0) * BLOCK_M, cols, BLOCK_M, BLOCK_K)
+        u = 0.0
+        if STOCHASTIC:
+            if HADAMARD:  # the transform leaves each thread a column: eight of its rows to a Philox call
+                u = uniform_tile_along_rows(seed, 1, tl.program_id(0) * BLOCK_M, cols, BLOCK_M, BLOCK_K)
+            else:  # x's own layout: eight of a row's columns to a call, as along K
+                u = uniform_tile(seed, 1, rows, tl.program_id(1) * BLOCK_K, K, BLOCK_M, BLOCK_K)
             u = tl.reshape(u, (BLOCK_M // 16, 16, BLOCK_K))
-        elif STOCHASTIC:  # x's own layout: eight of a row's columns to a call, as along K
-            u = uniform_tile(seed, 1, rows, tl.program_id(1) * BLOCK_K, K, BLOCK_M, BLOCK_K)
-            u = tl.reshape(u, (BLOCK_M // 16, 16, BLOCK_K))
-        else:
-            u = 0.0
         q, s_bits, s = quantize_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND)
         if PACKED:  # stored transposed: row c of the output holds column c's codes, paired along M
             codes = tl.reshape(tl.where(s == s, e2m1_codes(q), 0), (BLOCK_M, BLOCK_K))

@@ -189,7 +189,7 @@ def uniform_tile(seed, stream, rows, col0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl
     # [.., word // 2, word % 2, half]: row-major, element 2 * word + half, the high half first
     high = tl.join(tl.join(r0 >> 16, r2 >> 16), tl.join(r1 >> 16, r3 >> 16))
     low = tl.join(tl.join(r0 & 0xFFFF, r2 & 0xFFFF), tl.join(r1 & 0xFFFF, r3 & 0xFFFF))
-    return tl.reshape(tl.join(high, low), (BLOCK_M, BLOCK_K)).to(tl.float32) * 1.52587890625e-05  # 2**-16
+    return draws_from_halves(tl.reshape(tl.join(high, low), (BLOCK_M, BLOCK_K)))
 
 
 @triton.jit
@@ -200,15 +200,18 @@ def uniform_tile_along_rows(seed, stream, row0, cols, BLOCK_M: tl.constexpr, BLO
     16 bits for even r (``mx_recipe.nvfp4.philox_uniform`` with along_rows). A column's eight rows share a
     call, so a thread that holds a column draws its own, without moving draws between threads. row0: a
     multiple of 8."""
-    groups = (row0 // 8 + tl.arange(0, BLOCK_M // 8)).to(tl.uint32)[:, None, None]  # [BM / 8, 1, 1]
-    c0 = groups + tl.zeros((BLOCK_M // 8, 1, BLOCK_K), tl.uint32)
-    c1 = cols.to(tl.uint32)[None, None, :] + tl.zeros((BLOCK_M // 8, 1, BLOCK_K), tl.uint32)
     zero = tl.zeros((BLOCK_M // 8, 1, BLOCK_K), tl.uint32)
-    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero + stream, zero)
+    groups = (row0 // 8 + tl.arange(0, BLOCK_M // 8)).to(tl.uint32)[:, None, None]  # [BM / 8, 1, 1]
+    r0, r1, r2, r3 = tl.philox(seed, groups + zero, cols.to(tl.uint32)[None, None, :] + zero, zero + stream, zero)
     place = tl.arange(0, 8)[None, :, None]  # [1, 8, 1]
     word = tl.where(place < 4, tl.where(place < 2, r0, r1), tl.where(place < 6, r2, r3))
-    half = tl.where(place % 2 == 0, word >> 16, word & 0xFFFF)
-    return half.to(tl.float32) * 1.52587890625e-05  # 2**-16
+    return draws_from_halves(tl.where(place % 2 == 0, word >> 16, word & 0xFFFF))
+
+
+@triton.jit
+def draws_from_halves(halves):
+    """16-bit halves of Philox words -> the draws, fp32 in [0, 1), multiples of 2**-16."""
+    return halves.to(tl.float32) * 1.52587890625e-05  # 2**-16
 
 
 @triton.jit

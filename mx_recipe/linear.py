@@ -198,19 +198,18 @@ def linears_on_one_input(x: torch.Tensor, linears: Sequence[MXLinear]) -> list[t
     first = linears[0]
     recipe, backend = first.recipe, first.backend or default_backend(first.recipe, x.device)
     if isinstance(recipe, NVFP4Recipe):  # always shared: the same casts, one read of x
-        if any(lin.recipe != recipe or (lin.backend or backend) is not backend for lin in linears[1:]):
-            return [lin(x) for lin in linears]
-        any_grad_weight = torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in linears)
-        x_casts = nvfp4_input_casts(x, recipe, backend, any_grad_weight)
-        return [nvfp4_linear(x, lin.weight, lin.bias, recipe, backend, x_casts) for lin in linears]
-    # something of x to share: a cast along K, or along M for an MX grad-weight GEMM
-    shared = recipe.share_input_casts and (recipe.forward, recipe.grad_weight) != (HIGH_PRECISION, HIGH_PRECISION)
+        shared = True
+    else:  # something of x to share: a cast along K, or along M for an MX grad-weight GEMM
+        shared = recipe.share_input_casts and (recipe.forward, recipe.grad_weight) != (HIGH_PRECISION,) * 2
     if not shared or any(lin.recipe != recipe or (lin.backend or backend) is not backend for lin in linears[1:]):
         return [lin(x) for lin in linears]
+    any_grad_weight = torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in linears)
+    if isinstance(recipe, NVFP4Recipe):
+        x_casts = nvfp4_input_casts(x, recipe, backend, any_grad_weight)
+        return [nvfp4_linear(x, lin.weight, lin.bias, recipe, backend, x_casts) for lin in linears]
     for lin in linears:
         _check_weight(lin.weight, recipe)
     x2 = x.reshape(-1, x.shape[-1])
-    any_grad_weight = torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in linears)
     with torch.no_grad():  # the casts carry no gradient: each linear's backward gives x its own
         x_casts = _shared_casts(x2, recipe, backend, any_grad_weight)
     return [_apply(x, lin.weight, lin.bias, recipe, backend, x_casts) for lin in linears]

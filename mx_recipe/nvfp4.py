@@ -319,9 +319,6 @@ def philox_uniform(
     last dim must be a multiple of 8. ``along_rows`` (a 2D shape [R, C], R a multiple of 8): element (r, c) is
     place r mod 8 at counter (r div 8, c, ``stream``, 0), eight rows of a column to a call (the NVFP4 kernel's
     draws along M after the Hadamard transform, where each thread holds a column)."""
-    numel = 1
-    for size in shape:
-        numel *= size
     if along_rows:
         if len(shape) != 2 or shape[0] % 8:
             raise ValueError(f"philox_uniform: along_rows takes a 2D shape of rows a multiple of 8, got {shape}")
@@ -332,5 +329,8 @@ def philox_uniform(
         return draws.permute(0, 2, 1).reshape(shape).to(device)
     if shape and shape[-1] % 8:
         raise ValueError(f"philox_uniform: the last dim of {shape} must be a multiple of 8")
+    numel = 1
+    for size in shape:
+        numel *= size
     counter = torch.arange(numel // 8, dtype=torch.int64)
     return _halves(_philox_words(seed, counter & _MASK32, counter >> 32, stream)).reshape(shape).to(device)
