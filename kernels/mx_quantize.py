@@ -177,10 +177,10 @@ def fp8_bits_to_fp32(q, ELEM: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
 
 @triton.jit
 def uniform_tile(seed, stream, rows, col0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The stochastic-rounding draws of the tile [rows, col0 + BLOCK_K) of an output [.., K], fp32 in [0, 1),
-    multiples of 2**-16: the element of row-major index i takes half a word of Philox4x32-10 at counter
-    (i div 8, i's high word, ``stream``, 0) under the 64-bit key ``seed``, output word (i mod 8) div 2, its
-    high 16 bits for even i and its low 16 bits for odd i (``mx_recipe.nvfp4.philox_uniform``). ``rows``: the
+    """The stochastic-rounding draws of the tile [rows, col0 + BLOCK_K) of an output [.., K], 16-bit integers
+    (int32): the element of row-major index i takes half a word of Philox4x32-10 at counter (i div 8, i's high
+    word, ``stream``, 0) under the 64-bit key ``seed``, output word (i mod 8) div 2, its high 16 bits for even i
+    and its low 16 bits for odd i (``mx_recipe.nvfp4.philox_uniform`` is the draw over 2**16). ``rows``: the
     tile's row indices in the output (int); col0 and K are multiples of 8."""
     first = rows.to(tl.int64)[:, None] * K + (col0 + 8 * tl.arange(0, BLOCK_K // 8))[None, :]  # [BM, BK/8]
     counter = first >> 3
@@ -189,51 +189,47 @@ def uniform_tile(seed, stream, rows, col0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl
     # [.., word // 2, word % 2, half]: row-major, element 2 * word + half, the high half first
     high = tl.join(tl.join(r0 >> 16, r2 >> 16), tl.join(r1 >> 16, r3 >> 16))
     low = tl.join(tl.join(r0 & 0xFFFF, r2 & 0xFFFF), tl.join(r1 & 0xFFFF, r3 & 0xFFFF))
-    return draws_from_halves(tl.reshape(tl.join(high, low), (BLOCK_M, BLOCK_K)))
+    return tl.reshape(tl.join(high, low), (BLOCK_M, BLOCK_K)).to(tl.int32)
 
 
 @triton.jit
 def uniform_tile_along_rows(seed, stream, row0, cols, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """The draws of the tile [row0, row0 + BLOCK_M) x ``cols`` (int, [BLOCK_K]) of an output quantized along
-    its rows, [BLOCK_M // 8, 8, BLOCK_K]: element (r, c) is place r mod 8 of the Philox4x32-10 call at counter
-    (r div 8, c, ``stream``, 0) under the 64-bit key ``seed``, half of output word (r mod 8) div 2, the high
-    16 bits for even r (``mx_recipe.nvfp4.philox_uniform`` with along_rows). A column's eight rows share a
-    call, so a thread that holds a column draws its own, without moving draws between threads. row0: a
-    multiple of 8."""
+    its rows, [BLOCK_M // 8, 8, BLOCK_K], 16-bit integers: element (r, c) is place r mod 8 of the Philox4x32-10
+    call at counter (r div 8, c, ``stream``, 0) under the 64-bit key ``seed``, half of output word (r mod 8)
+    div 2, the high 16 bits for even r (``mx_recipe.nvfp4.philox_uniform`` with along_rows). A column's eight
+    rows share a call, so a thread that holds a column draws its own, without moving draws between threads.
+    row0: a multiple of 8."""
     zero = tl.zeros((BLOCK_M // 8, 1, BLOCK_K), tl.uint32)
     groups = (row0 // 8 + tl.arange(0, BLOCK_M // 8)).to(tl.uint32)[:, None, None]  # [BM / 8, 1, 1]
     r0, r1, r2, r3 = tl.philox(seed, groups + zero, cols.to(tl.uint32)[None, None, :] + zero, zero + stream, zero)
     place = tl.arange(0, 8)[None, :, None]  # [1, 8, 1]
     word = tl.where(place < 4, tl.where(place < 2, r0, r1), tl.where(place < 6, r2, r3))
-    return draws_from_halves(tl.where(place % 2 == 0, word >> 16, word & 0xFFFF))
+    return tl.where(place % 2 == 0, word >> 16, word & 0xFFFF).to(tl.int32)
 
 
 @triton.jit
-def draws_from_halves(halves):
-    """16-bit halves of Philox words -> the draws, fp32 in [0, 1), multiples of 2**-16."""
-    return halves.to(tl.float32) * 1.52587890625e-05  # 2**-16
-
-
-@triton.jit
-def round_e2m1(v, u, STOCHASTIC: tl.constexpr):
+def round_e2m1(v, draw, STOCHASTIC: tl.constexpr):
     """fp32 v -> the nearest e2m1 value as fp32, ties to even, saturating at +-6, the sign kept (-0 too):
-    ``formats.round_to_format`` for e2m1, bit for bit. STOCHASTIC: up to the next value when the uniform
-    draw u (fp32 in [0, 1), v's shape) is below the fraction, ``formats.round_to_format_stochastic``. Every
-    step is exact in fp32 or a single correctly rounded fp32 add, so the GPU and the interpreter agree.
-    NaN gives some value: callers mask NaN blocks."""
+    ``formats.round_to_format`` for e2m1, bit for bit. STOCHASTIC: rounded with the 16-bit draws ``draw``
+    (int32, v's shape) as ``formats.round_to_format_stochastic`` rounds with draw / 2**16: the draw goes in
+    below the kept mantissa bit and the carry out of the dropped bits rounds up (Blackwell's cvt.rs rule).
+    Every step is exact fp32 or integer arithmetic, or a single correctly rounded fp32 add, so the GPU and
+    the interpreter agree. NaN gives some value: callers mask NaN blocks."""
     bits = v.to(tl.int32, bitcast=True)
     mag = tl.minimum((bits & 0x7FFFFFFF).to(tl.float32, bitcast=True), 6.0)
-    # the grid's spacing in |v|'s binade is half its power of two: 0.5 below 2 (subnormals share it),
-    # 1 in [2, 4), 2 in [4, 6]
-    binade = tl.maximum(mag.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
     if STOCHASTIC:
-        inv_ulp = ((254 << 23) - binade).to(tl.float32, bitcast=True) * 2.0  # 1 / spacing, a power of two
-        units = mag * inv_ulp
-        lo = tl.floor(units)
-        q = (lo + (u < units - lo).to(tl.float32)) * (binade - (1 << 23)).to(tl.float32, bitcast=True)
+        # one mantissa bit is kept in every binade from 1 up; below 1 the grid's spacing is 0.5, which is
+        # the kept bit of [1, 2) once 1 is added. No conversions: they issue at a quarter of the fp32 rate.
+        offset = tl.where(mag < 1.0, 1.0, 0.0)
+        carried = (mag + offset).to(tl.int32, bitcast=True) + (draw << 6)  # the draw's 16 bits atop the 22 dropped
+        q = (carried & -0x400000).to(tl.float32, bitcast=True) - offset
     else:
-        # spacing * 2**23 has an fp32 ulp of one spacing over [it, 2x it), which holds it + |v|: the add
-        # rounds |v| to the grid, ties to even (an even multiple of the spacing), and the subtraction is exact
+        # the grid's spacing in |v|'s binade is half its power of two: 0.5 below 2 (subnormals share it),
+        # 1 in [2, 4), 2 in [4, 6]. spacing * 2**23 has an fp32 ulp of one spacing over [it, 2x it), which
+        # holds it + |v|: the add rounds |v| to the grid, ties to even (an even multiple of the spacing),
+        # and the subtraction is exact
+        binade = tl.maximum(mag.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
         magic = (binade + (22 << 23)).to(tl.float32, bitcast=True)
         q = (mag + magic) - magic
     return (q.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
@@ -286,7 +282,7 @@ def fake_quant_blocks(
 ):  # fmt: skip
     """fp32 blocks of 32 along AXIS -> their MX quantize-dequantize, same shape: fp32, or bf16 bits
     (int16) under OUT_BF16_BITS (the interpreter, whose bf16 store is not trusted). STOCHASTIC (e2m1 only):
-    rounded with the draws ``u`` (blocks' shape)."""
+    rounded with the 16-bit draws ``u`` (blocks' shape, ``round_e2m1``)."""
     if ELEM == "e2m1":
         v = fake_quant_e2m1_blocks(blocks, AXIS, RCEIL, SOFTWARE_ROUND, u, STOCHASTIC)
     else:
@@ -303,7 +299,7 @@ def fake_quant_e2m1_blocks(
     blocks, AXIS: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr, u, STOCHASTIC: tl.constexpr,
 ):  # fmt: skip
     """fp32 blocks of 32 along AXIS -> their MXFP4 quantize-dequantize in fp32: ``formats.fake_quant`` for e2m1,
-    to nearest or (STOCHASTIC) with the draws ``u``. The e2m1 value times 2**e directly: no packed codes, no
+    to nearest or (STOCHASTIC) with the 16-bit draws ``u``. The e2m1 value times 2**e directly: no packed codes, no
     e8m0 byte (e2m1 * 2**e is exact in fp32 and bf16)."""
     is_nan, e, v = scale_blocks(blocks, AXIS, "e2m1", RCEIL, SOFTWARE_ROUND)
     factor = tl.where(e > -127, (e + 127) << 23, 0x400000).to(tl.float32, bitcast=True)  # 2**e

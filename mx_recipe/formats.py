@@ -18,7 +18,8 @@ bit for bit against this file, and this file against the numerics contract of do
 
 Stochastic rounding (``rounding="stochastic"``, for MXFP4 gradients; recipe.py) changes only
 the element rounding: a scaled value between adjacent grid points lo < |v| < hi of the element
-format goes to hi with probability (|v| - lo) / (hi - lo), else to lo, so its expectation is v.
+format goes to hi with probability (|v| - lo) / (hi - lo), else to lo, so its expectation is v
+(the draw added below the kept mantissa bits, the carry rounding up: ``round_to_format_stochastic``).
 Scales, saturation to max_normal, NaN, Inf and zero (and -0) are exactly as above, and a value
 on the grid never moves. The random bits are a uniform [0, 1) fp32 tensor, given or drawn from
 a ``torch.Generator`` (the device's default one when none is given).
@@ -119,23 +120,26 @@ def round_to_format(v: torch.Tensor, fmt: ElemFormat) -> torch.Tensor:
 
 
 def round_to_format_stochastic(v: torch.Tensor, fmt: ElemFormat, uniform: torch.Tensor) -> torch.Tensor:
-    """Round fp32 ``v`` to one of the two values of ``fmt`` around it, lo <= |v| <= hi: up to hi when
-    ``uniform < (|v| - lo) / (hi - lo)``, so with probability (|v| - lo) / (hi - lo) for a uniform
-    [0, 1) draw. Saturates to +-max_normal like ``round_to_format``; -0 stays -0; a value of the
-    grid has fraction 0 and never moves. ``uniform``: fp32 in [0, 1), the shape of ``v``.
+    """Round fp32 ``v`` to one of the two values of ``fmt`` around it, lo <= |v| <= hi, by Blackwell's
+    ``cvt.rs`` rule: the draw's top 23 - mbits bits are added to |v|'s fp32 bits below the format's mantissa,
+    and the carry out of those dropped bits rounds up to hi (truncation gives lo). That is up exactly when
+    ``f + u' >= 1``, for the fraction f = (|v| - lo) / (hi - lo) and the draw u' = ``uniform`` truncated to
+    multiples of 2**-(23 - mbits): with probability f for a continuous draw (f is a multiple of that step in
+    every normal binade of the format, and torch.rand's 2**-24 steps are finer). Below the smallest normal
+    2**emin, |v| is first offset by 2**emin in fp32 (ties to even), which lays the subnormal grid on the
+    offset binade's, and the offset is taken off again: there f is rounded to that step first.
 
-    The probability is P(u < f) for the fraction f: exactly f for a continuous draw. torch.rand's
-    CPU draws are multiples of 2**-24, exact for every f on that grid (any fp32 v in a normal binade
-    of the format) and at most 2**-24 above f otherwise."""
+    Saturates to +-max_normal like ``round_to_format``; -0 stays -0; a value of the grid has f = 0 and never
+    moves. ``uniform``: fp32 in [0, 1), the shape of ``v``. The e2m1 kernels compute the same steps in fp32
+    and integers (``mx_kernels.mx_quantize.round_e2m1``): no conversions, which are slow on the GPU."""
     v = v.clamp(-fmt.max_normal, fmt.max_normal)  # inf saturates; max_normal is on the grid
     mag = v.abs()
-    _, exp = torch.frexp(mag)
-    k = (exp - 1).clamp(min=fmt.emin)  # as in round_to_format: the ulp of |v|'s binade
-    ulp = exp2_fp32(k - fmt.mbits)
-    units = mag / ulp  # exact (power-of-two scaling); lo = floor(units) * ulp, hi = lo + ulp
-    lo = torch.floor(units)
-    up = (uniform < units - lo).to(torch.float32)  # units - lo is exact: the fraction in [0, 1)
-    return torch.copysign((lo + up) * ulp, v)  # copysign keeps -0 for negatives that go to zero
+    dropped = 23 - fmt.mbits
+    smallest_normal = 2.0**fmt.emin
+    offset = torch.where(mag < smallest_normal, smallest_normal, 0.0)
+    draw = torch.floor(uniform * 2.0**dropped).to(torch.int32)  # exact: a power-of-two scaling
+    carried = ((mag + offset).view(torch.int32) + draw) & -(1 << dropped)
+    return torch.copysign(carried.view(torch.float32) - offset, v)  # copysign keeps -0 for negatives
 
 
 def _encode_e2m1(q: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """Stochastic rounding in the MX reference (formats.py ``rounding="stochastic"``) and its dispatch.
 
 The contract: a scaled value v / 2**e between adjacent grid points lo < |v| < hi of the element
-format goes to hi with probability (|v| - lo) / (hi - lo), else to lo: up exactly when the uniform
-draw u < that fraction. Scale rule, saturation, NaN, Inf and zero are as round-to-nearest's.
-Expected bytes below are derived by hand (encodings as in tests/test_formats.py).
+format goes to hi with probability f = (|v| - lo) / (hi - lo), else to lo: up exactly when f + u >= 1
+for the uniform draw u (its bits added below the kept mantissa bits, the carry rounding up). Scale
+rule, saturation, NaN, Inf and zero are as round-to-nearest's. Expected bytes below are derived by
+hand (encodings as in tests/test_formats.py).
 """
 
 from __future__ import annotations
@@ -45,23 +46,25 @@ def u8(t: torch.Tensor) -> list[int]:
 # Hand-computed blocks (6 / 448 / 57344 pins e = 0 under both rules).
 # ---------------------------------------------------------------------------------------------
 def test_hand_computed_e2m1():
-    # e = 0 (6.0 pins it). Each pair: value, u -> element (code):
+    # e = 0 (6.0 pins it). Each pair: value, u -> element (code); up when f + u >= 1:
     #   6.0            on the grid, never moves                       -> 6    (7)
-    #   0.25, u 0.49   frac (0.25-0)/0.5 = 0.5, 0.49 < 0.5: up        -> 0.5  (1)
-    #   0.25, u 0.5    0.5 < 0.5 is false: down                       -> 0    (0)
-    #   1.25, u 0.0    frac (1.25-1)/0.5 = 0.5: up                    -> 1.5  (3)
-    #   5.0,  u 0.25   frac (5-4)/2 = 0.5: up                         -> 6    (7)
-    #   5.0,  u 0.75   down                                           -> 4    (6)
-    #   -2.25, u 0.2   frac (2.25-2)/1 = 0.25: up, sign kept          -> -3   (8|5 = 0xD)
-    #   -2.25, u 0.3   down                                           -> -2   (8|4 = 0xC)
+    #   0.25, u 0.49   f = (0.25-0)/0.5 = 0.5, 0.99 < 1: down         -> 0    (0)
+    #   0.25, u 0.5    0.5 + 0.5 = 1: up                              -> 0.5  (1)
+    #   1.25, u 0.5    f (1.25-1)/0.5 = 0.5: up                       -> 1.5  (3)
+    #   5.0,  u 0.25   f (5-4)/2 = 0.5: down                          -> 4    (6)
+    #   5.0,  u 0.75   up                                             -> 6    (7)
+    #   -2.25, u 0.75  f (2.25-2)/1 = 0.25: up, sign kept             -> -3   (8|5 = 0xD)
+    #   -2.25, u 0.74  down                                           -> -2   (8|4 = 0xC)
     #   7.0,  u 0.0    saturates to max normal 6 (floor rule)          -> 6    (7)
-    #   0.0,  u 0.0    zero never moves                               -> 0    (0)
-    #   -0.0, u 0.0    keeps its sign                                 -> -0   (0x8)
-    #   0.4,  u 0.79   frac 0.4/0.5 = 0.8 (fp32: 0.4000000059604645 / 0.5), 0.79 < 0.8: up -> 0.5 (1)
-    #   -0.1, u 0.9    frac 0.2: down to zero, sign kept             -> -0   (0x8)
-    values = [6.0, 0.25, 0.25, 1.25, 5.0, 5.0, -2.25, -2.25, 7.0, 0.0, -0.0, 0.4, -0.1]
-    draws = [0.0, 0.49, 0.5, 0.0, 0.25, 0.75, 0.2, 0.3, 0.0, 0.0, 0.0, 0.79, 0.9]
-    codes = [0x7, 0x1, 0x0, 0x3, 0x7, 0x6, 0xD, 0xC, 0x7, 0x0, 0x8, 0x1, 0x8]
+    #   0.0,  u 0.99   zero never moves                               -> 0    (0)
+    #   -0.0, u 0.99   keeps its sign                                 -> -0   (0x8)
+    #   0.4,  u 0.21   below 1: fl32(0.4 + 1) = 1.39999998, f = 0.79999995; 1.00999995 >= 1: up -> 0.5 (1)
+    #   0.4,  u 0.19   0.98999995 < 1: down                           -> 0    (0)
+    #   -0.1, u 0.81   f 0.2 (fl32(0.1 + 1) = 1.10000002): up, sign kept -> -0.5 (0x9)
+    #   -0.1, u 0.79   down to zero, sign kept                        -> -0   (0x8)
+    values = [6.0, 0.25, 0.25, 1.25, 5.0, 5.0, -2.25, -2.25, 7.0, 0.0, -0.0, 0.4, 0.4, -0.1, -0.1]
+    draws = [0.0, 0.49, 0.5, 0.5, 0.25, 0.75, 0.75, 0.74, 0.0, 0.99, 0.99, 0.21, 0.19, 0.81, 0.79]
+    codes = [0x7, 0x0, 0x1, 0x3, 0x6, 0x7, 0xD, 0xC, 0x7, 0x0, 0x8, 0x1, 0x0, 0x9, 0x8]
     x = torch.zeros(32)
     x[: len(values)] = torch.tensor(values)
     u = torch.full((32,), 0.5)
@@ -74,19 +77,20 @@ def test_hand_computed_e2m1():
 
 
 def test_hand_computed_fp8():
-    # e4m3, 448 pins e = 0. 17 in [16, 32), ulp 2: lo 16 (0x58), hi 18 (0 1011 001 = 0x59), frac 0.5.
-    # 0.3 * 2**-9 (between 0 and the min subnormal 2**-9, frac 0.3): u 0.29 -> 2**-9 (0x01), u 0.3 -> 0.
-    # -300 in [256, 512), ulp 32: lo 288 (0 1111 001), hi 320 (0 1111 010), frac 0.375 -> u 0.37: -320 (0xFA).
+    # e4m3, 448 pins e = 0. 17 in [16, 32), ulp 2: lo 16 (0x58), hi 18 (0 1011 001 = 0x59), f 0.5: up from u 0.5.
+    # 0.3 * 2**-9 (between 0 and the min subnormal 2**-9, f 0.3, exact after the offset 2**-6 at 20 dropped
+    # bits' resolution): u 0.69 -> 0, u 0.71 -> 2**-9 (0x01).
+    # -300 in [256, 512), ulp 32: lo 288 (0 1111 001), hi 320 (0 1111 010), f 0.375 -> u 0.63: -320 (0xFA).
     # 460 saturates to 448 (0x7E) whatever u (the grid stops at 448).
     sub = 0.3 * 2.0**-9
     x = torch.tensor([448.0, 17.0, 17.0, sub, sub, -300.0, 460.0] + [0.0] * 25)
-    u = torch.tensor([0.0, 0.49, 0.5, 0.29, 0.3, 0.37, 0.0] + [0.0] * 25)
+    u = torch.tensor([0.0, 0.5, 0.49, 0.71, 0.69, 0.63, 0.99] + [0.0] * 25)
     mx = to_mx(x, "e4m3", "floor", rounding="stochastic", uniform=u)
     assert u8(mx.scale) == [127]
     assert u8(mx.qdata)[:7] == [0x7E, 0x59, 0x58, 0x01, 0x00, 0xFA, 0x7E]
-    # e5m2, 57344 pins e = 0. 5.5 in [4, 8), ulp 1: lo 5 (0 10001 01 = 0x45), hi 6 (0x46), frac 0.5.
+    # e5m2, 57344 pins e = 0. 5.5 in [4, 8), ulp 1: lo 5 (0 10001 01 = 0x45), hi 6 (0x46), f 0.5.
     x = torch.tensor([57344.0, 5.5, 5.5] + [0.0] * 29)
-    u = torch.tensor([0.0, 0.4, 0.6] + [0.0] * 29)
+    u = torch.tensor([0.0, 0.6, 0.4] + [0.0] * 29)
     mx = to_mx(x, "e5m2", "floor", rounding="stochastic", uniform=u)
     assert u8(mx.qdata)[:3] == [0x7B, 0x46, 0x45]
 
@@ -94,7 +98,7 @@ def test_hand_computed_fp8():
 def test_scale_rule_is_unchanged():
     # rceil, amax 7 (e2m1): e = ceil(log2(7/6)) = 1 whatever the rounding; 7 / 2 = 3.5 -> 3 or 4.
     x = torch.tensor([7.0] + [0.0] * 31)
-    for u0, code in ((0.49, 0x6), (0.5, 0x5)):
+    for u0, code in ((0.49, 0x5), (0.5, 0x6)):
         u = torch.full((32,), u0)
         mx = to_mx(x, "e2m1", "rceil", rounding="stochastic", uniform=u)
         assert u8(mx.scale) == [128] and u8(mx.qdata)[0] & 0xF == code
@@ -105,7 +109,8 @@ def test_scale_rule_is_unchanged():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("elem", FORMATS)
 def test_every_grid_interval(elem):
-    """Inside each [lo, hi]: v = lo + f (hi - lo) goes up exactly when u < f, for both signs."""
+    """Inside each [lo, hi]: v = lo + f (hi - lo) goes up exactly when u >= 1 - f, for both signs; the draw
+    counts to 2**-20 (20, 21 and 22 dropped bits for e4m3, e5m2 and e2m1)."""
     fmt = elem_format(elem)
     points = grid(elem)
     lo = torch.tensor(points[:-1]).repeat_interleave(3)
@@ -113,12 +118,12 @@ def test_every_grid_interval(elem):
     f = torch.tensor([0.25, 0.5, 0.75]).repeat(len(points) - 1)
     v = lo + f * (hi - lo)  # exact: lo and hi have a few significant bits
     for sign in (1.0, -1.0):
-        up = round_to_format_stochastic(sign * v, fmt, f - ULP24)
-        down = round_to_format_stochastic(sign * v, fmt, f)
+        up = round_to_format_stochastic(sign * v, fmt, 1 - f)
+        down = round_to_format_stochastic(sign * v, fmt, 1 - f - 2.0**-20)
         assert torch.equal(up, sign * hi) and torch.equal(down, sign * lo)
     # end to end through to_mx at scale 2**0, fp32 input
     x = rows_at_scale_one(elem, v.tolist())
-    ups = rows_at_scale_one(elem, (f - ULP24).tolist())
+    ups = rows_at_scale_one(elem, (1 - f).tolist())
     ups[:, 0] = 0.5  # max_normal is on the grid: any draw
     got = fake_quant(x, elem, "floor", rounding="stochastic", uniform=ups)
     want = rows_at_scale_one(elem, hi.tolist())
