@@ -21,14 +21,14 @@ grad-weight GEMM uses), in x's layout (a bf16 GEMM takes it transposed for free)
 Stochastic rounding draws from Philox4x32-10 keyed by a 64-bit seed read from device memory (so a
 captured or compiled step draws a new one each time without a host sync), one call for eight elements,
 each taking half of output word j div 2 for its place j in the eight (the high 16 bits for even j, the low
-for odd j) times 2**-16. Along K (stream 0) the eight are consecutive in a row: element i of x (row-major
-index r * K + c) is place i mod 8 at counter (i div 8, i's high word, 0, 0). Along M (stream 1) the same,
-except after the Hadamard transform, which leaves each thread a column's rows: there the eight are
-consecutive in a column, element (r, c) being place r mod 8 at counter (r div 8, c, 1, 0), so that the
-draws never move between threads (row-major draws cost seven layout conversions through shared memory
-there, and column draws without the transform were computed eight times over by replicated threads).
-``mx_recipe.nvfp4.philox_uniform`` is the same stream in PyTorch (``along_rows`` for along M after the
-transform), which the tests hand to the reference as its ``uniform``.
+for odd j) as a 16-bit draw (``mx_quantize.round_e2m1`` adds it below the kept mantissa bit). Along K
+(stream 0) the eight are consecutive in a row: element i of x (row-major index r * K + c) is place i mod 8
+at counter (i div 8, i's high word, 0, 0). Along M (stream 1) they are consecutive in a column: element
+(r, c) is place r mod 8 at counter (r div 8, c, 1, 0). Along M each thread holds columns of whole blocks,
+after the Hadamard transform or after the same data movement without it (``blocks_along_m``), so the draws
+are made in the thread that uses them and never move between threads.
+``mx_recipe.nvfp4.philox_uniform`` is the same stream in PyTorch (``along_rows`` for along M), which the
+tests hand to the reference as its ``uniform``.
 """
 
 from __future__ import annotations
@@ -70,27 +70,38 @@ def _min_nan(a, b):
 
 
 @triton.jit
-def _butterfly(v, H: tl.constexpr, NB: tl.constexpr, C: tl.constexpr):
+def _butterfly(v, H: tl.constexpr, NB: tl.constexpr, C: tl.constexpr, ADD: tl.constexpr):
     """One stage of the fast Walsh-Hadamard transform along axis 1 of v [NB, 16, C]: pairs at distance H
-    become (a + b, a - b), as ``mx_recipe.nvfp4._walsh_hadamard`` forms them."""
+    become (a + b, a - b), as ``mx_recipe.nvfp4._walsh_hadamard`` forms them; not ADD, the pairs only move
+    as the stage moves them, and come back to their places."""
     v = tl.permute(tl.reshape(v, (NB, 16 // (2 * H), 2, H, C)), (0, 1, 3, 4, 2))
     a, b = tl.split(v)
-    v = tl.permute(tl.join(a + b, a - b), (0, 1, 4, 2, 3))
+    if ADD:
+        a, b = a + b, a - b
+    v = tl.permute(tl.join(a, b), (0, 1, 4, 2, 3))
     return tl.reshape(v, (NB, 16, C))
 
 
 @triton.jit
-def hadamard_along_m(x, signs, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr = True):
-    """x [BLOCK_M, BLOCK_K] fp32 -> [BLOCK_M // 16, 16, BLOCK_K]: each block of 16 rows v becomes
-    v @ diag(signs) H16 / 4 (``mx_recipe.nvfp4.hadamard_transform`` along M, the same fp32 operations);
-    not SCALED, without the final / 4 (exact, and monotonic where it rounds: a maximum can take it last)."""
+def blocks_along_m(
+    x, signs, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HADAMARD: tl.constexpr, SCALED: tl.constexpr = True
+):  # fmt: skip
+    """x [BLOCK_M, BLOCK_K] fp32 -> its blocks of 16 rows, [BLOCK_M // 16, 16, BLOCK_K]. HADAMARD: each block v
+    becomes v @ diag(signs) H16 / 4 (``mx_recipe.nvfp4.hadamard_transform`` along M, the same fp32 operations;
+    not SCALED, without the final / 4: exact, and monotonic where it rounds, so a maximum can take it last).
+    Without it the values only travel the butterflies' paths: either way each thread ends up holding columns
+    of whole blocks, so the blocks' maxima need no shuffles and the draws along rows stay in their thread
+    (as loaded, x's rows lie across threads: 24 shared-memory stores and 36 shuffles a tile more, and the
+    stochastic gradient cast took a third longer than with the transform)."""
     NB: tl.constexpr = BLOCK_M // 16
-    v = tl.reshape(x, (NB, 16, BLOCK_K)) * signs[None, :, None]
-    v = _butterfly(v, 1, NB, BLOCK_K)
-    v = _butterfly(v, 2, NB, BLOCK_K)
-    v = _butterfly(v, 4, NB, BLOCK_K)
-    v = _butterfly(v, 8, NB, BLOCK_K)
-    return v * 0.25 if SCALED else v
+    v = tl.reshape(x, (NB, 16, BLOCK_K))
+    if HADAMARD:
+        v = v * signs[None, :, None]
+    v = _butterfly(v, 1, NB, BLOCK_K, HADAMARD)
+    v = _butterfly(v, 2, NB, BLOCK_K, HADAMARD)
+    v = _butterfly(v, 4, NB, BLOCK_K, HADAMARD)
+    v = _butterfly(v, 8, NB, BLOCK_K, HADAMARD)
+    return v * 0.25 if HADAMARD and SCALED else v
 
 
 @triton.jit
@@ -138,7 +149,7 @@ def _amax_kernel(
                             mask=in_x, other=0.0), SOFTWARE_ROUND)  # fmt: skip
         plain = max_abs(plain, x)
         if HADAMARD:  # the / 4 once, on the maximum
-            transformed = max_abs(transformed, hadamard_along_m(x, signs, BLOCK_M, BLOCK_K, False))
+            transformed = max_abs(transformed, blocks_along_m(x, signs, BLOCK_M, BLOCK_K, True, False))
     plain_bits = block_amax_bits(tl.reshape(plain, (BLOCK_M * BLOCK_K,)), 0, SOFTWARE_ROUND)
     tl.atomic_max(amax_ptr, plain_bits)
     if HADAMARD:
@@ -201,17 +212,12 @@ def _fake_quant_kernel(
             tl.store(k_ptr + out_offs, q, mask=in_x)
     if ALONG_M:  # blocks of 16 rows: [BM / 16, 16, BK], reduced over the middle dim
         tensor_amax = tl.load(amax_ptr + 1).to(tl.float32, bitcast=True)
-        if HADAMARD:
-            v = hadamard_along_m(x, tl.load(signs_ptr + tl.arange(0, 16)), BLOCK_M, BLOCK_K)
-        else:
-            v = tl.reshape(x, (BLOCK_M // 16, 16, BLOCK_K))
+        signs = tl.load(signs_ptr + tl.arange(0, 16)) if HADAMARD else 0.0
+        v = blocks_along_m(x, signs, BLOCK_M, BLOCK_K, HADAMARD)
         b = block_amax_bits(v, 1, SOFTWARE_ROUND).to(tl.float32, bitcast=True)[:, None, :]
         u = 0.0
-        if STOCHASTIC:
-            if HADAMARD:  # the transform leaves each thread a column: eight of its rows to a Philox call
-                u = uniform_tile_along_rows(seed, 1, tl.program_id(0) * BLOCK_M, cols, BLOCK_M, BLOCK_K)
-            else:  # x's own layout: eight of a row's columns to a call, as along K
-                u = uniform_tile(seed, 1, rows, tl.program_id(1) * BLOCK_K, K, BLOCK_M, BLOCK_K)
+        if STOCHASTIC:  # each thread holds columns: eight of a column's rows to a Philox call
+            u = uniform_tile_along_rows(seed, 1, tl.program_id(0) * BLOCK_M, cols, BLOCK_M, BLOCK_K)
             u = tl.reshape(u, (BLOCK_M // 16, 16, BLOCK_K))
         q, s_bits, s = quantize_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND)
         if PACKED:  # stored transposed: row c of the output holds column c's codes, paired along M

@@ -318,7 +318,7 @@ def philox_uniform(
     By default element i (row-major) is place i mod 8 at counter (i div 8, its high word, ``stream``, 0); the
     last dim must be a multiple of 8. ``along_rows`` (a 2D shape [R, C], R a multiple of 8): element (r, c) is
     place r mod 8 at counter (r div 8, c, ``stream``, 0), eight rows of a column to a call (the NVFP4 kernel's
-    draws along M after the Hadamard transform, where each thread holds a column)."""
+    draws along M, where each thread holds columns)."""
     if along_rows:
         if len(shape) != 2 or shape[0] % 8:
             raise ValueError(f"philox_uniform: along_rows takes a 2D shape of rows a multiple of 8, got {shape}")

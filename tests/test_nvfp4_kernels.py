@@ -49,7 +49,7 @@ def check(shape, device, along_k, along_m, tiles, hadamard, stochastic, seed=0, 
     m_pad = -(-x.shape[0] // 16) * 16
     uniforms = (
         philox_uniform(int(key.item()), 0, tuple(x.shape)) if stochastic else None,
-        philox_uniform(int(key.item()), 1, (m_pad, x.shape[1]), along_rows=hadamard) if stochastic else None,
+        philox_uniform(int(key.item()), 1, (m_pad, x.shape[1]), along_rows=True) if stochastic else None,
     )
     ref = reference_fake_quant_nvfp4(
         x.cpu(), along_k, along_m, tiles, None if signs is None else signs.cpu(),
@@ -82,7 +82,7 @@ def check_packed(x, along_k, along_m, tiles, hadamard, stochastic, pad_m, seed=0
     m_pad = -(-x.shape[0] // pad_m) * pad_m
     uniforms = (None, None)
     if stochastic:  # the kernel's draws, in each reference operand's layout (along M: [K, M_pad])
-        u_m = philox_uniform(int(key.item()), 1, (m_pad, x.shape[1]), along_rows=hadamard)
+        u_m = philox_uniform(int(key.item()), 1, (m_pad, x.shape[1]), along_rows=True)
         uniforms = (philox_uniform(int(key.item()), 0, tuple(x.shape)), u_m.t().contiguous())
     ref_k, ref_m = reference_cast_nvfp4(
         x.cpu(), along_k, along_m, tiles, None if signs is None else signs.cpu(),
@@ -211,6 +211,22 @@ def test_gpu_nvfp4_edge_tensors_and_dispatch():
         assert_values_equal(a.reshape(-1), b.reshape(-1), "compiled")
 
 
+def test_along_m_holds_whole_blocks_in_each_thread_with_or_without_the_transform():
+    """Along M the blocks' rows reach one thread by the butterflies' data movement, with the transform's
+    arithmetic or without it: no warp shuffles for the blocks' maxima and no more shared-memory traffic than
+    the transform's, to nearest and stochastic (as loaded, x's rows lie across threads: 32 shuffles)."""
+    from mx_kernels.fake_quant_nvfp4 import compile_for_target
+
+    for stochastic in (False, True):
+        ptx = {
+            hadamard: compile_for_target((4096, 4096), False, True, False, hadamard, stochastic, 90)[1].asm["ptx"]
+            for hadamard in (False, True)
+        }
+        for hadamard, text in ptx.items():
+            assert "shfl.sync" not in text, f"rht={hadamard} sr={stochastic}: the blocks' rows span threads"
+        assert ptx[False].count("st.shared") <= ptx[True].count("st.shared")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["nvfp4_nearest_grads", "nvfp4_1d_weights"])
@@ -250,6 +266,22 @@ def test_kernels_compile_for_hopper_and_blackwell(arch):
                     (4096, 4096), along_k, along_m, tiles, hadamard, stochastic, arch, packed
                 )
                 assert amax_kernel.asm["cubin"] and kernel.asm["cubin"]
+
+
+def test_along_m_holds_whole_blocks_in_each_thread_with_or_without_the_transform():
+    """Along M the blocks' rows reach one thread by the butterflies' data movement, with the transform's
+    arithmetic or without it: no warp shuffles for the blocks' maxima and no more shared-memory traffic than
+    the transform's, to nearest and stochastic (as loaded, x's rows lie across threads: 32 shuffles)."""
+    from mx_kernels.fake_quant_nvfp4 import compile_for_target
+
+    for stochastic in (False, True):
+        ptx = {
+            hadamard: compile_for_target((4096, 4096), False, True, False, hadamard, stochastic, 90)[1].asm["ptx"]
+            for hadamard in (False, True)
+        }
+        for hadamard, text in ptx.items():
+            assert "shfl.sync" not in text, f"rht={hadamard} sr={stochastic}: the blocks' rows span threads"
+        assert ptx[False].count("st.shared") <= ptx[True].count("st.shared")
 
 
 @pytest.mark.gpu
