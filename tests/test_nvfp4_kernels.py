@@ -268,22 +268,6 @@ def test_kernels_compile_for_hopper_and_blackwell(arch):
                 assert amax_kernel.asm["cubin"] and kernel.asm["cubin"]
 
 
-def test_along_m_holds_whole_blocks_in_each_thread_with_or_without_the_transform():
-    """Along M the blocks' rows reach one thread by the butterflies' data movement, with the transform's
-    arithmetic or without it: no warp shuffles for the blocks' maxima and no more shared-memory traffic than
-    the transform's, to nearest and stochastic (as loaded, x's rows lie across threads: 32 shuffles)."""
-    from mx_kernels.fake_quant_nvfp4 import compile_for_target
-
-    for stochastic in (False, True):
-        ptx = {
-            hadamard: compile_for_target((4096, 4096), False, True, False, hadamard, stochastic, 90)[1].asm["ptx"]
-            for hadamard in (False, True)
-        }
-        for hadamard, text in ptx.items():
-            assert "shfl.sync" not in text, f"rht={hadamard} sr={stochastic}: the blocks' rows span threads"
-        assert ptx[False].count("st.shared") <= ptx[True].count("st.shared")
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["nvfp4_nearest_grads", "nvfp4_1d_weights"])
