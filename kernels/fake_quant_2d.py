@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from mx_kernels.common import fake_quant_2d_outputs, fake_quant_groups_outputs, interpreting, software_round
 from mx_kernels.launch_cache import LaunchCache
-from mx_kernels.mx_quantize import fake_quant_blocks, to_fp32, uniform_tile
+from mx_kernels.mx_quantize import column_blocks, fake_quant_blocks, to_fp32, uniform_tile
 from mx_kernels.spec import cdiv
 
 # (BLOCK_M, BLOCK_K, num_warps), the best of H200 sweeps: both outputs of 16384 x 4096 and of 3D expert
@@ -68,7 +68,10 @@ def _fake_quant_2d_kernel(
         k_offs = pid_b * M * K + rows.to(tl.int64)[:, None] * K + cols[None, :]
         tl.store(k_ptr + k_offs, v, mask=in_x)
     if ALONG_M:  # blocks of 32 along M: [BLOCK_M / 32, 32, BLOCK_K], reduced over the middle dim
-        blocks = tl.reshape(x, (BLOCK_M // 32, 32, BLOCK_K))
+        if STOCHASTIC:  # the draws are row-major in x's layout (by output row, which gathering scatters)
+            blocks = tl.reshape(x, (BLOCK_M // 32, 32, BLOCK_K))
+        else:
+            blocks = column_blocks(x, 32)
         u = 0.0
         if STOCHASTIC:  # by the index in the output (stream 1): x's row when gathered, else the padded row
             out_rows = x_rows if GATHER else pid_b * M_PAD + rows

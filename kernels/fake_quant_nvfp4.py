@@ -41,6 +41,8 @@ from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.mx_quantize import (
     bf16_bits_rne,
     block_amax_bits,
+    butterfly_stage,
+    column_blocks,
     e2m1_codes,
     fp8_bits_to_fp32,
     max_abs,
@@ -70,19 +72,6 @@ def _min_nan(a, b):
 
 
 @triton.jit
-def _butterfly(v, H: tl.constexpr, NB: tl.constexpr, C: tl.constexpr, ADD: tl.constexpr):
-    """One stage of the fast Walsh-Hadamard transform along axis 1 of v [NB, 16, C]: pairs at distance H
-    become (a + b, a - b), as ``mx_recipe.nvfp4._walsh_hadamard`` forms them; not ADD, the pairs only move
-    as the stage moves them, and come back to their places."""
-    v = tl.permute(tl.reshape(v, (NB, 16 // (2 * H), 2, H, C)), (0, 1, 3, 4, 2))
-    a, b = tl.split(v)
-    if ADD:
-        a, b = a + b, a - b
-    v = tl.permute(tl.join(a, b), (0, 1, 4, 2, 3))
-    return tl.reshape(v, (NB, 16, C))
-
-
-@triton.jit
 def blocks_along_m(
     x, signs, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HADAMARD: tl.constexpr, SCALED: tl.constexpr = True
 ):  # fmt: skip
@@ -93,15 +82,17 @@ def blocks_along_m(
     of whole blocks, so the blocks' maxima need no shuffles and the draws along rows stay in their thread
     (as loaded, x's rows lie across threads: 24 shared-memory stores and 36 shuffles a tile more, and the
     stochastic gradient cast took a third longer than with the transform)."""
-    NB: tl.constexpr = BLOCK_M // 16
-    v = tl.reshape(x, (NB, 16, BLOCK_K))
     if HADAMARD:
-        v = v * signs[None, :, None]
-    v = _butterfly(v, 1, NB, BLOCK_K, HADAMARD)
-    v = _butterfly(v, 2, NB, BLOCK_K, HADAMARD)
-    v = _butterfly(v, 4, NB, BLOCK_K, HADAMARD)
-    v = _butterfly(v, 8, NB, BLOCK_K, HADAMARD)
-    return v * 0.25 if HADAMARD and SCALED else v
+        v = tl.reshape(x, (BLOCK_M // 16, 16, BLOCK_K)) * signs[None, :, None]
+        v = butterfly_stage(v, 1, True)
+        v = butterfly_stage(v, 2, True)
+        v = butterfly_stage(v, 4, True)
+        v = butterfly_stage(v, 8, True)
+        if SCALED:
+            v = v * 0.25
+    else:
+        v = column_blocks(x, 16)
+    return v
 
 
 @triton.jit

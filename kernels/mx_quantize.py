@@ -176,6 +176,40 @@ def fp8_bits_to_fp32(q, ELEM: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
 
 
 @triton.jit
+def butterfly_stage(v, H: tl.constexpr, ADD: tl.constexpr):
+    """One stage of the fast Walsh-Hadamard transform along axis 1 of v [NB, N, C]: pairs at distance H
+    become (a + b, a - b), as ``mx_recipe.nvfp4._walsh_hadamard`` forms them; not ADD, the pairs only travel
+    the stage's paths and come back to their places. Either way the compiler lays v out so that each pair
+    meets in one thread."""
+    NB: tl.constexpr = v.shape[0]
+    N: tl.constexpr = v.shape[1]
+    C: tl.constexpr = v.shape[2]
+    v = tl.permute(tl.reshape(v, (NB, N // (2 * H), 2, H, C)), (0, 1, 3, 4, 2))
+    a, b = tl.split(v)
+    if ADD:
+        a, b = a + b, a - b
+    v = tl.permute(tl.join(a, b), (0, 1, 4, 2, 3))
+    return tl.reshape(v, (NB, N, C))
+
+
+@triton.jit
+def column_blocks(x, N: tl.constexpr):
+    """x [R, C] -> its blocks of N rows, [R // N, N, C], laid out so that each thread holds whole columns of
+    blocks: the values travel the paths of the transform's stages at every distance below N, without its
+    arithmetic. As loaded, a tile's rows lie across threads, and a reduction over a block's rows costs warp
+    shuffles and shared-memory round trips (the along-M fake-quants: 18 to 36 shuffles a tile)."""
+    tl.static_assert((N == 16) or (N == 32), "blocks of 16 (NVFP4) or 32 (MX)")
+    v = tl.reshape(x, (x.shape[0] // N, N, x.shape[1]))
+    v = butterfly_stage(v, 1, False)
+    v = butterfly_stage(v, 2, False)
+    v = butterfly_stage(v, 4, False)
+    v = butterfly_stage(v, 8, False)
+    if N == 32:
+        v = butterfly_stage(v, 16, False)
+    return v
+
+
+@triton.jit
 def uniform_tile(seed, stream, rows, col0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """The stochastic-rounding draws of the tile [rows, col0 + BLOCK_K) of an output [.., K], 16-bit integers
     (int32): the element of row-major index i takes half a word of Philox4x32-10 at counter (i div 8, i's high

@@ -800,3 +800,21 @@ def test_e2m1_casts_compile_for_hopper_and_blackwell(arch):
         num_warps=cast_groups_dim1.NUM_WARPS,
     )  # fmt: skip
     assert compile_for_arch(cast_groups_dim1._cast_groups_dim1_kernel, kwargs, arch).asm["cubin"]
+
+
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
+def test_fake_quant_along_m_holds_whole_blocks_in_each_thread():
+    """The MX fake-quant along M (plain and gathered token groups, rounding to nearest) moves the blocks' rows
+    into threads (``mx_quantize.column_blocks``): the blocks' maxima need no warp shuffles (as loaded, 18 a
+    tile). With stochastic rounding the rows stay as loaded, where the row-major draws are."""
+    from mx_kernels import fake_quant_2d
+    from mx_kernels.gluon_common import compile_for_arch
+
+    x = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
+    out = torch.empty(16, dtype=torch.bfloat16, device="meta")
+    row_src = torch.empty(16, dtype=torch.int32, device="meta")
+    for src in (None, row_src):
+        along_m_only = (False, True, 4096, 4096, False, None)  # along_k, along_m, m, m_pad, software, seed
+        _, kwargs = fake_quant_2d._kernel_launch(x, src, out, out, "e2m1", "floor", *along_m_only)
+        ptx = compile_for_arch(fake_quant_2d._fake_quant_2d_kernel, kwargs, 90).asm["ptx"]
+        assert "shfl.sync" not in ptx, f"gathered={src is not None}: the blocks' rows span threads"
