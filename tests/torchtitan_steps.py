@@ -91,7 +91,8 @@ def main() -> None:
         losses.append(loss.item())
     if rank == 0:
         print(json.dumps({"losses": losses}))
-    if args.fsdp:
+    if args.fsdp:  # both ranks done before teardown: a gloo pair closed under its peer can abort the process
+        dist.barrier()
         dist.destroy_process_group()
 
 
