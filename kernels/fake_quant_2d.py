@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from mx_kernels.common import fake_quant_2d_outputs, fake_quant_groups_outputs, interpreting, software_round
 from mx_kernels.launch_cache import LaunchCache
-from mx_kernels.mx_quantize import column_blocks, fake_quant_blocks, to_fp32, uniform_tile
+from mx_kernels.mx_quantize import column_blocks, draws_tile, fake_quant_blocks, to_fp32
 from mx_kernels.spec import cdiv
 
 # (BLOCK_M, BLOCK_K, num_warps), the best of H200 sweeps: both outputs of 16384 x 4096 and of 3D expert
@@ -61,7 +61,7 @@ def _fake_quant_2d_kernel(
         blocks = tl.reshape(x, (BLOCK_M * BLOCK_K // 32, 32))
         u = 0.0
         if STOCHASTIC:  # each element draws by its index in the output (stream 0)
-            u = uniform_tile(seed, 0, pid_b * M + rows, pid_k * BLOCK_K, K, BLOCK_M, BLOCK_K)
+            u = draws_tile(seed, 0, pid_b * M + rows, pid_k * BLOCK_K, K, BLOCK_M, BLOCK_K)
             u = tl.reshape(u, (BLOCK_M * BLOCK_K // 32, 32))
         v = fake_quant_blocks(blocks, 1, ELEM, RCEIL, SOFTWARE_ROUND, OUT_BF16_BITS, u, STOCHASTIC)
         v = tl.reshape(v, (BLOCK_M, BLOCK_K))
@@ -75,7 +75,7 @@ def _fake_quant_2d_kernel(
         u = 0.0
         if STOCHASTIC:  # by the index in the output (stream 1): x's row when gathered, else the padded row
             out_rows = x_rows if GATHER else pid_b * M_PAD + rows
-            u = uniform_tile(seed, 1, out_rows, pid_k * BLOCK_K, K, BLOCK_M, BLOCK_K)
+            u = draws_tile(seed, 1, out_rows, pid_k * BLOCK_K, K, BLOCK_M, BLOCK_K)
             u = tl.reshape(u, (BLOCK_M // 32, 32, BLOCK_K))
         v = fake_quant_blocks(blocks, 1, ELEM, RCEIL, SOFTWARE_ROUND, OUT_BF16_BITS, u, STOCHASTIC)
         v = tl.reshape(v, (BLOCK_M, BLOCK_K))
@@ -97,7 +97,7 @@ def fake_quant_2d(
       ``to_mx(pad(x).transpose(-2, -1).contiguous(), elem, mode).dequantize(x.dtype).transpose(-2, -1)``.
 
     ``seed``: int64 [1] on x's device: e2m1 rounded stochastically, each element with the draw of its index in
-    its output (``mx_quantize.uniform_tile``, stream 0 along K and 1 along M; K a multiple of 8). An output not
+    its output (``mx_quantize.draws_tile``, stream 0 along K and 1 along M; K a multiple of 8). An output not
     asked for is an empty tensor. Bit for bit the reference's, given the same draws."""
     _require_bf16(x, "fake_quant_2d")
     return fake_quant_2d_outputs(x, elem, mode, along_k, along_m, _launch, "fake_quant_2d", fp4=True, seed=seed)

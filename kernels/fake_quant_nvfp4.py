@@ -43,6 +43,8 @@ from mx_kernels.mx_quantize import (
     block_amax_bits,
     butterfly_stage,
     column_blocks,
+    draws_tile,
+    draws_tile_along_rows,
     e2m1_codes,
     fp8_bits_to_fp32,
     max_abs,
@@ -51,8 +53,6 @@ from mx_kernels.mx_quantize import (
     round_e2m1,
     round_to_fp8_bits,
     to_fp32,
-    uniform_tile,
-    uniform_tile_along_rows,
 )
 from mx_kernels.spec import NVFP4_BLOCK as BLOCK
 from mx_kernels.spec import cdiv
@@ -174,7 +174,7 @@ def _fake_quant_kernel(
     seed = tl.load(seed_ptr) if STOCHASTIC else 0
     if ALONG_K:
         tensor_amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
-        u = uniform_tile(seed, 0, rows, tl.program_id(1) * BLOCK_K, K, BLOCK_M, BLOCK_K) if STOCHASTIC else 0.0
+        u = draws_tile(seed, 0, rows, tl.program_id(1) * BLOCK_K, K, BLOCK_M, BLOCK_K) if STOCHASTIC else 0.0
         if TILES:  # one scale per 16 x 16 tile: [BM / 16, 16, BK / 16, 16]
             v = tl.reshape(x, (BLOCK_M // 16, 16, BLOCK_K // 16, 16))
             b = tl.max(block_amax_bits(v, 3, SOFTWARE_ROUND), axis=1)  # bits order like values: max of maxima
@@ -208,7 +208,7 @@ def _fake_quant_kernel(
         b = block_amax_bits(v, 1, SOFTWARE_ROUND).to(tl.float32, bitcast=True)[:, None, :]
         u = 0.0
         if STOCHASTIC:  # each thread holds columns: eight of a column's rows to a Philox call
-            u = uniform_tile_along_rows(seed, 1, tl.program_id(0) * BLOCK_M, cols, BLOCK_M, BLOCK_K)
+            u = draws_tile_along_rows(seed, 1, tl.program_id(0) * BLOCK_M, cols, BLOCK_M, BLOCK_K)
             u = tl.reshape(u, (BLOCK_M // 16, 16, BLOCK_K))
         q, s_bits, s = quantize_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND)
         if PACKED:  # stored transposed: row c of the output holds column c's codes, paired along M

@@ -210,7 +210,7 @@ def column_blocks(x, N: tl.constexpr):
 
 
 @triton.jit
-def uniform_tile(seed, stream, rows, col0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def draws_tile(seed, stream, rows, col0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """The stochastic-rounding draws of the tile [rows, col0 + BLOCK_K) of an output [.., K], 16-bit integers
     (int32): the element of row-major index i takes half a word of Philox4x32-10 at counter (i div 8, i's high
     word, ``stream``, 0) under the 64-bit key ``seed``, output word (i mod 8) div 2, its high 16 bits for even i
@@ -227,7 +227,7 @@ def uniform_tile(seed, stream, rows, col0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
-def uniform_tile_along_rows(seed, stream, row0, cols, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def draws_tile_along_rows(seed, stream, row0, cols, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """The draws of the tile [row0, row0 + BLOCK_M) x ``cols`` (int, [BLOCK_K]) of an output quantized along
     its rows, [BLOCK_M // 8, 8, BLOCK_K], 16-bit integers: element (r, c) is place r mod 8 of the Philox4x32-10
     call at counter (r div 8, c, ``stream``, 0) under the 64-bit key ``seed``, half of output word (r mod 8)

@@ -310,7 +310,7 @@ def _halves(words: torch.Tensor) -> torch.Tensor:
 def philox_uniform(
     seed: int, stream: int, shape: tuple[int, ...], device: torch.device | str = "cpu", along_rows: bool = False
 ) -> torch.Tensor:
-    """The uniform draws the kernels round with (``mx_kernels.mx_quantize.uniform_tile``), fp32 of ``shape``,
+    """The draws the kernels round with over 2**16 (``mx_kernels.mx_quantize.draws_tile``), fp32 of ``shape``,
     eight to a call of Philox4x32-10 (Triton's ``tl.philox``) under the 64-bit key ``seed``, each element
     taking half of output word (j div 2) for its place j in its eight: the high 16 bits for even j, the low
     16 bits for odd j, times 2**-16.
