@@ -78,10 +78,9 @@ def blocks_along_m(
     """x [BLOCK_M, BLOCK_K] fp32 -> its blocks of 16 rows, [BLOCK_M // 16, 16, BLOCK_K]. HADAMARD: each block v
     becomes v @ diag(signs) H16 / 4 (``mx_recipe.nvfp4.hadamard_transform`` along M, the same fp32 operations;
     not SCALED, without the final / 4: exact, and monotonic where it rounds, so a maximum can take it last).
-    Without it the values only travel the butterflies' paths: either way each thread ends up holding columns
-    of whole blocks, so the blocks' maxima need no shuffles and the draws along rows stay in their thread
-    (as loaded, x's rows lie across threads: 24 shared-memory stores and 36 shuffles a tile more, and the
-    stochastic gradient cast took a third longer than with the transform)."""
+    Without it the values only travel the butterflies' paths (``column_blocks``): either way each thread ends
+    up holding columns of whole blocks, so the blocks' maxima need no shuffles and the draws along rows stay in
+    their thread."""
     if HADAMARD:
         v = tl.reshape(x, (BLOCK_M // 16, 16, BLOCK_K)) * signs[None, :, None]
         v = butterfly_stage(v, 1, True)
