@@ -109,7 +109,7 @@ def fake_quant_groups_along_m(
     """x [M, K] (bf16; any strides), row_src int32 [R] -> [M, K] contiguous, in x's dtype.
 
     row_src lays x's rows out in padded token groups: R a multiple of 32, every row of x listed once,
-    -1 for a padding row (``grouped.group_row_sources``). The laid-out rows are quantized along R in
+    -1 for a padding row (``scale_layout.group_row_sources``). The laid-out rows are quantized along R in
     blocks of 32 and dequantized, and each comes back to its own row: bit for bit
     ``fake_quant_2d(x_padded, along_m=True)`` with the padding rows dropped. row_src is not checked on
     the GPU (no host sync): a row of x it does not list is left unwritten. ``seed``: stochastic rounding

@@ -52,6 +52,8 @@ from mx_recipe.scale_layout import (
     SCALE_TILE_ROWS,
     blocked_byte_offset,
     blocked_numel,
+    group_row_sources,
+    pad_groups,
     padded_group_layout,
     to_blocked,
 )
@@ -534,19 +536,6 @@ def blocked_row_groups(scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(trash + 1, dtype=torch.uint8, device=scale.device)
     out.index_copy_(0, byte.reshape(-1), scale.reshape(-1).view(torch.uint8).contiguous())
     return out[:trash].view(out_rows, padded_cols).view(scale.dtype)
-
-
-def group_row_sources(dest: torch.Tensor, size: int) -> torch.Tensor:
-    """The inverse of padded_group_layout's ``dest``: for each of the ``size`` padded rows, the row
-    of the unpadded tensor it holds, or -1 for a padding row (int32, on the device, no sync)."""
-    src = torch.full((size,), -1, dtype=torch.int32, device=dest.device)
-    return src.index_copy_(0, dest, torch.arange(dest.numel(), dtype=torch.int32, device=dest.device))
-
-
-def pad_groups(t: torch.Tensor, dest: torch.Tensor, size: int) -> torch.Tensor:
-    """Rows of ``t`` scattered to ``dest`` in a zeroed [size, ...] buffer."""
-    out = t.new_zeros(size, *t.shape[1:])
-    return out.index_copy_(0, dest, t)
 
 
 def _pad_mx_rows(t: MXTensor, layout: GroupLayout) -> MXTensor:

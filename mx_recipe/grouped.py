@@ -31,7 +31,6 @@ import torch
 
 from mx_recipe.formats import BLOCK_SIZE
 from mx_recipe.gemm import Backend, GroupLayout, Operand, default_backend, plain_grouped_mm
-from mx_recipe.gemm import pad_groups as pad_groups  # tests import it from here
 from mx_recipe.nvfp4_grouped import nvfp4_grouped_mm
 from mx_recipe.recipe import HIGH_PRECISION, MXRecipe, NVFP4Recipe
 from mx_recipe.scale_layout import padded_group_layout, zero_rows_past_groups

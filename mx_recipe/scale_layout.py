@@ -183,17 +183,35 @@ def padded_group_layout(offs: torch.Tensor, total_rows: int, block: int) -> tupl
     """Where each row goes when every group is padded to a multiple of ``block``.
 
     Returns (destination row of each of the ``total_rows`` rows, padded cumulative group ends,
-    padded buffer size). The size is a static bound, so nothing waits for the device.
+    padded buffer size). The rows at and past offs[-1] belong to no group: they go after the last
+    padded group, so that no block of a group holds one of them. The size is a static bound, so
+    nothing waits for the device.
     """
     offs = offs.to(torch.int64)
     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
     padded_ends = torch.cumsum((sizes + block - 1) // block * block, 0)
     starts, padded_starts = offs - sizes, padded_ends - (sizes + block - 1) // block * block
     rows = torch.arange(total_rows, device=offs.device)
-    group = torch.searchsorted(offs, rows, right=True).clamp(max=len(offs) - 1)
-    dest = rows - starts[group] + padded_starts[group]
+    group = torch.searchsorted(offs, rows, right=True)
+    in_group = group.clamp(max=len(offs) - 1)
+    dest = torch.where(
+        group < len(offs), rows - starts[in_group] + padded_starts[in_group], rows - offs[-1] + padded_ends[-1]
+    )
     size = -(-total_rows // block) * block + block * len(offs)  # >= sum of padded sizes, a multiple of block
     return dest, padded_ends.to(torch.int32), size
+
+
+def group_row_sources(dest: torch.Tensor, size: int) -> torch.Tensor:
+    """The inverse of padded_group_layout's ``dest``: for each of the ``size`` padded rows, the row
+    of the unpadded tensor it holds, or -1 for a padding row (int32, on the device, no sync)."""
+    src = torch.full((size,), -1, dtype=torch.int32, device=dest.device)
+    return src.index_copy_(0, dest, torch.arange(dest.numel(), dtype=torch.int32, device=dest.device))
+
+
+def pad_groups(t: torch.Tensor, dest: torch.Tensor, size: int) -> torch.Tensor:
+    """Rows of ``t`` scattered to ``dest`` in a zeroed [size, ...] buffer."""
+    out = t.new_zeros(size, *t.shape[1:])
+    return out.index_copy_(0, dest, t)
 
 
 def zero_rows_past_groups(y: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from mx_recipe.convert import MXGroupedExperts
 from mx_recipe.grouped import mx_grouped_mm, padded_group_layout
 from mx_recipe.models import build_model, flops_per_token, model_args, moe_layers
 from mx_recipe.models.moe import MOE_FLAVORS, MoE, MoEArgs
+from mx_recipe.recipe import NVFP4_RECIPES, NVFP4Recipe
 
 RECIPES = ["mxfp8", "mxfp8_rceil", "mxfp8_wgrad_bf16", "mxfp8_e5m2_grads", "mxfp4"]
 # Group sizes: ragged (not multiples of 32), empty in the middle and at the ends, no tokens at all.
@@ -171,6 +172,42 @@ def check_rows_past_the_last_group(device: str, recipe: str) -> None:
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
 def test_rows_past_the_last_group_are_zero_with_zero_gradients(recipe):
     check_rows_past_the_last_group("cpu", recipe)
+
+
+def check_rows_past_the_last_group_reach_nothing(device: str, name: str) -> None:
+    """Rows at and past offs[-1] belong to no expert: scaling them by 1e4, in x and in the gradient, changes
+    no output, no gradient and no scale of the rows in groups (a row past the groups once shared the last
+    group's last block along M, and moved its scale)."""
+    recipe = NVFP4Recipe.from_name(name) if name in NVFP4_RECIPES else MXRecipe.from_name(name)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(96, 64, generator=gen).to(torch.bfloat16)
+    w = torch.randn(2, 64, 64, generator=gen).to(torch.bfloat16)
+    g = torch.randn(96, 64, generator=gen).to(torch.bfloat16)
+    offs = torch.tensor([32, 70], dtype=torch.int32, device=device)  # the last group ends mid-block
+    results = []
+    for scale in (1.0, 1e4):
+        xs, gs = x.clone(), g.clone()
+        xs[70:] *= scale
+        gs[70:] *= scale
+        xs, ws = xs.to(device).requires_grad_(), w.to(device).clone().requires_grad_()
+        torch.manual_seed(0)  # the same stochastic draws
+        y = mx_grouped_mm(xs, ws, offs, recipe)
+        y.backward(gs.to(device))
+        results.append((y[:70], xs.grad[:70], ws.grad))
+    for a, b, what in zip(*results, ("y", "x.grad", "w.grad"), strict=True):
+        assert torch.equal(a, b), f"{name}: {what} depends on the rows past the last group"
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4_sr", "nvfp4"])
+def test_rows_past_the_last_group_reach_no_scale(recipe):
+    check_rows_past_the_last_group_reach_nothing("cpu", recipe)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4", "nvfp4"])
+def test_gpu_rows_past_the_last_group_reach_no_scale(recipe):
+    check_rows_past_the_last_group_reach_nothing("cuda", recipe)
 
 
 @pytest.mark.gpu

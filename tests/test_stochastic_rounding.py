@@ -272,9 +272,9 @@ def test_casts_dispatch_stochastic_cuda():
 # checked bit for bit in tests/test_linear.py).
 # ---------------------------------------------------------------------------------------------
 def test_grouped_mm_rounds_gradients_stochastically():
-    from mx_recipe.grouped import mx_grouped_mm, pad_groups
+    from mx_recipe.grouped import mx_grouped_mm
     from mx_recipe.recipe import RECIPES
-    from mx_recipe.scale_layout import padded_group_layout
+    from mx_recipe.scale_layout import pad_groups, padded_group_layout
 
     sizes, n, k = [40, 0, 60, 28], 96, 64
     gen = torch.Generator().manual_seed(0)
