@@ -3,7 +3,7 @@
 A (16640, 5120) routed evenly to E experts, B (E, 8192, 5120), E in 1, 4, 16, 64. Prints the
 device, then one row per E; e2e means forward + backward, and ``*_speedup`` is bf16 time / MX
 time. Both sides are compiled with torch.compile unless --eager. The Hopper target: MX fwd+bwd
-<= 1.15x the bf16 time.
+<= 1.15x the bf16 time. --recipe takes the MX recipes and the NVFP4 ones (nvfp4, nvfp4_no_rht, ...).
 
 Times are wall medians with bf16 and MX interleaved in --rounds rounds (timing.py), so a drift
 of the GPU between measurements lands on both; the rows also carry each side's summed GPU kernel time
@@ -12,8 +12,9 @@ per fwd+bwd and the spread of the round medians.
     python benchmarks/bench_moe.py [--experts 1 4 16 64] [--recipe mxfp8] [--fuse-expert-casts] [--eager]
                                    [--rounds 5] [--out results.json]
 
---fuse-expert-casts sets MXRecipe.fuse_expert_casts (the expert weights read once in forward for
-both of their fake-quants; a bf16 copy of them held until backward); the recipe column says so.
+--fuse-expert-casts sets the recipe's fuse_expert_casts (MXRecipe: the expert weights read once in forward for
+both of their fake-quants; NVFP4Recipe: the forward's weight operand kept for the grad-input GEMM; either way a
+bf16 copy of them held until backward); the recipe column says so.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from timing import add_run_args, interleaved, require_cuda, run_meta
 
 from mx_recipe import MXRecipe
 from mx_recipe.grouped import mx_grouped_mm
+from mx_recipe.recipe import NVFP4_RECIPES, NVFP4Recipe
 
 
 def bf16_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -60,11 +62,14 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8192)
     parser.add_argument("--k", type=int, default=5120)
     parser.add_argument("--recipe", default="mxfp8")
-    parser.add_argument("--fuse-expert-casts", action="store_true", help="MXRecipe.fuse_expert_casts=True")
+    parser.add_argument("--fuse-expert-casts", action="store_true", help="the recipe's fuse_expert_casts=True")
     args = add_run_args(parser).parse_args()
     require_cuda("bench_moe.py")
     device = torch.device("cuda")
-    recipe = MXRecipe.from_name(args.recipe, fuse_expert_casts=args.fuse_expert_casts)
+    if args.recipe in NVFP4_RECIPES:
+        recipe = NVFP4Recipe.from_name(args.recipe, fuse_expert_casts=args.fuse_expert_casts)
+    else:
+        recipe = MXRecipe.from_name(args.recipe, fuse_expert_casts=args.fuse_expert_casts)
     label = f"{recipe.name}+fuse_expert_casts" if args.fuse_expert_casts else recipe.name
     mx_fn = lambda a, b, offs: mx_grouped_mm(a, b, offs, recipe)
     bf16_fn = bf16_grouped_mm

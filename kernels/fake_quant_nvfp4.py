@@ -14,6 +14,11 @@ dtype (exact), the per-tensor decode scale s_dec left for the GEMM's output. Two
 Along M, rows past M read as zeros and the result has ceil(M / 16) * 16 rows (the zero-padded operand the
 grad-weight GEMM uses), in x's layout (a bf16 GEMM takes it transposed for free).
 
+``fake_quant_nvfp4_groups`` is the same pair over MoE token groups (GATHER): the kernels walk the rows of the
+groups padded to multiples of 16, each reading the row of x that ``row_src`` names (none for a padding row,
+nor for a row at or past the groups' end), so that along K comes back in x's rows and along M in the padded
+groups, and no block, nor the transform, straddles two experts, with no padded copy of x.
+
 ``cast_nvfp4`` is the same pair of kernels writing the packed operands of the sm_100 GEMM instead
 (``PACKED``): e2m1 codes two a byte and the e4m3 scale bits, along K row-major and along M transposed
 ([K, M_pad / 2], rows padded to 16 or 32), bit for bit ``to_nvfp4``.
@@ -95,6 +100,17 @@ def blocks_along_m(
 
 
 @triton.jit
+def tile_rows(rows, src_ptr, end_ptr, M, GATHER: tl.constexpr):
+    """(the rows of x that the tile's ``rows`` read, which of them hold data). GATHER: ``rows`` index the padded
+    token groups (M of them); row r reads x's row src[r], and holds data when src[r] >= 0 (not a padding row)
+    and src[r] < end (the groups' end: rows past it belong to no expert)."""
+    if GATHER:
+        src = tl.load(src_ptr + rows, mask=rows < M, other=-1)
+        return src, (src >= 0) & (src < tl.load(end_ptr))
+    return rows, rows < M
+
+
+@triton.jit
 def per_tensor_scales(tensor_amax):
     """(s_enc, s_dec) from the tensor's max|x|: ``nvfp4.per_tensor_scales``, correctly rounded divisions."""
     s_enc = _min_nan(tl.math.div_rn(2688.0, tensor_amax), FP32_MAX)  # 448 * 6
@@ -120,9 +136,9 @@ def quantize_nvfp4_blocks(v, block_amax, tensor_amax, u, STOCHASTIC: tl.constexp
 
 @triton.jit
 def _amax_kernel(
-    x_ptr, amax_ptr, signs_ptr, M, K, stride_xm, stride_xk,
+    x_ptr, amax_ptr, signs_ptr, src_ptr, end_ptr, M, K, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr, HADAMARD: tl.constexpr,
-    SOFTWARE_ROUND: tl.constexpr,
+    GATHER: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
 ):  # fmt: skip
     """int32 [2], zeroed: [0] = bits of max|x|, [1] = bits of max|RHT_M(x)| (HADAMARD) or of max|x| again.
     Each program folds ROW_TILES tiles down a column strip into an elementwise maximum, reduces it once and
@@ -134,8 +150,9 @@ def _amax_kernel(
         signs = tl.load(signs_ptr + tl.arange(0, 16))
     for i in range(ROW_TILES):
         rows = (tl.program_id(0) * ROW_TILES + i) * BLOCK_M + tl.arange(0, BLOCK_M)
-        in_x = (rows < M)[:, None] & (cols < K)[None, :]
-        x = to_fp32(tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk,
+        x_rows, has_data = tile_rows(rows, src_ptr, end_ptr, M, GATHER)
+        in_x = has_data[:, None] & (cols < K)[None, :]
+        x = to_fp32(tl.load(x_ptr + x_rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk,
                             mask=in_x, other=0.0), SOFTWARE_ROUND)  # fmt: skip
         plain = max_abs(plain, x)
         if HADAMARD:  # the / 4 once, on the maximum
@@ -151,14 +168,15 @@ def _amax_kernel(
 
 @triton.jit
 def _fake_quant_kernel(
-    x_ptr, amax_ptr, signs_ptr, seed_ptr, k_ptr, m_ptr, k_scale_ptr, m_scale_ptr, s_dec_ptr, M, M_PAD, K,
-    stride_xm, stride_xk,
+    x_ptr, amax_ptr, signs_ptr, seed_ptr, src_ptr, end_ptr, k_ptr, m_ptr, k_scale_ptr, m_scale_ptr, s_dec_ptr, M,
+    M_PAD, K, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ALONG_K: tl.constexpr, ALONG_M: tl.constexpr,
     TILES: tl.constexpr, HADAMARD: tl.constexpr, STOCHASTIC: tl.constexpr, PACKED: tl.constexpr,
-    SOFTWARE_ROUND: tl.constexpr, OUT_BF16_BITS: tl.constexpr,
+    GATHER: tl.constexpr, SOFTWARE_ROUND: tl.constexpr, OUT_BF16_BITS: tl.constexpr,
 ):  # fmt: skip
     """The fake-quant (e2m1 * block scale in x's dtype) or, PACKED, the cast: along K, codes [M, K / 2] and
-    e4m3 scale bits [M, K / 16]; along M, transposed, codes [K, M_PAD / 2] and scale bits [K, M_PAD / 16]."""
+    e4m3 scale bits [M, K / 16]; along M, transposed, codes [K, M_PAD / 2] and scale bits [K, M_PAD / 16].
+    GATHER (fake-quant only): M = M_PAD rows of padded token groups (``tile_rows``); along K goes to x's rows."""
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):  # the decode scales the GEMM multiplies by
         _, s_dec_k = per_tensor_scales(tl.load(amax_ptr).to(tl.float32, bitcast=True))
         _, s_dec_m = per_tensor_scales(tl.load(amax_ptr + 1).to(tl.float32, bitcast=True))
@@ -166,14 +184,14 @@ def _fake_quant_kernel(
         tl.store(s_dec_ptr + 1, s_dec_m)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    in_x = (rows < M)[:, None] & (cols < K)[None, :]
-    x = to_fp32(tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk, mask=in_x,
+    x_rows, has_data = tile_rows(rows, src_ptr, end_ptr, M, GATHER)
+    in_x = has_data[:, None] & (cols < K)[None, :]
+    x = to_fp32(tl.load(x_ptr + x_rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk, mask=in_x,
                         other=0.0), SOFTWARE_ROUND)  # fmt: skip
-    out_offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
     seed = tl.load(seed_ptr) if STOCHASTIC else 0
-    if ALONG_K:
+    if ALONG_K:  # in x's rows: each element draws by its index in the [M, K] output
         tensor_amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
-        u = draws_tile(seed, 0, rows, tl.program_id(1) * BLOCK_K, K, BLOCK_M, BLOCK_K) if STOCHASTIC else 0.0
+        u = draws_tile(seed, 0, x_rows, tl.program_id(1) * BLOCK_K, K, BLOCK_M, BLOCK_K) if STOCHASTIC else 0.0
         if TILES:  # one scale per 16 x 16 tile: [BM / 16, 16, BK / 16, 16]
             v = tl.reshape(x, (BLOCK_M // 16, 16, BLOCK_K // 16, 16))
             b = tl.max(block_amax_bits(v, 3, SOFTWARE_ROUND), axis=1)  # bits order like values: max of maxima
@@ -199,7 +217,7 @@ def _fake_quant_kernel(
             q = tl.reshape(q * s, (BLOCK_M, BLOCK_K))
             if OUT_BF16_BITS:
                 q = bf16_bits_rne(q)
-            tl.store(k_ptr + out_offs, q, mask=in_x)
+            tl.store(k_ptr + x_rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=in_x)
     if ALONG_M:  # blocks of 16 rows: [BM / 16, 16, BK], reduced over the middle dim
         tensor_amax = tl.load(amax_ptr + 1).to(tl.float32, bitcast=True)
         signs = tl.load(signs_ptr + tl.arange(0, 16)) if HADAMARD else 0.0
@@ -224,7 +242,8 @@ def _fake_quant_kernel(
             q = tl.reshape(q * s, (BLOCK_M, BLOCK_K))
             if OUT_BF16_BITS:
                 q = bf16_bits_rne(q)
-            tl.store(m_ptr + out_offs, q, mask=(rows < M_PAD)[:, None] & (cols < K)[None, :])
+            tl.store(m_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q,
+                     mask=(rows < M_PAD)[:, None] & (cols < K)[None, :])  # fmt: skip
 
 
 _AMAX = LaunchCache(_amax_kernel)
@@ -246,6 +265,36 @@ def fake_quant_nvfp4(
     out_k = x.new_empty((m, k) if along_k else (0,))
     out_m = x.new_empty((m_pad, k) if along_m else (0,))
     s_dec = _launch(x, along_k, along_m, tiles, signs, seed, (out_k, out_m, None, None), m_pad, "fake_quant_nvfp4")
+    return out_k, out_m, s_dec
+
+
+def fake_quant_nvfp4_groups(
+    x: torch.Tensor, row_src: torch.Tensor, group_end: torch.Tensor, along_k: bool, along_m: bool,
+    signs: torch.Tensor | None, seed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``fake_quant_nvfp4`` of x [M, K] (bf16, 1x16 blocks) over MoE token groups: row_src int32 [R] (R a
+    multiple of 16) lays x's rows out in groups padded to multiples of 16, -1 for a padding row
+    (``scale_layout.group_row_sources``); group_end int32 [1] is the groups' end, offs[-1]. Returns (along K
+    [M, K], along M [R, K], s_dec fp32 [2]) of x with its rows at and past group_end zeroed: along K in x's rows
+    (those rows left unwritten), along M in the padded groups. Neither is checked on the GPU (no host sync)."""
+    check_nvfp4(x, along_k, along_m, False, "fake_quant_nvfp4_groups")
+    if row_src.dtype != torch.int32 or row_src.dim() != 1 or row_src.numel() % BLOCK:
+        raise ValueError(
+            f"fake_quant_nvfp4_groups: row_src must be int32 [R] with R a multiple of {BLOCK}, got "
+            f"{row_src.dtype} {tuple(row_src.shape)}"
+        )
+    if group_end.dtype != torch.int32 or group_end.numel() != 1:
+        raise ValueError(
+            f"fake_quant_nvfp4_groups: group_end must be one int32, got {group_end.dtype} {group_end.shape}"
+        )
+    m, k = x.shape
+    rows = row_src.numel()
+    out_k = x.new_empty((m, k) if along_k else (0,))
+    out_m = x.new_empty((rows, k) if along_m else (0,))
+    outputs = (out_k, out_m, None, None)
+    s_dec = _launch(
+        x, along_k, along_m, False, signs, seed, outputs, rows, "fake_quant_nvfp4_groups", (row_src, group_end)
+    )
     return out_k, out_m, s_dec
 
 
@@ -273,13 +322,17 @@ def cast_nvfp4(
 def _launch(
     x: torch.Tensor, along_k: bool, along_m: bool, tiles: bool, signs: torch.Tensor | None, seed: torch.Tensor | None,
     outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], m_pad: int, op: str,
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Both kernels into ``outputs`` (along K, along M, and for the packed cast their scales); returns s_dec."""
+    """Both kernels into ``outputs`` (along K, along M, and for the packed cast their scales); returns s_dec.
+    ``groups``: (row_src, group_end) of ``fake_quant_nvfp4_groups``; the kernels then walk m_pad rows."""
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"{op} takes bf16 input, got {x.dtype}")
     if x.dtype != torch.bfloat16 and not interpreting():
         raise NotImplementedError(f"{op}: the GPU kernel takes bf16 input, got {x.dtype}")
-    if not x.numel():
+    if not x.numel() or (groups is not None and not m_pad):
+        if groups is not None and outputs[1].numel():
+            outputs[1].zero_()
         return torch.full((2,), EMPTY_S_DEC, dtype=torch.float32, device=x.device)
     amax = torch.zeros(2, dtype=torch.int32, device=x.device)
     s_dec = torch.empty(2, dtype=torch.float32, device=x.device)  # the fake-quant kernel's first program writes it
@@ -288,20 +341,24 @@ def _launch(
     signs_arg = signs if hadamard else amax
     packed = outputs[2] is not None
     stochastic = seed is not None
-    key = (x.shape, x.stride(), x.dtype, along_k, along_m, tiles, hadamard, stochastic, packed, m_pad, software)
+    src, end = groups if groups is not None else (amax, amax)  # no gather: any pointer stands in for them
+    gather = groups is not None
+    key = (x.shape, x.stride(), x.dtype, along_k, along_m, tiles, hadamard, stochastic, packed, m_pad, gather, software)
     _AMAX.launch_keyed(
-        key, lambda: _amax_launch(x, amax, signs_arg, hadamard, software), x_ptr=x, amax_ptr=amax,
-        signs_ptr=signs_arg,
+        key, lambda: _amax_launch(x, amax, signs_arg, src, end, m_pad, hadamard, gather, software), x_ptr=x,
+        amax_ptr=amax, signs_ptr=signs_arg, src_ptr=src, end_ptr=end,
     )  # fmt: skip
     seed_arg = amax if seed is None else seed
     # the fake-quant writes no scales: any pointer stands in for them
     out_k, out_m, k_scale, m_scale = outputs if packed else (*outputs[:2], amax, amax)
     _FAKE_QUANT.launch_keyed(
         key,
-        lambda: _fake_quant_launch(x, amax, signs_arg, seed_arg, out_k, out_m, k_scale, m_scale, s_dec, along_k,
-                                   along_m, tiles, hadamard, stochastic, packed, m_pad, software),  # fmt: skip
-        x_ptr=x, amax_ptr=amax, signs_ptr=signs_arg, seed_ptr=seed_arg, k_ptr=_bits(out_k, x, software),
-        m_ptr=_bits(out_m, x, software), k_scale_ptr=k_scale, m_scale_ptr=m_scale, s_dec_ptr=s_dec,
+        lambda: _fake_quant_launch(x, amax, signs_arg, seed_arg, src, end, out_k, out_m, k_scale, m_scale, s_dec,
+                                   along_k, along_m, tiles, hadamard, stochastic, packed, m_pad, gather,
+                                   software),  # fmt: skip
+        x_ptr=x, amax_ptr=amax, signs_ptr=signs_arg, seed_ptr=seed_arg, src_ptr=src, end_ptr=end,
+        k_ptr=_bits(out_k, x, software), m_ptr=_bits(out_m, x, software), k_scale_ptr=k_scale, m_scale_ptr=m_scale,
+        s_dec_ptr=s_dec,
     )  # fmt: skip
     return s_dec
 
@@ -312,47 +369,50 @@ def _bits(out: torch.Tensor, x: torch.Tensor, software: bool) -> torch.Tensor:
 
 
 def _amax_launch(
-    x: torch.Tensor, amax: torch.Tensor, signs: torch.Tensor, hadamard: bool, software: bool
-) -> tuple[tuple[int, int], dict]:
+    x: torch.Tensor, amax: torch.Tensor, signs: torch.Tensor, src: torch.Tensor, end: torch.Tensor, m_pad: int,
+    hadamard: bool, gather: bool, software: bool,
+) -> tuple[tuple[int, int], dict]:  # fmt: skip
     block_m, block_k, num_warps = TILE
     num_warps = num_warps if hadamard else AMAX_PLAIN_WARPS
-    tiles_m, tiles_k = cdiv(x.shape[0], block_m), cdiv(x.shape[1], block_k)
+    m = m_pad if gather else x.shape[0]
+    tiles_m, tiles_k = cdiv(m, block_m), cdiv(x.shape[1], block_k)
     row_tiles = 1  # a power of two: few compiled variants
     while row_tiles < AMAX_MAX_ROW_TILES and tiles_m * tiles_k >= 2 * row_tiles * AMAX_PROGRAMS:
         row_tiles *= 2
     grid = (cdiv(tiles_m, row_tiles), tiles_k)
     return grid, dict(
-        x_ptr=x, amax_ptr=amax, signs_ptr=signs, M=x.shape[0], K=x.shape[1], stride_xm=x.stride(0),
-        stride_xk=x.stride(1), BLOCK_M=block_m, BLOCK_K=block_k, ROW_TILES=row_tiles, HADAMARD=hadamard,
-        SOFTWARE_ROUND=software, num_warps=num_warps,
+        x_ptr=x, amax_ptr=amax, signs_ptr=signs, src_ptr=src, end_ptr=end, M=m, K=x.shape[1],
+        stride_xm=x.stride(0), stride_xk=x.stride(1), BLOCK_M=block_m, BLOCK_K=block_k, ROW_TILES=row_tiles,
+        HADAMARD=hadamard, GATHER=gather, SOFTWARE_ROUND=software, num_warps=num_warps,
     )  # fmt: skip
 
 
 def _fake_quant_launch(
-    x: torch.Tensor, amax: torch.Tensor, signs: torch.Tensor, seed: torch.Tensor, out_k: torch.Tensor,
-    out_m: torch.Tensor, k_scale: torch.Tensor, m_scale: torch.Tensor, s_dec: torch.Tensor, along_k: bool,
-    along_m: bool, tiles: bool, hadamard: bool, stochastic: bool, packed: bool, m_pad: int, software: bool,
+    x: torch.Tensor, amax: torch.Tensor, signs: torch.Tensor, seed: torch.Tensor, src: torch.Tensor,
+    end: torch.Tensor, out_k: torch.Tensor, out_m: torch.Tensor, k_scale: torch.Tensor, m_scale: torch.Tensor,
+    s_dec: torch.Tensor, along_k: bool, along_m: bool, tiles: bool, hadamard: bool, stochastic: bool, packed: bool,
+    m_pad: int, gather: bool, software: bool,
 ) -> tuple[tuple[int, int], dict]:  # fmt: skip
     block_m, block_k, num_warps = TILE
     m, k = x.shape
     grid = (cdiv(m_pad, block_m), cdiv(k, block_k))
     return grid, dict(
-        x_ptr=x, amax_ptr=amax, signs_ptr=signs, seed_ptr=seed, k_ptr=_bits(out_k, x, software),
-        m_ptr=_bits(out_m, x, software), k_scale_ptr=k_scale, m_scale_ptr=m_scale, s_dec_ptr=s_dec, M=m,
-        M_PAD=m_pad, K=k, stride_xm=x.stride(0), stride_xk=x.stride(1),
+        x_ptr=x, amax_ptr=amax, signs_ptr=signs, seed_ptr=seed, src_ptr=src, end_ptr=end,
+        k_ptr=_bits(out_k, x, software), m_ptr=_bits(out_m, x, software), k_scale_ptr=k_scale, m_scale_ptr=m_scale,
+        s_dec_ptr=s_dec, M=m_pad if gather else m, M_PAD=m_pad, K=k, stride_xm=x.stride(0), stride_xk=x.stride(1),
         BLOCK_M=block_m, BLOCK_K=block_k, ALONG_K=along_k, ALONG_M=along_m, TILES=tiles, HADAMARD=hadamard,
-        STOCHASTIC=stochastic, PACKED=packed, SOFTWARE_ROUND=software,
+        STOCHASTIC=stochastic, PACKED=packed, GATHER=gather, SOFTWARE_ROUND=software,
         OUT_BF16_BITS=software and out_k.dtype == torch.bfloat16, num_warps=num_warps,
     )  # fmt: skip
 
 
 def compile_for_target(
     shape: tuple[int, int], along_k: bool, along_m: bool, tiles: bool, hadamard: bool, stochastic: bool, arch: int,
-    packed: bool = False,
+    packed: bool = False, gather: bool = False,
 ):  # fmt: skip
-    """Compile both kernels of one ``fake_quant_nvfp4`` (or, ``packed``, ``cast_nvfp4``) launch on a contiguous
-    bf16 x of ``shape`` for CUDA ``arch`` without a GPU (CPU tests): (amax kernel, fake-quant kernel) as
-    CompiledKernels."""
+    """Compile both kernels of one ``fake_quant_nvfp4`` (or, ``packed``, ``cast_nvfp4``; ``gather``,
+    ``fake_quant_nvfp4_groups``) launch on a contiguous bf16 x of ``shape`` for CUDA ``arch`` without a GPU (CPU
+    tests): (amax kernel, fake-quant kernel) as CompiledKernels."""
     from mx_kernels.gluon_common import compile_for_arch
 
     x = torch.empty(shape, dtype=torch.bfloat16, device="meta")
@@ -360,9 +420,10 @@ def compile_for_target(
     signs, seed = torch.empty(16, device="meta"), torch.empty(1, dtype=torch.int64, device="meta")
     out = torch.empty(16, dtype=torch.uint8 if packed else torch.bfloat16, device="meta")
     scale = torch.empty(16, dtype=torch.uint8, device="meta") if packed else amax
-    _, amax_kwargs = _amax_launch(x, amax, signs, hadamard, False)
-    s_dec = torch.empty(2, device="meta")
     m_pad = cdiv(shape[0], 2 * BLOCK) * 2 * BLOCK
-    _, kwargs = _fake_quant_launch(x, amax, signs, seed, out, out, scale, scale, s_dec, along_k, along_m, tiles,
-                                   hadamard, stochastic, packed, m_pad, False)  # fmt: skip
+    src, end = torch.empty(m_pad, dtype=torch.int32, device="meta"), torch.empty(1, dtype=torch.int32, device="meta")
+    _, amax_kwargs = _amax_launch(x, amax, signs, src, end, m_pad, hadamard, gather, False)
+    s_dec = torch.empty(2, device="meta")
+    _, kwargs = _fake_quant_launch(x, amax, signs, seed, src, end, out, out, scale, scale, s_dec, along_k,
+                                   along_m, tiles, hadamard, stochastic, packed, m_pad, gather, False)  # fmt: skip
     return compile_for_arch(_amax_kernel, amax_kwargs, arch), compile_for_arch(_fake_quant_kernel, kwargs, arch)

@@ -22,6 +22,7 @@ from mx_kernels.common import check_nvfp4
 from torch import Tensor
 
 from mx_recipe.nvfp4 import NVFP4_BLOCK, hadamard_transform, nvfp4_operand
+from mx_recipe.scale_layout import pad_groups, zero_rows_past_groups
 
 TILES, ROWS = (NVFP4_BLOCK, NVFP4_BLOCK), (1, NVFP4_BLOCK)
 
@@ -85,7 +86,49 @@ def fake_quant_nvfp4(
     return NVFP4Operands(k if along_k else None, s_dec[0], m if along_m else None, s_dec[1])
 
 
-# --- the custom op: opaque to torch.compile, traced by its fake ---
+def reference_fake_quant_nvfp4_groups(
+    x: Tensor, offs: Tensor, dest: Tensor, size: int, along_k: bool, along_m: bool, signs: Tensor | None,
+    rounding: str, generator: torch.Generator | None = None,
+    uniforms: tuple[Tensor | None, Tensor | None] = (None, None),
+) -> NVFP4Operands:  # fmt: skip
+    """``fake_quant_nvfp4_groups``'s contract in plain PyTorch: x's rows past the groups zeroed, then along K
+    as it is and along M as the groups padded to multiples of 16 (``pad_groups`` to ``dest`` in ``size`` rows)."""
+    x = zero_rows_past_groups(x, offs)
+    k, s_k, _, _ = reference_fake_quant_nvfp4(x, True, False, False, None, rounding, generator, uniforms) if along_k \
+        else (None,) * 4  # fmt: skip
+    padded = pad_groups(x, dest, size) if along_m else x
+    _, _, m, s_m = reference_fake_quant_nvfp4(padded, False, True, False, signs, rounding, generator, uniforms) \
+        if along_m else (None,) * 4  # fmt: skip
+    return NVFP4Operands(k, s_k, m, s_m)
+
+
+def fake_quant_nvfp4_groups(
+    x: Tensor, offs: Tensor, dest: Tensor, row_src: Tensor, along_k: bool = True, along_m: bool = False,
+    signs: Tensor | None = None, rounding: str = "nearest", generator: torch.Generator | None = None,
+) -> NVFP4Operands:  # fmt: skip
+    """The NVFP4 operands (1x16 blocks) of MoE token groups from one read of x [M, K]. ``offs`` int32 [E]: the
+    groups' cumulative ends; ``dest``: where each row goes in the groups padded to multiples of 16
+    (``padded_group_layout(offs, M, 16)``), and ``row_src`` its inverse (``group_row_sources``), whose length R
+    is the padded size. The rows at and past offs[-1] belong to no group and count as zeros.
+    along K [M, K] in x's rows (the kernel leaves the rows past the groups unwritten: the grouped GEMMs read only
+    group rows); along M [R, K] in the padded groups, after the random Hadamard transform along M when ``signs``
+    is given, so that no block and no transform straddles two experts. ``rounding`` and the draws as
+    ``fake_quant_nvfp4``'s, along K over the [M, K] output and along M over the padded one."""
+    check_nvfp4(x, along_k, along_m, False, "fake_quant_nvfp4_groups")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"fake_quant_nvfp4_groups: rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if not uses_kernel(x):
+        return reference_fake_quant_nvfp4_groups(
+            x, offs, dest, row_src.numel(), along_k, along_m, signs, rounding, generator
+        )
+    seed = None
+    if rounding == "stochastic":
+        seed = torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64, generator=generator)
+    k, m, s_dec = torch.ops.mx_recipe.fake_quant_nvfp4_groups(x, row_src, offs[-1:], along_k, along_m, signs, seed)
+    return NVFP4Operands(k if along_k else None, s_dec[0], m if along_m else None, s_dec[1])
+
+
+# --- the custom ops: opaque to torch.compile, traced by their fakes ---
 
 _LIB = torch.library.Library("mx_recipe", "FRAGMENT")
 _LIB.define(
@@ -112,6 +155,37 @@ def _fake(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | 
     )
 
 
+_LIB.define(
+    "fake_quant_nvfp4_groups(Tensor x, Tensor row_src, Tensor group_end, bool along_k, bool along_m, Tensor? signs,"
+    " Tensor? seed) -> (Tensor, Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+
+
+def _groups_kernel(
+    x: Tensor, row_src: Tensor, group_end: Tensor, along_k: bool, along_m: bool, signs: Tensor | None,
+    seed: Tensor | None,
+):  # fmt: skip
+    from mx_kernels.fake_quant_nvfp4 import fake_quant_nvfp4_groups as launch
+
+    return launch(x, row_src, group_end, along_k, along_m, signs, seed)
+
+
+def _groups_fake(
+    x: Tensor, row_src: Tensor, group_end: Tensor, along_k: bool, along_m: bool, signs: Tensor | None,
+    seed: Tensor | None,
+):  # fmt: skip
+    check_nvfp4(x, along_k, along_m, False, "fake_quant_nvfp4_groups")
+    m, k = x.shape
+    return (
+        x.new_empty((m, k) if along_k else (0,)),
+        x.new_empty((row_src.shape[0], k) if along_m else (0,)),
+        x.new_empty(2, dtype=torch.float32),
+    )
+
+
 for _device in ("CUDA", "CPU"):  # CPU: the Triton interpreter (TRITON_INTERPRET=1), for tests
     _LIB.impl("fake_quant_nvfp4", _kernel, _device)
+    _LIB.impl("fake_quant_nvfp4_groups", _groups_kernel, _device)
 torch.library.register_fake("mx_recipe::fake_quant_nvfp4", _fake, lib=_LIB)
+torch.library.register_fake("mx_recipe::fake_quant_nvfp4_groups", _groups_fake, lib=_LIB)

@@ -8,8 +8,12 @@ NVFP4 recipe's operands (docs/DESIGN.md, "NVFP4").
 The weight [E, N, K] has one per-tensor scale, and so does each activation and gradient. Along M, every
 group is padded with zero rows to a multiple of 16 (``padded_group_layout``), so that no block of 16, and no
 block of the Hadamard transform, straddles two experts; the grad-weight GEMM then runs on the padded groups.
-Rows at and past offs[-1] belong to no group: zero in the output and in x's gradient, and left out of the
-grad-weight GEMM.
+Rows at and past offs[-1] belong to no group: they count as zeros in the casts, come back zero in the output
+and in x's gradient, and are left out of the grad-weight GEMM.
+
+``fake_quant_nvfp4_groups`` reads x once in forward for its two operands (along K, and along M in the padded
+groups) and g once in backward for its two, with no padded copies; the forward saves x along M instead of x.
+With ``fuse_expert_casts`` it also keeps w's along-N operand for backward (recipe.py).
 """
 
 from __future__ import annotations
@@ -17,10 +21,10 @@ from __future__ import annotations
 import torch
 
 from mx_recipe.nvfp4 import NVFP4_BLOCK
-from mx_recipe.nvfp4_fake_quant import fake_quant_nvfp4
-from mx_recipe.nvfp4_linear import quantize_along_m, weight_operand
+from mx_recipe.nvfp4_fake_quant import fake_quant_nvfp4_groups
+from mx_recipe.nvfp4_linear import signs_for, weight_operand, weight_operands
 from mx_recipe.recipe import NVFP4Recipe
-from mx_recipe.scale_layout import padded_group_layout, zero_rows_past_groups
+from mx_recipe.scale_layout import group_row_sources, padded_group_layout, zero_rows_past_groups
 
 
 def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, alpha: torch.Tensor, dtype: torch.dtype):
@@ -28,36 +32,41 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, alpha: torch.
     return (torch._grouped_mm(a.to(dtype), b.to(dtype), offs=offs).float() * alpha).to(dtype)
 
 
-def _padded_groups(t: torch.Tensor, offs: torch.Tensor, layout) -> torch.Tensor:
-    """t [M, C] with each group's rows moved into a group padded with zero rows to a multiple of 16 ([size, C])."""
-    dest, _, size = layout
-    return t.new_zeros(size, t.shape[1]).index_copy_(0, dest, zero_rows_past_groups(t, offs))
-
-
 class _NVFP4GroupedMMFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: NVFP4Recipe) -> torch.Tensor:
-        xq = fake_quant_nvfp4(x)
-        w_k, s_w = weight_operand(w, True, recipe, x.dtype)
-        ctx.recipe = recipe
-        ctx.save_for_backward(x, w, offs)
+        need_gw = ctx.needs_input_grad[1]
+        dest, padded_offs, size = padded_group_layout(offs, x.shape[0], NVFP4_BLOCK)  # computed once a step
+        src = group_row_sources(dest, size)
+        signs = signs_for(recipe, x.device) if need_gw else None
+        xq = fake_quant_nvfp4_groups(x, offs, dest, src, along_m=need_gw, signs=signs)
+        w_n = s_wn = None  # the grad-input operand, made here with fuse_expert_casts
+        if recipe.fuse_expert_casts and ctx.needs_input_grad[0]:
+            w_k, s_w, w_n, s_wn = weight_operands(w, recipe, x.dtype)
+        else:
+            w_k, s_w = weight_operand(w, True, recipe, x.dtype)
+        ctx.recipe, ctx.x_shape, ctx.x_dtype = recipe, x.shape, x.dtype
+        x_m = (xq.along_m, xq.s_dec_m) if need_gw else (None, None)
+        ctx.save_for_backward(w, offs, dest, src, padded_offs, w_n, s_wn, *x_m)
         return zero_rows_past_groups(_grouped(xq.along_k, w_k.transpose(-2, -1), offs, xq.s_dec_k * s_w, x.dtype), offs)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        x, w, offs = ctx.saved_tensors
+        w, offs, dest, src, padded_offs, w_n, s_wn, x_along_m, s_x = ctx.saved_tensors
         recipe: NVFP4Recipe = ctx.recipe
-        g, dtype, rounding = g.contiguous(), g.dtype, recipe.grad_rounding
+        need_gx, need_gw = ctx.needs_input_grad[:2]
+        if ctx.x_shape[0] == 0:  # no tokens: nothing flows back (torch._grouped_mm rejects an empty K)
+            return g.new_zeros(ctx.x_shape, dtype=ctx.x_dtype), torch.zeros_like(w), None, None
+        g, dtype = g.contiguous(), g.dtype
+        signs = signs_for(recipe, g.device) if need_gw else None
+        gq = fake_quant_nvfp4_groups(g, offs, dest, src, need_gx, need_gw, signs, recipe.grad_rounding)
         gx = gw = None
-        if ctx.needs_input_grad[0]:
-            gq = fake_quant_nvfp4(g, rounding=rounding)
-            w_n, s_w = weight_operand(w, False, recipe, dtype)
-            gx = zero_rows_past_groups(_grouped(gq.along_k, w_n, offs, gq.s_dec_k * s_w, dtype), offs).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            layout = padded_group_layout(offs, x.shape[0], NVFP4_BLOCK)
-            g_m, s_g = quantize_along_m(_padded_groups(g, offs, layout), recipe, rounding)
-            x_m, s_x = quantize_along_m(_padded_groups(x.to(dtype), offs, layout), recipe, "nearest")
-            gw = _grouped(g_m.t(), x_m, layout[1], s_g * s_x, dtype).to(w.dtype)
+        if need_gx:
+            if w_n is None:
+                w_n, s_wn = weight_operand(w, False, recipe, dtype)
+            gx = zero_rows_past_groups(_grouped(gq.along_k, w_n, offs, gq.s_dec_k * s_wn, dtype), offs).to(ctx.x_dtype)
+        if need_gw:  # the padded groups: zero rows add nothing to the sums
+            gw = _grouped(gq.along_m.t(), x_along_m, padded_offs, gq.s_dec_m * s_x, dtype).to(w.dtype)
         return gx, gw, None, None
 
 

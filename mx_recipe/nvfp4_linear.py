@@ -40,21 +40,25 @@ def weight_operand(w: torch.Tensor, along_k: bool, recipe: NVFP4Recipe, dtype: t
     return q.along_m.view(w.shape), q.s_dec_m
 
 
-def quantize_along_m(t: torch.Tensor, recipe: NVFP4Recipe, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """t [M, C], M a multiple of 16 (blocks never straddling what they must not), transformed along M when the
-    recipe has the Hadamard transform, then quantized along M: the grad-weight GEMM's operand and its s_dec."""
-    q = fake_quant_nvfp4(t, along_k=False, along_m=True, signs=_signs(recipe, t.device), rounding=rounding)
-    return q.along_m, q.s_dec_m
+def weight_operands(w: torch.Tensor, recipe: NVFP4Recipe, dtype: torch.dtype):
+    """w [E, N, K] quantized along K and along N in one read: (along K, its s_dec, along N, its s_dec). With 16x16
+    tiles both are one tensor."""
+    if recipe.weight_tiles:
+        w_k, s_w = weight_operand(w, True, recipe, dtype)
+        return w_k, s_w, w_k, s_w
+    q = fake_quant_nvfp4(w.to(dtype).reshape(-1, w.shape[-1]), along_k=True, along_m=True)
+    return q.along_k.view(w.shape), q.s_dec_k, q.along_m.view(w.shape), q.s_dec_m
 
 
-def _signs(recipe: NVFP4Recipe, device: torch.device) -> torch.Tensor | None:
+def signs_for(recipe: NVFP4Recipe, device: torch.device) -> torch.Tensor | None:
+    """The signs of the recipe's random Hadamard transform on ``device``, or None without the transform."""
     return random_signs(recipe.hadamard_seed, device) if recipe.hadamard else None
 
 
 def _input_casts(x: torch.Tensor, recipe: NVFP4Recipe, packed: bool, for_grad_weight: bool):
     """x [M, K] along K and, ``for_grad_weight``, along M after the Hadamard transform (the grad-weight operand),
     from one read: ``fake_quant_nvfp4``'s operands, or (``packed``, the cublas path) ``cast_nvfp4``'s tensors."""
-    signs = _signs(recipe, x.device) if for_grad_weight else None
+    signs = signs_for(recipe, x.device) if for_grad_weight else None
     if packed:
         return cast_nvfp4(x, True, for_grad_weight, signs=signs, pad_m=CUBLAS_ROWS)
     return fake_quant_nvfp4(x, along_m=for_grad_weight, signs=signs)
@@ -88,7 +92,7 @@ class _NVFP4LinearFunction(torch.autograd.Function):
         g, dtype = g.contiguous(), g.dtype
         need_gx, need_gw = ctx.needs_input_grad[:2]
         # g along N (grad input) and along M (grad weight, token rows zero-padded to 16) from one read
-        signs = _signs(recipe, g.device)
+        signs = signs_for(recipe, g.device)
         gq = fake_quant_nvfp4(g, need_gx, need_gw, signs=signs, rounding=recipe.grad_rounding)
         gx = gw = None
         if need_gx:
@@ -146,7 +150,7 @@ class _NVFP4CublasLinearFunction(torch.autograd.Function):
         recipe: NVFP4Recipe = ctx.recipe
         g, dtype = g.contiguous(), g.dtype
         need_gx, need_gw = ctx.needs_input_grad[:2]
-        signs = _signs(recipe, g.device)
+        signs = signs_for(recipe, g.device)
         g_n, g_m = cast_nvfp4(g, need_gx, need_gw, signs=signs, rounding=recipe.grad_rounding, pad_m=CUBLAS_ROWS)
         gx = gw = None
         if need_gx:  # w along N, [K, N / 2] packed: w.T along its K; with tiles the values of the forward's w

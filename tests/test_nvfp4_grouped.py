@@ -20,8 +20,11 @@ def _values(t, dim, **kwargs):
 
 
 def _expected(x, w, offs, g, recipe: NVFP4Recipe, seed: int):
-    """y, gx, gw from to_nvfp4 and hadamard_transform, group by group in Python."""
+    """y, gx, gw from to_nvfp4 and hadamard_transform, group by group in Python. x's and g's rows past the last
+    group count as zeros (they belong to no expert: their values reach no scale)."""
     dtype, ends = x.dtype, [0, *offs.tolist()]
+    in_groups = (torch.arange(x.shape[0]) < ends[-1])[:, None]
+    x, g = torch.where(in_groups, x, 0), torch.where(in_groups, g, 0)
     tiles = {"block_shape": (16, 16) if recipe.weight_tiles else (1, 16)}
     x_k, s_x = _values(x, -1)
     w_k, s_w = _values(w, -1, **tiles)
@@ -60,16 +63,45 @@ def test_nvfp4_grouped_mm_is_its_reference_pieces_bit_for_bit(name):
     recipe = NVFP4Recipe.from_name(name, hadamard_seed=2)
     generator = torch.Generator().manual_seed(0)
     offs = torch.tensor([20, 20, 57, 90], dtype=torch.int32)  # ragged, one empty group, rows 90-95 in none
-    x = torch.randn(96, 64, generator=generator).to(torch.bfloat16).requires_grad_()
+    x = torch.randn(96, 64, generator=generator).to(torch.bfloat16)
+    x[92] = 100.0  # rows past the groups reach no scale: their maximum must not be the per-tensor one
+    x.requires_grad_()
     w = (torch.randn(4, 48, 64, generator=generator) * 0.1).to(torch.bfloat16).requires_grad_()
     g = torch.randn(96, 48, generator=generator).to(torch.bfloat16)
+    g[93] = -100.0
     y = mx_grouped_mm(x, w, offs, recipe)
     torch.manual_seed(5)
     y.backward(g)
-    g_in_groups = torch.where((torch.arange(96) < 90)[:, None], g, 0)
-    y_ref, gx_ref, gw_ref = _expected(x.detach(), w.detach(), offs, g_in_groups, recipe, seed=5)
+    y_ref, gx_ref, gw_ref = _expected(x.detach(), w.detach(), offs, g, recipe, seed=5)
     assert torch.equal(y, y_ref) and torch.equal(x.grad, gx_ref) and torch.equal(w.grad, gw_ref)
     assert (y[90:] == 0).all() and (x.grad[90:] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4_1d_weights"])
+def test_fuse_expert_casts_keeps_the_bits_and_casts_w_once(name, monkeypatch):
+    """The forward's weight operands kept for backward: the same y and gradients, and w goes through one NVFP4
+    cast a step instead of two."""
+    import mx_recipe.nvfp4_linear as nvfp4_linear
+
+    casts = []
+    cast = nvfp4_linear.fake_quant_nvfp4
+    monkeypatch.setattr(nvfp4_linear, "fake_quant_nvfp4", lambda t, **kw: casts.append(t.shape) or cast(t, **kw))
+    generator = torch.Generator().manual_seed(2)
+    offs = torch.tensor([30, 30, 64], dtype=torch.int32)
+    x = torch.randn(64, 64, generator=generator).to(torch.bfloat16)
+    w = (torch.randn(3, 32, 64, generator=generator) * 0.1).to(torch.bfloat16)
+    g = torch.randn(64, 32, generator=generator).to(torch.bfloat16)
+    results = []
+    for fuse in (False, True):
+        recipe = NVFP4Recipe.from_name(name, fuse_expert_casts=fuse)
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        casts.clear()
+        y = mx_grouped_mm(xr, wr, offs, recipe)
+        torch.manual_seed(0)
+        y.backward(g)
+        assert len(casts) == (1 if fuse else 2), f"{name} fuse={fuse}: w cast {len(casts)} times"
+        results.append((y, xr.grad, wr.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
 def test_one_group_is_the_dense_nvfp4_linear():

@@ -24,7 +24,12 @@ from test_cast_kernels import (
 
 from mx_recipe.nvfp4 import philox_uniform, random_signs
 from mx_recipe.nvfp4_cast import cast_nvfp4, reference_cast_nvfp4
-from mx_recipe.nvfp4_fake_quant import fake_quant_nvfp4, reference_fake_quant_nvfp4
+from mx_recipe.nvfp4_fake_quant import (
+    fake_quant_nvfp4,
+    reference_fake_quant_nvfp4,
+    reference_fake_quant_nvfp4_groups,
+)
+from mx_recipe.scale_layout import group_row_sources, padded_group_layout
 
 # (along_k, along_m, tiles, hadamard): the forward (x; w in tiles or rows), the gradient (both sides, the
 # transform on the grad-weight side), the grad-weight x, a 1x16 weight along N
@@ -69,6 +74,57 @@ def check(shape, device, along_k, along_m, tiles, hadamard, stochastic, seed=0, 
         assert_values_equal(s_dec[:1], ref.s_dec_k.reshape(1), what + " s_dec along K")
     if along_m:
         assert_values_equal(s_dec[1:], ref.s_dec_m.reshape(1), what + " s_dec along M")
+
+
+# (along_k, along_m, hadamard): the MoE forward's x, the backward's g (both with the transform), one side alone
+GROUP_CASES = [(True, True, True), (True, True, False), (False, True, True), (True, False, False)]
+
+
+def check_groups(x, offs, along_k, along_m, hadamard, stochastic, seed=0):
+    """The token-group kernel (``fake_quant_nvfp4_groups``) against the reference entry point, bit for bit: along K
+    on the rows of the groups, along M on the padded groups, and both decode scales."""
+    from mx_kernels.fake_quant_nvfp4 import fake_quant_nvfp4_groups as launch
+
+    device = x.device
+    offs = offs.to(device)
+    layout = padded_group_layout(offs, x.shape[0], 16)
+    signs = random_signs(seed + 7, device) if hadamard else None
+    key = torch.tensor([0x2468_ACE0_1357_9BDF + seed], dtype=torch.int64, device=device) if stochastic else None
+    k, m, s_dec = launch(x, group_row_sources(layout[0], layout[2]), offs[-1:], along_k, along_m, signs, key)
+    uniforms = (None, None)
+    if stochastic:  # along K over x's [M, K] rows, along M over the padded groups
+        uniforms = (
+            philox_uniform(int(key.item()), 0, tuple(x.shape)),
+            philox_uniform(int(key.item()), 1, (layout[2], x.shape[1]), along_rows=True),
+        )
+    ref = reference_fake_quant_nvfp4_groups(
+        x.cpu(), offs.cpu(), layout[0].cpu(), layout[2], along_k, along_m, None if signs is None else signs.cpu(),
+        "stochastic" if stochastic else "nearest", uniforms=uniforms,
+    )  # fmt: skip
+    end = int(offs[-1])
+    what = f"nvfp4 groups {offs.tolist()} of {tuple(x.shape)} k={along_k} m={along_m} rht={hadamard} sr={stochastic}"
+    if along_k:
+        assert_values_equal(k[:end], ref.along_k[:end], what + " along K")
+        assert_values_equal(s_dec[:1], ref.s_dec_k.reshape(1), what + " s_dec along K")
+    else:
+        assert k.numel() == 0
+    if along_m:
+        assert m.shape == ref.along_m.shape, what
+        assert_values_equal(m, ref.along_m, what + " along M")
+        assert_values_equal(s_dec[1:], ref.s_dec_m.reshape(1), what + " s_dec along M")
+    else:
+        assert m.numel() == 0
+
+
+def group_inputs(device):
+    """(x, offs) pairs: ragged groups, an empty one, rows past the last group holding the largest value (which
+    must reach no scale), the edge values of ``special_input``, one group of all rows."""
+    x = special_input((100, 96), torch.bfloat16, "cpu", 3).nan_to_num(nan=1.0)
+    x[95] = 1e4  # past the groups
+    ragged = torch.tensor([7, 7, 40, 71, 90], dtype=torch.int32)
+    yield x.to(device), ragged.to(device)
+    yield special_input((64, 48), torch.bfloat16, device, 4), torch.tensor([64], dtype=torch.int32, device=device)
+    yield x[:40].to(device), torch.tensor([16, 33, 40], dtype=torch.int32, device=device)
 
 
 def check_packed(x, along_k, along_m, tiles, hadamard, stochastic, pad_m, seed=0):
@@ -124,6 +180,14 @@ def test_interp_nvfp4_edge_tensors():
     bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
     x = bits.view(torch.bfloat16).reshape(-1, 512).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # every finite value
     check(None, "cpu", True, True, False, False, False, x=x)
+
+
+@interp_only
+@pytest.mark.parametrize("case", GROUP_CASES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_interp_nvfp4_token_groups(case, stochastic):
+    for x, offs in group_inputs("cpu"):
+        check_groups(x, offs, *case, stochastic)
 
 
 @interp_only
@@ -188,6 +252,19 @@ def test_gpu_nvfp4_fake_quant_bit_exact(case, stochastic):
         check(None, "cuda", *case, stochastic, x=special_input(shape, torch.bfloat16, "cuda").nan_to_num(nan=1.0))
     if not case[2]:
         check((40, 48), "cuda", *case, stochastic, seed=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", GROUP_CASES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_gpu_nvfp4_token_groups_bit_exact(case, stochastic):
+    for x, offs in group_inputs("cuda"):
+        check_groups(x, offs, *case, stochastic)
+    x = torch.randn(4096, 512, dtype=torch.bfloat16, device="cuda")  # many tiles, 64 experts, the last empty
+    offs = torch.sort(torch.randint(0, 4000, (64,), device="cuda")).values.to(torch.int32)
+    offs[-1] = offs[-2]
+    check_groups(x, offs, *case, stochastic, seed=2)
 
 
 @pytest.mark.gpu
@@ -266,6 +343,12 @@ def test_kernels_compile_for_hopper_and_blackwell(arch):
                     (4096, 4096), along_k, along_m, tiles, hadamard, stochastic, arch, packed
                 )
                 assert amax_kernel.asm["cubin"] and kernel.asm["cubin"]
+    for along_k, along_m, hadamard in GROUP_CASES:  # the token-group kernels
+        for stochastic in (False, True):
+            amax_kernel, kernel = compile_for_target(
+                (4096, 4096), along_k, along_m, False, hadamard, stochastic, arch, gather=True
+            )
+            assert amax_kernel.asm["cubin"] and kernel.asm["cubin"]
 
 
 @pytest.mark.gpu
