@@ -12,9 +12,8 @@ per fwd+bwd and the spread of the round medians.
     python benchmarks/bench_moe.py [--experts 1 4 16 64] [--recipe mxfp8] [--fuse-expert-casts] [--eager]
                                    [--rounds 5] [--out results.json]
 
---fuse-expert-casts sets the recipe's fuse_expert_casts (MXRecipe: the expert weights read once in forward for
-both of their fake-quants; NVFP4Recipe: the forward's weight operand kept for the grad-input GEMM; either way a
-bf16 copy of them held until backward); the recipe column says so.
+--fuse-expert-casts sets MXRecipe.fuse_expert_casts (the expert weights read once in forward for
+both of their fake-quants; a bf16 copy of them held until backward); the recipe column says so.
 """
 
 from __future__ import annotations
@@ -62,12 +61,14 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8192)
     parser.add_argument("--k", type=int, default=5120)
     parser.add_argument("--recipe", default="mxfp8")
-    parser.add_argument("--fuse-expert-casts", action="store_true", help="the recipe's fuse_expert_casts=True")
+    parser.add_argument("--fuse-expert-casts", action="store_true", help="MXRecipe.fuse_expert_casts=True")
     args = add_run_args(parser).parse_args()
     require_cuda("bench_moe.py")
     device = torch.device("cuda")
     if args.recipe in NVFP4_RECIPES:
-        recipe = NVFP4Recipe.from_name(args.recipe, fuse_expert_casts=args.fuse_expert_casts)
+        if args.fuse_expert_casts:
+            parser.error("--fuse-expert-casts is an MX recipe option (NVFP4's 16x16 weight tiles are one cast)")
+        recipe = NVFP4Recipe.from_name(args.recipe)
     else:
         recipe = MXRecipe.from_name(args.recipe, fuse_expert_casts=args.fuse_expert_casts)
     label = f"{recipe.name}+fuse_expert_casts" if args.fuse_expert_casts else recipe.name

@@ -13,7 +13,8 @@ and in x's gradient, and are left out of the grad-weight GEMM.
 
 ``fake_quant_nvfp4_groups`` reads x once in forward for its two operands (along K, and along M in the padded
 groups) and g once in backward for its two, with no padded copies; the forward saves x along M instead of x.
-With ``fuse_expert_casts`` it also keeps w's along-N operand for backward (recipe.py).
+With 16x16 weight tiles the forward's and the grad-input GEMM's weight operands are one call with the same
+arguments: torch.compile (inductor) merges the two and keeps the result for backward; eager casts w twice.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from mx_recipe.nvfp4 import NVFP4_BLOCK
 from mx_recipe.nvfp4_fake_quant import fake_quant_nvfp4_groups
-from mx_recipe.nvfp4_linear import signs_for, weight_operand, weight_operands
+from mx_recipe.nvfp4_linear import signs_for, weight_operand
 from mx_recipe.recipe import NVFP4Recipe
 from mx_recipe.scale_layout import group_row_sources, padded_group_layout, zero_rows_past_groups
 
@@ -40,19 +41,15 @@ class _NVFP4GroupedMMFunction(torch.autograd.Function):
         src = group_row_sources(dest, size)
         signs = signs_for(recipe, x.device) if need_gw else None
         xq = fake_quant_nvfp4_groups(x, offs, dest, src, along_m=need_gw, signs=signs)
-        w_n = s_wn = None  # the grad-input operand, made here with fuse_expert_casts
-        if recipe.fuse_expert_casts and ctx.needs_input_grad[0]:
-            w_k, s_w, w_n, s_wn = weight_operands(w, recipe, x.dtype)
-        else:
-            w_k, s_w = weight_operand(w, True, recipe, x.dtype)
+        w_k, s_w = weight_operand(w, True, recipe, x.dtype)
         ctx.recipe, ctx.x_shape, ctx.x_dtype = recipe, x.shape, x.dtype
         x_m = (xq.along_m, xq.s_dec_m) if need_gw else (None, None)
-        ctx.save_for_backward(w, offs, dest, src, padded_offs, w_n, s_wn, *x_m)
+        ctx.save_for_backward(w, offs, dest, src, padded_offs, *x_m)
         return zero_rows_past_groups(_grouped(xq.along_k, w_k.transpose(-2, -1), offs, xq.s_dec_k * s_w, x.dtype), offs)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        w, offs, dest, src, padded_offs, w_n, s_wn, x_along_m, s_x = ctx.saved_tensors
+        w, offs, dest, src, padded_offs, x_along_m, s_x = ctx.saved_tensors
         recipe: NVFP4Recipe = ctx.recipe
         need_gx, need_gw = ctx.needs_input_grad[:2]
         if ctx.x_shape[0] == 0:  # no tokens: nothing flows back (torch._grouped_mm rejects an empty K)
@@ -62,8 +59,7 @@ class _NVFP4GroupedMMFunction(torch.autograd.Function):
         gq = fake_quant_nvfp4_groups(g, offs, dest, src, need_gx, need_gw, signs, recipe.grad_rounding)
         gx = gw = None
         if need_gx:
-            if w_n is None:
-                w_n, s_wn = weight_operand(w, False, recipe, dtype)
+            w_n, s_wn = weight_operand(w, False, recipe, dtype)
             gx = zero_rows_past_groups(_grouped(gq.along_k, w_n, offs, gq.s_dec_k * s_wn, dtype), offs).to(ctx.x_dtype)
         if need_gw:  # the padded groups: zero rows add nothing to the sums
             gw = _grouped(gq.along_m.t(), x_along_m, padded_offs, gq.s_dec_m * s_x, dtype).to(w.dtype)

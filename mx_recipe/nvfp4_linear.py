@@ -40,16 +40,6 @@ def weight_operand(w: torch.Tensor, along_k: bool, recipe: NVFP4Recipe, dtype: t
     return q.along_m.view(w.shape), q.s_dec_m
 
 
-def weight_operands(w: torch.Tensor, recipe: NVFP4Recipe, dtype: torch.dtype):
-    """w [E, N, K] quantized along K and along N in one read: (along K, its s_dec, along N, its s_dec). With 16x16
-    tiles both are one tensor."""
-    if recipe.weight_tiles:
-        w_k, s_w = weight_operand(w, True, recipe, dtype)
-        return w_k, s_w, w_k, s_w
-    q = fake_quant_nvfp4(w.to(dtype).reshape(-1, w.shape[-1]), along_k=True, along_m=True)
-    return q.along_k.view(w.shape), q.s_dec_k, q.along_m.view(w.shape), q.s_dec_m
-
-
 def signs_for(recipe: NVFP4Recipe, device: torch.device) -> torch.Tensor | None:
     """The signs of the recipe's random Hadamard transform on ``device``, or None without the transform."""
     return random_signs(recipe.hadamard_seed, device) if recipe.hadamard else None

@@ -144,10 +144,6 @@ class NVFP4Recipe:
         run's job.seed, so a checkpoint's config.toml fixes them);
     grad_rounding: "stochastic" (the recipe's) or "nearest" for the gradient's casts; x and w round to
         nearest.
-    fuse_expert_casts: MoE grouped GEMM. The forward keeps the expert weights' grad-input operand (along N)
-        for backward instead of casting w again there: with 16x16 tiles it is the forward's operand itself, with
-        1x16 blocks one kernel reads w once for both. One read-and-cast of w fewer a step, for a bf16 copy of w
-        held from forward to backward. Bit-identical gradients. No effect on the linear.
     Which layers stay in bf16 (the recipe keeps the last few) is the converter's ``skip``.
     """
 
@@ -158,10 +154,9 @@ class NVFP4Recipe:
     grad_rounding: str = "stochastic"
     backend: str = "auto"
     block_size: int = 16
-    fuse_expert_casts: bool = False
 
     def __post_init__(self) -> None:
-        for field in ("weight_tiles", "hadamard", "fuse_expert_casts"):
+        for field in ("weight_tiles", "hadamard"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"NVFP4Recipe.{field}={getattr(self, field)!r}: expected True or False")
         if not isinstance(self.hadamard_seed, int) or not 0 <= self.hadamard_seed < 2**63:

@@ -114,8 +114,6 @@ def test_conversion_and_the_recipe_from_the_config(tmp_path):
         load_config("debug_mxfp8", parse_overrides(["--mx.recipe", "nvfp4", "--mx.backend", "triton"]))
     with pytest.raises(ConfigError, match="key 'mx.save_mx_input': is an MX cast option"):
         load_config("debug_mxfp8", parse_overrides(["--mx.recipe", "nvfp4", "--mx.save_mx_input", "true"]))
-    fused = load_config("debug_mxfp8", parse_overrides(["--mx.recipe", "nvfp4", "--mx.fuse_expert_casts", "true"]))
-    assert build_mx_recipe(fused.mx).fuse_expert_casts is True
     with pytest.raises(ConfigError, match="key 'mx.recipe'.*nvfp4_no_rht"):  # the known names include NVFP4's
         load_config("debug_mxfp8", parse_overrides(["--mx.recipe", "nvfp5"]))
 

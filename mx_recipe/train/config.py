@@ -107,7 +107,7 @@ class MXConfig:
     skip: list[str] = field(default_factory=lambda: ["output", "*router.gate"])  # fqn patterns left in bf16
     save_mx_input: bool = False  # save x for backward in MX form (MXRecipe.save_mx_input)
     fuse_x_casts: bool = True  # emulated: both fake-quants of x in forward, where it applies (MXRecipe.fuse_x_casts)
-    fuse_expert_casts: bool = False  # emulated MoE: w's grad-input operand made in forward (MXRecipe, NVFP4Recipe)
+    fuse_expert_casts: bool = False  # emulated MoE: both fake-quants of w in forward (MXRecipe.fuse_expert_casts)
     share_input_casts: bool = True  # one cast of an input read by several linears (MXRecipe.share_input_casts)
     grad_rounding: str = ""  # nearest or stochastic (MXRecipe.grad_rounding); "" keeps the recipe's
 
@@ -357,8 +357,9 @@ def validate(config: Config) -> None:
     if config.mx.grad_rounding not in ("", *ROUNDINGS):
         fail("mx.grad_rounding", f"unknown rounding {config.mx.grad_rounding!r}; known: {', '.join(ROUNDINGS)}")
     if config.mx.recipe in NVFP4_RECIPES:
-        if config.mx.save_mx_input:  # an MX cast option that would do nothing here
-            fail("mx.save_mx_input", f"is an MX cast option; recipe {config.mx.recipe!r} (NVFP4) has no such cast")
+        for key in ("save_mx_input", "fuse_expert_casts"):  # MX cast options that would do nothing here
+            if getattr(config.mx, key):
+                fail(f"mx.{key}", f"is an MX cast option; recipe {config.mx.recipe!r} (NVFP4) has no such cast")
         try:
             build_mx_recipe(config.mx)
         except ValueError as e:
@@ -427,17 +428,15 @@ def _mx_overrides(mx: MXConfig) -> dict[str, str | bool]:
 def build_mx_recipe(mx: MXConfig, seed: int = 0) -> MXRecipe | NVFP4Recipe | None:
     """The recipe that [mx] describes, or None for recipe "none". An MXRecipe: the named recipe with backend,
     save_mx_input, fuse_x_casts, fuse_expert_casts, share_input_casts and grad_rounding set from the config.
-    An NVFP4Recipe: with backend, grad_rounding and fuse_expert_casts, and ``seed`` (the run's job.seed) for the
-    Hadamard signs; the MX cast options save_mx_input, fuse_x_casts and share_input_casts do not apply to it."""
+    An NVFP4Recipe: with backend and grad_rounding, and ``seed`` (the run's job.seed) for the Hadamard signs;
+    the MX cast options do not apply to it."""
     from mx_recipe.recipe import NVFP4_RECIPES, MXRecipe, NVFP4Recipe
 
     if mx.recipe == "none":
         return None
     if mx.recipe in NVFP4_RECIPES:
         rounding = {"grad_rounding": mx.grad_rounding} if mx.grad_rounding else {}
-        return NVFP4Recipe.from_name(
-            mx.recipe, backend=mx.backend, hadamard_seed=seed, fuse_expert_casts=mx.fuse_expert_casts, **rounding
-        )
+        return NVFP4Recipe.from_name(mx.recipe, backend=mx.backend, hadamard_seed=seed, **rounding)
     return MXRecipe.from_name(mx.recipe, **_mx_overrides(mx))
 
 
