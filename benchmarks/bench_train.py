@@ -99,7 +99,7 @@ def run_steps(v: Variant, batches: list, device: torch.device) -> float:
 # Kernel kinds by name, first match wins: our MX kernels, Inductor's (triton_poi/red/per_fused_...), then
 # flash attention, cuBLAS/CUTLASS GEMMs, the fused optimizer, copies and collectives; then the rest.
 KERNEL_KINDS = [
-    ("MX cast", re.compile(r"_cast_kernel|_cast_groups_dim1|fake_quant|_unblock_kernel")),
+    ("MX cast", re.compile(r"_cast_kernel|_cast_groups_dim1|fake_quant|_unblock_kernel|_amax_kernel")),
     ("fused elementwise", re.compile(r"^triton_")),
     ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),  # before GEMM: their names hold "cutlass"
     ("GEMM", re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|sm90_|sm100_|s16816|cublas", re.I)),

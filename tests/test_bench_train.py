@@ -49,7 +49,7 @@ def test_no_warmup_steps_run_nothing():
 
 def test_kernel_kinds_of_the_kernels_a_step_launches():
     kind = load_benchmark("bench_train").kernel_kind
-    assert kind("_gluon_fake_quant_kernel") == kind("_cast_kernel") == "MX cast"
+    assert kind("_gluon_fake_quant_kernel") == kind("_cast_kernel") == kind("_amax_kernel") == "MX cast"  # NVFP4 maxima
     assert kind("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == kind("sm90_xmma_gemm_bf16bf16") == "GEMM"
     assert kind("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<cutlass::bfloat16_t>>") == "attention"
     assert kind("void at::native::multi_tensor_apply_kernel<...>") == "optimizer"
