@@ -10,7 +10,9 @@ boundary and the kernel launch. Rows:
 * the custom ops as torch.compile's generated code calls them (``torch.ops.mx_recipe.*``): the host
   cost that remains inside a compiled block;
 * an MX linear and an MX grouped GEMM, forward and backward, next to ``F.linear`` and
-  ``torch._grouped_mm`` (the emulated backend: what a Hopper training step runs).
+  ``torch._grouped_mm`` (the emulated backend: what a Hopper training step runs);
+* the same for NVFP4: its fake-quants (the per-tensor maximum and the quantization, two kernels a call),
+  its custom op, and the nvfp4 recipe's linear and grouped GEMM.
 
 Baselines: ``x.to(torch.float8_e4m3fn)`` (one torch kernel launch) for the casts; bf16 forward and
 backward for the layers. ``--out`` writes JSON with provenance for docs/results/.
@@ -38,6 +40,10 @@ from mx_recipe.cast import (
     fake_quant_groups_along_m,
 )
 from mx_recipe.gemm import resolve_backend
+from mx_recipe.nvfp4 import random_signs
+from mx_recipe.nvfp4_fake_quant import fake_quant_nvfp4, fake_quant_nvfp4_groups
+from mx_recipe.recipe import NVFP4Recipe
+from mx_recipe.scale_layout import group_row_sources, padded_group_layout
 
 
 def cast_calls(x: torch.Tensor, offs: torch.Tensor, row_src: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -60,23 +66,39 @@ def cast_calls(x: torch.Tensor, offs: torch.Tensor, row_src: torch.Tensor) -> di
     }
 
 
+def nvfp4_calls(x: torch.Tensor, offs: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The NVFP4 fake-quants as the nvfp4 recipe calls them: x in forward, g in backward, token groups."""
+    signs = random_signs(0, x.device)
+    dest, _, size = padded_group_layout(offs, x.shape[0], 16)
+    src = group_row_sources(dest, size)
+    return {
+        "nvfp4 fake-quant along K": lambda: fake_quant_nvfp4(x),
+        "nvfp4 fake-quant along K + M, RHT (x)": lambda: fake_quant_nvfp4(x, along_m=True, signs=signs),
+        "nvfp4 fake-quant along N + M, RHT, SR (g)": lambda: fake_quant_nvfp4(
+            x, along_m=True, signs=signs, rounding="stochastic"
+        ),
+        "nvfp4 fake-quant token groups, RHT": lambda: fake_quant_nvfp4_groups(x, offs, dest, src, True, True, signs),
+        "op fake_quant_nvfp4 (compiled code)": lambda: torch.ops.mx_recipe.fake_quant_nvfp4(
+            x, True, True, False, signs, None
+        ),
+    }
+
+
 def layer_calls(x: torch.Tensor, offs: torch.Tensor) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
     """(bf16, MX) forward + backward of a linear and of a grouped GEMM on x."""
-    recipe = MXRecipe.from_name("mxfp8")
+    recipe, nvfp4 = MXRecipe.from_name("mxfp8"), NVFP4Recipe.from_name("nvfp4")
     w = torch.randn(256, 256, device=x.device, dtype=x.dtype, requires_grad=True)
     w3 = torch.randn(offs.numel(), 256, 256, device=x.device, dtype=x.dtype, requires_grad=True)
     xg = x.detach().requires_grad_()
     gy = torch.randn_like(x)  # a contiguous upstream gradient (sum()'s is expanded, which _grouped_mm refuses)
     dense, grouped = resolve_backend(recipe, x.device), resolve_backend(recipe, x.device, grouped=True)
+    bf16_linear = lambda: F.linear(xg, w).backward(gy)  # noqa: E731
+    bf16_grouped = lambda: torch._grouped_mm(xg, w3.transpose(-2, -1), offs=offs).backward(gy)  # noqa: E731
     return {
-        "linear fwd+bwd": (
-            lambda: F.linear(xg, w).backward(gy),
-            lambda: mx_linear(xg, w, None, recipe, dense).backward(gy),
-        ),
-        "grouped GEMM fwd+bwd": (
-            lambda: torch._grouped_mm(xg, w3.transpose(-2, -1), offs=offs).backward(gy),
-            lambda: mx_grouped_mm(xg, w3, offs, recipe, grouped).backward(gy),
-        ),
+        "linear fwd+bwd": (bf16_linear, lambda: mx_linear(xg, w, None, recipe, dense).backward(gy)),
+        "grouped GEMM fwd+bwd": (bf16_grouped, lambda: mx_grouped_mm(xg, w3, offs, recipe, grouped).backward(gy)),
+        "nvfp4 linear fwd+bwd": (bf16_linear, lambda: mx_linear(xg, w, None, nvfp4).backward(gy)),
+        "nvfp4 grouped GEMM fwd+bwd": (bf16_grouped, lambda: mx_grouped_mm(xg, w3, offs, nvfp4).backward(gy)),
     }
 
 
@@ -93,7 +115,7 @@ def main() -> None:
     print(f"device: {device}, torch {torch.__version__}; host time per call, [256, 256] bf16, e4m3 floor")
     print(f"{'torch x.to(float8_e4m3fn)':48s} {torch_fp8:7.1f} us")
     rows = []
-    for name, call in cast_calls(x, offs, row_src).items():
+    for name, call in (cast_calls(x, offs, row_src) | nvfp4_calls(x, offs)).items():
         us = host_us(call)
         rows.append(dict(name=name, host_us=us, torch_us=torch_fp8, torch_op="x.to(float8_e4m3fn)"))
         print(f"{name:48s} {us:7.1f} us  {us / torch_fp8:5.1f}x torch")
