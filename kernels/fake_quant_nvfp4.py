@@ -334,10 +334,8 @@ def _launch(
         if groups is not None and outputs[1].numel():
             outputs[1].zero_()
         return torch.full((2,), EMPTY_S_DEC, dtype=torch.float32, device=x.device)
-    # one allocation and one fill a call (host time): the maxima, zeroed for their atomics, then the decode scales,
-    # which the fake-quant kernel's first program writes
-    words = torch.zeros(4, dtype=torch.int32, device=x.device)
-    amax, s_dec = words[:2], words[2:].view(torch.float32)
+    amax = torch.zeros(2, dtype=torch.int32, device=x.device)
+    s_dec = torch.empty(2, dtype=torch.float32, device=x.device)  # the fake-quant kernel's first program writes it
     software = software_round(x, op)
     hadamard = along_m and signs is not None
     signs_arg = signs if hadamard else amax
