@@ -37,7 +37,7 @@ class _NVFP4GroupedMMFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: NVFP4Recipe) -> torch.Tensor:
         need_gw = ctx.needs_input_grad[1]
-        dest, padded_offs, size = padded_group_layout(offs, x.shape[0], NVFP4_BLOCK)  # computed once a step
+        dest, padded_offs, size = padded_group_layout(offs, x.shape[0], NVFP4_BLOCK)  # backward reuses it
         src = group_row_sources(dest, size)
         signs = signs_for(recipe, x.device) if need_gw else None
         xq = fake_quant_nvfp4_groups(x, offs, dest, src, along_m=need_gw, signs=signs)
