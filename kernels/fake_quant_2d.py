@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from mx_kernels.common import fake_quant_2d_outputs, fake_quant_groups_outputs, interpreting, software_round
 from mx_kernels.launch_cache import LaunchCache
-from mx_kernels.mx_quantize import column_blocks, draws_tile, fake_quant_blocks, to_fp32
+from mx_kernels.mx_quantize import column_blocks, draws_tile, fake_quant_blocks, tile_rows, to_fp32
 from mx_kernels.spec import cdiv
 
 # (BLOCK_M, BLOCK_K, num_warps), the best of H200 sweeps: both outputs of 16384 x 4096 and of 3D expert
@@ -47,13 +47,8 @@ def _fake_quant_2d_kernel(
     pid_b = tl.program_id(2).to(tl.int64)  # E * M * K can pass 2**31
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    if GATHER:  # row i of the tile is x's row src[i]; -1: a zero row (2D x, M output rows)
-        src = tl.load(src_ptr + rows, mask=rows < M, other=-1)
-        in_x = (src >= 0)[:, None] & (cols < K)[None, :]
-        x_rows = src.to(tl.int64)
-    else:
-        in_x = (rows < M)[:, None] & (cols < K)[None, :]
-        x_rows = rows.to(tl.int64)
+    x_rows, has_data = tile_rows(rows, src_ptr, M, GATHER)  # GATHER: 2D x, M laid-out rows
+    in_x = has_data[:, None] & (cols < K)[None, :]
     x_offs = pid_b * stride_xb + x_rows[:, None] * stride_xm + cols[None, :] * stride_xk
     x = to_fp32(tl.load(x_ptr + x_offs, mask=in_x, other=0.0), SOFTWARE_ROUND)
     seed = tl.load(seed_ptr) if STOCHASTIC else 0

@@ -57,6 +57,7 @@ from mx_kernels.mx_quantize import (
     pack_pairs_along_rows,
     round_e2m1,
     round_to_fp8_bits,
+    tile_rows,
     to_fp32,
 )
 from mx_kernels.spec import NVFP4_BLOCK as BLOCK
@@ -100,14 +101,13 @@ def blocks_along_m(
 
 
 @triton.jit
-def tile_rows(rows, src_ptr, end_ptr, M, GATHER: tl.constexpr):
-    """(the rows of x that the tile's ``rows`` read, which of them hold data). GATHER: ``rows`` index the padded
-    token groups (M of them); row r reads x's row src[r], and holds data when src[r] >= 0 (not a padding row)
-    and src[r] < end (the groups' end: rows past it belong to no expert)."""
+def group_rows(rows, src_ptr, end_ptr, M, GATHER: tl.constexpr):
+    """``mx_quantize.tile_rows``, and under GATHER a row of x at or past the groups' end (``end_ptr``: offs[-1])
+    holds no data either: it belongs to no expert, so it reaches no per-tensor maximum."""
+    x_rows, has_data = tile_rows(rows, src_ptr, M, GATHER)
     if GATHER:
-        src = tl.load(src_ptr + rows, mask=rows < M, other=-1)
-        return src, (src >= 0) & (src < tl.load(end_ptr))
-    return rows, rows < M
+        has_data = has_data & (x_rows < tl.load(end_ptr))
+    return x_rows, has_data
 
 
 @triton.jit
@@ -150,9 +150,9 @@ def _amax_kernel(
         signs = tl.load(signs_ptr + tl.arange(0, 16))
     for i in range(ROW_TILES):
         rows = (tl.program_id(0) * ROW_TILES + i) * BLOCK_M + tl.arange(0, BLOCK_M)
-        x_rows, has_data = tile_rows(rows, src_ptr, end_ptr, M, GATHER)
+        x_rows, has_data = group_rows(rows, src_ptr, end_ptr, M, GATHER)
         in_x = has_data[:, None] & (cols < K)[None, :]
-        x = to_fp32(tl.load(x_ptr + x_rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk,
+        x = to_fp32(tl.load(x_ptr + x_rows[:, None] * stride_xm + cols[None, :] * stride_xk,
                             mask=in_x, other=0.0), SOFTWARE_ROUND)  # fmt: skip
         plain = max_abs(plain, x)
         if HADAMARD:  # the / 4 once, on the maximum
@@ -176,7 +176,7 @@ def _fake_quant_kernel(
 ):  # fmt: skip
     """The fake-quant (e2m1 * block scale in x's dtype) or, PACKED, the cast: along K, codes [M, K / 2] and
     e4m3 scale bits [M, K / 16]; along M, transposed, codes [K, M_PAD / 2] and scale bits [K, M_PAD / 16].
-    GATHER (fake-quant only): M = M_PAD rows of padded token groups (``tile_rows``); along K goes to x's rows."""
+    GATHER (fake-quant only): M = M_PAD rows of padded token groups (``group_rows``); along K goes to x's rows."""
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):  # the decode scales the GEMM multiplies by
         _, s_dec_k = per_tensor_scales(tl.load(amax_ptr).to(tl.float32, bitcast=True))
         _, s_dec_m = per_tensor_scales(tl.load(amax_ptr + 1).to(tl.float32, bitcast=True))
@@ -184,9 +184,9 @@ def _fake_quant_kernel(
         tl.store(s_dec_ptr + 1, s_dec_m)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    x_rows, has_data = tile_rows(rows, src_ptr, end_ptr, M, GATHER)
+    x_rows, has_data = group_rows(rows, src_ptr, end_ptr, M, GATHER)
     in_x = has_data[:, None] & (cols < K)[None, :]
-    x = to_fp32(tl.load(x_ptr + x_rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk, mask=in_x,
+    x = to_fp32(tl.load(x_ptr + x_rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=in_x,
                         other=0.0), SOFTWARE_ROUND)  # fmt: skip
     seed = tl.load(seed_ptr) if STOCHASTIC else 0
     if ALONG_K:  # in x's rows: each element draws by its index in the [M, K] output
@@ -217,7 +217,7 @@ def _fake_quant_kernel(
             q = tl.reshape(q * s, (BLOCK_M, BLOCK_K))
             if OUT_BF16_BITS:
                 q = bf16_bits_rne(q)
-            tl.store(k_ptr + x_rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=in_x)
+            tl.store(k_ptr + x_rows[:, None] * K + cols[None, :], q, mask=in_x)
     if ALONG_M:  # blocks of 16 rows: [BM / 16, 16, BK], reduced over the middle dim
         tensor_amax = tl.load(amax_ptr + 1).to(tl.float32, bitcast=True)
         signs = tl.load(signs_ptr + tl.arange(0, 16)) if HADAMARD else 0.0

@@ -176,6 +176,16 @@ def fp8_bits_to_fp32(q, ELEM: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
 
 
 @triton.jit
+def tile_rows(rows, src_ptr, M, GATHER: tl.constexpr):
+    """(the rows of x that a tile's ``rows`` read, int64; which of them hold data). GATHER: ``rows`` index M
+    laid-out rows (padded token groups), row r reading x's row src[r], -1 for a padding row (a zero row)."""
+    if GATHER:
+        src = tl.load(src_ptr + rows, mask=rows < M, other=-1)
+        return src.to(tl.int64), src >= 0
+    return rows.to(tl.int64), rows < M
+
+
+@triton.jit
 def butterfly_stage(v, H: tl.constexpr, ADD: tl.constexpr):
     """One stage of the fast Walsh-Hadamard transform along axis 1 of v [NB, N, C]: pairs at distance H
     become (a + b, a - b), as ``mx_recipe.nvfp4._walsh_hadamard`` forms them; not ADD, the pairs only travel

@@ -94,12 +94,13 @@ def reference_fake_quant_nvfp4_groups(
     """``fake_quant_nvfp4_groups``'s contract in plain PyTorch: x's rows past the groups zeroed, then along K
     as it is and along M as the groups padded to multiples of 16 (``pad_groups`` to ``dest`` in ``size`` rows)."""
     x = zero_rows_past_groups(x, offs)
-    k, s_k, _, _ = reference_fake_quant_nvfp4(x, True, False, False, None, rounding, generator, uniforms) if along_k \
-        else (None,) * 4  # fmt: skip
-    padded = pad_groups(x, dest, size) if along_m else x
-    _, _, m, s_m = reference_fake_quant_nvfp4(padded, False, True, False, signs, rounding, generator, uniforms) \
-        if along_m else (None,) * 4  # fmt: skip
-    return NVFP4Operands(k, s_k, m, s_m)
+    k = m = NVFP4Operands(None, None, None, None)
+    if along_k:
+        k = reference_fake_quant_nvfp4(x, True, False, False, None, rounding, generator, uniforms)
+    if along_m:
+        padded = pad_groups(x, dest, size)
+        m = reference_fake_quant_nvfp4(padded, False, True, False, signs, rounding, generator, uniforms)
+    return NVFP4Operands(k.along_k, k.s_dec_k, m.along_m, m.s_dec_m)
 
 
 def fake_quant_nvfp4_groups(
