@@ -108,15 +108,20 @@ def scale_blocks(blocks, AXIS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.const
 
 
 @triton.jit
-def quantize_blocks(blocks, AXIS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
+def quantize_blocks(
+    blocks, AXIS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr, u=0.0,
+    STOCHASTIC: tl.constexpr = False,
+):  # fmt: skip
     """fp32 blocks of 32 along AXIS (the tile's whole extent there) -> (fp8 bits uint8, or e2m1 codes, same
-    shape; biased E8M0 scales uint8, AXIS reduced away). The Triton kernels' one quantize routine."""
+    shape; biased E8M0 scales uint8, AXIS reduced away). The Triton kernels' one quantize routine. STOCHASTIC
+    (e2m1 only): rounded with the 16-bit draws ``u`` (blocks' shape, ``round_e2m1``)."""
+    tl.static_assert(ELEM == "e2m1" or not STOCHASTIC, "the fp8 casts round to nearest")
     MAX_NORMAL: tl.constexpr = fmt(ELEM, "max_normal")
     is_nan, e, v = scale_blocks(blocks, AXIS, ELEM, RCEIL, SOFTWARE_ROUND)
     # clamp first: inf saturates, and the result does not depend on cvt's satfinite
     v = tl.minimum(tl.maximum(v, -MAX_NORMAL), MAX_NORMAL)
     if ELEM == "e2m1":  # 4-bit codes, packed by the caller; a NaN block's are 0, as the reference's
-        q = tl.where(tl.expand_dims(is_nan, AXIS), 0, e2m1_codes(round_e2m1(v, 0.0, False))).to(tl.uint8)
+        q = tl.where(tl.expand_dims(is_nan, AXIS), 0, e2m1_codes(round_e2m1(v, u, STOCHASTIC))).to(tl.uint8)
         return q, tl.where(is_nan, 0xFF, e + 127).to(tl.uint8)
     if SOFTWARE_ROUND:
         q = round_to_fp8_bits(v, ELEM)

@@ -18,7 +18,14 @@ import triton
 import triton.language as tl
 from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, empty_outputs, software_round, tile_grid
 from mx_kernels.launch_cache import LaunchCache
-from mx_kernels.mx_quantize import pack_pairs, pack_pairs_along_rows, quantize_blocks, store_scales, to_fp32
+from mx_kernels.mx_quantize import (
+    draws_tile,
+    pack_pairs,
+    pack_pairs_along_rows,
+    quantize_blocks,
+    store_scales,
+    to_fp32,
+)
 
 # (NUM_SUB, BLOCK_K, num_warps). dim0: 32 x 512 with 8 warps, 2-3% faster than 32 x 256 with 4 warps on an
 # H200 with blocked scales. dim1 and both: one warp per program, since Triton spreads warps along M and a
@@ -31,9 +38,10 @@ DIM1_TILE = (2, 64, 1)
 
 @triton.jit
 def _cast_kernel(
-    x_ptr, q0_ptr, s0_ptr, q1_ptr, s1_ptr, M, K, stride_xb, stride_xm, stride_xk, stride_qb, stride_s0b, stride_s1b,
-    DIM0: tl.constexpr, DIM1: tl.constexpr, NUM_SUB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCKED: tl.constexpr,
-    ELEM: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
+    x_ptr, q0_ptr, s0_ptr, q1_ptr, s1_ptr, seed_ptr, M, K, stride_xb, stride_xm, stride_xk, stride_qb, stride_s0b,
+    stride_s1b, DIM0: tl.constexpr, DIM1: tl.constexpr, NUM_SUB: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCKED: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -43,13 +51,17 @@ def _cast_kernel(
     s0_cols = pid_k * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
     sub = tl.arange(0, NUM_SUB)
     s1_tile = tl.zeros((BLOCK_K, NUM_SUB), dtype=tl.uint8)
+    seed = tl.load(seed_ptr) if STOCHASTIC else 0
     for i in tl.static_range(NUM_SUB):
         rows = (pid_m * NUM_SUB + i) * 32 + tl.arange(0, 32)
         mask = (rows < M)[:, None] & (cols < K)[None, :]
         x_offs = rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
         x = to_fp32(tl.load(x_ptr + x_offs, mask=mask, other=0.0), SOFTWARE_ROUND)
         if DIM0:  # blocks of 32 along K: row-major [M, K] output, scales [M, K/32]
-            q0, s0 = quantize_blocks(tl.reshape(x, (BLOCK_K, 32)), 1, ELEM, RCEIL, SOFTWARE_ROUND)
+            u = 0.0
+            if STOCHASTIC:  # each element by its row-major index in x (stream 0), as fake_quant_2d along K
+                u = tl.reshape(draws_tile(seed, 0, pid_b * M + rows, pid_k * BLOCK_K, K, 32, BLOCK_K), (BLOCK_K, 32))
+            q0, s0 = quantize_blocks(tl.reshape(x, (BLOCK_K, 32)), 1, ELEM, RCEIL, SOFTWARE_ROUND, u, STOCHASTIC)
             q0 = tl.reshape(q0, (32, BLOCK_K))
             if ELEM == "e2m1":  # two codes a byte along K: [M, K/2]
                 half = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
@@ -61,7 +73,10 @@ def _cast_kernel(
             s0 = tl.reshape(s0, (32, BLOCK_K // 32))
             store_scales(s0_ptr + pid_b * stride_s0b, s0, rows, s0_cols, M, K >> 5, BLOCKED)
         if DIM1:  # one block of 32 along M per column: transposed [K, M] output, scales [K, M/32]
-            q1, s1 = quantize_blocks(x, 0, ELEM, RCEIL, SOFTWARE_ROUND)
+            u = 0.0
+            if STOCHASTIC:  # each element by its row-major index in x (stream 1), as fake_quant_2d along M
+                u = draws_tile(seed, 1, pid_b * M + rows, pid_k * BLOCK_K, K, 32, BLOCK_K)
+            q1, s1 = quantize_blocks(x, 0, ELEM, RCEIL, SOFTWARE_ROUND, u, STOCHASTIC)
             if ELEM == "e2m1":  # two codes a byte along M: [K, M/2]
                 half = (pid_m * NUM_SUB + i) * 16 + tl.arange(0, 16)
                 q1_offs = pid_b * stride_qb + cols.to(tl.int64)[None, :] * (M // 2) + half[:, None]
@@ -78,8 +93,13 @@ def _cast_kernel(
 _LAUNCHES = LaunchCache(_cast_kernel)
 
 
-def _cast(x: torch.Tensor, elem: str, mode: str, blocked: bool, dim0: bool, dim1: bool, op: str) -> list[torch.Tensor]:
-    """The outputs [q0, s0] + [q1, s1] of the halves asked for, from one launch over x [M, K] or [E, M, K]."""
+def _cast(
+    x: torch.Tensor, elem: str, mode: str, blocked: bool, dim0: bool, dim1: bool, op: str,
+    seed: torch.Tensor | None = None,
+) -> list[torch.Tensor]:  # fmt: skip
+    """The outputs [q0, s0] + [q1, s1] of the halves asked for, from one launch over x [M, K] or [E, M, K].
+    ``seed``: int64 [1] on x's device, e2m1 rounded stochastically (``_check_stochastic``)."""
+    _check_stochastic(x, elem, seed, op)
     outs = (empty_outputs(x, elem, dim0_shapes(x.shape, blocked)) if dim0 else []) + (
         empty_outputs(x, elem, dim1_shapes(x.shape, blocked)) if dim1 else []
     )
@@ -87,6 +107,7 @@ def _cast(x: torch.Tensor, elem: str, mode: str, blocked: bool, dim0: bool, dim1
         return outs
     q0, s0, q1, s1 = outs * (1 if dim0 and dim1 else 2)  # a missing half: stand-ins
     software = software_round(x, op)
+    stochastic = seed is not None
 
     def build() -> tuple[tuple[int, ...], dict]:
         x3 = x if x.dim() == 3 else x.unsqueeze(0)
@@ -95,39 +116,59 @@ def _cast(x: torch.Tensor, elem: str, mode: str, blocked: bool, dim0: bool, dim1
         grid = (*tile_grid(m, k, 32 * num_sub, block_k, 128 if blocked else 1), num_batch)
         u8 = [t.view(torch.uint8) for t in (q0, s0, q1, s1)]
         return grid, dict(
-            x_ptr=x3, q0_ptr=u8[0], s0_ptr=u8[1], q1_ptr=u8[2], s1_ptr=u8[3], M=m, K=k, stride_xb=x3.stride(0),
-            stride_xm=x3.stride(1), stride_xk=x3.stride(2), stride_qb=m * k // (2 if elem == "e2m1" else 1),
-            stride_s0b=s0[0].numel() if x.dim() == 3 and dim0 else 0,
+            x_ptr=x3, q0_ptr=u8[0], s0_ptr=u8[1], q1_ptr=u8[2], s1_ptr=u8[3], seed_ptr=seed if stochastic else x3,
+            M=m, K=k, stride_xb=x3.stride(0), stride_xm=x3.stride(1), stride_xk=x3.stride(2),
+            stride_qb=m * k // (2 if elem == "e2m1" else 1), stride_s0b=s0[0].numel() if x.dim() == 3 and dim0 else 0,
             stride_s1b=s1[0].numel() if x.dim() == 3 and dim1 else 0, DIM0=dim0, DIM1=dim1, NUM_SUB=num_sub,
             BLOCK_K=block_k, BLOCKED=blocked, ELEM=elem, RCEIL=mode == "rceil", SOFTWARE_ROUND=software,
-            num_warps=num_warps,
+            STOCHASTIC=stochastic, num_warps=num_warps,
         )  # fmt: skip
 
-    key = (x.shape, x.stride(), x.dtype, elem, mode, blocked, dim0, dim1, software)
-    _LAUNCHES.launch_keyed(key, build, x_ptr=x, q0_ptr=q0, s0_ptr=s0, q1_ptr=q1, s1_ptr=s1)
+    key = (x.shape, x.stride(), x.dtype, elem, mode, blocked, dim0, dim1, software, stochastic)
+    _LAUNCHES.launch_keyed(
+        key, build, x_ptr=x, q0_ptr=q0, s0_ptr=s0, q1_ptr=q1, s1_ptr=s1, seed_ptr=seed if stochastic else x
+    )
     return outs
 
 
-def cast_dim0(x: torch.Tensor, elem: str, mode: str, blocked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_stochastic(x: torch.Tensor, elem: str, seed: torch.Tensor | None, op: str) -> None:
+    """Stochastic rounding is for e2m1, and its draws come eight to a Philox call along x's last dim."""
+    if seed is None:
+        return
+    if elem != "e2m1":
+        raise ValueError(f"{op}: stochastic rounding (a seed) is for e2m1 casts only, got {elem}")
+    if x.shape[-1] % 8:
+        raise ValueError(f"{op}: stochastic rounding needs x's last dim a multiple of 8, got shape {tuple(x.shape)}")
+
+
+def cast_dim0(
+    x: torch.Tensor, elem: str, mode: str, blocked: bool = False, seed: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] or [E, M, K] (bf16/fp32, any strides) -> (qdata fp8 of x's shape, scales e8m0 [.., M, K/32] or,
-    with ``blocked``, blocked: 1D for 2D x, [E, padded] per expert). Bit-identical to ``to_mx(x, elem, mode)``."""
+    with ``blocked``, blocked: 1D for 2D x, [E, padded] per expert). Bit-identical to ``to_mx(x, elem, mode)``.
+    ``seed`` (e2m1): rounded stochastically, each element with the draw of its row-major index in x, stream 0
+    (``mx_quantize.draws_tile``): the draws of ``fake_quant_2d`` along K."""
     check_cast(x, elem, mode, ndims=(2, 3), qdim=-1, op="cast_dim0", fp4=True)
-    return tuple(_cast(x, elem, mode, blocked, True, False, "cast_dim0"))
+    return tuple(_cast(x, elem, mode, blocked, True, False, "cast_dim0", seed))
 
 
-def cast_dim1(x: torch.Tensor, elem: str, mode: str, blocked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def cast_dim1(
+    x: torch.Tensor, elem: str, mode: str, blocked: bool = False, seed: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] or [E, M, K] (bf16/fp32, any strides) -> (qdata [.., K, M] fp8, scales e8m0 [.., K, M/32] or
-    blocked). Bit-identical to ``to_mx(x.transpose(-2, -1).contiguous(), elem, mode)``."""
+    blocked). Bit-identical to ``to_mx(x.transpose(-2, -1).contiguous(), elem, mode)``. ``seed`` (e2m1): rounded
+    stochastically, each element with the draw of its row-major index in x, stream 1: the draws of
+    ``fake_quant_2d`` along M."""
     check_cast(x, elem, mode, ndims=(2, 3), qdim=-2, op="cast_dim1", fp4=True)
-    return tuple(_cast(x, elem, mode, blocked, False, True, "cast_dim1"))
+    return tuple(_cast(x, elem, mode, blocked, False, True, "cast_dim1", seed))
 
 
 def cast_dim0_dim1(
-    x: torch.Tensor, elem: str, mode: str, blocked: bool = False
+    x: torch.Tensor, elem: str, mode: str, blocked: bool = False, seed: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16/fp32, any strides) -> (q0 [M, K], s0, q1 [K, M], s1) from one read of x, as ``cast_dim0``
-    and ``cast_dim1``: every operand of the MX linear is needed in both orientations, and one read instead of
-    two saves a third of the bytes."""
+    and ``cast_dim1`` (``seed``: both rounded stochastically, with their draws): every operand of the MX linear
+    is needed in both orientations, and one read instead of two saves a third of the bytes."""
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_dim0_dim1", fp4=True)
     check_cast(x, elem, mode, ndims=(2,), qdim=1, op="cast_dim0_dim1", fp4=True)
-    return tuple(_cast(x, elem, mode, blocked, True, True, "cast_dim0_dim1"))
+    return tuple(_cast(x, elem, mode, blocked, True, True, "cast_dim0_dim1", seed))

@@ -4,9 +4,9 @@ Every op has a pure-PyTorch reference (built on ``formats.to_mx``, the judge of 
 kernel and, for Hopper, a Gluon kernel; all three give the same bits. ``implementation`` is the rule:
 
 * the reference off CUDA, for fp32 input to a fake-quant (the fake-quant kernels take bf16), and for
-  stochastic rounding of fp8 and of the casts;
-* e2m1 (MXFP4): the Triton casts (packed codes) and the Triton fake-quants of bf16 (to nearest or
-  stochastically), on every CUDA device;
+  stochastic rounding of fp8;
+* e2m1 (MXFP4): the Triton casts (packed codes) and the Triton fake-quants of bf16, to nearest or
+  stochastically, on every CUDA device;
 * the Gluon kernel on an NVIDIA GPU of compute capability 9.x for bf16 input, unless ``MX_RECIPE_GLUON=0``;
 * the Triton kernel on every other CUDA device (Blackwell included) and input.
 
@@ -61,8 +61,10 @@ def reference_cast_dim1(x: Tensor, elem: str, mode: str, blocked: bool, **roundi
     return ref.qdata, _blocked(ref.scale, blocked)
 
 
-def reference_cast_dim0_dim1(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, ...]:
-    return (*reference_cast_dim0(x, elem, mode, blocked), *reference_cast_dim1(x, elem, mode, blocked))
+def reference_cast_dim0_dim1(x: Tensor, elem: str, mode: str, blocked: bool, **rounding) -> tuple[Tensor, ...]:
+    """Along K first, then along M (the order in which stochastic rounding draws)."""
+    return (*reference_cast_dim0(x, elem, mode, blocked, **rounding), *reference_cast_dim1(x, elem, mode, blocked,
+                                                                                           **rounding))  # fmt: skip
 
 
 def reference_cast_groups_dim1(x: Tensor, elem: str, mode: str, offs: Tensor) -> tuple[Tensor, Tensor]:
@@ -127,10 +129,18 @@ class KernelOp:
 
 
 OPS: dict[str, KernelOp] = {
-    "cast_dim0": KernelOp(reference_cast_dim0, "triton_casts:cast_dim0", "gluon_casts:cast_dim0", fp4=True),
-    "cast_dim1": KernelOp(reference_cast_dim1, "triton_casts:cast_dim1", "gluon_casts:cast_dim1", fp4=True),
+    "cast_dim0": KernelOp(
+        reference_cast_dim0, "triton_casts:cast_dim0", "gluon_casts:cast_dim0", fp4=True, stochastic=True
+    ),
+    "cast_dim1": KernelOp(
+        reference_cast_dim1, "triton_casts:cast_dim1", "gluon_casts:cast_dim1", fp4=True, stochastic=True
+    ),
     "cast_dim0_dim1": KernelOp(
-        reference_cast_dim0_dim1, "triton_casts:cast_dim0_dim1", "gluon_casts:cast_dim0_dim1", fp4=True
+        reference_cast_dim0_dim1,
+        "triton_casts:cast_dim0_dim1",
+        "gluon_casts:cast_dim0_dim1",
+        fp4=True,
+        stochastic=True,
     ),
     "cast_groups_dim1": KernelOp(
         reference_cast_groups_dim1,
@@ -166,10 +176,11 @@ def rule(
     spec = OPS[op]
     if capability is None:
         return "reference"
-    if rounding != "nearest":  # e2m1 on the Triton fake-quants of bf16 (MXFP4 gradients); fp8 has no kernel
-        return "triton" if elem == "e2m1" and spec.stochastic and dtype == torch.bfloat16 else "reference"
+    takes = dtype == torch.bfloat16 or not spec.bf16_only
+    if rounding != "nearest":  # e2m1 on the Triton casts and fake-quants (MXFP4 gradients); fp8 has no kernel
+        return "triton" if elem == "e2m1" and spec.stochastic and takes else "reference"
     if elem not in KERNEL_ELEMS:  # e2m1: the Triton casts, and the Triton fake-quants of bf16
-        return "triton" if spec.fp4 and (dtype == torch.bfloat16 or not spec.bf16_only) else "reference"
+        return "triton" if spec.fp4 and takes else "reference"
     if dtype != torch.bfloat16:
         return "reference" if spec.bf16_only else "triton"
     return "gluon" if gluon and capability[0] == 9 else "triton"
@@ -248,21 +259,25 @@ def _define(schema: str, kernel: Callable, fake: Callable) -> None:
 def _one_side_cast_op(name: str, qdim: int, shapes: Callable) -> None:
     """The op of the one-sided cast ``name`` (x [M, K] or [E, M, K], quantized along ``qdim``)."""
 
-    def kernel(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
+    def kernel(x: Tensor, elem: str, mode: str, blocked: bool, seed: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        if seed is not None:  # only the Triton kernel rounds stochastically
+            return launcher(name, "triton")(x, elem, mode, blocked, seed)
         return _kernel(name, x, elem)(x, elem, mode, blocked)
 
-    def fake(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor]:
+    def fake(x: Tensor, elem: str, mode: str, blocked: bool, seed: Tensor | None = None) -> tuple[Tensor, Tensor]:
         check_cast(x, elem, mode, ndims=(2, 3), qdim=qdim, op=name, fp4=True)
         return tuple(empty_outputs(x, elem, shapes(x.shape, blocked)))
 
-    _define(f"{name}(Tensor x, str elem, str mode, bool blocked) -> (Tensor, Tensor)", kernel, fake)
+    _define(f"{name}(Tensor x, str elem, str mode, bool blocked, Tensor? seed=None) -> (Tensor, Tensor)", kernel, fake)
 
 
 _one_side_cast_op("cast_dim0", -1, dim0_shapes)
 _one_side_cast_op("cast_dim1", -2, dim1_shapes)
 
 
-def _cast_dim0_dim1_fake(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _cast_dim0_dim1_fake(
+    x: Tensor, elem: str, mode: str, blocked: bool, seed: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_dim0_dim1", fp4=True)
     check_cast(x, elem, mode, ndims=(2,), qdim=1, op="cast_dim0_dim1", fp4=True)
     return (
@@ -271,9 +286,17 @@ def _cast_dim0_dim1_fake(x: Tensor, elem: str, mode: str, blocked: bool) -> tupl
     )
 
 
+def _cast_dim0_dim1_op(
+    x: Tensor, elem: str, mode: str, blocked: bool, seed: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if seed is not None:  # only the Triton kernel rounds stochastically
+        return launcher("cast_dim0_dim1", "triton")(x, elem, mode, blocked, seed)
+    return _kernel("cast_dim0_dim1", x, elem)(x, elem, mode, blocked)
+
+
 _define(
-    "cast_dim0_dim1(Tensor x, str elem, str mode, bool blocked) -> (Tensor, Tensor, Tensor, Tensor)",
-    lambda x, elem, mode, blocked: _kernel("cast_dim0_dim1", x, elem)(x, elem, mode, blocked),
+    "cast_dim0_dim1(Tensor x, str elem, str mode, bool blocked, Tensor? seed=None) -> (Tensor, Tensor, Tensor, Tensor)",
+    _cast_dim0_dim1_op,
     _cast_dim0_dim1_fake,
 )
 

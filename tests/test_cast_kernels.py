@@ -18,6 +18,7 @@ Three groups of tests:
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
@@ -778,19 +779,21 @@ def test_gpu_unblock_scales(rows, cols):
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
 @pytest.mark.parametrize("arch", [90, 100])
 def test_e2m1_casts_compile_for_hopper_and_blackwell(arch):
-    """What the interpreter cannot check: the packed e2m1 casts (dim0, dim1, both; per group; blocked scales)
-    compile to cubin, on the tiles the launchers pick."""
+    """What the interpreter cannot check: the packed e2m1 casts (dim0, dim1, both, to nearest and stochastically;
+    per group; blocked scales) compile to cubin, on the tiles the launchers pick."""
     from mx_kernels import cast_groups_dim1, triton_casts
     from mx_kernels.gluon_common import compile_for_arch
 
     x = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
     u8 = torch.empty(16, dtype=torch.uint8, device="meta")
-    for dim0, dim1 in ((True, False), (False, True), (True, True)):
+    seed = torch.empty(1, dtype=torch.int64, device="meta")
+    for (dim0, dim1), stochastic in itertools.product(((True, False), (False, True), (True, True)), (False, True)):
         num_sub, block_k, num_warps = triton_casts.DIM1_TILE if dim1 else triton_casts.DIM0_TILE
         kwargs = dict(
-            x_ptr=x, q0_ptr=u8, s0_ptr=u8, q1_ptr=u8, s1_ptr=u8, M=4096, K=4096, stride_xb=0, stride_xm=4096,
-            stride_xk=1, stride_qb=4096 * 2048, stride_s0b=0, stride_s1b=0, DIM0=dim0, DIM1=dim1, NUM_SUB=num_sub,
-            BLOCK_K=block_k, BLOCKED=True, ELEM="e2m1", RCEIL=False, SOFTWARE_ROUND=False, num_warps=num_warps,
+            x_ptr=x, q0_ptr=u8, s0_ptr=u8, q1_ptr=u8, s1_ptr=u8, seed_ptr=seed, M=4096, K=4096, stride_xb=0,
+            stride_xm=4096, stride_xk=1, stride_qb=4096 * 2048, stride_s0b=0, stride_s1b=0, DIM0=dim0, DIM1=dim1,
+            NUM_SUB=num_sub, BLOCK_K=block_k, BLOCKED=True, ELEM="e2m1", RCEIL=False, SOFTWARE_ROUND=False,
+            STOCHASTIC=stochastic, num_warps=num_warps,
         )  # fmt: skip
         assert compile_for_arch(triton_casts._cast_kernel, kwargs, arch).asm["cubin"]
     offs = torch.empty(8, dtype=torch.int32, device="meta")

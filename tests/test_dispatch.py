@@ -28,9 +28,11 @@ def test_rule(op):
     assert dispatch.rule(op, HOPPER, bf16, "e2m1", "nearest") == fp4_kernel
     assert dispatch.rule(op, BLACKWELL, bf16, "e2m1", "nearest") == fp4_kernel
     assert dispatch.rule(op, HOPPER, fp32, "e2m1", "nearest") == ("reference" if fake_quant else fp4_kernel)
-    sr_kernel = "triton" if fake_quant else "reference"  # the Triton fake-quants' draws; the casts round to nearest
+    # the Triton fake-quants' and 2D casts' draws; the per-group cast (MoE grad weight, no e2m1 GEMM) rounds to nearest
+    sr_kernel = "reference" if op == "cast_groups_dim1" else "triton"
     assert dispatch.rule(op, HOPPER, bf16, "e2m1", "stochastic") == sr_kernel
-    assert dispatch.rule(op, HOPPER, fp32, "e2m1", "stochastic") == "reference"
+    assert dispatch.rule(op, BLACKWELL, bf16, "e2m1", "stochastic") == sr_kernel
+    assert dispatch.rule(op, HOPPER, fp32, "e2m1", "stochastic") == ("reference" if fake_quant else sr_kernel)
     assert dispatch.rule(op, HOPPER, bf16, "e4m3", "stochastic") == "reference"  # fp8 kernels round to nearest
     fp32_kernel = "reference" if fake_quant else "triton"  # the fake-quant kernels take bf16
     assert dispatch.rule(op, HOPPER, fp32, "e4m3", "nearest") == fp32_kernel

@@ -1,8 +1,10 @@
-"""Stochastic rounding of MXFP4 on the Triton fake-quant kernel (mx_kernels/fake_quant_2d.py) against the
-reference (``formats.fake_quant`` with ``rounding="stochastic"``), bit for bit: the kernel's Philox draws
-(``nvfp4.philox_uniform``, each element by its row-major index in its output, stream 0 along K and 1 along M)
-handed to the reference as its ``uniform``. Along K, along M (zero-padded rows), both from one read, 3D
-experts, gathered token groups, both scale rules, the edge cases of ``special_input``.
+"""Stochastic rounding of MXFP4 on the Triton fake-quant kernel (mx_kernels/fake_quant_2d.py) and on the Triton
+casts (mx_kernels/triton_casts.py, packed codes and e8m0 scales) against the reference (``formats.fake_quant``
+and ``formats.to_mx`` with ``rounding="stochastic"``), bit for bit: the kernels' Philox draws
+(``nvfp4.philox_uniform``, each element by its row-major index in x, or in the zero-padded fake-quant along M,
+stream 0 along K and 1 along M) handed to the reference as its ``uniform``. Along K, along M, both from one
+read, 3D experts, gathered token groups, both scale rules, plain and blocked scales, the edge cases of
+``special_input``; a cast and the fake-quant give the same values for the same seed.
 
 On the CPU the kernel runs in the Triton interpreter (a child pytest), where every step is exact; the GPU
 tests run the same checks on the hardware. The dispatch sends stochastic e2m1 fake-quants of bf16 on CUDA to
@@ -26,8 +28,9 @@ from test_cast_kernels import (
     special_input,
 )
 
-from mx_recipe.formats import fake_quant
+from mx_recipe.formats import MXTensor, fake_quant, to_mx
 from mx_recipe.nvfp4 import philox_uniform
+from mx_recipe.scale_layout import to_blocked, to_blocked_3d
 
 
 def _seed(device, seed: int = 0) -> torch.Tensor:
@@ -68,6 +71,36 @@ def check_groups(sizes: list[int], mode: str, device) -> None:
     assert_values_equal(got, want, f"mxfp4 SR groups {sizes} {mode}")
 
 
+PARTS = ("codes along K", "scales along K", "codes along M", "scales along M")
+
+
+def check_casts(x: torch.Tensor, mode: str, blocked: bool, seed: int = 0) -> None:
+    """``cast_dim0``, ``cast_dim1`` and (2D) ``cast_dim0_dim1`` rounded stochastically, against ``to_mx`` with the
+    kernel's draws: x's row-major order, stream 0 along K and 1 along M; the fused cast draws as the two do."""
+    from mx_kernels import triton_casts
+
+    key = _seed(x.device, seed)
+    xc, what = x.cpu(), f"mxfp4 SR cast {tuple(x.shape)} {x.dtype} {mode} blocked={blocked}"
+    u_k = philox_uniform(int(key.item()), 0, tuple(x.shape))
+    u_m = philox_uniform(int(key.item()), 1, tuple(x.shape))
+    block = to_blocked_3d if x.dim() == 3 else to_blocked
+    want_k = to_mx(xc, "e2m1", mode, dim=-1, rounding="stochastic", uniform=u_k)
+    want_m = to_mx(xc.transpose(-2, -1).contiguous(), "e2m1", mode, dim=-1, rounding="stochastic",
+                   uniform=u_m.transpose(-2, -1).contiguous())  # fmt: skip
+    wants = [want_k.qdata, want_k.scale, want_m.qdata, want_m.scale]
+    wants = [block(w) if blocked and i % 2 else w for i, w in enumerate(wants)]
+    got = [
+        *triton_casts.cast_dim0(x, "e2m1", mode, blocked, key),
+        *triton_casts.cast_dim1(x, "e2m1", mode, blocked, key),
+    ]
+    if x.dim() == 2:
+        fused = triton_casts.cast_dim0_dim1(x, "e2m1", mode, blocked, key)
+        for name, a, b in zip(PARTS, fused, got, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{what}: fused cast, {name}"
+    for name, a, b in zip(PARTS, got, wants, strict=True):
+        assert a.shape == b.shape and torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)), f"{what}: {name}"
+
+
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
 def test_mxfp4_stochastic_kernel_in_triton_interpreter():
     run_interpreter_tests(__file__)
@@ -84,6 +117,29 @@ def test_interp_mxfp4_stochastic_fake_quant(mode):
 
 
 @interp_only
+@pytest.mark.parametrize("mode", MODES)
+def test_interp_mxfp4_stochastic_casts(mode):
+    x = special_input((96, 160), torch.bfloat16, "cpu")  # NaN, inf, zero blocks, subnormals
+    check_casts(x, mode, blocked=False)
+    check_casts(x.float(), mode, blocked=True, seed=1)
+    check_casts(special_input((2, 64, 96), torch.bfloat16, "cpu", 2), mode, blocked=True, seed=2)  # 3D experts
+
+
+@interp_only
+def test_interp_mxfp4_stochastic_cast_matches_the_fake_quant():
+    """For one seed, the packed cast dequantized is the fake-quant: the same draws for the same element."""
+    from mx_kernels import fake_quant_2d, triton_casts
+
+    x, key = special_input((64, 96), torch.bfloat16, "cpu", 4).nan_to_num(nan=1.0), _seed("cpu", 4)
+    fq_k, fq_m = fake_quant_2d.fake_quant_2d(x, "e2m1", "floor", True, True, key)
+    q0, s0, q1, s1 = triton_casts.cast_dim0_dim1(x, "e2m1", "floor", False, key)
+    along_k = MXTensor(q0, s0, "e2m1", dim=-1).dequantize(torch.bfloat16)
+    along_m = MXTensor(q1, s1, "e2m1", dim=-1).dequantize(torch.bfloat16).t()
+    assert_values_equal(along_k, fq_k, "cast along K against the fake-quant")
+    assert_values_equal(along_m, fq_m, "cast along M against the fake-quant")
+
+
+@interp_only
 def test_interp_mxfp4_stochastic_errors():
     from mx_kernels.fake_quant_2d import fake_quant_2d
 
@@ -92,6 +148,12 @@ def test_interp_mxfp4_stochastic_errors():
         fake_quant_2d(x, "e4m3", "floor", True, False, _seed("cpu"))
     with pytest.raises(ValueError, match="multiple of 8"):
         fake_quant_2d(torch.randn(64, 20, dtype=torch.bfloat16), "e2m1", "floor", False, True, _seed("cpu"))
+    from mx_kernels.triton_casts import cast_dim0, cast_dim1
+
+    with pytest.raises(ValueError, match="e2m1 casts only"):
+        cast_dim0(x, "e4m3", "floor", False, _seed("cpu"))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cast_dim1(torch.randn(64, 20, dtype=torch.bfloat16), "e2m1", "floor", False, _seed("cpu"))
 
 
 @pytest.mark.gpu
@@ -103,6 +165,15 @@ def test_gpu_mxfp4_stochastic_fake_quant_bit_exact(mode):
         for along_k, along_m in ((True, False), (False, True), (True, True)):
             check_2d(x, mode, along_k, along_m)
     check_groups([40, 0, 33, 1, 64], mode, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_mxfp4_stochastic_casts_bit_exact(mode):
+    for shape, blocked in [((96, 160), False), ((4096, 1024), True), ((1024, 4096), False), ((3, 256, 96), True)]:
+        check_casts(special_input(shape, torch.bfloat16, "cuda"), mode, blocked)
+    check_casts(special_input((256, 512), torch.float32, "cuda"), mode, True, seed=1)
 
 
 @pytest.mark.gpu
