@@ -164,11 +164,12 @@ def cast_dim1(
 
 
 def cast_dim0_dim1(
-    x: torch.Tensor, elem: str, mode: str, blocked: bool = False, seed: torch.Tensor | None = None
+    x: torch.Tensor, elem: str, mode: str, blocked: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16/fp32, any strides) -> (q0 [M, K], s0, q1 [K, M], s1) from one read of x, as ``cast_dim0``
-    and ``cast_dim1`` (``seed``: both rounded stochastically, with their draws): every operand of the MX linear
-    is needed in both orientations, and one read instead of two saves a third of the bytes."""
+    and ``cast_dim1``: every operand of the MX linear is needed in both orientations, and one read instead of two
+    saves a third of the bytes. To nearest only: with both sides' draws its one-warp programs took twice as long
+    as the two stochastic casts apart (H200, 16384 x 16384: 2.25 ms against 0.52 + 0.62 ms)."""
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_dim0_dim1", fp4=True)
     check_cast(x, elem, mode, ndims=(2,), qdim=1, op="cast_dim0_dim1", fp4=True)
-    return tuple(_cast(x, elem, mode, blocked, True, True, "cast_dim0_dim1", seed))
+    return tuple(_cast(x, elem, mode, blocked, True, True, "cast_dim0_dim1"))

@@ -15,8 +15,8 @@ multiplies. ``fake_quant_dim0`` quantizes along K; ``fake_quant_along_m`` along 
 ([.., M padded to 32, K]: a bf16 GEMM takes either operand transposed, so nothing is written transposed);
 ``fake_quant_dim0_dim1`` returns both from one read of the input.
 
-``rounding="stochastic"`` (the 2D casts and fake-quants; recipe.py allows it for e2m1 gradients): the e2m1
-casts and the e2m1 fake-quants of bf16 on CUDA run on the Triton kernels, which draw from a Philox stream keyed
+``rounding="stochastic"`` (the one-sided 2D casts and the fake-quants; recipe.py allows it for e2m1 gradients):
+the e2m1 casts and the e2m1 fake-quants of bf16 on CUDA run on the Triton kernels, which draw from a Philox stream keyed
 by a seed drawn from ``generator`` (``dispatch.run``), each element by its row-major index in the input, stream
 0 along K and 1 along M, so that a cast and the fake-quant round alike for the same seed; everything else takes
 the reference, whose random bits come from ``generator``, or the default generator of the input's device when it
@@ -129,14 +129,12 @@ def cast_dim1(
 
 
 def cast_dim0_dim1(
-    x: torch.Tensor, elem: str = "e4m3", mode: str = "floor", blocked_scales: bool = False, rounding: str = "nearest",
-    generator: torch.Generator | None = None,
-) -> tuple[MXTensor | BlockedMXTensor, MXTensor | BlockedMXTensor]:  # fmt: skip
-    """(cast_dim0(x), cast_dim1(x)) from one read of x on the GPU (one fused kernel). Stochastic rounding draws
-    along K first, then along M."""
+    x: torch.Tensor, elem: str = "e4m3", mode: str = "floor", blocked_scales: bool = False
+) -> tuple[MXTensor | BlockedMXTensor, MXTensor | BlockedMXTensor]:
+    """(cast_dim0(x), cast_dim1(x)) from one read of x on the GPU (one fused kernel), rounded to nearest."""
     _check_ndim(x, (2,), "cast_dim0_dim1")
     m, k = x.shape
-    q0, s0, q1, s1 = run("cast_dim0_dim1", x, elem, mode, blocked_scales, rounding=rounding, generator=generator)
+    q0, s0, q1, s1 = run("cast_dim0_dim1", x, elem, mode, blocked_scales)
     return (
         _result(q0, s0, elem, blocked_scales, (m, k // BLOCK_SIZE)),
         _result(q1, s1, elem, blocked_scales, (k, m // BLOCK_SIZE)),

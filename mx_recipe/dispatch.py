@@ -61,10 +61,8 @@ def reference_cast_dim1(x: Tensor, elem: str, mode: str, blocked: bool, **roundi
     return ref.qdata, _blocked(ref.scale, blocked)
 
 
-def reference_cast_dim0_dim1(x: Tensor, elem: str, mode: str, blocked: bool, **rounding) -> tuple[Tensor, ...]:
-    """Along K first, then along M (the order in which stochastic rounding draws)."""
-    return (*reference_cast_dim0(x, elem, mode, blocked, **rounding), *reference_cast_dim1(x, elem, mode, blocked,
-                                                                                           **rounding))  # fmt: skip
+def reference_cast_dim0_dim1(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, ...]:
+    return (*reference_cast_dim0(x, elem, mode, blocked), *reference_cast_dim1(x, elem, mode, blocked))
 
 
 def reference_cast_groups_dim1(x: Tensor, elem: str, mode: str, offs: Tensor) -> tuple[Tensor, Tensor]:
@@ -136,11 +134,7 @@ OPS: dict[str, KernelOp] = {
         reference_cast_dim1, "triton_casts:cast_dim1", "gluon_casts:cast_dim1", fp4=True, stochastic=True
     ),
     "cast_dim0_dim1": KernelOp(
-        reference_cast_dim0_dim1,
-        "triton_casts:cast_dim0_dim1",
-        "gluon_casts:cast_dim0_dim1",
-        fp4=True,
-        stochastic=True,
+        reference_cast_dim0_dim1, "triton_casts:cast_dim0_dim1", "gluon_casts:cast_dim0_dim1", fp4=True
     ),
     "cast_groups_dim1": KernelOp(
         reference_cast_groups_dim1,
@@ -275,9 +269,7 @@ _one_side_cast_op("cast_dim0", -1, dim0_shapes)
 _one_side_cast_op("cast_dim1", -2, dim1_shapes)
 
 
-def _cast_dim0_dim1_fake(
-    x: Tensor, elem: str, mode: str, blocked: bool, seed: Tensor | None = None
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _cast_dim0_dim1_fake(x: Tensor, elem: str, mode: str, blocked: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_dim0_dim1", fp4=True)
     check_cast(x, elem, mode, ndims=(2,), qdim=1, op="cast_dim0_dim1", fp4=True)
     return (
@@ -286,17 +278,9 @@ def _cast_dim0_dim1_fake(
     )
 
 
-def _cast_dim0_dim1_op(
-    x: Tensor, elem: str, mode: str, blocked: bool, seed: Tensor | None = None
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if seed is not None:  # only the Triton kernel rounds stochastically
-        return launcher("cast_dim0_dim1", "triton")(x, elem, mode, blocked, seed)
-    return _kernel("cast_dim0_dim1", x, elem)(x, elem, mode, blocked)
-
-
 _define(
-    "cast_dim0_dim1(Tensor x, str elem, str mode, bool blocked, Tensor? seed=None) -> (Tensor, Tensor, Tensor, Tensor)",
-    _cast_dim0_dim1_op,
+    "cast_dim0_dim1(Tensor x, str elem, str mode, bool blocked) -> (Tensor, Tensor, Tensor, Tensor)",
+    lambda x, elem, mode, blocked: _kernel("cast_dim0_dim1", x, elem)(x, elem, mode, blocked),
     _cast_dim0_dim1_fake,
 )
 

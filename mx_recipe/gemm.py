@@ -331,9 +331,9 @@ class _MXBackend:
     def cast_both(
         self, t: torch.Tensor, elem: str, rule: str, dtype: torch.dtype, rounding: str = "nearest"
     ) -> tuple[MXOperand, MXOperand]:
-        if t.shape[0] % BLOCK_SIZE:  # the fused cast does not pad
+        if t.shape[0] % BLOCK_SIZE or rounding != "nearest":  # the fused cast neither pads nor rounds stochastically
             return self.cast(t, elem, rule, dtype, rounding=rounding), self.cast(t, elem, rule, dtype, True, rounding)
-        return cast_dim0_dim1(t.to(dtype), elem, rule, blocked_scales=self.blocked, rounding=rounding)
+        return cast_dim0_dim1(t.to(dtype), elem, rule, blocked_scales=self.blocked)
 
     def cast_saved(self, t: torch.Tensor, elem: str, rule: str) -> MXOperand:
         return self.cast(t, elem, rule, t.dtype, along_rows=True)

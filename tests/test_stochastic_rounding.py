@@ -230,8 +230,8 @@ def test_argument_errors():
 
 
 # ---------------------------------------------------------------------------------------------
-# Dispatch (cast.py): the casts take the reference's stochastic path, draws in the layout they read (and so
-# do the fake-quants, except the Triton kernel for bf16 e2m1 on CUDA, tested in test_mxfp4_stochastic_kernel.py).
+# Dispatch (cast.py): the casts and fake-quants take the reference's stochastic path, draws in the layout they
+# read, except the Triton kernels for e2m1 on CUDA (tested in test_mxfp4_stochastic_kernel.py).
 # ---------------------------------------------------------------------------------------------
 def _casts_match(device: str) -> None:
     x = torch.randn(64, 96, device=device, dtype=torch.bfloat16)
@@ -246,9 +246,10 @@ def _casts_match(device: str) -> None:
         ref1 = to_mx(xt, elem, "floor", generator=gen(1), **sr)
         got0 = cast_dim0(x, elem, "floor", generator=gen(1), **sr)
         got1 = cast_dim1(x, elem, "floor", generator=gen(1), **sr)
-        for got, ref in ((got0, ref0), (got1, ref1)):
-            assert torch.equal(got.qdata.view(torch.uint8), ref.qdata.view(torch.uint8)), elem
-            assert torch.equal(got.scale.view(torch.uint8), ref.scale.view(torch.uint8)), elem
+        if implementation("cast_dim0", x, elem, "stochastic") == "reference":  # e2m1 kernels draw Philox bits
+            for got, ref in ((got0, ref0), (got1, ref1)):
+                assert torch.equal(got.qdata.view(torch.uint8), ref.qdata.view(torch.uint8)), elem
+                assert torch.equal(got.scale.view(torch.uint8), ref.scale.view(torch.uint8)), elem
         if implementation("fake_quant_2d", x, elem, "stochastic") == "reference":  # the kernel draws Philox bits
             assert torch.equal(fake_quant_dim0(x, elem, "floor", generator=gen(1), **sr), ref0.dequantize(x.dtype))
             along_m = fake_quant_along_m(x, elem, "floor", generator=gen(1), **sr)  # [64, 96]: x's layout
@@ -263,7 +264,8 @@ def test_casts_dispatch_stochastic_cpu():
 
 @pytest.mark.gpu
 def test_casts_dispatch_stochastic_cuda():
-    """On CUDA the fp8 kernels round to nearest, so stochastic casts must take the reference."""
+    """On CUDA the fp8 kernels round to nearest, so stochastic fp8 casts must take the reference; e2m1 takes
+    the Triton kernels, which round stochastically (tests/test_mxfp4_stochastic_kernel.py checks their bits)."""
     _casts_match("cuda")
 
 
