@@ -1,4 +1,4 @@
-"""The 4-bit fake-quant kernels (the operands of the emulated MXFP4 and NVFP4 GEMMs) against a copy.
+"""The 4-bit fake-quant kernels (the operands of the emulated MXFP4 and NVFP4 GEMMs) and packed casts against a copy.
 
     python benchmarks/bench_fp4_cast.py [--m 16384 --k 16384] [--out FILE]
 
@@ -16,7 +16,10 @@ Rows: MXFP4 (e2m1, blocks of 32, both scale rules) along K, along M and both fro
 K (a frozen weight's forward), x along K and along M with the random Hadamard transform (the nvfp4 linear's
 forward, one read; also g's cast rounded to nearest), w along K in 16x16 tiles, g along N and along M with
 the transform and stochastic rounding (the gradient, one read), the same without the transform (recipe
-nvfp4_no_rht), x along M with the transform alone (the MoE grad-weight input).
+nvfp4_no_rht), x along M with the transform alone (the MoE grad-weight input). Then the packed casts that the
+sm_100 GEMMs read (codes two a byte and their scales, plain): MXFP4 along K, along M (written transposed)
+and both from one read, to nearest and stochastically (the mxfp4_sr gradient, one side a call), and NVFP4 x
+and g as the nvfp4 linear's cublas path casts them.
 """
 
 from __future__ import annotations
@@ -27,8 +30,16 @@ import json
 import torch
 from timing import kernel_us_by_name, require_cuda, run_meta
 
-from mx_recipe.cast import fake_quant_along_m, fake_quant_dim0, fake_quant_dim0_dim1
+from mx_recipe.cast import (
+    cast_dim0,
+    cast_dim0_dim1,
+    cast_dim1,
+    fake_quant_along_m,
+    fake_quant_dim0,
+    fake_quant_dim0_dim1,
+)
 from mx_recipe.nvfp4 import random_signs
+from mx_recipe.nvfp4_cast import cast_nvfp4
 from mx_recipe.nvfp4_fake_quant import fake_quant_nvfp4
 
 TARGET = 0.85
@@ -46,8 +57,15 @@ def copy_bandwidth_gbs() -> float:
 
 
 def outputs_bytes(result) -> int:
-    tensors = result if isinstance(result, tuple) else (result,)
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor) and t.dim() == 2)
+    """The bytes of a call's 2D outputs (operands, codes and plain scales; not the decode scales), through the
+    tensor classes (MXTensor, NVFP4Tensor) and tuples of them."""
+    if isinstance(result, torch.Tensor):
+        return result.numel() * result.element_size() if result.dim() == 2 else 0
+    if isinstance(result, tuple | list):
+        return sum(outputs_bytes(r) for r in result)
+    if hasattr(result, "qdata"):
+        return outputs_bytes(result.qdata) + outputs_bytes(result.scale)
+    return 0
 
 
 def main() -> None:
@@ -75,6 +93,15 @@ def main() -> None:
         ),
         "nvfp4 g along N + along M, SR": lambda: fake_quant_nvfp4(x, True, True, rounding="stochastic"),
         "nvfp4 x along M, RHT": lambda: fake_quant_nvfp4(x, False, True, signs=signs),
+        "mxfp4 packed cast along K (floor)": lambda: cast_dim0(x, "e2m1", "floor"),
+        "mxfp4 packed cast along M (floor)": lambda: cast_dim1(x, "e2m1", "floor"),
+        "mxfp4 packed cast along K + M, one read": lambda: cast_dim0_dim1(x, "e2m1", "floor"),
+        "mxfp4 packed cast along K, SR": lambda: cast_dim0(x, "e2m1", "floor", rounding="stochastic"),
+        "mxfp4 packed cast along M, SR": lambda: cast_dim1(x, "e2m1", "floor", rounding="stochastic"),
+        "nvfp4 packed x along K + along M, RHT": lambda: cast_nvfp4(x, True, True, signs=signs, pad_m=32),
+        "nvfp4 packed g along N + along M, RHT, SR": lambda: cast_nvfp4(
+            x, True, True, signs=signs, rounding="stochastic", pad_m=32
+        ),
     }
     x_bytes = x.numel() * x.element_size()
     rows = []

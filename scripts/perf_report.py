@@ -148,7 +148,7 @@ def targets_section(results: dict[str, list[Path]]) -> list[str]:
     for path in results["bench_fp4_cast"]:
         shares = [r["of_copy"] for r in json.loads(path.read_text())["rows"]]
         share = f"{min(shares):.0%}-{max(shares):.0%} (each kernel, of the bytes it moves)"
-        cells.setdefault("4-bit fake-quant kernels >= 85% of copy", {})[device_of(path)] = share
+        cells.setdefault("4-bit cast and fake-quant kernels >= 85% of copy", {})[device_of(path)] = share
     for path in results["bench_moe"]:
         data = json.loads(path.read_text())
         ratios = ", ".join(
@@ -252,11 +252,12 @@ def fp4_cast_section(path: Path) -> list[str]:
             f"{share:.1%}" if first and share is not None else "",
         ])  # fmt: skip
         last = r["name"]
-    lines = [f"### 4-bit fake-quant kernels, {meta['device']}, against a copy ({meta['copy_gbs']:.0f} GB/s)", ""]
+    lines = [f"### 4-bit casts and fake-quants, {meta['device']}, against a copy ({meta['copy_gbs']:.0f} GB/s)", ""]
     lines += [
         "Each kernel's bandwidth counts the bytes it moves: the NVFP4 maxima kernel reads x, the fake-quant reads",
         "x again and writes its outputs. The last column is the whole call's share of a copy's speed counting x",
-        "once, which the format's second read caps at two thirds for a one-sided NVFP4 cast.",
+        "once, which the format's second read caps at two thirds for a one-sided NVFP4 cast. The packed casts",
+        "(codes and scales, the sm_100 GEMMs' operands) count the bytes they write.",
         "",
     ]
     header = ["operand", "x (bf16)", "kernel", "GPU ms", "GB/s", "of copy (target >= 85%)", "call, x once"]
