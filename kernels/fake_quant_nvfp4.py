@@ -50,12 +50,12 @@ from mx_kernels.mx_quantize import (
     column_blocks,
     draws_tile,
     draws_tile_along_rows,
-    e2m1_codes,
     fp8_bits_to_fp32,
     max_abs,
     pack_pairs,
     pack_pairs_along_rows,
     round_e2m1,
+    round_e2m1_codes,
     round_to_fp8_bits,
     tile_rows,
     to_fp32,
@@ -122,10 +122,13 @@ def per_tensor_scales(tensor_amax):
 
 
 @triton.jit
-def quantize_nvfp4_blocks(v, block_amax, tensor_amax, u, STOCHASTIC: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
+def quantize_nvfp4_blocks(
+    v, block_amax, tensor_amax, u, STOCHASTIC: tl.constexpr, SOFTWARE_ROUND: tl.constexpr, CODES: tl.constexpr = False
+):  # fmt: skip
     """fp32 values v, each block's max|.| ``block_amax`` (broadcast to v), the tensor's ``tensor_amax`` ->
-    (e2m1 values in fp32, v's shape, some value in NaN blocks; e4m3 block scale bits, 0x7F for NaN blocks;
-    float(block scale), NaN for NaN blocks): ``nvfp4._quantize`` with two-level scales."""
+    (e2m1 values in fp32, or under CODES their 4-bit codes, v's shape, something in NaN blocks; e4m3 block scale
+    bits, 0x7F for NaN blocks; float(block scale), NaN for NaN blocks): ``nvfp4._quantize`` with two-level
+    scales."""
     s_enc, s_dec = per_tensor_scales(tensor_amax)
     d = _min_nan(_min_nan(block_amax * (s_enc * ONE_SIXTH), FP32_MAX), 448.0)  # d >= 0 or NaN
     if SOFTWARE_ROUND:
@@ -134,7 +137,8 @@ def quantize_nvfp4_blocks(v, block_amax, tensor_amax, u, STOCHASTIC: tl.constexp
         s_bits = d.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     s = tl.where(d == d, fp8_bits_to_fp32(s_bits, "e4m3", SOFTWARE_ROUND), float("nan"))
     encode = _min_nan(tl.math.div_rn(1.0, s * s_dec), FP32_MAX)
-    return round_e2m1(v * encode, u, STOCHASTIC), tl.where(d == d, s_bits, 0x7F).to(tl.uint8), s
+    q = round_e2m1_codes(v * encode, u, STOCHASTIC) if CODES else round_e2m1(v * encode, u, STOCHASTIC)
+    return q, tl.where(d == d, s_bits, 0x7F).to(tl.uint8), s
 
 
 @triton.jit
@@ -223,9 +227,9 @@ def _fake_quant_kernel(
             v = tl.reshape(x, (BLOCK_M * BLOCK_K // 16, 16))
             b = block_amax_bits(v, 1, SOFTWARE_ROUND).to(tl.float32, bitcast=True)[:, None]
             u = tl.reshape(u, (BLOCK_M * BLOCK_K // 16, 16)) if STOCHASTIC else u
-        q, s_bits, s = quantize_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND)
+        q, s_bits, s = quantize_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND, PACKED)
         if PACKED:  # row-major codes; one scale per row and block of 16 (a tile's repeated over its rows)
-            pairs = pack_pairs(tl.reshape(tl.where(s == s, e2m1_codes(q), 0), (BLOCK_M, BLOCK_K)))
+            pairs = pack_pairs(tl.reshape(tl.where(s == s, q, 0), (BLOCK_M, BLOCK_K)))
             pair_cols = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
             tl.store(k_ptr + rows.to(tl.int64)[:, None] * (K // 2) + pair_cols[None, :], pairs,
                      mask=(rows < M)[:, None] & (pair_cols < K // 2)[None, :])  # fmt: skip
@@ -249,9 +253,9 @@ def _fake_quant_kernel(
         if STOCHASTIC:  # each thread holds columns: eight of a column's rows to a Philox call
             u = draws_tile_along_rows(seed, 1, tl.program_id(0) * BLOCK_M, cols, BLOCK_M, BLOCK_K)
             u = tl.reshape(u, (BLOCK_M // 16, 16, BLOCK_K))
-        q, s_bits, s = quantize_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND)
+        q, s_bits, s = quantize_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND, PACKED)
         if PACKED:  # stored transposed: row c of the output holds column c's codes, paired along M
-            codes = tl.reshape(tl.where(s == s, e2m1_codes(q), 0), (BLOCK_M, BLOCK_K))
+            codes = tl.reshape(tl.where(s == s, q, 0), (BLOCK_M, BLOCK_K))
             pairs = tl.trans(pack_pairs_along_rows(codes))
             pair_rows = tl.program_id(0) * (BLOCK_M // 2) + tl.arange(0, BLOCK_M // 2)
             tl.store(m_ptr + cols.to(tl.int64)[:, None] * (M_PAD // 2) + pair_rows[None, :], pairs,

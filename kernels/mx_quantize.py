@@ -118,11 +118,11 @@ def quantize_blocks(
     tl.static_assert(ELEM == "e2m1" or not STOCHASTIC, "the fp8 casts round to nearest")
     MAX_NORMAL: tl.constexpr = fmt(ELEM, "max_normal")
     is_nan, e, v = scale_blocks(blocks, AXIS, ELEM, RCEIL, SOFTWARE_ROUND)
+    if ELEM == "e2m1":  # 4-bit codes (saturating), packed by the caller; a NaN block's are 0, as the reference's
+        q = tl.where(tl.expand_dims(is_nan, AXIS), 0, round_e2m1_codes(v, u, STOCHASTIC)).to(tl.uint8)
+        return q, tl.where(is_nan, 0xFF, e + 127).to(tl.uint8)
     # clamp first: inf saturates, and the result does not depend on cvt's satfinite
     v = tl.minimum(tl.maximum(v, -MAX_NORMAL), MAX_NORMAL)
-    if ELEM == "e2m1":  # 4-bit codes, packed by the caller; a NaN block's are 0, as the reference's
-        q = tl.where(tl.expand_dims(is_nan, AXIS), 0, e2m1_codes(round_e2m1(v, u, STOCHASTIC))).to(tl.uint8)
-        return q, tl.where(is_nan, 0xFF, e + 127).to(tl.uint8)
     if SOFTWARE_ROUND:
         q = round_to_fp8_bits(v, ELEM)
     elif ELEM == "e4m3":
@@ -285,13 +285,23 @@ def round_e2m1(v, draw, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
-def e2m1_codes(q):
-    """e2m1 values q (fp32) -> their 4-bit codes (int32, the sign in bit 3), ``formats._encode_e2m1``: 0 and 0.5
-    are codes 0 and 1; from 1 on, the code is 2 + 2 * exponent + the one mantissa bit, which is the value's
-    fp32 bits >> 22, less 252."""
-    bits = q.to(tl.int32, bitcast=True)
-    mag = bits & 0x7FFFFFFF
-    code = tl.where(mag >= 0x3F800000, (mag >> 22) - 252, tl.where(mag == 0x3F000000, 1, 0))
+def round_e2m1_codes(v, draw, STOCHASTIC: tl.constexpr):
+    """fp32 v -> the 4-bit code (int32, the sign in bit 3) of ``round_e2m1(v, draw, STOCHASTIC)``, read off the
+    rounding's own bits instead of encoding its result (``formats._encode_e2m1``). To nearest, |v| + magic holds
+    the rounded |v| in units of its binade's spacing in its low mantissa bits, k, and the code is k + 2e for the
+    binade 2**e (e = 0 below 2). Stochastically, the carried bits above the 22 dropped ones are the value's
+    exponent and kept bit: from 1 up the code is those bits less 252 (1.0 is 0x3F8 << 20: code 2, 1.5 code 3, and
+    so on), below 1 less 254 for the 1 added. NaN gives some code: callers mask NaN blocks."""
+    bits = v.to(tl.int32, bitcast=True)
+    mag = tl.minimum((bits & 0x7FFFFFFF).to(tl.float32, bitcast=True), 6.0)
+    if STOCHASTIC:
+        below_one = mag < 1.0
+        carried = (mag + tl.where(below_one, 1.0, 0.0)).to(tl.int32, bitcast=True) + (draw << 6)
+        code = (carried >> 22) - tl.where(below_one, 254, 252)
+    else:
+        binade = tl.maximum(mag.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000)
+        magic = (binade + (22 << 23)).to(tl.float32, bitcast=True)
+        code = ((mag + magic).to(tl.int32, bitcast=True) & 7) + ((binade >> 22) - 254)
     return code | ((bits >> 28) & 8)
 
 
