@@ -98,7 +98,7 @@ def fake_quant_2d_outputs(
     if not (along_k or along_m):
         raise ValueError(f"{op}: ask for along_k, along_m or both")
     check_cast(x, elem, mode, ndims=(2, 3), qdim=-1 if along_k else None, op=op, fp4=fp4)
-    random = _check_stochastic(x, elem, seed, fp4, op)
+    random = check_stochastic(x, elem, seed, op, fp4)
     k_shape, m_shape = fake_quant_2d_shapes(x.shape, along_k, along_m)
     out_k, out_m = x.new_empty(k_shape), x.new_empty(m_shape)
     if x.numel():
@@ -113,7 +113,7 @@ def fake_quant_groups_outputs(
 ):  # fmt: skip
     """The host side of a fake_quant_groups_along_m launcher, as ``fake_quant_2d_outputs``."""
     check_cast(x, elem, mode, ndims=(2,), qdim=None, op=op, fp4=fp4)
-    random = _check_stochastic(x, elem, seed, fp4, op)
+    random = check_stochastic(x, elem, seed, op, fp4)
     rows = groups_along_m_rows(row_src)
     out = x.new_empty(x.shape[0], x.shape[1])
     if out.numel():
@@ -121,13 +121,13 @@ def fake_quant_groups_outputs(
     return out
 
 
-def _check_stochastic(x: torch.Tensor, elem: str, seed: torch.Tensor | None, fp4: bool, op: str) -> tuple:
-    """() to round to nearest, (seed,) to round stochastically: e2m1 on the Triton kernel, K a multiple of 8
-    (the draws come eight to a Philox call along K)."""
+def check_stochastic(x: torch.Tensor, elem: str, seed: torch.Tensor | None, op: str, fp4: bool = True) -> tuple:
+    """() to round to nearest, (seed,) to round stochastically: e2m1 on the Triton kernels (the fake-quants and
+    the one-sided casts), x's last dim a multiple of 8 (the draws come eight to a Philox call along it)."""
     if seed is None:
         return ()
     if not fp4 or elem != "e2m1":
-        raise ValueError(f"{op}: stochastic rounding runs on the Triton e2m1 fake-quants only, got {elem}")
+        raise ValueError(f"{op}: stochastic rounding runs on the Triton e2m1 kernels only, got {elem}")
     if x.shape[-1] % 8:
         raise ValueError(f"{op}: stochastic rounding needs the last dim a multiple of 8, got shape {tuple(x.shape)}")
     return (seed,)

@@ -16,7 +16,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, empty_outputs, software_round, tile_grid
+from mx_kernels.common import (
+    check_cast,
+    check_stochastic,
+    dim0_shapes,
+    dim1_shapes,
+    empty_outputs,
+    software_round,
+    tile_grid,
+)
 from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.mx_quantize import (
     draws_tile,
@@ -98,8 +106,8 @@ def _cast(
     seed: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:  # fmt: skip
     """The outputs [q0, s0] + [q1, s1] of the halves asked for, from one launch over x [M, K] or [E, M, K].
-    ``seed``: int64 [1] on x's device, e2m1 rounded stochastically (``_check_stochastic``)."""
-    _check_stochastic(x, elem, seed, op)
+    ``seed``: int64 [1] on x's device, e2m1 rounded stochastically (``common.check_stochastic``)."""
+    check_stochastic(x, elem, seed, op)
     outs = (empty_outputs(x, elem, dim0_shapes(x.shape, blocked)) if dim0 else []) + (
         empty_outputs(x, elem, dim1_shapes(x.shape, blocked)) if dim1 else []
     )
@@ -131,16 +139,6 @@ def _cast(
     return outs
 
 
-def _check_stochastic(x: torch.Tensor, elem: str, seed: torch.Tensor | None, op: str) -> None:
-    """Stochastic rounding is for e2m1, and its draws come eight to a Philox call along x's last dim."""
-    if seed is None:
-        return
-    if elem != "e2m1":
-        raise ValueError(f"{op}: stochastic rounding (a seed) is for e2m1 casts only, got {elem}")
-    if x.shape[-1] % 8:
-        raise ValueError(f"{op}: stochastic rounding needs x's last dim a multiple of 8, got shape {tuple(x.shape)}")
-
-
 def cast_dim0(
     x: torch.Tensor, elem: str, mode: str, blocked: bool = False, seed: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,8 +166,8 @@ def cast_dim0_dim1(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16/fp32, any strides) -> (q0 [M, K], s0, q1 [K, M], s1) from one read of x, as ``cast_dim0``
     and ``cast_dim1``: every operand of the MX linear is needed in both orientations, and one read instead of two
-    saves a third of the bytes. To nearest only: with both sides' draws its one-warp programs took twice as long
-    as the two stochastic casts apart (H200, 16384 x 16384: 2.25 ms against 0.52 + 0.62 ms)."""
+    saves a third of the bytes. To nearest only: with both sides' draws its one-warp programs ran slower than
+    the two stochastic casts apart."""
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="cast_dim0_dim1", fp4=True)
     check_cast(x, elem, mode, ndims=(2,), qdim=1, op="cast_dim0_dim1", fp4=True)
     return tuple(_cast(x, elem, mode, blocked, True, True, "cast_dim0_dim1"))

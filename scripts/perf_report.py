@@ -256,10 +256,11 @@ def fp4_cast_section(path: Path) -> list[str]:
     lines += [
         "Each kernel's bandwidth counts the bytes it moves: the NVFP4 maxima kernel reads x, the fake-quant reads",
         "x again and writes its outputs. The last column is the whole call's share of a copy's speed counting x",
-        "once, which the format's second read caps at two thirds for a one-sided NVFP4 cast. The packed casts",
-        "(codes and scales, the sm_100 GEMMs' operands) count the bytes they write.",
-        "",
+        "once, which the format's second read caps at two thirds for a one-sided NVFP4 cast.",
     ]
+    if any("packed" in r["name"] for r in data["rows"]):
+        lines += ["The packed casts (codes and scales, the sm_100 GEMMs' operands) count the bytes they write."]
+    lines += [""]
     header = ["operand", "x (bf16)", "kernel", "GPU ms", "GB/s", "of copy (target >= 85%)", "call, x once"]
     lines += table(header, rows)
     return lines + ["", source_line(meta, path.name), ""]

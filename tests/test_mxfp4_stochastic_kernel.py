@@ -141,13 +141,13 @@ def test_interp_mxfp4_stochastic_errors():
     from mx_kernels.fake_quant_2d import fake_quant_2d
 
     x = torch.randn(64, 96, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="e2m1 fake-quants only"):
+    with pytest.raises(ValueError, match="e2m1 kernels only"):
         fake_quant_2d(x, "e4m3", "floor", True, False, _seed("cpu"))
     with pytest.raises(ValueError, match="multiple of 8"):
         fake_quant_2d(torch.randn(64, 20, dtype=torch.bfloat16), "e2m1", "floor", False, True, _seed("cpu"))
     from mx_kernels.triton_casts import cast_dim0, cast_dim1
 
-    with pytest.raises(ValueError, match="e2m1 casts only"):
+    with pytest.raises(ValueError, match="e2m1 kernels only"):
         cast_dim0(x, "e4m3", "floor", False, _seed("cpu"))
     with pytest.raises(ValueError, match="multiple of 8"):
         cast_dim1(torch.randn(64, 20, dtype=torch.bfloat16), "e2m1", "floor", False, _seed("cpu"))
