@@ -68,8 +68,12 @@ AMAX_PROGRAMS = 1024  # about 8 per SM: the maximum kernel folds tiles until its
 AMAX_MAX_ROW_TILES = 32
 AMAX_PLAIN_WARPS = 8  # the maximum of x alone: 89% of copy on the H200 against 79% with 4 (more loads in flight)
 # The fold unrolled (H200): x alone 3.72 -> 3.99 TB/s at 16384 x 16384, 3.0 -> 3.7 at 16384 x 8192, 2.2 -> 2.6 at
-# 16384 x 2048; with the transform only up to 8 tiles (16384 x 2048: 1.8 -> 2.3 TB/s): 32 exhaust the registers.
-AMAX_UNROLL_HADAMARD = 8
+# 16384 x 2048. With the transform it stays a loop: unrolled, the tiles below spill registers.
+# With the transform, one warp over 16 x 256: each thread loads all 16 rows of its 8 columns (16-byte loads), so the
+# butterflies and the maxima stay in its registers. On TILE the rows lie across threads and each tile went through
+# shared memory (4 barriers a tile): 13.0 SASS instructions an element and 70% of copy on the H200 at 16384 x 16384,
+# against 8.6 and 91%.
+AMAX_HADAMARD_TILE = (16, 256, 1)
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
 ONE_SIXTH = tl.constexpr(0.16666667163372040)  # fl(1/6), exact as an fp32 constant
 EMPTY_S_DEC = 1 / 3.4028234663852886e38  # an empty tensor's amax is 0: s_enc is the fp32 max
@@ -153,9 +157,12 @@ def _fold_tile(
     in_x = has_data[:, None] & (cols < K)[None, :]
     x = to_fp32(tl.load(x_ptr + x_rows[:, None] * stride_xm + cols[None, :] * stride_xk,
                         mask=in_x, other=0.0), SOFTWARE_ROUND)  # fmt: skip
-    plain = max_abs(plain, x)
-    if HADAMARD:  # the / 4 once, on the maximum
-        transformed = max_abs(transformed, blocks_along_m(x, signs, BLOCK_M, BLOCK_K, True, False))
+    if HADAMARD:  # on AMAX_HADAMARD_TILE a column's maxima are its thread's; the / 4 once, at the end
+        plain = max_abs(plain, block_amax_bits(x, 0, SOFTWARE_ROUND).to(tl.float32, bitcast=True))
+        h = tl.reshape(blocks_along_m(x, signs, BLOCK_M, BLOCK_K, True, False), (BLOCK_M, BLOCK_K))
+        transformed = max_abs(transformed, block_amax_bits(h, 0, SOFTWARE_ROUND).to(tl.float32, bitcast=True))
+    else:
+        plain = max_abs(plain, x)
     return plain, transformed
 
 
@@ -167,11 +174,12 @@ def _amax_kernel(
 ):  # fmt: skip
     """int32 [2], zeroed: [0] = bits of max|x|, [1] = bits of max|RHT_M(x)| (HADAMARD) or of max|x| again.
     Each program folds ROW_TILES tiles down a column strip into an elementwise maximum, reduces it once and
-    adds it with one atomic per word (one atomic per tile was a queue on two addresses). UNROLL: the fold
-    unrolled, so that the tiles' loads are in flight together (a loop waits for each in turn)."""
+    adds it with one atomic per word (one atomic per tile was a queue on two addresses); with the transform the
+    fold keeps a maximum per column. UNROLL: the fold unrolled, so that the tiles' loads are in flight together
+    (a loop waits for each in turn)."""
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    plain = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
-    transformed = tl.zeros((BLOCK_M // 16, 16, BLOCK_K), tl.float32)
+    plain = tl.zeros((BLOCK_K,) if HADAMARD else (BLOCK_M, BLOCK_K), tl.float32)
+    transformed = tl.zeros((BLOCK_K,), tl.float32)
     signs = tl.load(signs_ptr + tl.arange(0, 16)) if HADAMARD else 0.0
     if UNROLL:
         for i in tl.static_range(ROW_TILES):
@@ -183,10 +191,10 @@ def _amax_kernel(
             plain, transformed = _fold_tile(plain, transformed, i, x_ptr, signs, src_ptr, end_ptr, cols, M, K,
                                             stride_xm, stride_xk, BLOCK_M, BLOCK_K, ROW_TILES, HADAMARD, GATHER,
                                             SOFTWARE_ROUND)  # fmt: skip
-    plain_bits = block_amax_bits(tl.reshape(plain, (BLOCK_M * BLOCK_K,)), 0, SOFTWARE_ROUND)
+    plain_bits = block_amax_bits(tl.reshape(plain, (plain.numel,)), 0, SOFTWARE_ROUND)
     tl.atomic_max(amax_ptr, plain_bits)
     if HADAMARD:
-        transformed = tl.reshape(transformed * 0.25, (BLOCK_M * BLOCK_K,))
+        transformed = transformed * 0.25
         tl.atomic_max(amax_ptr + 1, block_amax_bits(transformed, 0, SOFTWARE_ROUND))
     else:
         tl.atomic_max(amax_ptr + 1, plain_bits)
@@ -407,12 +415,12 @@ def _amax_launch(
     x: torch.Tensor, amax: torch.Tensor, signs: torch.Tensor, src: torch.Tensor, end: torch.Tensor, m_pad: int,
     hadamard: bool, gather: bool, software: bool,
 ) -> tuple[tuple[int, int], dict]:  # fmt: skip
-    block_m, block_k, num_warps = TILE
+    block_m, block_k, num_warps = AMAX_HADAMARD_TILE if hadamard else TILE
     num_warps = num_warps if hadamard else AMAX_PLAIN_WARPS
     m = m_pad if gather else x.shape[0]
     tiles_m, tiles_k = cdiv(m, block_m), cdiv(x.shape[1], block_k)
     row_tiles = amax_row_tiles(tiles_m, tiles_k)
-    unroll = not hadamard or row_tiles <= AMAX_UNROLL_HADAMARD
+    unroll = not hadamard
     grid = (cdiv(tiles_m, row_tiles), tiles_k)
     return grid, dict(
         x_ptr=x, amax_ptr=amax, signs_ptr=signs, src_ptr=src, end_ptr=end, M=m, K=x.shape[1],

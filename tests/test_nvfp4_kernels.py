@@ -183,16 +183,14 @@ def test_interp_nvfp4_edge_tensors():
 
 
 @interp_only
-@pytest.mark.parametrize("unroll_hadamard", [1, 8])
-def test_interp_nvfp4_maxima_fold_tiles(unroll_hadamard, monkeypatch):
-    """The maxima kernel folds several tiles down each strip (unrolled, or with the transform past
-    AMAX_UNROLL_HADAMARD a loop), past x's rows at the end: one program a strip here, 8 tiles each over 6.5
-    tiles of rows. The tensor's largest value sits in the last tile of rows, and the decode scales must see it."""
+def test_interp_nvfp4_maxima_fold_tiles(monkeypatch):
+    """The maxima kernel folds several tiles down each strip (unrolled; with the transform, a loop over 16-row
+    tiles), past x's rows at the end: 8 tiles a program here, over 6.5 tiles of 32 rows (13 of 16, two strips).
+    The tensor's largest value sits in the last tile of rows, and the decode scales must see it."""
     import mx_kernels.fake_quant_nvfp4 as kernel
 
     monkeypatch.setattr(kernel, "AMAX_PROGRAMS", 1)
-    monkeypatch.setattr(kernel, "AMAX_UNROLL_HADAMARD", unroll_hadamard)
-    assert kernel.amax_row_tiles(7, 2) == 8
+    assert kernel.amax_row_tiles(7, 2) == 8 and kernel.amax_row_tiles(13, 1) == 8
     x = torch.randn(208, 256, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     x[205, 3] = -3e4
     for case in CASES:
