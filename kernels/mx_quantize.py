@@ -110,28 +110,32 @@ def scale_blocks(blocks, AXIS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.const
 @triton.jit
 def quantize_blocks(
     blocks, AXIS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr, u=0.0,
-    STOCHASTIC: tl.constexpr = False,
+    STOCHASTIC: tl.constexpr = False, BF16_SOURCE: tl.constexpr = False,
 ):  # fmt: skip
     """fp32 blocks of 32 along AXIS (the tile's whole extent there) -> (fp8 bits uint8, or e2m1 codes, same
     shape; biased E8M0 scales uint8, AXIS reduced away). The Triton kernels' one quantize routine. STOCHASTIC
-    (e2m1 only): rounded with the 16-bit draws ``u`` (blocks' shape, ``round_e2m1``)."""
+    (e2m1 only): rounded with the 16-bit draws ``u`` (blocks' shape, ``round_e2m1``). BF16_SOURCE: the blocks
+    are bf16 widened, so the scaled blocks are exact in bf16: on the GPU e2m1 to nearest gives them as bf16,
+    which ``pack_pairs`` rounds and packs two to an instruction."""
     tl.static_assert(ELEM == "e2m1" or not STOCHASTIC, "the fp8 casts round to nearest")
     MAX_NORMAL: tl.constexpr = fmt(ELEM, "max_normal")
     is_nan, e, v = scale_blocks(blocks, AXIS, ELEM, RCEIL, SOFTWARE_ROUND)
+    nan_block = tl.expand_dims(is_nan, AXIS)
     if ELEM == "e2m1":  # 4-bit codes (saturating), packed by the caller; a NaN block's are 0, as the reference's
-        q = tl.where(tl.expand_dims(is_nan, AXIS), 0, round_e2m1_codes(v, u, STOCHASTIC)).to(tl.uint8)
-        return q, tl.where(is_nan, 0xFF, e + 127).to(tl.uint8)
-    # clamp first: inf saturates, and the result does not depend on cvt's satfinite
-    v = tl.minimum(tl.maximum(v, -MAX_NORMAL), MAX_NORMAL)
-    if SOFTWARE_ROUND:
-        q = round_to_fp8_bits(v, ELEM)
-    elif ELEM == "e4m3":
-        q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # cvt.rn.satfinite.e4m3x2.f32
-    else:
-        q = v.to(tl.float8e5).to(tl.uint8, bitcast=True)  # cvt.rn.satfinite.e5m2x2.f32
-    q = tl.where(tl.expand_dims(is_nan, AXIS), 0x7F, q).to(tl.uint8)
-    scale = tl.where(is_nan, 0xFF, e + 127).to(tl.uint8)
-    return q, scale
+        if BF16_SOURCE and not STOCHASTIC and not SOFTWARE_ROUND:
+            q = tl.where(nan_block, 0.0, v).to(tl.bfloat16)
+        else:
+            q = tl.where(nan_block, 0, round_e2m1_codes(v, u, STOCHASTIC)).to(tl.uint8)
+    else:  # clamp first: inf saturates, and the result does not depend on cvt's satfinite
+        v = tl.minimum(tl.maximum(v, -MAX_NORMAL), MAX_NORMAL)
+        if SOFTWARE_ROUND:
+            q = round_to_fp8_bits(v, ELEM)
+        elif ELEM == "e4m3":
+            q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # cvt.rn.satfinite.e4m3x2.f32
+        else:
+            q = v.to(tl.float8e5).to(tl.uint8, bitcast=True)  # cvt.rn.satfinite.e5m2x2.f32
+        q = tl.where(nan_block, 0x7F, q).to(tl.uint8)
+    return q, tl.where(is_nan, 0xFF, e + 127).to(tl.uint8)
 
 
 @triton.jit
@@ -305,11 +309,64 @@ def round_e2m1_codes(v, draw, STOCHASTIC: tl.constexpr):
     return code | ((bits >> 28) & 8)
 
 
+def _e2m1_codes_ptx(src: str, dst: str) -> str:
+    """PTX: the two bf16 of register ``src`` -> their e2m1 codes in the 16-bit halves of ``dst``, rounded to
+    nearest even as ``round_e2m1_codes``: |v| (saturated at 6) plus a power-of-two magic whose bf16 ulp is the
+    grid's spacing in |v|'s binade (binade * 2**6: 0.5 below 2, 1 in [2, 4), 2 from 4), added in packed bf16
+    (``add.rn.bf16x2``, sm_90), leaves the rounded |v| in spacings, k, in the sum's low mantissa bits; the code
+    is k + 2e for the binade 2**e (e = 0 below 2). Integer steps work on both halves at once: no carry crosses."""
+    return f"""
+        and.b32 mag, {src}, 0x7FFF7FFF;
+        min.bf16x2 mag, mag, six;
+        and.b32 binade, mag, 0x7F807F80;
+        max.u16x2 binade, binade, one;
+        add.u32 sum, binade, 0x03000300;
+        add.rn.bf16x2 sum, mag, sum;
+        and.b32 sum, sum, 0x00070007;
+        shr.u32 binade, binade, 6;
+        add.u32 sum, sum, binade;
+        sub.u32 sum, sum, 0x00FE00FE;
+        shr.u32 sign, {src}, 12;
+        and.b32 sign, sign, 0x00080008;
+        or.b32 {dst}, sum, sign;"""
+
+
+_E2M1_PAIRS_PTX = tl.constexpr(
+    _e2m1_codes_ptx("$1", "l0") + _e2m1_codes_ptx("$2", "l1") + _e2m1_codes_ptx("$3", "h0")
+    + _e2m1_codes_ptx("$4", "h1")
+)  # fmt: skip
+
+
+@triton.jit
+def e2m1_pairs_bf16x2(lo, hi):
+    """bf16 lo, hi (the even and odd elements of the pairs that share a byte) -> bytes of their e2m1 codes,
+    lo's in the low nibble: ``pack_pairs`` of ``round_e2m1_codes`` to nearest, two elements an instruction (the
+    MXFP4 cast along K: 22.9 -> 18.1 SASS instructions an element for sm_90). GPU only (inline PTX); exact where
+    the values are a bf16 source scaled by a power of two (the MX casts). NaN gives some code: callers zero NaN
+    blocks first."""
+    return tl.inline_asm_elementwise(
+        "{\n.reg .b32 mag, binade, sum, sign, six, one, l0, l1, h0, h1;\n"
+        "mov.b32 six, 0x40C040C0;\nmov.b32 one, 0x3F803F80;"
+        + _E2M1_PAIRS_PTX
+        + "\nmad.lo.u32 l0, h0, 16, l0;\nmad.lo.u32 l1, h1, 16, l1;\nprmt.b32 $0, l0, l1, 0x6420;\n}",
+        "=r,r,r,r,r",
+        [lo, hi],
+        dtype=tl.uint8,
+        is_pure=True,
+        pack=4,
+    )
+
+
 @triton.jit
 def pack_pairs(codes):
-    """[R, C] codes -> [R, C / 2] bytes, element 2i in the low nibble (``formats.pack_fp4``)."""
+    """[R, C] codes -> [R, C / 2] bytes, element 2i in the low nibble (``formats.pack_fp4``). bf16 ``codes``
+    are values still to round to nearest, which ``e2m1_pairs_bf16x2`` rounds and packs in one step."""
     lo, hi = tl.split(tl.reshape(codes, (codes.shape[0], codes.shape[1] // 2, 2)))
-    return (lo | (hi << 4)).to(tl.uint8)
+    if codes.dtype == tl.bfloat16:
+        packed = e2m1_pairs_bf16x2(lo, hi)
+    else:
+        packed = (lo | (hi << 4)).to(tl.uint8)
+    return packed
 
 
 @triton.jit

@@ -60,6 +60,7 @@ def _cast_kernel(
     sub = tl.arange(0, NUM_SUB)
     s1_tile = tl.zeros((BLOCK_K, NUM_SUB), dtype=tl.uint8)
     seed = tl.load(seed_ptr) if STOCHASTIC else 0
+    BF16_SOURCE: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     for i in tl.static_range(NUM_SUB):
         rows = (pid_m * NUM_SUB + i) * 32 + tl.arange(0, 32)
         mask = (rows < M)[:, None] & (cols < K)[None, :]
@@ -69,7 +70,9 @@ def _cast_kernel(
             u = 0.0
             if STOCHASTIC:  # each element by its row-major index in x (stream 0), as fake_quant_2d along K
                 u = tl.reshape(draws_tile(seed, 0, pid_b * M + rows, pid_k * BLOCK_K, K, 32, BLOCK_K), (BLOCK_K, 32))
-            q0, s0 = quantize_blocks(tl.reshape(x, (BLOCK_K, 32)), 1, ELEM, RCEIL, SOFTWARE_ROUND, u, STOCHASTIC)
+            q0, s0 = quantize_blocks(
+                tl.reshape(x, (BLOCK_K, 32)), 1, ELEM, RCEIL, SOFTWARE_ROUND, u, STOCHASTIC, BF16_SOURCE
+            )
             q0 = tl.reshape(q0, (32, BLOCK_K))
             if ELEM == "e2m1":  # two codes a byte along K: [M, K/2]
                 half = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
@@ -84,7 +87,7 @@ def _cast_kernel(
             u = 0.0
             if STOCHASTIC:  # each element by its row-major index in x (stream 1), as fake_quant_2d along M
                 u = draws_tile(seed, 1, pid_b * M + rows, pid_k * BLOCK_K, K, 32, BLOCK_K)
-            q1, s1 = quantize_blocks(x, 0, ELEM, RCEIL, SOFTWARE_ROUND, u, STOCHASTIC)
+            q1, s1 = quantize_blocks(x, 0, ELEM, RCEIL, SOFTWARE_ROUND, u, STOCHASTIC, BF16_SOURCE)
             if ELEM == "e2m1":  # two codes a byte along M: [K, M/2]
                 half = (pid_m * NUM_SUB + i) * 16 + tl.arange(0, 16)
                 q1_offs = pid_b * stride_qb + cols.to(tl.int64)[None, :] * (M // 2) + half[:, None]

@@ -779,7 +779,8 @@ def test_gpu_unblock_scales(rows, cols):
 @pytest.mark.parametrize("arch", [90, 100])
 def test_e2m1_casts_compile_for_hopper_and_blackwell(arch):
     """What the interpreter cannot check: the packed e2m1 casts (dim0, dim1, both; one-sided stochastically too;
-    per group; blocked scales) compile to cubin, on the tiles the launchers pick."""
+    per group; blocked scales) compile to cubin, on the tiles the launchers pick, and a bf16 x rounds to nearest
+    in packed bf16 (``mx_quantize.e2m1_pairs_bf16x2``; the GPU tests check its bits)."""
     from mx_kernels import cast_groups_dim1, triton_casts
     from mx_kernels.gluon_common import compile_for_arch
 
@@ -795,14 +796,20 @@ def test_e2m1_casts_compile_for_hopper_and_blackwell(arch):
             NUM_SUB=num_sub, BLOCK_K=block_k, BLOCKED=True, ELEM="e2m1", RCEIL=False, SOFTWARE_ROUND=False,
             STOCHASTIC=stochastic, num_warps=num_warps,
         )  # fmt: skip
-        assert compile_for_arch(triton_casts._cast_kernel, kwargs, arch).asm["cubin"]
+        compiled = compile_for_arch(triton_casts._cast_kernel, kwargs, arch)
+        assert compiled.asm["cubin"]
+        # bf16 to nearest rounds in packed bf16 (exact: the scaled values are bf16); stochastically in fp32
+        assert ("add.rn.bf16x2" in compiled.asm["ptx"]) == (not stochastic), (dim0, dim1, stochastic)
+    fp32_kwargs = {**kwargs, "x_ptr": torch.empty(4096, 4096, device="meta"), "STOCHASTIC": False}
+    assert "add.rn.bf16x2" not in compile_for_arch(triton_casts._cast_kernel, fp32_kwargs, arch).asm["ptx"]
     offs = torch.empty(8, dtype=torch.int32, device="meta")
     kwargs = dict(
         x_ptr=x, offs_ptr=offs, q_ptr=u8, s_ptr=u8, M=4096, K=4096, num_groups=8, max_tile_cols=40, stride_xm=4096,
         stride_xk=1, GROUPS_POW2=8, BLOCK_K=cast_groups_dim1.BLOCK_K, ELEM="e2m1", RCEIL=False, SOFTWARE_ROUND=False,
         num_warps=cast_groups_dim1.NUM_WARPS,
     )  # fmt: skip
-    assert compile_for_arch(cast_groups_dim1._cast_groups_dim1_kernel, kwargs, arch).asm["cubin"]
+    compiled = compile_for_arch(cast_groups_dim1._cast_groups_dim1_kernel, kwargs, arch)
+    assert compiled.asm["cubin"] and "add.rn.bf16x2" in compiled.asm["ptx"]
 
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
