@@ -64,7 +64,7 @@ def _cast_groups_dim1_kernel(
         mask = (rows < row_end)[:, None] & (cols < K)[None, :]
         x_offs = rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
         x = to_fp32(tl.load(x_ptr + x_offs, mask=mask, other=0.0), SOFTWARE_ROUND)
-        q, scale = quantize_blocks(x, 0, ELEM, RCEIL, SOFTWARE_ROUND, BF16_SOURCE=x_ptr.dtype.element_ty == tl.bfloat16)
+        q, scale = quantize_blocks(x, 0, ELEM, RCEIL, SOFTWARE_ROUND)
         if ELEM == "e2m1":  # two codes a byte along M: [K, M_total/2]
             half = (row0 + i * 32) // 2 + tl.arange(0, 16)
             q_offs = cols.to(tl.int64)[None, :] * (M // 2) + half[:, None]

@@ -110,32 +110,28 @@ def scale_blocks(blocks, AXIS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.const
 @triton.jit
 def quantize_blocks(
     blocks, AXIS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr, u=0.0,
-    STOCHASTIC: tl.constexpr = False, BF16_SOURCE: tl.constexpr = False,
+    STOCHASTIC: tl.constexpr = False,
 ):  # fmt: skip
     """fp32 blocks of 32 along AXIS (the tile's whole extent there) -> (fp8 bits uint8, or e2m1 codes, same
     shape; biased E8M0 scales uint8, AXIS reduced away). The Triton kernels' one quantize routine. STOCHASTIC
-    (e2m1 only): rounded with the 16-bit draws ``u`` (blocks' shape, ``round_e2m1``). BF16_SOURCE: the blocks
-    are bf16 widened, so the scaled blocks are exact in bf16: on the GPU e2m1 to nearest gives them as bf16,
-    which ``pack_pairs`` rounds and packs two to an instruction."""
+    (e2m1 only): rounded with the 16-bit draws ``u`` (blocks' shape, ``round_e2m1``)."""
     tl.static_assert(ELEM == "e2m1" or not STOCHASTIC, "the fp8 casts round to nearest")
     MAX_NORMAL: tl.constexpr = fmt(ELEM, "max_normal")
     is_nan, e, v = scale_blocks(blocks, AXIS, ELEM, RCEIL, SOFTWARE_ROUND)
-    nan_block = tl.expand_dims(is_nan, AXIS)
     if ELEM == "e2m1":  # 4-bit codes (saturating), packed by the caller; a NaN block's are 0, as the reference's
-        if BF16_SOURCE and not STOCHASTIC and not SOFTWARE_ROUND:
-            q = tl.where(nan_block, 0.0, v).to(tl.bfloat16)
-        else:
-            q = tl.where(nan_block, 0, round_e2m1_codes(v, u, STOCHASTIC)).to(tl.uint8)
-    else:  # clamp first: inf saturates, and the result does not depend on cvt's satfinite
-        v = tl.minimum(tl.maximum(v, -MAX_NORMAL), MAX_NORMAL)
-        if SOFTWARE_ROUND:
-            q = round_to_fp8_bits(v, ELEM)
-        elif ELEM == "e4m3":
-            q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # cvt.rn.satfinite.e4m3x2.f32
-        else:
-            q = v.to(tl.float8e5).to(tl.uint8, bitcast=True)  # cvt.rn.satfinite.e5m2x2.f32
-        q = tl.where(nan_block, 0x7F, q).to(tl.uint8)
-    return q, tl.where(is_nan, 0xFF, e + 127).to(tl.uint8)
+        q = tl.where(tl.expand_dims(is_nan, AXIS), 0, round_e2m1_codes(v, u, STOCHASTIC)).to(tl.uint8)
+        return q, tl.where(is_nan, 0xFF, e + 127).to(tl.uint8)
+    # clamp first: inf saturates, and the result does not depend on cvt's satfinite
+    v = tl.minimum(tl.maximum(v, -MAX_NORMAL), MAX_NORMAL)
+    if SOFTWARE_ROUND:
+        q = round_to_fp8_bits(v, ELEM)
+    elif ELEM == "e4m3":
+        q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # cvt.rn.satfinite.e4m3x2.f32
+    else:
+        q = v.to(tl.float8e5).to(tl.uint8, bitcast=True)  # cvt.rn.satfinite.e5m2x2.f32
+    q = tl.where(tl.expand_dims(is_nan, AXIS), 0x7F, q).to(tl.uint8)
+    scale = tl.where(is_nan, 0xFF, e + 127).to(tl.uint8)
+    return q, scale
 
 
 @triton.jit
@@ -331,42 +327,61 @@ def _e2m1_codes_ptx(src: str, dst: str) -> str:
         or.b32 {dst}, sum, sign;"""
 
 
-_E2M1_PAIRS_PTX = tl.constexpr(
-    _e2m1_codes_ptx("$1", "l0") + _e2m1_codes_ptx("$2", "l1") + _e2m1_codes_ptx("$3", "h0")
-    + _e2m1_codes_ptx("$4", "h1")
-)  # fmt: skip
+_E2M1_REGS = "mag, binade, sum, sign, six, one"
+_E2M1_CONSTANTS = "mov.b32 six, 0x40C040C0;\nmov.b32 one, 0x3F803F80;"
+
+
+def _words_along_k_ptx() -> str:
+    """PTX of ``e2m1_words_along_k``'s rounding: words $1..$4 times scales $5..$8 -> the four bytes of $0."""
+    body = "".join(
+        f"\nmul.rn.bf16x2 v{k}, ${1 + k}, ${5 + k};" + _e2m1_codes_ptx(f"v{k}", f"c{k}")
+        + f"\nshr.u32 t, c{k}, 12;\nor.b32 c{k}, c{k}, t;\nand.b32 c{k}, c{k}, 0xFF;"  # the high half's code atop
+        for k in range(4)
+    )  # fmt: skip
+    return (f"{{\n.reg .b32 {_E2M1_REGS}, t, v0, v1, v2, v3, c0, c1, c2, c3;\n{_E2M1_CONSTANTS}{body}"
+            "\nmad.lo.u32 c0, c1, 256, c0;\nmad.lo.u32 c2, c3, 256, c2;\nmad.lo.u32 $0, c2, 65536, c0;\n}")  # fmt: skip
+
+
+_WORDS_ALONG_K_PTX = tl.constexpr(_words_along_k_ptx())
 
 
 @triton.jit
-def e2m1_pairs_bf16x2(lo, hi):
-    """bf16 lo, hi (the even and odd elements of the pairs that share a byte) -> bytes of their e2m1 codes,
-    lo's in the low nibble: ``pack_pairs`` of ``round_e2m1_codes`` to nearest, two elements an instruction (the
-    MXFP4 cast along K: 22.9 -> 18.1 SASS instructions an element for sm_90). GPU only (inline PTX); exact where
-    the values are a bf16 source scaled by a power of two (the MX casts). NaN gives some code: callers zero NaN
-    blocks first."""
-    return tl.inline_asm_elementwise(
-        "{\n.reg .b32 mag, binade, sum, sign, six, one, l0, l1, h0, h1;\n"
-        "mov.b32 six, 0x40C040C0;\nmov.b32 one, 0x3F803F80;"
-        + _E2M1_PAIRS_PTX
-        + "\nmad.lo.u32 l0, h0, 16, l0;\nmad.lo.u32 l1, h1, 16, l1;\nprmt.b32 $0, l0, l1, 0x6420;\n}",
-        "=r,r,r,r,r",
-        [lo, hi],
-        dtype=tl.uint8,
-        is_pure=True,
-        pack=4,
-    )
+def _max_u16x2(a, b):
+    return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _words_scales(amax16, RCEIL: tl.constexpr):
+    """bf16 bits of blocks' max |x| (int32) -> (NaN block?, biased e8m0 scale uint8, bf16 bits of 2**-e)."""
+    is_nan = amax16 > 0x7F80
+    e = scale_exponent(amax16 << 16, "e2m1", RCEIL)
+    inv = tl.where(e < 127, (127 - e) << 7, 0x40)  # 2**-127 is the bf16 subnormal 0x0040
+    return is_nan, tl.where(is_nan, 0xFF, e + 127).to(tl.uint8), inv
+
+
+@triton.jit
+def e2m1_words_along_k(w, RCEIL: tl.constexpr):
+    """MXFP4 along K of bf16 x read as int32 words, two elements each, without widening it: w [R, C / 2] ->
+    (packed codes [R, C / 2] uint8, element 2i in the low nibble; biased scales [R, C / 32]), bit for bit
+    ``to_mx``. Each block of 16 words takes its maximum in both halves at once (``max.u16x2``; non-negative
+    bf16 order like their bits, NaN above inf), is scaled by its power of two in packed bf16 (exact: x * 2**-e
+    is bf16; below bf16's normals it only reaches code 0) and rounded as ``_e2m1_codes_ptx``. GPU only."""
+    R: tl.constexpr = w.shape[0]
+    CW: tl.constexpr = w.shape[1]
+    blocks = tl.reshape(w, (R * CW // 16, 16))
+    amax = tl.reduce(blocks & 0x7FFF7FFF, 1, _max_u16x2)
+    is_nan, scale, inv = _words_scales(tl.maximum(amax & 0xFFFF, amax >> 16), RCEIL)
+    codes = tl.inline_asm_elementwise(_WORDS_ALONG_K_PTX, "=r,r,r,r,r,r,r,r,r", [blocks, (inv * 0x10001)[:, None]],
+                                      dtype=tl.uint8, is_pure=True, pack=4)  # fmt: skip
+    codes = tl.where(is_nan[:, None], 0, codes)
+    return tl.reshape(codes, (R, CW)), tl.reshape(scale, (R, CW // 16))
 
 
 @triton.jit
 def pack_pairs(codes):
-    """[R, C] codes -> [R, C / 2] bytes, element 2i in the low nibble (``formats.pack_fp4``). bf16 ``codes``
-    are values still to round to nearest, which ``e2m1_pairs_bf16x2`` rounds and packs in one step."""
+    """[R, C] codes -> [R, C / 2] bytes, element 2i in the low nibble (``formats.pack_fp4``)."""
     lo, hi = tl.split(tl.reshape(codes, (codes.shape[0], codes.shape[1] // 2, 2)))
-    if codes.dtype == tl.bfloat16:
-        packed = e2m1_pairs_bf16x2(lo, hi)
-    else:
-        packed = (lo | (hi << 4)).to(tl.uint8)
-    return packed
+    return (lo | (hi << 4)).to(tl.uint8)
 
 
 @triton.jit

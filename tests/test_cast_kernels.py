@@ -779,8 +779,8 @@ def test_gpu_unblock_scales(rows, cols):
 @pytest.mark.parametrize("arch", [90, 100])
 def test_e2m1_casts_compile_for_hopper_and_blackwell(arch):
     """What the interpreter cannot check: the packed e2m1 casts (dim0, dim1, both; one-sided stochastically too;
-    per group; blocked scales) compile to cubin, on the tiles the launchers pick, and a bf16 x rounds to nearest
-    in packed bf16 (``mx_quantize.e2m1_pairs_bf16x2``; the GPU tests check its bits)."""
+    per group; blocked scales) compile to cubin, on the tiles the launchers pick, and a bf16 x to nearest is read
+    as int32 words and rounded in packed bf16 (``mx_quantize.e2m1_words_along_k``; the GPU tests check its bits)."""
     from mx_kernels import cast_groups_dim1, triton_casts
     from mx_kernels.gluon_common import compile_for_arch
 
@@ -790,26 +790,25 @@ def test_e2m1_casts_compile_for_hopper_and_blackwell(arch):
     for dim0, dim1, stochastic in ((True, False, False), (False, True, False), (True, True, False), (True, False, True),
                                    (False, True, True)):  # fmt: skip
         num_sub, block_k, num_warps = triton_casts.DIM1_TILE if dim1 else triton_casts.DIM0_TILE
+        words = dim0 and not dim1 and not stochastic  # bf16 along K to nearest: int32 words (triton_casts._cast)
         kwargs = dict(
-            x_ptr=x, q0_ptr=u8, s0_ptr=u8, q1_ptr=u8, s1_ptr=u8, seed_ptr=seed, M=4096, K=4096, stride_xb=0,
-            stride_xm=4096, stride_xk=1, stride_qb=4096 * 2048, stride_s0b=0, stride_s1b=0, DIM0=dim0, DIM1=dim1,
-            NUM_SUB=num_sub, BLOCK_K=block_k, BLOCKED=True, ELEM="e2m1", RCEIL=False, SOFTWARE_ROUND=False,
-            STOCHASTIC=stochastic, num_warps=num_warps,
+            x_ptr=torch.empty(4096, 2048, dtype=torch.int32, device="meta") if words else x, q0_ptr=u8, s0_ptr=u8,
+            q1_ptr=u8, s1_ptr=u8, seed_ptr=seed, M=4096, K=4096, stride_xb=0, stride_xm=2048 if words else 4096,
+            stride_xk=1, stride_qb=4096 * 2048, stride_s0b=0, stride_s1b=0, DIM0=dim0, DIM1=dim1, NUM_SUB=num_sub,
+            BLOCK_K=block_k, BLOCKED=True, ELEM="e2m1", RCEIL=False, SOFTWARE_ROUND=False, STOCHASTIC=stochastic,
+            WORDS=words, num_warps=num_warps,
         )  # fmt: skip
         compiled = compile_for_arch(triton_casts._cast_kernel, kwargs, arch)
         assert compiled.asm["cubin"]
-        # bf16 to nearest rounds in packed bf16 (exact: the scaled values are bf16); stochastically in fp32
-        assert ("add.rn.bf16x2" in compiled.asm["ptx"]) == (not stochastic), (dim0, dim1, stochastic)
-    fp32_kwargs = {**kwargs, "x_ptr": torch.empty(4096, 4096, device="meta"), "STOCHASTIC": False}
-    assert "add.rn.bf16x2" not in compile_for_arch(triton_casts._cast_kernel, fp32_kwargs, arch).asm["ptx"]
+        # the word path rounds in packed bf16 (exact: the scaled values are bf16); stochastically in fp32
+        assert ("add.rn.bf16x2" in compiled.asm["ptx"]) == words, (dim0, dim1, stochastic)
     offs = torch.empty(8, dtype=torch.int32, device="meta")
     kwargs = dict(
         x_ptr=x, offs_ptr=offs, q_ptr=u8, s_ptr=u8, M=4096, K=4096, num_groups=8, max_tile_cols=40, stride_xm=4096,
         stride_xk=1, GROUPS_POW2=8, BLOCK_K=cast_groups_dim1.BLOCK_K, ELEM="e2m1", RCEIL=False, SOFTWARE_ROUND=False,
         num_warps=cast_groups_dim1.NUM_WARPS,
     )  # fmt: skip
-    compiled = compile_for_arch(cast_groups_dim1._cast_groups_dim1_kernel, kwargs, arch)
-    assert compiled.asm["cubin"] and "add.rn.bf16x2" in compiled.asm["ptx"]
+    assert compile_for_arch(cast_groups_dim1._cast_groups_dim1_kernel, kwargs, arch).asm["cubin"]
 
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
