@@ -811,6 +811,43 @@ def test_e2m1_casts_compile_for_hopper_and_blackwell(arch):
     assert compile_for_arch(cast_groups_dim1._cast_groups_dim1_kernel, kwargs, arch).asm["cubin"]
 
 
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="builds launch arguments only")
+def test_e2m1_cast_reads_bf16_as_words_along_k_only(monkeypatch):
+    """The launch arguments of the packed e2m1 casts on the GPU: bf16 along K alone, to nearest, is read as int32
+    words (x's sizes, not the words', set the grid and M, K); along M, both ways, fp32, stochastic rounding and
+    a view whose words would straddle elements take x as it is."""
+    from mx_kernels import triton_casts
+
+    launches = []
+
+    class Capture:
+        def launch_keyed(self, key, build, **kwargs):
+            launches.append((build(), kwargs["x_ptr"]))
+
+    monkeypatch.setattr(triton_casts, "_LAUNCHES", Capture())
+    monkeypatch.setattr(triton_casts, "software_round", lambda x, op: False)  # as on the GPU
+    x = torch.randn(96, 1040, dtype=torch.bfloat16)
+    seed = torch.zeros(1, dtype=torch.int64)
+    cases = {
+        "dim0": (x, True, False, None, True),
+        "dim0 3D": (x.reshape(2, 48, 1040), True, False, None, True),
+        "dim1": (x, False, True, None, False),
+        "dim0_dim1": (x, True, True, None, False),
+        "dim0 fp32": (x.float(), True, False, None, False),
+        "dim0 stochastic": (x, True, False, seed, False),
+        "dim0 odd offset": (torch.randn(96 * 1040 + 1).to(torch.bfloat16)[1:].view(96, 1040), True, False, None, False),
+    }
+    for name, (t, dim0, dim1, s, words) in cases.items():
+        launches.clear()
+        triton_casts._cast(t, "e2m1", "floor", False, dim0, dim1, name, s)
+        (grid, kwargs), x_ptr = launches[0]
+        assert kwargs["WORDS"] is words and (x_ptr.dtype == torch.int32) is words, name
+        assert (kwargs["M"], kwargs["K"]) == tuple(t.shape[-2:]), name
+        assert grid[1] == -(-t.shape[-1] // kwargs["BLOCK_K"]), name
+        if words:
+            assert kwargs["stride_xm"] == t.stride(-2) // 2 and x_ptr.data_ptr() == t.data_ptr(), name
+
+
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
 def test_fake_quant_along_m_holds_whole_blocks_in_each_thread():
     """The MX fake-quant along M (plain and gathered token groups, rounding to nearest) moves the blocks' rows
