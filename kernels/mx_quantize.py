@@ -327,10 +327,6 @@ def _e2m1_codes_ptx(src: str, dst: str) -> str:
         or.b32 {dst}, sum, sign;"""
 
 
-_E2M1_REGS = "mag, binade, sum, sign, six, one"
-_E2M1_CONSTANTS = "mov.b32 six, 0x40C040C0;\nmov.b32 one, 0x3F803F80;"
-
-
 def _words_along_k_ptx() -> str:
     """PTX of ``e2m1_words_along_k``'s rounding: words $1..$4 times scales $5..$8 -> the four bytes of $0."""
     body = "".join(
@@ -338,8 +334,12 @@ def _words_along_k_ptx() -> str:
         + f"\nshr.u32 t, c{k}, 12;\nor.b32 c{k}, c{k}, t;\nand.b32 c{k}, c{k}, 0xFF;"  # the high half's code atop
         for k in range(4)
     )  # fmt: skip
-    return (f"{{\n.reg .b32 {_E2M1_REGS}, t, v0, v1, v2, v3, c0, c1, c2, c3;\n{_E2M1_CONSTANTS}{body}"
-            "\nmad.lo.u32 c0, c1, 256, c0;\nmad.lo.u32 c2, c3, 256, c2;\nmad.lo.u32 $0, c2, 65536, c0;\n}")  # fmt: skip
+    return (
+        "{\n.reg .b32 mag, binade, sum, sign, six, one, t, v0, v1, v2, v3, c0, c1, c2, c3;"
+        "\nmov.b32 six, 0x40C040C0;\nmov.b32 one, 0x3F803F80;"  # 6.0 and 1.0 in both halves
+        + body
+        + "\nmad.lo.u32 c0, c1, 256, c0;\nmad.lo.u32 c2, c3, 256, c2;\nmad.lo.u32 $0, c2, 65536, c0;\n}"
+    )
 
 
 _WORDS_ALONG_K_PTX = tl.constexpr(_words_along_k_ptx())
