@@ -169,19 +169,19 @@ def _fold_tile(
 @triton.jit
 def _amax_kernel(
     x_ptr, amax_ptr, signs_ptr, src_ptr, end_ptr, M, K, stride_xm, stride_xk,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr, UNROLL: tl.constexpr,
-    HADAMARD: tl.constexpr, GATHER: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr, HADAMARD: tl.constexpr,
+    GATHER: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
 ):  # fmt: skip
     """int32 [2], zeroed: [0] = bits of max|x|, [1] = bits of max|RHT_M(x)| (HADAMARD) or of max|x| again.
     Each program folds ROW_TILES tiles down a column strip into an elementwise maximum, reduces it once and
     adds it with one atomic per word (one atomic per tile was a queue on two addresses); with the transform the
-    fold keeps a maximum per column. UNROLL: the fold unrolled, so that the tiles' loads are in flight together
-    (a loop waits for each in turn)."""
+    fold keeps a maximum per column. Without it the fold is unrolled, so that the tiles' loads are in flight
+    together (a loop waits for each in turn); with it, it is a loop (unrolled, its tiles spill)."""
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     plain = tl.zeros((BLOCK_K,) if HADAMARD else (BLOCK_M, BLOCK_K), tl.float32)
     transformed = tl.zeros((BLOCK_K,), tl.float32)
     signs = tl.load(signs_ptr + tl.arange(0, 16)) if HADAMARD else 0.0
-    if UNROLL:
+    if not HADAMARD:
         for i in tl.static_range(ROW_TILES):
             plain, transformed = _fold_tile(plain, transformed, i, x_ptr, signs, src_ptr, end_ptr, cols, M, K,
                                             stride_xm, stride_xk, BLOCK_M, BLOCK_K, ROW_TILES, HADAMARD, GATHER,
@@ -420,12 +420,11 @@ def _amax_launch(
     m = m_pad if gather else x.shape[0]
     tiles_m, tiles_k = cdiv(m, block_m), cdiv(x.shape[1], block_k)
     row_tiles = amax_row_tiles(tiles_m, tiles_k)
-    unroll = not hadamard
     grid = (cdiv(tiles_m, row_tiles), tiles_k)
     return grid, dict(
         x_ptr=x, amax_ptr=amax, signs_ptr=signs, src_ptr=src, end_ptr=end, M=m, K=x.shape[1],
         stride_xm=x.stride(0), stride_xk=x.stride(1), BLOCK_M=block_m, BLOCK_K=block_k, ROW_TILES=row_tiles,
-        UNROLL=unroll, HADAMARD=hadamard, GATHER=gather, SOFTWARE_ROUND=software, num_warps=num_warps,
+        HADAMARD=hadamard, GATHER=gather, SOFTWARE_ROUND=software, num_warps=num_warps,
     )  # fmt: skip
 
 

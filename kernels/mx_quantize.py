@@ -351,15 +351,6 @@ def _max_u16x2(a, b):
 
 
 @triton.jit
-def _words_scales(amax16, RCEIL: tl.constexpr):
-    """bf16 bits of blocks' max |x| (int32) -> (NaN block?, biased e8m0 scale uint8, bf16 bits of 2**-e)."""
-    is_nan = amax16 > 0x7F80
-    e = scale_exponent(amax16 << 16, "e2m1", RCEIL)
-    inv = tl.where(e < 127, (127 - e) << 7, 0x40)  # 2**-127 is the bf16 subnormal 0x0040
-    return is_nan, tl.where(is_nan, 0xFF, e + 127).to(tl.uint8), inv
-
-
-@triton.jit
 def e2m1_words_along_k(w, RCEIL: tl.constexpr):
     """MXFP4 along K of bf16 x read as int32 words, two elements each, without widening it: w [R, C / 2] ->
     (packed codes [R, C / 2] uint8, element 2i in the low nibble; biased scales [R, C / 32]), bit for bit
@@ -370,7 +361,11 @@ def e2m1_words_along_k(w, RCEIL: tl.constexpr):
     CW: tl.constexpr = w.shape[1]
     blocks = tl.reshape(w, (R * CW // 16, 16))
     amax = tl.reduce(blocks & 0x7FFF7FFF, 1, _max_u16x2)
-    is_nan, scale, inv = _words_scales(tl.maximum(amax & 0xFFFF, amax >> 16), RCEIL)
+    amax = tl.maximum(amax & 0xFFFF, amax >> 16)  # the block's max |x|, bf16 bits
+    is_nan = amax > 0x7F80
+    e = scale_exponent(amax << 16, "e2m1", RCEIL)
+    inv = tl.where(e < 127, (127 - e) << 7, 0x40)  # bf16 bits of 2**-e; 2**-127 is the subnormal 0x0040
+    scale = tl.where(is_nan, 0xFF, e + 127).to(tl.uint8)
     codes = tl.inline_asm_elementwise(_WORDS_ALONG_K_PTX, "=r,r,r,r,r,r,r,r,r", [blocks, (inv * 0x10001)[:, None]],
                                       dtype=tl.uint8, is_pure=True, pack=4)  # fmt: skip
     codes = tl.where(is_nan[:, None], 0, codes)

@@ -54,6 +54,7 @@ def _cast_kernel(
 ):  # fmt: skip
     """WORDS (along K alone): x_ptr is bf16 x read as int32 words (strides in words), cast to e2m1 to nearest
     without widening it (``mx_quantize.e2m1_words_along_k``)."""
+    tl.static_assert(not WORDS or (DIM0 and not DIM1 and not STOCHASTIC), "the word path casts along K, to nearest")
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)  # E * M * K can pass 2**31
@@ -66,8 +67,7 @@ def _cast_kernel(
     half_k = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # word columns, and byte columns along K
     for i in tl.static_range(NUM_SUB):
         rows = (pid_m * NUM_SUB + i) * 32 + tl.arange(0, 32)
-        mask = (rows < M)[:, None] & (cols < K)[None, :]
-        if WORDS:  # along K alone
+        if WORDS:
             w_mask = (rows < M)[:, None] & (half_k < K // 2)[None, :]
             w = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + half_k[None, :], mask=w_mask, other=0)
             q0, s0 = e2m1_words_along_k(w, RCEIL)
@@ -75,6 +75,7 @@ def _cast_kernel(
                      mask=w_mask)  # fmt: skip
             store_scales(s0_ptr + pid_b * stride_s0b, s0, rows, s0_cols, M, K >> 5, BLOCKED)
         else:
+            mask = (rows < M)[:, None] & (cols < K)[None, :]
             x_offs = rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
             x = to_fp32(tl.load(x_ptr + x_offs, mask=mask, other=0.0), SOFTWARE_ROUND)
             if DIM0:  # blocks of 32 along K: row-major [M, K] output, scales [M, K/32]
