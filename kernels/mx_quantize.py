@@ -372,6 +372,47 @@ def e2m1_words_along_k(w, RCEIL: tl.constexpr):
     return tl.reshape(codes, (R, CW)), tl.reshape(scale, (R, CW // 16))
 
 
+def _word_codes_ptx() -> str:
+    """PTX of ``e2m1_words_along_m``'s rounding: word $1 times scales $2 -> the two codes in the halves of $0."""
+    return (
+        "{\n.reg .b32 mag, binade, sum, sign, six, one, v;"
+        "\nmov.b32 six, 0x40C040C0;\nmov.b32 one, 0x3F803F80;"  # 6.0 and 1.0 in both halves
+        "\nmul.rn.bf16x2 v, $1, $2;" + _e2m1_codes_ptx("v", "$0") + "\n}"
+    )
+
+
+_WORD_CODES_PTX = tl.constexpr(_word_codes_ptx())
+
+
+@triton.jit
+def e2m1_words_along_m(w, RCEIL: tl.constexpr, MOVE: tl.constexpr):
+    """MXFP4 along M of bf16 x read as int32 words (two columns each): w [R, C / 2] (R a multiple of 32) ->
+    (packed codes [C, R / 2] uint8, the transposed tile: row c holds column c's codes, row 2i in the low nibble;
+    biased scales [C, R / 32]), bit for bit ``to_mx`` of the transpose. Each thread must hold whole blocks of a
+    column of words: as loaded, or (MOVE) moved there through shared memory (``column_blocks``). A word's
+    maxima, scaling and rounding then serve its two columns at once (``e2m1_words_along_k``'s steps), and the
+    codes of rows 2i and 2i + 1, in two words of one thread, meet in one byte per column. GPU only."""
+    R: tl.constexpr = w.shape[0]
+    CW: tl.constexpr = w.shape[1]
+    NB: tl.constexpr = R // 32
+    cw = column_blocks(w, 32) if MOVE else tl.reshape(w, (NB, 32, CW))  # [NB, 32, CW]
+    amax = tl.reduce(cw & 0x7FFF7FFF, 1, _max_u16x2)  # [NB, CW]: column 2j's max |x| in the low half, 2j + 1's high
+    amax = tl.reshape(tl.join(amax & 0xFFFF, amax >> 16), (NB, 2 * CW))  # bf16 bits, column order
+    is_nan = amax > 0x7F80
+    e = scale_exponent(amax << 16, "e2m1", RCEIL)
+    inv = tl.where(e < 127, (127 - e) << 7, 0x40)  # bf16 bits of 2**-e
+    inv_lo, inv_hi = tl.split(tl.reshape(inv, (NB, CW, 2)))
+    keep_lo, keep_hi = tl.split(tl.reshape(tl.where(is_nan, 0, 0xFFFF), (NB, CW, 2)))  # a NaN block's codes are 0
+    codes = tl.inline_asm_elementwise(_WORD_CODES_PTX, "=r,r,r", [cw, (inv_lo | (inv_hi << 16))[:, None, :]],
+                                      dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+    codes = codes & (keep_lo | (keep_hi << 16))[:, None, :]
+    even, odd = tl.split(tl.permute(tl.reshape(codes, (NB, 16, 2, CW)), (0, 1, 3, 2)))
+    pairs = even | (odd << 4)  # [NB, 16, CW]: column 2j's byte of rows 2i, 2i + 1 in bits 0-7, column 2j + 1's in 16-23
+    pairs = tl.reshape(tl.join(pairs & 0xFF, (pairs >> 16) & 0xFF), (NB * 16, 2 * CW))
+    scale = tl.where(is_nan, 0xFF, e + 127).to(tl.uint8)
+    return tl.trans(pairs).to(tl.uint8), tl.trans(scale)
+
+
 @triton.jit
 def pack_pairs(codes):
     """[R, C] codes -> [R, C / 2] bytes, element 2i in the low nibble (``formats.pack_fp4``)."""

@@ -29,6 +29,7 @@ from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.mx_quantize import (
     draws_tile,
     e2m1_words_along_k,
+    e2m1_words_along_m,
     pack_pairs,
     pack_pairs_along_rows,
     quantize_blocks,
@@ -43,6 +44,13 @@ from mx_kernels.mx_quantize import (
 # cost ~30%; 4 and 8 sub-tiles cost registers and occupancy).
 DIM0_TILE = (1, 512, 8)
 DIM1_TILE = (2, 64, 1)
+# The e2m1 casts of bf16 read as words (H200, 16384 x 16384, % of copy). Along M, one warp over 64 x 128: each lane
+# loads 8 bytes of every row (LANE_WORDS), so that it holds whole columns of both blocks and stores 32 contiguous
+# bytes of each (80%; 64 x 64 with the columns moved through shared memory 71%, 32-row tiles and their 16-byte
+# pieces 49-51%, the fp32 path 51%). Both from one read: 64 x 128 with 2 warps, the columns moved (59%, fp32 30%).
+WORDS_DIM1_TILE = (2, 128, 1)
+LANE_WORDS = 2
+WORDS_FUSED_TILE = (2, 128, 2)
 
 
 @triton.jit
@@ -50,11 +58,13 @@ def _cast_kernel(
     x_ptr, q0_ptr, s0_ptr, q1_ptr, s1_ptr, seed_ptr, M, K, stride_xb, stride_xm, stride_xk, stride_qb, stride_s0b,
     stride_s1b, DIM0: tl.constexpr, DIM1: tl.constexpr, NUM_SUB: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCKED: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
-    STOCHASTIC: tl.constexpr, WORDS: tl.constexpr,
+    STOCHASTIC: tl.constexpr, WORDS: tl.constexpr, LANE_WORDS: tl.constexpr,
 ):  # fmt: skip
-    """WORDS (along K alone): x_ptr is bf16 x read as int32 words (strides in words), cast to e2m1 to nearest
-    without widening it (``mx_quantize.e2m1_words_along_k``)."""
-    tl.static_assert(not WORDS or (DIM0 and not DIM1 and not STOCHASTIC), "the word path casts along K, to nearest")
+    """WORDS: x_ptr is bf16 x read as int32 words (strides in words), cast to e2m1 to nearest without widening it
+    (``mx_quantize.e2m1_words_along_k`` and ``e2m1_words_along_m``), the whole NUM_SUB * 32-row tile at once.
+    LANE_WORDS (along M alone): the words each lane loads from a row, BLOCK_K / 2 over a warp's lanes, so that a
+    thread holds whole columns as loaded; 0: the columns are moved into threads through shared memory."""
+    tl.static_assert(not WORDS or not STOCHASTIC, "the word path rounds to nearest")
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)  # E * M * K can pass 2**31
@@ -65,49 +75,56 @@ def _cast_kernel(
     s1_tile = tl.zeros((BLOCK_K, NUM_SUB), dtype=tl.uint8)
     seed = tl.load(seed_ptr) if STOCHASTIC else 0
     half_k = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # word columns, and byte columns along K
-    for i in tl.static_range(NUM_SUB):
-        rows = (pid_m * NUM_SUB + i) * 32 + tl.arange(0, 32)
-        if WORDS:
-            w_mask = (rows < M)[:, None] & (half_k < K // 2)[None, :]
-            w = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + half_k[None, :], mask=w_mask, other=0)
+    if WORDS:
+        rows = pid_m * NUM_SUB * 32 + tl.arange(0, NUM_SUB * 32)
+        w_mask = (rows < M)[:, None] & (half_k < K // 2)[None, :]
+        w_cols = half_k
+        if LANE_WORDS:  # Triton lays a load out by its contiguity: LANE_WORDS words a lane, lanes along the row
+            w_cols = tl.max_contiguous(tl.multiple_of(half_k, LANE_WORDS), LANE_WORDS)
+        w = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + w_cols[None, :], mask=w_mask, other=0)
+        if DIM0:
             q0, s0 = e2m1_words_along_k(w, RCEIL)
             tl.store(q0_ptr + pid_b * stride_qb + rows.to(tl.int64)[:, None] * (K // 2) + half_k[None, :], q0,
                      mask=w_mask)  # fmt: skip
             store_scales(s0_ptr + pid_b * stride_s0b, s0, rows, s0_cols, M, K >> 5, BLOCKED)
-        else:
-            mask = (rows < M)[:, None] & (cols < K)[None, :]
-            x_offs = rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
-            x = to_fp32(tl.load(x_ptr + x_offs, mask=mask, other=0.0), SOFTWARE_ROUND)
-            if DIM0:  # blocks of 32 along K: row-major [M, K] output, scales [M, K/32]
-                u = 0.0
-                if STOCHASTIC:  # each element by its row-major index in x (stream 0), as fake_quant_2d along K
-                    u = tl.reshape(
-                        draws_tile(seed, 0, pid_b * M + rows, pid_k * BLOCK_K, K, 32, BLOCK_K), (BLOCK_K, 32)
-                    )
-                q0, s0 = quantize_blocks(tl.reshape(x, (BLOCK_K, 32)), 1, ELEM, RCEIL, SOFTWARE_ROUND, u, STOCHASTIC)
-                q0 = tl.reshape(q0, (32, BLOCK_K))
-                if ELEM == "e2m1":  # two codes a byte along K: [M, K/2]
-                    q0_offs = pid_b * stride_qb + rows.to(tl.int64)[:, None] * (K // 2) + half_k[None, :]
-                    tl.store(q0_ptr + q0_offs, pack_pairs(q0), mask=(rows < M)[:, None] & (half_k < K // 2)[None, :])
-                else:
-                    q0_offs = pid_b * stride_qb + rows.to(tl.int64)[:, None] * K + cols[None, :]
-                    tl.store(q0_ptr + q0_offs, q0, mask=mask)
-                s0 = tl.reshape(s0, (32, BLOCK_K // 32))
-                store_scales(s0_ptr + pid_b * stride_s0b, s0, rows, s0_cols, M, K >> 5, BLOCKED)
-            if DIM1:  # one block of 32 along M per column: transposed [K, M] output, scales [K, M/32]
-                u = 0.0
-                if STOCHASTIC:  # each element by its row-major index in x (stream 1), as fake_quant_2d along M
-                    u = draws_tile(seed, 1, pid_b * M + rows, pid_k * BLOCK_K, K, 32, BLOCK_K)
-                q1, s1 = quantize_blocks(x, 0, ELEM, RCEIL, SOFTWARE_ROUND, u, STOCHASTIC)
-                if ELEM == "e2m1":  # two codes a byte along M: [K, M/2]
-                    half = (pid_m * NUM_SUB + i) * 16 + tl.arange(0, 16)
-                    q1_offs = pid_b * stride_qb + cols.to(tl.int64)[None, :] * (M // 2) + half[:, None]
-                    tl.store(
-                        q1_ptr + q1_offs, pack_pairs_along_rows(q1), mask=(half < M // 2)[:, None] & (cols < K)[None, :]
-                    )
-                else:
-                    tl.store(q1_ptr + pid_b * stride_qb + cols.to(tl.int64)[None, :] * M + rows[:, None], q1, mask=mask)
-                s1_tile = tl.where(sub[None, :] == i, s1[:, None], s1_tile)
+        if DIM1:  # row c of the [K, M / 2] output: NUM_SUB * 16 contiguous bytes of column c's codes
+            q1, s1_tile = e2m1_words_along_m(w, RCEIL, LANE_WORDS == 0)
+            half = pid_m * NUM_SUB * 16 + tl.arange(0, NUM_SUB * 16)
+            tl.store(q1_ptr + pid_b * stride_qb + cols.to(tl.int64)[:, None] * (M // 2) + half[None, :], q1,
+                     mask=(cols < K)[:, None] & (half < M // 2)[None, :])  # fmt: skip
+    for i in tl.static_range(0 if WORDS else NUM_SUB):
+        rows = (pid_m * NUM_SUB + i) * 32 + tl.arange(0, 32)
+        mask = (rows < M)[:, None] & (cols < K)[None, :]
+        x_offs = rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
+        x = to_fp32(tl.load(x_ptr + x_offs, mask=mask, other=0.0), SOFTWARE_ROUND)
+        if DIM0:  # blocks of 32 along K: row-major [M, K] output, scales [M, K/32]
+            u = 0.0
+            if STOCHASTIC:  # each element by its row-major index in x (stream 0), as fake_quant_2d along K
+                u = tl.reshape(draws_tile(seed, 0, pid_b * M + rows, pid_k * BLOCK_K, K, 32, BLOCK_K), (BLOCK_K, 32))
+            q0, s0 = quantize_blocks(tl.reshape(x, (BLOCK_K, 32)), 1, ELEM, RCEIL, SOFTWARE_ROUND, u, STOCHASTIC)
+            q0 = tl.reshape(q0, (32, BLOCK_K))
+            if ELEM == "e2m1":  # two codes a byte along K: [M, K/2]
+                q0_offs = pid_b * stride_qb + rows.to(tl.int64)[:, None] * (K // 2) + half_k[None, :]
+                tl.store(q0_ptr + q0_offs, pack_pairs(q0), mask=(rows < M)[:, None] & (half_k < K // 2)[None, :])
+            else:
+                q0_offs = pid_b * stride_qb + rows.to(tl.int64)[:, None] * K + cols[None, :]
+                tl.store(q0_ptr + q0_offs, q0, mask=mask)
+            s0 = tl.reshape(s0, (32, BLOCK_K // 32))
+            store_scales(s0_ptr + pid_b * stride_s0b, s0, rows, s0_cols, M, K >> 5, BLOCKED)
+        if DIM1:  # one block of 32 along M per column: transposed [K, M] output, scales [K, M/32]
+            u = 0.0
+            if STOCHASTIC:  # each element by its row-major index in x (stream 1), as fake_quant_2d along M
+                u = draws_tile(seed, 1, pid_b * M + rows, pid_k * BLOCK_K, K, 32, BLOCK_K)
+            q1, s1 = quantize_blocks(x, 0, ELEM, RCEIL, SOFTWARE_ROUND, u, STOCHASTIC)
+            if ELEM == "e2m1":  # two codes a byte along M: [K, M/2]
+                half = (pid_m * NUM_SUB + i) * 16 + tl.arange(0, 16)
+                q1_offs = pid_b * stride_qb + cols.to(tl.int64)[None, :] * (M // 2) + half[:, None]
+                tl.store(
+                    q1_ptr + q1_offs, pack_pairs_along_rows(q1), mask=(half < M // 2)[:, None] & (cols < K)[None, :]
+                )
+            else:
+                tl.store(q1_ptr + pid_b * stride_qb + cols.to(tl.int64)[None, :] * M + rows[:, None], q1, mask=mask)
+            s1_tile = tl.where(sub[None, :] == i, s1[:, None], s1_tile)
     if DIM1:
         store_scales(s1_ptr + pid_b * stride_s1b, s1_tile, cols, pid_m * NUM_SUB + sub, K, M >> 5, BLOCKED)
 
@@ -130,10 +147,9 @@ def _cast(
     q0, s0, q1, s1 = outs * (1 if dim0 and dim1 else 2)  # a missing half: stand-ins
     software = software_round(x, op)
     stochastic = seed is not None
-    # bf16 read as words of two, along K alone: 90% of copy against 61% widened to fp32 (H200, 16384 x 16384). The
-    # word path (inline PTX: the GPU only) needs x's last dim contiguous and even. Along M it came out slower
-    # (the row pairs of a byte meet through shared memory), so dim1 and the fused cast widen x.
-    words = (elem == "e2m1" and x.dtype == torch.bfloat16 and dim0 and not dim1 and not software and not stochastic
+    # bf16 read as words of two: along K 90% of copy against 61% widened to fp32 (H200, 16384 x 16384), along M and
+    # both at once above (the tiles). The word path (inline PTX: the GPU only) needs x's last dim contiguous and even.
+    words = (elem == "e2m1" and x.dtype == torch.bfloat16 and not software and not stochastic
              and x.stride(-1) == 1 and x.shape[-1] % 2 == 0
              and all(s % 2 == 0 for s in (x.storage_offset(), *x.stride()[:-1])))  # fmt: skip
     xw = x.view(torch.int32) if words else x
@@ -141,7 +157,9 @@ def _cast(
     def build() -> tuple[tuple[int, ...], dict]:
         x3 = xw if xw.dim() == 3 else xw.unsqueeze(0)
         num_batch, m, k = x.shape if x.dim() == 3 else (1, *x.shape)  # elements, also where x3 holds words
-        num_sub, block_k, num_warps = DIM1_TILE if dim1 else DIM0_TILE
+        num_sub, block_k, num_warps = DIM0_TILE
+        if dim1:
+            num_sub, block_k, num_warps = (WORDS_FUSED_TILE if dim0 else WORDS_DIM1_TILE) if words else DIM1_TILE
         grid = (*tile_grid(m, k, 32 * num_sub, block_k, 128 if blocked else 1), num_batch)
         u8 = [t.view(torch.uint8) for t in (q0, s0, q1, s1)]
         return grid, dict(
@@ -150,7 +168,8 @@ def _cast(
             stride_qb=m * k // (2 if elem == "e2m1" else 1), stride_s0b=s0[0].numel() if x.dim() == 3 and dim0 else 0,
             stride_s1b=s1[0].numel() if x.dim() == 3 and dim1 else 0, DIM0=dim0, DIM1=dim1, NUM_SUB=num_sub,
             BLOCK_K=block_k, BLOCKED=blocked, ELEM=elem, RCEIL=mode == "rceil", SOFTWARE_ROUND=software,
-            STOCHASTIC=stochastic, WORDS=words, num_warps=num_warps,
+            STOCHASTIC=stochastic, WORDS=words, LANE_WORDS=LANE_WORDS if words and dim1 and not dim0 else 0,
+            num_warps=num_warps,
         )  # fmt: skip
 
     key = (x.shape, x.stride(), x.dtype, elem, mode, blocked, dim0, dim1, software, stochastic, words)

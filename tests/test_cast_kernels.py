@@ -775,47 +775,9 @@ def test_gpu_unblock_scales(rows, cols):
         check_unblock_scales(rows, cols, experts, "cuda")
 
 
-@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
-@pytest.mark.parametrize("arch", [90, 100])
-def test_e2m1_casts_compile_for_hopper_and_blackwell(arch):
-    """What the interpreter cannot check: the packed e2m1 casts (dim0, dim1, both; one-sided stochastically too;
-    per group; blocked scales) compile to cubin, on the tiles the launchers pick, and a bf16 x to nearest is read
-    as int32 words and rounded in packed bf16 (``mx_quantize.e2m1_words_along_k``; the GPU tests check its bits)."""
-    from mx_kernels import cast_groups_dim1, triton_casts
-    from mx_kernels.gluon_common import compile_for_arch
-
-    x = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
-    u8 = torch.empty(16, dtype=torch.uint8, device="meta")
-    seed = torch.empty(1, dtype=torch.int64, device="meta")
-    for dim0, dim1, stochastic in ((True, False, False), (False, True, False), (True, True, False), (True, False, True),
-                                   (False, True, True)):  # fmt: skip
-        num_sub, block_k, num_warps = triton_casts.DIM1_TILE if dim1 else triton_casts.DIM0_TILE
-        words = dim0 and not dim1 and not stochastic  # bf16 along K to nearest: int32 words (triton_casts._cast)
-        kwargs = dict(
-            x_ptr=torch.empty(4096, 2048, dtype=torch.int32, device="meta") if words else x, q0_ptr=u8, s0_ptr=u8,
-            q1_ptr=u8, s1_ptr=u8, seed_ptr=seed, M=4096, K=4096, stride_xb=0, stride_xm=2048 if words else 4096,
-            stride_xk=1, stride_qb=4096 * 2048, stride_s0b=0, stride_s1b=0, DIM0=dim0, DIM1=dim1, NUM_SUB=num_sub,
-            BLOCK_K=block_k, BLOCKED=True, ELEM="e2m1", RCEIL=False, SOFTWARE_ROUND=False, STOCHASTIC=stochastic,
-            WORDS=words, num_warps=num_warps,
-        )  # fmt: skip
-        compiled = compile_for_arch(triton_casts._cast_kernel, kwargs, arch)
-        assert compiled.asm["cubin"]
-        # the word path rounds in packed bf16 (exact: the scaled values are bf16); stochastically in fp32
-        assert ("add.rn.bf16x2" in compiled.asm["ptx"]) == words, (dim0, dim1, stochastic)
-    offs = torch.empty(8, dtype=torch.int32, device="meta")
-    kwargs = dict(
-        x_ptr=x, offs_ptr=offs, q_ptr=u8, s_ptr=u8, M=4096, K=4096, num_groups=8, max_tile_cols=40, stride_xm=4096,
-        stride_xk=1, GROUPS_POW2=8, BLOCK_K=cast_groups_dim1.BLOCK_K, ELEM="e2m1", RCEIL=False, SOFTWARE_ROUND=False,
-        num_warps=cast_groups_dim1.NUM_WARPS,
-    )  # fmt: skip
-    assert compile_for_arch(cast_groups_dim1._cast_groups_dim1_kernel, kwargs, arch).asm["cubin"]
-
-
-@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="builds launch arguments only")
-def test_e2m1_cast_reads_bf16_as_words_along_k_only(monkeypatch):
-    """The launch arguments of the packed e2m1 casts on the GPU: bf16 along K alone, to nearest, is read as int32
-    words (x's sizes, not the words', set the grid and M, K); along M, both ways, fp32, stochastic rounding and
-    a view whose words would straddle elements take x as it is."""
+def _capture_cast_launches(monkeypatch) -> list:
+    """Make ``triton_casts._cast`` record ((grid, kwargs), x_ptr) of its launches instead of launching, taking the
+    GPU's path (no interpreter rounding) on CPU or meta tensors."""
     from mx_kernels import triton_casts
 
     launches = []
@@ -826,13 +788,62 @@ def test_e2m1_cast_reads_bf16_as_words_along_k_only(monkeypatch):
 
     monkeypatch.setattr(triton_casts, "_LAUNCHES", Capture())
     monkeypatch.setattr(triton_casts, "software_round", lambda x, op: False)  # as on the GPU
+    return launches
+
+
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
+@pytest.mark.parametrize("arch", [90, 100])
+def test_e2m1_casts_compile_for_hopper_and_blackwell(arch, monkeypatch):
+    """What the interpreter cannot check: the packed e2m1 casts (dim0, dim1, both; one-sided stochastically too;
+    per group; blocked scales) compile to cubin with the arguments their launcher builds, and a bf16 x to nearest
+    is read as int32 words and rounded in packed bf16 (``mx_quantize.e2m1_words_along_k`` and
+    ``e2m1_words_along_m``; the GPU tests check their bits). Along M alone each lane loads LANE_WORDS words of every
+    row, so that it holds whole columns as loaded: no warp shuffle, one 8-byte load a row."""
+    from mx_kernels import cast_groups_dim1, triton_casts
+    from mx_kernels.gluon_common import compile_for_arch
+
+    launches = _capture_cast_launches(monkeypatch)
+    x = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
+    u8 = torch.empty(16, dtype=torch.uint8, device="meta")
+    seed = torch.empty(1, dtype=torch.int64, device="meta")
+    for dim0, dim1, stochastic in ((True, False, False), (False, True, False), (True, True, False), (True, False, True),
+                                   (False, True, True)):  # fmt: skip
+        launches.clear()
+        triton_casts._cast(x, "e2m1", "floor", True, dim0, dim1, "cast", seed if stochastic else None)
+        (_, kwargs), _ = launches[0]
+        ptx = compile_for_arch(triton_casts._cast_kernel, kwargs, arch).asm["ptx"]
+        # the word path rounds in packed bf16 (exact: the scaled values are bf16); stochastically in fp32
+        assert ("add.rn.bf16x2" in ptx) == (not stochastic) == kwargs["WORDS"], (dim0, dim1, stochastic)
+        if kwargs["LANE_WORDS"]:
+            assert (dim0, dim1) == (False, True)
+            assert "shfl.sync" not in ptx
+            assert ptx.count("ld.global.v2.b32") == 32 * kwargs["NUM_SUB"] and "ld.global.v4" not in ptx
+    offs = torch.empty(8, dtype=torch.int32, device="meta")
+    kwargs = dict(
+        x_ptr=x, offs_ptr=offs, q_ptr=u8, s_ptr=u8, M=4096, K=4096, num_groups=8, max_tile_cols=40, stride_xm=4096,
+        stride_xk=1, GROUPS_POW2=8, BLOCK_K=cast_groups_dim1.BLOCK_K, ELEM="e2m1", RCEIL=False, SOFTWARE_ROUND=False,
+        num_warps=cast_groups_dim1.NUM_WARPS,
+    )  # fmt: skip
+    assert compile_for_arch(cast_groups_dim1._cast_groups_dim1_kernel, kwargs, arch).asm["cubin"]
+
+
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="builds launch arguments only")
+def test_e2m1_cast_reads_bf16_as_words(monkeypatch):
+    """The launch arguments of the packed e2m1 casts on the GPU: bf16 to nearest is read as int32 words, along K,
+    along M and both (x's sizes, not the words', set the grid and M, K; along M alone each lane loads 2 words a
+    row); fp32, stochastic rounding and a view whose words would straddle elements take x as it is."""
+    from mx_kernels import triton_casts
+
+    launches = _capture_cast_launches(monkeypatch)
     x = torch.randn(96, 1040, dtype=torch.bfloat16)
     seed = torch.zeros(1, dtype=torch.int64)
     cases = {
         "dim0": (x, True, False, None, True),
         "dim0 3D": (x.reshape(2, 48, 1040), True, False, None, True),
-        "dim1": (x, False, True, None, False),
-        "dim0_dim1": (x, True, True, None, False),
+        "dim1": (x, False, True, None, True),
+        "dim1 3D": (x.reshape(3, 32, 1040), False, True, None, True),
+        "dim0_dim1": (x, True, True, None, True),
+        "dim1 stochastic": (x, False, True, seed, False),
         "dim0 fp32": (x.float(), True, False, None, False),
         "dim0 stochastic": (x, True, False, seed, False),
         "dim0 odd offset": (torch.randn(96 * 1040 + 1).to(torch.bfloat16)[1:].view(96, 1040), True, False, None, False),
@@ -843,9 +854,10 @@ def test_e2m1_cast_reads_bf16_as_words_along_k_only(monkeypatch):
         (grid, kwargs), x_ptr = launches[0]
         assert kwargs["WORDS"] is words and (x_ptr.dtype == torch.int32) is words, name
         assert (kwargs["M"], kwargs["K"]) == tuple(t.shape[-2:]), name
-        assert grid[1] == -(-t.shape[-1] // kwargs["BLOCK_K"]), name
+        assert grid[:2] == (-(-t.shape[-2] // (32 * kwargs["NUM_SUB"])), -(-t.shape[-1] // kwargs["BLOCK_K"])), name
         if words:
             assert kwargs["stride_xm"] == t.stride(-2) // 2 and x_ptr.data_ptr() == t.data_ptr(), name
+        assert kwargs["LANE_WORDS"] == (2 if words and not dim0 else 0), name
 
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
