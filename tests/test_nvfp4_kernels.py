@@ -345,8 +345,9 @@ def test_gpu_nvfp4_edge_tensors_and_dispatch():
 def test_along_m_holds_whole_blocks_in_each_thread_with_or_without_the_transform():
     """Along M the blocks' rows reach one thread by the butterflies' data movement, with the transform's
     arithmetic or without it: no warp shuffles for the blocks' maxima and no more shared-memory traffic than
-    the transform's, to nearest and stochastic (as loaded, x's rows lie across threads: 32 shuffles)."""
-    from mx_kernels.fake_quant_nvfp4 import compile_for_target
+    the transform's, to nearest and stochastic (as loaded, x's rows lie across threads: 32 shuffles). Along M
+    alone to nearest (ALONG_M_TILE) each lane loads whole columns of a block, 8 bytes a row: no shared memory."""
+    from mx_kernels.fake_quant_nvfp4 import ALONG_M_TILE, compile_for_target
 
     for stochastic in (False, True):
         ptx = {
@@ -355,6 +356,9 @@ def test_along_m_holds_whole_blocks_in_each_thread_with_or_without_the_transform
         }
         for hadamard, text in ptx.items():
             assert "shfl.sync" not in text, f"rht={hadamard} sr={stochastic}: the blocks' rows span threads"
+            if not stochastic:
+                assert "st.shared" not in text and "bar.sync" not in text, f"rht={hadamard}: moved through smem"
+                assert text.count("ld.global.v2.b32") == ALONG_M_TILE[0], f"rht={hadamard}: one load a row"
         assert ptx[False].count("st.shared") <= ptx[True].count("st.shared")
 
 
