@@ -7,8 +7,10 @@ cost does not grow with E. The portable implementation: every CUDA GPU but Hoppe
 ``gluon_casts`` runs (docs/DESIGN.md, Kernel dispatch), and the Triton interpreter on the CPU (tests).
 
 A program walks NUM_SUB sub-tiles of [32, BLOCK_K]: along K each row holds BLOCK_K / 32 blocks; along M each
-column is one block, stored transposed (rows of the [K, M] output contiguous along M). With ``blocked`` the
-scales go straight to the blocked layout; the grid then also covers the padding, whose bytes it writes as zero.
+column is one block, stored transposed (rows of the [K, M] output contiguous along M). The e2m1 casts of bf16 to
+nearest read x as int32 words of two elements and take the whole [NUM_SUB * 32, BLOCK_K] tile at once (WORDS).
+With ``blocked`` the scales go straight to the blocked layout; the grid then also covers the padding, whose bytes
+it writes as zero.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ DIM0_TILE = (1, 512, 8)
 DIM1_TILE = (2, 64, 1)
 # The e2m1 casts of bf16 read as words (H200, 16384 x 16384, % of copy). Along M, one warp over 64 x 128: each lane
 # loads 8 bytes of every row (LANE_WORDS), so that it holds whole columns of both blocks and stores 32 contiguous
-# bytes of each (80%; 64 x 64 with the columns moved through shared memory 71%, 32-row tiles and their 16-byte
+# bytes of each (80%; 128 x 64 with the columns moved through shared memory 71%, 32-row tiles and their 16-byte
 # pieces 49-51%, the fp32 path 51%). Both from one read: 64 x 128 with 2 warps, the columns moved (59%, fp32 30%).
 WORDS_DIM1_TILE = (2, 128, 1)
 LANE_WORDS = 2
