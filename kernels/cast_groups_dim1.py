@@ -20,21 +20,34 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from mx_kernels.common import check_cast, empty_outputs, groups_dim1_shapes, software_round
+from mx_kernels.common import check_cast, e2m1_reads_words, empty_outputs, groups_dim1_shapes, software_round
 from mx_kernels.launch_cache import LaunchCache
-from mx_kernels.mx_quantize import blocked_scale_offset, pack_pairs_along_rows, quantize_blocks, to_fp32
+from mx_kernels.mx_quantize import (
+    blocked_scale_offset,
+    e2m1_words_along_m,
+    pack_pairs_along_rows,
+    quantize_blocks,
+    to_fp32,
+)
 from mx_kernels.spec import cdiv
 
 BLOCK_K, NUM_WARPS = 64, 1  # one warp per program: see triton_casts.py; 128 source rows (one scale tile column)
+# e2m1 of bf16 read as words: a program takes half a tile column, 64 rows x 128 (64 words a row, 2 a lane), as
+# triton_casts.WORDS_DIM1_TILE
+WORDS_BLOCK_K, WORDS_ROWS = 128, 64
 
 
 @triton.jit
 def _cast_groups_dim1_kernel(
     x_ptr, offs_ptr, q_ptr, s_ptr, M, K, num_groups, max_tile_cols, stride_xm, stride_xk,
-    GROUPS_POW2: tl.constexpr, BLOCK_K: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.constexpr,
-    SOFTWARE_ROUND: tl.constexpr,
+    GROUPS_POW2: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.constexpr,
+    SOFTWARE_ROUND: tl.constexpr, WORDS: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)  # tile column of the scale buffer
+    """A program casts ROWS (128 or 64) rows of one tile column of the scale buffer. WORDS: x_ptr is bf16 x read as
+    int32 words (strides in words), cast to e2m1 to nearest without widening it (``mx_quantize.e2m1_words_along_m``);
+    BLOCK_K counts elements."""
+    t = tl.program_id(0) // (128 // ROWS)  # tile column of the scale buffer
+    part = tl.program_id(0) % (128 // ROWS)  # which ROWS of its 128
     pid_k = tl.program_id(1)
 
     # Which group owns tile column t: groups take cdiv(size, 128) tile columns each, in order.
@@ -52,35 +65,46 @@ def _cast_groups_dim1_kernel(
     tile_start = tl.where(is_group, tl.sum(tl.where(this, tiles_end - tiles, 0), axis=0), used_tiles)
     group_tiles = tl.where(is_group, tl.sum(tl.where(this, tiles, 0), axis=0), max_tile_cols - used_tiles)
     row_end = tl.multiple_of(tl.where(is_group, tl.sum(tl.where(this, ends, 0), axis=0), 0), 32)
-    row0 = tl.where(is_group, tl.sum(tl.where(this, starts, 0), axis=0), 0) + (t - tile_start) * 128
+    row0 = tl.where(is_group, tl.sum(tl.where(this, starts, 0), axis=0), 0) + (t - tile_start) * 128 + part * ROWS
     row0 = tl.multiple_of(row0, 32)  # group starts are rounded down to 32 rows above
 
-    # four 32-row sub-tiles (one warp each, as in triton_casts.py): the group's four scale columns
+    SUBS: tl.constexpr = ROWS // 32  # 32-row blocks: this program's scale columns of the tile
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    c = tl.arange(0, 4)
-    scales = tl.zeros((BLOCK_K, 4), dtype=tl.uint8)
-    for i in tl.static_range(4):
-        rows = row0 + i * 32 + tl.arange(0, 32)
-        mask = (rows < row_end)[:, None] & (cols < K)[None, :]
-        x_offs = rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
-        x = to_fp32(tl.load(x_ptr + x_offs, mask=mask, other=0.0), SOFTWARE_ROUND)
-        q, scale = quantize_blocks(x, 0, ELEM, RCEIL, SOFTWARE_ROUND)
-        if ELEM == "e2m1":  # two codes a byte along M: [K, M_total/2]
-            half = (row0 + i * 32) // 2 + tl.arange(0, 16)
-            q_offs = cols.to(tl.int64)[None, :] * (M // 2) + half[:, None]
-            tl.store(
-                q_ptr + q_offs, pack_pairs_along_rows(q), mask=(half < row_end // 2)[:, None] & (cols < K)[None, :]
-            )
-        else:
-            tl.store(q_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], q, mask=mask)
-        scales = tl.where(c[None, :] == i, scale[:, None], scales)
+    c = tl.arange(0, SUBS)
+    if WORDS:  # each lane loads 2 words of every row, so that it holds whole columns as loaded (triton_casts.py)
+        half_k = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        rows = row0 + tl.arange(0, ROWS)
+        w_mask = (rows < row_end)[:, None] & (half_k < K // 2)[None, :]
+        w_cols = tl.max_contiguous(tl.multiple_of(half_k, 2), 2)
+        w = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + w_cols[None, :], mask=w_mask, other=0)
+        q, scales = e2m1_words_along_m(w, RCEIL, False)  # [BLOCK_K, ROWS / 2] bytes, [BLOCK_K, SUBS] scales
+        half = row0 // 2 + tl.arange(0, ROWS // 2)
+        tl.store(q_ptr + cols.to(tl.int64)[:, None] * (M // 2) + half[None, :], q,
+                 mask=(cols < K)[:, None] & (half < row_end // 2)[None, :])  # fmt: skip
+    else:  # 32-row sub-tiles (one warp each, as in triton_casts.py)
+        scales = tl.zeros((BLOCK_K, SUBS), dtype=tl.uint8)
+        for i in tl.static_range(SUBS):
+            rows = row0 + i * 32 + tl.arange(0, 32)
+            mask = (rows < row_end)[:, None] & (cols < K)[None, :]
+            x_offs = rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk
+            x = to_fp32(tl.load(x_ptr + x_offs, mask=mask, other=0.0), SOFTWARE_ROUND)
+            q, scale = quantize_blocks(x, 0, ELEM, RCEIL, SOFTWARE_ROUND)
+            if ELEM == "e2m1":  # two codes a byte along M: [K, M_total/2]
+                half = (row0 + i * 32) // 2 + tl.arange(0, 16)
+                q_offs = cols.to(tl.int64)[None, :] * (M // 2) + half[:, None]
+                tl.store(q_ptr + q_offs, pack_pairs_along_rows(q),
+                         mask=(half < row_end // 2)[:, None] & (cols < K)[None, :])  # fmt: skip
+            else:
+                tl.store(q_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], q, mask=mask)
+            scales = tl.where(c[None, :] == i, scale[:, None], scales)
 
-    # This program's [BLOCK_K, 4] scales: rows of tile (k // 128, t - tile_start) of its group,
-    # 4 contiguous bytes per k.
+    # This program's [BLOCK_K, SUBS] scales: rows of tile (k // 128, t - tile_start) of its group,
+    # SUBS contiguous bytes per k.
     valid = (cols < K)[:, None] & (row0 + c * 32 < row_end)[None, :]
     padded_k = (K + 127) >> 7 << 7
     group_base = padded_k.to(tl.int64) * 4 * tile_start
-    s_offs = group_base + blocked_scale_offset(cols[:, None], (t - tile_start) * 4 + c[None, :], group_tiles)
+    s_cols = (t - tile_start) * 4 + part * SUBS + c
+    s_offs = group_base + blocked_scale_offset(cols[:, None], s_cols[None, :], group_tiles)
     in_buffer = (cols < padded_k)[:, None] & (s_offs < padded_k.to(tl.int64) * 4 * max_tile_cols)
     tl.store(s_ptr + s_offs, tl.where(valid, scales, 0), mask=in_buffer)
 
@@ -100,17 +124,20 @@ def cast_groups_dim1(x: torch.Tensor, offs: torch.Tensor, elem: str, mode: str) 
     if k == 0:
         return qdata, scale
     software = software_round(x, "cast_groups_dim1")
+    words = e2m1_reads_words(x, elem, software, False)
+    xw = x.view(torch.int32) if words else x
 
     def build() -> tuple[tuple[int, int], dict]:
         max_tile_cols = cdiv(m // 32, 4) + offs.numel()  # as spec.blocked_groups_numel
-        grid = (max_tile_cols, cdiv(cdiv(k, 128) * 128, BLOCK_K))
+        block_k, rows = (WORDS_BLOCK_K, WORDS_ROWS) if words else (BLOCK_K, 128)
+        grid = (max_tile_cols * (128 // rows), cdiv(cdiv(k, 128) * 128, block_k))
         return grid, dict(
-            x_ptr=x, offs_ptr=offs, q_ptr=qdata.view(torch.uint8), s_ptr=scale.view(torch.uint8), M=m, K=k,
-            num_groups=offs.numel(), max_tile_cols=max_tile_cols, stride_xm=x.stride(0), stride_xk=x.stride(1),
-            GROUPS_POW2=triton.next_power_of_2(offs.numel()), BLOCK_K=BLOCK_K, ELEM=elem, RCEIL=mode == "rceil",
-            SOFTWARE_ROUND=software, num_warps=NUM_WARPS,
+            x_ptr=xw, offs_ptr=offs, q_ptr=qdata.view(torch.uint8), s_ptr=scale.view(torch.uint8), M=m, K=k,
+            num_groups=offs.numel(), max_tile_cols=max_tile_cols, stride_xm=xw.stride(0), stride_xk=xw.stride(1),
+            GROUPS_POW2=triton.next_power_of_2(offs.numel()), BLOCK_K=block_k, ROWS=rows, ELEM=elem,
+            RCEIL=mode == "rceil", SOFTWARE_ROUND=software, WORDS=words, num_warps=NUM_WARPS,
         )  # fmt: skip
 
-    key = (x.shape, x.stride(), x.dtype, offs.numel(), elem, mode, software)
-    _LAUNCHES.launch_keyed(key, build, x_ptr=x, offs_ptr=offs, q_ptr=qdata, s_ptr=scale)
+    key = (x.shape, x.stride(), x.dtype, offs.numel(), elem, mode, software, words)
+    _LAUNCHES.launch_keyed(key, build, x_ptr=xw, offs_ptr=offs, q_ptr=qdata, s_ptr=scale)
     return qdata, scale

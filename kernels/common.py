@@ -148,6 +148,14 @@ def software_round(x: torch.Tensor, op: str) -> bool:
     return False
 
 
+def e2m1_reads_words(x: torch.Tensor, elem: str, software: bool, stochastic: bool) -> bool:
+    """Whether an e2m1 cast of x reads it as int32 words of two bf16 (``mx_quantize.e2m1_words_along_k`` and
+    ``e2m1_words_along_m``: inline PTX, so on the GPU only, to nearest): bf16 whose last dim is contiguous and even,
+    at an even offset with even strides, so that no word straddles two rows."""
+    return (elem == "e2m1" and x.dtype == torch.bfloat16 and not software and not stochastic and x.stride(-1) == 1
+            and x.shape[-1] % 2 == 0 and all(s % 2 == 0 for s in (x.storage_offset(), *x.stride()[:-1])))  # fmt: skip
+
+
 def tile_grid(m: int, k: int, block_m: int, block_k: int, pad: int) -> tuple[int, int]:
     """Tiles of block_m x block_k over [m, k] with both rounded up to ``pad`` (128 for blocked scales:
     the tiles cover the scale padding too, to zero it; 1 otherwise)."""

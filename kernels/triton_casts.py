@@ -23,6 +23,7 @@ from mx_kernels.common import (
     check_stochastic,
     dim0_shapes,
     dim1_shapes,
+    e2m1_reads_words,
     empty_outputs,
     software_round,
     tile_grid,
@@ -151,9 +152,7 @@ def _cast(
     stochastic = seed is not None
     # bf16 read as words of two: along K 90% of copy against 61% widened to fp32 (H200, 16384 x 16384), along M and
     # both at once above (the tiles). The word path (inline PTX: the GPU only) needs x's last dim contiguous and even.
-    words = (elem == "e2m1" and x.dtype == torch.bfloat16 and not software and not stochastic
-             and x.stride(-1) == 1 and x.shape[-1] % 2 == 0
-             and all(s % 2 == 0 for s in (x.storage_offset(), *x.stride()[:-1])))  # fmt: skip
+    words = e2m1_reads_words(x, elem, software, stochastic)
     xw = x.view(torch.int32) if words else x
 
     def build() -> tuple[tuple[int, ...], dict]:

@@ -797,14 +797,13 @@ def test_e2m1_casts_compile_for_hopper_and_blackwell(arch, monkeypatch):
     """What the interpreter cannot check: the packed e2m1 casts (dim0, dim1, both; one-sided stochastically too;
     per group; blocked scales) compile to cubin with the arguments their launcher builds, and a bf16 x to nearest
     is read as int32 words and rounded in packed bf16 (``mx_quantize.e2m1_words_along_k`` and
-    ``e2m1_words_along_m``; the GPU tests check their bits). Along M alone each lane loads LANE_WORDS words of every
-    row, so that it holds whole columns as loaded: no warp shuffle, one 8-byte load a row."""
+    ``e2m1_words_along_m``; the GPU tests check their bits). Along M alone, and per group, each lane loads 2 words
+    of every row, so that it holds whole columns as loaded: no warp shuffle, one 8-byte load a row."""
     from mx_kernels import cast_groups_dim1, triton_casts
     from mx_kernels.gluon_common import compile_for_arch
 
     launches = _capture_cast_launches(monkeypatch)
     x = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
-    u8 = torch.empty(16, dtype=torch.uint8, device="meta")
     seed = torch.empty(1, dtype=torch.int64, device="meta")
     for dim0, dim1, stochastic in ((True, False, False), (False, True, False), (True, True, False), (True, False, True),
                                    (False, True, True)):  # fmt: skip
@@ -818,13 +817,19 @@ def test_e2m1_casts_compile_for_hopper_and_blackwell(arch, monkeypatch):
             assert (dim0, dim1) == (False, True)
             assert "shfl.sync" not in ptx
             assert ptx.count("ld.global.v2.b32") == 32 * kwargs["NUM_SUB"] and "ld.global.v4" not in ptx
-    offs = torch.empty(8, dtype=torch.int32, device="meta")
-    kwargs = dict(
-        x_ptr=x, offs_ptr=offs, q_ptr=u8, s_ptr=u8, M=4096, K=4096, num_groups=8, max_tile_cols=40, stride_xm=4096,
-        stride_xk=1, GROUPS_POW2=8, BLOCK_K=cast_groups_dim1.BLOCK_K, ELEM="e2m1", RCEIL=False, SOFTWARE_ROUND=False,
-        num_warps=cast_groups_dim1.NUM_WARPS,
-    )  # fmt: skip
-    assert compile_for_arch(cast_groups_dim1._cast_groups_dim1_kernel, kwargs, arch).asm["cubin"]
+    group_launches = []
+
+    class Capture:
+        def launch_keyed(self, key, build, **kwargs):
+            group_launches.append(build())
+
+    monkeypatch.setattr(cast_groups_dim1, "_LAUNCHES", Capture())
+    monkeypatch.setattr(cast_groups_dim1, "software_round", lambda x, op: False)
+    cast_groups_dim1.cast_groups_dim1(x, torch.empty(8, dtype=torch.int32, device="meta"), "e2m1", "floor")
+    ((_, kwargs),) = group_launches
+    ptx = compile_for_arch(cast_groups_dim1._cast_groups_dim1_kernel, kwargs, arch).asm["ptx"]
+    assert kwargs["WORDS"] and "add.rn.bf16x2" in ptx  # per group along M: the word path, whole columns as loaded
+    assert ptx.count("ld.global.v2.b32") == kwargs["ROWS"] and "ld.global.v4" not in ptx
 
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="builds launch arguments only")
