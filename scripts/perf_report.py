@@ -80,13 +80,17 @@ def cast_section(path: Path) -> list[str]:
 
 
 def cast_targets(path: Path) -> dict[str, str]:
-    """The cast targets of docs/DESIGN.md (Performance targets) judged on kernel time, one cell each."""
-    results = json.loads(path.read_text())["results"]
+    """The cast targets of docs/DESIGN.md (Performance targets) judged on kernel time, one cell each. The e2m1
+    casts (``bench_cast.py --elem e2m1``) have the 4-bit target alone: 85% of copy."""
+    data = json.loads(path.read_text())
+    results = data["results"]
     get = {(r["name"], tuple(r["shape"]), r["mode"]): r for r in results}
     casts = [r for r in results if is_cast(r)]
     worst = min(casts, key=lambda r: r["kernel_pct_copy"])
     where = f"{worst['name']} {'x'.join(map(str, worst['shape']))} {worst['mode']}"
     slowest = f"{worst['kernel_pct_copy']:.1f}% at the slowest ({where})"
+    if data["meta"]["elem"] == "e2m1":
+        return {"MXFP4 packed casts (dim0, dim1, fused, 3D, per group) >= 85% of copy (kernel time)": slowest}
     fused = [
         get[(f"dim0 + dim1 separate{tag}", k[1], k[2])]["kernel_us"] / r["kernel_us"]
         for k, r in get.items()
@@ -461,7 +465,7 @@ def projection_section() -> list[str]:
 def latest_results() -> dict[str, list[Path]]:
     """The result files by benchmark; each benchmark, device and variant must have one file (the latest: older
     runs stay in git history), which ``check_one_per_kind`` enforces."""
-    kinds = {"bench_cast": "*_bench_cast.json", "bench_gemm": "*_bench_gemm.json"}
+    kinds = {"bench_cast": "*_bench_cast*.json", "bench_gemm": "*_bench_gemm.json"}
     kinds |= {"bench_linear": "*_bench_linear*.json", "bench_moe": "*_bench_moe.json"}
     kinds |= {"bench_fp4_cast": "*_bench_fp4_cast.json"}
     kinds |= {"bench_host": "*_bench_host.json", "bench_train": "*_bench_train_*.json"}

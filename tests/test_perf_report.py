@@ -53,6 +53,25 @@ def test_cast_section_one_row_per_cast_with_both_rules(tmp_path):
     assert "Command: `python benchmarks/bench_cast.py`." in lines[-2]
 
 
+def test_cast_targets_per_element_format(tmp_path):
+    """The fp8 casts are judged against their own targets, the e2m1 casts (bench_cast.py --elem e2m1) against
+    the 4-bit casts' 85% alone."""
+    import json
+
+    report = _perf_report()
+    fp8 = report.cast_targets(cast_file(tmp_path))
+    assert "MX casts >= 90% of copy bandwidth (kernel time)" in fp8 and "rceil within 3% of floor" in fp8
+    path = cast_file(tmp_path)
+    data = json.loads(path.read_text())
+    data["meta"]["elem"] = "e2m1"
+    path.write_text(json.dumps(data))
+    assert report.cast_targets(path) == {
+        "MXFP4 packed casts (dim0, dim1, fused, 3D, per group) >= 85% of copy (kernel time)": (
+            "60.0% at the slowest (dim1 64x64 floor)"
+        )
+    }
+
+
 def test_host_section_and_target(tmp_path):
     import json
 
