@@ -9,7 +9,8 @@ padded to a multiple of 4) and the groups concatenated (``scale_layout.to_blocke
 
 The grid walks the destination, not the source: program t along axis 0 owns tile column t
 of the buffer, i.e. 128 rows of one group, found from ``offs`` on the device (no host
-sync). The programs past the last group own the buffer's tail and write it as zeros.
+sync); e2m1 of bf16, read as int32 words, takes two programs of 64 rows a tile column. The
+programs past the last group own the buffer's tail and write it as zeros.
 Contract: offs is validated on the host only on CPU (or when asked). On GPU invalid offs
 give unspecified values but never an access out of bounds (group ends are clamped to
 [0, M_total], scale stores to the buffer).
