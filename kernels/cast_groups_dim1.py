@@ -31,18 +31,20 @@ from mx_kernels.mx_quantize import (
     to_fp32,
 )
 from mx_kernels.spec import cdiv
+from mx_kernels.triton_casts import LANE_WORDS, WORDS_DIM1_TILE
 
 BLOCK_K, NUM_WARPS = 64, 1  # one warp per program: see triton_casts.py; 128 source rows (one scale tile column)
-# e2m1 of bf16 read as words: a program takes half a tile column, 64 rows x 128 (64 words a row, 2 a lane), as
-# triton_casts.WORDS_DIM1_TILE
-WORDS_BLOCK_K, WORDS_ROWS = 128, 64
+# e2m1 of bf16 read as words: the tile of triton_casts' cast along M (64 rows x 128, one warp, LANE_WORDS words a lane),
+# two programs to a tile column
+WORDS_ROWS, WORDS_BLOCK_K = 32 * WORDS_DIM1_TILE[0], WORDS_DIM1_TILE[1]
+assert WORDS_DIM1_TILE[2] == NUM_WARPS and 128 % WORDS_ROWS == 0 and LANE_WORDS > 0
 
 
 @triton.jit
 def _cast_groups_dim1_kernel(
     x_ptr, offs_ptr, q_ptr, s_ptr, M, K, num_groups, max_tile_cols, stride_xm, stride_xk,
     GROUPS_POW2: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, ELEM: tl.constexpr, RCEIL: tl.constexpr,
-    SOFTWARE_ROUND: tl.constexpr, WORDS: tl.constexpr,
+    SOFTWARE_ROUND: tl.constexpr, WORDS: tl.constexpr, LANE_WORDS: tl.constexpr,
 ):  # fmt: skip
     """A program casts ROWS (128 or 64) rows of one tile column of the scale buffer. WORDS: x_ptr is bf16 x read as
     int32 words (strides in words), cast to e2m1 to nearest without widening it (``mx_quantize.e2m1_words_along_m``);
@@ -72,11 +74,11 @@ def _cast_groups_dim1_kernel(
     SUBS: tl.constexpr = ROWS // 32  # 32-row blocks: this program's scale columns of the tile
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     c = tl.arange(0, SUBS)
-    if WORDS:  # each lane loads 2 words of every row, so that it holds whole columns as loaded (triton_casts.py)
+    if WORDS:  # each lane loads LANE_WORDS words of every row, so that it holds whole columns as loaded (triton_casts)
         half_k = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         rows = row0 + tl.arange(0, ROWS)
         w_mask = (rows < row_end)[:, None] & (half_k < K // 2)[None, :]
-        w_cols = tl.max_contiguous(tl.multiple_of(half_k, 2), 2)
+        w_cols = tl.max_contiguous(tl.multiple_of(half_k, LANE_WORDS), LANE_WORDS)
         w = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + w_cols[None, :], mask=w_mask, other=0)
         q, scales = e2m1_words_along_m(w, RCEIL, False)  # [BLOCK_K, ROWS / 2] bytes, [BLOCK_K, SUBS] scales
         half = row0 // 2 + tl.arange(0, ROWS // 2)
@@ -136,7 +138,8 @@ def cast_groups_dim1(x: torch.Tensor, offs: torch.Tensor, elem: str, mode: str) 
             x_ptr=xw, offs_ptr=offs, q_ptr=qdata.view(torch.uint8), s_ptr=scale.view(torch.uint8), M=m, K=k,
             num_groups=offs.numel(), max_tile_cols=max_tile_cols, stride_xm=xw.stride(0), stride_xk=xw.stride(1),
             GROUPS_POW2=triton.next_power_of_2(offs.numel()), BLOCK_K=block_k, ROWS=rows, ELEM=elem,
-            RCEIL=mode == "rceil", SOFTWARE_ROUND=software, WORDS=words, num_warps=NUM_WARPS,
+            RCEIL=mode == "rceil", SOFTWARE_ROUND=software, WORDS=words, LANE_WORDS=LANE_WORDS,
+            num_warps=NUM_WARPS,
         )  # fmt: skip
 
     key = (x.shape, x.stride(), x.dtype, offs.numel(), elem, mode, software, words)

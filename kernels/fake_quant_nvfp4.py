@@ -74,11 +74,11 @@ AMAX_PLAIN_WARPS = 8  # the maximum of x alone: 89% of copy on the H200 against 
 # shared memory (4 barriers a tile): 13.0 SASS instructions an element and 70% of copy on the H200 at 16384 x 16384,
 # against 8.6 and 91%.
 AMAX_HADAMARD_TILE = (16, 256, 1)
-# Along M alone to nearest (the MoE grad-weight input), one warp over 16 x 128: each lane loads 4 columns of every
-# row (ALONG_M_LANE_COLS), so that it holds whole blocks along M as loaded and the transform's butterflies need no
-# shared memory. x along M with the transform, H200, 16384 x 16384: 86.6% of copy against 82.3% on TILE. Along K too
-# the blocks of 16 span 4 lanes (shuffles), and so slower (73% against 82%), as was stochastic rounding (43% against
-# 57%).
+# Along M alone to nearest (a 1x16-block weight along N, a gradient rounded to nearest), one warp over 16 x 128:
+# each lane loads 4 columns of every row (ALONG_M_LANE_COLS), so that it holds whole blocks along M as loaded and the
+# transform's butterflies need no shared memory. x along M with the transform, H200, 16384 x 16384: 86.6% of copy
+# against 82.3% on TILE. Along K too the blocks of 16 span 4 lanes (shuffles), and so slower (73% against 82%), as
+# was stochastic rounding (43% against 57%).
 ALONG_M_TILE = (16, 128, 1)
 ALONG_M_LANE_COLS = 4
 FP32_MAX = tl.constexpr(3.4028234663852886e38)

@@ -327,6 +327,15 @@ def _e2m1_codes_ptx(src: str, dst: str) -> str:
         or.b32 {dst}, sum, sign;"""
 
 
+def _codes_ptx_block(registers: str, body: str) -> str:
+    """A PTX block around ``body``: the registers of ``_e2m1_codes_ptx`` and ``registers`` declared, its constants
+    6.0 and 1.0 set in both halves."""
+    return (
+        f"{{\n.reg .b32 mag, binade, sum, sign, six, one, {registers};"
+        f"\nmov.b32 six, 0x40C040C0;\nmov.b32 one, 0x3F803F80;{body}\n}}"
+    )
+
+
 def _words_along_k_ptx() -> str:
     """PTX of ``e2m1_words_along_k``'s rounding: words $1..$4 times scales $5..$8 -> the four bytes of $0."""
     body = "".join(
@@ -334,12 +343,8 @@ def _words_along_k_ptx() -> str:
         + f"\nshr.u32 t, c{k}, 12;\nor.b32 c{k}, c{k}, t;\nand.b32 c{k}, c{k}, 0xFF;"  # the high half's code atop
         for k in range(4)
     )  # fmt: skip
-    return (
-        "{\n.reg .b32 mag, binade, sum, sign, six, one, t, v0, v1, v2, v3, c0, c1, c2, c3;"
-        "\nmov.b32 six, 0x40C040C0;\nmov.b32 one, 0x3F803F80;"  # 6.0 and 1.0 in both halves
-        + body
-        + "\nmad.lo.u32 c0, c1, 256, c0;\nmad.lo.u32 c2, c3, 256, c2;\nmad.lo.u32 $0, c2, 65536, c0;\n}"
-    )
+    pack = "\nmad.lo.u32 c0, c1, 256, c0;\nmad.lo.u32 c2, c3, 256, c2;\nmad.lo.u32 $0, c2, 65536, c0;"
+    return _codes_ptx_block("t, v0, v1, v2, v3, c0, c1, c2, c3", body + pack)
 
 
 _WORDS_ALONG_K_PTX = tl.constexpr(_words_along_k_ptx())
@@ -348,6 +353,16 @@ _WORDS_ALONG_K_PTX = tl.constexpr(_words_along_k_ptx())
 @triton.jit
 def _max_u16x2(a, b):
     return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def bf16_block_scales(amax, RCEIL: tl.constexpr):
+    """e2m1 blocks' max |x| as bf16 bits (int32, non-negative) -> (NaN block?, bf16 bits of 2**-e, 2**-127 being
+    the subnormal 0x0040; the biased scale byte): ``scale_exponent`` for the word paths."""
+    is_nan = amax > 0x7F80
+    e = scale_exponent(amax << 16, "e2m1", RCEIL)
+    inv = tl.where(e < 127, (127 - e) << 7, 0x40)
+    return is_nan, inv, tl.where(is_nan, 0xFF, e + 127).to(tl.uint8)
 
 
 @triton.jit
@@ -362,10 +377,7 @@ def e2m1_words_along_k(w, RCEIL: tl.constexpr):
     blocks = tl.reshape(w, (R * CW // 16, 16))
     amax = tl.reduce(blocks & 0x7FFF7FFF, 1, _max_u16x2)
     amax = tl.maximum(amax & 0xFFFF, amax >> 16)  # the block's max |x|, bf16 bits
-    is_nan = amax > 0x7F80
-    e = scale_exponent(amax << 16, "e2m1", RCEIL)
-    inv = tl.where(e < 127, (127 - e) << 7, 0x40)  # bf16 bits of 2**-e; 2**-127 is the subnormal 0x0040
-    scale = tl.where(is_nan, 0xFF, e + 127).to(tl.uint8)
+    is_nan, inv, scale = bf16_block_scales(amax, RCEIL)
     codes = tl.inline_asm_elementwise(_WORDS_ALONG_K_PTX, "=r,r,r,r,r,r,r,r,r", [blocks, (inv * 0x10001)[:, None]],
                                       dtype=tl.uint8, is_pure=True, pack=4)  # fmt: skip
     codes = tl.where(is_nan[:, None], 0, codes)
@@ -374,11 +386,7 @@ def e2m1_words_along_k(w, RCEIL: tl.constexpr):
 
 def _word_codes_ptx() -> str:
     """PTX of ``e2m1_words_along_m``'s rounding: word $1 times scales $2 -> the two codes in the halves of $0."""
-    return (
-        "{\n.reg .b32 mag, binade, sum, sign, six, one, v;"
-        "\nmov.b32 six, 0x40C040C0;\nmov.b32 one, 0x3F803F80;"  # 6.0 and 1.0 in both halves
-        "\nmul.rn.bf16x2 v, $1, $2;" + _e2m1_codes_ptx("v", "$0") + "\n}"
-    )
+    return _codes_ptx_block("v", "\nmul.rn.bf16x2 v, $1, $2;" + _e2m1_codes_ptx("v", "$0"))
 
 
 _WORD_CODES_PTX = tl.constexpr(_word_codes_ptx())
@@ -398,9 +406,7 @@ def e2m1_words_along_m(w, RCEIL: tl.constexpr, MOVE: tl.constexpr):
     cw = column_blocks(w, 32) if MOVE else tl.reshape(w, (NB, 32, CW))  # [NB, 32, CW]
     amax = tl.reduce(cw & 0x7FFF7FFF, 1, _max_u16x2)  # [NB, CW]: column 2j's max |x| in the low half, 2j + 1's high
     amax = tl.reshape(tl.join(amax & 0xFFFF, amax >> 16), (NB, 2 * CW))  # bf16 bits, column order
-    is_nan = amax > 0x7F80
-    e = scale_exponent(amax << 16, "e2m1", RCEIL)
-    inv = tl.where(e < 127, (127 - e) << 7, 0x40)  # bf16 bits of 2**-e
+    is_nan, inv, scale = bf16_block_scales(amax, RCEIL)
     inv_lo, inv_hi = tl.split(tl.reshape(inv, (NB, CW, 2)))
     keep_lo, keep_hi = tl.split(tl.reshape(tl.where(is_nan, 0, 0xFFFF), (NB, CW, 2)))  # a NaN block's codes are 0
     codes = tl.inline_asm_elementwise(_WORD_CODES_PTX, "=r,r,r", [cw, (inv_lo | (inv_hi << 16))[:, None, :]],
@@ -409,7 +415,6 @@ def e2m1_words_along_m(w, RCEIL: tl.constexpr, MOVE: tl.constexpr):
     even, odd = tl.split(tl.permute(tl.reshape(codes, (NB, 16, 2, CW)), (0, 1, 3, 2)))
     pairs = even | (odd << 4)  # [NB, 16, CW]: column 2j's byte of rows 2i, 2i + 1 in bits 0-7, column 2j + 1's in 16-23
     pairs = tl.reshape(tl.join(pairs & 0xFF, (pairs >> 16) & 0xFF), (NB * 16, 2 * CW))
-    scale = tl.where(is_nan, 0xFF, e + 127).to(tl.uint8)
     return tl.trans(pairs).to(tl.uint8), tl.trans(scale)
 
 
