@@ -49,8 +49,9 @@ DIM0_TILE = (1, 512, 8)
 DIM1_TILE = (2, 64, 1)
 # The e2m1 casts of bf16 read as words (H200, 16384 x 16384, % of copy). Along M, one warp over 64 x 128: each lane
 # loads 8 bytes of every row (LANE_WORDS), so that it holds whole columns of both blocks and stores 32 contiguous
-# bytes of each (80%; 128 x 64 with the columns moved through shared memory 71%, 32-row tiles and their 16-byte
-# pieces 49-51%, the fp32 path 51%). Both from one read: 64 x 128 with 2 warps, the columns moved (59%, fp32 30%).
+# bytes of each (81%; 128 x 64 with the columns moved through shared memory 71%, 32-row tiles and their 16-byte
+# pieces 49-51%, the same two pieces of 32 rows in one program 48%, 64-row tiles in a loop of 2 or 4 spill, the fp32
+# path 51%). Both from one read: 64 x 128 with 2 warps, the columns moved (59%, fp32 30%).
 WORDS_DIM1_TILE = (2, 128, 1)
 LANE_WORDS = 2
 WORDS_FUSED_TILE = (2, 128, 2)
@@ -93,8 +94,14 @@ def _cast_kernel(
         if DIM1:  # row c of the [K, M / 2] output: NUM_SUB * 16 contiguous bytes of column c's codes
             q1, s1_tile = e2m1_words_along_m(w, RCEIL, LANE_WORDS == 0)
             half = pid_m * NUM_SUB * 16 + tl.arange(0, NUM_SUB * 16)
-            tl.store(q1_ptr + pid_b * stride_qb + cols.to(tl.int64)[:, None] * (M // 2) + half[None, :], q1,
-                     mask=(cols < K)[:, None] & (half < M // 2)[None, :])  # fmt: skip
+            q1_rows = cols.to(tl.int64) * (M // 2)
+            half_end = M // 2
+            if LANE_WORDS:  # M is a multiple of 32: so written, the offsets show whole 16-byte pieces (STG.128 for
+                # STG.64: 1 point of copy on the H200). Not when fused (16 more barriers) or per group (registers)
+                q1_rows = tl.multiple_of(q1_rows, 16)
+                half_end = M >> 5 << 4
+            tl.store(q1_ptr + pid_b * stride_qb + q1_rows[:, None] + half[None, :], q1,
+                     mask=(cols < K)[:, None] & (half < half_end)[None, :])  # fmt: skip
     for i in tl.static_range(0 if WORDS else NUM_SUB):
         rows = (pid_m * NUM_SUB + i) * 32 + tl.arange(0, 32)
         mask = (rows < M)[:, None] & (cols < K)[None, :]

@@ -817,6 +817,8 @@ def test_e2m1_casts_compile_for_hopper_and_blackwell(arch, monkeypatch):
             assert (dim0, dim1) == (False, True)
             assert "shfl.sync" not in ptx
             assert ptx.count("ld.global.v2.b32") == 32 * kwargs["NUM_SUB"] and "ld.global.v4" not in ptx
+            # each of a lane's 2 * LANE_WORDS columns stores its NUM_SUB * 16 bytes of codes 16 at a time
+            assert ptx.count("st.global.v4.b32") == 2 * kwargs["LANE_WORDS"] * kwargs["NUM_SUB"]
     group_launches = []
 
     class Capture:
