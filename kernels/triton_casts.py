@@ -50,7 +50,7 @@ DIM1_TILE = (2, 64, 1)
 # The e2m1 casts of bf16 read as words (H200, 16384 x 16384, % of copy). Along M, one warp over 64 x 128: each lane
 # loads 8 bytes of every row (LANE_WORDS), so that it holds whole columns of both blocks and stores 32 contiguous
 # bytes of each (81%; 128 x 64 with the columns moved through shared memory 71%, 32-row tiles and their 16-byte
-# pieces 49-51%, the same two pieces of 32 rows in one program 48%, 64-row tiles in a loop of 2 or 4 spill, the fp32
+# pieces 49-51%, the same two pieces of 32 rows in one program 48%, 64-row tiles in a loop of 2 to 8 spill, the fp32
 # path 51%). Both from one read: 64 x 128 with 2 warps, the columns moved (59%, fp32 30%).
 WORDS_DIM1_TILE = (2, 128, 1)
 LANE_WORDS = 2

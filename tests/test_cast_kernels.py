@@ -775,19 +775,20 @@ def test_gpu_unblock_scales(rows, cols):
         check_unblock_scales(rows, cols, experts, "cuda")
 
 
-def _capture_cast_launches(monkeypatch) -> list:
-    """Make ``triton_casts._cast`` record ((grid, kwargs), x_ptr) of its launches instead of launching, taking the
-    GPU's path (no interpreter rounding) on CPU or meta tensors."""
+def _capture_cast_launches(monkeypatch, module=None) -> list:
+    """Make a cast launcher module (``triton_casts`` by default) record ((grid, kwargs), x_ptr) of its launches
+    instead of launching, taking the GPU's path (no interpreter rounding) on CPU or meta tensors."""
     from mx_kernels import triton_casts
 
+    module = module or triton_casts
     launches = []
 
     class Capture:
         def launch_keyed(self, key, build, **kwargs):
             launches.append((build(), kwargs["x_ptr"]))
 
-    monkeypatch.setattr(triton_casts, "_LAUNCHES", Capture())
-    monkeypatch.setattr(triton_casts, "software_round", lambda x, op: False)  # as on the GPU
+    monkeypatch.setattr(module, "_LAUNCHES", Capture())
+    monkeypatch.setattr(module, "software_round", lambda x, op: False)  # as on the GPU
     return launches
 
 
@@ -819,16 +820,9 @@ def test_e2m1_casts_compile_for_hopper_and_blackwell(arch, monkeypatch):
             assert ptx.count("ld.global.v2.b32") == 32 * kwargs["NUM_SUB"] and "ld.global.v4" not in ptx
             # each of a lane's 2 * LANE_WORDS columns stores its NUM_SUB * 16 bytes of codes 16 at a time
             assert ptx.count("st.global.v4.b32") == 2 * kwargs["LANE_WORDS"] * kwargs["NUM_SUB"]
-    group_launches = []
-
-    class Capture:
-        def launch_keyed(self, key, build, **kwargs):
-            group_launches.append(build())
-
-    monkeypatch.setattr(cast_groups_dim1, "_LAUNCHES", Capture())
-    monkeypatch.setattr(cast_groups_dim1, "software_round", lambda x, op: False)
+    group_launches = _capture_cast_launches(monkeypatch, cast_groups_dim1)
     cast_groups_dim1.cast_groups_dim1(x, torch.empty(8, dtype=torch.int32, device="meta"), "e2m1", "floor")
-    ((_, kwargs),) = group_launches
+    (((_, kwargs), _),) = group_launches
     ptx = compile_for_arch(cast_groups_dim1._cast_groups_dim1_kernel, kwargs, arch).asm["ptx"]
     assert kwargs["WORDS"] and "add.rn.bf16x2" in ptx  # per group along M: the word path, whole columns as loaded
     assert ptx.count("ld.global.v2.b32") == kwargs["ROWS"] and "ld.global.v4" not in ptx
