@@ -5,11 +5,12 @@ dtype (exact), the per-tensor decode scale s_dec left for the GEMM's output. Two
 
 * ``_amax_kernel`` reduces max|x| (for along K) and max|RHT(x)| (for along M, after the random Hadamard
   transform along M when it is asked for) into two fp32 words by integer atomic max of their bits
-  (non-negative floats order like their bits, and a NaN sorts above inf, so NaN wins as in the reference);
-* ``_fake_quant_kernel`` reads those, derives the per-tensor scales with correctly rounded divisions
-  (``div_rn``: Triton's ``/`` is approximate; its first program writes the two decode scales for the GEMM),
-  and quantizes its tile in blocks of 16 along K (or in 16x16 tiles, the recipe's weights) and in blocks
-  of 16 along M, as the reference does, step for step in fp32.
+  (non-negative floats order like their bits, and a NaN sorts above inf, so NaN wins as in the reference).
+  Its last program to finish (an arrival counter) derives each side's per-tensor scales from them with
+  correctly rounded divisions (``div_rn``: Triton's ``/`` is approximate) and writes them: once a call,
+  instead of in every thread of the next kernel (four divisions a thread, a tenth of its instructions);
+* ``_fake_quant_kernel`` quantizes its tile in blocks of 16 along K (or in 16x16 tiles, the recipe's
+  weights) and in blocks of 16 along M, as the reference does, step for step in fp32.
 
 Along M, rows past M read as zeros and the result has ceil(M / 16) * 16 rows (the zero-padded operand the
 grad-weight GEMM uses), in x's layout (a bf16 GEMM takes it transposed for free).
@@ -62,6 +63,7 @@ from mx_kernels.mx_quantize import (
 )
 from mx_kernels.spec import NVFP4_BLOCK as BLOCK
 from mx_kernels.spec import cdiv
+from triton.language.extra import libdevice
 
 TILE = (32, 128, 4)  # (BLOCK_M, BLOCK_K, num_warps)
 AMAX_PROGRAMS = 1024  # about 8 per SM: the maximum kernel folds tiles until its grid is down to this
@@ -84,6 +86,10 @@ ALONG_M_LANE_COLS = 4
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
 ONE_SIXTH = tl.constexpr(0.16666667163372040)  # fl(1/6), exact as an fp32 constant
 EMPTY_S_DEC = 1 / 3.4028234663852886e38  # an empty tensor's amax is 0: s_enc is the fp32 max
+# The int32 scratch of one call, zeroed: the maxima's bits [0:2] (along K, along M), the maxima kernel's arrival
+# counter [2], then the fp32 bits its last program writes: s_enc [4:6] and s_dec [6:8], along K and along M.
+COUNTER, S_ENC, S_DEC = tl.constexpr(2), tl.constexpr(4), tl.constexpr(6)
+SCRATCH = 8
 
 
 @triton.jit
@@ -133,21 +139,43 @@ def per_tensor_scales(tensor_amax):
 
 
 @triton.jit
+def _reciprocal(y, SOFTWARE_ROUND: tl.constexpr):
+    """fl(1 / y), correctly rounded: ``rcp.rn.f32`` (div_rn's result, without its numerator's scaling and
+    checks: the block scales' division, once a block, was a tenth of the kernel's instructions)."""
+    if SOFTWARE_ROUND:
+        return tl.math.div_rn(1.0, y)
+    return libdevice.rcp_rn(y)
+
+
+@triton.jit
+def _write_scales(scratch_ptr, s_dec_ptr, SIDE: tl.constexpr):
+    """Side SIDE's (0: along K, 1: along M) per-tensor scales from its final maximum: s_enc and s_dec into the
+    scratch, and s_dec for the GEMM."""
+    tensor_amax = tl.atomic_max(scratch_ptr + SIDE, 0).to(tl.float32, bitcast=True)  # read where the maxima went
+    s_enc, s_dec = per_tensor_scales(tensor_amax)
+    tl.store(scratch_ptr + S_ENC + SIDE, s_enc.to(tl.int32, bitcast=True))
+    tl.store(scratch_ptr + S_DEC + SIDE, s_dec.to(tl.int32, bitcast=True))
+    tl.store(s_dec_ptr + SIDE, s_dec)
+
+
+@triton.jit
 def quantize_nvfp4_blocks(
-    v, block_amax, tensor_amax, u, STOCHASTIC: tl.constexpr, SOFTWARE_ROUND: tl.constexpr, CODES: tl.constexpr = False
+    v, block_amax, scales_ptr, u, STOCHASTIC: tl.constexpr, SOFTWARE_ROUND: tl.constexpr, CODES: tl.constexpr = False
 ):  # fmt: skip
-    """fp32 values v, each block's max|.| ``block_amax`` (broadcast to v), the tensor's ``tensor_amax`` ->
+    """fp32 values v, each block's max|.| ``block_amax`` (broadcast to v), the tensor's s_enc and s_dec at
+    ``scales_ptr`` and ``scales_ptr + 2`` (the scratch's, as int32 bits) ->
     (e2m1 values in fp32, or under CODES their 4-bit codes, v's shape, something in NaN blocks; e4m3 block scale
     bits, 0x7F for NaN blocks; float(block scale), NaN for NaN blocks): ``nvfp4._quantize`` with two-level
     scales."""
-    s_enc, s_dec = per_tensor_scales(tensor_amax)
+    s_enc = tl.load(scales_ptr).to(tl.float32, bitcast=True)
+    s_dec = tl.load(scales_ptr + 2).to(tl.float32, bitcast=True)
     d = _min_nan(_min_nan(block_amax * (s_enc * ONE_SIXTH), FP32_MAX), 448.0)  # d >= 0 or NaN
     if SOFTWARE_ROUND:
         s_bits = round_to_fp8_bits(tl.where(d == d, d, 0.0), "e4m3")
     else:
         s_bits = d.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     s = tl.where(d == d, fp8_bits_to_fp32(s_bits, "e4m3", SOFTWARE_ROUND), float("nan"))
-    encode = _min_nan(tl.math.div_rn(1.0, s * s_dec), FP32_MAX)
+    encode = _min_nan(_reciprocal(s * s_dec, SOFTWARE_ROUND), FP32_MAX)
     q = round_e2m1_codes(v * encode, u, STOCHASTIC) if CODES else round_e2m1(v * encode, u, STOCHASTIC)
     return q, tl.where(d == d, s_bits, 0x7F).to(tl.uint8), s
 
@@ -175,11 +203,12 @@ def _fold_tile(
 
 @triton.jit
 def _amax_kernel(
-    x_ptr, amax_ptr, signs_ptr, src_ptr, end_ptr, M, K, stride_xm, stride_xk,
+    x_ptr, amax_ptr, signs_ptr, src_ptr, end_ptr, s_dec_ptr, M, K, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr, HADAMARD: tl.constexpr,
     GATHER: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
 ):  # fmt: skip
-    """int32 [2], zeroed: [0] = bits of max|x|, [1] = bits of max|RHT_M(x)| (HADAMARD) or of max|x| again.
+    """amax_ptr: the call's scratch (SCRATCH int32, zeroed): [0] = bits of max|x|, [1] = bits of max|RHT_M(x)|
+    (HADAMARD) or of max|x| again; the last program to count itself in writes the scales (``_write_scales``).
     Each program folds ROW_TILES tiles down a column strip into an elementwise maximum, reduces it once and
     adds it with one atomic per word (one atomic per tile was a queue on two addresses); with the transform the
     fold keeps a maximum per column. Without it the fold is unrolled, so that the tiles' loads are in flight
@@ -205,24 +234,25 @@ def _amax_kernel(
         tl.atomic_max(amax_ptr + 1, block_amax_bits(transformed, 0, SOFTWARE_ROUND))
     else:
         tl.atomic_max(amax_ptr + 1, plain_bits)
+    # acq_rel, from the thread that added the maxima: the program that counts last sees every program's
+    arrived = tl.atomic_add(amax_ptr + COUNTER, 1)
+    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+        _write_scales(amax_ptr, s_dec_ptr, 0)
+        _write_scales(amax_ptr, s_dec_ptr, 1)
 
 
 @triton.jit
 def _fake_quant_kernel(
-    x_ptr, amax_ptr, signs_ptr, seed_ptr, src_ptr, end_ptr, k_ptr, m_ptr, k_scale_ptr, m_scale_ptr, s_dec_ptr, M,
-    M_PAD, K, stride_xm, stride_xk,
+    x_ptr, amax_ptr, signs_ptr, seed_ptr, src_ptr, end_ptr, k_ptr, m_ptr, k_scale_ptr, m_scale_ptr, M, M_PAD, K,
+    stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ALONG_K: tl.constexpr, ALONG_M: tl.constexpr,
     TILES: tl.constexpr, HADAMARD: tl.constexpr, STOCHASTIC: tl.constexpr, PACKED: tl.constexpr,
     GATHER: tl.constexpr, SOFTWARE_ROUND: tl.constexpr, OUT_BF16_BITS: tl.constexpr, LANE_COLS: tl.constexpr,
 ):  # fmt: skip
     """The fake-quant (e2m1 * block scale in x's dtype) or, PACKED, the cast: along K, codes [M, K / 2] and
     e4m3 scale bits [M, K / 16]; along M, transposed, codes [K, M_PAD / 2] and scale bits [K, M_PAD / 16].
-    GATHER (fake-quant only): M = M_PAD rows of padded token groups (``group_rows``); along K goes to x's rows."""
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):  # the decode scales the GEMM multiplies by
-        _, s_dec_k = per_tensor_scales(tl.load(amax_ptr).to(tl.float32, bitcast=True))
-        _, s_dec_m = per_tensor_scales(tl.load(amax_ptr + 1).to(tl.float32, bitcast=True))
-        tl.store(s_dec_ptr, s_dec_k)
-        tl.store(s_dec_ptr + 1, s_dec_m)
+    GATHER (fake-quant only): M = M_PAD rows of padded token groups (``group_rows``); along K goes to x's rows.
+    amax_ptr: the scratch the maxima kernel filled (each side's per-tensor scales)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     x_rows, has_data = group_rows(rows, src_ptr, end_ptr, M, GATHER)
@@ -234,7 +264,6 @@ def _fake_quant_kernel(
                         other=0.0), SOFTWARE_ROUND)  # fmt: skip
     seed = tl.load(seed_ptr) if STOCHASTIC else 0
     if ALONG_K:  # in x's rows: each element draws by its index in the [M, K] output
-        tensor_amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
         u = draws_tile(seed, 0, x_rows, tl.program_id(1) * BLOCK_K, K, BLOCK_M, BLOCK_K) if STOCHASTIC else 0.0
         if TILES:  # one scale per 16 x 16 tile: [BM / 16, 16, BK / 16, 16]
             v = tl.reshape(x, (BLOCK_M // 16, 16, BLOCK_K // 16, 16))
@@ -245,7 +274,7 @@ def _fake_quant_kernel(
             v = tl.reshape(x, (BLOCK_M * BLOCK_K // 16, 16))
             b = block_amax_bits(v, 1, SOFTWARE_ROUND).to(tl.float32, bitcast=True)[:, None]
             u = tl.reshape(u, (BLOCK_M * BLOCK_K // 16, 16)) if STOCHASTIC else u
-        q, s_bits, s = quantize_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND, PACKED)
+        q, s_bits, s = quantize_nvfp4_blocks(v, b, amax_ptr + S_ENC, u, STOCHASTIC, SOFTWARE_ROUND, PACKED)
         if PACKED:  # row-major codes; one scale per row and block of 16 (a tile's repeated over its rows)
             pairs = pack_pairs(tl.reshape(tl.where(s == s, q, 0), (BLOCK_M, BLOCK_K)))
             pair_cols = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
@@ -263,7 +292,6 @@ def _fake_quant_kernel(
                 q = bf16_bits_rne(q)
             tl.store(k_ptr + x_rows[:, None] * K + cols[None, :], q, mask=in_x)
     if ALONG_M:  # blocks of 16 rows: [BM / 16, 16, BK], reduced over the middle dim
-        tensor_amax = tl.load(amax_ptr + 1).to(tl.float32, bitcast=True)
         signs = tl.load(signs_ptr + tl.arange(0, 16)) if HADAMARD else 0.0
         v = blocks_along_m(x, signs, BLOCK_M, BLOCK_K, HADAMARD)
         b = block_amax_bits(v, 1, SOFTWARE_ROUND).to(tl.float32, bitcast=True)[:, None, :]
@@ -271,7 +299,7 @@ def _fake_quant_kernel(
         if STOCHASTIC:  # each thread holds columns: eight of a column's rows to a Philox call
             u = draws_tile_along_rows(seed, 1, tl.program_id(0) * BLOCK_M, cols, BLOCK_M, BLOCK_K)
             u = tl.reshape(u, (BLOCK_M // 16, 16, BLOCK_K))
-        q, s_bits, s = quantize_nvfp4_blocks(v, b, tensor_amax, u, STOCHASTIC, SOFTWARE_ROUND, PACKED)
+        q, s_bits, s = quantize_nvfp4_blocks(v, b, amax_ptr + S_ENC + 1, u, STOCHASTIC, SOFTWARE_ROUND, PACKED)
         if PACKED:  # stored transposed: row c of the output holds column c's codes, paired along M
             codes = tl.reshape(tl.where(s == s, q, 0), (BLOCK_M, BLOCK_K))
             pairs = tl.trans(pack_pairs_along_rows(codes))
@@ -378,8 +406,8 @@ def _launch(
         if groups is not None and outputs[1].numel():
             outputs[1].zero_()
         return torch.full((2,), EMPTY_S_DEC, dtype=torch.float32, device=x.device)
-    amax = torch.zeros(2, dtype=torch.int32, device=x.device)
-    s_dec = torch.empty(2, dtype=torch.float32, device=x.device)  # the fake-quant kernel's first program writes it
+    amax = torch.zeros(SCRATCH, dtype=torch.int32, device=x.device)  # the maxima, and the scales derived from them
+    s_dec = torch.empty(2, dtype=torch.float32, device=x.device)  # the maxima kernel's last program writes it
     software = software_round(x, op)
     hadamard = along_m and signs is not None
     signs_arg = signs if hadamard else amax
@@ -389,20 +417,18 @@ def _launch(
     gather = groups is not None
     key = (x.shape, x.stride(), x.dtype, along_k, along_m, tiles, hadamard, stochastic, packed, m_pad, gather, software)
     _AMAX.launch_keyed(
-        key, lambda: _amax_launch(x, amax, signs_arg, src, end, m_pad, hadamard, gather, software), x_ptr=x,
-        amax_ptr=amax, signs_ptr=signs_arg, src_ptr=src, end_ptr=end,
+        key, lambda: _amax_launch(x, amax, signs_arg, src, end, s_dec, m_pad, hadamard, gather, software), x_ptr=x,
+        amax_ptr=amax, signs_ptr=signs_arg, src_ptr=src, end_ptr=end, s_dec_ptr=s_dec,
     )  # fmt: skip
     seed_arg = amax if seed is None else seed
     # the fake-quant writes no scales: any pointer stands in for them
     out_k, out_m, k_scale, m_scale = outputs if packed else (*outputs[:2], amax, amax)
     _FAKE_QUANT.launch_keyed(
         key,
-        lambda: _fake_quant_launch(x, amax, signs_arg, seed_arg, src, end, out_k, out_m, k_scale, m_scale, s_dec,
-                                   along_k, along_m, tiles, hadamard, stochastic, packed, m_pad, gather,
-                                   software),  # fmt: skip
+        lambda: _fake_quant_launch(x, amax, signs_arg, seed_arg, src, end, out_k, out_m, k_scale, m_scale, along_k,
+                                   along_m, tiles, hadamard, stochastic, packed, m_pad, gather, software),  # fmt: skip
         x_ptr=x, amax_ptr=amax, signs_ptr=signs_arg, seed_ptr=seed_arg, src_ptr=src, end_ptr=end,
         k_ptr=_bits(out_k, x, software), m_ptr=_bits(out_m, x, software), k_scale_ptr=k_scale, m_scale_ptr=m_scale,
-        s_dec_ptr=s_dec,
     )  # fmt: skip
     return s_dec
 
@@ -422,8 +448,8 @@ def amax_row_tiles(tiles_m: int, tiles_k: int) -> int:
 
 
 def _amax_launch(
-    x: torch.Tensor, amax: torch.Tensor, signs: torch.Tensor, src: torch.Tensor, end: torch.Tensor, m_pad: int,
-    hadamard: bool, gather: bool, software: bool,
+    x: torch.Tensor, amax: torch.Tensor, signs: torch.Tensor, src: torch.Tensor, end: torch.Tensor,
+    s_dec: torch.Tensor, m_pad: int, hadamard: bool, gather: bool, software: bool,
 ) -> tuple[tuple[int, int], dict]:  # fmt: skip
     block_m, block_k, num_warps = AMAX_HADAMARD_TILE if hadamard else TILE
     num_warps = num_warps if hadamard else AMAX_PLAIN_WARPS
@@ -432,7 +458,7 @@ def _amax_launch(
     row_tiles = amax_row_tiles(tiles_m, tiles_k)
     grid = (cdiv(tiles_m, row_tiles), tiles_k)
     return grid, dict(
-        x_ptr=x, amax_ptr=amax, signs_ptr=signs, src_ptr=src, end_ptr=end, M=m, K=x.shape[1],
+        x_ptr=x, amax_ptr=amax, signs_ptr=signs, src_ptr=src, end_ptr=end, s_dec_ptr=s_dec, M=m, K=x.shape[1],
         stride_xm=x.stride(0), stride_xk=x.stride(1), BLOCK_M=block_m, BLOCK_K=block_k, ROW_TILES=row_tiles,
         HADAMARD=hadamard, GATHER=gather, SOFTWARE_ROUND=software, num_warps=num_warps,
     )  # fmt: skip
@@ -441,8 +467,8 @@ def _amax_launch(
 def _fake_quant_launch(
     x: torch.Tensor, amax: torch.Tensor, signs: torch.Tensor, seed: torch.Tensor, src: torch.Tensor,
     end: torch.Tensor, out_k: torch.Tensor, out_m: torch.Tensor, k_scale: torch.Tensor, m_scale: torch.Tensor,
-    s_dec: torch.Tensor, along_k: bool, along_m: bool, tiles: bool, hadamard: bool, stochastic: bool, packed: bool,
-    m_pad: int, gather: bool, software: bool,
+    along_k: bool, along_m: bool, tiles: bool, hadamard: bool, stochastic: bool, packed: bool, m_pad: int,
+    gather: bool, software: bool,
 ) -> tuple[tuple[int, int], dict]:  # fmt: skip
     lanes = along_m and not along_k and not stochastic and not packed
     block_m, block_k, num_warps = ALONG_M_TILE if lanes else TILE
@@ -451,7 +477,7 @@ def _fake_quant_launch(
     return grid, dict(
         x_ptr=x, amax_ptr=amax, signs_ptr=signs, seed_ptr=seed, src_ptr=src, end_ptr=end,
         k_ptr=_bits(out_k, x, software), m_ptr=_bits(out_m, x, software), k_scale_ptr=k_scale, m_scale_ptr=m_scale,
-        s_dec_ptr=s_dec, M=m_pad if gather else m, M_PAD=m_pad, K=k, stride_xm=x.stride(0), stride_xk=x.stride(1),
+        M=m_pad if gather else m, M_PAD=m_pad, K=k, stride_xm=x.stride(0), stride_xk=x.stride(1),
         BLOCK_M=block_m, BLOCK_K=block_k, ALONG_K=along_k, ALONG_M=along_m, TILES=tiles, HADAMARD=hadamard,
         STOCHASTIC=stochastic, PACKED=packed, GATHER=gather, SOFTWARE_ROUND=software,
         OUT_BF16_BITS=software and out_k.dtype == torch.bfloat16, LANE_COLS=ALONG_M_LANE_COLS if lanes else 0,
@@ -469,14 +495,14 @@ def compile_for_target(
     from mx_kernels.gluon_common import compile_for_arch
 
     x = torch.empty(shape, dtype=torch.bfloat16, device="meta")
-    amax = torch.empty(2, dtype=torch.int32, device="meta")
+    amax = torch.empty(SCRATCH, dtype=torch.int32, device="meta")
     signs, seed = torch.empty(16, device="meta"), torch.empty(1, dtype=torch.int64, device="meta")
     out = torch.empty(16, dtype=torch.uint8 if packed else torch.bfloat16, device="meta")
     scale = torch.empty(16, dtype=torch.uint8, device="meta") if packed else amax
     m_pad = cdiv(shape[0], 2 * BLOCK) * 2 * BLOCK
     src, end = torch.empty(m_pad, dtype=torch.int32, device="meta"), torch.empty(1, dtype=torch.int32, device="meta")
-    _, amax_kwargs = _amax_launch(x, amax, signs, src, end, m_pad, hadamard, gather, False)
-    s_dec = torch.empty(2, device="meta")
-    _, kwargs = _fake_quant_launch(x, amax, signs, seed, src, end, out, out, scale, scale, s_dec, along_k,
-                                   along_m, tiles, hadamard, stochastic, packed, m_pad, gather, False)  # fmt: skip
+    _, amax_kwargs = _amax_launch(x, amax, signs, src, end, torch.empty(2, device="meta"), m_pad, hadamard, gather,
+                                  False)  # fmt: skip
+    _, kwargs = _fake_quant_launch(x, amax, signs, seed, src, end, out, out, scale, scale, along_k, along_m, tiles,
+                                   hadamard, stochastic, packed, m_pad, gather, False)  # fmt: skip
     return compile_for_arch(_amax_kernel, amax_kwargs, arch), compile_for_arch(_fake_quant_kernel, kwargs, arch)
