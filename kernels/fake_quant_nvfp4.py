@@ -148,11 +148,10 @@ def _reciprocal(y, SOFTWARE_ROUND: tl.constexpr):
 
 
 @triton.jit
-def _write_scales(scratch_ptr, s_dec_ptr, SIDE: tl.constexpr):
-    """Side SIDE's (0: along K, 1: along M) per-tensor scales from its final maximum: s_enc and s_dec into the
-    scratch, and s_dec for the GEMM."""
-    tensor_amax = tl.atomic_max(scratch_ptr + SIDE, 0).to(tl.float32, bitcast=True)  # read where the maxima went
-    s_enc, s_dec = per_tensor_scales(tensor_amax)
+def _write_scales(scratch_ptr, s_dec_ptr, amax_bits, SIDE: tl.constexpr):
+    """Side SIDE's (0: along K, 1: along M) per-tensor scales from the bits of its final maximum: s_enc and
+    s_dec into the scratch, and s_dec for the GEMM."""
+    s_enc, s_dec = per_tensor_scales(amax_bits.to(tl.float32, bitcast=True))
     tl.store(scratch_ptr + S_ENC + SIDE, s_enc.to(tl.int32, bitcast=True))
     tl.store(scratch_ptr + S_DEC + SIDE, s_dec.to(tl.int32, bitcast=True))
     tl.store(s_dec_ptr + SIDE, s_dec)
@@ -234,11 +233,13 @@ def _amax_kernel(
         tl.atomic_max(amax_ptr + 1, block_amax_bits(transformed, 0, SOFTWARE_ROUND))
     else:
         tl.atomic_max(amax_ptr + 1, plain_bits)
-    # acq_rel, from the thread that added the maxima: the program that counts last sees every program's
+    # acq_rel, from the thread that added the maxima: the program that counts last sees every program's maxima
     arrived = tl.atomic_add(amax_ptr + COUNTER, 1)
-    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
-        _write_scales(amax_ptr, s_dec_ptr, 0)
-        _write_scales(amax_ptr, s_dec_ptr, 1)
+    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:  # read where the maxima went, both at once
+        amax_k = tl.atomic_max(amax_ptr, 0, sem="relaxed")
+        amax_m = tl.atomic_max(amax_ptr + 1, 0, sem="relaxed")
+        _write_scales(amax_ptr, s_dec_ptr, amax_k, 0)
+        _write_scales(amax_ptr, s_dec_ptr, amax_m, 1)
 
 
 @triton.jit
