@@ -85,6 +85,7 @@ ALONG_M_TILE = (16, 128, 1)
 ALONG_M_LANE_COLS = 4
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
 ONE_SIXTH = tl.constexpr(0.16666667163372040)  # fl(1/6), exact as an fp32 constant
+TWO_TO_64, TWO_TO_MINUS_64 = tl.constexpr(2.0**64), tl.constexpr(2.0**-64)
 EMPTY_S_DEC = 1 / 3.4028234663852886e38  # an empty tensor's amax is 0: s_enc is the fp32 max
 # The int32 scratch of one call, zeroed: the maxima's bits [0:2] (along K, along M), the maxima kernel's arrival
 # counter [2], then the fp32 bits its last program writes: s_enc [4:6] and s_dec [6:8], along K and along M.
@@ -140,11 +141,15 @@ def per_tensor_scales(tensor_amax):
 
 @triton.jit
 def _reciprocal(y, SOFTWARE_ROUND: tl.constexpr):
-    """fl(1 / y), correctly rounded: ``rcp.rn.f32`` (div_rn's result, without its numerator's scaling and
-    checks: the block scales' division, once a block, was a tenth of the kernel's instructions)."""
+    """fl(1 / y), correctly rounded, for y in [0, 2**126) or NaN (a block scale times s_dec: below 448 * 2**117).
+    libdevice's reciprocal (rcp.rn.ftz: no subnormal path, 12 registers fewer than div_rn in the K + M cast)
+    flushes a subnormal y to 0, and y comes out subnormal when the tensor's maximum is below 2**-116; so a y
+    under 2**-64 goes in times 2**64 and its reciprocal comes out times 2**64, exact both ways (a power of two,
+    no result subnormal, an overflow where 1 / y overflows too)."""
     if SOFTWARE_ROUND:
         return tl.math.div_rn(1.0, y)
-    return libdevice.rcp_rn(y)
+    scale = tl.where(y < TWO_TO_MINUS_64, TWO_TO_64, 1.0)
+    return libdevice.rcp_rn(y * scale) * scale
 
 
 @triton.jit
@@ -227,13 +232,14 @@ def _amax_kernel(
                                             stride_xm, stride_xk, BLOCK_M, BLOCK_K, ROW_TILES, HADAMARD, GATHER,
                                             SOFTWARE_ROUND)  # fmt: skip
     plain_bits = block_amax_bits(tl.reshape(plain, (plain.numel,)), 0, SOFTWARE_ROUND)
-    tl.atomic_max(amax_ptr, plain_bits)
+    tl.atomic_max(amax_ptr, plain_bits, sem="relaxed")
     if HADAMARD:
         transformed = transformed * 0.25
-        tl.atomic_max(amax_ptr + 1, block_amax_bits(transformed, 0, SOFTWARE_ROUND))
+        tl.atomic_max(amax_ptr + 1, block_amax_bits(transformed, 0, SOFTWARE_ROUND), sem="relaxed")
     else:
-        tl.atomic_max(amax_ptr + 1, plain_bits)
-    # acq_rel, from the thread that added the maxima: the program that counts last sees every program's maxima
+        tl.atomic_max(amax_ptr + 1, plain_bits, sem="relaxed")
+    # acq_rel, from the thread that added the maxima (relaxed: the release orders them, and they need not wait
+    # for each other): the program that counts last sees every program's maxima
     arrived = tl.atomic_add(amax_ptr + COUNTER, 1)
     if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:  # read where the maxima went, both at once
         amax_k = tl.atomic_max(amax_ptr, 0, sem="relaxed")

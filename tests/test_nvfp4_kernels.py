@@ -127,6 +127,13 @@ def group_inputs(device):
     yield x[:40].to(device), torch.tensor([16, 33, 40], dtype=torch.int32, device=device)
 
 
+def tiny_input(device: str = "cpu") -> torch.Tensor:
+    """A tensor below 2**-116, rows from 2**-118 down to 2**-131 (bf16 subnormals): its decode scale is an fp32
+    subnormal, and so is its small blocks' scale * s_dec, whose reciprocal the kernels take on the GPU."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(3))
+    return (x * torch.exp2(-118.0 - torch.arange(64) % 14)[:, None]).to(torch.bfloat16).to(device)
+
+
 def check_packed(x, along_k, along_m, tiles, hadamard, stochastic, pad_m, seed=0):
     """The kernel's packed cast (codes, e4m3 scales, decode scales) against ``to_nvfp4`` through the reference
     entry point, bit for bit; the along-M side transposed with its rows zero-padded to ``pad_m``."""
@@ -328,6 +335,7 @@ def test_gpu_nvfp4_edge_tensors_and_dispatch():
         torch.zeros(32, 32, dtype=torch.bfloat16),
         torch.full((32, 32), float("inf"), dtype=torch.bfloat16),
         special_input((64, 128), torch.bfloat16, "cpu").nan_to_num(nan=1.0),
+        tiny_input(),
     ):
         for case in CASES:
             check(None, "cuda", *case, False, x=x.cuda())
@@ -442,6 +450,7 @@ def test_gpu_nvfp4_grouped_on_the_kernels_matches_the_cpu_reference(name):
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_gpu_nvfp4_packed_cast_bit_exact(case, stochastic):
     check_packed(special_input((96, 160), torch.bfloat16, "cuda"), *case, stochastic, 16)
+    check_packed(tiny_input("cuda"), *case, stochastic, 16)
     for shape in [(96, 160), (4128, 256), (1024, 4096)]:
         x = special_input(shape, torch.bfloat16, "cuda").nan_to_num(nan=1.0)
         check_packed(x, *case, stochastic, 32)
