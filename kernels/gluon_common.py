@@ -375,8 +375,8 @@ def require_gpu(x: torch.Tensor, op: str) -> None:
 
 def compile_for_arch(kernel, kwargs: dict, arch: int):
     """Compile the Gluon (or Triton) ``kernel`` for CUDA ``arch`` without a GPU, its arguments (``kwargs``, by
-    name, ``num_warps`` included) specialized as a launch would specialize them (16-divisible ints, stride
-    1): the CompiledKernel, with ``.asm["ttgir"]``, ``["ptx"]`` and ``["cubin"]``."""
+    name, ``num_warps`` and any ``maxnreg`` included) specialized as a launch would specialize them (16-divisible
+    ints, stride 1): the CompiledKernel, with ``.asm["ttgir"]``, ``["ptx"]`` and ``["cubin"]``."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource
@@ -395,4 +395,5 @@ def compile_for_arch(kernel, kwargs: dict, arch: int):
             attrs[(i,)] = BaseBackend.parse_attr(attr)
     source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
     src = source(kernel, signature, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=kwargs["num_warps"]))
+    options = {name: kwargs[name] for name in ("num_warps", "maxnreg") if name in kwargs}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
