@@ -147,9 +147,10 @@ def per_tensor_scales(tensor_amax):
 def _reciprocal(y, SOFTWARE_ROUND: tl.constexpr):
     """fl(1 / y), correctly rounded, for y in [0, 2**126) or NaN (a block scale times s_dec: below 448 * 2**117).
     libdevice's reciprocal (rcp.rn.ftz: no subnormal path, 12 registers fewer than div_rn in the K + M cast)
-    flushes a subnormal y to 0, and y comes out subnormal when the tensor's maximum is below 2**-116; so a y
-    under 2**-64 goes in times 2**64 and its reciprocal comes out times 2**64, exact both ways (a power of two,
-    no result subnormal, an overflow where 1 / y overflows too)."""
+    flushes a subnormal y to 0, and y can come out subnormal once the tensor's maximum is below about 2**-105
+    (s_dec below 2**-116, a small block's scale down to 2**-9); so a y under 2**-64 goes in times 2**64 and its
+    reciprocal comes out times 2**64, exact both ways (a power of two, no result subnormal, an overflow where
+    1 / y overflows too)."""
     if SOFTWARE_ROUND:
         return tl.math.div_rn(1.0, y)
     scale = tl.where(y < TWO_TO_MINUS_64, TWO_TO_64, 1.0)
