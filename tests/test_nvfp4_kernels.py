@@ -417,6 +417,25 @@ def test_kernels_compile_for_hopper_and_blackwell(arch):
             assert amax_kernel.asm["cubin"] and kernel.asm["cubin"]
 
 
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
+def test_casts_along_k_and_m_fit_their_register_cap_without_spills():
+    """Along K and M with the transform, to nearest, the quantizing kernel launches capped at
+    BOTH_SIDES_MAX_REGISTERS (6 programs of 4 warps an SM on Hopper instead of 5), and ptxas fits the cap with no
+    local memory: the fake-quant, the packed cast and the token groups' fake-quant (sm_90). Stochastic rounding
+    keeps its registers (capped, Philox spills)."""
+    from mx_kernels.fake_quant_nvfp4 import BOTH_SIDES_MAX_REGISTERS, compile_for_target
+    from test_gluon_kernels import resource_usage
+
+    for packed, gather in ((False, False), (True, False), (False, True)):
+        _, kernel = compile_for_target((4096, 4096), True, True, False, True, False, 90, packed, gather)
+        assert kernel.metadata.maxnreg == BOTH_SIDES_MAX_REGISTERS, (packed, gather)
+        usage = resource_usage(kernel.asm["cubin"])
+        if usage is not None:
+            assert usage["REG"] <= BOTH_SIDES_MAX_REGISTERS and usage["LOCAL"] == 0, (packed, gather, usage)
+    _, kernel = compile_for_target((4096, 4096), True, True, False, True, True, 90)
+    assert kernel.metadata.maxnreg is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["nvfp4_nearest_grads", "nvfp4_1d_weights"])
