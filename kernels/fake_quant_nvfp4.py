@@ -172,12 +172,12 @@ def quantize_nvfp4_blocks(
     v, block_amax, scales_ptr, u, STOCHASTIC: tl.constexpr, SOFTWARE_ROUND: tl.constexpr, CODES: tl.constexpr = False
 ):  # fmt: skip
     """fp32 values v, each block's max|.| ``block_amax`` (broadcast to v), the tensor's s_enc and s_dec at
-    ``scales_ptr`` and ``scales_ptr + 2`` (the scratch's, as int32 bits) ->
+    ``scales_ptr`` and ``scales_ptr + S_DEC - S_ENC`` (the scratch's, as int32 bits) ->
     (e2m1 values in fp32, or under CODES their 4-bit codes, v's shape, something in NaN blocks; e4m3 block scale
     bits, 0x7F for NaN blocks; float(block scale), NaN for NaN blocks): ``nvfp4._quantize`` with two-level
     scales."""
     s_enc = tl.load(scales_ptr).to(tl.float32, bitcast=True)
-    s_dec = tl.load(scales_ptr + 2).to(tl.float32, bitcast=True)
+    s_dec = tl.load(scales_ptr + (S_DEC - S_ENC)).to(tl.float32, bitcast=True)
     d = _min_nan(_min_nan(block_amax * (s_enc * ONE_SIXTH), FP32_MAX), 448.0)  # d >= 0 or NaN
     if SOFTWARE_ROUND:
         s_bits = round_to_fp8_bits(tl.where(d == d, d, 0.0), "e4m3")
