@@ -25,6 +25,7 @@ import functools
 
 import torch
 import triton.experimental.gluon.language as gl
+from mx_kernels import gluon_e2m1_casts
 from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, empty_outputs, tile_grid
 from mx_kernels.gluon_common import (
     arange_along,
@@ -242,7 +243,10 @@ def cast_dim0(x: torch.Tensor, elem: str, mode: str, blocked: bool = False) -> t
 
 def cast_dim1(x: torch.Tensor, elem: str, mode: str, blocked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] or [E, M, K] (bf16/fp32, M % 32 == 0) -> (qdata [.., K, M] fp8, scales e8m0 [.., K, M/32], or
-    blocked): ``mx_kernels.triton_casts.cast_dim1``, bit for bit; 3D x: each expert's [K, M] written directly."""
+    blocked): ``mx_kernels.triton_casts.cast_dim1``, bit for bit; 3D x: each expert's [K, M] written directly.
+    e2m1 (bf16): ``gluon_e2m1_casts.cast_dim1``."""
+    if elem == "e2m1":
+        return gluon_e2m1_casts.cast_dim1(x, mode, blocked)
     check_cast(x, elem, mode, ndims=(2, 3), qdim=-2, op="gluon cast_dim1")
     k_first = x.dim() == 3 and x.is_cuda and _dim1_3d_k_first(x.device.index)
     return _cast(x, elem, mode, blocked, dim0=False, dim1=True, k_first=k_first, op="gluon cast_dim1")

@@ -139,7 +139,7 @@ def dim1_scale_layout(num_sub, rows, num_warps, reps, warps_m=1):
 
 
 @gluon.constexpr_function
-def _linear(shape, reg, lane, warp):
+def linear(shape, reg, lane, warp):
     """A DistributedLinearLayout of ``shape`` from bases written as (dim, value), None for a broadcast."""
 
     def basis(b):
@@ -166,28 +166,28 @@ def scatter_layouts(axis, num_sub, rows, num_warps, reps, warps_m=1):
         rep5 = [(2, 2 * num_warps * r) for r in _pow2_below(reps)]
         warp5 = [(2, 2 * w) for w in _pow2_below(num_warps)] + sw
         lanes = [(2, 1), (1, 8), (1, 16)]  # chunk, rows 8 and 16 (the same for every rank below)
-        x5 = _linear([num_sub, 32, ch, 4, 8], [(4, 1), (4, 2), (4, 4), (1, 1), (1, 2), (1, 4)] + sub + rep5,
+        x5 = linear([num_sub, 32, ch, 4, 8], [(4, 1), (4, 2), (4, 4), (1, 1), (1, 2), (1, 4)] + sub + rep5,
                      [(3, 1), (3, 2)] + lanes, warp5, )  # fmt: skip
-        p0 = _linear([num_sub, 32, ch, 2, 2], [(1, 1), (1, 2), (1, 4)] + sub + rep5, [(4, 1), (3, 1)] + lanes, warp5)
-        p1 = _linear([num_sub, 32, ch, 2, 2], [(4, 1), (1, 2), (1, 4)] + sub + rep5, [(1, 1), (3, 1)] + lanes, warp5)
-        p2 = _linear([num_sub, 32, ch, 2], [(3, 1), (1, 4)] + sub + rep5, [(1, 1), (1, 2)] + lanes, warp5)
-        amax = _linear([num_sub, 32, ch], [(1, 4)] + sub + rep5, [(1, 1), (1, 2)] + lanes, warp5)
-        half = _linear([num_sub, 32, ch], [(1, 2), (1, 4)] + sub + rep5, [(1, 1), None] + lanes, warp5)
+        p0 = linear([num_sub, 32, ch, 2, 2], [(1, 1), (1, 2), (1, 4)] + sub + rep5, [(4, 1), (3, 1)] + lanes, warp5)
+        p1 = linear([num_sub, 32, ch, 2, 2], [(4, 1), (1, 2), (1, 4)] + sub + rep5, [(1, 1), (3, 1)] + lanes, warp5)
+        p2 = linear([num_sub, 32, ch, 2], [(3, 1), (1, 4)] + sub + rep5, [(1, 1), (1, 2)] + lanes, warp5)
+        amax = linear([num_sub, 32, ch], [(1, 4)] + sub + rep5, [(1, 1), (1, 2)] + lanes, warp5)
+        half = linear([num_sub, 32, ch], [(1, 2), (1, 4)] + sub + rep5, [(1, 1), None] + lanes, warp5)
         return x5, p0, p1, p2, amax, half
     # tile [S, 32 rows, CH, 32 cols] in transposed_layout; the 4 row lanes hold a block's 4 x 8 values
     cols = [(4, 8), (4, 16), (3, 1)]  # the column lanes and the chunk lane of the rank-5 shapes
     rep, warp = [(3, 2 * num_warps * r) for r in _pow2_below(reps)], [(3, 2 * w) for w in _pow2_below(num_warps)]
-    x5 = _linear([num_sub, 4, 8, ch, 32], [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4)] + sub + rep,
+    x5 = linear([num_sub, 4, 8, ch, 32], [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4)] + sub + rep,
                  cols + [(1, 1), (1, 2)], warp + sw)  # fmt: skip
-    p0 = _linear([num_sub, 2, 2, ch, 32], [(4, 1), (4, 2), (4, 4)] + sub + rep, cols + [(2, 1), (1, 1)], warp + sw)
-    p1 = _linear([num_sub, 2, 2, ch, 32], [(2, 1), (4, 2), (4, 4)] + sub + rep, cols + [(4, 1), (1, 1)], warp + sw)
+    p0 = linear([num_sub, 2, 2, ch, 32], [(4, 1), (4, 2), (4, 4)] + sub + rep, cols + [(2, 1), (1, 1)], warp + sw)
+    p1 = linear([num_sub, 2, 2, ch, 32], [(2, 1), (4, 2), (4, 4)] + sub + rep, cols + [(4, 1), (1, 1)], warp + sw)
     rep4, warp4 = [(2, b) for _, b in rep], [(2, b) for _, b in warp] + sw
     cols4 = [(3, 8), (3, 16), (2, 1)]
-    p2 = _linear([num_sub, 2, ch, 32], [(1, 1), (3, 4)] + sub + rep4, cols4 + [(3, 1), (3, 2)], warp4)
+    p2 = linear([num_sub, 2, ch, 32], [(1, 1), (3, 4)] + sub + rep4, cols4 + [(3, 1), (3, 2)], warp4)
     rep3, warp3 = [(1, b) for _, b in rep], [(1, b) for _, b in warp] + sw
     cols3 = [(2, 8), (2, 16), (1, 1)]
-    amax = _linear([num_sub, ch, 32], [(2, 4)] + sub + rep3, cols3 + [(2, 1), (2, 2)], warp3)
-    half = _linear([num_sub, ch, 32], [(2, 2), (2, 4)] + sub + rep3, cols3 + [(2, 1), None], warp3)
+    amax = linear([num_sub, ch, 32], [(2, 4)] + sub + rep3, cols3 + [(2, 1), (2, 2)], warp3)
+    half = linear([num_sub, ch, 32], [(2, 2), (2, 4)] + sub + rep3, cols3 + [(2, 1), None], warp3)
     return x5, p0, p1, p2, amax, half
 
 
@@ -325,7 +325,7 @@ def line_layout(num_warps, along_m):
         reg, lane = [(3, 1), (3, 2), (3, 4), (3, 8)], [(3, 16), (2, 1), (2, 2), (1, 1), (1, 2)]
         rest = [(1, 4), (1, 8), (1, 16), (0, 1), (0, 2)]
     w = num_warps.bit_length() - 1
-    return _linear([4, 32, 4, 32], reg + rest[w:], lane, rest[:w])
+    return linear([4, 32, 4, 32], reg + rest[w:], lane, rest[:w])
 
 
 @gluon.jit

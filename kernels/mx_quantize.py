@@ -389,7 +389,7 @@ def _word_codes_ptx() -> str:
     return _codes_ptx_block("v", "\nmul.rn.bf16x2 v, $1, $2;" + _e2m1_codes_ptx("v", "$0"))
 
 
-_WORD_CODES_PTX = tl.constexpr(_word_codes_ptx())
+WORD_CODES_PTX = tl.constexpr(_word_codes_ptx())
 
 
 @triton.jit
@@ -409,7 +409,7 @@ def e2m1_words_along_m(w, RCEIL: tl.constexpr, MOVE: tl.constexpr):
     is_nan, inv, scale = bf16_block_scales(amax, RCEIL)
     inv_lo, inv_hi = tl.split(tl.reshape(inv, (NB, CW, 2)))
     keep_lo, keep_hi = tl.split(tl.reshape(tl.where(is_nan, 0, 0xFFFF), (NB, CW, 2)))  # a NaN block's codes are 0
-    codes = tl.inline_asm_elementwise(_WORD_CODES_PTX, "=r,r,r", [cw, (inv_lo | (inv_hi << 16))[:, None, :]],
+    codes = tl.inline_asm_elementwise(WORD_CODES_PTX, "=r,r,r", [cw, (inv_lo | (inv_hi << 16))[:, None, :]],
                                       dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
     codes = codes & (keep_lo | (keep_hi << 16))[:, None, :]
     even, odd = tl.split(tl.permute(tl.reshape(codes, (NB, 16, 2, CW)), (0, 1, 3, 2)))

@@ -28,6 +28,7 @@ from mx_kernels.common import (
     check_cast,
     dim0_shapes,
     dim1_shapes,
+    e2m1_reads_words,
     empty_outputs,
     fake_quant_2d_shapes,
     groups_along_m_rows,
@@ -122,7 +123,8 @@ class KernelOp:
     triton: str
     gluon: str
     bf16_only: bool = False
-    fp4: bool = False  # the Triton kernel takes e2m1 too (the Gluon one does not)
+    fp4: bool = False  # the Triton kernel takes e2m1 too
+    gluon_fp4: bool = False  # so does the Gluon one (bf16 read as words: ``mx_kernels.gluon_e2m1_casts``)
     stochastic: bool = False  # the Triton kernel rounds e2m1 stochastically too
 
 
@@ -131,7 +133,12 @@ OPS: dict[str, KernelOp] = {
         reference_cast_dim0, "triton_casts:cast_dim0", "gluon_casts:cast_dim0", fp4=True, stochastic=True
     ),
     "cast_dim1": KernelOp(
-        reference_cast_dim1, "triton_casts:cast_dim1", "gluon_casts:cast_dim1", fp4=True, stochastic=True
+        reference_cast_dim1,
+        "triton_casts:cast_dim1",
+        "gluon_casts:cast_dim1",
+        fp4=True,
+        gluon_fp4=True,
+        stochastic=True,
     ),
     "cast_dim0_dim1": KernelOp(
         reference_cast_dim0_dim1, "triton_casts:cast_dim0_dim1", "gluon_casts:cast_dim0_dim1", fp4=True
@@ -173,8 +180,10 @@ def rule(
     takes = dtype == torch.bfloat16 or not spec.bf16_only
     if rounding != "nearest":  # e2m1 on the Triton casts and fake-quants (MXFP4 gradients); fp8 has no kernel
         return "triton" if elem == "e2m1" and spec.stochastic and takes else "reference"
-    if elem not in KERNEL_ELEMS:  # e2m1: the Triton casts, and the Triton fake-quants of bf16
-        return "triton" if spec.fp4 and takes else "reference"
+    if elem not in KERNEL_ELEMS:  # e2m1: the Triton casts and fake-quants of bf16; on Hopper the Gluon cast along M
+        if not (spec.fp4 and takes):
+            return "reference"
+        return "gluon" if spec.gluon_fp4 and gluon and capability[0] == 9 and dtype == torch.bfloat16 else "triton"
     if dtype != torch.bfloat16:
         return "reference" if spec.bf16_only else "triton"
     return "gluon" if gluon and capability[0] == 9 else "triton"
@@ -189,11 +198,14 @@ def _capability(device_index: int) -> tuple[int, int] | None:
 def implementation(op: str, x: Tensor, elem: str, rounding: str = "nearest") -> str:
     """``rule`` for ``op`` on x (the environment is read at each call). The kernels' draws for stochastic
     rounding come eight to a Philox call along the last dim: x's last dim not a multiple of 8 takes the
-    reference."""
+    reference. An x that the Gluon e2m1 kernel cannot read as words (strides) takes the Triton one."""
     if rounding != "nearest" and x.shape[-1] % 8:
         return "reference"
     capability = _capability(x.device.index) if x.is_cuda else None
-    return rule(op, capability, x.dtype, elem, rounding, os.environ.get(GLUON_ENV) != "0")
+    kind = rule(op, capability, x.dtype, elem, rounding, os.environ.get(GLUON_ENV) != "0")
+    if kind == "gluon" and elem == "e2m1" and not e2m1_reads_words(x, elem, False, False):
+        return "triton"  # the Gluon e2m1 kernel reads x as words of two elements
+    return kind
 
 
 @functools.cache

@@ -626,9 +626,9 @@ def impl(request, monkeypatch) -> str:
     return request.param
 
 
-def skip_fp4_on_gluon(elem: str, impl: str) -> None:
-    if elem == "e2m1" and impl == "gluon":
-        pytest.skip("the Gluon kernels write fp8 only; e2m1 runs on the Triton kernels")
+def skip_fp4_on_gluon(elem: str, impl: str, along_m_of_bf16: bool = False) -> None:
+    if elem == "e2m1" and impl == "gluon" and not along_m_of_bf16:
+        pytest.skip("the Gluon kernels write fp8, and e2m1 along M of bf16; the rest runs on the Triton kernels")
 
 
 @pytest.mark.gpu
@@ -639,7 +639,7 @@ def skip_fp4_on_gluon(elem: str, impl: str) -> None:
 @pytest.mark.parametrize("blocked", [False, True])
 @pytest.mark.parametrize("kernel", ["dim0", "dim1", "dim0_dim1", "3d_dim0", "3d_dim1"])
 def test_gpu_bit_exact(kernel, blocked, mode, elem, dtype, impl):
-    skip_fp4_on_gluon(elem, impl)
+    skip_fp4_on_gluon(elem, impl, kernel in ("dim1", "3d_dim1") and dtype == torch.bfloat16)
     if kernel == "dim0":
         for shape in [(96, 160), (4128, 160), (33, 96), (1000, 4096)]:
             check_dim0(shape, dtype, elem, mode, blocked, "cuda", impl=impl)
@@ -737,6 +737,9 @@ def test_gpu_every_bf16_value_and_rejections(impl):
             out0, out1 = run_dim0_dim1(x.cuda(), elem, mode, True, impl)
             check_mx(out0, ref0, to_blocked(ref0.scale), f"{what} fused (dim0)")
             check_mx(out1, ref1, to_blocked(ref1.scale), f"{what} fused (dim1)")
+    for mode in MODES:  # e2m1 along M: a Gluon kernel too
+        ref = to_mx(x.t().contiguous(), "e2m1", mode)
+        check_mx(run_dim1(x.cuda(), "e2m1", mode, False, impl), ref, None, f"{impl} all bf16 e2m1 {mode} dim1")
     with pytest.raises(ValueError, match=r"dim 0 of shape \(33, 64\) has size 33"):
         cast_dim1(torch.randn(33, 64, device="cuda", dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="dim 1 of shape"):

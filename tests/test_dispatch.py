@@ -24,8 +24,9 @@ def test_rule(op):
     assert dispatch.rule(op, BLACKWELL, bf16, "e5m2", "nearest") == "triton"
     assert dispatch.rule(op, (8, 9), bf16, "e4m3", "nearest") == "triton"
     fake_quant = op.startswith("fake_quant")
-    fp4_kernel = "triton"  # e2m1: the Triton casts (packed codes) and fake-quants
-    assert dispatch.rule(op, HOPPER, bf16, "e2m1", "nearest") == fp4_kernel
+    fp4_kernel = "triton"  # e2m1: the Triton casts (packed codes) and fake-quants; on Hopper the Gluon cast along M
+    assert dispatch.rule(op, HOPPER, bf16, "e2m1", "nearest") == ("gluon" if op == "cast_dim1" else fp4_kernel)
+    assert dispatch.rule(op, HOPPER, bf16, "e2m1", "nearest", gluon=False) == fp4_kernel
     assert dispatch.rule(op, BLACKWELL, bf16, "e2m1", "nearest") == fp4_kernel
     assert dispatch.rule(op, HOPPER, fp32, "e2m1", "nearest") == ("reference" if fake_quant else fp4_kernel)
     # the Triton fake-quants' and one-sided casts' draws; the fused and per-group casts round to nearest

@@ -74,7 +74,9 @@ def test_cast_argument_errors(monkeypatch):
     with pytest.raises(ValueError, match=r"dim 1 of shape \(64, 48\) has size 48"):
         gluon_casts.cast_dim0_dim1(torch.randn(64, 48), "e4m3", "floor")
     with pytest.raises(ValueError, match="e2m1 is not supported"):
-        gluon_casts.cast_dim1(x, "e2m1", "floor")
+        gluon_casts.cast_dim0(x, "e2m1", "floor")
+    with pytest.raises(RuntimeError, match="gluon e2m1 cast_dim1: the Gluon kernels need a CUDA tensor"):
+        gluon_casts.cast_dim1(x, "e2m1", "floor")  # along M: gluon_e2m1_casts
     with pytest.raises(ValueError, match="unknown MX scale rule"):
         gluon_casts.cast_dim1(x, "e4m3", "nearest")
     with pytest.raises(ValueError, match="takes a 2D or 3D tensor"):
@@ -445,8 +447,8 @@ def test_fake_quant_launch_facts():
 @pytest.mark.parametrize("env", ["1", "0"])
 def test_kernel_choice_follows_the_capability_and_environment(monkeypatch, capability, env):
     """Inside a custom op (``dispatch._kernel``): the Gluon launcher exactly for fp8 casts of bf16 on compute
-    capability 9.x unless MX_RECIPE_GLUON=0, else the Triton one (e2m1 always; also for input the kernels
-    refuse, which it names)."""
+    capability 9.x unless MX_RECIPE_GLUON=0, else the Triton one (also for input the kernels refuse, which it names);
+    for e2m1 the Gluon one only along M of bf16 read as words, else the Triton one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     monkeypatch.setattr(dispatch, "_capability", lambda index: capability)
@@ -464,8 +466,10 @@ def test_kernel_choice_follows_the_capability_and_environment(monkeypatch, capab
                 assert dispatch.implementation(op, x, "e4m3") == want, (op, dtype)
                 kind = "gluon" if want == "gluon" else "triton"
                 assert dispatch._kernel(op, x, "e4m3") is launchers[op, kind], (op, dtype)
-                # e2m1: the Triton kernels on every device (the Gluon ones write fp8 only)
-                assert dispatch._kernel(op, x, "e2m1") is launchers[op, "triton"], (op, dtype, "e2m1")
+                # e2m1: the Triton kernels, but along M of bf16 (read as words) on Hopper
+                fp4 = "gluon" if gluon and op == "cast_dim1" and dtype == BF16 else "triton"
+                assert dispatch._kernel(op, x, "e2m1") is launchers[op, fp4], (op, dtype, "e2m1")
+                assert dispatch._kernel(op, x.t(), "e2m1") is launchers[op, "triton"], (op, dtype, "e2m1 strided")
 
 
 def reference_from_launcher_args(op: str, *args):
