@@ -227,16 +227,17 @@ DEVICES = {"CPU": None, "Hopper (sm_90)": (9, 0), "Blackwell (sm_100)": (10, 0)}
 
 def device_table() -> str:
     """What runs where, as the README's markdown table, from ``rule`` (e4m3/e5m2 and round-to-nearest unless
-    the column says otherwise; "CUDA" is the same on Hopper and Blackwell)."""
+    the column says otherwise; "CUDA": the same on Hopper and Blackwell)."""
     header = [
-        "op", *(f"{d}, bf16" for d in DEVICES), "Hopper, fp32", "CUDA, bf16, e2m1", "CUDA, bf16, e2m1, stochastic",
-        "any device, fp8, stochastic",
+        "op", *(f"{d}, bf16" for d in DEVICES), "Hopper, fp32", "Hopper, bf16, e2m1", "Blackwell, bf16, e2m1",
+        "CUDA, bf16, e2m1, stochastic", "any device, fp8, stochastic",
     ]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for op in OPS:
         cells = [rule(op, cap, torch.bfloat16, "e4m3", "nearest") for cap in DEVICES.values()]
         cells += [
             rule(op, (9, 0), torch.float32, "e4m3", "nearest"),
+            rule(op, (9, 0), torch.bfloat16, "e2m1", "nearest"),
             rule(op, (10, 0), torch.bfloat16, "e2m1", "nearest"),
             rule(op, (10, 0), torch.bfloat16, "e2m1", "stochastic"),
             rule(op, (10, 0), torch.bfloat16, "e4m3", "stochastic"),

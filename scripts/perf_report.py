@@ -263,7 +263,10 @@ def fp4_cast_section(path: Path) -> list[str]:
         "once, which the format's second read caps at two thirds for a one-sided NVFP4 cast.",
     ]
     if any("packed" in r["name"] for r in data["rows"]):
-        lines += ["The packed casts (codes and scales, the sm_100 GEMMs' operands) count the bytes they write."]
+        lines += [
+            "The packed casts (codes and scales, the sm_100 GEMMs' operands) count the bytes they write;",
+            "an `_unblock_kernel` (plain scales from blocked ones) counts the scales it reads and writes.",
+        ]
     lines += [""]
     header = ["operand", "x (bf16)", "kernel", "GPU ms", "GB/s", "of copy (target >= 85%)", "call, x once"]
     lines += table(header, rows)
