@@ -198,14 +198,11 @@ def _capability(device_index: int) -> tuple[int, int] | None:
 def implementation(op: str, x: Tensor, elem: str, rounding: str = "nearest") -> str:
     """``rule`` for ``op`` on x (the environment is read at each call). The kernels' draws for stochastic
     rounding come eight to a Philox call along the last dim: x's last dim not a multiple of 8 takes the
-    reference. An x that the Gluon e2m1 kernel cannot read as words (strides) takes the Triton one."""
+    reference."""
     if rounding != "nearest" and x.shape[-1] % 8:
         return "reference"
     capability = _capability(x.device.index) if x.is_cuda else None
-    kind = rule(op, capability, x.dtype, elem, rounding, os.environ.get(GLUON_ENV) != "0")
-    if kind == "gluon" and elem == "e2m1" and not e2m1_reads_words(x, elem, False, False):
-        return "triton"  # the Gluon e2m1 kernel reads x as words of two elements
-    return kind
+    return rule(op, capability, x.dtype, elem, rounding, os.environ.get(GLUON_ENV) != "0")
 
 
 @functools.cache
@@ -219,6 +216,8 @@ def _kernel(op: str, x: Tensor, elem: str) -> Callable:
     """Inside a custom op, where a kernel was chosen: the launcher the rule names for a nearest cast to
     ``elem`` (an input the kernels refuse reaches the Triton launcher, which says why)."""
     kind = implementation(op, x, elem)
+    if kind == "gluon" and elem == "e2m1" and not e2m1_reads_words(x, elem, False, False):
+        kind = "triton"  # the Gluon e2m1 kernel reads x as words of two elements: the strides decide, at run time
     return launcher(op, "gluon" if kind == "gluon" else "triton")
 
 
