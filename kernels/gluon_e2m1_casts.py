@@ -2,7 +2,7 @@
 
 The Hopper implementation of ``cast_dim1`` for e2m1 (mx_recipe.dispatch picks it for bf16 on compute capability
 9.x): the outputs of the Triton word kernel (``triton_casts``), bit for bit. Along K and both ways at once the
-Triton kernels stay (docs/DESIGN.md, Kernels: the MXFP4 casts).
+Triton kernels stay (docs/DESIGN.md, Performance targets: the packed casts).
 
 x is read as int32 words of two bf16 on the fp8 casts' tile (``gluon_casts``): 128 x 128 elements, 8 warps, each
 thread 8 rows x 4 words. A block of 32 along M is a thread's 8 rows on 4 lanes, so each block, and the codes of rows
