@@ -58,7 +58,7 @@ def _fake_quant_2d_kernel(
         blocks = tl.reshape(x, (BLOCK_M * BLOCK_K // 32, 32))
         u = 0.0
         if STOCHASTIC:  # each element draws by its index in the output (stream 0)
-            u = draws_tile(seed, 0, pid_b * M + rows, pid_k * BLOCK_K, K, BLOCK_M, BLOCK_K)
+            u = draws_tile(seed, 0, pid_b * M + rows, pid_k * BLOCK_K, K, BLOCK_M, BLOCK_K, not SOFTWARE_ROUND)
             u = tl.reshape(u, (BLOCK_M * BLOCK_K // 32, 32))
         v = fake_quant_blocks(blocks, 1, ELEM, RCEIL, SOFTWARE_ROUND, OUT_BF16_BITS, u, STOCHASTIC)
         v = tl.reshape(v, (BLOCK_M, BLOCK_K))
@@ -72,7 +72,7 @@ def _fake_quant_2d_kernel(
         u = 0.0
         if STOCHASTIC:  # by the index in the output (stream 1): x's row when gathered, else the padded row
             out_rows = x_rows if GATHER else pid_b * M_PAD + rows
-            u = draws_tile(seed, 1, out_rows, pid_k * BLOCK_K, K, BLOCK_M, BLOCK_K)
+            u = draws_tile(seed, 1, out_rows, pid_k * BLOCK_K, K, BLOCK_M, BLOCK_K, not SOFTWARE_ROUND)
             u = tl.reshape(u, (BLOCK_M // 32, 32, BLOCK_K))
         v = fake_quant_blocks(blocks, 1, ELEM, RCEIL, SOFTWARE_ROUND, OUT_BF16_BITS, u, STOCHASTIC)
         v = tl.reshape(v, (BLOCK_M, BLOCK_K))

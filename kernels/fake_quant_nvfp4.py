@@ -276,7 +276,9 @@ def _fake_quant_kernel(
                         other=0.0), SOFTWARE_ROUND)  # fmt: skip
     seed = tl.load(seed_ptr) if STOCHASTIC else 0
     if ALONG_K:  # in x's rows: each element draws by its index in the [M, K] output
-        u = draws_tile(seed, 0, x_rows, tl.program_id(1) * BLOCK_K, K, BLOCK_M, BLOCK_K) if STOCHASTIC else 0.0
+        u = 0.0
+        if STOCHASTIC:
+            u = draws_tile(seed, 0, x_rows, tl.program_id(1) * BLOCK_K, K, BLOCK_M, BLOCK_K, not SOFTWARE_ROUND)
         if TILES:  # one scale per 16 x 16 tile: [BM / 16, 16, BK / 16, 16]
             v = tl.reshape(x, (BLOCK_M // 16, 16, BLOCK_K // 16, 16))
             b = tl.max(block_amax_bits(v, 3, SOFTWARE_ROUND), axis=1)  # bits order like values: max of maxima
@@ -309,7 +311,7 @@ def _fake_quant_kernel(
         b = block_amax_bits(v, 1, SOFTWARE_ROUND).to(tl.float32, bitcast=True)[:, None, :]
         u = 0.0
         if STOCHASTIC:  # each thread holds columns: eight of a column's rows to a Philox call
-            u = draws_tile_along_rows(seed, 1, tl.program_id(0) * BLOCK_M, cols, BLOCK_M, BLOCK_K)
+            u = draws_tile_along_rows(seed, 1, tl.program_id(0) * BLOCK_M, cols, BLOCK_M, BLOCK_K, not SOFTWARE_ROUND)
             u = tl.reshape(u, (BLOCK_M // 16, 16, BLOCK_K))
         q, s_bits, s = quantize_nvfp4_blocks(v, b, amax_ptr + S_ENC + 1, u, STOCHASTIC, SOFTWARE_ROUND, PACKED)
         if PACKED:  # stored transposed: row c of the output holds column c's codes, paired along M

@@ -110,7 +110,8 @@ def _cast_kernel(
         if DIM0:  # blocks of 32 along K: row-major [M, K] output, scales [M, K/32]
             u = 0.0
             if STOCHASTIC:  # each element by its row-major index in x (stream 0), as fake_quant_2d along K
-                u = tl.reshape(draws_tile(seed, 0, pid_b * M + rows, pid_k * BLOCK_K, K, 32, BLOCK_K), (BLOCK_K, 32))
+                u = draws_tile(seed, 0, pid_b * M + rows, pid_k * BLOCK_K, K, 32, BLOCK_K, not SOFTWARE_ROUND)
+                u = tl.reshape(u, (BLOCK_K, 32))
             q0, s0 = quantize_blocks(tl.reshape(x, (BLOCK_K, 32)), 1, ELEM, RCEIL, SOFTWARE_ROUND, u, STOCHASTIC)
             q0 = tl.reshape(q0, (32, BLOCK_K))
             if ELEM == "e2m1":  # two codes a byte along K: [M, K/2]
@@ -124,7 +125,7 @@ def _cast_kernel(
         if DIM1:  # one block of 32 along M per column: transposed [K, M] output, scales [K, M/32]
             u = 0.0
             if STOCHASTIC:  # each element by its row-major index in x (stream 1), as fake_quant_2d along M
-                u = draws_tile(seed, 1, pid_b * M + rows, pid_k * BLOCK_K, K, 32, BLOCK_K)
+                u = draws_tile(seed, 1, pid_b * M + rows, pid_k * BLOCK_K, K, 32, BLOCK_K, not SOFTWARE_ROUND)
             q1, s1 = quantize_blocks(x, 0, ELEM, RCEIL, SOFTWARE_ROUND, u, STOCHASTIC)
             if ELEM == "e2m1":  # two codes a byte along M: [K, M/2]
                 half = (pid_m * NUM_SUB + i) * 16 + tl.arange(0, 16)
