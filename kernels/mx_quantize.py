@@ -242,9 +242,9 @@ def philox(seed, c0, c1, c2, c3, WIDE: tl.constexpr):
     WIDE (the GPU): each round's two products in one wide multiply each, 20 IMADs a call instead of 35 (sm_90
     SASS); else ``tl.philox`` itself (the interpreter runs no inline PTX)."""
     if WIDE:
-        seed = seed.to(tl.uint64)
-        k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
-        k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        key = seed.to(tl.uint64)
+        k0 = (key & 0xFFFFFFFF).to(tl.uint32)
+        k1 = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
         for _ in tl.static_range(10):
             hi_b, lo_b = _mul_wide(c2, _PHILOX_MUL_B)
             hi_a, lo_a = _mul_wide(c0, _PHILOX_MUL_A)

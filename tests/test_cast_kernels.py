@@ -815,8 +815,11 @@ def test_e2m1_casts_compile_for_hopper_and_blackwell(arch, monkeypatch):
         triton_casts._cast(x, "e2m1", "floor", True, dim0, dim1, "cast", seed if stochastic else None)
         (_, kwargs), _ = launches[0]
         ptx = compile_for_arch(triton_casts._cast_kernel, kwargs, arch).asm["ptx"]
-        # the word path rounds in packed bf16 (exact: the scaled values are bf16); stochastically in fp32
+        # the word path rounds in packed bf16 (exact: the scaled values are bf16); stochastically in fp32, Philox's
+        # products as wide multiplies (along K capped at 80 registers for them)
         assert ("add.rn.bf16x2" in ptx) == (not stochastic) == kwargs["WORDS"], (dim0, dim1, stochastic)
+        assert ("mul.wide.u32 t, " in ptx) == stochastic, (dim0, dim1, stochastic)
+        assert kwargs.get("maxnreg") == (80 if stochastic and dim0 else None), (dim0, dim1, stochastic)
         if kwargs["LANE_WORDS"]:
             assert (dim0, dim1) == (False, True)
             assert "shfl.sync" not in ptx

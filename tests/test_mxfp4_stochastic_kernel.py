@@ -195,7 +195,8 @@ def test_gpu_stochastic_e2m1_entry_points_take_the_kernel():
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
 @pytest.mark.parametrize("arch", [90, 100])
 def test_stochastic_variants_compile_for_hopper_and_blackwell(arch):
-    """What the interpreter cannot check: the stochastic kernel (2D both sides, 3D, gathered) compiles to cubin."""
+    """What the interpreter cannot check: the stochastic kernel (2D both sides, 3D, gathered, along M alone) compiles
+    to cubin, its Philox in wide multiplies (``mx_quantize.philox``) but along M alone, where they cost occupancy."""
     from mx_kernels import fake_quant_2d as fq
     from mx_kernels.gluon_common import compile_for_arch
 
@@ -206,5 +207,8 @@ def test_stochastic_variants_compile_for_hopper_and_blackwell(arch):
         row_src = torch.empty(4096, dtype=torch.int32, device="meta") if gather else None
         along_k = not gather
         m = shape[-2]
-        _, kwargs = fq._kernel_launch(x, row_src, out, out, "e2m1", "floor", along_k, True, m, m, False, seed)
-        assert compile_for_arch(fq._fake_quant_2d_kernel, kwargs, arch).asm["cubin"]
+        for along_m_only in (False, True):
+            k_side = along_k and not along_m_only
+            _, kwargs = fq._kernel_launch(x, row_src, out, out, "e2m1", "floor", k_side, True, m, m, False, seed)
+            kernel = compile_for_arch(fq._fake_quant_2d_kernel, kwargs, arch)
+            assert kernel.asm["cubin"] and ("mul.wide.u32 t, " in kernel.asm["ptx"]) == k_side, (shape, k_side)

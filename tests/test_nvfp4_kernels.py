@@ -399,7 +399,8 @@ def test_gpu_nvfp4_linear_on_the_kernels_matches_the_cpu_reference(name):
 @pytest.mark.parametrize("arch", [90, 100])
 def test_kernels_compile_for_hopper_and_blackwell(arch):
     """What the interpreter cannot check: the kernels compile to cubin (constexpr globals, layouts of the
-    butterflies and joins) for every case the layers launch, stochastic rounding included."""
+    butterflies and joins) for every case the layers launch, stochastic rounding included, its Philox in wide
+    multiplies."""
     from mx_kernels.fake_quant_nvfp4 import compile_for_target
 
     for along_k, along_m, tiles, hadamard in CASES:
@@ -409,6 +410,8 @@ def test_kernels_compile_for_hopper_and_blackwell(arch):
                     (4096, 4096), along_k, along_m, tiles, hadamard, stochastic, arch, packed
                 )
                 assert amax_kernel.asm["cubin"] and kernel.asm["cubin"]
+                # Philox's products as wide multiplies (mx_quantize.philox), its multiplier in the inline PTX
+                assert ("mul.wide.u32 t, " in kernel.asm["ptx"]) == stochastic, (along_k, along_m, stochastic)
     for along_k, along_m, hadamard in GROUP_CASES:  # the token-group kernels
         for stochastic in (False, True):
             amax_kernel, kernel = compile_for_target(
