@@ -36,9 +36,6 @@ from triton.experimental import gluon
 
 BLOCK_M, BLOCK_K = 128, 128  # elements; a tile is [4 sub-tiles, 32 rows, 4 chunks, 16 words]
 NUM_WARPS = gl.constexpr(8)
-# ptxas takes 61 registers, 4 programs of 8 warps an SM; capped at 48 (no spills), 5: H200, blocked scales, same-run
-# A/B, kernel time: 16384 x 16384 173.6 -> 170.7 us, one [8192, 5120] expert 30.6 -> 30.0, four 108.8 -> 107.0
-MAX_REGISTERS = 48
 
 
 @gluon.jit
@@ -137,7 +134,6 @@ def _launch_scalars(shape: tuple[int, ...], strides: tuple[int, ...], mode: str)
         M=m, K=k, stride_xm=strides[-2] // 2, S_COLS=m // 32, stride_xb=strides[0] // 2 if batched else 0,
         stride_qb=m * k // 8 if batched else 0, stride_sb=s_rows * s_cols if batched else 0, BATCHED=batched,
         EVEN=(m_cover, k_cover) == (m, k), OFFS64=span >= 2**31, RCEIL=mode == "rceil", num_warps=NUM_WARPS.value,
-        maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     if grid[1] > 65535:  # CUDA's limits on a grid's y and z dimensions
         raise ValueError(f"Gluon e2m1 cast_dim1 of x {shape}: {grid[1]} tiles along K, more than a grid's 65535")
