@@ -40,7 +40,7 @@ from mx_kernels.gluon_common import (
 )
 from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.spec import blocked_shape
-from mx_kernels.unblock_scales import unblock_scales
+from mx_kernels.unblock_scales import plain_scales
 from triton.experimental import gluon
 
 # The tile's constexprs: 4 sub-tiles of 32 rows, 8 rows a thread, 2 warps along K and 4 along M, BLOCK_K 128.
@@ -222,16 +222,10 @@ def _cast(
     if not blocked:  # [E, n] blocked -> [E, rows, cols] for 3D x, all experts in one launch
         m, k = x.shape[-2:]
         if dim0:
-            outs[1] = _plain(outs[1], x, m, k // 32)
+            outs[1] = plain_scales(outs[1], x, m, k // 32)
         if dim1:
-            outs[-1] = _plain(outs[-1], x, k, m // 32)
+            outs[-1] = plain_scales(outs[-1], x, k, m // 32)
     return tuple(outs)
-
-
-def _plain(blocked: torch.Tensor, x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    if x.numel():
-        return unblock_scales(blocked, rows, cols)
-    return torch.empty((*x.shape[:-2], rows, cols), dtype=torch.float8_e8m0fnu, device=x.device)
 
 
 def cast_dim0(x: torch.Tensor, elem: str, mode: str, blocked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -167,7 +167,7 @@ def scatter_layouts(axis, num_sub, rows, num_warps, reps, warps_m=1):
         warp5 = [(2, 2 * w) for w in _pow2_below(num_warps)] + sw
         lanes = [(2, 1), (1, 8), (1, 16)]  # chunk, rows 8 and 16 (the same for every rank below)
         x5 = linear([num_sub, 32, ch, 4, 8], [(4, 1), (4, 2), (4, 4), (1, 1), (1, 2), (1, 4)] + sub + rep5,
-                     [(3, 1), (3, 2)] + lanes, warp5, )  # fmt: skip
+                    [(3, 1), (3, 2)] + lanes, warp5, )  # fmt: skip
         p0 = linear([num_sub, 32, ch, 2, 2], [(1, 1), (1, 2), (1, 4)] + sub + rep5, [(4, 1), (3, 1)] + lanes, warp5)
         p1 = linear([num_sub, 32, ch, 2, 2], [(4, 1), (1, 2), (1, 4)] + sub + rep5, [(1, 1), (3, 1)] + lanes, warp5)
         p2 = linear([num_sub, 32, ch, 2], [(3, 1), (1, 4)] + sub + rep5, [(1, 1), (1, 2)] + lanes, warp5)
@@ -178,7 +178,7 @@ def scatter_layouts(axis, num_sub, rows, num_warps, reps, warps_m=1):
     cols = [(4, 8), (4, 16), (3, 1)]  # the column lanes and the chunk lane of the rank-5 shapes
     rep, warp = [(3, 2 * num_warps * r) for r in _pow2_below(reps)], [(3, 2 * w) for w in _pow2_below(num_warps)]
     x5 = linear([num_sub, 4, 8, ch, 32], [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4)] + sub + rep,
-                 cols + [(1, 1), (1, 2)], warp + sw)  # fmt: skip
+                cols + [(1, 1), (1, 2)], warp + sw)  # fmt: skip
     p0 = linear([num_sub, 2, 2, ch, 32], [(4, 1), (4, 2), (4, 4)] + sub + rep, cols + [(2, 1), (1, 1)], warp + sw)
     p1 = linear([num_sub, 2, 2, ch, 32], [(2, 1), (4, 2), (4, 4)] + sub + rep, cols + [(4, 1), (1, 1)], warp + sw)
     rep4, warp4 = [(2, b) for _, b in rep], [(2, b) for _, b in warp] + sw

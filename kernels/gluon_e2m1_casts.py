@@ -29,18 +29,13 @@ from mx_kernels.gluon_common import (
     wide,
 )
 from mx_kernels.launch_cache import LaunchCache
-from mx_kernels.mx_quantize import WORD_CODES_PTX, bf16_block_scales
+from mx_kernels.mx_quantize import WORD_CODES_PTX, bf16_block_scales, max_u16x2
 from mx_kernels.spec import blocked_shape
-from mx_kernels.unblock_scales import unblock_scales
+from mx_kernels.unblock_scales import plain_scales
 from triton.experimental import gluon
 
 BLOCK_M, BLOCK_K = 128, 128  # elements; a tile is [4 sub-tiles, 32 rows, 4 chunks, 16 words]
 NUM_WARPS = gl.constexpr(8)
-
-
-@gluon.jit
-def _max_u16x2(a, b):
-    return gl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -56,7 +51,7 @@ def _cast_dim1_kernel(
     # the codes [sub-tile, row lane, chunk, word, column of the word] for the stores: a thread 4 consecutive words of
     # a column, 4 lanes its 64 bytes of the tile, 8 lanes 8 columns
     Q: gl.constexpr = linear([4, 4, 4, 16, 2], [(1, 1), (1, 2), (3, 8)], [(0, 1), (0, 2), (4, 1), (3, 1), (3, 2)],
-                              [(3, 4), (2, 1), (2, 2)])  # fmt: skip
+                             [(3, 4), (2, 1), (2, 2)])  # fmt: skip
     SB: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [NUM_WARPS, 1], [1, 0])  # a blocked scale tile
     pid_m = gl.program_id(0)
     pid_k = gl.program_id(1)
@@ -75,7 +70,7 @@ def _cast_dim1_kernel(
         w = gl.load(x_ptrs, mask=(rows < M) & (words < K // 2), other=0)
 
     # blocks of 32 along M (axis 1), a word's two columns at once
-    m = gl.reduce(w & 0x7FFF7FFF, 1, _max_u16x2)  # [4, 4, 16]: column 2j's max |x| in the low half, 2j + 1's high
+    m = gl.reduce(w & 0x7FFF7FFF, 1, max_u16x2)  # [4, 4, 16]: column 2j's max |x| in the low half, 2j + 1's high
     nan_lo, inv_lo, s_lo = bf16_block_scales(m & 0xFFFF, RCEIL)
     nan_hi, inv_hi, s_hi = bf16_block_scales(m >> 16, RCEIL)
     keep = gl.where(nan_lo, 0, 0xFFFF) | gl.where(nan_hi, 0, -65536)  # a NaN block's codes are 0
@@ -176,9 +171,5 @@ def cast_dim1(x: torch.Tensor, mode: str, blocked: bool = False) -> tuple[torch.
             (x.shape, x.stride(), mode), lambda: kernel_launch(x, words, s.view(torch.uint8), mode), x_ptr=x,
             q_ptr=words, s_ptr=s,
         )  # fmt: skip
-    if blocked:
-        return q, s
     m, k = x.shape[-2:]
-    if x.numel():
-        return q, unblock_scales(s, k, m // 32)  # [E, n] blocked -> [E, K, M / 32] for 3D x, one launch
-    return q, torch.empty((*x.shape[:-2], k, m // 32), dtype=torch.float8_e8m0fnu, device=x.device)
+    return q, s if blocked else plain_scales(s, x, k, m // 32)  # 3D x: [E, n] blocked -> [E, K, M / 32], one launch

@@ -384,7 +384,8 @@ _WORDS_ALONG_K_PTX = tl.constexpr(_words_along_k_ptx())
 
 
 @triton.jit
-def _max_u16x2(a, b):
+def max_u16x2(a, b):
+    """max of two words' 16-bit halves, each half on its own (non-negative bf16 order like their bits)."""
     return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
 
 
@@ -408,7 +409,7 @@ def e2m1_words_along_k(w, RCEIL: tl.constexpr):
     R: tl.constexpr = w.shape[0]
     CW: tl.constexpr = w.shape[1]
     blocks = tl.reshape(w, (R * CW // 16, 16))
-    amax = tl.reduce(blocks & 0x7FFF7FFF, 1, _max_u16x2)
+    amax = tl.reduce(blocks & 0x7FFF7FFF, 1, max_u16x2)
     amax = tl.maximum(amax & 0xFFFF, amax >> 16)  # the block's max |x|, bf16 bits
     is_nan, inv, scale = bf16_block_scales(amax, RCEIL)
     codes = tl.inline_asm_elementwise(_WORDS_ALONG_K_PTX, "=r,r,r,r,r,r,r,r,r", [blocks, (inv * 0x10001)[:, None]],
@@ -437,7 +438,7 @@ def e2m1_words_along_m(w, RCEIL: tl.constexpr, MOVE: tl.constexpr):
     CW: tl.constexpr = w.shape[1]
     NB: tl.constexpr = R // 32
     cw = column_blocks(w, 32) if MOVE else tl.reshape(w, (NB, 32, CW))  # [NB, 32, CW]
-    amax = tl.reduce(cw & 0x7FFF7FFF, 1, _max_u16x2)  # [NB, CW]: column 2j's max |x| in the low half, 2j + 1's high
+    amax = tl.reduce(cw & 0x7FFF7FFF, 1, max_u16x2)  # [NB, CW]: column 2j's max |x| in the low half, 2j + 1's high
     amax = tl.reshape(tl.join(amax & 0xFFFF, amax >> 16), (NB, 2 * CW))  # bf16 bits, column order
     is_nan, inv, scale = bf16_block_scales(amax, RCEIL)
     inv_lo, inv_hi = tl.split(tl.reshape(inv, (NB, CW, 2)))

@@ -64,3 +64,11 @@ def unblock_scales(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         plain = plain[:, :rows, :cols].contiguous()
     plain = plain.view(blocked.dtype)
     return plain if blocked.dim() == 2 else plain[0]
+
+
+def plain_scales(blocked: torch.Tensor, x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The plain [.., rows, cols] scales of a cast of x (2D, or 3D per expert) that wrote them ``blocked``: the
+    Gluon casts' plain scales (an empty x's are an empty tensor of that shape)."""
+    if x.numel():
+        return unblock_scales(blocked, rows, cols)
+    return torch.empty((*x.shape[:-2], rows, cols), dtype=torch.float8_e8m0fnu, device=x.device)
