@@ -190,6 +190,20 @@ def test_interp_nvfp4_edge_tensors():
 
 
 @interp_only
+def test_interp_nvfp4_scratch_is_left_zeroed_for_the_next_call():
+    """The calls on one stream share a kept scratch: the maxima kernel's last program zeroes the maxima and the
+    count it took, so a call after one with a larger maximum (inf here) scales by its own."""
+    from mx_kernels.fake_quant_nvfp4 import _scratch
+
+    big = torch.full((32, 32), float("inf"), dtype=torch.bfloat16)
+    small = special_input((64, 128), torch.bfloat16, "cpu").nan_to_num(nan=1.0, posinf=2.0, neginf=-2.0)
+    for case in CASES:
+        check(None, "cpu", *case, False, x=big)
+        assert not _scratch(small)[:3].any(), f"{case}: the maxima or the count were left behind"
+        check(None, "cpu", *case, False, x=small)
+
+
+@interp_only
 def test_interp_nvfp4_maxima_fold_tiles(monkeypatch):
     """The maxima kernel folds several tiles down each strip (unrolled; with the transform, a loop over 16-row
     tiles), past x's rows at the end: 8 tiles a program here, over 6.5 tiles of 32 rows (13 of 16, two strips).
