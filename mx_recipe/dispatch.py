@@ -189,10 +189,16 @@ def rule(
     return "gluon" if gluon and capability[0] == 9 else "triton"
 
 
-@functools.cache
+_CAPABILITIES: dict[int, tuple[int, int] | None] = {}
+
+
 def _capability(device_index: int) -> tuple[int, int] | None:
-    """(major, minor) of an NVIDIA GPU; None on ROCm, whose capabilities (MI300: 9.4) mean something else."""
-    return None if torch.version.hip else torch.cuda.get_device_capability(device_index)
+    """(major, minor) of an NVIDIA GPU; None on ROCm, whose capabilities (MI300: 9.4) mean something else. Kept in
+    a dict rather than a functools cache: Dynamo traces this inside compiled layers, and warns at every cache
+    wrapper it steps through."""
+    if device_index not in _CAPABILITIES:
+        _CAPABILITIES[device_index] = None if torch.version.hip else torch.cuda.get_device_capability(device_index)
+    return _CAPABILITIES[device_index]
 
 
 def implementation(op: str, x: Tensor, elem: str, rounding: str = "nearest") -> str:

@@ -219,9 +219,16 @@ def _resolve_nvfp4(recipe: NVFP4Recipe, device: torch.device, grouped: bool) -> 
     return CublasBackend()
 
 
-@functools.lru_cache
 def default_backend(recipe: MXRecipe | NVFP4Recipe, device: torch.device, grouped: bool = False) -> Backend:
-    """``resolve_backend``, cached: what ``mx_linear`` and ``mx_grouped_mm`` run on when given no backend."""
+    """``resolve_backend``, cached in eager mode: what ``mx_linear`` and ``mx_grouped_mm`` run on when given no
+    backend. Dynamo traces it once a graph, and would warn of a cache wrapper in its way."""
+    if torch.compiler.is_compiling():
+        return resolve_backend(recipe, device, grouped)
+    return _cached_backend(recipe, device, grouped)
+
+
+@functools.lru_cache
+def _cached_backend(recipe: MXRecipe | NVFP4Recipe, device: torch.device, grouped: bool) -> Backend:
     return resolve_backend(recipe, device, grouped)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,37 @@ def test_launch_cache_wraps_every_kernel():
         for path in (spec.triton, spec.gluon):
             module = importlib.import_module(f"mx_kernels.{path.split(':')[0]}")
             assert isinstance(module._LAUNCHES, LaunchCache), path
+
+
+def test_compiled_layers_trace_the_capability_lookup_without_a_warning(monkeypatch):
+    """Dynamo traces ``implementation`` inside every compiled MX layer; a functools cache on the capability lookup
+    made it warn of the cache wrapper ("Silent incorrectness is only a potential risk") in every training log."""
+    import torch._dynamo.utils
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: HOPPER)
+    monkeypatch.setattr(dispatch, "_CAPABILITIES", {}, raising=False)
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(lambda t: t * dispatch._capability(0)[0], backend="eager", fullgraph=True)(torch.ones(2))
+    assert torch.equal(out, torch.full((2,), 9.0))
+    assert not [w for w in caught if "cache wrapper" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_compiled_linear_resolves_its_default_backend_without_a_warning(monkeypatch):
+    """``mx_linear`` with no backend looks up the default one; compiled, Dynamo traces that lookup (its eager cache
+    made Dynamo warn of the cache wrapper)."""
+    import torch._dynamo.utils
+
+    from mx_recipe import MXRecipe, mx_linear
+
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())
+    torch._dynamo.reset()
+    recipe = MXRecipe.from_name("mxfp8")
+    x, w = torch.randn(64, 64), torch.randn(32, 64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(lambda a, b: mx_linear(a, b, None, recipe), backend="eager")(x, w)
+    assert torch.equal(out, mx_linear(x, w, None, recipe))
+    assert not [w for w in caught if "cache wrapper" in str(w.message)], [str(w.message) for w in caught]

@@ -576,11 +576,11 @@ def test_save_mx_input_is_bit_identical_cuda(name, lead, backend):
 
 def test_mx_linear_without_backend_resolves_once_per_recipe_and_device():
     """The functional API resolves x's device's backend on the first call; later calls hit the cache."""
-    from mx_recipe.gemm import default_backend
+    from mx_recipe.gemm import _cached_backend
 
-    default_backend.cache_clear()
+    _cached_backend.cache_clear()
     x, w = torch.randn(40, K), torch.randn(N, K)
     for _ in range(3):
         mx_linear(x, w, None, RECIPES["mxfp8"])
-    info = default_backend.cache_info()
+    info = _cached_backend.cache_info()
     assert (info.misses, info.hits) == (1, 2)
