@@ -121,7 +121,7 @@ def main() -> None:
         kernels = kernel_ms(call)
         total_ms = sum(kernels.values())
         call_share = (x_bytes + out_bytes) / total_ms / 1e6 / copy_gbs
-        # the call's own kernels: the stochastic calls' seed draw and the zero fills are in the call's time only
+        # the call's own kernels: the stochastic calls' seed draw is in the call's time only
         own = sorted(((k, ms) for k, ms in kernels.items() if ms > 0.02 * total_ms), key=lambda kv: "amax" not in kv[0])
         for i, (kernel, ms) in enumerate(own):
             moved = x_bytes + out_bytes

@@ -460,8 +460,8 @@ def _scratch(x: torch.Tensor) -> torch.Tensor:
     fresh one (a kept tensor allocated there would live in the graph's private memory pool)."""
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return torch.zeros(SCRATCH, dtype=torch.int32, device=x.device)
-    stream = torch._C._cuda_getCurrentRawStream(x.get_device()) if x.is_cuda else 0
-    key = (x.device.type, x.get_device(), stream)
+    index = x.get_device()
+    key = (x.device.type, index, torch._C._cuda_getCurrentRawStream(index) if x.is_cuda else 0)
     scratch = _SCRATCHES.get(key)
     if scratch is None:
         scratch = _SCRATCHES[key] = torch.zeros(SCRATCH, dtype=torch.int32, device=x.device)
