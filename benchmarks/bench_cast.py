@@ -2,7 +2,7 @@
 
     python benchmarks/bench_cast.py [--m 16384 --k 16384] [--experts 1,4,16,64] [--modes floor,rceil] [--out FILE]
 
-For each cast of ``mx_recipe.cast`` (the public API, as a user calls it): median time
+For each cast of ``mx_recipe.ops.mx_cast`` (the public API, as a user calls it): median time
 (triton.testing.do_bench: CUDA events around each call, so the host's launch path counts where it is
 slower than the kernels), GB/s counting bytes read + written (input, qdata, scales), % of the
 device-to-device copy bandwidth measured in the same run; then the same from the GPU time of the
@@ -26,8 +26,9 @@ from collections.abc import Callable
 import torch
 from timing import kernel_us, median_ms, run_meta
 
-import mx_recipe.cast as mx_cast
-from mx_recipe.cast import (
+import mx_recipe.ops.mx_cast as mx_cast
+from mx_recipe.formats.mx import to_mx
+from mx_recipe.ops.mx_cast import (
     cast_dim0,
     cast_dim0_dim1,
     cast_dim1,
@@ -35,7 +36,6 @@ from mx_recipe.cast import (
     fake_quant_dim0,
     fake_quant_dim0_dim1,
 )
-from mx_recipe.formats import to_mx
 
 
 def timed(fn: Callable, *args, **kwargs) -> tuple[tuple[float, float], object]:

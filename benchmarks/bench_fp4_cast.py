@@ -32,7 +32,8 @@ import json
 import torch
 from timing import kernel_us_by_name, require_cuda, run_meta
 
-from mx_recipe.cast import (
+from mx_recipe.formats.nvfp4 import random_signs
+from mx_recipe.ops.mx_cast import (
     cast_dim0,
     cast_dim0_dim1,
     cast_dim1,
@@ -40,9 +41,8 @@ from mx_recipe.cast import (
     fake_quant_dim0,
     fake_quant_dim0_dim1,
 )
-from mx_recipe.nvfp4 import random_signs
-from mx_recipe.nvfp4_cast import cast_nvfp4
-from mx_recipe.nvfp4_fake_quant import fake_quant_nvfp4
+from mx_recipe.ops.nvfp4_cast import cast_nvfp4
+from mx_recipe.ops.nvfp4_fake_quant import fake_quant_nvfp4
 
 TARGET = 0.85
 

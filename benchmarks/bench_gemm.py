@@ -27,9 +27,9 @@ from collections.abc import Callable
 import torch
 from timing import add_run_args, median_ms, require_cuda, run_meta
 
-from mx_recipe.cast import cast_dim0
-from mx_recipe.formats import ELEM_FORMATS, SCALE_RULES, MXTensor
-from mx_recipe.gemm import CUBLAS_ELEMS, cublas_available, mx_mm, mx_mm_blocked, mx_mm_triton, triton_available
+from mx_recipe.formats.mx import ELEM_FORMATS, SCALE_RULES, MXTensor
+from mx_recipe.ops.gemm import CUBLAS_ELEMS, cublas_available, mx_mm, mx_mm_blocked, mx_mm_triton, triton_available
+from mx_recipe.ops.mx_cast import cast_dim0
 
 SHAPES = [(8192, 8192, 8192)] + [(16384, k, n) for k, n in [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192)]]
 BACKEND_TITLES = {  # perf_report.py renders these column titles

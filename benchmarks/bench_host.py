@@ -6,7 +6,7 @@ On a small input ([256, 256] bf16, 3 token groups) the GPU finishes each kernel 
 launches the next, so the time per call is the host's: argument checks, dispatch, the custom-op
 boundary and the kernel launch. Rows:
 
-* every public cast and fake-quant of ``mx_recipe.cast``, as a user calls it (eager);
+* every public cast and fake-quant of ``mx_recipe.ops.mx_cast``, as a user calls it (eager);
 * the custom ops as torch.compile's generated code calls them (``torch.ops.mx_recipe.*``): the host
   cost that remains inside a compiled block;
 * an MX linear and an MX grouped GEMM, forward and backward, next to ``F.linear`` and
@@ -29,7 +29,11 @@ import torch.nn.functional as F
 from timing import host_us, require_cuda, run_meta
 
 from mx_recipe import MXRecipe, mx_grouped_mm, mx_linear
-from mx_recipe.cast import (
+from mx_recipe.formats.nvfp4 import random_signs
+from mx_recipe.formats.recipe import NVFP4Recipe
+from mx_recipe.formats.scale_layout import group_row_sources, padded_group_layout
+from mx_recipe.ops.gemm import resolve_backend
+from mx_recipe.ops.mx_cast import (
     cast_3d_dim1,
     cast_dim0,
     cast_dim0_dim1,
@@ -39,11 +43,7 @@ from mx_recipe.cast import (
     fake_quant_dim0_dim1,
     fake_quant_groups_along_m,
 )
-from mx_recipe.gemm import resolve_backend
-from mx_recipe.nvfp4 import random_signs
-from mx_recipe.nvfp4_fake_quant import fake_quant_nvfp4, fake_quant_nvfp4_groups
-from mx_recipe.recipe import NVFP4Recipe
-from mx_recipe.scale_layout import group_row_sources, padded_group_layout
+from mx_recipe.ops.nvfp4_fake_quant import fake_quant_nvfp4, fake_quant_nvfp4_groups
 
 
 def cast_calls(x: torch.Tensor, offs: torch.Tensor, row_src: torch.Tensor) -> dict[str, Callable[[], object]]:

@@ -30,11 +30,11 @@ import dataclasses
 import json
 
 import torch
+from saved_memory import saved_bytes
 from timing import add_run_args, interleaved, require_cuda, run_meta
 
 from mx_recipe import MXLinear, MXRecipe
-from mx_recipe.recipe import NVFP4_RECIPES, NVFP4Recipe
-from mx_recipe.saved_memory import saved_bytes
+from mx_recipe.formats.recipe import NVFP4_RECIPES, NVFP4Recipe
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192)]
 MIB, GIB = 2**20, 2**30

@@ -25,8 +25,8 @@ import torch
 from timing import add_run_args, interleaved, require_cuda, run_meta
 
 from mx_recipe import MXRecipe
-from mx_recipe.grouped import mx_grouped_mm
-from mx_recipe.recipe import NVFP4_RECIPES, NVFP4Recipe
+from mx_recipe.formats.recipe import NVFP4_RECIPES, NVFP4Recipe
+from mx_recipe.nn.grouped import mx_grouped_mm
 
 
 def bf16_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ def check_cast(
     takes e2m1 too (the Triton casts and fake-quants; not the Gluon kernels or the per-group cast)."""
     if elem == "e2m1" and not fp4:
         raise ValueError(
-            f"{op}: this kernel writes fp8 (e4m3, e5m2) only; e2m1 is not supported here (mx_recipe.cast "
+            f"{op}: this kernel writes fp8 (e4m3, e5m2) only; e2m1 is not supported here (mx_recipe.ops.mx_cast "
             "takes the Triton kernel or the reference for it)"
         )
     elem_format(elem)  # unknown names raise the reference's ValueError

@@ -2,7 +2,7 @@
 element formats, the scale rules, the E8M0 constants and the shapes of the blocked scale layout.
 
 A leaf: it imports torch and nothing else, so every module of either package can import it first
-(docs/DESIGN.md, Architecture). The numerics themselves live in ``mx_recipe.formats`` (the reference)
+(docs/DESIGN.md, Architecture). The numerics themselves live in ``mx_recipe.formats.mx`` (the reference)
 and in the kernels' quantize routines.
 """
 

@@ -11,22 +11,23 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from mx_recipe.formats import ELEM_FORMATS, SCALE_RULES, ElemFormat, MXTensor, to_mx
-from mx_recipe.linear import MXLinear, mx_linear
-from mx_recipe.recipe import RECIPES, MXRecipe
+from mx_recipe.formats.mx import ELEM_FORMATS, SCALE_RULES, ElemFormat, MXTensor, to_mx
+from mx_recipe.formats.recipe import NVFP4_RECIPES, RECIPES, MXRecipe, NVFP4Recipe
+from mx_recipe.nn.linear import MXLinear, mx_linear
 
 _LAZY = {
-    "convert_to_mx": "mx_recipe.convert",
-    "ConversionRecord": "mx_recipe.convert",
-    "format_conversion_table": "mx_recipe.convert",
-    "mx_grouped_mm": "mx_recipe.grouped",
-    "mx_mm": "mx_recipe.gemm",
-    "NVFP4Tensor": "mx_recipe.nvfp4",
-    "to_nvfp4": "mx_recipe.nvfp4",
+    "convert_to_mx": "mx_recipe.nn.convert",
+    "ConversionRecord": "mx_recipe.nn.convert",
+    "format_conversion_table": "mx_recipe.nn.convert",
+    "mx_grouped_mm": "mx_recipe.nn.grouped",
+    "mx_mm": "mx_recipe.ops.gemm",
+    "NVFP4Tensor": "mx_recipe.formats.nvfp4",
+    "to_nvfp4": "mx_recipe.formats.nvfp4",
 }
 
 __all__ = [
     "ELEM_FORMATS",
+    "NVFP4_RECIPES",
     "RECIPES",
     "SCALE_RULES",
     "ConversionRecord",
@@ -34,6 +35,7 @@ __all__ = [
     "MXLinear",
     "MXRecipe",
     "MXTensor",
+    "NVFP4Recipe",
     "NVFP4Tensor",
     "convert_to_mx",
     "format_conversion_table",

@@ -1,4 +1,4 @@
-"""Roofline of MX training against bf16 (mx_recipe/roofline.py): per GEMM shape, per model, observed.
+"""Roofline of MX training against bf16 (scripts/roofline_model.py): per GEMM shape, per model, observed.
 
     python scripts/roofline.py --shape 16384,4096,4096 [--device b200] [--path native] [--recipe mxfp8]
     python scripts/roofline.py --model llama --flavor 8B --seq-len 8192 [--batch 1] [--vocab-size 128256]
@@ -7,7 +7,7 @@
 
 --project renders the B200 projections of configs/llama_mxfp8.toml and configs/moe_mxfp8.toml
 (the generated part of docs/ROOFLINE.md; tests/test_roofline.py checks the committed doc against it).
---observe times our casts (mx_recipe.cast), a bf16 GEMM, the emulated MX GEMM (mx_recipe.gemm.mx_mm
+--observe times our casts (mx_recipe.ops.mx_cast), a bf16 GEMM, the emulated MX GEMM (mx_recipe.ops.gemm.mx_mm
 on cast outputs) and the MX linear forward + backward, and sets each against its roofline time.
 """
 
@@ -23,8 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere without installing
 
-from mx_recipe.recipe import NVFP4_RECIPES, MXRecipe, NVFP4Recipe  # noqa: E402
-from mx_recipe.roofline import (  # noqa: E402
+from roofline_model import (  # noqa: E402
     DEVICES,
     H200_ACHIEVED,
     OURS_TODAY,
@@ -45,6 +44,8 @@ from mx_recipe.roofline import (  # noqa: E402
     mx_ops,
     step_time,
 )
+
+from mx_recipe.formats.recipe import NVFP4_RECIPES, MXRecipe, NVFP4Recipe  # noqa: E402
 
 DOC = ROOT / "docs" / "ROOFLINE.md"
 PLOT = ROOT / "docs" / "roofline_speedup.png"
@@ -433,9 +434,9 @@ def observe(out: str | None, device_key: str | None) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from timing import run_meta  # the benchmarks' provenance, for the same meta in every result file
 
-    from mx_recipe.cast import cast_3d_dim0, cast_3d_dim1, cast_dim0, cast_dim0_dim1, cast_dim1
-    from mx_recipe.gemm import mx_mm, resolve_backend
-    from mx_recipe.linear import mx_linear
+    from mx_recipe.nn.linear import mx_linear
+    from mx_recipe.ops.gemm import mx_mm, resolve_backend
+    from mx_recipe.ops.mx_cast import cast_3d_dim0, cast_3d_dim1, cast_dim0, cast_dim0_dim1, cast_dim1
 
     start = time.time()
     name = torch.cuda.get_device_name()

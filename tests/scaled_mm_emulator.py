@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from mx_recipe.formats import BLOCK_SIZE, E8M0_BIAS, E8M0_NAN
+from mx_recipe.formats.mx import BLOCK_SIZE, E8M0_BIAS, E8M0_NAN
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 DENSE_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

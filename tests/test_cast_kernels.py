@@ -1,4 +1,4 @@
-"""The MX cast kernels (mx_kernels) and their dispatch (mx_recipe.dispatch, mx_recipe.cast), bit for bit
+"""The MX cast kernels (mx_kernels) and their dispatch (mx_recipe.ops.dispatch, mx_recipe.ops.mx_cast), bit for bit
 vs ``to_mx``.
 
 Three groups of tests:
@@ -26,8 +26,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import mx_recipe.cast as mx_cast
-from mx_recipe.cast import (
+import mx_recipe.ops.mx_cast as mx_cast
+from mx_recipe.formats.mx import MXTensor, to_mx
+from mx_recipe.formats.scale_layout import blocked_numel, to_blocked, to_blocked_3d, to_blocked_groups
+from mx_recipe.ops.mx_cast import (
     BlockedMXTensor,
     cast_dim0,
     cast_dim0_dim1,
@@ -37,8 +39,6 @@ from mx_recipe.cast import (
     fake_quant_dim0,
     fake_quant_dim0_dim1,
 )
-from mx_recipe.formats import MXTensor, to_mx
-from mx_recipe.scale_layout import blocked_numel, to_blocked, to_blocked_3d, to_blocked_groups
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -124,7 +124,7 @@ KERNEL_OPS = {
 
 def _launch_all(name: str, impl: str = "triton"):
     """The raw launcher of one kernel (so interpreter tests exercise the kernels on CPU tensors)."""
-    from mx_recipe import dispatch
+    from mx_recipe.ops import dispatch
 
     return dispatch.launcher(KERNEL_OPS[name], impl)
 
@@ -221,7 +221,7 @@ def ref_along_m(x: torch.Tensor, elem: str, mode: str) -> torch.Tensor:
 
 def check_fake_quant_2d(shape, dtype, elem, mode, device, seed=0, impl="triton"):
     """The fused fake-quant kernel (both outputs, and each alone) against the reference."""
-    from mx_recipe import dispatch
+    from mx_recipe.ops import dispatch
 
     x = special_input(shape, dtype, device, seed)
     launch = dispatch.launcher("fake_quant_2d", impl)
@@ -263,7 +263,7 @@ def check_fake_quant_groups_along_m(sizes, dtype, elem, mode, device, flip_first
     """The group-aware along-M fake-quant (MoE groups padded on the way, unpadded result) against
     pad, then the reference, then drop the padding rows. ``flip_first``: the first group's rows
     listed in reverse (each must still come back to its own row)."""
-    from mx_recipe import dispatch
+    from mx_recipe.ops import dispatch
 
     x = special_input((sum(sizes), 96), dtype, device, seed=len(sizes))
     src = group_sources(sizes, device)
@@ -358,7 +358,7 @@ def test_fake_impls_shapes():
 def test_fake_quant_groups_along_m_reference_path_and_errors():
     """Off CUDA: pad, fake_quant_along_m, unpad; a row_src that is not a padded layout of x's rows is
     named in the error; the fake implementation gives x's shape."""
-    from mx_recipe.cast import fake_quant_groups_along_m
+    from mx_recipe.ops.mx_cast import fake_quant_groups_along_m
 
     x = special_input((70, 64), torch.bfloat16, "cpu")
     src = group_sources([40, 0, 30], "cpu")
@@ -503,16 +503,16 @@ def test_interp_fake_quant_groups_along_m(dtype, elem, mode):
 
 @interp_only
 def test_interp_fake_quant_2d_strided_and_errors():
-    import mx_kernels.fake_quant_2d
+    import mx_kernels.mx.fake_quant_2d
 
     x = special_input((160, 96), torch.bfloat16, "cpu").t()  # [96, 160], column-major
-    along_k, along_m = mx_kernels.fake_quant_2d.fake_quant_2d(x, "e4m3", "floor", True, True)
+    along_k, along_m = mx_kernels.mx.fake_quant_2d.fake_quant_2d(x, "e4m3", "floor", True, True)
     assert_values_equal(along_k, to_mx(x.contiguous(), "e4m3", "floor").dequantize(torch.bfloat16), "strided K")
     assert_values_equal(along_m, ref_along_m(x, "e4m3", "floor"), "strided M")
     with pytest.raises(ValueError, match="ask for along_k, along_m or both"):
-        mx_kernels.fake_quant_2d.fake_quant_2d(x, "e4m3", "floor", False, False)
+        mx_kernels.mx.fake_quant_2d.fake_quant_2d(x, "e4m3", "floor", False, False)
     with pytest.raises(ValueError, match="multiple of the block size"):
-        mx_kernels.fake_quant_2d.fake_quant_2d(torch.zeros(32, 48), "e4m3", "floor", True, True)
+        mx_kernels.mx.fake_quant_2d.fake_quant_2d(torch.zeros(32, 48), "e4m3", "floor", True, True)
 
 
 @interp_only
@@ -547,12 +547,12 @@ def test_interp_every_bf16_value_rounds_like_the_reference():
 
 @interp_only
 def test_interp_every_bf16_value_fake_quantizes_like_the_reference_in_e2m1():
-    import mx_kernels.fake_quant_2d
+    import mx_kernels.mx.fake_quant_2d
 
     bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
     x = bits.view(torch.bfloat16).reshape(-1, 32 * 16)
     for mode in MODES:
-        along_k, along_m = mx_kernels.fake_quant_2d.fake_quant_2d(x, "e2m1", mode, True, True)
+        along_k, along_m = mx_kernels.mx.fake_quant_2d.fake_quant_2d(x, "e2m1", mode, True, True)
         assert_values_equal(along_k, to_mx(x, "e2m1", mode).dequantize(torch.bfloat16), f"all bf16 e2m1 {mode} K")
         assert_values_equal(along_m, ref_along_m(x, "e2m1", mode), f"all bf16 e2m1 {mode} M")
 
@@ -573,9 +573,9 @@ UNBLOCK_SHAPES = [(128, 4), (1, 1), (130, 5), (300, 160), (128, 132), (4096, 36)
 
 def check_unblock_scales(rows: int, cols: int, experts: int | None, device: str) -> None:
     """unblock_scales == scale_layout.from_blocked (1D) / from_blocked_3d ([E, n]), byte for byte."""
-    from mx_kernels.unblock_scales import unblock_scales
+    from mx_kernels.mx.unblock_scales import unblock_scales
 
-    from mx_recipe.scale_layout import from_blocked, from_blocked_3d
+    from mx_recipe.formats.scale_layout import from_blocked, from_blocked_3d
 
     g = torch.Generator().manual_seed(rows * 7 + cols)
     plain = torch.randint(0, 256, (experts or 1, rows, cols), dtype=torch.uint8, generator=g)
@@ -598,7 +598,7 @@ def test_interp_unblock_scales(rows, cols):
 
 def test_unblock_scales_rejects_a_wrong_size():
     pytest.importorskip("triton")
-    from mx_kernels.unblock_scales import unblock_scales
+    from mx_kernels.mx.unblock_scales import unblock_scales
 
     with pytest.raises(ValueError, match=r"does not hold 1 blocked \[128, 4\] matrices"):
         unblock_scales(torch.zeros(100, dtype=torch.uint8), 128, 4)
@@ -618,7 +618,7 @@ IMPLS = ["gluon", "triton"]
 def impl(request, monkeypatch) -> str:
     """The implementation under test: its launchers are called directly, and ``MX_RECIPE_GLUON`` makes the
     public API's dispatch pick it too. The Gluon kernels are Hopper's: elsewhere that case skips."""
-    from mx_recipe import dispatch
+    from mx_recipe.ops import dispatch
 
     if request.param == "gluon" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels run on compute capability 9.x (Hopper)")
@@ -681,7 +681,7 @@ def test_gpu_groups_bit_exact(mode, elem, dtype, impl):
 @pytest.mark.parametrize("elem", FAKE_QUANT_ELEMS)
 @pytest.mark.parametrize("mode", MODES)
 def test_gpu_fake_quant_2d_bit_exact(mode, elem, impl):
-    from mx_recipe import dispatch
+    from mx_recipe.ops import dispatch
 
     skip_fp4_on_gluon(elem, impl)
     for shape in [(96, 160), (4130, 160), (160, 4128), (1024, 4096), (3, 224, 96), (5, 100, 256), (64, 80)]:
@@ -712,7 +712,7 @@ def test_gpu_fake_quant_groups_along_m_bit_exact(mode, elem, impl):
 def test_gpu_fake_quant_fp32_refused_by_kernel_and_exact_through_dispatch(impl):
     """The fp32 GPU fake-quant path gave wrong values on an H200: both launchers refuse it and the
     dispatch takes the reference, so fp32 results stay exact."""
-    from mx_recipe import dispatch
+    from mx_recipe.ops import dispatch
 
     x = special_input((96, 160), torch.float32, "cuda")
     with pytest.raises(NotImplementedError, match="takes bf16 input"):
@@ -749,7 +749,7 @@ def test_gpu_every_bf16_value_and_rejections(impl):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_strided_input_and_compile(impl):
-    from mx_recipe import dispatch
+    from mx_recipe.ops import dispatch
 
     x = special_input((256, 512), torch.bfloat16, "cuda")
     assert dispatch.implementation("cast_dim0_dim1", x, "e4m3") == impl  # the public API runs this implementation
@@ -781,7 +781,7 @@ def test_gpu_unblock_scales(rows, cols):
 def _capture_cast_launches(monkeypatch, module=None) -> list:
     """Make a cast launcher module (``triton_casts`` by default) record ((grid, kwargs), x_ptr) of its launches
     instead of launching, taking the GPU's path (no interpreter rounding) on CPU or meta tensors."""
-    from mx_kernels import triton_casts
+    from mx_kernels.mx import casts as triton_casts
 
     module = module or triton_casts
     launches = []
@@ -803,8 +803,9 @@ def test_e2m1_casts_compile_for_hopper_and_blackwell(arch, monkeypatch):
     is read as int32 words and rounded in packed bf16 (``mx_quantize.e2m1_words_along_k`` and
     ``e2m1_words_along_m``; the GPU tests check their bits). Along M alone, and per group, each lane loads 2 words
     of every row, so that it holds whole columns as loaded: no warp shuffle, one 8-byte load a row."""
-    from mx_kernels import cast_groups_dim1, triton_casts
-    from mx_kernels.gluon_common import compile_for_arch
+    from mx_kernels.gluon.common import compile_for_arch
+    from mx_kernels.mx import cast_groups_dim1
+    from mx_kernels.mx import casts as triton_casts
 
     launches = _capture_cast_launches(monkeypatch)
     x = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
@@ -839,7 +840,7 @@ def test_e2m1_cast_reads_bf16_as_words(monkeypatch):
     """The launch arguments of the packed e2m1 casts on the GPU: bf16 to nearest is read as int32 words, along K,
     along M and both (x's sizes, not the words', set the grid and M, K; along M alone each lane loads 2 words a
     row); fp32, stochastic rounding and a view whose words would straddle elements take x as it is."""
-    from mx_kernels import triton_casts
+    from mx_kernels.mx import casts as triton_casts
 
     launches = _capture_cast_launches(monkeypatch)
     x = torch.randn(96, 1040, dtype=torch.bfloat16)
@@ -872,8 +873,8 @@ def test_fake_quant_along_m_holds_whole_blocks_in_each_thread():
     """The MX fake-quant along M (plain and gathered token groups, rounding to nearest) moves the blocks' rows
     into threads (``mx_quantize.column_blocks``): the blocks' maxima need no warp shuffles (as loaded, 18 a
     tile). With stochastic rounding the rows stay as loaded, where the row-major draws are."""
-    from mx_kernels import fake_quant_2d
-    from mx_kernels.gluon_common import compile_for_arch
+    from mx_kernels.gluon.common import compile_for_arch
+    from mx_kernels.mx import fake_quant_2d
 
     x = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
     out = torch.empty(16, dtype=torch.bfloat16, device="meta")

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from mx_recipe import gemm
-from mx_recipe.convert import ConversionRecord, MXGroupedExperts, convert_to_mx, format_conversion_table
-from mx_recipe.gemm import CublasBackend, EmulatedBackend
-from mx_recipe.linear import MXLinear
-from mx_recipe.recipe import RECIPES, MXRecipe
+from mx_recipe.formats.recipe import RECIPES, MXRecipe
+from mx_recipe.nn.convert import ConversionRecord, MXGroupedExperts, convert_to_mx, format_conversion_table
+from mx_recipe.nn.linear import MXLinear
+from mx_recipe.ops import gemm
+from mx_recipe.ops.gemm import CublasBackend, EmulatedBackend
 
 MXFP8 = RECIPES["mxfp8"]
 
@@ -261,5 +261,5 @@ def test_forced_backend_the_device_lacks_converts_nothing():
 
 
 def test_import_loads_no_model_zoo():
-    code = "import sys, mx_recipe.convert; sys.exit(any(m.startswith('mx_recipe.models') for m in sys.modules))"
+    code = "import sys, mx_recipe.nn.convert; sys.exit(any(m.startswith('mx_recipe.models') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -1,4 +1,4 @@
-"""The one dispatch rule (mx_recipe.dispatch) and the README table it generates."""
+"""The one dispatch rule (mx_recipe.ops.dispatch) and the README table it generates."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mx_recipe import dispatch
-from mx_recipe.cast import cast_dim0, fake_quant_dim0_dim1
+from mx_recipe.ops import dispatch
+from mx_recipe.ops.mx_cast import cast_dim0, fake_quant_dim0_dim1
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 HOPPER, BLACKWELL = (9, 0), (10, 0)
@@ -70,7 +70,7 @@ def test_the_reference_path_runs_off_cuda():
 def test_readme_table_is_generated_from_the_rule():
     table = dispatch.device_table()
     assert table.count("\n") == len(dispatch.OPS) + 1
-    assert table in README.read_text(), "README.md's kernel table differs from mx_recipe.dispatch.device_table()"
+    assert table in README.read_text(), "README.md's kernel table differs from mx_recipe.ops.dispatch.device_table()"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")

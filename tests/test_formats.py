@@ -1,4 +1,4 @@
-"""The MX reference (mx_recipe/formats.py) against the numerics contract (docs/DESIGN.md, Numerics contract).
+"""The MX reference (mx_recipe/formats/mx.py) against the numerics contract (docs/DESIGN.md, Numerics contract).
 
 Expected scale bytes and element bits below are derived BY HAND from the contract, with the
 derivation in a comment; none of them is computed by the code under test.
@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from mx_recipe.formats import (
+from mx_recipe.formats.mx import (
     ELEM_FORMATS,
     MXTensor,
     elem_format,

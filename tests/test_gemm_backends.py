@@ -16,10 +16,11 @@ import pytest
 import scaled_mm_emulator as emu
 import torch
 
-from mx_recipe import gemm
-from mx_recipe.cast import cast_3d_dim0, cast_3d_dim1, cast_dim0, cast_dim1, cast_groups_dim1
-from mx_recipe.formats import MXTensor, to_mx
-from mx_recipe.gemm import (
+from mx_recipe.formats.mx import MXTensor, to_mx
+from mx_recipe.formats.recipe import MXRecipe
+from mx_recipe.formats.scale_layout import blocked_byte_offset, blocked_numel, to_blocked
+from mx_recipe.ops import gemm
+from mx_recipe.ops.gemm import (
     blocked_row_groups,
     mx_grouped_mm_2d_2d,
     mx_grouped_mm_2d_3d,
@@ -28,8 +29,7 @@ from mx_recipe.gemm import (
     mx_scaled_mm,
     resolve_backend,
 )
-from mx_recipe.recipe import MXRecipe
-from mx_recipe.scale_layout import blocked_byte_offset, blocked_numel, to_blocked
+from mx_recipe.ops.mx_cast import cast_3d_dim0, cast_3d_dim1, cast_dim0, cast_dim1, cast_groups_dim1
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda", 0)

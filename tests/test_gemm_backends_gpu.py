@@ -14,13 +14,13 @@ import pytest
 import scaled_mm_emulator as emu
 import torch
 
-from mx_recipe.cast import cast_3d_dim0, cast_3d_dim1, cast_dim0, cast_dim1, cast_groups_dim1
-from mx_recipe.gemm import (
+from mx_recipe.ops.gemm import (
     cublas_grouped_available,
     mx_grouped_mm_2d_2d,
     mx_grouped_mm_2d_3d,
     mx_mm_blocked,
 )
+from mx_recipe.ops.mx_cast import cast_3d_dim0, cast_3d_dim1, cast_dim0, cast_dim1, cast_groups_dim1
 
 
 def _data(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -97,7 +97,7 @@ def test_grouped_emulator_on_cuda_matches_cpu(offs):
 
 def _fp32_bound(a: torch.Tensor, b: torch.Tensor, a_elem: str, b_elem: str, orient: str, rule: str) -> torch.Tensor:
     """Error bound of fp32 accumulation in any order: K * 2**-23 * (|a| @ |b|.T) of the exact operands."""
-    from mx_recipe.formats import to_mx
+    from mx_recipe.formats.mx import to_mx
 
     if orient in ("dgrad", "wgrad"):
         b = b.t()

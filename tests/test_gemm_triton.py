@@ -1,5 +1,5 @@
-"""The triton MX GEMM backend: ``mx_recipe.gemm.mx_mm_triton`` -> ``torch.ops.mx_recipe.mx_gemm`` ->
-kernels/mx_gemm.py (``tl.dot_scaled``), against the emulated backend.
+"""The triton MX GEMM backend: ``mx_recipe.ops.gemm.mx_mm_triton`` -> ``torch.ops.mx_recipe.mx_gemm`` ->
+kernels/mx/gemm.py (``tl.dot_scaled``), against the emulated backend.
 
 Three groups of tests:
 
@@ -41,11 +41,11 @@ import pytest
 import torch
 from test_cast_kernels import traced_ops
 
-from mx_recipe import gemm
-from mx_recipe.cast import cast_dim0, cast_dim1
-from mx_recipe.formats import E2M1_VALUES, MXTensor, to_mx, unpack_fp4
-from mx_recipe.gemm import mx_mm, mx_mm_triton, resolve_backend, triton_available
-from mx_recipe.recipe import MXRecipe
+from mx_recipe.formats.mx import E2M1_VALUES, MXTensor, to_mx, unpack_fp4
+from mx_recipe.formats.recipe import MXRecipe
+from mx_recipe.ops import gemm
+from mx_recipe.ops.gemm import mx_mm, mx_mm_triton, resolve_backend, triton_available
+from mx_recipe.ops.mx_cast import cast_dim0, cast_dim1
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -198,7 +198,7 @@ def check_pairs_and_shapes(device, shapes, config: dict | None = None) -> None:
             if config is None:
                 out = mx_mm_triton(a, b, torch.float32)
             else:
-                from mx_kernels.mx_gemm import mx_gemm
+                from mx_kernels.mx.gemm import mx_gemm
 
                 out = mx_gemm(a.qdata, a.scale, a.elem, b.qdata, b.scale, b.elem, torch.float32, config)
             assert_matches_emulated(out, a, b, f"{(m, n, k)} {elems} {rule} {config}")
@@ -326,7 +326,7 @@ def test_resolve_backend_triton(fake_gpu):
 
 
 def test_recipe_accepts_triton():
-    from mx_recipe.recipe import BACKENDS
+    from mx_recipe.formats.recipe import BACKENDS
 
     assert "triton" in BACKENDS
     assert MXRecipe(backend="triton").backend == "triton"
@@ -357,7 +357,7 @@ def test_mx_mm_triton_argument_errors():
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="needs triton, outside the interpreter")
 def test_launcher_argument_errors():
-    from mx_kernels.mx_gemm import mx_gemm
+    from mx_kernels.mx.gemm import mx_gemm
 
     a, b = _mx(64, 96), _mx(32, 96, seed=1)
     f32 = torch.float32

@@ -1,4 +1,4 @@
-"""The Gluon MXFP4 cast along M (mx_kernels.gluon_e2m1_casts): what is particular to it.
+"""The Gluon MXFP4 cast along M (mx_kernels.gluon.e2m1_casts): what is particular to it.
 
 Its bits against ``to_mx`` (special values, every bf16 value, 2D and 3D, both scale rules, plain and blocked scales)
 are checked with the other casts' in test_cast_kernels.py (``impl`` "gluon", e2m1 along M). Here:
@@ -16,14 +16,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from mx_kernels import gluon_e2m1_casts, triton_casts  # noqa: E402
+from mx_kernels.gluon import e2m1_casts as gluon_e2m1_casts  # noqa: E402
+from mx_kernels.mx import casts as triton_casts  # noqa: E402
 from mx_kernels.spec import blocked_numel  # noqa: E402
 from test_cast_kernels import assert_bits_equal, special_input  # noqa: E402
 from test_gluon_kernels import loads_and_stores, ptx_ops, resource_usage  # noqa: E402
 
 from mx_recipe import dispatch  # noqa: E402
-from mx_recipe.cast import cast_3d_dim1, cast_dim1  # noqa: E402
-from mx_recipe.formats import to_mx  # noqa: E402
+from mx_recipe.formats.mx import to_mx  # noqa: E402
+from mx_recipe.ops.mx_cast import cast_3d_dim1, cast_dim1  # noqa: E402
 
 IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 BF16 = torch.bfloat16

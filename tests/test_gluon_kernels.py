@@ -1,4 +1,4 @@
-"""The Gluon kernels (mx_kernels.gluon_casts, gluon_cast_groups, gluon_fake_quant): what is particular to them.
+"""The Gluon kernels (mx_kernels.gluon.casts, gluon_cast_groups, gluon_fake_quant): what is particular to them.
 
 The bit-exact checks every kernel meets (against ``to_mx``, under both implementations) are in
 test_cast_kernels.py. Here:
@@ -29,8 +29,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from mx_kernels import gluon_cast_groups, gluon_casts, gluon_fake_quant  # noqa: E402
 from mx_kernels.common import groups_dim1_shapes  # noqa: E402
+from mx_kernels.gluon import cast_groups as gluon_cast_groups  # noqa: E402
+from mx_kernels.gluon import casts as gluon_casts  # noqa: E402
+from mx_kernels.gluon import fake_quant as gluon_fake_quant  # noqa: E402
 from test_cast_kernels import (  # noqa: E402
     assert_bits_equal,
     assert_values_equal,
@@ -40,11 +42,11 @@ from test_cast_kernels import (  # noqa: E402
     special_input,
 )
 
-import mx_recipe.cast as mx_cast  # noqa: E402
+import mx_recipe.ops.mx_cast as mx_cast  # noqa: E402
 from mx_recipe import dispatch  # noqa: E402
-from mx_recipe.cast import BlockedMXTensor  # noqa: E402
-from mx_recipe.formats import MXTensor, to_mx  # noqa: E402
-from mx_recipe.scale_layout import blocked_numel, to_blocked, to_blocked_3d, to_blocked_groups  # noqa: E402
+from mx_recipe.formats.mx import MXTensor, to_mx  # noqa: E402
+from mx_recipe.formats.scale_layout import blocked_numel, to_blocked, to_blocked_3d, to_blocked_groups  # noqa: E402
+from mx_recipe.ops.mx_cast import BlockedMXTensor  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 IS_HOPPER = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9

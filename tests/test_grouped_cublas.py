@@ -22,11 +22,11 @@ import pytest
 import torch
 from scaled_mm_emulator import scaled_grouped_mm as emulated_scaled_grouped_mm
 
-import mx_recipe.gemm
-import mx_recipe.grouped
+import mx_recipe.nn.grouped
+import mx_recipe.ops.gemm
 from mx_recipe import MXRecipe
-from mx_recipe.gemm import CublasBackend, cublas_grouped_available, resolve_backend
-from mx_recipe.grouped import mx_grouped_mm
+from mx_recipe.nn.grouped import mx_grouped_mm
+from mx_recipe.ops.gemm import CublasBackend, cublas_grouped_available, resolve_backend
 
 N, K = 96, 160  # K/32 = 5 scale columns: the blocked layout pads them to 8
 # Token group sizes: ragged (not multiples of 32), empty first, in the middle and last, and aligned.
@@ -85,7 +85,7 @@ def _cublas_run(monkeypatch, recipe: MXRecipe, x, w, offs, g, op=emulated_scaled
         return CublasBackend(scaled_grouped_mm=fake_op)
 
     with monkeypatch.context() as m:
-        m.setattr(mx_recipe.grouped, "default_backend", forced)
+        m.setattr(mx_recipe.nn.grouped, "default_backend", forced)
         return _run(recipe, x, w, offs, g), calls
 
 
@@ -170,7 +170,7 @@ def test_forced_backend_off_sm100_is_a_clear_error(backend, match):
 
 
 def test_forced_cublas_on_hopper_names_the_device(monkeypatch):
-    monkeypatch.setattr(mx_recipe.gemm, "_device_capability", lambda d: (9, 0) if d.type == "cuda" else None)
+    monkeypatch.setattr(mx_recipe.ops.gemm, "_device_capability", lambda d: (9, 0) if d.type == "cuda" else None)
     recipe = MXRecipe.from_name("mxfp8", backend="cublas")
     with pytest.raises(ValueError, match=r"'cublas' needs .*cuda:0 has compute capability 9\.0 \(sm_90\)"):
         resolve_backend(recipe, torch.device("cuda", 0), grouped=True)
@@ -208,7 +208,7 @@ def test_real_op_matches_emulator(monkeypatch, sizes, name):
     x, w, offs, g = (t.cuda() for t in _problem(sizes, _block_scaled_ints))
     real = _run(recipe, x, w, offs, g)
     with monkeypatch.context() as m:
-        m.setattr(mx_recipe.gemm, "_torch_scaled_grouped_mm", emulated_scaled_grouped_mm)
+        m.setattr(mx_recipe.ops.gemm, "_torch_scaled_grouped_mm", emulated_scaled_grouped_mm)
         emulated = _run(recipe, x, w, offs, g)
     for what, r, e in zip(("y", "gx", "gw"), real, emulated, strict=True):
         assert torch.equal(r, e), f"{what} (integer data): {(r != e).sum().item()} elements differ"
@@ -216,7 +216,7 @@ def test_real_op_matches_emulator(monkeypatch, sizes, name):
     x, w, offs, g = (t.cuda() for t in _problem(sizes, _spread))
     real = _run(recipe, x, w, offs, g)
     with monkeypatch.context() as m:
-        m.setattr(mx_recipe.gemm, "_torch_scaled_grouped_mm", emulated_scaled_grouped_mm)
+        m.setattr(mx_recipe.ops.gemm, "_torch_scaled_grouped_mm", emulated_scaled_grouped_mm)
         emulated = _run(recipe, x, w, offs, g)
         magnitude = _run(recipe, x.abs(), w.abs(), offs, g.abs())  # |A| @ |B|, exact sums rounded once
     for what, r, e, mag, n in zip(("y", "gx", "gw"), real, emulated, magnitude, (K, N, max(sizes)), strict=True):

@@ -51,7 +51,7 @@ def test_every_module_imports_alone_and_kernels_never_import_mx_recipe():
              for m in modules}  # fmt: skip
     failed = {m: p.communicate(timeout=600)[1][-1500:] for m, p in procs.items() if p.wait(timeout=600) != 0}
     assert not failed, failed
-    for module in ("mx_kernels.spec", "mx_kernels.common", "mx_kernels.gluon_casts" if HAS_TRITON else "mx_kernels"):
+    for module in ("mx_kernels.spec", "mx_kernels.common", "mx_kernels.gluon.casts" if HAS_TRITON else "mx_kernels"):
         loaded = _fresh_import(module)
         assert not [m for m in loaded if m.startswith("mx_recipe")], f"{module} imports mx_recipe: {loaded}"
 

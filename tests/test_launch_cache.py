@@ -196,7 +196,8 @@ def test_a_keyed_launch_takes_the_jit_when_the_cache_is_off(cache, monkeypatch):
 def launches(x: torch.Tensor) -> dict:
     """Launchers of every kernel (each launches through its module's LaunchCache): the Triton ones, and on Hopper
     the Gluon ones."""
-    from mx_kernels import cast_groups_dim1, fake_quant_2d, triton_casts, unblock_scales
+    from mx_kernels.mx import cast_groups_dim1, fake_quant_2d, unblock_scales
+    from mx_kernels.mx import casts as triton_casts
     from mx_kernels.spec import blocked_numel
 
     m, k = x.shape
@@ -213,7 +214,9 @@ def launches(x: torch.Tensor) -> dict:
         "unblock": lambda: (unblock_scales.unblock_scales(scales, m, k // 32),),
     }
     if torch.cuda.get_device_capability(x.device)[0] == 9:
-        from mx_kernels import gluon_cast_groups, gluon_casts, gluon_fake_quant
+        from mx_kernels.gluon import cast_groups as gluon_cast_groups
+        from mx_kernels.gluon import casts as gluon_casts
+        from mx_kernels.gluon import fake_quant as gluon_fake_quant
 
         calls.update({
             "gluon dim0 plain": lambda: gluon_casts.cast_dim0(x, "e4m3", "floor"),

@@ -18,15 +18,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from script_module import load_benchmark
 from torch import nn
 
-from mx_recipe.dispatch import implementation
-from mx_recipe.formats import to_mx
-from mx_recipe.linear import MXLinear, mx_linear
-from mx_recipe.nvfp4 import philox_uniform
-from mx_recipe.recipe import RECIPES, MXRecipe
-from mx_recipe.saved_memory import saved_bytes
+from mx_recipe.formats.mx import to_mx
+from mx_recipe.formats.philox import philox_uniform
+from mx_recipe.formats.recipe import RECIPES, MXRecipe
+from mx_recipe.nn.linear import MXLinear, mx_linear
+from mx_recipe.ops.dispatch import implementation
 
+saved_bytes = load_benchmark("saved_memory").saved_bytes
 K, N = 64, 96
 CUSTOM = MXRecipe(
     "custom_mixed", forward="e4m3", grad_input="bf16", grad_weight="e5m2", grad="e5m2", scale_rule="rceil"
@@ -56,7 +57,7 @@ def grad_operands(g2: torch.Tensor, r: MXRecipe, dt: torch.dtype) -> tuple[torch
     reference: grad input's first (one per element of g [M, N]), then grad weight's, one per element of the
     padded g read transposed ([N, Mp], the layout its cast quantizes). On the Triton fake-quant (bf16 e2m1 on
     CUDA, dispatch.rule): the one seed of the backward's one fake-quant call, and Philox streams 0 (along N)
-    and 1 (along M) indexed by each output's row-major position (``nvfp4.philox_uniform``)."""
+    and 1 (along M) indexed by each output's row-major position (``philox.philox_uniform``)."""
     rule = r.scale_rule
     if r.grad_rounding == "nearest":
         return deq(g2, r.grad, rule, 1, dt), deq(pad_rows(g2), r.grad, rule, 0, dt).contiguous()
@@ -371,7 +372,7 @@ def test_save_mx_input_saves_fewer_bytes(name, expected):
 
 def test_save_mx_input_casts_only_when_grad_weight_is_needed(monkeypatch):
     """No cast of x along M in forward under no_grad (evaluation) or for a frozen weight."""
-    import mx_recipe.gemm as gemm
+    import mx_recipe.ops.gemm as gemm
 
     calls = []
 
@@ -433,7 +434,7 @@ def test_x_along_m_made_in_forward_is_bit_identical(recipe, option, dtype, lead,
 def test_fuse_x_casts_reads_x_once_and_saves_x_along_m(monkeypatch):
     """Forward: one fake_quant_dim0_dim1 of x, no fake_quant_dim0 of x; backward: no cast of x along M
     (only w's along N). Saved: x along M padded to 32 rows, bf16, instead of x."""
-    import mx_recipe.gemm as gemm
+    import mx_recipe.ops.gemm as gemm
 
     calls = []
     for name in ("fake_quant_dim0", "fake_quant_dim0_dim1", "fake_quant_along_m"):
@@ -456,7 +457,7 @@ def test_fuse_x_casts_reads_x_once_and_saves_x_along_m(monkeypatch):
 
 def test_fuse_x_casts_only_when_grad_weight_is_needed(monkeypatch):
     """Under no_grad or for a frozen weight forward casts x along K only, as without the option."""
-    import mx_recipe.gemm as gemm
+    import mx_recipe.ops.gemm as gemm
 
     fused = []
     fn = gemm.fake_quant_dim0_dim1
@@ -477,8 +478,8 @@ def fake_triton_mm(calls: list):
     """A stand-in for gemm.mx_mm_triton that records its operands and multiplies them emulated.
 
     Only for the orientation and formats of the operands: the kernel is tested elsewhere."""
-    from mx_recipe.cast import BlockedMXTensor
-    from mx_recipe.formats import MXTensor
+    from mx_recipe.formats.mx import MXTensor
+    from mx_recipe.ops.mx_cast import BlockedMXTensor
 
     def mm(a, b, out_dtype):
         for t in (a, b):
@@ -498,7 +499,7 @@ def test_triton_backend_operands(monkeypatch, recipe, lead, save_mx):
     forward format; grad input g [M, N] in ``grad`` and w along N ([K, N]) in grad_input's; grad
     weight g and x along M, padded to a multiple of 32 ([N, Mp], [K, Mp]). With that stand-in the
     results are the emulated backend's bit for bit."""
-    import mx_recipe.gemm as gemm
+    import mx_recipe.ops.gemm as gemm
 
     if save_mx and recipe.grad_weight == "bf16":
         pytest.skip("save_mx_input needs an MX grad_weight")
@@ -538,7 +539,7 @@ def test_cublas_save_mx_input_is_bit_identical(name, m):
     tests/test_linear_cublas.py: the blocked x saved in forward gives the same bits."""
     from scaled_mm_emulator import scaled_mm as emulated_scaled_mm
 
-    from mx_recipe.gemm import CublasBackend
+    from mx_recipe.ops.gemm import CublasBackend
 
     backend = CublasBackend(scaled_mm=emulated_scaled_mm)
     x, w, b, gy = make_inputs((m,), torch.bfloat16, seed=9)
@@ -576,7 +577,7 @@ def test_save_mx_input_is_bit_identical_cuda(name, lead, backend):
 
 def test_mx_linear_without_backend_resolves_once_per_recipe_and_device():
     """The functional API resolves x's device's backend on the first call; later calls hit the cache."""
-    from mx_recipe.gemm import _cached_backend
+    from mx_recipe.ops.gemm import _cached_backend
 
     _cached_backend.cache_clear()
     x, w = torch.randn(40, K), torch.randn(N, K)

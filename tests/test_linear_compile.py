@@ -21,8 +21,8 @@ import pytest
 import torch
 from torch import nn
 
-from mx_recipe.linear import MXLinear
-from mx_recipe.recipe import RECIPES, MXRecipe
+from mx_recipe.formats.recipe import RECIPES, MXRecipe
+from mx_recipe.nn.linear import MXLinear
 
 K, N = 64, 96
 

@@ -5,7 +5,7 @@ import torch
 from test_moe import GROUP_SIZES, reference
 
 from mx_recipe import MXRecipe
-from mx_recipe.grouped import mx_grouped_mm
+from mx_recipe.nn.grouped import mx_grouped_mm
 
 pytestmark = pytest.mark.gpu
 

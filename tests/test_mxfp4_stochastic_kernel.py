@@ -1,7 +1,7 @@
-"""Stochastic rounding of MXFP4 on the Triton fake-quant kernel (mx_kernels/fake_quant_2d.py) and on the Triton
-casts (mx_kernels/triton_casts.py, packed codes and e8m0 scales) against the reference (``formats.fake_quant``
+"""Stochastic rounding of MXFP4 on the Triton fake-quant kernel (mx_kernels/mx/fake_quant_2d.py) and on the Triton
+casts (mx_kernels/mx/casts.py, packed codes and e8m0 scales) against the reference (``formats.fake_quant``
 and ``formats.to_mx`` with ``rounding="stochastic"``), bit for bit: the kernels' Philox draws
-(``nvfp4.philox_uniform``, each element by its row-major index in x, or in the zero-padded fake-quant along M,
+(``philox.philox_uniform``, each element by its row-major index in x, or in the zero-padded fake-quant along M,
 stream 0 along K and 1 along M) handed to the reference as its ``uniform``. Along K, along M (the fake-quant also
 both from one read), 3D experts, gathered token groups, both scale rules, plain and blocked scales, the edge
 cases of ``special_input``; a cast and the fake-quant give the same values for the same seed.
@@ -28,9 +28,9 @@ from test_cast_kernels import (
     special_input,
 )
 
-from mx_recipe.formats import MXTensor, fake_quant, to_mx
-from mx_recipe.nvfp4 import philox_uniform
-from mx_recipe.scale_layout import to_blocked, to_blocked_3d
+from mx_recipe.formats.mx import MXTensor, fake_quant, to_mx
+from mx_recipe.formats.philox import philox_uniform
+from mx_recipe.formats.scale_layout import to_blocked, to_blocked_3d
 
 
 def _seed(device, seed: int = 0) -> torch.Tensor:
@@ -38,7 +38,7 @@ def _seed(device, seed: int = 0) -> torch.Tensor:
 
 
 def check_2d(x: torch.Tensor, mode: str, along_k: bool, along_m: bool, seed: int = 0) -> None:
-    from mx_kernels.fake_quant_2d import fake_quant_2d
+    from mx_kernels.mx.fake_quant_2d import fake_quant_2d
 
     key = _seed(x.device, seed)
     got_k, got_m = fake_quant_2d(x, "e2m1", mode, along_k, along_m, key)
@@ -56,7 +56,7 @@ def check_2d(x: torch.Tensor, mode: str, along_k: bool, along_m: bool, seed: int
 
 def check_groups(sizes: list[int], mode: str, device) -> None:
     """Each row draws by its own index in the [M, K] output, wherever its group puts it."""
-    from mx_kernels.fake_quant_2d import fake_quant_groups_along_m
+    from mx_kernels.mx.fake_quant_2d import fake_quant_groups_along_m
 
     x = special_input((sum(sizes), 96), torch.bfloat16, device, seed=len(sizes)).nan_to_num(nan=1.0)
     src, key = group_sources(sizes, device), _seed(device, len(sizes))
@@ -77,7 +77,7 @@ PARTS = ("codes along K", "scales along K", "codes along M", "scales along M")
 def check_casts(x: torch.Tensor, mode: str, blocked: bool, seed: int = 0) -> None:
     """``cast_dim0`` and ``cast_dim1`` rounded stochastically, against ``to_mx`` with the kernel's draws: x's
     row-major order, stream 0 along K and 1 along M."""
-    from mx_kernels import triton_casts
+    from mx_kernels.mx import casts as triton_casts
 
     key = _seed(x.device, seed)
     xc, what = x.cpu(), f"mxfp4 SR cast {tuple(x.shape)} {x.dtype} {mode} blocked={blocked}"
@@ -124,7 +124,8 @@ def test_interp_mxfp4_stochastic_casts(mode):
 @interp_only
 def test_interp_mxfp4_stochastic_cast_matches_the_fake_quant():
     """For one seed, the packed cast dequantized is the fake-quant: the same draws for the same element."""
-    from mx_kernels import fake_quant_2d, triton_casts
+    from mx_kernels.mx import casts as triton_casts
+    from mx_kernels.mx import fake_quant_2d
 
     x, key = special_input((64, 96), torch.bfloat16, "cpu", 4).nan_to_num(nan=1.0), _seed("cpu", 4)
     fq_k, fq_m = fake_quant_2d.fake_quant_2d(x, "e2m1", "floor", True, True, key)
@@ -138,14 +139,14 @@ def test_interp_mxfp4_stochastic_cast_matches_the_fake_quant():
 
 @interp_only
 def test_interp_mxfp4_stochastic_errors():
-    from mx_kernels.fake_quant_2d import fake_quant_2d
+    from mx_kernels.mx.fake_quant_2d import fake_quant_2d
 
     x = torch.randn(64, 96, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="e2m1 kernels only"):
         fake_quant_2d(x, "e4m3", "floor", True, False, _seed("cpu"))
     with pytest.raises(ValueError, match="multiple of 8"):
         fake_quant_2d(torch.randn(64, 20, dtype=torch.bfloat16), "e2m1", "floor", False, True, _seed("cpu"))
-    from mx_kernels.triton_casts import cast_dim0, cast_dim1
+    from mx_kernels.mx.casts import cast_dim0, cast_dim1
 
     with pytest.raises(ValueError, match="e2m1 kernels only"):
         cast_dim0(x, "e4m3", "floor", False, _seed("cpu"))
@@ -177,8 +178,8 @@ def test_gpu_mxfp4_stochastic_casts_bit_exact(mode):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_stochastic_e2m1_entry_points_take_the_kernel():
     """The public fake-quants send stochastic e2m1 on CUDA to the kernel: its draws, not the reference's."""
-    from mx_recipe import dispatch
-    from mx_recipe.cast import fake_quant_dim0
+    from mx_recipe.ops import dispatch
+    from mx_recipe.ops.mx_cast import fake_quant_dim0
 
     x = special_input((256, 512), torch.bfloat16, "cuda").nan_to_num(nan=1.0)
     assert dispatch.implementation("fake_quant_2d", x, "e2m1", "stochastic") == "triton"
@@ -197,8 +198,8 @@ def test_gpu_stochastic_e2m1_entry_points_take_the_kernel():
 def test_stochastic_variants_compile_for_hopper_and_blackwell(arch):
     """What the interpreter cannot check: the stochastic kernel (2D both sides, 3D, gathered, along M alone) compiles
     to cubin, its Philox in wide multiplies (``mx_quantize.philox``) but along M alone, where they cost occupancy."""
-    from mx_kernels import fake_quant_2d as fq
-    from mx_kernels.gluon_common import compile_for_arch
+    from mx_kernels.gluon.common import compile_for_arch
+    from mx_kernels.mx import fake_quant_2d as fq
 
     seed = torch.empty(1, dtype=torch.int64, device="meta")
     for shape, gather in (((4096, 4096), False), ((8, 512, 1024), False), ((4096, 1024), True)):

@@ -1,4 +1,4 @@
-"""The NVFP4 reference (mx_recipe/nvfp4.py) against an independent statement of its definition, element by
+"""The NVFP4 reference (mx_recipe/formats/nvfp4.py) against an independent statement of its definition, element by
 element in numpy fp32 with exact rational rounding to e4m3 and Transformer Engine's e2m1 thresholds; the edge
 cases; 16x16 weight tiles; stochastic rounding; the random Hadamard transform."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from mx_recipe.nvfp4 import (
+from mx_recipe.formats.nvfp4 import (
     NVFP4Tensor,
     hadamard_transform,
     nvfp4_operand,

@@ -1,4 +1,4 @@
-"""The NVFP4 grouped GEMM (mx_recipe/nvfp4_grouped.py): its three GEMMs rebuilt from the reference pieces bit
+"""The NVFP4 grouped GEMM (mx_recipe/nn/nvfp4_grouped.py): its three GEMMs rebuilt from the reference pieces bit
 for bit on ragged groups (an empty one, rows past the last group), one group equal to the dense NVFP4 linear,
 and an MoE model converted to NVFP4 trains."""
 
@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from mx_recipe import convert_to_mx, mx_grouped_mm, mx_linear
+from mx_recipe.formats.nvfp4 import hadamard_transform, random_signs, to_nvfp4
+from mx_recipe.formats.recipe import NVFP4_RECIPES, NVFP4Recipe
 from mx_recipe.models import build_model, model_args
-from mx_recipe.nvfp4 import hadamard_transform, random_signs, to_nvfp4
-from mx_recipe.recipe import NVFP4_RECIPES, NVFP4Recipe
 
 
 def _values(t, dim, **kwargs):

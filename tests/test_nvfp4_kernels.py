@@ -1,4 +1,4 @@
-"""The NVFP4 fake-quant kernel (mx_kernels/fake_quant_nvfp4.py) against the reference (mx_recipe/nvfp4.py), bit
+"""The NVFP4 fake-quant kernel (mx_kernels/nvfp4/casts.py) against the reference (mx_recipe/formats/nvfp4.py), bit
 for bit: along K (1x16 and 16x16 tiles), along M with and without the random Hadamard transform, both at once,
 nearest and stochastic rounding (the kernel's Philox draws handed to the reference), the edge cases of
 ``special_input`` (NaN, +-inf, zero blocks, subnormals, saturation), a NaN-free tensor with an inf, ragged M.
@@ -22,14 +22,15 @@ from test_cast_kernels import (
     special_input,
 )
 
-from mx_recipe.nvfp4 import philox_uniform, random_signs
-from mx_recipe.nvfp4_cast import cast_nvfp4, reference_cast_nvfp4
-from mx_recipe.nvfp4_fake_quant import (
+from mx_recipe.formats.nvfp4 import random_signs
+from mx_recipe.formats.philox import philox_uniform
+from mx_recipe.formats.scale_layout import group_row_sources, padded_group_layout
+from mx_recipe.ops.nvfp4_cast import cast_nvfp4, reference_cast_nvfp4
+from mx_recipe.ops.nvfp4_fake_quant import (
     fake_quant_nvfp4,
     reference_fake_quant_nvfp4,
     reference_fake_quant_nvfp4_groups,
 )
-from mx_recipe.scale_layout import group_row_sources, padded_group_layout
 
 # (along_k, along_m, tiles, hadamard): the forward (x; w in tiles or rows), the gradient (both sides, the
 # transform on the grad-weight side), the grad-weight x, a 1x16 weight along N
@@ -44,7 +45,7 @@ CASES = [
 
 
 def check(shape, device, along_k, along_m, tiles, hadamard, stochastic, seed=0, x=None):
-    from mx_kernels.fake_quant_nvfp4 import fake_quant_nvfp4 as launch
+    from mx_kernels.nvfp4.casts import fake_quant_nvfp4 as launch
 
     if x is None:
         x = special_input(shape, torch.bfloat16, device, seed)
@@ -83,7 +84,7 @@ GROUP_CASES = [(True, True, True), (True, True, False), (False, True, True), (Tr
 def check_groups(x, offs, along_k, along_m, hadamard, stochastic, seed=0):
     """The token-group kernel (``fake_quant_nvfp4_groups``) against the reference entry point, bit for bit: along K
     on the rows of the groups, along M on the padded groups, and both decode scales."""
-    from mx_kernels.fake_quant_nvfp4 import fake_quant_nvfp4_groups as launch
+    from mx_kernels.nvfp4.casts import fake_quant_nvfp4_groups as launch
 
     device = x.device
     offs = offs.to(device)
@@ -137,7 +138,7 @@ def tiny_input(device: str = "cpu") -> torch.Tensor:
 def check_packed(x, along_k, along_m, tiles, hadamard, stochastic, pad_m, seed=0):
     """The kernel's packed cast (codes, e4m3 scales, decode scales) against ``to_nvfp4`` through the reference
     entry point, bit for bit; the along-M side transposed with its rows zero-padded to ``pad_m``."""
-    from mx_kernels.fake_quant_nvfp4 import cast_nvfp4 as launch
+    from mx_kernels.nvfp4.casts import cast_nvfp4 as launch
 
     signs = random_signs(seed + 7, x.device) if hadamard else None
     key = torch.tensor([0x0FED_CBA9_8765_4321 + seed], dtype=torch.int64, device=x.device) if stochastic else None
@@ -193,7 +194,7 @@ def test_interp_nvfp4_edge_tensors():
 def test_interp_nvfp4_scratch_is_left_zeroed_for_the_next_call():
     """The calls on one stream share a kept scratch: the maxima kernel's last program zeroes the maxima and the
     count it took, so a call after one with a larger maximum (inf here) scales by its own."""
-    from mx_kernels.fake_quant_nvfp4 import _scratch
+    from mx_kernels.nvfp4.casts import _scratch
 
     big = torch.full((32, 32), float("inf"), dtype=torch.bfloat16)
     small = special_input((64, 128), torch.bfloat16, "cpu").nan_to_num(nan=1.0, posinf=2.0, neginf=-2.0)
@@ -208,7 +209,7 @@ def test_interp_nvfp4_maxima_fold_tiles(monkeypatch):
     """The maxima kernel folds several tiles down each strip (unrolled; with the transform, a loop over 16-row
     tiles), past x's rows at the end: 8 tiles a program here, over 6.5 tiles of 32 rows (13 of 16, two strips).
     The tensor's largest value sits in the last tile of rows, and the decode scales must see it."""
-    import mx_kernels.fake_quant_nvfp4 as kernel
+    import mx_kernels.nvfp4.casts as kernel
 
     monkeypatch.setattr(kernel, "AMAX_PROGRAMS", 1)
     assert kernel.amax_row_tiles(7, 2) == 8 and kernel.amax_row_tiles(13, 1) == 8
@@ -237,9 +238,9 @@ def test_interp_compiled_linear_casts_its_weight_tiles_once(name, monkeypatch):
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    import mx_recipe.nvfp4_fake_quant as nvfp4_fake_quant
+    import mx_recipe.ops.nvfp4_fake_quant as nvfp4_fake_quant
     from mx_recipe import mx_linear
-    from mx_recipe.recipe import NVFP4Recipe
+    from mx_recipe.formats.recipe import NVFP4Recipe
 
     monkeypatch.setattr(nvfp4_fake_quant, "uses_kernel", lambda x: True)  # the custom op, as on CUDA
     casts = {}
@@ -369,7 +370,7 @@ def test_along_m_holds_whole_blocks_in_each_thread_with_or_without_the_transform
     arithmetic or without it: no warp shuffles for the blocks' maxima and no more shared-memory traffic than
     the transform's, to nearest and stochastic (as loaded, x's rows lie across threads: 32 shuffles). Along M
     alone to nearest (ALONG_M_TILE) each lane loads whole columns of a block, 8 bytes a row: no shared memory."""
-    from mx_kernels.fake_quant_nvfp4 import ALONG_M_TILE, compile_for_target
+    from mx_kernels.nvfp4.casts import ALONG_M_TILE, compile_for_target
 
     for stochastic in (False, True):
         ptx = {
@@ -393,7 +394,7 @@ def test_gpu_nvfp4_linear_on_the_kernels_matches_the_cpu_reference(name):
     from test_nvfp4_linear import _expected
 
     from mx_recipe import mx_linear
-    from mx_recipe.recipe import NVFP4Recipe
+    from mx_recipe.formats.recipe import NVFP4Recipe
 
     recipe = NVFP4Recipe.from_name(name, hadamard_seed=3, grad_rounding="nearest")
     generator = torch.Generator().manual_seed(0)
@@ -415,7 +416,7 @@ def test_kernels_compile_for_hopper_and_blackwell(arch):
     """What the interpreter cannot check: the kernels compile to cubin (constexpr globals, layouts of the
     butterflies and joins) for every case the layers launch, stochastic rounding included, its Philox in wide
     multiplies."""
-    from mx_kernels.fake_quant_nvfp4 import compile_for_target
+    from mx_kernels.nvfp4.casts import compile_for_target
 
     for along_k, along_m, tiles, hadamard in CASES:
         for stochastic in (False, True):
@@ -440,7 +441,7 @@ def test_casts_along_k_and_m_fit_their_register_cap_without_spills():
     BOTH_SIDES_MAX_REGISTERS (6 programs of 4 warps an SM on Hopper instead of 5), and ptxas fits the cap with no
     local memory: the fake-quant, the packed cast and the token groups' fake-quant (sm_90). Stochastic rounding
     keeps its registers (capped, Philox spills)."""
-    from mx_kernels.fake_quant_nvfp4 import BOTH_SIDES_MAX_REGISTERS, compile_for_target
+    from mx_kernels.nvfp4.casts import BOTH_SIDES_MAX_REGISTERS, compile_for_target
     from test_gluon_kernels import resource_usage
 
     for packed, gather in ((False, False), (True, False), (False, True)):
@@ -462,7 +463,7 @@ def test_gpu_nvfp4_grouped_on_the_kernels_matches_the_cpu_reference(name):
     from test_nvfp4_grouped import _expected
 
     from mx_recipe import mx_grouped_mm
-    from mx_recipe.recipe import NVFP4Recipe
+    from mx_recipe.formats.recipe import NVFP4Recipe
 
     recipe = NVFP4Recipe.from_name(name, hadamard_seed=3, grad_rounding="nearest")
     generator = torch.Generator().manual_seed(0)

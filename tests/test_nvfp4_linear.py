@@ -1,4 +1,4 @@
-"""The NVFP4 linear (mx_recipe/nvfp4_linear.py) and recipe: its three GEMMs rebuilt from the public reference
+"""The NVFP4 linear (mx_recipe/nn/nvfp4_linear.py) and recipe: its three GEMMs rebuilt from the public reference
 pieces bit for bit, each recipe option doing what it says, conversion and train.py with an NVFP4 recipe."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from mx_recipe import MXLinear, convert_to_mx, mx_linear
+from mx_recipe.formats.nvfp4 import hadamard_transform, random_signs, to_nvfp4
+from mx_recipe.formats.recipe import NVFP4_RECIPES, NVFP4Recipe
 from mx_recipe.models import build_model, model_args
-from mx_recipe.nvfp4 import hadamard_transform, random_signs, to_nvfp4
-from mx_recipe.recipe import NVFP4_RECIPES, NVFP4Recipe
 from mx_recipe.train.config import ConfigError, MXConfig, build_mx_recipe, load_config, parse_overrides
 
 
@@ -162,7 +162,7 @@ def test_cublas_path_matches_the_emulated_path(name, rows):
     equal up to the GEMMs' summation order and the emulated path's bf16 rounding before the decode scales."""
     from scaled_mm_emulator import nvfp4_scaled_mm
 
-    from mx_recipe.gemm import CublasBackend
+    from mx_recipe.ops.gemm import CublasBackend
 
     recipe = NVFP4Recipe.from_name(name, hadamard_seed=3, grad_rounding="nearest")
     generator = torch.Generator().manual_seed(0)
@@ -188,8 +188,8 @@ def test_cublas_path_matches_the_emulated_path(name, rows):
 
 
 def test_cublas_path_errors_and_selection(monkeypatch):
-    from mx_recipe import gemm
-    from mx_recipe.gemm import CublasBackend, EmulatedBackend, resolve_backend
+    from mx_recipe.ops import gemm
+    from mx_recipe.ops.gemm import CublasBackend, EmulatedBackend, resolve_backend
 
     cpu = torch.device("cpu")
     assert isinstance(resolve_backend(NVFP4Recipe(), cpu), EmulatedBackend)  # auto off sm_100: emulated
@@ -216,7 +216,7 @@ def test_forward_saves_x_along_m_and_not_x(path):
     nothing of x at all."""
     from scaled_mm_emulator import nvfp4_scaled_mm
 
-    from mx_recipe.gemm import CublasBackend
+    from mx_recipe.ops.gemm import CublasBackend
 
     recipe = NVFP4Recipe.from_name("nvfp4_nearest_grads", hadamard_seed=3)
     backend = CublasBackend(scaled_mm=nvfp4_scaled_mm) if path == "cublas" else None

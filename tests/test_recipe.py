@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from mx_recipe.recipe import RECIPES, MXRecipe
+from mx_recipe.formats.recipe import RECIPES, MXRecipe
 
 # (forward, grad_input, grad_weight, grad, scale_rule) as documented for each named recipe.
 DOCUMENTED = {
@@ -99,7 +99,7 @@ def test_unsupported_backend_via_from_name(backend):
 
 @pytest.mark.parametrize("backend", ["auto", "emulated", "cublas", "triton"])
 def test_every_backend_name_is_accepted(backend):
-    # whether the device can run it is resolve_backend's question (mx_recipe/gemm.py), at conversion
+    # whether the device can run it is resolve_backend's question (mx_recipe/ops/gemm.py), at conversion
     assert MXRecipe.from_name("mxfp8", backend=backend).backend == backend
 
 

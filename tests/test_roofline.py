@@ -1,4 +1,4 @@
-"""The roofline model (mx_recipe/roofline.py) on hand-checkable shapes, the GEMM enumeration of the
+"""The roofline model (scripts/roofline_model.py) on hand-checkable shapes, the GEMM enumeration of the
 debug models, and docs/ROOFLINE.md against what scripts/roofline.py renders."""
 
 import importlib.util
@@ -6,9 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_module import load_script
 
-from mx_recipe.recipe import MXRecipe
-from mx_recipe.roofline import (
+from mx_recipe.formats.recipe import MXRecipe
+
+roofline_model = load_script("roofline_model")
+(
     DEVICES,
     PATHS,
     Gemm,
@@ -21,6 +24,19 @@ from mx_recipe.roofline import (
     model_gemms,
     mx_ops,
     step_time,
+) = (
+    roofline_model.DEVICES,
+    roofline_model.PATHS,
+    roofline_model.Gemm,
+    roofline_model.bf16_ops,
+    roofline_model.cast_op,
+    roofline_model.estimate,
+    roofline_model.estimate_model,
+    roofline_model.implied_other_time,
+    roofline_model.linear_speedup,
+    roofline_model.model_gemms,
+    roofline_model.mx_ops,
+    roofline_model.step_time,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -219,8 +235,7 @@ def test_observe_without_cuda_is_a_clear_error():
 
 
 def test_nvfp4_ops_add_the_amax_reads_and_run_at_the_fp4_rate():
-    from mx_recipe.recipe import NVFP4Recipe
-    from mx_recipe.roofline import DEVICES, PATHS, Gemm, estimate, mx_ops
+    from mx_recipe.formats.recipe import NVFP4Recipe
 
     g = Gemm("w1", 8192, 4096, 14336)
     ops = {op.name: op for op in mx_ops(g, NVFP4Recipe(), PATHS["native"])}

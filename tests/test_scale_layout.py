@@ -1,4 +1,4 @@
-"""The blocked scale layout reference (mx_recipe/scale_layout.py) on cases checked by hand.
+"""The blocked scale layout reference (mx_recipe/formats/scale_layout.py) on cases checked by hand.
 
 docs/DESIGN.md, Scale layout: pad [rows, cols] to rows % 128 == 0 and cols % 4 == 0; 128x4 tiles in row-major
 tile order, 512 bytes each; inside a tile, scale (r, c) at byte (r % 32) * 16 + (r // 32) * 4 + c.
@@ -7,7 +7,7 @@ tile order, 512 bytes each; inside a tile, scale (r, c) at byte (r % 32) * 16 + 
 import pytest
 import torch
 
-from mx_recipe.scale_layout import (
+from mx_recipe.formats.scale_layout import (
     blocked_byte_offset,
     blocked_groups_numel,
     blocked_numel,

@@ -12,10 +12,10 @@ import pytest
 import torch
 from scaled_mm_emulator import scaled_mm as emulated_scaled_mm
 
-import mx_recipe.linear as linear_module
-from mx_recipe.gemm import CublasBackend, EmulatedBackend
-from mx_recipe.linear import MXLinear, linears_on_one_input
-from mx_recipe.recipe import NVFP4_RECIPES, RECIPES, MXRecipe, NVFP4Recipe
+import mx_recipe.nn.linear as linear_module
+from mx_recipe.formats.recipe import NVFP4_RECIPES, RECIPES, MXRecipe, NVFP4Recipe
+from mx_recipe.nn.linear import MXLinear, linears_on_one_input
+from mx_recipe.ops.gemm import CublasBackend, EmulatedBackend
 
 K, OUTS = 64, (96, 32, 32)  # wq-like, wk-like, wv-like
 
@@ -134,8 +134,8 @@ def test_fullgraph_compile_equals_eager(recipe):
 def test_llama_shares_the_casts_and_trains_the_same_bits(monkeypatch):
     """A converted debug Llama: project() takes the shared path in attention and FFN, and the loss and every
     gradient equal those of the same model with share_input_casts off."""
-    from mx_recipe.convert import convert_to_mx
     from mx_recipe.models.llama import LLAMA_FLAVORS, Transformer
+    from mx_recipe.nn.convert import convert_to_mx
 
     def build(share: bool) -> torch.nn.Module:
         torch.manual_seed(0)
@@ -165,7 +165,7 @@ def test_llama_shares_the_casts_and_trains_the_same_bits(monkeypatch):
 def test_nvfp4_shares_one_cast_of_x(name, monkeypatch):
     """NVFP4: the same bits as separate calls, with x quantized once (both of its operands) instead of once a
     linear; a frozen weight and no_grad too."""
-    import mx_recipe.nvfp4_linear as nvfp4_linear
+    import mx_recipe.nn.nvfp4_linear as nvfp4_linear
 
     recipe = NVFP4Recipe.from_name(name, hadamard_seed=5)
     linears = make_linears(recipe)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mx_recipe.cast import cast_dim0, cast_dim1, fake_quant_along_m, fake_quant_dim0
-from mx_recipe.dispatch import implementation
-from mx_recipe.formats import elem_format, fake_quant, round_to_format, round_to_format_stochastic, to_mx
+from mx_recipe.formats.mx import elem_format, fake_quant, round_to_format, round_to_format_stochastic, to_mx
+from mx_recipe.ops.dispatch import implementation
+from mx_recipe.ops.mx_cast import cast_dim0, cast_dim1, fake_quant_along_m, fake_quant_dim0
 
 FORMATS = ("e4m3", "e5m2", "e2m1")
 RULES = ("floor", "rceil")
@@ -274,9 +274,9 @@ def test_casts_dispatch_stochastic_cuda():
 # checked bit for bit in tests/test_linear.py).
 # ---------------------------------------------------------------------------------------------
 def test_grouped_mm_rounds_gradients_stochastically():
-    from mx_recipe.grouped import mx_grouped_mm
-    from mx_recipe.recipe import RECIPES
-    from mx_recipe.scale_layout import pad_groups, padded_group_layout
+    from mx_recipe.formats.recipe import RECIPES
+    from mx_recipe.formats.scale_layout import pad_groups, padded_group_layout
+    from mx_recipe.nn.grouped import mx_grouped_mm
 
     sizes, n, k = [40, 0, 60, 28], 96, 64
     gen = torch.Generator().manual_seed(0)

@@ -34,8 +34,8 @@ from mx_recipe.integrations.torchtitan import (  # noqa: E402
     TorchTitanMXLinear,
     with_mx,
 )
-from mx_recipe.linear import mx_linear  # noqa: E402
 from mx_recipe.models.moe import GroupedExperts as OurGroupedExperts  # noqa: E402
+from mx_recipe.nn.linear import mx_linear  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from torchtitan_steps import MODULE, build, cpu_model_config  # noqa: E402

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args, get_origin
 
 if TYPE_CHECKING:
-    from mx_recipe.recipe import MXRecipe, NVFP4Recipe
+    from mx_recipe.formats.recipe import MXRecipe, NVFP4Recipe
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -319,9 +319,9 @@ def build_config(data: dict[str, Any], source: str, overrides: list[tuple[str, s
 def validate(config: Config) -> None:
     """Value checks beyond types, so that a bad run stops before any model is built."""
     # Imported here: the registries live in the library, the config only reads them.
-    from mx_recipe.formats import ROUNDINGS
+    from mx_recipe.formats.mx import ROUNDINGS
+    from mx_recipe.formats.recipe import BACKENDS, NVFP4_RECIPES, RECIPES, MXRecipe
     from mx_recipe.models import MODEL_FLAVORS
-    from mx_recipe.recipe import BACKENDS, NVFP4_RECIPES, RECIPES, MXRecipe
 
     src = config.source
 
@@ -430,7 +430,7 @@ def build_mx_recipe(mx: MXConfig, seed: int = 0) -> MXRecipe | NVFP4Recipe | Non
     save_mx_input, fuse_x_casts, fuse_expert_casts, share_input_casts and grad_rounding set from the config.
     An NVFP4Recipe: with backend and grad_rounding, and ``seed`` (the run's job.seed) for the Hadamard signs;
     the MX cast options do not apply to it."""
-    from mx_recipe.recipe import NVFP4_RECIPES, MXRecipe, NVFP4Recipe
+    from mx_recipe.formats.recipe import NVFP4_RECIPES, MXRecipe, NVFP4Recipe
 
     if mx.recipe == "none":
         return None

@@ -26,8 +26,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from mx_recipe.convert import convert_to_mx, format_conversion_table
 from mx_recipe.models import build_model, flops_per_token, model_args, moe_layers
+from mx_recipe.nn.convert import convert_to_mx, format_conversion_table
 from mx_recipe.train.checkpoint import (
     CONFIG,
     DCP_ERRORS,

@@ -14,8 +14,8 @@ from torchtitan.models.deepseek_v3 import config_registry as deepseek_v3
 from torchtitan.models.llama3 import config_registry as llama3
 from torchtitan.models.qwen3 import config_registry as qwen3
 
+from mx_recipe.formats.recipe import RECIPES
 from mx_recipe.integrations.torchtitan.converters import with_mx
-from mx_recipe.recipe import RECIPES
 
 BASE_CONFIGS: dict[str, Callable] = {
     "llama3_debugmodel": llama3.llama3_debugmodel,

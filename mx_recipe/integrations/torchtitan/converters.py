@@ -30,11 +30,11 @@ from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.utils import validate_converter_order
 from torchtitan.tools.logging import logger
 
-from mx_recipe.convert import ConversionRecord, format_conversion_table, skip_reason
-from mx_recipe.gemm import resolve_backend
-from mx_recipe.grouped import mx_grouped_mm
-from mx_recipe.linear import MXLinear
-from mx_recipe.recipe import MXRecipe
+from mx_recipe.formats.recipe import MXRecipe
+from mx_recipe.nn.convert import ConversionRecord, format_conversion_table, skip_reason
+from mx_recipe.nn.grouped import mx_grouped_mm
+from mx_recipe.nn.linear import MXLinear
+from mx_recipe.ops.gemm import resolve_backend
 from mx_recipe.train.config import MXConfig, build_mx_recipe
 
 # convert_to_mx's default skips under torchtitan's names: the output projection (``lm_head`` in torchtitan

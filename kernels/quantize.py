@@ -1,4 +1,4 @@
-"""Triton device functions: quantize 32-element MX blocks bit for bit as ``mx_recipe.formats.to_mx``.
+"""Triton device functions: quantize 32-element MX blocks bit for bit as ``mx_recipe.formats.mx.to_mx``.
 
 Every cast kernel loads a tile, arranges it as [R, 32] blocks along the quantized dim and
 calls ``quantize_blocks``. All scale arithmetic is on integer bits (no log2, no division:
@@ -193,7 +193,7 @@ def tile_rows(rows, src_ptr, M, GATHER: tl.constexpr):
 @triton.jit
 def butterfly_stage(v, H: tl.constexpr, ADD: tl.constexpr):
     """One stage of the fast Walsh-Hadamard transform along axis 1 of v [NB, N, C]: pairs at distance H
-    become (a + b, a - b), as ``mx_recipe.nvfp4._walsh_hadamard`` forms them; not ADD, the pairs only travel
+    become (a + b, a - b), as ``mx_recipe.formats.nvfp4._walsh_hadamard`` forms them; not ADD, the pairs only travel
     the stage's paths and come back to their places. Either way the compiler lays v out so that each pair
     meets in one thread."""
     NB: tl.constexpr = v.shape[0]
@@ -262,7 +262,7 @@ def draws_tile(seed, stream, rows, col0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.c
     """The stochastic-rounding draws of the tile [rows, col0 + BLOCK_K) of an output [.., K], 16-bit integers
     (int32): the element of row-major index i takes half a word of Philox4x32-10 at counter (i div 8, i's high
     word, ``stream``, 0) under the 64-bit key ``seed``, output word (i mod 8) div 2, its high 16 bits for even i
-    and its low 16 bits for odd i (``mx_recipe.nvfp4.philox_uniform`` is the draw over 2**16). ``rows``: the
+    and its low 16 bits for odd i (``mx_recipe.formats.philox.philox_uniform`` is the draw over 2**16). ``rows``: the
     tile's row indices in the output (int); col0 and K are multiples of 8. WIDE: ``philox``'s."""
     first = rows.to(tl.int64)[:, None] * K + (col0 + 8 * tl.arange(0, BLOCK_K // 8))[None, :]  # [BM, BK/8]
     counter = first >> 3
@@ -279,7 +279,7 @@ def draws_tile_along_rows(seed, stream, row0, cols, BLOCK_M: tl.constexpr, BLOCK
     """The draws of the tile [row0, row0 + BLOCK_M) x ``cols`` (int, [BLOCK_K]) of an output quantized along
     its rows, [BLOCK_M // 8, 8, BLOCK_K], 16-bit integers: element (r, c) is place r mod 8 of the Philox4x32-10
     call at counter (r div 8, c, ``stream``, 0) under the 64-bit key ``seed``, half of output word (r mod 8)
-    div 2, the high 16 bits for even r (``mx_recipe.nvfp4.philox_uniform`` with along_rows). A column's eight
+    div 2, the high 16 bits for even r (``mx_recipe.formats.philox.philox_uniform`` with along_rows). A column's eight
     rows share a call, so a thread that holds a column draws its own, without moving draws between threads.
     row0: a multiple of 8. WIDE: ``philox``'s."""
     zero = tl.zeros((BLOCK_M // 8, 1, BLOCK_K), tl.uint32)

@@ -1,5 +1,5 @@
 """The MX casts and fake-quants: the public entry points, each a contract that every implementation meets bit
-for bit (the reference, a Triton kernel, a Gluon kernel on Hopper; ``mx_recipe.dispatch`` picks which runs).
+for bit (the reference, a Triton kernel, a Gluon kernel on Hopper; ``mx_recipe.ops.dispatch`` picks which runs).
 
 * ``blocked_scales=False``: an ``MXTensor`` (formats.py), quantized along its last dim;
 * ``blocked_scales=True``: a ``BlockedMXTensor``, whose scales are already in the blocked layout that hardware
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 from mx_kernels.common import check_offs
 
-from mx_recipe.dispatch import run
-from mx_recipe.formats import BLOCK_SIZE, MXTensor
-from mx_recipe.scale_layout import from_blocked, from_blocked_3d, from_blocked_groups, group_scale_starts
+from mx_recipe.formats.mx import BLOCK_SIZE, MXTensor
+from mx_recipe.formats.scale_layout import from_blocked, from_blocked_3d, from_blocked_groups, group_scale_starts
+from mx_recipe.ops.dispatch import run
 
 __all__ = [
     "BlockedMXTensor",

@@ -31,7 +31,7 @@ import fnmatch
 import math
 from dataclasses import dataclass, replace
 
-from mx_recipe.recipe import HIGH_PRECISION, MXRecipe, NVFP4Recipe
+from mx_recipe.formats.recipe import HIGH_PRECISION, MXRecipe, NVFP4Recipe
 
 BF16_BYTES = 2.0
 NVFP4 = "nvfp4"  # the operand format of every GEMM of an NVFP4 recipe
@@ -148,7 +148,7 @@ PATHS: dict[str, MXPath] = {
         ),
     )
 }
-# linear.py and grouped.py run the emulated backend through fake-quant kernels (mx_recipe.cast: one
+# linear.py and grouped.py run the emulated backend through fake-quant kernels (mx_recipe.ops.mx_cast: one
 # read of bf16, one write of the dequantized bf16 per result), on every device. dim0 and dim1 are
 # separate kernels except for a linear's x and g (fake_quant_dim0_dim1); the MoE grad-weight casts
 # quantize each token group in place (fake_quant_groups_along_m), so its GEMM runs over the unpadded
@@ -397,9 +397,9 @@ def model_gemms(
     import torch
     from torch import nn
 
-    from mx_recipe.convert import DEFAULT_SKIP
     from mx_recipe.models import build_model, model_args
     from mx_recipe.models.moe import GroupedExperts
+    from mx_recipe.nn.convert import DEFAULT_SKIP
 
     skip = DEFAULT_SKIP if skip is None else skip
     args = model_args(name, flavor, vocab_size, seq_len)

@@ -1,6 +1,6 @@
 """Gluon per-group dim1 MX cast (MoE grad-weight operand): ``cast_groups_dim1``'s contract, bit for bit.
 
-The Hopper implementation of ``cast_groups_dim1`` (mx_recipe.dispatch picks it for bf16 input on compute
+The Hopper implementation of ``cast_groups_dim1`` (mx_recipe.ops.dispatch picks it for bf16 input on compute
 capability 9.x). x [M_total, K] holds token groups ending at ``offs`` (int32, cumulative, each group a multiple
 of 32 rows, empty groups allowed). qdata [K, M_total] fp8 is the plain dim1 cast (column range
 [offs[g-1], offs[g]) is group g's ``to_mx(x_g.t().contiguous())``); the scales are each group's [K, M_g/32]
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.experimental.gluon.language as gl
 from mx_kernels.common import check_cast, check_offs, fp8_dtype, groups_dim1_shapes
-from mx_kernels.gluon_common import (
+from mx_kernels.gluon.common import (
     arange_along,
     compile_for_arch,
     dim1_scale_layout,
@@ -37,7 +37,7 @@ from mx_kernels.gluon_common import (
     wide,
 )
 from mx_kernels.launch_cache import LaunchCache
-from mx_kernels.mx_quantize import blocked_scale_offset
+from mx_kernels.quantize import blocked_scale_offset
 from mx_kernels.spec import cdiv
 from triton.experimental import gluon
 
@@ -251,7 +251,7 @@ def kernel_launch(
 
 def cast_groups_dim1(x: torch.Tensor, offs: torch.Tensor, elem: str, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M_total, K] (bf16/fp32, any strides), offs int32 [G] group ends on x's device -> (qdata [K, M_total]
-    fp8, per-group blocked scales e8m0, 1D): ``mx_kernels.cast_groups_dim1.cast_groups_dim1``, bit for bit.
+    fp8, per-group blocked scales e8m0, 1D): ``mx_kernels.mx.cast_groups_dim1.cast_groups_dim1``, bit for bit.
     The caller validates the values of ``offs`` (``common.check_offs``): read here, they would sync."""
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="gluon cast_groups_dim1")
     check_offs(offs, x.shape[0], check_values=False)

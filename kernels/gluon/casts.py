@@ -1,6 +1,6 @@
 """Gluon kernel of the dim0, dim1 and fused dim0+dim1 MX casts, 2D and per expert of 3D, with explicit layouts.
 
-The Hopper implementation of ``cast_dim0``, ``cast_dim1`` and ``cast_dim0_dim1`` (mx_recipe.dispatch picks it
+The Hopper implementation of ``cast_dim0``, ``cast_dim1`` and ``cast_dim0_dim1`` (mx_recipe.ops.dispatch picks it
 for bf16 input on compute capability 9.x); the same outputs as the Triton kernels, bit for bit. ``DIM0`` and
 ``DIM1`` say which halves a launch computes; ``BATCHED``: x [E, M, K] with the expert on grid axis 2, each
 expert's outputs (dim1: its [K, M] written column-major directly, no transpose copy; blocked scales per expert)
@@ -25,9 +25,9 @@ import functools
 
 import torch
 import triton.experimental.gluon.language as gl
-from mx_kernels import gluon_e2m1_casts
 from mx_kernels.common import check_cast, dim0_shapes, dim1_shapes, empty_outputs, tile_grid
-from mx_kernels.gluon_common import (
+from mx_kernels.gluon import e2m1_casts as gluon_e2m1_casts
+from mx_kernels.gluon.common import (
     arange_along,
     compile_for_arch,
     quantize,
@@ -39,8 +39,8 @@ from mx_kernels.gluon_common import (
     wide,
 )
 from mx_kernels.launch_cache import LaunchCache
+from mx_kernels.mx.unblock_scales import plain_scales
 from mx_kernels.spec import blocked_shape
-from mx_kernels.unblock_scales import plain_scales
 from triton.experimental import gluon
 
 # The tile's constexprs: 4 sub-tiles of 32 rows, 8 rows a thread, 2 warps along K and 4 along M, BLOCK_K 128.
@@ -230,14 +230,14 @@ def _cast(
 
 def cast_dim0(x: torch.Tensor, elem: str, mode: str, blocked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] or [E, M, K] (bf16/fp32, K % 32 == 0) -> (qdata fp8 of x's shape, scales e8m0 [.., M, K/32], or
-    blocked: 1D for 2D x, [E, blocked_numel(M, K/32)] for 3D): ``mx_kernels.triton_casts.cast_dim0``, bit for bit."""
+    blocked: 1D for 2D x, [E, blocked_numel(M, K/32)] for 3D): ``mx_kernels.mx.casts.cast_dim0``, bit for bit."""
     check_cast(x, elem, mode, ndims=(2, 3), qdim=-1, op="gluon cast_dim0")
     return _cast(x, elem, mode, blocked, dim0=True, dim1=False, k_first=True, op="gluon cast_dim0")
 
 
 def cast_dim1(x: torch.Tensor, elem: str, mode: str, blocked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] or [E, M, K] (bf16/fp32, M % 32 == 0) -> (qdata [.., K, M] fp8, scales e8m0 [.., K, M/32], or
-    blocked): ``mx_kernels.triton_casts.cast_dim1``, bit for bit; 3D x: each expert's [K, M] written directly.
+    blocked): ``mx_kernels.mx.casts.cast_dim1``, bit for bit; 3D x: each expert's [K, M] written directly.
     e2m1 (bf16): ``gluon_e2m1_casts.cast_dim1``."""
     if elem == "e2m1":
         return gluon_e2m1_casts.cast_dim1(x, mode, blocked)
@@ -250,7 +250,7 @@ def cast_dim0_dim1(
     x: torch.Tensor, elem: str, mode: str, blocked: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16/fp32, M and K multiples of 32) -> (q0 [M, K], s0, q1 [K, M], s1) from one read of x:
-    ``mx_kernels.triton_casts.cast_dim0_dim1``, bit for bit."""
+    ``mx_kernels.mx.casts.cast_dim0_dim1``, bit for bit."""
     check_cast(x, elem, mode, ndims=(2,), qdim=0, op="gluon cast_dim0_dim1")
     check_cast(x, elem, mode, ndims=(2,), qdim=1, op="gluon cast_dim0_dim1")
     return _cast(x, elem, mode, blocked, dim0=True, dim1=True, k_first=True, op="gluon cast_dim0_dim1")

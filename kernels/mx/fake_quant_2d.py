@@ -16,7 +16,7 @@ the group's first row, as if the group were zero-padded to a multiple of 32; eac
 written back to its own row of x's shape and the padding rows are dropped. No padded copy is
 written, and the grad-weight GEMM runs over the groups as they are (no padding FLOPs).
 
-Along K alone this is the fake-quant of the emulated forward (``mx_recipe.cast.fake_quant_dim0``).
+Along K alone this is the fake-quant of the emulated forward (``mx_recipe.ops.mx_cast.fake_quant_dim0``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from mx_kernels.common import fake_quant_2d_outputs, fake_quant_groups_outputs, interpreting, software_round
 from mx_kernels.launch_cache import LaunchCache
-from mx_kernels.mx_quantize import column_blocks, draws_tile, fake_quant_blocks, tile_rows, to_fp32
+from mx_kernels.quantize import column_blocks, draws_tile, fake_quant_blocks, tile_rows, to_fp32
 from mx_kernels.spec import cdiv
 
 # (BLOCK_M, BLOCK_K, num_warps), the best of H200 sweeps: both outputs of 16384 x 4096 and of 3D expert weights

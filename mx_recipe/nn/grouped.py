@@ -29,11 +29,11 @@ import os
 
 import torch
 
-from mx_recipe.formats import BLOCK_SIZE
-from mx_recipe.gemm import Backend, GroupLayout, Operand, default_backend, plain_grouped_mm
-from mx_recipe.nvfp4_grouped import nvfp4_grouped_mm
-from mx_recipe.recipe import HIGH_PRECISION, MXRecipe, NVFP4Recipe
-from mx_recipe.scale_layout import padded_group_layout, zero_rows_past_groups
+from mx_recipe.formats.mx import BLOCK_SIZE
+from mx_recipe.formats.recipe import HIGH_PRECISION, MXRecipe, NVFP4Recipe
+from mx_recipe.formats.scale_layout import padded_group_layout, zero_rows_past_groups
+from mx_recipe.nn.nvfp4_grouped import nvfp4_grouped_mm
+from mx_recipe.ops.gemm import Backend, GroupLayout, Operand, default_backend, plain_grouped_mm
 
 CHECK_OFFS_ENV = "MX_RECIPE_CHECK_OFFS"  # "1": check offs on the host on every call, GPU too (debugging)
 

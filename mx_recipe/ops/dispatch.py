@@ -37,8 +37,8 @@ from mx_kernels.common import (
 from mx_kernels.spec import BLOCK_SIZE, KERNEL_ELEMS
 from torch import Tensor
 
-from mx_recipe.formats import fake_quant, to_mx
-from mx_recipe.scale_layout import to_blocked, to_blocked_3d, to_blocked_groups
+from mx_recipe.formats.mx import fake_quant, to_mx
+from mx_recipe.formats.scale_layout import to_blocked, to_blocked_3d, to_blocked_groups
 
 GLUON_ENV = "MX_RECIPE_GLUON"  # "0": the Triton kernels on Hopper too
 
@@ -124,43 +124,43 @@ class KernelOp:
     gluon: str
     bf16_only: bool = False
     fp4: bool = False  # the Triton kernel takes e2m1 too
-    gluon_fp4: bool = False  # so does the Gluon one (bf16 read as words: ``mx_kernels.gluon_e2m1_casts``)
+    gluon_fp4: bool = False  # so does the Gluon one (bf16 read as words: ``mx_kernels.gluon.e2m1_casts``)
     stochastic: bool = False  # the Triton kernel rounds e2m1 stochastically too
 
 
 OPS: dict[str, KernelOp] = {
     "cast_dim0": KernelOp(
-        reference_cast_dim0, "triton_casts:cast_dim0", "gluon_casts:cast_dim0", fp4=True, stochastic=True
+        reference_cast_dim0, "mx.casts:cast_dim0", "gluon.casts:cast_dim0", fp4=True, stochastic=True
     ),
     "cast_dim1": KernelOp(
         reference_cast_dim1,
-        "triton_casts:cast_dim1",
-        "gluon_casts:cast_dim1",
+        "mx.casts:cast_dim1",
+        "gluon.casts:cast_dim1",
         fp4=True,
         gluon_fp4=True,
         stochastic=True,
     ),
     "cast_dim0_dim1": KernelOp(
-        reference_cast_dim0_dim1, "triton_casts:cast_dim0_dim1", "gluon_casts:cast_dim0_dim1", fp4=True
+        reference_cast_dim0_dim1, "mx.casts:cast_dim0_dim1", "gluon.casts:cast_dim0_dim1", fp4=True
     ),
     "cast_groups_dim1": KernelOp(
         reference_cast_groups_dim1,
-        "cast_groups_dim1:cast_groups_dim1",
-        "gluon_cast_groups:cast_groups_dim1",
+        "mx.cast_groups_dim1:cast_groups_dim1",
+        "gluon.cast_groups:cast_groups_dim1",
         fp4=True,
     ),
     "fake_quant_2d": KernelOp(
         reference_fake_quant_2d,
-        "fake_quant_2d:fake_quant_2d",
-        "gluon_fake_quant:fake_quant_2d",
+        "mx.fake_quant_2d:fake_quant_2d",
+        "gluon.fake_quant:fake_quant_2d",
         bf16_only=True,
         fp4=True,
         stochastic=True,
     ),
     "fake_quant_groups_along_m": KernelOp(
         reference_fake_quant_groups_along_m,
-        "fake_quant_2d:fake_quant_groups_along_m",
-        "gluon_fake_quant:fake_quant_groups_along_m",
+        "mx.fake_quant_2d:fake_quant_groups_along_m",
+        "gluon.fake_quant:fake_quant_groups_along_m",
         bf16_only=True,
         fp4=True,
         stochastic=True,
@@ -364,8 +364,8 @@ _define(
 def _mx_gemm(
     a_q: Tensor, a_scale: Tensor, a_elem: str, b_q: Tensor, b_scale: Tensor, b_elem: str, out_dtype: torch.dtype
 ) -> Tensor:
-    """The triton GEMM backend's ``tl.dot_scaled`` kernel (mx_kernels.mx_gemm); no reference or Gluon form."""
-    from mx_kernels.mx_gemm import mx_gemm as launch
+    """The triton GEMM backend's ``tl.dot_scaled`` kernel (mx_kernels.mx.gemm); no reference or Gluon form."""
+    from mx_kernels.mx.gemm import mx_gemm as launch
 
     return launch(a_q, a_scale, a_elem, b_q, b_scale, b_elem, out_dtype)
 

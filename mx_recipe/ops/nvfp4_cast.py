@@ -1,5 +1,5 @@
 """The packed NVFP4 cast, from one entry point: ``cast_nvfp4`` runs the Triton kernel
-(``mx_kernels.fake_quant_nvfp4.cast_nvfp4``) for bf16 on CUDA and the reference (``nvfp4.to_nvfp4``) otherwise;
+(``mx_kernels.nvfp4.casts.cast_nvfp4``) for bf16 on CUDA and the reference (``nvfp4.to_nvfp4``) otherwise;
 both give the same bits (docs/DESIGN.md, "NVFP4").
 
 It forms the operands of the cublas NVFP4 GEMMs (sm_100, ``nvfp4_linear``): x [M, K] along K (1x16 blocks, or
@@ -16,8 +16,8 @@ import torch
 from mx_kernels.common import check_nvfp4
 from torch import Tensor
 
-from mx_recipe.nvfp4 import NVFP4Tensor, to_nvfp4
-from mx_recipe.nvfp4_fake_quant import ROWS, TILES, along_m_input, uses_kernel
+from mx_recipe.formats.nvfp4 import NVFP4Tensor, to_nvfp4
+from mx_recipe.ops.nvfp4_fake_quant import ROWS, TILES, along_m_input, uses_kernel
 
 
 def reference_cast_nvfp4(
@@ -69,7 +69,7 @@ _LIB.define(
 
 def _kernel(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | None, seed: Tensor | None,
             pad_m: int):  # fmt: skip
-    from mx_kernels.fake_quant_nvfp4 import cast_nvfp4 as launch
+    from mx_kernels.nvfp4.casts import cast_nvfp4 as launch
 
     return launch(x, along_k, along_m, tiles, signs, seed, pad_m)
 

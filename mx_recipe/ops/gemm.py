@@ -31,8 +31,20 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-import mx_recipe.dispatch  # noqa: F401  (registers torch.ops.mx_recipe.mx_gemm; imports no Triton)
-from mx_recipe.cast import (
+import mx_recipe.ops.dispatch  # noqa: F401  (registers torch.ops.mx_recipe.mx_gemm; imports no Triton)
+from mx_recipe.formats.mx import BLOCK_SIZE, E2M1_VALUES, E8M0_BIAS, E8M0_NAN, MXTensor, exp2_fp32, unpack_fp4
+from mx_recipe.formats.recipe import HIGH_PRECISION, MXRecipe, NVFP4Recipe
+from mx_recipe.formats.scale_layout import (
+    SCALE_TILE_COLS,
+    SCALE_TILE_ROWS,
+    blocked_byte_offset,
+    blocked_numel,
+    group_row_sources,
+    pad_groups,
+    padded_group_layout,
+    to_blocked,
+)
+from mx_recipe.ops.mx_cast import (
     BlockedMXTensor,
     cast_3d_dim0,
     cast_3d_dim1,
@@ -44,18 +56,6 @@ from mx_recipe.cast import (
     fake_quant_dim0,
     fake_quant_dim0_dim1,
     fake_quant_groups_along_m,
-)
-from mx_recipe.formats import BLOCK_SIZE, E2M1_VALUES, E8M0_BIAS, E8M0_NAN, MXTensor, exp2_fp32, unpack_fp4
-from mx_recipe.recipe import HIGH_PRECISION, MXRecipe, NVFP4Recipe
-from mx_recipe.scale_layout import (
-    SCALE_TILE_COLS,
-    SCALE_TILE_ROWS,
-    blocked_byte_offset,
-    blocked_numel,
-    group_row_sources,
-    pad_groups,
-    padded_group_layout,
-    to_blocked,
 )
 
 ScaledMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
@@ -499,7 +499,7 @@ def mx_mm_triton(a: MXTensor, b: MXTensor, out_dtype: torch.dtype) -> torch.Tens
 
     Checks the operands, not the device: callers resolve the backend first (``mx_mm``,
     ``resolve_backend``). On sm_90 the result equals ``emulated`` up to summation order, except
-    where an element * 2**e leaves bf16's normal range (mx_kernels/mx_gemm.py).
+    where an element * 2**e leaves bf16's normal range (mx_kernels/mx/gemm.py).
     """
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, MXTensor):

@@ -22,11 +22,11 @@ from collections.abc import Callable
 
 import torch
 
-from mx_recipe.nvfp4 import NVFP4_BLOCK, NVFP4Tensor, random_signs
-from mx_recipe.nvfp4_cast import cast_nvfp4
-from mx_recipe.nvfp4_fake_quant import ROWS, NVFP4Operands, fake_quant_nvfp4
-from mx_recipe.recipe import NVFP4Recipe
-from mx_recipe.scale_layout import to_blocked
+from mx_recipe.formats.nvfp4 import NVFP4_BLOCK, NVFP4Tensor, random_signs
+from mx_recipe.formats.recipe import NVFP4Recipe
+from mx_recipe.formats.scale_layout import to_blocked
+from mx_recipe.ops.nvfp4_cast import cast_nvfp4
+from mx_recipe.ops.nvfp4_fake_quant import ROWS, NVFP4Operands, fake_quant_nvfp4
 
 
 def weight_operand(w: torch.Tensor, along_k: bool, recipe: NVFP4Recipe, dtype: torch.dtype):

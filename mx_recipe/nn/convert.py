@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mx_recipe.gemm import Backend, resolve_backend
-from mx_recipe.grouped import mx_grouped_mm
-from mx_recipe.linear import MXLinear
-from mx_recipe.recipe import MXRecipe, NVFP4Recipe
+from mx_recipe.formats.recipe import MXRecipe, NVFP4Recipe
+from mx_recipe.nn.grouped import mx_grouped_mm
+from mx_recipe.nn.linear import MXLinear
+from mx_recipe.ops.gemm import Backend, resolve_backend
 
 # Stay in high precision by default: the output projection (its logits feed the loss directly)
 # and MoE router gates (tiny GEMMs whose top-k choice is sensitive to rounding).

@@ -1,5 +1,5 @@
 """The NVFP4 operands of the emulated GEMMs, from one entry point: ``fake_quant_nvfp4`` runs the Triton kernel
-(``mx_kernels.fake_quant_nvfp4``) for bf16 on CUDA and the reference (``nvfp4.nvfp4_operand``) otherwise;
+(``mx_kernels.nvfp4.casts``) for bf16 on CUDA and the reference (``nvfp4.nvfp4_operand``) otherwise;
 both give the same bits (docs/DESIGN.md, "NVFP4").
 
 One call quantizes x [M, K] along K (1x16 blocks, or 16x16 tiles for the recipe's weights) and/or along M
@@ -8,7 +8,7 @@ to a multiple of 16), reading x once on the GPU, and returns each operand with i
 
 Stochastic rounding: the reference draws from ``generator`` (or the default generator) as ``to_nvfp4`` does;
 the kernel rounds with a Philox stream keyed by a seed drawn from that generator on x's device
-(``nvfp4.philox_uniform`` is the same stream in PyTorch). The two draw different bits for the same
+(``philox.philox_uniform`` is the same stream in PyTorch). The two draw different bits for the same
 generator state; each is exact against the reference given the same draws.
 """
 
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from mx_kernels.common import check_nvfp4
 from torch import Tensor
 
-from mx_recipe.nvfp4 import NVFP4_BLOCK, hadamard_transform, nvfp4_operand
-from mx_recipe.scale_layout import pad_groups, zero_rows_past_groups
+from mx_recipe.formats.nvfp4 import NVFP4_BLOCK, hadamard_transform, nvfp4_operand
+from mx_recipe.formats.scale_layout import pad_groups, zero_rows_past_groups
 
 TILES, ROWS = (NVFP4_BLOCK, NVFP4_BLOCK), (1, NVFP4_BLOCK)
 
@@ -140,7 +140,7 @@ _LIB.define(
 
 
 def _kernel(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | None, seed: Tensor | None):
-    from mx_kernels.fake_quant_nvfp4 import fake_quant_nvfp4 as launch
+    from mx_kernels.nvfp4.casts import fake_quant_nvfp4 as launch
 
     return launch(x, along_k, along_m, tiles, signs, seed)
 
@@ -167,7 +167,7 @@ def _groups_kernel(
     x: Tensor, row_src: Tensor, group_end: Tensor, along_k: bool, along_m: bool, signs: Tensor | None,
     seed: Tensor | None,
 ):  # fmt: skip
-    from mx_kernels.fake_quant_nvfp4 import fake_quant_nvfp4_groups as launch
+    from mx_kernels.nvfp4.casts import fake_quant_nvfp4_groups as launch
 
     return launch(x, row_src, group_end, along_k, along_m, signs, seed)
 

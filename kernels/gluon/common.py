@@ -25,7 +25,7 @@ import triton
 import triton.experimental.gluon.language as gl
 import triton.language as tl
 from mx_kernels.common import interpreting
-from mx_kernels.mx_quantize import scale_exponent
+from mx_kernels.quantize import scale_exponent
 from triton.experimental import gluon
 
 

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mx_recipe.gemm import Backend, Operand, default_backend
-from mx_recipe.nvfp4_linear import nvfp4_input_casts, nvfp4_linear
-from mx_recipe.recipe import HIGH_PRECISION, MXRecipe, NVFP4Recipe
+from mx_recipe.formats.recipe import HIGH_PRECISION, MXRecipe, NVFP4Recipe
+from mx_recipe.nn.nvfp4_linear import nvfp4_input_casts, nvfp4_linear
+from mx_recipe.ops.gemm import Backend, Operand, default_backend
 
 
 def _input_casts(

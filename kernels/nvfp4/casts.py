@@ -1,6 +1,6 @@
 """NVFP4 fake-quant along K and/or along M in one read of x: the operands of the emulated NVFP4 GEMMs.
 
-``mx_recipe.nvfp4.nvfp4_operand`` is the contract: each output is e2m1 * float(e4m3 block scale) in x's
+``mx_recipe.formats.nvfp4.nvfp4_operand`` is the contract: each output is e2m1 * float(e4m3 block scale) in x's
 dtype (exact), the per-tensor decode scale s_dec left for the GEMM's output. Two kernels:
 
 * ``_amax_kernel`` reduces max|x| (for along K) and max|RHT(x)| (for along M, after the random Hadamard
@@ -33,7 +33,7 @@ at counter (i div 8, i's high word, 0, 0). Along M (stream 1) they are consecuti
 (r, c) is place r mod 8 at counter (r div 8, c, 1, 0). Along M each thread holds columns of whole blocks,
 after the Hadamard transform or after the same data movement without it (``blocks_along_m``), so the draws
 are made in the thread that uses them and never move between threads.
-``mx_recipe.nvfp4.philox_uniform`` is the same stream in PyTorch (``along_rows`` for along M), which the
+``mx_recipe.formats.philox.philox_uniform`` is the same stream in PyTorch (``along_rows`` for along M), which the
 tests hand to the reference as its ``uniform``.
 """
 
@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 from mx_kernels.common import check_nvfp4, interpreting, software_round
 from mx_kernels.launch_cache import LaunchCache
-from mx_kernels.mx_quantize import (
+from mx_kernels.quantize import (
     bf16_bits_rne,
     block_amax_bits,
     butterfly_stage,
@@ -108,7 +108,7 @@ def blocks_along_m(
     x, signs, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HADAMARD: tl.constexpr, SCALED: tl.constexpr = True
 ):  # fmt: skip
     """x [BLOCK_M, BLOCK_K] fp32 -> its blocks of 16 rows, [BLOCK_M // 16, 16, BLOCK_K]. HADAMARD: each block v
-    becomes v @ diag(signs) H16 / 4 (``mx_recipe.nvfp4.hadamard_transform`` along M, the same fp32 operations;
+    becomes v @ diag(signs) H16 / 4 (``mx_recipe.formats.nvfp4.hadamard_transform`` along M, the same fp32 operations;
     not SCALED, without the final / 4: exact, and monotonic where it rounds, so a maximum can take it last).
     Without it the values only travel the butterflies' paths (``column_blocks``): either way each thread ends
     up holding columns of whole blocks, so the blocks' maxima need no shuffles and the draws along rows stay in
@@ -347,7 +347,7 @@ def fake_quant_nvfp4(
     the per-tensor maxima they were scaled by (max|x|, and max|RHT_M(x)| or max|x| for along M). ``tiles``: 16x16 scale
     tiles along K; ``signs``: fp32 [16], the random Hadamard transform along M before quantizing along M;
     ``seed``: int64 [1] on x's device for stochastic rounding, None to round to nearest. An output not asked
-    for is empty. Bit for bit ``mx_recipe.nvfp4`` (module docstring)."""
+    for is empty. Bit for bit ``mx_recipe.formats.nvfp4`` (module docstring)."""
     check_nvfp4(x, along_k, along_m, tiles)
     m, k = x.shape
     m_pad = cdiv(m, BLOCK) * BLOCK
@@ -530,7 +530,7 @@ def compile_for_target(
     """Compile both kernels of one ``fake_quant_nvfp4`` (or, ``packed``, ``cast_nvfp4``; ``gather``,
     ``fake_quant_nvfp4_groups``) launch on a contiguous bf16 x of ``shape`` for CUDA ``arch`` without a GPU (CPU
     tests): (amax kernel, fake-quant kernel) as CompiledKernels."""
-    from mx_kernels.gluon_common import compile_for_arch
+    from mx_kernels.gluon.common import compile_for_arch
 
     x = torch.empty(shape, dtype=torch.bfloat16, device="meta")
     amax = torch.empty(SCRATCH, dtype=torch.int32, device="meta")

@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 from mx_kernels.common import check_cast, e2m1_reads_words, empty_outputs, groups_dim1_shapes, software_round
 from mx_kernels.launch_cache import LaunchCache
-from mx_kernels.mx_quantize import (
+from mx_kernels.mx.casts import LANE_WORDS, WORDS_DIM1_TILE
+from mx_kernels.quantize import (
     blocked_scale_offset,
     e2m1_words_along_m,
     pack_pairs_along_rows,
@@ -31,7 +32,6 @@ from mx_kernels.mx_quantize import (
     to_fp32,
 )
 from mx_kernels.spec import cdiv
-from mx_kernels.triton_casts import LANE_WORDS, WORDS_DIM1_TILE
 
 BLOCK_K, NUM_WARPS = 64, 1  # one warp per program: see triton_casts.py; 128 source rows (one scale tile column)
 # e2m1 of bf16 read as words: the tile of triton_casts' cast along M (64 rows x 128, one warp, LANE_WORDS words a lane),

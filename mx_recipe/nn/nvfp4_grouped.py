@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from mx_recipe.nvfp4 import NVFP4_BLOCK
-from mx_recipe.nvfp4_fake_quant import fake_quant_nvfp4_groups
-from mx_recipe.nvfp4_linear import signs_for, weight_operand
-from mx_recipe.recipe import NVFP4Recipe
-from mx_recipe.scale_layout import group_row_sources, padded_group_layout, zero_rows_past_groups
+from mx_recipe.formats.nvfp4 import NVFP4_BLOCK
+from mx_recipe.formats.recipe import NVFP4Recipe
+from mx_recipe.formats.scale_layout import group_row_sources, padded_group_layout, zero_rows_past_groups
+from mx_recipe.nn.nvfp4_linear import signs_for, weight_operand
+from mx_recipe.ops.nvfp4_fake_quant import fake_quant_nvfp4_groups
 
 
 def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, alpha: torch.Tensor, dtype: torch.dtype):

@@ -1,6 +1,6 @@
 """Gluon kernel of the packed MXFP4 cast along M (``cast_dim1``, e2m1 to nearest) of bf16, 2D and per expert of 3D.
 
-The Hopper implementation of ``cast_dim1`` for e2m1 (mx_recipe.dispatch picks it for bf16 on compute capability
+The Hopper implementation of ``cast_dim1`` for e2m1 (mx_recipe.ops.dispatch picks it for bf16 on compute capability
 9.x): the outputs of the Triton word kernel (``triton_casts``), bit for bit. Along K and both ways at once the
 Triton kernels stay (docs/DESIGN.md, Performance targets: the packed casts).
 
@@ -20,7 +20,7 @@ import functools
 import torch
 import triton.experimental.gluon.language as gl
 from mx_kernels.common import check_cast, dim1_shapes, e2m1_reads_words, empty_outputs, tile_grid
-from mx_kernels.gluon_common import (
+from mx_kernels.gluon.common import (
     arange_along,
     compile_for_arch,
     linear,
@@ -29,9 +29,9 @@ from mx_kernels.gluon_common import (
     wide,
 )
 from mx_kernels.launch_cache import LaunchCache
-from mx_kernels.mx_quantize import WORD_CODES_PTX, bf16_block_scales, max_u16x2
+from mx_kernels.mx.unblock_scales import plain_scales
+from mx_kernels.quantize import WORD_CODES_PTX, bf16_block_scales, max_u16x2
 from mx_kernels.spec import blocked_shape
-from mx_kernels.unblock_scales import plain_scales
 from triton.experimental import gluon
 
 BLOCK_M, BLOCK_K = 128, 128  # elements; a tile is [4 sub-tiles, 32 rows, 4 chunks, 16 words]

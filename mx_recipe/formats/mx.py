@@ -131,7 +131,7 @@ def round_to_format_stochastic(v: torch.Tensor, fmt: ElemFormat, uniform: torch.
 
     Saturates to +-max_normal like ``round_to_format``; -0 stays -0; a value of the grid has f = 0 and never
     moves. ``uniform``: fp32 in [0, 1), the shape of ``v``. The e2m1 kernels compute the same steps in fp32
-    and integers (``mx_kernels.mx_quantize.round_e2m1``): no conversions, which are slow on the GPU."""
+    and integers (``mx_kernels.quantize.round_e2m1``): no conversions, which are slow on the GPU."""
     v = v.clamp(-fmt.max_normal, fmt.max_normal)  # inf saturates; max_normal is on the grid
     mag = v.abs()
     dropped = 23 - fmt.mbits

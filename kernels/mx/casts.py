@@ -29,7 +29,7 @@ from mx_kernels.common import (
     tile_grid,
 )
 from mx_kernels.launch_cache import LaunchCache
-from mx_kernels.mx_quantize import (
+from mx_kernels.quantize import (
     draws_tile,
     e2m1_words_along_k,
     e2m1_words_along_m,

@@ -1,6 +1,6 @@
 """MX fake-quant along K and/or along M in one read of x, in Gluon: ``fake_quant_2d``'s contract, bit for bit.
 
-The Hopper implementation of ``fake_quant_2d`` and ``fake_quant_groups_along_m`` (mx_recipe.dispatch picks it
+The Hopper implementation of ``fake_quant_2d`` and ``fake_quant_groups_along_m`` (mx_recipe.ops.dispatch picks it
 for bf16 input on compute capability 9.x), with the layout chosen by hand: ``gluon_common.tile_layout``, so a
 thread holds 8 rows x 8 contiguous bf16 (16-byte loads), a block of 32 along K is 8 registers x 4 lanes and a
 block of 32 along M is 8 registers x 4 lanes of one warp. Warps split K, so neither reduction touches shared
@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import triton.experimental.gluon.language as gl
 from mx_kernels.common import fake_quant_2d_outputs, fake_quant_groups_outputs
-from mx_kernels.gluon_common import arange_along, compile_for_arch, max_nan, require_gpu, tile_layout, wide
+from mx_kernels.gluon.common import arange_along, compile_for_arch, max_nan, require_gpu, tile_layout, wide
 from mx_kernels.launch_cache import LaunchCache
-from mx_kernels.mx_quantize import scale_exponent
+from mx_kernels.quantize import scale_exponent
 from mx_kernels.spec import cdiv
 from triton.experimental import gluon
 
@@ -161,12 +161,12 @@ def fake_quant_2d(
     x: torch.Tensor, elem: str, mode: str, along_k: bool, along_m: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] or [E, M, K] bf16 (any strides) -> (along K [.., M, K], along M [.., ceil32(M), K]): the outputs
-    of ``mx_kernels.fake_quant_2d.fake_quant_2d`` bit for bit (an output not asked for is an empty tensor)."""
+    of ``mx_kernels.mx.fake_quant_2d.fake_quant_2d`` bit for bit (an output not asked for is an empty tensor)."""
     return fake_quant_2d_outputs(x, elem, mode, along_k, along_m, _launch, "gluon fake_quant_2d")
 
 
 def fake_quant_groups_along_m(x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str) -> torch.Tensor:
-    """x [M, K] bf16, row_src int32 [R] -> [M, K]: ``mx_kernels.fake_quant_2d.fake_quant_groups_along_m`` bit for bit
+    """x [M, K] bf16, row_src int32 [R] -> [M, K]: ``mx_kernels.mx.fake_quant_2d.fake_quant_groups_along_m`` bit for bit
     (row_src is not checked on the GPU: a row of x it does not list is left unwritten)."""
     return fake_quant_groups_outputs(x, row_src, elem, mode, _launch, "gluon fake_quant_groups_along_m")
 
