@@ -32,7 +32,7 @@ from mx_recipe import MXRecipe, mx_grouped_mm, mx_linear
 from mx_recipe.formats.nvfp4 import random_signs
 from mx_recipe.formats.recipe import NVFP4Recipe
 from mx_recipe.formats.scale_layout import group_row_sources, padded_group_layout
-from mx_recipe.ops.gemm import resolve_backend
+from mx_recipe.ops.backends import resolve_backend
 from mx_recipe.ops.mx_cast import (
     cast_3d_dim1,
     cast_dim0,

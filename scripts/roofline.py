@@ -435,7 +435,8 @@ def observe(out: str | None, device_key: str | None) -> None:
     from timing import run_meta  # the benchmarks' provenance, for the same meta in every result file
 
     from mx_recipe.nn.linear import mx_linear
-    from mx_recipe.ops.gemm import mx_mm, resolve_backend
+    from mx_recipe.ops.backends import resolve_backend
+    from mx_recipe.ops.gemm import mx_mm
     from mx_recipe.ops.mx_cast import cast_3d_dim0, cast_3d_dim1, cast_dim0, cast_dim0_dim1, cast_dim1
 
     start = time.time()

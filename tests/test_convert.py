@@ -13,7 +13,7 @@ from mx_recipe.formats.recipe import RECIPES, MXRecipe
 from mx_recipe.nn.convert import ConversionRecord, MXGroupedExperts, convert_to_mx, format_conversion_table
 from mx_recipe.nn.linear import MXLinear
 from mx_recipe.ops import gemm
-from mx_recipe.ops.gemm import CublasBackend, EmulatedBackend
+from mx_recipe.ops.mx_backends import CublasBackend, EmulatedBackend
 
 MXFP8 = RECIPES["mxfp8"]
 

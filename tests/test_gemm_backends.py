@@ -19,7 +19,8 @@ import torch
 from mx_recipe.formats.mx import MXTensor, to_mx
 from mx_recipe.formats.recipe import MXRecipe
 from mx_recipe.formats.scale_layout import blocked_byte_offset, blocked_numel, to_blocked
-from mx_recipe.ops import gemm
+from mx_recipe.ops import gemm, mx_backends
+from mx_recipe.ops.backends import resolve_backend
 from mx_recipe.ops.gemm import (
     blocked_row_groups,
     mx_grouped_mm_2d_2d,
@@ -27,7 +28,6 @@ from mx_recipe.ops.gemm import (
     mx_mm,
     mx_mm_blocked,
     mx_scaled_mm,
-    resolve_backend,
 )
 from mx_recipe.ops.mx_cast import cast_3d_dim0, cast_3d_dim1, cast_dim0, cast_dim1, cast_groups_dim1
 
@@ -383,7 +383,7 @@ def backend_of(name: str, device: torch.device, grouped: bool = False, **overrid
 def test_resolve_on_cpu():
     assert backend_of("mxfp8", CPU, backend="emulated") == "emulated"
     assert backend_of("mxfp8", CPU) == "emulated"
-    assert type(resolve_backend(MXRecipe.from_name("mxfp8"), CPU)) is gemm.EmulatedBackend
+    assert type(resolve_backend(MXRecipe.from_name("mxfp8"), CPU)) is mx_backends.EmulatedBackend
     with pytest.raises(ValueError, match=r"'cublas' needs .*compute capability 10\.0.*cpu is not an NVIDIA CUDA"):
         backend_of("mxfp8", CPU, backend="cublas")
     with pytest.raises(ValueError, match=r"'triton' needs .*cpu is not an NVIDIA CUDA"):  # tests/test_gemm_triton.py
@@ -404,7 +404,7 @@ def test_resolve_on_blackwell(fake_gpu, capability):
     fake_gpu(capability)
     assert backend_of("mxfp8", CUDA) == "cublas"
     assert backend_of("mxfp8", CUDA, backend="cublas") == "cublas"
-    assert type(resolve_backend(MXRecipe.from_name("mxfp8"), CUDA)) is gemm.CublasBackend
+    assert type(resolve_backend(MXRecipe.from_name("mxfp8"), CUDA)) is mx_backends.CublasBackend
 
 
 def test_resolve_backend_by_recipe(fake_gpu):

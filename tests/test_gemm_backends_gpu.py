@@ -14,12 +14,7 @@ import pytest
 import scaled_mm_emulator as emu
 import torch
 
-from mx_recipe.ops.gemm import (
-    cublas_grouped_available,
-    mx_grouped_mm_2d_2d,
-    mx_grouped_mm_2d_3d,
-    mx_mm_blocked,
-)
+from mx_recipe.ops.gemm import cublas_grouped_available, mx_grouped_mm_2d_2d, mx_grouped_mm_2d_3d, mx_mm_blocked
 from mx_recipe.ops.mx_cast import cast_3d_dim0, cast_3d_dim1, cast_dim0, cast_dim1, cast_groups_dim1
 
 

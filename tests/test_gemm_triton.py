@@ -43,8 +43,9 @@ from test_cast_kernels import traced_ops
 
 from mx_recipe.formats.mx import E2M1_VALUES, MXTensor, to_mx, unpack_fp4
 from mx_recipe.formats.recipe import MXRecipe
-from mx_recipe.ops import gemm
-from mx_recipe.ops.gemm import mx_mm, mx_mm_triton, resolve_backend, triton_available
+from mx_recipe.ops import gemm, mx_backends
+from mx_recipe.ops.backends import resolve_backend
+from mx_recipe.ops.gemm import mx_mm, mx_mm_triton, triton_available
 from mx_recipe.ops.mx_cast import cast_dim0, cast_dim1
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -303,7 +304,7 @@ def test_resolve_triton_too_old(fake_gpu, capability):
 def test_resolve_triton_forced(fake_gpu, capability):
     fake_gpu(capability)
     assert triton_available(CUDA)
-    assert type(resolve_backend(MXRecipe.from_name("mxfp8", backend="triton"), CUDA)) is gemm.TritonBackend
+    assert type(resolve_backend(MXRecipe.from_name("mxfp8", backend="triton"), CUDA)) is mx_backends.TritonBackend
     # auto never picks triton: cublas on sm_100 and later, emulated below (gemm._resolve_name says why)
     assert backend_of("mxfp8", CUDA) == ("cublas" if capability >= (10, 0) else "emulated")
 

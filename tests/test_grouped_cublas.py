@@ -26,7 +26,9 @@ import mx_recipe.nn.grouped
 import mx_recipe.ops.gemm
 from mx_recipe import MXRecipe
 from mx_recipe.nn.grouped import mx_grouped_mm
-from mx_recipe.ops.gemm import CublasBackend, cublas_grouped_available, resolve_backend
+from mx_recipe.ops.backends import resolve_backend
+from mx_recipe.ops.gemm import cublas_grouped_available
+from mx_recipe.ops.mx_backends import CublasBackend
 
 N, K = 96, 160  # K/32 = 5 scale columns: the blocked layout pads them to 8
 # Token group sizes: ragged (not multiples of 32), empty first, in the middle and last, and aligned.

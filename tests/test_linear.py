@@ -372,7 +372,7 @@ def test_save_mx_input_saves_fewer_bytes(name, expected):
 
 def test_save_mx_input_casts_only_when_grad_weight_is_needed(monkeypatch):
     """No cast of x along M in forward under no_grad (evaluation) or for a frozen weight."""
-    import mx_recipe.ops.gemm as gemm
+    import mx_recipe.ops.mx_backends as gemm
 
     calls = []
 
@@ -434,7 +434,7 @@ def test_x_along_m_made_in_forward_is_bit_identical(recipe, option, dtype, lead,
 def test_fuse_x_casts_reads_x_once_and_saves_x_along_m(monkeypatch):
     """Forward: one fake_quant_dim0_dim1 of x, no fake_quant_dim0 of x; backward: no cast of x along M
     (only w's along N). Saved: x along M padded to 32 rows, bf16, instead of x."""
-    import mx_recipe.ops.gemm as gemm
+    import mx_recipe.ops.mx_backends as gemm
 
     calls = []
     for name in ("fake_quant_dim0", "fake_quant_dim0_dim1", "fake_quant_along_m"):
@@ -457,7 +457,7 @@ def test_fuse_x_casts_reads_x_once_and_saves_x_along_m(monkeypatch):
 
 def test_fuse_x_casts_only_when_grad_weight_is_needed(monkeypatch):
     """Under no_grad or for a frozen weight forward casts x along K only, as without the option."""
-    import mx_recipe.ops.gemm as gemm
+    import mx_recipe.ops.mx_backends as gemm
 
     fused = []
     fn = gemm.fake_quant_dim0_dim1
@@ -499,7 +499,7 @@ def test_triton_backend_operands(monkeypatch, recipe, lead, save_mx):
     forward format; grad input g [M, N] in ``grad`` and w along N ([K, N]) in grad_input's; grad
     weight g and x along M, padded to a multiple of 32 ([N, Mp], [K, Mp]). With that stand-in the
     results are the emulated backend's bit for bit."""
-    import mx_recipe.ops.gemm as gemm
+    import mx_recipe.ops.mx_backends as gemm
 
     if save_mx and recipe.grad_weight == "bf16":
         pytest.skip("save_mx_input needs an MX grad_weight")
@@ -539,7 +539,7 @@ def test_cublas_save_mx_input_is_bit_identical(name, m):
     tests/test_linear_cublas.py: the blocked x saved in forward gives the same bits."""
     from scaled_mm_emulator import scaled_mm as emulated_scaled_mm
 
-    from mx_recipe.ops.gemm import CublasBackend
+    from mx_recipe.ops.mx_backends import CublasBackend
 
     backend = CublasBackend(scaled_mm=emulated_scaled_mm)
     x, w, b, gy = make_inputs((m,), torch.bfloat16, seed=9)
@@ -577,7 +577,7 @@ def test_save_mx_input_is_bit_identical_cuda(name, lead, backend):
 
 def test_mx_linear_without_backend_resolves_once_per_recipe_and_device():
     """The functional API resolves x's device's backend on the first call; later calls hit the cache."""
-    from mx_recipe.ops.gemm import _cached_backend
+    from mx_recipe.ops.backends import _cached_backend
 
     _cached_backend.cache_clear()
     x, w = torch.randn(40, K), torch.randn(N, K)

@@ -8,7 +8,7 @@ import torch
 from scaled_mm_emulator import scaled_mm as emulated_scaled_mm
 
 from mx_recipe import MXLinear, MXRecipe
-from mx_recipe.ops.gemm import CublasBackend
+from mx_recipe.ops.mx_backends import CublasBackend
 
 
 def _run(recipe: MXRecipe, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, backend=None):

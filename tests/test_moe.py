@@ -7,10 +7,11 @@ import torch.nn.functional as F
 
 from mx_recipe import MXRecipe, convert_to_mx, to_mx
 from mx_recipe.formats.recipe import NVFP4_RECIPES, NVFP4Recipe
+from mx_recipe.formats.scale_layout import padded_group_layout
 from mx_recipe.models import build_model, flops_per_token, model_args, moe_layers
 from mx_recipe.models.moe import MOE_FLAVORS, MoE, MoEArgs
 from mx_recipe.nn.convert import MXGroupedExperts
-from mx_recipe.nn.grouped import mx_grouped_mm, padded_group_layout
+from mx_recipe.nn.grouped import mx_grouped_mm
 
 RECIPES = ["mxfp8", "mxfp8_rceil", "mxfp8_wgrad_bf16", "mxfp8_e5m2_grads", "mxfp4"]
 # Group sizes: ragged (not multiples of 32), empty in the middle and at the ends, no tokens at all.
@@ -91,7 +92,7 @@ def test_fuse_expert_casts_is_bit_identical(name, sizes):
 def test_fuse_expert_casts_casts_w_once(monkeypatch):
     """Forward: one fake_quant_dim0_dim1 of w (not fake_quant_dim0); backward: no cast of w along N.
     Under no_grad, or when x needs no gradient, forward casts w along K only."""
-    import mx_recipe.ops.gemm as gemm
+    import mx_recipe.ops.mx_backends as gemm
 
     calls = []
     for fname in ("fake_quant_dim0", "fake_quant_dim0_dim1", "fake_quant_along_m"):

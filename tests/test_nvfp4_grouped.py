@@ -1,4 +1,4 @@
-"""The NVFP4 grouped GEMM (mx_recipe/nn/nvfp4_grouped.py): its three GEMMs rebuilt from the reference pieces bit
+"""The NVFP4 grouped GEMM (mx_recipe/ops/nvfp4_backends.py): its three GEMMs rebuilt from the reference pieces bit
 for bit on ragged groups (an empty one, rows past the last group), one group equal to the dense NVFP4 linear,
 and an MoE model converted to NVFP4 trains."""
 

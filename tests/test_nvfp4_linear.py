@@ -1,4 +1,4 @@
-"""The NVFP4 linear (mx_recipe/nn/nvfp4_linear.py) and recipe: its three GEMMs rebuilt from the public reference
+"""The NVFP4 linear (mx_recipe/ops/nvfp4_backends.py) and recipe: its three GEMMs rebuilt from the public reference
 pieces bit for bit, each recipe option doing what it says, conversion and train.py with an NVFP4 recipe."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor
 
 
 def _expected(x, w, g, recipe: NVFP4Recipe, seed: int):
-    """y, gx, gw from to_nvfp4 and hadamard_transform, drawing the stochastic rounding's bits in nvfp4_linear's
+    """y, gx, gw from to_nvfp4 and hadamard_transform, drawing the stochastic rounding's bits in the NVFP4 backend.s
     order (g along N, then g along M)."""
     tiles = {"block_shape": (16, 16) if recipe.weight_tiles else (1, 16)}
     x_k, s_x = _values(x, -1)
@@ -162,7 +162,7 @@ def test_cublas_path_matches_the_emulated_path(name, rows):
     equal up to the GEMMs' summation order and the emulated path's bf16 rounding before the decode scales."""
     from scaled_mm_emulator import nvfp4_scaled_mm
 
-    from mx_recipe.ops.gemm import CublasBackend
+    from mx_recipe.ops.nvfp4_backends import NVFP4CublasBackend
 
     recipe = NVFP4Recipe.from_name(name, hadamard_seed=3, grad_rounding="nearest")
     generator = torch.Generator().manual_seed(0)
@@ -176,7 +176,7 @@ def test_cublas_path_matches_the_emulated_path(name, rows):
         return nvfp4_scaled_mm(a, b, scale_a, scale_b, out_dtype)
 
     results = []
-    for backend in (None, CublasBackend(scaled_mm=op)):
+    for backend in (None, NVFP4CublasBackend(scaled_mm=op)):
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = mx_linear(xr, wr, None, recipe, backend)
         y.backward(g)
@@ -189,24 +189,25 @@ def test_cublas_path_matches_the_emulated_path(name, rows):
 
 def test_cublas_path_errors_and_selection(monkeypatch):
     from mx_recipe.ops import gemm
-    from mx_recipe.ops.gemm import CublasBackend, EmulatedBackend, resolve_backend
+    from mx_recipe.ops.backends import resolve_backend
+    from mx_recipe.ops.nvfp4_backends import NVFP4CublasBackend, NVFP4EmulatedBackend
 
     cpu = torch.device("cpu")
-    assert isinstance(resolve_backend(NVFP4Recipe(), cpu), EmulatedBackend)  # auto off sm_100: emulated
+    assert isinstance(resolve_backend(NVFP4Recipe(), cpu), NVFP4EmulatedBackend)  # auto off sm_100: emulated
     # on sm_100 auto takes cublas for dense linears and stays emulated for MoE experts; 'emulated' stays emulated
     monkeypatch.setattr(gemm, "_device_capability", lambda d: (10, 0) if d.type == "cuda" else None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cuda = torch.device("cuda")
-    assert isinstance(resolve_backend(NVFP4Recipe(), cuda), CublasBackend)
-    assert isinstance(resolve_backend(NVFP4Recipe(), cuda, grouped=True), EmulatedBackend)
-    assert isinstance(resolve_backend(NVFP4Recipe(backend="emulated"), cuda), EmulatedBackend)
+    assert isinstance(resolve_backend(NVFP4Recipe(), cuda), NVFP4CublasBackend)
+    assert isinstance(resolve_backend(NVFP4Recipe(), cuda, grouped=True), NVFP4EmulatedBackend)
+    assert isinstance(resolve_backend(NVFP4Recipe(backend="emulated"), cuda), NVFP4EmulatedBackend)
     with pytest.raises(ValueError, match="no NVFP4 grouped GEMM"):
         resolve_backend(NVFP4Recipe(backend="cublas"), cuda, grouped=True)
     monkeypatch.undo()
     with pytest.raises(ValueError, match=r"backend 'cublas' needs .*sm_100"):
         resolve_backend(NVFP4Recipe(backend="cublas"), cpu)
     with pytest.raises(ValueError, match="divisible by 32"):
-        mx_linear(torch.randn(8, 48), torch.randn(32, 48), None, NVFP4Recipe(), CublasBackend())
+        mx_linear(torch.randn(8, 48), torch.randn(32, 48), None, NVFP4Recipe(), NVFP4CublasBackend())
 
 
 @pytest.mark.parametrize("path", ["emulated", "cublas"])
@@ -216,10 +217,10 @@ def test_forward_saves_x_along_m_and_not_x(path):
     nothing of x at all."""
     from scaled_mm_emulator import nvfp4_scaled_mm
 
-    from mx_recipe.ops.gemm import CublasBackend
+    from mx_recipe.ops.nvfp4_backends import NVFP4CublasBackend
 
     recipe = NVFP4Recipe.from_name("nvfp4_nearest_grads", hadamard_seed=3)
-    backend = CublasBackend(scaled_mm=nvfp4_scaled_mm) if path == "cublas" else None
+    backend = NVFP4CublasBackend(scaled_mm=nvfp4_scaled_mm) if path == "cublas" else None
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(40, 64, generator=generator).to(torch.bfloat16)
     w = (torch.randn(64, 64, generator=generator) * 0.1).to(torch.bfloat16)

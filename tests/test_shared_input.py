@@ -12,10 +12,10 @@ import pytest
 import torch
 from scaled_mm_emulator import scaled_mm as emulated_scaled_mm
 
-import mx_recipe.nn.linear as linear_module
 from mx_recipe.formats.recipe import NVFP4_RECIPES, RECIPES, MXRecipe, NVFP4Recipe
 from mx_recipe.nn.linear import MXLinear, linears_on_one_input
-from mx_recipe.ops.gemm import CublasBackend, EmulatedBackend
+from mx_recipe.ops.mx_backends import CublasBackend, EmulatedBackend
+from mx_recipe.ops.nvfp4_backends import NVFP4CublasBackend
 
 K, OUTS = 64, (96, 32, 32)  # wq-like, wk-like, wv-like
 
@@ -109,15 +109,27 @@ def test_a_frozen_weight_and_no_grad(monkeypatch):
         assert_equal(linears_on_one_input(x, linears), separate(x, linears), "no_grad")
 
 
-def test_off_or_mixed_recipes_fall_back_to_separate_calls(monkeypatch):
-    seen = []
-    monkeypatch.setattr(linear_module, "_shared_casts", lambda *a: seen.append(a) or None)
+class SharedCastsBackend(EmulatedBackend):
+    """The emulated backend, recording whether each of its input casts was one shared by several linears."""
+
+    def __init__(self):
+        self.shared: list[bool] = []
+
+    def input_casts(self, x, recipe, for_grad_weight, shared=False):
+        self.shared.append(shared)
+        return super().input_casts(x, recipe, for_grad_weight, shared)
+
+
+def test_off_or_mixed_recipes_fall_back_to_separate_calls():
     x, _ = inputs()
-    linears_on_one_input(x, make_linears(MXRecipe.from_name("mxfp8", share_input_casts=False)))
-    mixed = make_linears(RECIPES["mxfp8"])
+    backend = SharedCastsBackend()
+    linears_on_one_input(x, make_linears(MXRecipe.from_name("mxfp8", share_input_casts=False), backend))
+    mixed = make_linears(RECIPES["mxfp8"], backend)
     mixed[2].recipe = RECIPES["mxfp8_rceil"]
     linears_on_one_input(x, mixed)
-    assert not seen
+    assert backend.shared == [False] * 6  # each linear cast x on its own
+    linears_on_one_input(x, make_linears(RECIPES["mxfp8"], backend))
+    assert backend.shared[6:] == [True]  # and with one recipe, once for all three
     with pytest.raises(ValueError, match="share_input_casts"):
         MXRecipe(share_input_casts=1)
 
@@ -131,32 +143,32 @@ def test_fullgraph_compile_equals_eager(recipe):
     assert_equal(run(compiled, linears, x, grads), run(separate, linears, x, grads), recipe)
 
 
-def test_llama_shares_the_casts_and_trains_the_same_bits(monkeypatch):
+def test_llama_shares_the_casts_and_trains_the_same_bits():
     """A converted debug Llama: project() takes the shared path in attention and FFN, and the loss and every
     gradient equal those of the same model with share_input_casts off."""
     from mx_recipe.models.llama import LLAMA_FLAVORS, Transformer
     from mx_recipe.nn.convert import convert_to_mx
 
-    def build(share: bool) -> torch.nn.Module:
+    def build(share: bool, backend: SharedCastsBackend) -> torch.nn.Module:
         torch.manual_seed(0)
         args = dataclasses.replace(LLAMA_FLAVORS["debug"], vocab_size=128, n_layers=2, max_seq_len=64)
         model = Transformer(args).to(torch.bfloat16)
         model.init_weights()
         convert_to_mx(model, MXRecipe.from_name("mxfp8", share_input_casts=share), log=False)
+        for module in model.modules():
+            if isinstance(module, MXLinear):
+                module.backend = backend
         return model
 
     tokens = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(2))
-    calls = []
-    real = linear_module._shared_casts
-    monkeypatch.setattr(linear_module, "_shared_casts", lambda *a: calls.append(a) or real(*a))
     results, shared_calls = [], []
     for share in (True, False):
-        model = build(share)
-        calls.clear()
+        backend = SharedCastsBackend()
+        model = build(share, backend)
         loss = model(tokens).float().logsumexp(-1).mean()
         loss.backward()
         results.append([loss.detach(), *(p.grad for p in model.parameters())])
-        shared_calls.append(len(calls))
+        shared_calls.append(sum(backend.shared))
     assert_equal(*results, "llama")
     assert shared_calls == [4, 0]  # two blocks, attention and FFN each; none with sharing off
 
@@ -165,19 +177,19 @@ def test_llama_shares_the_casts_and_trains_the_same_bits(monkeypatch):
 def test_nvfp4_shares_one_cast_of_x(name, monkeypatch):
     """NVFP4: the same bits as separate calls, with x quantized once (both of its operands) instead of once a
     linear; a frozen weight and no_grad too."""
-    import mx_recipe.nn.nvfp4_linear as nvfp4_linear
+    import mx_recipe.ops.nvfp4_backends as nvfp4_backends
 
     recipe = NVFP4Recipe.from_name(name, hadamard_seed=5)
     linears = make_linears(recipe)
     x, grads = inputs()
     casts_of_x = []
-    real = nvfp4_linear.fake_quant_nvfp4
+    real = nvfp4_backends.fake_quant_nvfp4
 
     def counting(t, *args, **kwargs):
         casts_of_x.append(t.shape == (40, K) and not kwargs.get("rounding"))  # x's casts round to nearest
         return real(t, *args, **kwargs)
 
-    monkeypatch.setattr(nvfp4_linear, "fake_quant_nvfp4", counting)
+    monkeypatch.setattr(nvfp4_backends, "fake_quant_nvfp4", counting)
     shared = run(linears_on_one_input, linears, x, grads)
     assert sum(casts_of_x) == 1
     casts_of_x.clear()
@@ -193,7 +205,7 @@ def test_nvfp4_shared_casts_on_the_cublas_path():
     """Packed operands through the NVFP4 scaled_mm emulator: x cast once, the same bits as separate calls."""
     from scaled_mm_emulator import nvfp4_scaled_mm
 
-    linears = make_linears(NVFP4_RECIPES["nvfp4"], CublasBackend(scaled_mm=nvfp4_scaled_mm))
+    linears = make_linears(NVFP4_RECIPES["nvfp4"], NVFP4CublasBackend(scaled_mm=nvfp4_scaled_mm))
     linears[1].backend = linears[2].backend = linears[0].backend
     x, grads = inputs((64,))
     assert_equal(run(linears_on_one_input, linears, x, grads), run(separate, linears, x, grads), "nvfp4 cublas")

@@ -12,7 +12,7 @@ from torch import nn
 from mx_recipe.formats.recipe import MXRecipe, NVFP4Recipe
 from mx_recipe.nn.grouped import mx_grouped_mm
 from mx_recipe.nn.linear import MXLinear
-from mx_recipe.ops.gemm import Backend, resolve_backend
+from mx_recipe.ops.backends import Backend, resolve_backend
 
 # Stay in high precision by default: the output projection (its logits feed the loss directly)
 # and MoE router gates (tiny GEMMs whose top-k choice is sensitive to rounding).

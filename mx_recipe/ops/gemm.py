@@ -1,30 +1,21 @@
-"""MX GEMM backends: each casts a GEMM's operands along its K and runs ``a @ b.T`` on them.
+"""The MX GEMMs themselves, and which of them a device can run.
 
-``resolve_backend(recipe, device, grouped)`` picks one once, when a model is converted, and raises a
-clear error for a forced backend that the device or recipe cannot run ("auto": cublas where the
-device and recipe allow it, else emulated; never triton):
+* The cublas path: PyTorch's MXFP8 block-scaled GEMMs on sm_100 and later (blocked e8m0 scales, scale_layout.py):
+  ``F.scaled_mm`` where torch has it, else ``torch._scaled_mm``; for MoE, ``F.scaled_grouped_mm`` /
+  ``torch._scaled_grouped_mm`` (``mx_scaled_mm``, ``mx_mm_blocked``, ``mx_grouped_mm_2d_3d``,
+  ``mx_grouped_mm_2d_2d``). A ``scaled_mm`` / ``scaled_grouped_mm`` argument replaces the op (tests pass
+  tests/scaled_mm_emulator.py's).
+* The triton path: ``tl.dot_scaled`` (``mx_mm_triton``, through the custom op ``torch.ops.mx_recipe.mx_gemm``,
+  opaque to torch.compile) on NVIDIA sm_89 and later, for e4m3, e5m2 and e2m1 in any pairing, plain scales.
+  Native MX MMA on sm_100; on sm_90 Triton upcasts both tiles to bf16 (exact) and runs a bf16 MMA.
+* ``mx_mm`` multiplies two MXTensors on a backend named by string.
 
-* ``EmulatedBackend``: fake-quant casts and a high-precision GEMM with fp32 accumulation, a hardware
-  MX GEMM up to summation order, on any device.
-* ``CublasBackend``: PyTorch's MXFP8 block-scaled GEMMs on sm_100 and later (blocked e8m0 scales,
-  scale_layout.py): ``F.scaled_mm`` where torch has it, else ``torch._scaled_mm``; for MoE,
-  ``F.scaled_grouped_mm`` / ``torch._scaled_grouped_mm``. Its ``scaled_mm`` / ``scaled_grouped_mm``
-  replace the ops (tests pass tests/scaled_mm_emulator.py's), as in ``mx_scaled_mm``,
-  ``mx_mm_blocked``, ``mx_grouped_mm_2d_3d`` and ``mx_grouped_mm_2d_2d``.
-* ``TritonBackend``: ``tl.dot_scaled`` (``mx_mm_triton``, through the custom op
-  ``torch.ops.mx_recipe.mx_gemm``, opaque to torch.compile) on NVIDIA sm_89 and later, for e4m3,
-  e5m2 and e2m1 in any pairing, plain scales. Native MX MMA on sm_100; on sm_90 Triton upcasts
-  both tiles to bf16 (exact) and runs a bf16 MMA. Dense GEMMs only.
-
-``cast(t, ...)`` quantizes t [R, C] along C; with ``along_rows`` along R, rows zero-padded to a
-multiple of 32 (zero rows add nothing to a sum over R), as a [C, ceil32(R)] operand. ``mx_mm``
-multiplies two MXTensors on a backend named by string.
+The backends that cast a layer's operands and call these are ``mx_backends`` and ``nvfp4_backends``;
+``backends.resolve_backend`` picks one with the availability checks below.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import importlib.util
 from collections.abc import Callable
 
@@ -32,37 +23,22 @@ import torch
 import torch.nn.functional as F
 
 import mx_recipe.ops.dispatch  # noqa: F401  (registers torch.ops.mx_recipe.mx_gemm; imports no Triton)
-from mx_recipe.formats.mx import BLOCK_SIZE, E2M1_VALUES, E8M0_BIAS, E8M0_NAN, MXTensor, exp2_fp32, unpack_fp4
-from mx_recipe.formats.recipe import HIGH_PRECISION, MXRecipe, NVFP4Recipe
+from mx_recipe.formats.mx import BLOCK_SIZE, MXTensor
+from mx_recipe.formats.recipe import HIGH_PRECISION, MXRecipe
 from mx_recipe.formats.scale_layout import (
     SCALE_TILE_COLS,
     SCALE_TILE_ROWS,
     blocked_byte_offset,
     blocked_numel,
-    group_row_sources,
-    pad_groups,
     padded_group_layout,
     to_blocked,
 )
 from mx_recipe.ops.mx_cast import (
     BlockedMXTensor,
-    cast_3d_dim0,
-    cast_3d_dim1,
-    cast_dim0,
-    cast_dim0_dim1,
-    cast_dim1,
-    cast_groups_dim1,
-    fake_quant_along_m,
-    fake_quant_dim0,
-    fake_quant_dim0_dim1,
-    fake_quant_groups_along_m,
 )
 
 ScaledMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 ScaledGroupedMM = Callable[..., torch.Tensor]
-MXOperand = MXTensor | BlockedMXTensor
-Operand = MXOperand | torch.Tensor  # what a backend's cast gives: an MX tensor, or emulated, a fake-quant
-GroupLayout = tuple[torch.Tensor, torch.Tensor, int]  # padded_group_layout: (dest rows, padded ends, size)
 
 CUBLAS_MIN_CAPABILITY = (10, 0)
 CUBLAS_ELEMS = ("e4m3", "e5m2")  # fp8 elements; e2m1 (packed fp4) has no cublas path here
@@ -72,7 +48,7 @@ TRITON_MIN_CAPABILITY = (8, 9)
 TRITON_ELEMS = ("e4m3", "e5m2", "e2m1")
 
 
-# --- backend selection ---
+# --- what a device runs ---
 
 
 def _device_capability(device: torch.device) -> tuple[int, int] | None:
@@ -83,7 +59,7 @@ def _device_capability(device: torch.device) -> tuple[int, int] | None:
     return props.major, props.minor
 
 
-def _describe(device: torch.device) -> str:
+def describe_device(device: torch.device) -> str:
     cap = _device_capability(device)
     if cap is None:
         return f"{device} is not an NVIDIA CUDA device"
@@ -117,7 +93,7 @@ def triton_available(device: torch.device) -> bool:
     return cap is not None and cap >= TRITON_MIN_CAPABILITY and importlib.util.find_spec("triton") is not None
 
 
-def _resolve_name(backend: str, device: torch.device) -> str:
+def resolve_name(backend: str, device: torch.device) -> str:
     """The concrete backend for the name ``backend`` on ``device``; 'auto' picks cublas where it runs, else emulated."""
     if backend == "emulated":
         return "emulated"
@@ -131,7 +107,7 @@ def _resolve_name(backend: str, device: torch.device) -> str:
         if not triton_available(device):
             cap = _device_capability(device)
             gpu_ok = cap is not None and cap >= TRITON_MIN_CAPABILITY
-            why = f"triton is not importable ({_describe(device)})" if gpu_ok else _describe(device)
+            why = f"triton is not importable ({describe_device(device)})" if gpu_ok else describe_device(device)
             raise ValueError(
                 "MX GEMM backend 'triton' needs an NVIDIA GPU of compute capability 8.9 or later (sm_89+) and an "
                 f"importable triton for tl.dot_scaled, but {why}. Use backend 'emulated' (or 'auto') here."
@@ -141,14 +117,14 @@ def _resolve_name(backend: str, device: torch.device) -> str:
         if not cublas_available(device):
             raise ValueError(
                 f"MX GEMM backend 'cublas' needs an NVIDIA GPU of compute capability 10.0 or later (sm_100, "
-                f"Blackwell) for torch._scaled_mm with float8_e8m0fnu block scales, but {_describe(device)}. "
+                f"Blackwell) for torch._scaled_mm with float8_e8m0fnu block scales, but {describe_device(device)}. "
                 "Use backend 'emulated' (or 'auto') here."
             )
         return "cublas"
     raise ValueError(f"unknown MX GEMM backend {backend!r}; expected 'auto', 'emulated', 'cublas' or 'triton'")
 
 
-def _mx_elems(recipe: MXRecipe) -> set[str]:
+def mx_elems(recipe: MXRecipe) -> set[str]:
     """Element formats of the MX operands of the recipe's GEMMs (bf16 GEMMs have none)."""
     elems = {recipe.forward} - {HIGH_PRECISION}
     for gemm in (recipe.grad_input, recipe.grad_weight):  # backward GEMMs also quantize the gradient
@@ -157,249 +133,19 @@ def _mx_elems(recipe: MXRecipe) -> set[str]:
     return elems
 
 
-def _cublas_gaps(recipe: MXRecipe, device: torch.device, grouped: bool) -> list[str]:
+def cublas_gaps(recipe: MXRecipe, device: torch.device, grouped: bool) -> list[str]:
     """What in ``recipe`` the cublas path cannot run on ``device`` (empty when it can run all of it)."""
-    elems = _mx_elems(recipe)
+    elems = mx_elems(recipe)
     gaps = []
     if "e2m1" in elems:
         gaps.append("MXFP4 (e2m1) GEMMs have no cublas path here (only fp8 MX operands are wired)")
     if grouped and not cublas_grouped_available(device):
-        gaps.append(f"MXFP8 torch._scaled_grouped_mm needs sm_100 and a torch built with MSLK; {_describe(device)}")
+        gaps.append(
+            f"MXFP8 torch._scaled_grouped_mm needs sm_100 and a torch built with MSLK; {describe_device(device)}"
+        )
     if grouped and "e5m2" in elems:
         gaps.append("MXFP8 torch._scaled_grouped_mm takes float8_e4m3fn operands only (the recipe uses e5m2)")
     return gaps
-
-
-def resolve_backend(recipe: MXRecipe | NVFP4Recipe, device: torch.device, grouped: bool = False) -> Backend:
-    """The backend that runs ``recipe.backend`` on ``device``, resolved once, before training.
-
-    ``grouped``: the model has MoE experts (grouped GEMMs). A forced 'cublas' that the device or the
-    recipe cannot run is a ValueError here; so is a forced 'triton' off sm_89+ GPUs or with experts
-    (it runs every element format, mixed too, but dense GEMMs only). 'auto' never takes triton, and
-    takes cublas only for what it is known to run: e4m3 operands (PyTorch's MXFP8 tests and the
-    scaled_mm v2 MXFP8 recipe check cover e4m3 only); anything else stays emulated. A forced
-    'cublas' runs e5m2 dense GEMMs through torch._scaled_mm, whose checks accept it (unverified on
-    hardware).
-    """
-    if isinstance(recipe, NVFP4Recipe):
-        return _resolve_nvfp4(recipe, device, grouped)
-    name = _resolve_name(recipe.backend, device)
-    if name == "triton" and grouped:
-        raise ValueError(
-            f"MX recipe {recipe.name!r} cannot use backend 'triton' for this model: the triton backend has no "
-            "MoE grouped GEMM. Use backend 'emulated' (or 'auto')."
-        )
-    if name == "cublas":
-        gaps = _cublas_gaps(recipe, device, grouped)
-        if recipe.backend == "auto" and (gaps or _mx_elems(recipe) - {"e4m3"}):
-            name = "emulated"
-        elif gaps:
-            raise ValueError(f"MX recipe {recipe.name!r} cannot use backend 'cublas' on {device}: " + "; ".join(gaps))
-    return {"emulated": EmulatedBackend, "cublas": CublasBackend, "triton": TritonBackend}[name]()
-
-
-def _resolve_nvfp4(recipe: NVFP4Recipe, device: torch.device, grouped: bool) -> Backend:
-    """NVFP4: 'cublas' runs the dense linears' GEMMs through torch._scaled_mm with NVFP4 operands (sm_100;
-    ``nvfp4_linear``), 'emulated' emulates them, and 'auto' takes cublas where it can run (a dense linear on
-    sm_100), as the MX recipes do. No NVFP4 grouped GEMM is wired, so a forced 'cublas' on a model with MoE
-    experts is an error, as it is off sm_100."""
-    available = cublas_available(device)
-    if recipe.backend == "emulated" or (recipe.backend == "auto" and (grouped or not available)):
-        return EmulatedBackend()
-    if not available:
-        raise ValueError(
-            f"NVFP4 recipe {recipe.name!r}: backend 'cublas' needs an NVIDIA GPU of compute capability 10.0 or "
-            f"later (sm_100) for torch._scaled_mm with NVFP4 operands, but {_describe(device)}. Use 'emulated'."
-        )
-    if grouped:
-        raise ValueError(
-            f"NVFP4 recipe {recipe.name!r}: backend 'cublas' has no NVFP4 grouped GEMM for the MoE experts. "
-            "Use 'emulated'."
-        )
-    return CublasBackend()
-
-
-def default_backend(recipe: MXRecipe | NVFP4Recipe, device: torch.device, grouped: bool = False) -> Backend:
-    """``resolve_backend``, cached in eager mode: what ``mx_linear`` and ``mx_grouped_mm`` run on when given no
-    backend. Dynamo traces it once a graph, and would warn of a cache wrapper in its way."""
-    if torch.compiler.is_compiling():
-        return resolve_backend(recipe, device, grouped)
-    return _cached_backend(recipe, device, grouped)
-
-
-@functools.lru_cache
-def _cached_backend(recipe: MXRecipe | NVFP4Recipe, device: torch.device, grouped: bool) -> Backend:
-    return resolve_backend(recipe, device, grouped)
-
-
-# --- the backends ---
-
-
-def _pad_rows(t: torch.Tensor) -> torch.Tensor:
-    """Zero rows at the end so that blocks along dim 0 do not run off the tensor."""
-    pad = -t.shape[0] % BLOCK_SIZE
-    return F.pad(t, (0, 0, 0, pad)) if pad else t
-
-
-def _dequantize(t: MXTensor, dtype: torch.dtype) -> torch.Tensor:
-    """A 2D MXTensor quantized along its last dim -> values in ``dtype``, bit for bit
-    ``t.dequantize(dtype)``, with per-block scales broadcast rather than repeated and no full-size
-    fp32 temporaries for fp8 (this runs in backward, where memory peaks).
-
-    Elements and 2**e (e in [-127, 127]) are exact in bf16, and their product is exact in fp32,
-    which is how PyTorch multiplies bf16: one rounding to dtype, as ``dequantize`` does."""
-    rows, cols = t.shape
-    if t.elem == "e2m1":
-        codes = unpack_fp4(t.qdata)
-        table = torch.tensor(E2M1_VALUES, dtype=dtype, device=codes.device)
-        mag = table[(codes & 0x7).long()]
-        elems = torch.where((codes & 0x8) != 0, -mag, mag)
-    else:
-        elems = t.qdata.to(dtype)
-    biased = t.scale.view(torch.uint8).to(torch.int32)
-    factor = torch.where(biased == E8M0_NAN, torch.nan, exp2_fp32(biased - E8M0_BIAS)).to(dtype)
-    return (elems.view(rows, cols // t.block_size, t.block_size) * factor[..., None]).view(rows, cols)
-
-
-def plain_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``torch._grouped_mm`` in ``dtype``: a GEMM the recipe keeps in high precision, or an emulated one."""
-    return torch._grouped_mm(a.to(dtype), b.to(dtype), offs=offs)
-
-
-class EmulatedBackend:
-    """Fake-quant casts, then GEMMs in the input dtype. A cast along rows stays in its input's layout
-    and is handed out transposed (a view), so each GEMM takes its operands in the layouts of the
-    bf16 backward (gx = g @ w, gw = g.T @ x) and runs as fast as bf16 training's."""
-
-    name = "emulated"
-
-    def cast(
-        self, t: torch.Tensor, elem: str, rule: str, dtype: torch.dtype, along_rows: bool = False,
-        rounding: str = "nearest",
-    ) -> torch.Tensor:  # fmt: skip
-        if along_rows:
-            return fake_quant_along_m(t, elem, rule, rounding).to(dtype).transpose(-2, -1)
-        return fake_quant_dim0(t, elem, rule, rounding).to(dtype)
-
-    def cast_both(
-        self, t: torch.Tensor, elem: str, rule: str, dtype: torch.dtype, rounding: str = "nearest"
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        along_last, along_rows = fake_quant_dim0_dim1(t, elem, rule, rounding)
-        return along_last.to(dtype), along_rows.to(dtype).transpose(-2, -1)
-
-    def cast_saved(self, t: torch.Tensor, elem: str, rule: str) -> MXTensor:
-        """t along rows in MX form, to save for backward (save_mx_input); ``load_saved`` makes it the operand."""
-        return cast_dim1(_pad_rows(t), elem, rule)
-
-    def load_saved(self, qdata: torch.Tensor, scale: torch.Tensor, elem: str, dtype: torch.dtype) -> torch.Tensor:
-        # made contiguous in the input's layout, [ceil32(R), C], as fake_quant_along_m writes it
-        return _dequantize(MXTensor(qdata, scale, elem, 1), dtype).t().contiguous().t()
-
-    def mm(self, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        return torch.mm(a, b.t())  # both operands already in out_dtype
-
-    cast_experts = cast  # 2D or 3D alike; along rows: along N of each expert
-
-    def grouped_mm(
-        self, a: torch.Tensor, elem: str, rule: str, w: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype,
-        rounding: str = "nearest", layout: GroupLayout | None = None,
-    ) -> torch.Tensor:  # fmt: skip
-        """Token groups a [M, C], cast along C here, times per-expert operands w [E, D, C] -> [M, D]."""
-        return plain_grouped_mm(self.cast(a, elem, rule, dtype, rounding=rounding), w.transpose(-2, -1), offs, dtype)
-
-    def grouped_mm_along_m(
-        self, g: torch.Tensor, g_elem: str, x: torch.Tensor, x_elem: str, rule: str, offs: torch.Tensor,
-        layout: GroupLayout, dtype: torch.dtype, rounding: str = "nearest",
-    ) -> torch.Tensor:  # fmt: skip
-        """Per group e, g_e.T @ x_e -> [E, N, K], both quantized along M in blocks of 32 from each
-        group's start (a group's last block as if zero-padded) and left in their own layout: the GEMM
-        runs on the bf16 backward's operands and groups, no padded copies and no padding rows. Only
-        ``g`` takes ``rounding``."""
-        src = group_row_sources(layout[0], layout[2])
-        g_m = fake_quant_groups_along_m(g, src, g_elem, rule, rounding).to(dtype)
-        x_m = fake_quant_groups_along_m(x, src, x_elem, rule).to(dtype)
-        return plain_grouped_mm(g_m.t(), x_m, offs, dtype)
-
-
-class _MXBackend:
-    """Casts to MX tensors for a hardware MX GEMM, in the scale layout its kernel reads."""
-
-    name: str
-    blocked: bool
-
-    def cast(
-        self, t: torch.Tensor, elem: str, rule: str, dtype: torch.dtype, along_rows: bool = False,
-        rounding: str = "nearest",
-    ) -> MXOperand:  # fmt: skip
-        if along_rows:  # written transposed: [C, ceil32(R)]
-            return cast_dim1(_pad_rows(t).to(dtype), elem, rule, blocked_scales=self.blocked, rounding=rounding)
-        return cast_dim0(t.to(dtype), elem, rule, blocked_scales=self.blocked, rounding=rounding)
-
-    def cast_both(
-        self, t: torch.Tensor, elem: str, rule: str, dtype: torch.dtype, rounding: str = "nearest"
-    ) -> tuple[MXOperand, MXOperand]:
-        if t.shape[0] % BLOCK_SIZE or rounding != "nearest":  # the fused cast neither pads nor rounds stochastically
-            return self.cast(t, elem, rule, dtype, rounding=rounding), self.cast(t, elem, rule, dtype, True, rounding)
-        return cast_dim0_dim1(t.to(dtype), elem, rule, blocked_scales=self.blocked)
-
-    def cast_saved(self, t: torch.Tensor, elem: str, rule: str) -> MXOperand:
-        return self.cast(t, elem, rule, t.dtype, along_rows=True)
-
-
-class CublasBackend(_MXBackend):
-    """fp8 casts with blocked scales, then torch's MXFP8 GEMMs. ``scaled_mm`` / ``scaled_grouped_mm``:
-    callables with the signatures of torch's ops to run instead (tests pass an emulator's)."""
-
-    name, blocked = "cublas", True
-
-    def __init__(self, scaled_mm: ScaledMM | None = None, scaled_grouped_mm: ScaledGroupedMM | None = None):
-        self.scaled_mm, self.scaled_grouped_mm = scaled_mm, scaled_grouped_mm
-
-    def load_saved(self, qdata: torch.Tensor, scale: torch.Tensor, elem: str, dtype: torch.dtype) -> BlockedMXTensor:
-        rows, cols = qdata.shape  # fp8: one element per byte
-        return BlockedMXTensor(qdata, scale, elem, 1, (rows, cols // BLOCK_SIZE))
-
-    def mm(self, a: BlockedMXTensor, b: BlockedMXTensor, out_dtype: torch.dtype) -> torch.Tensor:
-        return mx_mm_blocked(a, b, out_dtype, self.scaled_mm)
-
-    def cast_experts(self, w: torch.Tensor, elem: str, rule: str, dtype: torch.dtype, along_rows: bool = False):
-        """Per expert along K ([E, N, K]) or along N (written [E, K, N]), per-expert blocked scales."""
-        return (cast_3d_dim1 if along_rows else cast_3d_dim0)(w, elem, rule, blocked_scales=True)
-
-    def grouped_mm(
-        self, a: torch.Tensor, elem: str, rule: str, w: BlockedMXTensor, offs: torch.Tensor, dtype: torch.dtype,
-        rounding: str = "nearest", layout: GroupLayout | None = None,
-    ) -> torch.Tensor:  # fmt: skip
-        """The op takes token groups of multiples of 32 rows only: a's dim0 cast is row-local, so its
-        rows are scattered into groups padded to 32 after casting, and the output rows gathered back."""
-        dest, padded_offs, _ = layout = layout or padded_group_layout(offs, a.shape[0], BLOCK_SIZE)
-        a_padded = _pad_mx_rows(cast_dim0(a, elem, rule, rounding=rounding), layout)
-        y = mx_grouped_mm_2d_3d(a_padded, w, padded_offs, CUBLAS_GROUPED_OUT_DTYPE, self.scaled_grouped_mm)
-        return y.index_select(0, dest).to(dtype)
-
-    def grouped_mm_along_m(
-        self, g: torch.Tensor, g_elem: str, x: torch.Tensor, x_elem: str, rule: str, offs: torch.Tensor,
-        layout: GroupLayout, dtype: torch.dtype, rounding: str = "nearest",
-    ) -> torch.Tensor:  # fmt: skip
-        # rounding is "nearest": stochastic rounding is for e2m1, which has no cublas path
-        g_m = _cast_groups_along_m(g, g_elem, rule, layout)  # [N, size]
-        x_m = _cast_groups_along_m(x, x_elem, rule, layout)  # [K, size]
-        return mx_grouped_mm_2d_2d(g_m, x_m, CUBLAS_GROUPED_OUT_DTYPE, self.scaled_grouped_mm).to(dtype)
-
-
-class TritonBackend(_MXBackend):
-    """Casts with plain scales, then ``tl.dot_scaled``. Dense GEMMs only."""
-
-    name, blocked = "triton", False
-
-    def load_saved(self, qdata: torch.Tensor, scale: torch.Tensor, elem: str, dtype: torch.dtype) -> MXTensor:
-        return MXTensor(qdata, scale, elem, 1)
-
-    def mm(self, a: MXTensor, b: MXTensor, out_dtype: torch.dtype) -> torch.Tensor:
-        return mx_mm_triton(a, b, out_dtype)
-
-
-Backend = EmulatedBackend | CublasBackend | TritonBackend
 
 
 # --- the cublas path: dense ---
@@ -473,7 +219,7 @@ def mx_mm(a: MXTensor, b: MXTensor, out_dtype: torch.dtype, backend: str = "auto
         raise ValueError(f"mx_mm needs both operands quantized along K (their last dim); got dims {a.dim}, {b.dim}")
     if a.shape[-1] != b.shape[-1]:
         raise ValueError(f"mx_mm: K differs, a {tuple(a.shape)} vs b {tuple(b.shape)}")
-    resolved = _resolve_name(backend, a.qdata.device)
+    resolved = resolve_name(backend, a.qdata.device)
     if resolved == "triton":
         return mx_mm_triton(a, b, out_dtype)
     fp8 = {a.elem, b.elem} <= set(CUBLAS_ELEMS)
@@ -543,29 +289,6 @@ def blocked_row_groups(scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(trash + 1, dtype=torch.uint8, device=scale.device)
     out.index_copy_(0, byte.reshape(-1), scale.reshape(-1).view(torch.uint8).contiguous())
     return out[:trash].view(out_rows, padded_cols).view(scale.dtype)
-
-
-def _pad_mx_rows(t: MXTensor, layout: GroupLayout) -> MXTensor:
-    """A dim0 cast's rows (data and plain scales) scattered into groups padded to 32 rows; the
-    padding rows hold zero elements under scale byte 0 (2**-127), i.e. zeros."""
-    dest, _, size = layout
-    qdata = pad_groups(t.qdata.view(torch.uint8), dest, size).view(t.qdata.dtype)
-    scale = pad_groups(t.scale.view(torch.uint8), dest, size).view(t.scale.dtype)
-    return MXTensor(qdata, scale, t.elem, t.dim, t.block_size)
-
-
-def _cast_groups_along_m(t: torch.Tensor, elem: str, rule: str, layout: GroupLayout) -> BlockedMXTensor:
-    """t [M_total, C] along M inside each token group, groups padded to 32 rows: [C, size] with
-    per-group blocked scales, grouped by the E padded group ends.
-
-    cast_groups_dim1 wants groups that cover the whole buffer, so the buffer's tail past the last
-    padded group goes to it as one more (all-zero) group. Its scale tiles come after every expert's,
-    so the GEMM, given the E expert ends, reads the same bytes as without it and never the tail.
-    """
-    dest, padded_offs, size = layout
-    cast_offs = torch.cat([padded_offs, padded_offs.new_full((1,), size)])
-    cast = cast_groups_dim1(pad_groups(t, dest, size), cast_offs, elem, rule, blocked_scales=True)
-    return dataclasses.replace(cast, group_offs=padded_offs)
 
 
 def _torch_scaled_grouped_mm(

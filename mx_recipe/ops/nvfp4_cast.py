@@ -2,7 +2,7 @@
 (``mx_kernels.nvfp4.casts.cast_nvfp4``) for bf16 on CUDA and the reference (``nvfp4.to_nvfp4``) otherwise;
 both give the same bits (docs/DESIGN.md, "NVFP4").
 
-It forms the operands of the cublas NVFP4 GEMMs (sm_100, ``nvfp4_linear``): x [M, K] along K (1x16 blocks, or
+It forms the operands of the cublas NVFP4 GEMMs (sm_100, ``NVFP4CublasBackend``): x [M, K] along K (1x16 blocks, or
 16x16 tiles for the recipe's weights) and/or along M, stored transposed as the grad-weight GEMM reads it
 ([K, M_pad] quantized along its last dim, rows zero-padded to ``pad_m``, after the random Hadamard transform
 along M when ``signs`` is given), reading x once on the GPU. Stochastic rounding draws as ``fake_quant_nvfp4``

@@ -34,7 +34,7 @@ from mx_recipe.formats.recipe import MXRecipe
 from mx_recipe.nn.convert import ConversionRecord, format_conversion_table, skip_reason
 from mx_recipe.nn.grouped import mx_grouped_mm
 from mx_recipe.nn.linear import MXLinear
-from mx_recipe.ops.gemm import resolve_backend
+from mx_recipe.ops.backends import resolve_backend
 from mx_recipe.train.config import MXConfig, build_mx_recipe
 
 # convert_to_mx's default skips under torchtitan's names: the output projection (``lm_head`` in torchtitan
