@@ -1,5 +1,6 @@
 """Strict configs: every bad key, section or type stops the run with one line naming it."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +67,22 @@ def test_minimal_config_and_defaults():
         (_with("mx", "recipe", "mxfp9"), r"key 'mx.recipe': unknown recipe 'mxfp9'"),
         (_with("mx", "backend", "tpu"), r"key 'mx.backend'"),
         (_with("mx", "save_mx_input", "yes"), r"key 'mx.save_mx_input': expected true or false"),
-        (_with("mx", "grad_rounding", "random"), r"key 'mx.grad_rounding': unknown rounding 'random'"),
+        (_with("mx", "grad_rounding", "random"), r"key 'mx.grad_rounding': MXRecipe\.grad_rounding='random': expected"),
+        (_with("mx", "backend", 3), r"mem.toml: key 'mx.backend': expected a string, got 3"),
+        (_with("mx", "hadamard_seed", 1), r"mem.toml: unknown key 'mx.hadamard_seed'"),  # from job.seed
+        (_with("mx", "forward", "e2m1"), r"mem.toml: unknown key 'mx.forward'"),  # defines a recipe: not an option
+        (
+            _with("mx", "recipe", "nvfp4") | {"mx": {"recipe": "nvfp4", "fuse_x_casts": False}},
+            r"mem.toml: key 'mx.fuse_x_casts': is an MX cast option; recipe 'nvfp4' is an NVFP4Recipe",
+        ),
+        (
+            _with("mx", "recipe", "nvfp4") | {"mx": {"recipe": "nvfp4", "grad_rounding": "even"}},
+            r"mem.toml: key 'mx.grad_rounding': NVFP4Recipe\.grad_rounding='even'.*\(recipe 'nvfp4'\)",
+        ),
+        (
+            _with("mx", "recipe", "none") | {"mx": {"recipe": "none", "backend": "tpu"}},  # unused, still checked
+            r"mem.toml: key 'mx.backend': MXRecipe\.backend='tpu'.*; NVFP4Recipe\.backend='tpu'",
+        ),
         (_with("mx", "grad_rounding", "stochastic"), r"key 'mx.grad_rounding': .*needs grad='e2m1'.*'mxfp8'"),
         (
             _with("mx", "save_mx_input", True) | {"mx": {"recipe": "mxfp8_wgrad_bf16", "save_mx_input": True}},
@@ -176,6 +192,56 @@ def test_mx_keys_build_the_recipe():
     assert build_mx_recipe(build_config(none, "mem.toml", []).mx) is None
 
 
+def test_mx_keys_are_the_recipe_options():
+    """[mx] is recipe and skip plus one key per option field of MXRecipe and NVFP4Recipe, with the field's type and
+    default ("" where the named recipes differ: keep the recipe's), so a new option field is a new key."""
+    import dataclasses
+    import typing
+
+    from mx_recipe.formats.options import KEEP
+    from mx_recipe.formats.recipe import NVFP4_RECIPES, OPTION, RECIPES, MXRecipe, NVFP4Recipe
+    from mx_recipe.train.config import MXConfig
+
+    keys = {f.name: f for f in dataclasses.fields(MXConfig)}
+    option_fields = {}
+    for kind, registry in ((MXRecipe, RECIPES), (NVFP4Recipe, NVFP4_RECIPES)):
+        hints = typing.get_type_hints(kind)
+        for f in dataclasses.fields(kind):
+            if OPTION in f.metadata:
+                values = {f.default} | {getattr(r, f.name) for r in registry.values()}
+                assert keys[f.name].type is hints[f.name], f.name
+                assert keys[f.name].default in ({KEEP} if len(values) > 1 else {f.default}), f.name
+                option_fields[f.name] = f
+    assert set(keys) == {"recipe", "skip"} | set(option_fields)
+    assert {"backend", "grad_rounding", "save_mx_input", "fuse_x_casts", "share_input_casts"} <= set(option_fields)
+
+
+def test_a_checkpoints_mx_table_still_loads_and_builds_the_named_recipe():
+    """The [mx] table as config.toml has been written (every key, this order) builds each named recipe as it is;
+    NVFP4's Hadamard seed is job.seed. Overrides on the command line name the key and the file."""
+    from mx_recipe.formats.recipe import NVFP4_RECIPES, RECIPES
+    from mx_recipe.train.config import build_mx_recipe
+
+    written = {
+        "backend": "auto",
+        "skip": ["output", "*router.gate"],
+        "save_mx_input": False,
+        "fuse_x_casts": True,
+        "fuse_expert_casts": False,
+        "share_input_casts": True,
+        "grad_rounding": "",
+    }
+    for name, expected in (RECIPES | NVFP4_RECIPES).items():
+        data = {**MINIMAL, "job": {"output_dir": "out", "seed": 9}, "mx": {"recipe": name, **written}}
+        recipe = build_mx_recipe(build_config(data, "config.toml", []).mx, seed=9)
+        assert recipe == (dataclasses.replace(expected, hadamard_seed=9) if name in NVFP4_RECIPES else expected)
+    with pytest.raises(ConfigError, match=r"command line \(config mem.toml\): key 'mx.fuse_x_casts': expected true"):
+        build_config(MINIMAL, "mem.toml", parse_overrides(["--mx.fuse_x_casts", "maybe"]))
+    overrides = parse_overrides(["--mx.recipe", "nvfp4", "--mx.share_input_casts", "false"])
+    with pytest.raises(ConfigError, match=r"mem.toml: key 'mx.share_input_casts': is an MX cast option"):
+        build_config(MINIMAL, "mem.toml", overrides)
+
+
 def test_help_lists_every_key_with_type_default_and_meaning():
     """train.py --help is generated from the config classes: each key, its type, its default, one line of meaning."""
     import dataclasses
@@ -193,3 +259,8 @@ def test_help_lists_every_key_with_type_default_and_meaning():
             assert line.split("): ", 1)[1].strip(), f"{section}.{f.name} has no meaning in --help"
     assert "training.lr (number, required): peak learning rate" in out
     assert 'mx.skip (list of strings, default ["output", "*router.gate"])' in out
+    from mx_recipe.formats.options import RECIPE_OPTIONS
+
+    for name, option in RECIPE_OPTIONS.items():  # the help of the recipe's field
+        assert f"mx.{name} (" in out and f"): {option.help}\n" in out, name
+    assert 'mx.grad_rounding (string, default ""): how gradients round' in out

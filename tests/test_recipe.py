@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 
-from mx_recipe.formats.recipe import RECIPES, MXRecipe
+from mx_recipe.formats.options import (
+    KEEP,
+    KINDS,
+    RECIPE_OPTIONS,
+    RecipeOptionError,
+    check_option,
+    collect_options,
+    recipe_from_options,
+    recipe_kind,
+)
+from mx_recipe.formats.recipe import NVFP4_RECIPES, OPTION, RECIPES, MXRecipe, option
 
 # (forward, grad_input, grad_weight, grad, scale_rule) as documented for each named recipe.
 DOCUMENTED = {
@@ -181,3 +192,107 @@ def test_fuse_expert_casts_validation():
         MXRecipe(forward="e4m3", grad_input="e5m2", fuse_expert_casts=True)
     with pytest.raises(ValueError, match=r"MXRecipe\.fuse_expert_casts="):
         MXRecipe(fuse_expert_casts="no")
+
+
+# Recipe options (mx_recipe.formats.options): the fields a run sets on top of a named recipe, derived from the
+# dataclasses; train.py's [mx] keys and the torchtitan converters' fields are generated from them.
+
+
+def test_options_are_the_option_fields_of_the_recipe_classes():
+    """Each field made with recipe.option is one option with the field's type, default and help; the default is
+    "" (keep the recipe's) where the named recipes differ, as grad_rounding does (nearest, stochastic)."""
+    for kind, (registry, _) in KINDS.items():
+        marked = {f.name: f for f in dataclasses.fields(kind) if OPTION in f.metadata}
+        assert marked == {n: f for n, f in marked.items() if kind in RECIPE_OPTIONS[n].kinds}
+        assert {n for n, o in RECIPE_OPTIONS.items() if kind in o.kinds} == set(marked)
+        hints = typing.get_type_hints(kind)
+        for name, f in marked.items():
+            option = RECIPE_OPTIONS[name]
+            assert option.type is hints[name] and option.help.startswith(f.metadata[OPTION]), name
+            values = {f.default} | {getattr(r, name) for r in registry.values()}
+            assert option.default == (KEEP if len(values) > 1 else f.default), name
+    # the [mx] keys that configs and checkpoints' config.toml hold, with the defaults they were written with
+    assert {n: o.default for n, o in RECIPE_OPTIONS.items()} == {
+        "backend": "auto",
+        "grad_rounding": "",
+        "save_mx_input": False,
+        "fuse_x_casts": True,
+        "fuse_expert_casts": False,
+        "share_input_casts": True,
+    }
+
+
+def test_a_new_option_field_becomes_an_option():
+    @dataclasses.dataclass(frozen=True)
+    class Toy:
+        name: str = "toy"
+        width: int = option(8, "how wide")
+        fast: bool = option(False, "go fast")
+        mode: str = option("a", "which mode")
+
+    named = {"toy": Toy(), "toy_b": Toy("toy_b", mode="b")}
+    options = collect_options({Toy: (named, "a toy option")})
+    assert [(o.name, o.type, o.default, o.help) for o in options.values()] == [
+        ("width", int, 8, "how wide"),
+        ("fast", bool, False, "go fast"),
+        ("mode", str, KEEP, 'which mode; "" keeps the recipe\'s'),  # the named recipes differ
+    ]
+
+    @dataclasses.dataclass(frozen=True)
+    class Other:
+        width: int = option(8, "how broad")
+
+    with pytest.raises(TypeError, match="recipe option 'width': one help in every recipe class"):
+        collect_options({Toy: (named, "a toy option"), Other: ({}, "another option")})
+    named["toy_fast"] = Toy("toy_fast", fast=True)  # a bool has no value meaning "keep the recipe's"
+    with pytest.raises(TypeError, match="recipe option 'fast': the recipes' values differ"):
+        collect_options({Toy: (named, "a toy option")})
+
+
+@pytest.mark.parametrize("name", [*RECIPES, *NVFP4_RECIPES])
+def test_default_options_keep_every_named_recipe(name):
+    """Every option at its default (as [mx] holds them) gives the named recipe itself; the seed goes to NVFP4's
+    Hadamard signs."""
+    defaults = {n: o.default for n, o in RECIPE_OPTIONS.items()}
+    recipe = recipe_from_options(name, defaults, seed=7)
+    if name in NVFP4_RECIPES:
+        assert recipe == dataclasses.replace(NVFP4_RECIPES[name], hadamard_seed=7)
+    else:
+        assert recipe == RECIPES[name]
+    assert recipe_from_options(name) == recipe_kind(name).from_name(name)
+
+
+def test_recipe_from_options_sets_options_and_names_the_bad_one():
+    r = recipe_from_options("mxfp4_sr", {"grad_rounding": "nearest", "share_input_casts": False, "backend": "emulated"})
+    assert (r.name, r.grad_rounding, r.share_input_casts, r.backend) == ("mxfp4_sr", "nearest", False, "emulated")
+    assert recipe_from_options("nvfp4", {"grad_rounding": "nearest"}).grad_rounding == "nearest"
+
+    def error(name, options) -> tuple[str | None, str]:
+        with pytest.raises(RecipeOptionError) as err:
+            recipe_from_options(name, options)
+        return err.value.key, str(err.value)
+
+    assert error("mxfp9", {}) == ("recipe", f"unknown recipe 'mxfp9'; known: {', '.join([*RECIPES, *NVFP4_RECIPES])}")
+    key, msg = error("mxfp8", {"grad_rounding": "stochastic"})
+    assert key == "grad_rounding" and "needs grad='e2m1'" in msg and msg.endswith("(recipe 'mxfp8')")
+    assert error("mxfp8", {"save_mx_input": "yes"}) == ("save_mx_input", "expected true or false, got 'yes'")
+    assert error("mxfp8", {"backend": None}) == ("backend", "expected a string, got None")
+    assert error("mxfp8", {"forward": "e2m1"})[0] == "forward"  # defines the recipe: not an option
+    key, msg = error("nvfp4", {"backend": "triton"})
+    assert key == "backend" and msg.startswith("NVFP4Recipe.backend='triton'")
+    # an MX option on an NVFP4 recipe: an error unless at its default
+    assert error("nvfp4", {"fuse_x_casts": False}) == (
+        "fuse_x_casts",
+        "is an MX cast option; recipe 'nvfp4' is an NVFP4Recipe, which has no such field",
+    )
+    assert recipe_from_options("nvfp4", {"fuse_x_casts": True}) == NVFP4_RECIPES["nvfp4"]
+
+
+def test_check_option_takes_a_value_some_recipe_class_takes():
+    check_option("grad_rounding", "stochastic")  # MX e2m1 gradients and NVFP4 take it
+    check_option("backend", "triton")  # MX only
+    with pytest.raises(RecipeOptionError, match=r"MXRecipe\.backend='tpu'.*; NVFP4Recipe\.backend='tpu'") as err:
+        check_option("backend", "tpu")
+    assert err.value.key == "backend"
+    with pytest.raises(RecipeOptionError, match="expected true or false, got 1"):
+        check_option("fuse_x_casts", 1)

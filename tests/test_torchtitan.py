@@ -89,7 +89,7 @@ def test_converter_options_filters_and_bad_input():
     experts = {fqn: c for fqn, c, _, _ in config.model_spec.model.traverse(GroupedExperts.Config)}
     assert not any(hasattr(c, "recipe") for c in experts.values())  # no expert fqn holds "feed_forward"
 
-    with pytest.raises(ValueError, match="unknown MX recipe 'mxfp9'"):
+    with pytest.raises(ValueError, match=r"MXLinearConverter\.Config\.recipe: unknown recipe 'mxfp9'"):
         MXLinearConverter.Config(recipe="mxfp9").build()
     with pytest.raises(ValueError, match="recipe 'none' converts nothing"):
         MXGroupedExpertsConverter.Config(recipe="none").build()
@@ -97,6 +97,42 @@ def test_converter_options_filters_and_bad_input():
         MXLinearConverter.Config(backend="cublas").build()
     with pytest.raises(ValueError, match="stochastic"):
         MXLinearConverter.Config(recipe="mxfp8", grad_rounding="stochastic").build()
+
+
+@pytest.mark.parametrize("converter", [MXLinearConverter, MXGroupedExpertsConverter])
+def test_converter_options_are_the_recipe_options_of_mx(converter):
+    """The converters' config has recipe, skip and fqns, torchtitan's own fields, and the [mx] option keys with
+    their defaults, all generated from the recipe dataclasses; each option reaches the recipe."""
+    import dataclasses
+
+    from torchtitan.components.quantization import QuantizationConverter
+
+    from mx_recipe.formats.options import RECIPE_OPTIONS
+    from mx_recipe.train.config import MXConfig
+
+    theirs = {f.name for f in dataclasses.fields(QuantizationConverter.Config)}
+    ours = {f.name: f.default for f in dataclasses.fields(converter.Config) if f.name not in theirs}
+    mx_keys = {f.name: f.default for f in dataclasses.fields(MXConfig) if f.name not in ("recipe", "skip")}
+    assert set(ours) == {"recipe", "skip", "fqns"} | set(mx_keys) and set(mx_keys) == set(RECIPE_OPTIONS)
+    assert {k: v for k, v in ours.items() if k in mx_keys} == mx_keys
+    built = converter.Config(recipe="mxfp4_sr", grad_rounding="nearest", share_input_casts=False).build()
+    assert built.recipe == MXRecipe.from_name("mxfp4_sr", grad_rounding="nearest", share_input_casts=False)
+    with pytest.raises(ValueError, match=rf"{converter.__name__}\.Config\.save_mx_input: expected true or false"):
+        converter.Config(save_mx_input="yes").build()
+
+
+def test_the_adapter_does_not_import_the_training_loop():
+    """The integration builds its recipe with the library's recipe_from_options, not train.py's [mx] config."""
+    code = (
+        "import sys, mx_recipe.integrations.torchtitan.config_registry; "
+        "print(sorted(m for m in sys.modules if m.startswith('mx_recipe.train')))"
+    )
+    path = os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=os.environ | {"PYTHONPATH": path}
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
 def _capture(model: torch.nn.Module, types: tuple[type, ...]) -> dict[str, dict]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
+from typing import Any
 
 from mx_recipe.formats.mx import ELEM_FORMATS, ROUNDINGS, SCALE_RULES
 
@@ -13,6 +15,21 @@ GRAD_FORMATS = ("e4m3", "e5m2", "e2m1")
 # checks the device at conversion). "triton": tl.dot_scaled, NVIDIA sm_89 and later, dense GEMMs only
 # (mx_recipe/ops/gemm.py; "auto" never picks it: on sm_90 it is slower than "emulated").
 BACKENDS = ("auto", "emulated", "cublas", "triton")
+
+# Field metadata keys read by mx_recipe.formats.options, which derives train.py's [mx] keys and the torchtitan
+# converters' options from these dataclasses.
+OPTION = "option"  # a field a run may set on top of a named recipe; the value is its one-line help
+SEEDED = "seeded"  # a field set from the run's seed (job.seed in train.py)
+
+
+def option(default: Any, help: str) -> Any:
+    """A recipe field that a run may set on top of a named recipe (an [mx] key), with its one-line help."""
+    return dataclasses.field(default=default, metadata={OPTION: help})
+
+
+# The help of the options both recipe classes have: one option, one line of help.
+BACKEND_HELP = "GEMM backend: auto, emulated, cublas (sm_100), triton (MX dense GEMMs only)"
+GRAD_ROUNDING_HELP = "how gradients round in the backward GEMMs: nearest, or stochastic (MX: e2m1 gradients only)"
 
 
 @dataclass(frozen=True)
@@ -42,6 +59,11 @@ class MXRecipe:
         (``fake_quant_dim0_dim1``) and saves the along-N result for backward: one read of w fewer per
         step, at the cost of a bf16 copy of w held from forward to backward. Needs grad_input ==
         forward (one format for both casts). Bit-identical gradients. No effect on MXLinear.
+    share_input_casts: an input read by several linears (wq, wk and wv; w1 and w3) is cast once for all of
+        them (``linears_on_one_input``). Bit-identical outputs and gradients. On by default.
+
+    The fields made with ``option`` are the options a run sets on top of a named recipe (train.py's [mx]
+    keys, the torchtitan converters' fields; mx_recipe.formats.options); the others define the recipe.
     """
 
     name: str = "custom"
@@ -50,13 +72,13 @@ class MXRecipe:
     grad_weight: str = "e4m3"
     grad: str = "e4m3"
     scale_rule: str = "floor"
-    backend: str = "auto"
+    backend: str = option("auto", BACKEND_HELP)
     block_size: int = 32
-    grad_rounding: str = "nearest"
-    save_mx_input: bool = False
-    fuse_x_casts: bool = True
-    fuse_expert_casts: bool = False
-    share_input_casts: bool = True
+    grad_rounding: str = option("nearest", GRAD_ROUNDING_HELP)
+    save_mx_input: bool = option(False, "save x for backward in MX form (fp8 or e2m1 and scales), not bf16")
+    fuse_x_casts: bool = option(True, "emulated: both fake-quants of x in forward, where it applies")
+    fuse_expert_casts: bool = option(False, "emulated MoE: both fake-quants of the expert weights in forward")
+    share_input_casts: bool = option(True, "one cast of an input read by several linears (wq/wk/wv, w1/w3)")
 
     def __post_init__(self) -> None:
         for field in ("forward", "grad_input", "grad_weight"):
@@ -144,15 +166,16 @@ class NVFP4Recipe:
         run's job.seed, so a checkpoint's config.toml fixes them);
     grad_rounding: "stochastic" (the recipe's) or "nearest" for the gradient's casts; x and w round to
         nearest.
-    Which layers stay in bf16 (the recipe keeps the last few) is the converter's ``skip``.
+    Which layers stay in bf16 (the recipe keeps the last few) is the converter's ``skip``. backend and
+    grad_rounding are options (see MXRecipe); hadamard_seed is the run's seed.
     """
 
     name: str = "nvfp4"
     weight_tiles: bool = True
     hadamard: bool = True
-    hadamard_seed: int = 0
-    grad_rounding: str = "stochastic"
-    backend: str = "auto"
+    hadamard_seed: int = dataclasses.field(default=0, metadata={SEEDED: True})
+    grad_rounding: str = option("stochastic", GRAD_ROUNDING_HELP)
+    backend: str = option("auto", BACKEND_HELP)
     block_size: int = 16
 
     def __post_init__(self) -> None:

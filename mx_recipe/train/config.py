@@ -15,6 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args, get_origin
 
+from mx_recipe.formats.options import (
+    RECIPE_OPTIONS,
+    RecipeOptionError,
+    check_option,
+    recipe_from_options,
+    recipe_option_fields,
+)
+
 if TYPE_CHECKING:
     from mx_recipe.formats.recipe import MXRecipe, NVFP4Recipe
 
@@ -100,16 +108,21 @@ class CheckpointConfig:
     allow_config_change: bool = False  # resume a checkpoint written under another [model] or [mx] config
 
 
-@dataclass
-class MXConfig:
-    recipe: str = required()  # an MXRecipe name (mxfp8, mxfp4, ...), an NVFP4Recipe name (nvfp4, ...) or "none" (bf16)
-    backend: str = "auto"  # MX GEMM backend: auto, emulated, cublas (sm_100), triton
-    skip: list[str] = field(default_factory=lambda: ["output", "*router.gate"])  # fqn patterns left in bf16
-    save_mx_input: bool = False  # save x for backward in MX form (MXRecipe.save_mx_input)
-    fuse_x_casts: bool = True  # emulated: both fake-quants of x in forward, where it applies (MXRecipe.fuse_x_casts)
-    fuse_expert_casts: bool = False  # emulated MoE: both fake-quants of w in forward (MXRecipe.fuse_expert_casts)
-    share_input_casts: bool = True  # one cast of an input read by several linears (MXRecipe.share_input_casts)
-    grad_rounding: str = ""  # nearest or stochastic (MXRecipe.grad_rounding); "" keeps the recipe's
+_RECIPE_HELP = 'an MXRecipe name (mxfp8, mxfp4, ...), an NVFP4Recipe name (nvfp4, ...) or "none" (bf16)'
+_SKIP_HELP = "fqn patterns left in bf16"
+
+# [mx]: the recipe's name, the converter's skip list, and one key per recipe option: the MXRecipe and NVFP4Recipe
+# fields made with recipe.option (mx_recipe.formats.options), each key with the field's type, default and help
+# (a generated class: config_help reads each key's help from its field's metadata).
+MXConfig = dataclasses.make_dataclass(
+    "MXConfig",
+    [
+        ("recipe", str, field(default=REQUIRED, metadata={"help": _RECIPE_HELP})),
+        ("skip", list[str], field(default_factory=lambda: ["output", "*router.gate"], metadata={"help": _SKIP_HELP})),
+        *recipe_option_fields(),
+    ],
+)
+MXConfig.__module__ = __name__  # for pickle and repr; make_dataclass takes module= only from Python 3.12
 
 
 @dataclass
@@ -173,9 +186,14 @@ _TYPES = {"int": int, "float": float, "str": str, "bool": bool, "list[str]": lis
 
 
 def _key_comments(cls: type) -> dict[str, str]:
-    """The one-line meaning of each key: the comment after its field in the class's source."""
+    """The one-line meaning of each key: its field's "help" metadata in a generated class ([mx]), else the
+    comment after its field in the class's source."""
+    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if "help" in f.metadata}
+    if len(helps) == len(dataclasses.fields(cls)):
+        return helps
     pattern = re.compile(r"^    (\w+): [^#]*#\s*(.+)$")
-    return {m.group(1): m.group(2) for line in inspect.getsource(cls).splitlines() if (m := pattern.match(line))}
+    comments = {m.group(1): m.group(2) for line in inspect.getsource(cls).splitlines() if (m := pattern.match(line))}
+    return comments | helps
 
 
 def config_help() -> str:
@@ -319,8 +337,7 @@ def build_config(data: dict[str, Any], source: str, overrides: list[tuple[str, s
 def validate(config: Config) -> None:
     """Value checks beyond types, so that a bad run stops before any model is built."""
     # Imported here: the registries live in the library, the config only reads them.
-    from mx_recipe.formats.mx import ROUNDINGS
-    from mx_recipe.formats.recipe import BACKENDS, NVFP4_RECIPES, RECIPES, MXRecipe
+    from mx_recipe.formats.recipe import NVFP4_RECIPES, RECIPES
     from mx_recipe.models import MODEL_FLAVORS
 
     src = config.source
@@ -352,29 +369,14 @@ def validate(config: Config) -> None:
     if config.mx.recipe != "none" and config.mx.recipe not in RECIPES and config.mx.recipe not in NVFP4_RECIPES:
         known = ", ".join(["none", *RECIPES, *NVFP4_RECIPES])
         fail("mx.recipe", f"unknown recipe {config.mx.recipe!r}; known: {known}")
-    if config.mx.backend not in BACKENDS:
-        fail("mx.backend", f"unknown backend {config.mx.backend!r}; available: {', '.join(BACKENDS)}")
-    if config.mx.grad_rounding not in ("", *ROUNDINGS):
-        fail("mx.grad_rounding", f"unknown rounding {config.mx.grad_rounding!r}; known: {', '.join(ROUNDINGS)}")
-    if config.mx.recipe in NVFP4_RECIPES:
-        for key in ("save_mx_input", "fuse_expert_casts"):  # MX cast options that would do nothing here
-            if getattr(config.mx, key):
-                fail(f"mx.{key}", f"is an MX cast option; recipe {config.mx.recipe!r} (NVFP4) has no such cast")
-        try:
-            build_mx_recipe(config.mx)
-        except ValueError as e:
-            fail("mx.backend", f"{e} (recipe {config.mx.recipe!r})")
-    elif config.mx.recipe != "none":  # with "none" the MX keys go unused, as mx.backend does
-        # the recipe's own checks (e.g. stochastic rounding needs e2m1 gradients), one key at a time
-        for key, value in _mx_overrides(config.mx).items():
-            try:
-                MXRecipe.from_name(config.mx.recipe, **{key: value})
-            except ValueError as e:
-                fail(f"mx.{key}", f"{e} (recipe {config.mx.recipe!r})")
-        try:  # keys that are fine alone but not together
-            MXRecipe.from_name(config.mx.recipe, **_mx_overrides(config.mx))
-        except ValueError as e:
-            fail("mx", f"{e} (recipe {config.mx.recipe!r})")
+    try:  # the recipe's own checks (e.g. stochastic rounding needs e2m1 gradients), naming the key
+        if config.mx.recipe == "none":  # the option keys go unused; a value no recipe takes is still an error
+            for key, value in _mx_options(config.mx).items():
+                check_option(key, value)
+        else:
+            build_mx_recipe(config.mx, config.job.seed)
+    except RecipeOptionError as e:
+        fail("mx" if e.key is None else f"mx.{e.key}", str(e))
     positive = [
         ("training.gradient_accumulation_steps", t.gradient_accumulation_steps),
         ("validation.interval", config.validation.interval),
@@ -411,33 +413,19 @@ def validate(config: Config) -> None:
             fail(*problem)
 
 
-def _mx_overrides(mx: MXConfig) -> dict[str, str | bool]:
-    """The MXRecipe fields that [mx] sets on top of the named recipe."""
-    overrides: dict[str, str | bool] = {
-        "backend": mx.backend,
-        "save_mx_input": mx.save_mx_input,
-        "fuse_x_casts": mx.fuse_x_casts,
-        "fuse_expert_casts": mx.fuse_expert_casts,
-        "share_input_casts": mx.share_input_casts,
-    }
-    if mx.grad_rounding:
-        overrides["grad_rounding"] = mx.grad_rounding
-    return overrides
+def _mx_options(mx: MXConfig) -> dict[str, Any]:
+    """The recipe options of [mx], by name."""
+    return {key: getattr(mx, key) for key in RECIPE_OPTIONS}
 
 
 def build_mx_recipe(mx: MXConfig, seed: int = 0) -> MXRecipe | NVFP4Recipe | None:
-    """The recipe that [mx] describes, or None for recipe "none". An MXRecipe: the named recipe with backend,
-    save_mx_input, fuse_x_casts, fuse_expert_casts, share_input_casts and grad_rounding set from the config.
-    An NVFP4Recipe: with backend and grad_rounding, and ``seed`` (the run's job.seed) for the Hadamard signs;
-    the MX cast options do not apply to it."""
-    from mx_recipe.formats.recipe import NVFP4_RECIPES, MXRecipe, NVFP4Recipe
-
+    """The recipe that [mx] describes, or None for recipe "none": the named recipe with the option keys set
+    (``recipe_from_options``; a key at its default keeps the recipe's value, and an option of the other recipe
+    class must stay at its default), and ``seed`` (the run's job.seed) for NVFP4's Hadamard signs. A bad value
+    is a RecipeOptionError (a ValueError) whose ``key`` names the option."""
     if mx.recipe == "none":
         return None
-    if mx.recipe in NVFP4_RECIPES:
-        rounding = {"grad_rounding": mx.grad_rounding} if mx.grad_rounding else {}
-        return NVFP4Recipe.from_name(mx.recipe, backend=mx.backend, hadamard_seed=seed, **rounding)
-    return MXRecipe.from_name(mx.recipe, **_mx_overrides(mx))
+    return recipe_from_options(mx.recipe, _mx_options(mx), seed)
 
 
 def config_to_dict(config: Config) -> dict[str, dict[str, Any]]:

@@ -10,7 +10,8 @@ names) and features that are multiples of 32; ``fqns`` is torchtitan's own inclu
 
 Unlike torchtitan's MXFP8 converters (torchao, sm_100 only), these run on any device: the backend
 resolves as in ``convert_to_mx`` (emulated on Hopper and the CPU, cuBLAS on sm_100 for e4m3), and any
-recipe of ``mx_recipe.RECIPES`` with the options of train.py's [mx] section applies. Token groups of any
+recipe of ``mx_recipe.RECIPES`` applies, with the recipe options of ``mx_recipe.formats.options`` (the keys
+of train.py's [mx] section) as fields of the converters' config. Token groups of any
 size are fine, so torchtitan's token dispatcher is left as it is (no padding to 32 rows). Tensor
 parallelism is not supported (the MX GEMMs take plain tensors); FSDP2, torch.compile and activation
 checkpointing are.
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 
 import torch
 from torch import nn
@@ -30,12 +31,12 @@ from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.utils import validate_converter_order
 from torchtitan.tools.logging import logger
 
+from mx_recipe.formats.options import RECIPE_OPTIONS, RecipeOptionError, recipe_from_options, recipe_option_fields
 from mx_recipe.formats.recipe import MXRecipe
 from mx_recipe.nn.convert import ConversionRecord, format_conversion_table, skip_reason
 from mx_recipe.nn.grouped import mx_grouped_mm
 from mx_recipe.nn.linear import MXLinear
 from mx_recipe.ops.backends import resolve_backend
-from mx_recipe.train.config import MXConfig, build_mx_recipe
 
 # convert_to_mx's default skips under torchtitan's names: the output projection (``lm_head`` in torchtitan
 # 0.3, ``output`` before) and MoE router gates stay in bf16.
@@ -101,40 +102,53 @@ def _mx_experts_class(experts_cls: type) -> type:
     return MXExperts
 
 
+# The converters' config: the recipe, the layers to convert, and one field per recipe option (train.py's [mx]
+# keys), generated from the recipe dataclasses with their defaults; each field's help is in its metadata.
+_MXConverterConfig = make_dataclass(
+    "Config",
+    [
+        ("recipe", str, field(default="mxfp8", metadata={"help": "an MXRecipe name (mx_recipe.RECIPES)"})),
+        (
+            "skip",
+            list[str],
+            field(
+                default_factory=lambda: list(TORCHTITAN_SKIP), metadata={"help": "fqn patterns (fnmatch) left in bf16"}
+            ),
+        ),
+        (
+            "fqns",
+            list[str],
+            field(
+                default_factory=list,
+                metadata={"help": "torchtitan's include-list: only fqns containing one of these convert (empty: all)"},
+            ),
+        ),
+        *recipe_option_fields(),
+    ],
+    bases=(QuantizationConverter.Config,),
+    kw_only=True,
+    slots=True,  # torchtitan's Configurable requires both
+)
+
+
 class _MXConverter(QuantizationConverter):
     """What both converters share: the recipe (train.py's [mx] keys), the skip rules and the table."""
 
-    @dataclass(kw_only=True, slots=True)
-    class Config(QuantizationConverter.Config):
-        recipe: str = "mxfp8"
-        """an MXRecipe name (mx_recipe.RECIPES)"""
-        backend: str = "auto"
-        """MX GEMM backend: auto, emulated, cublas (sm_100), triton (dense only)"""
-        skip: list[str] = field(default_factory=lambda: list(TORCHTITAN_SKIP))
-        """fqn patterns (fnmatch) left in bf16"""
-        fqns: list[str] = field(default_factory=list)
-        """torchtitan's include-list: only fqns containing one of these convert (empty: all)"""
-        save_mx_input: bool = False
-        fuse_x_casts: bool = True
-        fuse_expert_casts: bool = False
-        grad_rounding: str = ""
-        """nearest or stochastic; "" keeps the recipe's"""
+    Config = _MXConverterConfig
+    Config.__module__, Config.__qualname__ = __name__, "_MXConverter.Config"  # for pickle and repr
 
     grouped = False  # whether the converted layers are grouped GEMMs (for resolving the backend)
 
     def __init__(self, config: Config):
         self.config = config
-        mx = MXConfig(
-            recipe=config.recipe,
-            backend=config.backend,
-            save_mx_input=config.save_mx_input,
-            fuse_x_casts=config.fuse_x_casts,
-            fuse_expert_casts=config.fuse_expert_casts,
-            grad_rounding=config.grad_rounding,
-        )
         if config.recipe == "none":
             raise ValueError(f"{type(self).__name__}: recipe 'none' converts nothing; leave the converter out")
-        self.recipe: MXRecipe = build_mx_recipe(mx)  # a bad name or option is a ValueError that names it
+        options = {key: getattr(config, key) for key in RECIPE_OPTIONS}
+        try:
+            self.recipe: MXRecipe = recipe_from_options(config.recipe, options)
+        except RecipeOptionError as e:  # name the config field (none for options fine alone but not together)
+            where = f"{type(self).__name__}.Config" + (f".{e.key}" if e.key else "")
+            raise ValueError(f"{where}: {e}") from None
         # a backend the device cannot run fails here, before the model is built
         self.backend_name = resolve_backend(self.recipe, _device(), grouped=self.grouped).name
         self.records: list[ConversionRecord] = []
