@@ -1,12 +1,14 @@
 """Render the measured tables of docs/PERFORMANCE.md from the result files in docs/results/.
 
 Every figure in that document comes from a file a benchmark or a training run wrote:
-``*_bench_cast.json``, ``*_bench_fp4_cast.json``, ``*_bench_gemm.json``, ``*_bench_linear[_RECIPE].json``,
-``*_bench_moe.json``,
-``*_bench_host.json``, ``*_bench_train_CONFIG.json`` (benchmarks/),
+``*_bench_cast[_e2m1].json``, ``*_bench_fp4_cast.json``, ``*_bench_gemm.json``, ``*_bench_linear[_RECIPE].json``,
+``*_bench_moe.json``, ``*_bench_host.json``, ``*_bench_train_CONFIG.json`` (benchmarks/),
 ``*_roofline_observe.json`` (scripts/roofline.py --observe), ``*_train_*/`` folders holding a ``meta.json``
 and one ``metrics.jsonl`` per run (train.py) and ``*_parity_*/`` sets (scripts/parity_sweep.py). One file per
 benchmark, device and variant: the latest (older ones stay in git history).
+
+The document is a summary: one table per benchmark, a row per variant and device, a column per shape (or a
+range over the shapes). The per-shape detail (times, bandwidths, memory) stays in the JSON files.
 
     python scripts/perf_report.py            # print the tables
     python scripts/perf_report.py --write    # replace the generated part of docs/PERFORMANCE.md
@@ -28,9 +30,12 @@ BEGIN, END = "<!-- perf_report: begin -->", "<!-- perf_report: end -->"
 
 def source_line(meta: dict, name: str) -> str:
     when = f"{meta['device']}, torch {meta['torch']}, {meta['date'][:10]}, commit {meta['commit'][:7]}"
-    note = f" {meta['note']}." if meta.get("note") else ""
-    command = f" Command: `{meta['command']}`." if meta.get("command") else ""
-    return f"Source: `docs/results/{name}`: {when}.{command}{note}"
+    command = f" `{meta['command']}`" if meta.get("command") else ""
+    return f"- Source: `docs/results/{name}`: {when}.{command}"
+
+
+def sources(items: list[tuple[dict, str]]) -> list[str]:
+    return [""] + [source_line(meta, name) for meta, name in items] + [""]
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -39,9 +44,19 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
     ]
 
 
+def span(values: list[float], fmt: str = "{:.1%}") -> str:
+    """A range, or one value where the range is a point."""
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
 def device_of(path: Path) -> str:
     """The device tag of a result file's name (DATE_DEVICE_...): h200, h100, h200x4."""
     return path.name.split("_")[1]
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
 
 
 def is_cast(r: dict) -> bool:
@@ -49,40 +64,13 @@ def is_cast(r: dict) -> bool:
     return not r["name"].startswith(("fq", "copy")) and "separate" not in r["name"]
 
 
-def cast_section(path: Path) -> list[str]:
-    """One row per cast and shape: kernel time and % of copy under both scale rules, and the events figure
-    (which holds the host's launch path where it is slower than the kernels)."""
-    data = json.loads(path.read_text())
-    meta = data["meta"]
-    by_key: dict[tuple, dict] = {}
-    for r in data["results"]:
-        by_key.setdefault((r["name"], tuple(r["shape"])), {})[r["mode"]] = r
-    compiled = any(r.get("speedup_vs_compiled_ref") for r in data["results"])
-    rows = []
-    for (name, shape), modes in by_key.items():
-        first = next(iter(modes.values()))
-        cells = [name, "x".join(map(str, shape))]
-        for mode in ("floor", "rceil"):
-            r = modes.get(mode, modes.get("-") if mode == "floor" else None)
-            cells.append(f"{r['kernel_us']:.1f} ({r['kernel_pct_copy']:.1f}%)" if r else "")
-        cells.append(f"{first['us']:.1f} ({first['pct_copy']:.1f}%)")
-        if compiled:
-            ref = first.get("speedup_vs_compiled_ref")
-            cells.append("" if ref is None else f"{ref:.2f}x")
-        rows.append(cells)
-    copy = f"copy {meta['copy_kernel_gbs']:.0f} GB/s kernel time, {meta['copy_gbs']:.0f} GB/s events"
-    lines = [f"### MX casts, {meta['device']}, {meta['elem']}, bf16 input ({copy}, same run)", ""]
-    header = ["cast", "shape", "floor: kernels us (% of copy)", "rceil: kernels us (% of copy)"]
-    header += ["events us (% of copy)"] + (["vs torch.compile reference"] if compiled else [])
-    lines += table(header, rows)
-    lines += [""] + [f"{t[0].upper()}{t[1:]}." for t in data.get("targets", []) if t.startswith("fake-quant fused")]
-    return lines + ["", source_line(meta, path.name), ""]
+# --- the targets ---
 
 
 def cast_targets(path: Path) -> dict[str, str]:
     """The cast targets of docs/DESIGN.md (Performance targets) judged on kernel time, one cell each. The e2m1
     casts (``bench_cast.py --elem e2m1``) have the 4-bit target alone: 85% of copy."""
-    data = json.loads(path.read_text())
+    data = load(path)
     results = data["results"]
     get = {(r["name"], tuple(r["shape"]), r["mode"]): r for r in results}
     casts = [r for r in results if is_cast(r)]
@@ -123,7 +111,7 @@ def training_targets(folders: list[Path]) -> dict[str, list[str]]:
     for folder in folders:
         device = device_of(folder)
         if "_parity_" in folder.name:
-            summary = json.loads((folder / "summary.json").read_text())
+            summary = load(folder / "summary.json")
             name = folder.name.split("_parity_", 1)[1]
             for r in summary["runs"]:
                 if r["mx_recipe"].startswith("mxfp8"):
@@ -145,20 +133,17 @@ def targets_section(results: dict[str, list[Path]]) -> list[str]:
         for target, cell in cast_targets(path).items():
             cells.setdefault(target, {})[device_of(path)] = cell
     for path in results["bench_linear"]:
-        data = json.loads(path.read_text())
+        data = load(path)
         ratios, recipe = [r["ratio"] for r in data["rows"]], data["meta"]["recipe"]
         target = f"MX linear fwd+bwd <= 1.15x bf16 ({recipe})" if "fp4" in recipe else "MX linear fwd+bwd <= 1.10x bf16"
         cells.setdefault(target, {})[device_of(path)] = f"{min(ratios):.2f}-{max(ratios):.2f}x"
     for path in results["bench_fp4_cast"]:
-        shares = [r["of_copy"] for r in json.loads(path.read_text())["rows"]]
+        shares = [r["of_copy"] for r in load(path)["rows"]]
         share = f"{min(shares):.0%}-{max(shares):.0%} (each kernel, of the bytes it moves)"
         cells.setdefault("4-bit cast and fake-quant kernels >= 85% of copy", {})[device_of(path)] = share
     for path in results["bench_moe"]:
-        data = json.loads(path.read_text())
-        ratios = ", ".join(
-            f"E={r['B_shape'].strip('()').split(',')[0]} {r['scaled_e2e_us'] / r['bf16_e2e_us']:.2f}x"
-            for r in data["rows"]
-        )
+        data = load(path)
+        ratios = ", ".join(f"E={experts(r)} {r['scaled_e2e_us'] / r['bf16_e2e_us']:.2f}x" for r in data["rows"])
         target = f"MX grouped GEMM fwd+bwd <= 1.15x bf16 ({data['meta']['recipe']})"
         cells.setdefault(target, {})[device_of(path)] = ratios
     for device, runs in training_targets(results["train"]).items():
@@ -172,8 +157,78 @@ def targets_section(results: dict[str, list[Path]]) -> list[str]:
             path
         )
     rows = [[target, *(by_device.get(d, "") for d in devices)] for target, by_device in cells.items()]
-    lines = ["## The targets, from the latest runs", ""]
+    lines = ["## Where each target stands", ""]
     return lines + table(["target", *devices], rows) + [""]
+
+
+# --- one table per benchmark ---
+
+
+def column_name(meta: dict, *extra: str) -> str:
+    device = meta["device"].removeprefix("NVIDIA ").replace(" 80GB HBM3", "")
+    return ", ".join([device, *filter(None, extra)])
+
+
+def cast_section(paths: list[Path]) -> list[str]:
+    """One row per cast (plain or blocked scales), one column per run: the kernel time's share of the copy
+    bandwidth of the same run, over the run's shapes and both scale rules."""
+    if not paths:
+        return []
+    columns, cells, names = [], {}, {}
+    for path in paths:
+        data = load(path)
+        column = column_name(data["meta"], data["meta"]["elem"])
+        columns.append(column)
+        for r in data["results"]:
+            if r["name"].startswith("copy") or "separate" in r["name"]:
+                continue
+            names.setdefault(r["name"], None)
+            cells.setdefault((r["name"], column), []).append(r["kernel_pct_copy"] / 100)
+    rows = [[name, *(span(cells[(name, c)]) if (name, c) in cells else "" for c in columns)] for name in names]
+    lines = ["## Casts (`benchmarks/bench_cast.py`)", ""]
+    lines += [
+        "Kernel time as a share of the copy bandwidth measured in the same run, the range over the shapes (16384^2;",
+        "3D [E, 8192, 5120] for E = 1, 4, 16, 64; 16640 x 5120 in 16 groups) and both scale rules. `fq` is a",
+        "fake-quant (the emulated path's operand in bf16); `blocked`, scales in the layout of the sm_100 GEMMs.",
+        "",
+    ]
+    lines += table(["cast", *columns], rows)
+    return lines + sources([(load(p)["meta"], p.name) for p in paths])
+
+
+def fp4_cast_section(paths: list[Path]) -> list[str]:
+    """One row per operand, one column per run: each kernel's share of copy (the bytes it moves), then the
+    whole call's share counting x once."""
+    if not paths:
+        return []
+    columns, cells, names = [], {}, {}
+    for path in paths:
+        data = load(path)
+        column = column_name(data["meta"])
+        columns.append(column)
+        for r in data["rows"]:
+            names.setdefault(r["name"], None)
+            cell = cells.setdefault((r["name"], column), {"kernels": [], "call": None})
+            cell["kernels"].append(f"{r['of_copy']:.0%}")
+            if r.get("call_of_copy_x_once") is not None and cell["call"] is None:
+                cell["call"] = r["call_of_copy_x_once"]
+
+    def fmt(cell: dict | None) -> str:
+        if cell is None:
+            return ""
+        kernels = " + ".join(cell["kernels"])
+        return kernels if cell["call"] is None or len(cell["kernels"]) == 1 else f"{kernels} (call {cell['call']:.0%})"
+
+    rows = [[name, *(fmt(cells.get((name, c))) for c in columns)] for name in names]
+    lines = ["## 4-bit casts and fake-quants (`benchmarks/bench_fp4_cast.py`), x 16384 x 16384", ""]
+    lines += [
+        "Each kernel's share of the copy bandwidth, counting the bytes it moves (an NVFP4 cast is two kernels:",
+        "the per-tensor maxima, then the cast; a packed MXFP4 cast with plain scales adds an unblock pass); in",
+        "parentheses the whole call's share counting x once, which NVFP4's second read caps at two thirds.",
+        "",
+    ]
+    lines += table(["operand", *columns], rows)
+    return lines + sources([(load(p)["meta"], p.name) for p in paths])
 
 
 GEMM_TITLES = {  # benchmarks/bench_gemm.py's backend names
@@ -184,168 +239,159 @@ GEMM_TITLES = {  # benchmarks/bench_gemm.py's backend names
 }
 
 
-def gemm_section(path: Path) -> list[str]:
-    data = json.loads(path.read_text())
-    meta, backends = data["meta"], data["backends"]
-    rows = []
-    for r in data["rows"]:
-        cells = [
-            f"{r['mx'][b]['tflops']:.0f} ({r['mx'][b]['ratio']:.2f}x)" if b in r["mx"] else "n/a" for b in backends
+def gemm_section(paths: list[Path]) -> list[str]:
+    lines = []
+    for path in paths:
+        data = load(path)
+        meta, backends = data["meta"], data["backends"]
+        rows = [
+            [f"{r['M']}x{r['K']}x{r['N']}", f"{r['bf16_tflops']:.0f}"]
+            + [f"{r['mx'][b]['ratio']:.2f}x" if b in r["mx"] else "n/a" for b in backends]
+            for r in data["rows"]
         ]
-        rows.append([str(r["M"]), str(r["K"]), str(r["N"]), f"{r['bf16_tflops']:.0f}"] + cells)
-    how = "under torch.compile" if meta.get("compiled", True) else "eager"
-    lines = [f"### MX GEMM out = a @ b.T, {meta['elem']} ({meta['rule']}) operands, against bf16 torch.mm", ""]
+        how = "under torch.compile" if meta.get("compiled", True) else "eager"
+        lines += [f"## MX GEMM (`benchmarks/bench_gemm.py`), {column_name(meta)}", ""]
+        lines += [
+            f"MX time over bf16 `torch.mm` time, {meta['elem']} ({meta['rule']}) operands, {how}.",
+            "",
+        ]
+        lines += table(["M x K x N", "bf16 TFLOP/s", *(GEMM_TITLES.get(b, b) for b in backends)], rows)
+        lines += sources([(meta, path.name)])
+    return lines
+
+
+def linear_section(paths: list[Path]) -> list[str]:
+    """One row per run (device, recipe), one column per (K, N): MX time over bf16 time."""
+    if not paths:
+        return []
+    runs = [load(p) for p in paths]
+    shapes = list(dict.fromkeys((r["M"], r["K"], r["N"]) for data in runs for r in data["rows"]))
+    rows = []
+    for data in runs:
+        by_shape = {(r["M"], r["K"], r["N"]): r for r in data["rows"]}
+        cells = [f"{by_shape[s]['ratio']:.2f}x" if s in by_shape else "" for s in shapes]
+        kernel = [r["kernel_ratio"] for r in data["rows"] if "kernel_ratio" in r]
+        kernel_cell = span(kernel, "{:.2f}x") if kernel else ""
+        rows.append([column_name(data["meta"]), data["meta"]["recipe"], *cells, kernel_cell])
+    lines = ["## MX linear forward + backward (`benchmarks/bench_linear.py`)", ""]
     lines += [
-        f"TFLOP/s, and in parentheses the time relative to bf16 from the same run. The emulated backend "
-        f"dequantizes both operands to bf16, then multiplies ({how}).",
+        "MX time over bf16 `nn.Linear` time, both compiled, timed in interleaved rounds; the last column is the",
+        "same ratio of GPU kernel time (the range over the shapes). Target: 1.10x, 1.15x for the 4-bit recipes.",
         "",
     ]
-    lines += table(["M", "K", "N", "bf16 TFLOP/s"] + [f"{GEMM_TITLES.get(b, b)} TFLOP/s" for b in backends], rows)
-    errors = [
-        f"{GEMM_TITLES.get(b, b)} {max(r['mx'][b]['rel_err'] for r in data['rows'] if b in r['mx']):.1e}"
-        for b in backends
-    ]
-    lines += ["", "Largest max |MX - emulated in fp32| / max |emulated| over the shapes: " + ", ".join(errors) + "."]
-    return lines + ["", source_line(meta, path.name), ""]
+    header = ["device", "recipe", *(f"{m}x{k}x{n}" for m, k, n in shapes), "GPU kernel time"]
+    lines += table(header, sorted(rows, key=lambda r: (r[0], r[1])))
+    return lines + sources([(data["meta"], p.name) for data, p in zip(runs, paths, strict=True)])
 
 
-def linear_section(path: Path) -> list[str]:
-    data = json.loads(path.read_text())
-    meta = data["meta"]
-    rows = [
-        [
-            str(r["M"]),
-            str(r["K"]),
-            str(r["N"]),
-            f"{r['bf16_ms']:.3f}",
-            f"{r['mx_ms']:.3f}",
-            f"{r['ratio']:.2f}x",
-            f"{r['bf16_tflops']:.0f}",
-            f"{r['bf16_peak_gib']:.2f}",
-            f"{r['mx_peak_gib']:.2f}",
-        ]
-        for r in data["rows"]
-    ]
-    target = "1.15x" if "fp4" in meta["recipe"] else "1.10x"  # the 4-bit recipes' target (DESIGN.md)
-    header = ["M", "K", "N", "bf16 ms", "MX ms", f"MX/bf16 (target <= {target})", "bf16 TFLOP/s", "bf16 peak GiB"]
-    header += ["MX peak GiB"]
-    if "mx_fuse_ms" in data["rows"][0]:  # MX with fuse_x_casts, in runs that timed it
-        header += ["MX fuse_x_casts ms", "fuse_x_casts/bf16", "fuse_x_casts peak GiB"]
-        for row, r in zip(rows, data["rows"], strict=True):
-            row += [f"{r['mx_fuse_ms']:.3f}", f"{r['mx_fuse_ratio']:.2f}x", f"{r['mx_fuse_peak_gib']:.2f}"]
-    if "kernel_ratio" in data["rows"][0]:  # runs timed in interleaved rounds (benchmarks/timing.py)
-        header += ["MX/bf16 GPU kernel time", "rounds spread"]
-        for row, r in zip(rows, data["rows"], strict=True):
-            row += [f"{r['kernel_ratio']:.2f}x", f"{r['round_spread']:.1%}"]
-    how = "torch.compile'd" if meta.get("compiled", True) else "eager"
-    title = f"MX linear forward + backward, {meta['recipe']} against bf16 nn.Linear (both {how}), {meta['device']}"
-    lines = [f"### {title}", ""]
-    lines += table(header, rows)
-    return lines + ["", source_line(meta, path.name), ""]
+def experts(r: dict) -> str:
+    return r["B_shape"].strip("()").split(",")[0]
 
 
-def fp4_cast_section(path: Path) -> list[str]:
-    data = json.loads(path.read_text())
-    meta, rows, last = data["meta"], [], None
-    for r in data["rows"]:
-        first = r["name"] != last
-        share = r.get("call_of_copy_x_once")
-        rows.append([
-            r["name"] if first else "", f"{r['M']} x {r['K']}" if first else "", r.get("kernel", ""),
-            f"{r['gpu_ms']:.3f}", f"{r['gbs']:.0f}", f"{r['of_copy']:.1%}",
-            f"{share:.1%}" if first and share is not None else "",
-        ])  # fmt: skip
-        last = r["name"]
-    lines = [f"### 4-bit casts and fake-quants, {meta['device']}, against a copy ({meta['copy_gbs']:.0f} GB/s)", ""]
+def moe_section(paths: list[Path]) -> list[str]:
+    """One row per run (device, recipe), one column per expert count: MX e2e time over bf16 e2e time."""
+    if not paths:
+        return []
+    runs = [load(p) for p in paths]
+    counts = list(dict.fromkeys(experts(r) for data in runs for r in data["rows"]))
+    rows = []
+    for data in runs:
+        by_e = {experts(r): r for r in data["rows"]}
+        cells = [f"{by_e[e]['scaled_e2e_us'] / by_e[e]['bf16_e2e_us']:.2f}x" if e in by_e else "" for e in counts]
+        rows.append([column_name(data["meta"]), data["meta"]["recipe"], *cells])
+    a_shape = runs[0]["rows"][0]["A_shape"]
+    lines = ["## MoE grouped GEMM forward + backward (`benchmarks/bench_moe.py`)", ""]
     lines += [
-        "Each kernel's bandwidth counts the bytes it moves: the NVFP4 maxima kernel reads x, the fake-quant reads",
-        "x again and writes its outputs. The last column is the whole call's share of a copy's speed counting x",
-        "once, which the format's second read caps at two thirds for a one-sided NVFP4 cast.",
+        f"MX time over bf16 time, both compiled, A {a_shape}, B [E, 8192, 5120]. Target: 1.15x.",
+        "",
     ]
-    if any("packed" in r["name"] for r in data["rows"]):
+    lines += table(["device", "recipe", *(f"E={e}" for e in counts)], sorted(rows, key=lambda r: (r[0], r[1])))
+    return lines + sources([(data["meta"], p.name) for data, p in zip(runs, paths, strict=True)])
+
+
+HOST_FAMILIES = (
+    "MX fake-quant",
+    "MX cast, blocked scales",
+    "MX cast, plain scales",
+    "NVFP4 fake-quant",
+    "layer fwd+bwd",
+)
+
+
+def host_family(r: dict) -> str:
+    name = r["name"]
+    if r["torch_op"] == "bf16":
+        return "layer fwd+bwd"
+    if "nvfp4" in name:
+        return "NVFP4 fake-quant"
+    if "fake" in name:
+        return "MX fake-quant"
+    return "MX cast, blocked scales" if "blocked" in name else "MX cast, plain scales"
+
+
+def host_section(paths: list[Path]) -> list[str]:
+    lines = []
+    for path in paths:
+        data = load(path)
+        meta, rows = data["meta"], data["rows"]
+        body = []
+        for family in HOST_FAMILIES:
+            members = [r for r in rows if host_family(r) == family]
+            if members:
+                host = span([r["host_us"] for r in members], "{:.0f}")
+                torch_us = span([r["torch_us"] for r in members], "{:.0f}")
+                body.append([family, str(len(members)), host, f"{torch_us} ({members[0]['torch_op']})"])
+        lines += [f"## Host time of one call (`benchmarks/bench_host.py`), {column_name(meta)}", ""]
         lines += [
-            "The packed casts (codes and scales, the sm_100 GEMMs' operands) count the bytes they write;",
-            "an `_unblock_kernel` (plain scales from blocked ones) counts the scales it reads and writes.",
+            f"Host microseconds per call on a {meta['shape']} bf16 input, public calls and the ops as compiled code",
+            "calls them, against torch's own op (a layer: against the bf16 layer). Target: 20 us a call.",
+            "",
         ]
-    lines += [""]
-    header = ["operand", "x (bf16)", "kernel", "GPU ms", "GB/s", "of copy (target >= 85%)", "call, x once"]
-    lines += table(header, rows)
-    return lines + ["", source_line(meta, path.name), ""]
-
-
-def moe_section(path: Path) -> list[str]:
-    data = json.loads(path.read_text())
-    meta, keys = data["meta"], list(data["rows"][0])  # bench_moe.py's columns, in its order
-
-    def fmt(key: str, value) -> str:
-        if key.endswith("speedup"):
-            return f"{value:.3f}x"
-        if key.endswith("spread"):
-            return f"{value:.1%}"
-        return f"{value:.1f}" if isinstance(value, float) else value
-
-    ratio = lambda r, side: r[f"scaled_{side}_us"] / r[f"bf16_{side}_us"]
-    rows = [[fmt(k, r[k]) for k in keys] + [f"{ratio(r, 'e2e'):.2f}x"] for r in data["rows"]]
-    extra = ["MX/bf16 e2e time (target <= 1.15x)"]
-    if "bf16_e2e_kernel_us" in keys:  # runs timed in interleaved rounds (benchmarks/timing.py)
-        extra.append("MX/bf16 e2e GPU kernel time")
-        for row, r in zip(rows, data["rows"], strict=True):
-            row.append(f"{ratio(r, 'e2e_kernel'):.2f}x")
-    title = f"### MoE grouped GEMM, {meta['recipe']} against bf16 (e2e = forward + backward; both torch.compile'd)"
-    lines = [title, ""]
-    lines += table(keys + extra, rows)
-    return lines + ["", source_line(meta, path.name), ""]
-
-
-def host_section(path: Path) -> list[str]:
-    data = json.loads(path.read_text())
-    meta = data["meta"]
-    ratio = lambda r: f"{r['host_us'] / r['torch_us']:.1f}x"  # noqa: E731
-    rows = [[r["name"], f"{r['host_us']:.1f}", r["torch_op"], f"{r['torch_us']:.1f}", ratio(r)] for r in data["rows"]]
-    lines = [f"### Host time of one MX call, {meta['shape']} bf16 input (the GPU waits on the host)", ""]
-    lines += table(["call", "host (us)", "torch's op", "torch (us)", "MX / torch"], rows)
-    return lines + ["", source_line(meta, path.name), ""]
+        lines += table(["calls", "count", "host (us)", "torch (us)"], body)
+        lines += sources([(meta, path.name)])
+    return lines
 
 
 def host_targets(path: Path) -> str:
-    """Host time per call by family: the fake-quants (the emulated path), the casts with blocked scales (the
-    sm_100 path) and those with plain scales (the triton backend's), public and as compiled code calls them."""
-    rows = [r for r in json.loads(path.read_text())["rows"] if r["torch_op"] != "bf16"]  # not the layers
-    families: dict[str, list[float]] = {"fake-quant": [], "blocked cast": [], "plain-scale cast": []}
-    for r in rows:
-        name = r["name"]
-        family = "fake-quant" if "fake" in name else "blocked cast" if "blocked" in name else "plain-scale cast"
-        families[family].append(r["host_us"])
-    return "; ".join(f"{name} {min(us):.0f}-{max(us):.0f} us" for name, us in families.items() if us)
+    """Host time per call by family: the MX fake-quants (the emulated path), the casts with blocked scales (the
+    sm_100 path), those with plain scales (the triton backend's) and the NVFP4 fake-quants; not the layers."""
+    rows = load(path)["rows"]
+    families = {family: [r["host_us"] for r in rows if host_family(r) == family] for family in HOST_FAMILIES[:-1]}
+    return "; ".join(f"{name} {span(us, '{:.0f}')} us" for name, us in families.items() if us)
 
 
-def bench_train_section(path: Path) -> list[str]:
-    data = json.loads(path.read_text())
-    meta, rows = data["meta"], data["rows"]
-    lines = [f"### Training steps, {meta['config']} ({meta['layers']} blocks), MX against bf16 in one run", ""]
-    lines += table(
-        ["recipe", "tokens/s", "ratio to bf16", "MFU", "peak memory (GiB)", "rounds spread", "last loss"],
-        [
-            [
-                r["recipe"], f"{r['tokens_per_sec']:,.0f}", f"{r['ratio']:.3f}x",
-                "n/a" if r["mfu"] is None else f"{r['mfu']:.1f}%",
+def bench_train_section(paths: list[Path]) -> list[str]:
+    """One row per recipe of each bench_train run, with the profile's MX-cast and GPU-idle time per step."""
+    if not paths:
+        return []
+    rows = []
+    for path in paths:
+        data = load(path)
+        meta = data["meta"]
+        for r in data["rows"]:
+            profile = r.get("profile_ms_per_step")
+            step = f"{sum(profile.values()):.1f}" if profile else ""
+            rows.append([
+                f"{meta['config']} ({meta['layers']} blocks)", r["recipe"], f"{r['tokens_per_sec']:,.0f}",
+                f"{r['ratio']:.3f}x", "n/a" if r["mfu"] is None else f"{r['mfu']:.1f}%",
                 "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}", f"{r['rounds_spread']:.1%}",
-                f"{r['last_loss']:.4f}",
-            ]
-            for r in rows
-        ],
-    )  # fmt: skip
-    if all("profile_ms_per_step" in r for r in rows):
-        kinds = list(rows[0]["profile_ms_per_step"])
-        lines += ["", "GPU time per step by kernel kind (ms, torch.profiler; GPU idle: the GPU waits on the host):", ""]
-        profile = [[kind, *(f"{r['profile_ms_per_step'][kind]:.1f}" for r in rows)] for kind in kinds]
-        profile.append(["step", *(f"{sum(r['profile_ms_per_step'].values()):.1f}" for r in rows)])
-        lines += table(["kind", *(r["recipe"] for r in rows)], profile)
-    return lines + ["", source_line(meta, path.name), ""]
+                f"{profile['MX cast']:.1f}" if profile else "", f"{profile['GPU idle']:.1f}" if profile else "", step,
+            ])  # fmt: skip
+    devices = ", ".join(dict.fromkeys(column_name(load(p)["meta"]) for p in paths))
+    lines = [f"## Training steps, MX against bf16 in one run (`benchmarks/bench_train.py`), {devices}", ""]
+    lines += [
+        "Each config's blocks (as many as fit one GPU), compiled, bf16 and each recipe timed in interleaved",
+        "rounds. The last three columns are torch.profiler's GPU time per step: the MX casts, the time the GPU",
+        "waits on the host, and the whole step (ms).",
+        "",
+    ]
+    header = ["config", "recipe", "tokens/s", "to bf16", "MFU", "peak GiB", "rounds spread"]
+    lines += table(header + ["MX cast", "GPU idle", "step"], rows)
+    return lines + sources([(load(p)["meta"], p.name) for p in paths])
 
 
 def bench_train_targets(path: Path) -> str:
-    data = json.loads(path.read_text())
+    data = load(path)
     name = f"{data['meta']['config']} ({data['meta']['layers']} blocks)"
     return ", ".join(f"{name} {r['recipe']} {r['ratio']:.3f}x" for r in data["rows"][1:])
 
@@ -360,93 +406,76 @@ def median_tokens_per_sec(train: list[dict]) -> float:
     return statistics.median([r["tokens_per_sec"] for r in train if r["step"] > 1] or [train[-1]["tokens_per_sec"]])
 
 
-def run_summary(run: Path) -> list[str]:
-    train = train_records(run)
-    mfu = [r["mfu"] for r in train if r["step"] > 1 and r.get("mfu") is not None]
-    return [
-        run.name,
-        str(train[-1]["step"]),
-        f"{train[0]['loss']:.4f}",
-        f"{train[-1]['loss']:.4f}",
-        f"{median_tokens_per_sec(train):,.0f}",
-        f"{statistics.median(mfu):.1f}%" if mfu else "n/a",
-        f"{max(r['memory_gib'] for r in train):.2f}",
-    ]
-
-
 def runs_of(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if (p / "metrics.jsonl").is_file())
 
 
-def train_section(folder: Path) -> list[str]:
-    meta = json.loads((folder / "meta.json").read_text())
-    runs = runs_of(folder)
-    lines = [f"### Training runs, MX casts: {meta['casts']}", ""]
-    lines += table(
-        ["run", "steps", "loss at step 1", "final loss", "median tokens/s per GPU", "median MFU", "peak memory (GiB)"],
-        [run_summary(r) for r in runs],
-    )
-    lines += ["", "Commands:", ""] + [f"- `{k}`: `{v}`" for k, v in meta["commands"].items()]
-    return lines + ["", source_line(meta, folder.name), ""]
-
-
-def parity_section(folder: Path) -> list[str]:
-    """Throughput of a parity set (scripts/results_report.py writes its summary.json; RESULTS.md has the curves)."""
-    meta = json.loads((folder / "meta.json").read_text())
-    summary = json.loads((folder / "summary.json").read_text())
-    name = folder.name.split("_parity_", 1)[1]
-    rows = [
-        [
-            r["label"],
-            str(r["last_step"]),
-            f"{r['median_tokens_per_sec']:,.0f}",
-            "1.000x" if r["is_baseline"] else f"{r['tokens_per_sec_ratio']:.3f}x",
-            f"{r['peak_memory_gib']:.2f}",
-            "baseline" if r["is_baseline"] else f"{r['rel_delta']:+.2%}",
-        ]
-        for r in summary["runs"]
+def runs_section(folders: list[Path]) -> list[str]:
+    """The parity sets (their summary.json; curves in RESULTS.md) and the multi-GPU training sets: one row per
+    run, tokens/s per GPU against the set's bf16 run."""
+    if not folders:
+        return []
+    rows = []
+    for folder in folders:
+        name = folder.name.split("_", 2)[2].removeprefix("parity_").removeprefix("train_")
+        device = column_name(load(folder / "meta.json")).split(" (")[0]
+        if "_parity_" in folder.name:
+            for r in load(folder / "summary.json")["runs"]:
+                ratio = "1.000x" if r["is_baseline"] else f"{r['tokens_per_sec_ratio']:.3f}x"
+                loss = "baseline" if r["is_baseline"] else f"{r['rel_delta']:+.2%}"
+                rows.append([name, device, r["label"], str(r["last_step"]), f"{r['median_tokens_per_sec']:,.0f}", ratio,
+                             f"{r['peak_memory_gib']:.2f}", loss])  # fmt: skip
+            continue
+        speed = {run.name: median_tokens_per_sec(train_records(run)) for run in runs_of(folder)}
+        for run in runs_of(folder):
+            train = train_records(run)
+            base = speed.get(run.name.rsplit("_", 1)[0] + "_bf16")
+            ratio = f"{speed[run.name] / base:.3f}x" if base else ""
+            peak = max(r["memory_gib"] for r in train)
+            rows.append([name, device, run.name, str(train[-1]["step"]), f"{speed[run.name]:,.0f}", ratio,
+                         f"{peak:.2f}", f"train {train[-1]['loss']:.4f}"])  # fmt: skip
+    lines = ["## Training runs (`train.py`; parity sets from `scripts/parity_sweep.py`)", ""]
+    lines += [
+        "Median tokens/s per GPU after the first step, against the set's bf16 run; the last column is the final",
+        "validation loss against bf16 for a parity set (curves and verdicts in [RESULTS.md](RESULTS.md)), the",
+        "last training loss for a run set.",
+        "",
     ]
-    lines = [f"### Parity runs, {name}: tokens/s against bf16 (curves in [RESULTS.md](RESULTS.md))", ""]
-    lines += table(
-        ["run", "steps", "median tokens/s per GPU", "ratio to bf16", "peak memory (GiB)", "final val loss"], rows
-    )
-    return lines + ["", f"Command: `{meta['commands']['all']}`", "", source_line(meta, folder.name), ""]
+    header = ["set", "device", "run", "steps", "tokens/s per GPU", "to bf16", "peak GiB", "loss"]
+    lines += table(header, rows)
+    return lines + sources([(load(f / "meta.json"), f.name) for f in folders])
 
 
-def observe_section(path: Path) -> list[str]:
-    """scripts/roofline.py --observe: our casts and GEMMs, measured against the roofline of the same device."""
-    data = json.loads(path.read_text())
-    meta = data["meta"]
-    rows = [
-        [
-            r["kind"],
-            r["op"],
-            "x".join(map(str, r["shape"])),
-            f"{r['measured_us']:.1f}",
-            f"{r['roofline_us']:.1f}",
-            f"{r['pct_of_roofline']:.1f}%",
-            f"{r['pct_of_copy_roofline']:.1f}%",
-            r["bound"],
+def observe_section(paths: list[Path]) -> list[str]:
+    """scripts/roofline.py --observe: our casts and GEMMs against the roofline of the same device."""
+    lines = []
+    for path in paths:
+        data = load(path)
+        meta = data["meta"]
+        ops: dict[tuple[str, str], list[float]] = {}
+        for r in data["rows"]:
+            ops.setdefault((r["kind"], r["op"]), []).append(r["pct_of_copy_roofline"] / 100)
+        ratios: dict[str, dict[str, list[float]]] = {}
+        for r in data["ratios"]:
+            ratios.setdefault(r["kind"], {"measured": [], "roofline": []})
+            ratios[r["kind"]]["measured"].append(r["measured"])
+            ratios[r["kind"]]["roofline"].append(r["roofline"])
+        rows = [[kind, op, span(v)] for (kind, op), v in ops.items()]
+        lines += [f"## Observed against the roofline (`scripts/roofline.py --observe`), {column_name(meta)}", ""]
+        lines += [
+            f"Roofline time over measured time on the same device ({meta['elem']}, {meta['mode']}), memory-bound ops",
+            f"at the copy bandwidth measured in the run ({meta['copy_gbs']:,.0f} GB/s); the range over the shapes the",
+            "JSON lists (16384^2 and Llama 3 8B sizes for the casts and GEMMs, expert weights for the 3D casts).",
+            "",
         ]
-        for r in data["rows"]
-    ]
-    lines = [f"### Observed against the roofline ({meta['roofline_device']} peaks; {meta['elem']}, {meta['mode']})", ""]
-    lines += table(
-        ["kind", "op", "shape", "measured (us)", "roofline (us)", "of roofline", "of copy roofline", "bound"], rows
-    )
-    lines += ["", "MX time / bf16 time, measured and by the roofline (same device):", ""]
-    lines += table(
-        ["kind", "shape", "measured", "roofline"],
-        [
-            [r["kind"], "x".join(map(str, r["shape"])), f"{r['measured']:.2f}x", f"{r['roofline']:.2f}x"]
-            for r in data["ratios"]
-        ],
-    )
-    note = (
-        f" Roofline: published dense peaks and the measured copy bandwidth ({meta['copy_gbs']:,.0f} GB/s);"
-        " 'of copy roofline' sets memory-bound ops against that copy rate instead of the datasheet bandwidth."
-    )
-    return lines + ["", f"Command: `{meta['command']}`.{note}", "", source_line(meta, path.name), ""]
+        lines += table(["kind", "op", "of the roofline"], rows)
+        lines += [""] + [
+            f"MX time over bf16 time, {kind}: measured {span(v['measured'], '{:.2f}x')}, "
+            f"roofline {span(v['roofline'], '{:.2f}x')}."
+            for kind, v in ratios.items()
+        ]
+        lines += sources([(meta, path.name)])
+    return lines
 
 
 def projection_section() -> list[str]:
@@ -454,13 +483,11 @@ def projection_section() -> list[str]:
     text = ROOFLINE_DOC.read_text()
     summary = text.split("### Summary", 1)[1].split("\n### ", 1)[0].strip()
     return [
-        "### Projected (roofline model, not a measurement)",
+        "## Projected on B200 (roofline model, not a measurement)",
         "",
         summary,
         "",
-        "Assumptions, per-layer tables and the plot: [ROOFLINE.md](ROOFLINE.md) (`scripts/roofline.py`).",
-        "",
-        "![projected B200 speedup of an MX linear against M](roofline_speedup.png)",
+        "Assumptions, per-layer tables and the plot: [ROOFLINE.md](ROOFLINE.md).",
         "",
     ]
 
@@ -489,19 +516,25 @@ def check_one_per_kind(results: dict[str, list[Path]]) -> None:
         seen[kind] = path.name
 
 
+SECTIONS = dict(
+    bench_cast=cast_section,
+    bench_fp4_cast=fp4_cast_section,
+    bench_gemm=gemm_section,
+    bench_linear=linear_section,
+    bench_moe=moe_section,
+    bench_host=host_section,
+    bench_train=bench_train_section,
+    train=runs_section,
+    observe=observe_section,
+)
+
+
 def render() -> str:
     results = latest_results()
     check_one_per_kind(results)
-    lines: list[str] = targets_section(results) + ["## Measured", ""] + projection_section()
-    sections = dict(observe=observe_section, bench_cast=cast_section, bench_fp4_cast=fp4_cast_section)
-    sections |= dict(bench_gemm=gemm_section)
-    sections |= dict(bench_linear=linear_section, bench_moe=moe_section, bench_host=host_section)
-    sections |= dict(bench_train=bench_train_section)
-    for kind, section in sections.items():
-        for path in results[kind]:
-            lines += section(path)
-    for folder in results["train"]:
-        lines += parity_section(folder) if "_parity_" in folder.name else train_section(folder)
+    lines: list[str] = targets_section(results) + projection_section()
+    for kind, section in SECTIONS.items():
+        lines += section(results[kind])
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -44,13 +44,18 @@ def cast_file(tmp_path, host: list | None = None):
     return path
 
 
-def test_cast_section_one_row_per_cast_with_both_rules(tmp_path):
-    lines = _perf_report().cast_section(cast_file(tmp_path))
-    assert "copy 210 GB/s kernel time, 200 GB/s events" in lines[0]
-    assert "| dim1 | 64x64 | 8.0 (60.0%) | 8.2 (60.0%) | 10.0 (50.0%) |" in lines
-    assert "Fake-quant fused speedup over separate floor: 1.30x." in lines
+def test_cast_section_one_row_per_cast_a_column_per_run(tmp_path):
+    lines = _perf_report().cast_section([cast_file(tmp_path)])
+    assert "| cast | GPU, e4m3 |" in lines
+    assert "| dim1 | 60.0% |" in lines  # kernel time, over shapes and both rules
     assert not any("rceil/floor time" in line or "Host time" in line for line in lines)
-    assert "Command: `python benchmarks/bench_cast.py`." in lines[-2]
+    assert lines[-2].startswith("- Source: `docs/results/2026-11-21_gpu_bench_cast.json`")
+    assert lines[-2].endswith("`python benchmarks/bench_cast.py`")
+
+
+def test_span_collapses_a_point():
+    report = _perf_report()
+    assert report.span([0.5, 0.5]) == "50.0%" and report.span([0.5, 0.6]) == "50.0%-60.0%"
 
 
 def test_cast_targets_per_element_format(tmp_path):
@@ -77,13 +82,17 @@ def test_host_section_and_target(tmp_path):
 
     rows = [dict(name="fake-quant dim0", host_us=24.0, torch_us=12.0, torch_op="x.to(float8_e4m3fn)")]
     rows += [dict(name="op cast_dim0 (compiled code)", host_us=60.0, torch_us=12.0, torch_op="x.to(float8_e4m3fn)")]
+    rows += [dict(name="nvfp4 fake-quant along K", host_us=50.0, torch_us=12.0, torch_op="x.to(float8_e4m3fn)")]
     rows += [dict(name="linear fwd+bwd", host_us=300.0, torch_us=100.0, torch_op="bf16")]
     path = tmp_path / "2026-11-25T1000_h200_bench_host.json"
     meta = dict(device="GPU", torch="2.11", date="2026-11-25", commit="abc1234", shape=[256, 256])
     path.write_text(json.dumps(dict(meta=meta, rows=rows)))
     report = _perf_report()
-    assert "| fake-quant dim0 | 24.0 | x.to(float8_e4m3fn) | 12.0 | 2.0x |" in report.host_section(path)
-    assert report.host_targets(path) == "fake-quant 24-24 us; plain-scale cast 60-60 us"  # layers are not calls
+    lines = report.host_section([path])
+    assert "| MX fake-quant | 1 | 24 | 12 (x.to(float8_e4m3fn)) |" in lines
+    assert "| layer fwd+bwd | 1 | 300 | 100 (bf16) |" in lines
+    # layers are not calls
+    assert report.host_targets(path) == "MX fake-quant 24 us; MX cast, plain scales 60 us; NVFP4 fake-quant 50 us"
 
 
 def test_bench_train_section_with_its_profile(tmp_path):
@@ -100,9 +109,9 @@ def test_bench_train_section_with_its_profile(tmp_path):
     path = tmp_path / "2026-11-25T1000_h200_bench_train_llama1b.json"
     path.write_text(json.dumps(dict(meta=meta, rows=rows)))
     report = _perf_report()
-    lines = report.bench_train_section(path)
-    assert "| mxfp8 | 950 | 0.950x | 47.5% | 10.50 | 2.0% | 3.0100 |" in lines
-    assert "| MX cast | 0.0 | 1.5 |" in lines and "| step | 12.0 | 13.5 |" in lines
+    lines = report.bench_train_section([path])
+    # the profile's MX casts, GPU idle and whole step per step, beside the throughput
+    assert "| llama1b_bf16 (16 blocks) | mxfp8 | 950 | 0.950x | 47.5% | 10.50 | 2.0% | 1.5 | 2.0 | 13.5 |" in lines
     assert report.bench_train_targets(path) == "llama1b_bf16 (16 blocks) mxfp8 0.950x"
 
 

@@ -1,7 +1,6 @@
 """The roofline model (scripts/roofline_model.py) on hand-checkable shapes, the GEMM enumeration of the
 debug models, and docs/ROOFLINE.md against what scripts/roofline.py renders."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -47,10 +46,7 @@ FAKE_QUANT = PATHS["fake_quant"]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("roofline_script", ROOT / "scripts" / "roofline.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("roofline")  # with scripts/ on sys.path, as `python scripts/roofline.py` runs it
 
 
 def _names(ops):
