@@ -4,11 +4,13 @@ fullgraph=True raises on any graph break, so compiling forward + backward is the
 
 * every recipe, and save_mx_input on and fuse_x_casts off on two of them each, with backend="aot_eager"
   (dynamo + AOTAutograd, eager kernels): the graph capture that training uses, compared bit for bit with eager;
-* inductor (C++ code generation) for mxfp4_sr without save_mx_input: the C++ backend has no
+* inductor (C++ code generation) for mxfp8 without save_mx_input: the C++ backend has no
   float8_e8m0fnu type, which a real MX cast's scales have (the fake-quant path never materializes
   them: formats.fake_quant), so save_mx_input compiles with aot_eager only on the CPU. No bias:
   inductor fuses ``mm + bias`` into one addmm, which rounds once where eager rounds twice (not MX
-  numerics).
+  numerics). Not e2m1: inductor's C++ code for the fused e2m1 fake-quant along M of torch 2.13 returns
+  values that change from run to run, NaNs among them, though each of its steps compiles exactly alone
+  (seen on an AVX-512 host); the GPU test below compiles mxfp4_sr with inductor's Triton code.
 
 Stochastic rounding draws its bits in backward from the default generator, seeded the same before
 both backward passes: equal bits also show that the draws stayed in the backward graph
@@ -82,7 +84,7 @@ def test_fullgraph_aot_eager_bit_exact(recipe):
 
 @pytest.mark.slow
 def test_fullgraph_inductor_bit_exact():
-    check_compiled_equals_eager(RECIPES["mxfp4_sr"], "inductor", bias=False, lead=(40,))
+    check_compiled_equals_eager(RECIPES["mxfp8"], "inductor", bias=False, lead=(40,))
 
 
 GPU_CASES = [
