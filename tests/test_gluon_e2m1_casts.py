@@ -22,8 +22,8 @@ from mx_kernels.spec import blocked_numel  # noqa: E402
 from test_cast_kernels import assert_bits_equal, special_input  # noqa: E402
 from test_gluon_kernels import loads_and_stores, ptx_ops, resource_usage  # noqa: E402
 
-from mx_recipe import dispatch  # noqa: E402
 from mx_recipe.formats.mx import to_mx  # noqa: E402
+from mx_recipe.ops import dispatch  # noqa: E402
 from mx_recipe.ops.mx_cast import cast_3d_dim1, cast_dim1  # noqa: E402
 
 IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9

@@ -43,9 +43,9 @@ from test_cast_kernels import (  # noqa: E402
 )
 
 import mx_recipe.ops.mx_cast as mx_cast  # noqa: E402
-from mx_recipe import dispatch  # noqa: E402
 from mx_recipe.formats.mx import MXTensor, to_mx  # noqa: E402
 from mx_recipe.formats.scale_layout import blocked_numel, to_blocked, to_blocked_3d, to_blocked_groups  # noqa: E402
+from mx_recipe.ops import dispatch  # noqa: E402
 from mx_recipe.ops.mx_cast import BlockedMXTensor  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
