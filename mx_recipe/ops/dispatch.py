@@ -10,7 +10,7 @@ kernel and, for Hopper, a Gluon kernel; all three give the same bits. ``implemen
 * the Gluon kernel on an NVIDIA GPU of compute capability 9.x for bf16 input, unless ``MX_RECIPE_GLUON=0``;
 * the Triton kernel on every other CUDA device (Blackwell included) and input.
 
-The kernels run as torch custom ops (namespace ``mx_recipe``) with fake implementations, so torch.compile
+The kernels run as torch custom ops (``mx_recipe.library``) with fake implementations, so torch.compile
 traces them as opaque nodes without Triton or a GPU; the reference is plain PyTorch and traces as it is.
 Every kernel launch goes through ``mx_kernels.launch_cache`` (``MX_RECIPE_LAUNCH_CACHE=0`` turns it off).
 """
@@ -39,6 +39,7 @@ from torch import Tensor
 
 from mx_recipe.formats.mx import fake_quant, to_mx
 from mx_recipe.formats.scale_layout import to_blocked, to_blocked_3d, to_blocked_groups
+from mx_recipe.library import define
 
 GLUON_ENV = "MX_RECIPE_GLUON"  # "0": the Triton kernels on Hopper too
 
@@ -253,20 +254,6 @@ def device_table() -> str:
 
 # --- the custom ops ---
 
-# Defined with torch.library.Library rather than torch.library.custom_op: the same dispatcher op, but its
-# wrappers (autograd checks, alias checks) cost about 28 us a call on an H200 host, more than the launch.
-_LIB = torch.library.Library("mx_recipe", "FRAGMENT")
-
-
-def _define(schema: str, kernel: Callable, fake: Callable) -> None:
-    """torch.ops.mx_recipe.<name>: ``kernel`` on CUDA tensors (and CPU ones, which the Triton interpreter
-    runs and the launchers otherwise refuse), ``fake`` for tracing (shapes only)."""
-    name = schema.split("(")[0]
-    _LIB.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
-    for device in ("CUDA", "CPU"):
-        _LIB.impl(name, kernel, device)
-    torch.library.register_fake(f"mx_recipe::{name}", fake, lib=_LIB)
-
 
 def _one_side_cast_op(name: str, qdim: int, shapes: Callable) -> None:
     """The op of the one-sided cast ``name`` (x [M, K] or [E, M, K], quantized along ``qdim``)."""
@@ -280,7 +267,7 @@ def _one_side_cast_op(name: str, qdim: int, shapes: Callable) -> None:
         check_cast(x, elem, mode, ndims=(2, 3), qdim=qdim, op=name, fp4=True)
         return tuple(empty_outputs(x, elem, shapes(x.shape, blocked)))
 
-    _define(f"{name}(Tensor x, str elem, str mode, bool blocked, Tensor? seed=None) -> (Tensor, Tensor)", kernel, fake)
+    define(f"{name}(Tensor x, str elem, str mode, bool blocked, Tensor? seed=None) -> (Tensor, Tensor)", kernel, fake)
 
 
 _one_side_cast_op("cast_dim0", -1, dim0_shapes)
@@ -296,7 +283,7 @@ def _cast_dim0_dim1_fake(x: Tensor, elem: str, mode: str, blocked: bool) -> tupl
     )
 
 
-_define(
+define(
     "cast_dim0_dim1(Tensor x, str elem, str mode, bool blocked) -> (Tensor, Tensor, Tensor, Tensor)",
     lambda x, elem, mode, blocked: _kernel("cast_dim0_dim1", x, elem)(x, elem, mode, blocked),
     _cast_dim0_dim1_fake,
@@ -308,7 +295,7 @@ def _cast_groups_dim1_fake(x: Tensor, elem: str, mode: str, offs: Tensor) -> tup
     return tuple(empty_outputs(x, elem, groups_dim1_shapes(x.shape, offs.shape[0], blocked=True)))
 
 
-_define(
+define(
     "cast_groups_dim1(Tensor x, str elem, str mode, Tensor offs) -> (Tensor, Tensor)",
     lambda x, elem, mode, offs: _kernel("cast_groups_dim1", x, elem)(x, offs, elem, mode),
     _cast_groups_dim1_fake,
@@ -331,7 +318,7 @@ def _fake_quant_2d_op(
     return _kernel("fake_quant_2d", x, elem)(x, elem, mode, along_k, along_m)
 
 
-_define(
+define(
     "fake_quant_2d(Tensor x, str elem, str mode, bool along_k, bool along_m, Tensor? seed=None) -> (Tensor, Tensor)",
     _fake_quant_2d_op,
     _fake_quant_2d_fake,
@@ -354,7 +341,7 @@ def _fake_quant_groups_along_m_op(
     return _kernel("fake_quant_groups_along_m", x, elem)(x, row_src, elem, mode)
 
 
-_define(
+define(
     "fake_quant_groups_along_m(Tensor x, str elem, str mode, Tensor row_src, Tensor? seed=None) -> Tensor",
     _fake_quant_groups_along_m_op,
     _fake_quant_groups_along_m_fake,
@@ -370,7 +357,7 @@ def _mx_gemm(
     return launch(a_q, a_scale, a_elem, b_q, b_scale, b_elem, out_dtype)
 
 
-_define(
+define(
     "mx_gemm(Tensor a_q, Tensor a_scale, str a_elem, Tensor b_q, Tensor b_scale, str b_elem, ScalarType out_dtype)"
     " -> Tensor",
     _mx_gemm,

@@ -17,6 +17,7 @@ from mx_kernels.common import check_nvfp4
 from torch import Tensor
 
 from mx_recipe.formats.nvfp4 import NVFP4Tensor, to_nvfp4
+from mx_recipe.library import define
 from mx_recipe.ops.nvfp4_fake_quant import ROWS, TILES, along_m_input, uses_kernel
 
 
@@ -59,13 +60,6 @@ def cast_nvfp4(
 
 # --- the custom op: opaque to torch.compile, traced by its fake ---
 
-_LIB = torch.library.Library("mx_recipe", "FRAGMENT")
-_LIB.define(
-    "cast_nvfp4(Tensor x, bool along_k, bool along_m, bool tiles, Tensor? signs, Tensor? seed, int pad_m)"
-    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-    tags=(torch.Tag.pt2_compliant_tag,),
-)
-
 
 def _kernel(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | None, seed: Tensor | None,
             pad_m: int):  # fmt: skip
@@ -89,6 +83,9 @@ def _fake(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | 
     )
 
 
-for _device in ("CUDA", "CPU"):  # CPU: the Triton interpreter (TRITON_INTERPRET=1), for tests
-    _LIB.impl("cast_nvfp4", _kernel, _device)
-torch.library.register_fake("mx_recipe::cast_nvfp4", _fake, lib=_LIB)
+define(
+    "cast_nvfp4(Tensor x, bool along_k, bool along_m, bool tiles, Tensor? signs, Tensor? seed, int pad_m)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _kernel,
+    _fake,
+)

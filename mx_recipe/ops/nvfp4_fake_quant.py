@@ -23,6 +23,7 @@ from torch import Tensor
 
 from mx_recipe.formats.nvfp4 import NVFP4_BLOCK, hadamard_transform, nvfp4_operand
 from mx_recipe.formats.scale_layout import pad_groups, zero_rows_past_groups
+from mx_recipe.library import define
 
 TILES, ROWS = (NVFP4_BLOCK, NVFP4_BLOCK), (1, NVFP4_BLOCK)
 
@@ -131,13 +132,6 @@ def fake_quant_nvfp4_groups(
 
 # --- the custom ops: opaque to torch.compile, traced by their fakes ---
 
-_LIB = torch.library.Library("mx_recipe", "FRAGMENT")
-_LIB.define(
-    "fake_quant_nvfp4(Tensor x, bool along_k, bool along_m, bool tiles, Tensor? signs, Tensor? seed)"
-    " -> (Tensor, Tensor, Tensor)",
-    tags=(torch.Tag.pt2_compliant_tag,),
-)
-
 
 def _kernel(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | None, seed: Tensor | None):
     from mx_kernels.nvfp4.casts import fake_quant_nvfp4 as launch
@@ -156,10 +150,11 @@ def _fake(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | 
     )
 
 
-_LIB.define(
-    "fake_quant_nvfp4_groups(Tensor x, Tensor row_src, Tensor group_end, bool along_k, bool along_m, Tensor? signs,"
-    " Tensor? seed) -> (Tensor, Tensor, Tensor)",
-    tags=(torch.Tag.pt2_compliant_tag,),
+define(
+    "fake_quant_nvfp4(Tensor x, bool along_k, bool along_m, bool tiles, Tensor? signs, Tensor? seed)"
+    " -> (Tensor, Tensor, Tensor)",
+    _kernel,
+    _fake,
 )
 
 
@@ -185,8 +180,9 @@ def _groups_fake(
     )
 
 
-for _device in ("CUDA", "CPU"):  # CPU: the Triton interpreter (TRITON_INTERPRET=1), for tests
-    _LIB.impl("fake_quant_nvfp4", _kernel, _device)
-    _LIB.impl("fake_quant_nvfp4_groups", _groups_kernel, _device)
-torch.library.register_fake("mx_recipe::fake_quant_nvfp4", _fake, lib=_LIB)
-torch.library.register_fake("mx_recipe::fake_quant_nvfp4_groups", _groups_fake, lib=_LIB)
+define(
+    "fake_quant_nvfp4_groups(Tensor x, Tensor row_src, Tensor group_end, bool along_k, bool along_m, Tensor? signs,"
+    " Tensor? seed) -> (Tensor, Tensor, Tensor)",
+    _groups_kernel,
+    _groups_fake,
+)
