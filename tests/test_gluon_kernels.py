@@ -447,13 +447,13 @@ def test_fake_quant_launch_facts():
 
 @pytest.mark.parametrize("capability", [(9, 0), (10, 0), (8, 9)], ids=str)
 @pytest.mark.parametrize("env", ["1", "0"])
-def test_kernel_choice_follows_the_capability_and_environment(monkeypatch, capability, env):
+def test_kernel_choice_follows_the_capability_and_environment(monkeypatch, pretend_gpu, capability, env):
     """Inside a custom op (``dispatch._kernel``): the Gluon launcher exactly for fp8 casts of bf16 on compute
     capability 9.x unless MX_RECIPE_GLUON=0, else the Triton one (also for input the kernels refuse, which it names);
     for e2m1 the Gluon one only along M of bf16 read as words, else the Triton one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    monkeypatch.setattr(dispatch, "_capability", lambda index: capability)
+    pretend_gpu(capability)
     monkeypatch.setenv(dispatch.GLUON_ENV, env)
     launchers = {(op, kind): dispatch.launcher(op, kind) for op in dispatch.OPS for kind in ("gluon", "triton")}
     gluon = capability[0] == 9 and env != "0"

@@ -40,6 +40,7 @@ from torch import Tensor
 from mx_recipe.formats.mx import fake_quant, to_mx
 from mx_recipe.formats.scale_layout import to_blocked, to_blocked_3d, to_blocked_groups
 from mx_recipe.library import define
+from mx_recipe.ops.device import capability
 
 GLUON_ENV = "MX_RECIPE_GLUON"  # "0": the Triton kernels on Hopper too
 
@@ -190,26 +191,13 @@ def rule(
     return "gluon" if gluon and capability[0] == 9 else "triton"
 
 
-_CAPABILITIES: dict[int, tuple[int, int] | None] = {}
-
-
-def _capability(device_index: int) -> tuple[int, int] | None:
-    """(major, minor) of an NVIDIA GPU; None on ROCm, whose capabilities (MI300: 9.4) mean something else. Kept in
-    a dict rather than a functools cache: Dynamo traces this inside compiled layers, and warns at every cache
-    wrapper it steps through."""
-    if device_index not in _CAPABILITIES:
-        _CAPABILITIES[device_index] = None if torch.version.hip else torch.cuda.get_device_capability(device_index)
-    return _CAPABILITIES[device_index]
-
-
 def implementation(op: str, x: Tensor, elem: str, rounding: str = "nearest") -> str:
     """``rule`` for ``op`` on x (the environment is read at each call). The kernels' draws for stochastic
     rounding come eight to a Philox call along the last dim: x's last dim not a multiple of 8 takes the
     reference."""
     if rounding != "nearest" and x.shape[-1] % 8:
         return "reference"
-    capability = _capability(x.device.index) if x.is_cuda else None
-    return rule(op, capability, x.dtype, elem, rounding, os.environ.get(GLUON_ENV) != "0")
+    return rule(op, capability(x.device), x.dtype, elem, rounding, os.environ.get(GLUON_ENV) != "0")
 
 
 @functools.cache

@@ -24,6 +24,7 @@ from torch import Tensor
 from mx_recipe.formats.nvfp4 import NVFP4_BLOCK, hadamard_transform, nvfp4_operand
 from mx_recipe.formats.scale_layout import pad_groups, zero_rows_past_groups
 from mx_recipe.library import define
+from mx_recipe.ops.device import capability
 
 TILES, ROWS = (NVFP4_BLOCK, NVFP4_BLOCK), (1, NVFP4_BLOCK)
 
@@ -39,7 +40,7 @@ class NVFP4Operands(NamedTuple):
 
 def uses_kernel(x: Tensor) -> bool:
     """The kernel takes bf16 on NVIDIA CUDA devices; everything else takes the reference."""
-    return x.is_cuda and x.dtype == torch.bfloat16 and torch.version.hip is None
+    return x.dtype == torch.bfloat16 and capability(x.device) is not None
 
 
 def along_m_input(x: Tensor, signs: Tensor | None, pad_m: int) -> Tensor:
