@@ -113,6 +113,19 @@ def test_launch_cache_wraps_every_kernel():
             assert isinstance(module._LAUNCHES, LaunchCache), path
 
 
+def test_draw_seed_is_one_int64_draw_from_the_generator():
+    """The seed of every kernel's stochastic rounding (MX and NVFP4): the GPU tests replay this draw."""
+    x = torch.zeros(8, 8, dtype=torch.bfloat16)
+    seed = dispatch.draw_seed(x, torch.Generator().manual_seed(3))
+    want = torch.randint(0, 2**62, (1,), dtype=torch.int64, generator=torch.Generator().manual_seed(3))
+    assert seed.dtype == torch.int64 and seed.device == x.device and torch.equal(seed, want)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(4)
+        first = dispatch.draw_seed(x, None)  # the default generator
+        torch.manual_seed(4)
+        assert torch.equal(first, torch.randint(0, 2**62, (1,), dtype=torch.int64))
+
+
 def test_compiled_layers_trace_the_capability_lookup_without_a_warning():
     """Dynamo traces ``implementation`` inside every compiled MX layer; a functools cache on the capability lookup
     made it warn of the cache wrapper ("Silent incorrectness is only a potential risk") in every training log. The

@@ -13,6 +13,7 @@ kernel and, for Hopper, a Gluon kernel; all three give the same bits. ``implemen
 The kernels run as torch custom ops (``mx_recipe.library``) with fake implementations, so torch.compile
 traces them as opaque nodes without Triton or a GPU; the reference is plain PyTorch and traces as it is.
 Every kernel launch goes through ``mx_kernels.launch_cache`` (``MX_RECIPE_LAUNCH_CACHE=0`` turns it off).
+``draw_seed`` draws the seed of every kernel's stochastic rounding, MX and NVFP4.
 """
 
 from __future__ import annotations
@@ -355,6 +356,12 @@ define(
 )
 
 
+def draw_seed(x: Tensor, generator: torch.Generator | None) -> Tensor:
+    """The seed of a kernel's Philox stream for stochastic rounding of x: int64 [1] on x's device, drawn from
+    ``generator`` (None: the default generator of x's device)."""
+    return torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64, generator=generator)
+
+
 def run(op: str, x: Tensor, elem: str, mode: str, *args, rounding: str = "nearest", generator=None):
     """``op`` on x: the reference or, through its custom op, the kernel the rule picks. Stochastic rounding:
     the reference draws from ``generator`` (None: the default one); a kernel from a Philox stream keyed by a
@@ -364,5 +371,4 @@ def run(op: str, x: Tensor, elem: str, mode: str, *args, rounding: str = "neares
         return OPS[op].reference(x, elem, mode, *args, **random)
     if rounding == "nearest":
         return getattr(torch.ops.mx_recipe, op)(x, elem, mode, *args)
-    seed = torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64, generator=generator)
-    return getattr(torch.ops.mx_recipe, op)(x, elem, mode, *args, seed=seed)
+    return getattr(torch.ops.mx_recipe, op)(x, elem, mode, *args, seed=draw_seed(x, generator))

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from mx_recipe.formats.nvfp4 import NVFP4Tensor, to_nvfp4
 from mx_recipe.library import define
+from mx_recipe.ops.dispatch import draw_seed
 from mx_recipe.ops.nvfp4_fake_quant import ROWS, TILES, along_m_input, uses_kernel
 
 
@@ -49,9 +50,7 @@ def cast_nvfp4(
         raise ValueError(f"cast_nvfp4: rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if not uses_kernel(x):
         return reference_cast_nvfp4(x, along_k, along_m, tiles, signs, rounding, pad_m, generator)
-    seed = None
-    if rounding == "stochastic":
-        seed = torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64, generator=generator)
+    seed = draw_seed(x, generator) if rounding == "stochastic" else None
     q_k, scale_k, q_m, scale_m, s_dec = torch.ops.mx_recipe.cast_nvfp4(x, along_k, along_m, tiles, signs, seed, pad_m)
     k = NVFP4Tensor(q_k, scale_k, s_dec[0], 1, TILES if tiles else ROWS) if along_k else None
     m = NVFP4Tensor(q_m, scale_m, s_dec[1], 1, ROWS) if along_m else None

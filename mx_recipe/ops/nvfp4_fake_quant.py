@@ -25,6 +25,7 @@ from mx_recipe.formats.nvfp4 import NVFP4_BLOCK, hadamard_transform, nvfp4_opera
 from mx_recipe.formats.scale_layout import pad_groups, zero_rows_past_groups
 from mx_recipe.library import define
 from mx_recipe.ops.device import capability
+from mx_recipe.ops.dispatch import draw_seed
 
 TILES, ROWS = (NVFP4_BLOCK, NVFP4_BLOCK), (1, NVFP4_BLOCK)
 
@@ -81,9 +82,7 @@ def fake_quant_nvfp4(
         raise ValueError(f"fake_quant_nvfp4: rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if not uses_kernel(x):
         return reference_fake_quant_nvfp4(x, along_k, along_m, tiles, signs, rounding, generator)
-    seed = None
-    if rounding == "stochastic":
-        seed = torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64, generator=generator)
+    seed = draw_seed(x, generator) if rounding == "stochastic" else None
     k, m, s_dec = torch.ops.mx_recipe.fake_quant_nvfp4(x, along_k, along_m, tiles, signs, seed)
     return NVFP4Operands(k if along_k else None, s_dec[0], m if along_m else None, s_dec[1])
 
@@ -124,9 +123,7 @@ def fake_quant_nvfp4_groups(
         return reference_fake_quant_nvfp4_groups(
             x, offs, dest, row_src.numel(), along_k, along_m, signs, rounding, generator
         )
-    seed = None
-    if rounding == "stochastic":
-        seed = torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64, generator=generator)
+    seed = draw_seed(x, generator) if rounding == "stochastic" else None
     k, m, s_dec = torch.ops.mx_recipe.fake_quant_nvfp4_groups(x, row_src, offs[-1:], along_k, along_m, signs, seed)
     return NVFP4Operands(k if along_k else None, s_dec[0], m if along_m else None, s_dec[1])
 
