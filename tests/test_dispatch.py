@@ -1,5 +1,5 @@
-"""The one dispatch rule (mx_recipe.ops.dispatch) and the README table it generates; the device probe it reads
-(mx_recipe.ops.device)."""
+"""The one dispatch rule (mx_recipe.ops.dispatch) and the README table it generates; the device probe
+(mx_recipe.ops.device) and the kernel settings (mx_recipe.ops.settings) it reads."""
 
 from __future__ import annotations
 
@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from mx_recipe.ops import capability, dispatch, pretend_capability
+from mx_recipe.ops import (
+    KernelSettings,
+    capability,
+    dispatch,
+    get_kernel_settings,
+    kernel_settings,
+    pretend_capability,
+    set_kernel_settings,
+)
 from mx_recipe.ops.mx_cast import cast_dim0, fake_quant_dim0_dim1
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -25,7 +33,7 @@ def test_rule(op):
     bf16, fp32 = torch.bfloat16, torch.float32
     assert dispatch.rule(op, None, bf16, "e4m3", "nearest") == "reference"  # off CUDA
     assert dispatch.rule(op, HOPPER, bf16, "e4m3", "nearest") == "gluon"
-    assert dispatch.rule(op, (9, 0), bf16, "e5m2", "nearest", gluon=False) == "triton"  # MX_RECIPE_GLUON=0
+    assert dispatch.rule(op, (9, 0), bf16, "e5m2", "nearest", gluon=False) == "triton"  # KernelSettings(gluon=False)
     assert dispatch.rule(op, BLACKWELL, bf16, "e5m2", "nearest") == "triton"
     assert dispatch.rule(op, (8, 9), bf16, "e4m3", "nearest") == "triton"
     fake_quant = op.startswith("fake_quant")
@@ -53,7 +61,7 @@ def test_every_op_names_real_launchers():
         assert hasattr(torch.ops.mx_recipe, op), op
 
 
-def test_implementation_reads_the_device_and_environment(pretend_gpu, monkeypatch):
+def test_implementation_reads_the_device_and_the_settings(pretend_gpu):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     x = torch.zeros(32, 32, dtype=torch.bfloat16)
@@ -64,8 +72,7 @@ def test_implementation_reads_the_device_and_environment(pretend_gpu, monkeypatc
     with FakeTensorMode():  # CUDA tensors without a GPU
         cuda = torch.empty(32, 32, dtype=torch.bfloat16, device="cuda")
     assert dispatch.implementation("cast_dim0", cuda, "e4m3") == "gluon"
-    with monkeypatch.context() as m:
-        m.setenv(dispatch.GLUON_ENV, "0")
+    with kernel_settings(gluon=False):
         assert dispatch.implementation("cast_dim0", cuda, "e4m3") == "triton"
     assert dispatch.implementation("cast_dim0", cuda, "e4m3") == "gluon"
     with pretend_capability(BLACKWELL):
@@ -85,6 +92,25 @@ def test_pretended_capabilities_nest_and_end_with_their_block():
             assert capability(cuda) == BLACKWELL
         assert capability(cuda) == HOPPER
     assert capability(cuda) == real
+
+
+def test_kernel_settings_hold_for_their_block_and_are_restored():
+    assert get_kernel_settings() == KernelSettings()
+    with kernel_settings(gluon=False, check_offs=True) as inside:
+        assert get_kernel_settings() is inside == KernelSettings(gluon=False, check_offs=True)
+        with kernel_settings(check_offs=False):
+            assert get_kernel_settings() == KernelSettings(gluon=False)
+        assert get_kernel_settings() == inside
+    assert get_kernel_settings() == KernelSettings()
+    previous = set_kernel_settings(KernelSettings(gluon=False))
+    try:
+        assert previous == KernelSettings() and not get_kernel_settings().gluon
+    finally:
+        set_kernel_settings(previous)
+    with pytest.raises(TypeError):
+        with kernel_settings(gluon_kernels=False):
+            pass
+    assert get_kernel_settings() == KernelSettings()
 
 
 def test_the_reference_path_runs_off_cuda():

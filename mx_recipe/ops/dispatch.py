@@ -7,20 +7,20 @@ kernel and, for Hopper, a Gluon kernel; all three give the same bits. ``implemen
   stochastic rounding of fp8;
 * e2m1 (MXFP4): the Triton casts (packed codes) and the Triton fake-quants of bf16, to nearest or
   stochastically, on every CUDA device;
-* the Gluon kernel on an NVIDIA GPU of compute capability 9.x for bf16 input, unless ``MX_RECIPE_GLUON=0``;
+* the Gluon kernel on an NVIDIA GPU of compute capability 9.x for bf16 input, unless the kernel settings say
+  ``gluon=False`` (``mx_recipe.ops.settings``);
 * the Triton kernel on every other CUDA device (Blackwell included) and input.
 
 The kernels run as torch custom ops (``mx_recipe.library``) with fake implementations, so torch.compile
 traces them as opaque nodes without Triton or a GPU; the reference is plain PyTorch and traces as it is.
-Every kernel launch goes through ``mx_kernels.launch_cache`` (``MX_RECIPE_LAUNCH_CACHE=0`` turns it off).
-``draw_seed`` draws the seed of every kernel's stochastic rounding, MX and NVFP4.
+Every kernel launch goes through ``mx_kernels.launch_cache`` (the kernel setting ``launch_cache=False`` turns it
+off). ``draw_seed`` draws the seed of every kernel's stochastic rounding, MX and NVFP4.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,9 +42,7 @@ from mx_recipe.formats.mx import fake_quant, to_mx
 from mx_recipe.formats.scale_layout import to_blocked, to_blocked_3d, to_blocked_groups
 from mx_recipe.library import define
 from mx_recipe.ops.device import capability
-
-GLUON_ENV = "MX_RECIPE_GLUON"  # "0": the Triton kernels on Hopper too
-
+from mx_recipe.ops.settings import get_kernel_settings
 
 # --- the references: the ops' contracts in plain PyTorch ---
 
@@ -176,7 +174,7 @@ def rule(
 ) -> str:
     """The one rule: "reference", "triton" or "gluon" for ``op`` on a device of CUDA compute ``capability``
     (None: not an NVIDIA CUDA device), input ``dtype``, element format and rounding; ``gluon``: the Gluon
-    kernels are allowed (``MX_RECIPE_GLUON`` is not "0")."""
+    kernels are allowed (``KernelSettings.gluon``)."""
     spec = OPS[op]
     if capability is None:
         return "reference"
@@ -193,12 +191,12 @@ def rule(
 
 
 def implementation(op: str, x: Tensor, elem: str, rounding: str = "nearest") -> str:
-    """``rule`` for ``op`` on x (the environment is read at each call). The kernels' draws for stochastic
+    """``rule`` for ``op`` on x (the kernel settings are read at each call). The kernels' draws for stochastic
     rounding come eight to a Philox call along the last dim: x's last dim not a multiple of 8 takes the
     reference."""
     if rounding != "nearest" and x.shape[-1] % 8:
         return "reference"
-    return rule(op, capability(x.device), x.dtype, elem, rounding, os.environ.get(GLUON_ENV) != "0")
+    return rule(op, capability(x.device), x.dtype, elem, rounding, get_kernel_settings().gluon)
 
 
 @functools.cache
