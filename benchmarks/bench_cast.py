@@ -1,6 +1,7 @@
 """The MX cast kernels against the HBM roofline and the torch.compile'd reference.
 
-    python benchmarks/bench_cast.py [--m 16384 --k 16384] [--experts 1,4,16,64] [--modes floor,rceil] [--out FILE]
+    python benchmarks/bench_cast.py [--m 16384 --k 16384] [--experts 1,4,16,64] [--modes floor,rceil] [--no-gluon]
+        [--out FILE]
 
 For each cast of ``mx_recipe.ops.mx_cast`` (the public API, as a user calls it): median time
 (triton.testing.do_bench: CUDA events around each call, so the host's launch path counts where it is
@@ -13,7 +14,7 @@ every cast >= 90% of copy bandwidth, rceil within 3% of floor, fused >= 1.4x two
 GB/s flat across E within 10%. A copy of the same bytes as each 3D and per-group input is timed too:
 what the copy itself reaches at that size. (The host time of each call: benchmarks/bench_host.py.)
 
-``MX_RECIPE_GLUON=0`` in the environment times the Triton kernels where Gluon ones would run.
+``--no-gluon`` (the kernel setting ``gluon=False``) times the Triton kernels where Gluon ones would run.
 ``--out`` writes JSON with provenance for docs/results/ (rendered by scripts/perf_report.py).
 """
 
@@ -28,6 +29,7 @@ from timing import kernel_us, median_ms, run_meta
 
 import mx_recipe.ops.mx_cast as mx_cast
 from mx_recipe.formats.mx import to_mx
+from mx_recipe.ops import KernelSettings, set_kernel_settings
 from mx_recipe.ops.mx_cast import (
     cast_dim0,
     cast_dim0_dim1,
@@ -253,8 +255,10 @@ def main() -> None:
     p.add_argument("--elem", default="e4m3")
     p.add_argument("--modes", default="floor,rceil")
     p.add_argument("--no-compile-ref", action="store_true", help="skip the torch.compile'd reference")
+    p.add_argument("--no-gluon", action="store_true", help="the Triton kernels where Gluon ones would run (Hopper)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args()
+    set_kernel_settings(KernelSettings(gluon=not args.no_gluon))
     experts = [int(e) for e in args.experts.split(",") if e]
     modes = args.modes.split(",")
 

@@ -14,7 +14,7 @@ cost more host time than GPU time (docs/RESULTS.md).
 A key seen before runs the CompiledKernel that Triton's first launch returned. Any other key goes through
 the JIT launch, which compiles the kernel or finds it in Triton's own cache. The JIT launch is also taken
 when launch hooks are set (profilers such as proton see every launch then), under the Triton interpreter,
-and with ``MX_RECIPE_LAUNCH_CACHE=0``.
+and while ``set_enabled(False)`` is in force (mx_recipe's ``KernelSettings.launch_cache``).
 
 Building the keyword arguments and their key still cost about 10 us a call on that host. A launcher that
 knows a cheaper key, its own arguments (shapes, strides, formats), calls ``launch_keyed(key, build,
@@ -24,7 +24,6 @@ seen, and later calls pass the tensors' addresses straight to the compiled kerne
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -32,7 +31,13 @@ import torch
 from triton import knobs
 from triton.runtime import driver
 
-LAUNCH_CACHE_ENV = "MX_RECIPE_LAUNCH_CACHE"
+_enabled = True
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn every LaunchCache on or off (off: each launch takes Triton's JIT path)."""
+    global _enabled
+    _enabled = enabled
 
 
 def _hooks_set() -> bool:
@@ -88,7 +93,7 @@ class LaunchCache:
 
     def _bypass(self) -> bool:
         """Whether every launch takes Triton's JIT path (see the module docstring)."""
-        return os.environ.get(LAUNCH_CACHE_ENV) == "0" or knobs.runtime.interpret or _hooks_set()
+        return not _enabled or knobs.runtime.interpret or _hooks_set()
 
     def launch(self, grid: Sequence[int], kwargs: dict) -> None:
         """``kernel[grid](**kwargs)``, with every argument passed by name (num_warps and the like included)."""

@@ -1,4 +1,7 @@
-"""Markers: `gpu` tests need CUDA, `sm100` tests need a Blackwell GPU; both skip cleanly elsewhere."""
+"""Markers: `gpu` tests need CUDA, `sm100` tests need a Blackwell GPU; both skip cleanly elsewhere. Fixtures:
+``one_thread``, and ``pretend_gpu`` (a compute capability for CUDA devices, on any machine)."""
+
+import contextlib
 
 import pytest
 import torch
@@ -25,3 +28,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "sm100" in item.keywords and not _has_sm100():
             item.add_marker(skip_sm100)
+
+
+@pytest.fixture
+def pretend_gpu():
+    """``pretend_gpu((10, 0))``: every CUDA device reports that compute capability until the test ends (None: not
+    an NVIDIA GPU), through ``mx_recipe.ops.pretend_capability``: what would run on that GPU."""
+    from mx_recipe.ops import pretend_capability
+
+    with contextlib.ExitStack() as stack:
+        yield lambda capability: stack.enter_context(pretend_capability(capability))

@@ -21,6 +21,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -615,15 +616,15 @@ IMPLS = ["gluon", "triton"]
 
 
 @pytest.fixture(params=IMPLS)
-def impl(request, monkeypatch) -> str:
-    """The implementation under test: its launchers are called directly, and ``MX_RECIPE_GLUON`` makes the
-    public API's dispatch pick it too. The Gluon kernels are Hopper's: elsewhere that case skips."""
-    from mx_recipe.ops import dispatch
+def impl(request) -> Iterator[str]:
+    """The implementation under test: its launchers are called directly, and the kernel setting ``gluon`` makes
+    the public API's dispatch pick it too. The Gluon kernels are Hopper's: elsewhere that case skips."""
+    from mx_recipe.ops import kernel_settings
 
     if request.param == "gluon" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels run on compute capability 9.x (Hopper)")
-    monkeypatch.setenv(dispatch.GLUON_ENV, "1" if request.param == "gluon" else "0")
-    return request.param
+    with kernel_settings(gluon=request.param == "gluon"):
+        yield request.param
 
 
 def skip_fp4_on_gluon(elem: str, impl: str, along_m_of_bf16: bool = False) -> None:

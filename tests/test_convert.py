@@ -241,10 +241,10 @@ def test_one_backend_object_for_the_model():
 
 
 @pytest.mark.parametrize("experts", [False, True])
-def test_backend_resolved_for_the_model_on_a_fake_sm100(monkeypatch, experts):
+def test_backend_resolved_for_the_model_on_a_fake_sm100(monkeypatch, pretend_gpu, experts):
     """sm_100 with a torch that lacks the grouped MXFP8 kernel: a model with experts runs every
     layer emulated (dense ones included, as startup says), one without runs cublas."""
-    monkeypatch.setattr(gemm, "_device_capability", lambda d: (10, 0) if d.type == "cuda" else None)
+    pretend_gpu((10, 0))
     monkeypatch.setattr(gemm, "cublas_grouped_available", lambda d: False)
     model = _moe_model() if experts else Model()
     records = convert_to_mx(model, MXFP8, log=False, device="cuda:0")

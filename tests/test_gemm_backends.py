@@ -366,11 +366,11 @@ def test_grouped_emulator_rejects(case):
 
 
 @pytest.fixture
-def fake_gpu(monkeypatch):
+def fake_gpu(pretend_gpu, monkeypatch):
     """Pretend cuda:0 has a given compute capability (and, optionally, the grouped MXFP8 build)."""
 
     def install(capability: tuple[int, int], grouped_build: bool = True) -> None:
-        monkeypatch.setattr(gemm, "_device_capability", lambda d: capability if d.type == "cuda" else None)
+        pretend_gpu(capability)
         monkeypatch.setattr(gemm, "cublas_grouped_available", lambda d: grouped_build and capability[0] == 10)
 
     return install

@@ -43,7 +43,7 @@ from test_cast_kernels import traced_ops
 
 from mx_recipe.formats.mx import E2M1_VALUES, MXTensor, to_mx, unpack_fp4
 from mx_recipe.formats.recipe import MXRecipe
-from mx_recipe.ops import gemm, mx_backends
+from mx_recipe.ops import mx_backends
 from mx_recipe.ops.backends import resolve_backend
 from mx_recipe.ops.gemm import mx_mm, mx_mm_triton, triton_available
 from mx_recipe.ops.mx_cast import cast_dim0, cast_dim1
@@ -269,16 +269,6 @@ def check_linear_orientations(device, out_dtype: torch.dtype) -> None:
 # CPU, this process
 
 
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    """Pretend cuda:0 has a given compute capability."""
-
-    def install(capability: tuple[int, int]) -> None:
-        monkeypatch.setattr(gemm, "_device_capability", lambda d: capability if d.type == "cuda" else None)
-
-    return install
-
-
 def backend_of(name: str, device: torch.device, grouped: bool = False, **overrides) -> str:
     return resolve_backend(MXRecipe.from_name(name, **overrides), device, grouped).name
 
@@ -293,32 +283,32 @@ def test_resolve_triton_on_cpu_names_the_device():
 
 
 @pytest.mark.parametrize("capability", [(7, 0), (8, 0), (8, 6)])
-def test_resolve_triton_too_old(fake_gpu, capability):
-    fake_gpu(capability)
+def test_resolve_triton_too_old(pretend_gpu, capability):
+    pretend_gpu(capability)
     sm = f"sm_{capability[0]}{capability[1]}"
     with pytest.raises(ValueError, match=rf"cuda:0 has compute capability .*\({sm}\)"):
         backend_of("mxfp8", CUDA, backend="triton")
 
 
 @pytest.mark.parametrize("capability", [(8, 9), (9, 0), (10, 0), (12, 0)])
-def test_resolve_triton_forced(fake_gpu, capability):
-    fake_gpu(capability)
+def test_resolve_triton_forced(pretend_gpu, capability):
+    pretend_gpu(capability)
     assert triton_available(CUDA)
     assert type(resolve_backend(MXRecipe.from_name("mxfp8", backend="triton"), CUDA)) is mx_backends.TritonBackend
     # auto never picks triton: cublas on sm_100 and later, emulated below (gemm._resolve_name says why)
     assert backend_of("mxfp8", CUDA) == ("cublas" if capability >= (10, 0) else "emulated")
 
 
-def test_resolve_triton_not_importable(fake_gpu, monkeypatch):
-    fake_gpu((9, 0))
+def test_resolve_triton_not_importable(pretend_gpu, monkeypatch):
+    pretend_gpu((9, 0))
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else find_spec(name, *a))
     with pytest.raises(ValueError, match=r"triton is not importable \(cuda:0 has compute capability 9\.0"):
         backend_of("mxfp8", CUDA, backend="triton")
 
 
-def test_resolve_backend_triton(fake_gpu):
-    fake_gpu((9, 0))
+def test_resolve_backend_triton(pretend_gpu):
+    pretend_gpu((9, 0))
     for name in ("mxfp8", "mxfp8_rceil", "mxfp8_wgrad_bf16", "mxfp8_e5m2_grads", "mxfp4"):
         assert backend_of(name, CUDA, backend="triton") == "triton"
     assert backend_of("mxfp4", CUDA) == "emulated"

@@ -23,7 +23,7 @@ from test_cast_kernels import assert_bits_equal, special_input  # noqa: E402
 from test_gluon_kernels import loads_and_stores, ptx_ops, resource_usage  # noqa: E402
 
 from mx_recipe.formats.mx import to_mx  # noqa: E402
-from mx_recipe.ops import dispatch  # noqa: E402
+from mx_recipe.ops import dispatch, kernel_settings  # noqa: E402
 from mx_recipe.ops.mx_cast import cast_3d_dim1, cast_dim1  # noqa: E402
 
 IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -97,11 +97,10 @@ def test_compiles_to_16_byte_loads_and_stores(shape):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper GPU: the Gluon kernels run on compute capability 9.x")
-def test_gpu_matches_the_triton_kernel(monkeypatch):
+def test_gpu_matches_the_triton_kernel():
     """Byte for byte the Triton word kernel's outputs, 2D and 3D, ragged and whole tiles, both rules and scale
     layouts; the public API runs this kernel on Hopper for bf16 it can read as words (the custom op checks the
     strides at run time), and the Triton one otherwise."""
-    monkeypatch.setenv(dispatch.GLUON_ENV, "1")
     for shape in [(4128, 160), (256, 4096), (2, 1024, 640), (1, 96, 160)]:
         x = special_input(shape, BF16, "cuda", seed=3)
         assert dispatch.implementation("cast_dim1", x, "e2m1") == "gluon"
@@ -122,5 +121,5 @@ def test_gpu_matches_the_triton_kernel(monkeypatch):
     out = cast_3d_dim1(w, "e2m1", "rceil")
     ref = to_mx(w.cpu().transpose(1, 2).contiguous(), "e2m1", "rceil")
     assert_bits_equal(out.qdata, ref.qdata, "3D codes")
-    monkeypatch.setenv(dispatch.GLUON_ENV, "0")
-    assert dispatch.implementation("cast_dim1", x, "e2m1") == "triton"
+    with kernel_settings(gluon=False):
+        assert dispatch.implementation("cast_dim1", x, "e2m1") == "triton"

@@ -12,7 +12,7 @@ test_cast_kernels.py. Here:
 * GPU (``@pytest.mark.gpu``, Hopper): against ``to_mx`` and the Triton kernels, byte for byte, on the special
   values the Gluon paths add cases for, every bf16 value, strided and empty input, both per-group tiles and both
   group lookups; invalid offs, no host sync, the int64 offsets, large shapes; and which kernels the public API
-  launches on Hopper (the Triton ones with ``MX_RECIPE_GLUON=0``).
+  launches on Hopper (the Triton ones with the kernel setting ``gluon=False``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from test_cast_kernels import (  # noqa: E402
 import mx_recipe.ops.mx_cast as mx_cast  # noqa: E402
 from mx_recipe.formats.mx import MXTensor, to_mx  # noqa: E402
 from mx_recipe.formats.scale_layout import blocked_numel, to_blocked, to_blocked_3d, to_blocked_groups  # noqa: E402
-from mx_recipe.ops import dispatch  # noqa: E402
+from mx_recipe.ops import dispatch, get_kernel_settings, kernel_settings  # noqa: E402
 from mx_recipe.ops.mx_cast import BlockedMXTensor  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -446,18 +446,17 @@ def test_fake_quant_launch_facts():
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (10, 0), (8, 9)], ids=str)
-@pytest.mark.parametrize("env", ["1", "0"])
-def test_kernel_choice_follows_the_capability_and_environment(monkeypatch, capability, env):
+@pytest.mark.parametrize("gluon_allowed", [True, False])
+def test_kernel_choice_follows_the_capability_and_settings(pretend_gpu, capability, gluon_allowed):
     """Inside a custom op (``dispatch._kernel``): the Gluon launcher exactly for fp8 casts of bf16 on compute
-    capability 9.x unless MX_RECIPE_GLUON=0, else the Triton one (also for input the kernels refuse, which it names);
-    for e2m1 the Gluon one only along M of bf16 read as words, else the Triton one."""
+    capability 9.x unless the kernel settings say gluon=False, else the Triton one (also for input the kernels
+    refuse, which it names); for e2m1 the Gluon one only along M of bf16 read as words, else the Triton one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    monkeypatch.setattr(dispatch, "_capability", lambda index: capability)
-    monkeypatch.setenv(dispatch.GLUON_ENV, env)
+    pretend_gpu(capability)
     launchers = {(op, kind): dispatch.launcher(op, kind) for op in dispatch.OPS for kind in ("gluon", "triton")}
-    gluon = capability[0] == 9 and env != "0"
-    with FakeTensorMode():  # CUDA tensors without a GPU
+    gluon = capability[0] == 9 and gluon_allowed
+    with FakeTensorMode(), kernel_settings(gluon=gluon_allowed):  # CUDA tensors without a GPU
         for dtype in (BF16, torch.float32):
             x = torch.empty(64, 64, dtype=dtype, device="cuda")
             for op, spec in dispatch.OPS.items():
@@ -1127,9 +1126,10 @@ FAKE_QUANT_KERNELS = ("_gluon_fake_quant_kernel", "_fake_quant_2d_kernel")
 
 @pytest.mark.gpu
 @hopper
-def test_gpu_public_api_launches_the_gluon_kernels_on_hopper(monkeypatch):
+def test_gpu_public_api_launches_the_gluon_kernels_on_hopper():
     """The public casts and fake-quants (and the torch ops) launch the Gluon kernels on sm_90 for bf16 input, the
-    Triton ones with MX_RECIPE_GLUON=0 (the same bytes) and for fp32 casts; fp32 fake-quants take the reference."""
+    Triton ones with the kernel setting gluon=False (the same bytes) and for fp32 casts; fp32 fake-quants take the
+    reference."""
     w = special_3d((3, 224, 160))
     x = special_input_plus((352, 256), BF16, "cuda")
     offs = torch.tensor([96, 96, 352], dtype=torch.int32, device="cuda")
@@ -1154,7 +1154,7 @@ def test_gpu_public_api_launches_the_gluon_kernels_on_hopper(monkeypatch):
             FAKE_QUANT_KERNELS, lambda: mx_cast.fake_quant_groups_along_m(xs, src, "e4m3", "floor")
         ),
     }  # fmt: skip
-    monkeypatch.delenv(dispatch.GLUON_ENV, raising=False)
+    assert get_kernel_settings().gluon
     gluon_out = {}
     for name, ((gluon_kernel, triton_kernel), fn) in calls.items():
         launched = kernels_launched(fn)
@@ -1164,11 +1164,11 @@ def test_gpu_public_api_launches_the_gluon_kernels_on_hopper(monkeypatch):
     assert ran("_cast_kernel", launched) and not ran("_gluon_cast_kernel", launched), launched
     launched = kernels_launched(lambda: mx_cast.fake_quant_dim0(x.float(), "e4m3", "floor"))
     assert not any(ran(kernel, launched) for kernel in FAKE_QUANT_KERNELS), launched
-    monkeypatch.setenv(dispatch.GLUON_ENV, "0")
-    for name, ((gluon_kernel, triton_kernel), fn) in calls.items():
-        launched = kernels_launched(fn)
-        assert ran(triton_kernel, launched) and not ran(gluon_kernel, launched), (name, launched)
-        assert_same_bytes(gluon_out[name], fn(), f"{name}: Gluon vs MX_RECIPE_GLUON=0")
+    with kernel_settings(gluon=False):
+        for name, ((gluon_kernel, triton_kernel), fn) in calls.items():
+            launched = kernels_launched(fn)
+            assert ran(triton_kernel, launched) and not ran(gluon_kernel, launched), (name, launched)
+            assert_same_bytes(gluon_out[name], fn(), f"{name}: Gluon vs gluon=False")
 
 
 def test_blocked_reference_helpers_agree():

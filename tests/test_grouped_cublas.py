@@ -171,8 +171,8 @@ def test_forced_backend_off_sm100_is_a_clear_error(backend, match):
         mx_grouped_mm(x, w, offs, recipe)
 
 
-def test_forced_cublas_on_hopper_names_the_device(monkeypatch):
-    monkeypatch.setattr(mx_recipe.ops.gemm, "_device_capability", lambda d: (9, 0) if d.type == "cuda" else None)
+def test_forced_cublas_on_hopper_names_the_device(pretend_gpu):
+    pretend_gpu((9, 0))
     recipe = MXRecipe.from_name("mxfp8", backend="cublas")
     with pytest.raises(ValueError, match=r"'cublas' needs .*cuda:0 has compute capability 9\.0 \(sm_90\)"):
         resolve_backend(recipe, torch.device("cuda", 0), grouped=True)

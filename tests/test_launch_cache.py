@@ -4,7 +4,8 @@ JIT launch writes.
 * CPU: the key (what Triton specializes on), and the cache's decisions, with a recording stand-in for a JIT
   kernel and for Triton's driver. A compiled kernel cannot be loaded without a GPU.
 * GPU (``@pytest.mark.gpu``): every kernel (the Triton ones, the Gluon ones on Hopper) launched through the cache,
-  byte-equal to the same launches through Triton's JIT (``MX_RECIPE_LAUNCH_CACHE=0``), x aligned and not.
+  byte-equal to the same launches through Triton's JIT (the kernel setting ``launch_cache=False``), x aligned and
+  not.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import inspect
 
 import pytest
 import torch
+
+from mx_recipe.ops import kernel_settings
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 
@@ -82,7 +85,6 @@ def cache(monkeypatch):
     from mx_kernels import launch_cache
 
     monkeypatch.setattr(launch_cache, "driver", FakeDriver)
-    monkeypatch.delenv(launch_cache.LAUNCH_CACHE_ENV, raising=False)
     kernel = Recorder()
     return launch_cache.LaunchCache(kernel, max_plans=2), kernel
 
@@ -125,16 +127,14 @@ def test_a_new_key_takes_the_jit_and_old_plans_are_dropped(cache):
     assert len(cache.plans) == 2
 
 
-def test_the_env_switch_and_launch_hooks_force_the_jit(cache, monkeypatch):
-    from mx_kernels.launch_cache import LAUNCH_CACHE_ENV
+def test_the_settings_switch_and_launch_hooks_force_the_jit(cache):
     from triton import knobs
 
     cache, kernel = cache
     x = torch.empty(64)
     cache.launch((4,), dict(x_ptr=x, M=64))
-    monkeypatch.setenv(LAUNCH_CACHE_ENV, "0")
-    cache.launch((4,), dict(x_ptr=x, M=64))
-    monkeypatch.delenv(LAUNCH_CACHE_ENV)
+    with kernel_settings(launch_cache=False):
+        cache.launch((4,), dict(x_ptr=x, M=64))
     hooks = knobs.runtime.launch_enter_hook
     hook = lambda metadata: None  # noqa: E731
     hooks.add(hook)
@@ -179,13 +179,11 @@ def test_a_keyed_launch_must_name_every_tensor_of_the_launch(cache):
         cache.launch_keyed(("k",), lambda: ((4,), dict(x_ptr=torch.empty(4), M=4)), y_ptr=torch.empty(4))
 
 
-def test_a_keyed_launch_takes_the_jit_when_the_cache_is_off(cache, monkeypatch):
-    from mx_kernels.launch_cache import LAUNCH_CACHE_ENV
-
+def test_a_keyed_launch_takes_the_jit_when_the_cache_is_off(cache):
     cache, kernel = cache
-    monkeypatch.setenv(LAUNCH_CACHE_ENV, "0")
-    for _ in range(2):
-        cache.launch_keyed(("k",), lambda: ((4,), dict(x_ptr=torch.empty(4), M=4)), x_ptr=torch.empty(4))
+    with kernel_settings(launch_cache=False):
+        for _ in range(2):
+            cache.launch_keyed(("k",), lambda: ((4,), dict(x_ptr=torch.empty(4), M=4)), x_ptr=torch.empty(4))
     assert len(kernel.jit_launches) == 2 and not kernel.direct_launches and not cache.keyed
 
 
@@ -231,9 +229,7 @@ def launches(x: torch.Tensor) -> dict:
 
 
 @pytest.mark.gpu
-def test_gpu_cached_launches_write_what_the_jit_writes(monkeypatch):
-    from mx_kernels.launch_cache import LAUNCH_CACHE_ENV
-
+def test_gpu_cached_launches_write_what_the_jit_writes():
     torch.manual_seed(0)
     base = torch.randn(320 * 256 + 8, device="cuda", dtype=torch.bfloat16)
     # the same shape at a 16-byte aligned address, 2 bytes past one, and 16 bytes on: Triton specializes on the
@@ -241,9 +237,8 @@ def test_gpu_cached_launches_write_what_the_jit_writes(monkeypatch):
     for offset in (0, 1, 8):
         x = base[offset : offset + 320 * 256].view(320, 256)
         for name, call in launches(x).items():
-            monkeypatch.setenv(LAUNCH_CACHE_ENV, "0")
-            want = call()
-            monkeypatch.delenv(LAUNCH_CACHE_ENV)
+            with kernel_settings(launch_cache=False):
+                want = call()
             for _ in range(2):  # a new key: the JIT and a new plan; then the plan
                 got = call()
                 for g, w in zip(got, want, strict=True):

@@ -12,6 +12,7 @@ from mx_recipe.models import build_model, flops_per_token, model_args, moe_layer
 from mx_recipe.models.moe import MOE_FLAVORS, MoE, MoEArgs
 from mx_recipe.nn.convert import MXGroupedExperts
 from mx_recipe.nn.grouped import mx_grouped_mm
+from mx_recipe.ops import kernel_settings
 
 RECIPES = ["mxfp8", "mxfp8_rceil", "mxfp8_wgrad_bf16", "mxfp8_e5m2_grads", "mxfp4"]
 # Group sizes: ragged (not multiples of 32), empty in the middle and at the ends, no tokens at all.
@@ -147,7 +148,7 @@ def test_mx_grouped_mm_input_errors():
     ],
 )
 def test_mx_grouped_mm_refuses_bad_group_ends_on_the_cpu(offs, error):
-    """Decreasing, negative or past M: an error that shows them (on a GPU: with MX_RECIPE_CHECK_OFFS=1)."""
+    """Decreasing, negative or past M: an error that shows them (on a GPU: with the kernel setting check_offs)."""
     x, w, offs = torch.randn(96, 64), torch.randn(2, 96, 64), torch.tensor(offs, dtype=torch.int32)
     if error is None:
         mx_grouped_mm(x, w, offs, MXRecipe.from_name("mxfp8"))
@@ -213,11 +214,10 @@ def test_gpu_rows_past_the_last_group_reach_no_scale(recipe):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_rceil"])
-def test_gpu_rows_past_the_last_group_are_zero_with_zero_gradients(recipe, monkeypatch):
+def test_gpu_rows_past_the_last_group_are_zero_with_zero_gradients(recipe):
     check_rows_past_the_last_group("cuda", recipe)
-    monkeypatch.setenv("MX_RECIPE_CHECK_OFFS", "1")
     x, w = torch.randn(96, 64, device="cuda"), torch.randn(2, 96, 64, device="cuda")
-    with pytest.raises(ValueError, match="past x's 96 rows"):
+    with kernel_settings(check_offs=True), pytest.raises(ValueError, match="past x's 96 rows"):
         mx_grouped_mm(x, w, torch.tensor([64, 200], dtype=torch.int32, device="cuda"), MXRecipe.from_name(recipe))
 
 

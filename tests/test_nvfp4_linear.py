@@ -187,23 +187,21 @@ def test_cublas_path_matches_the_emulated_path(name, rows):
         torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2 * want.abs().max().item(), msg=what)
 
 
-def test_cublas_path_errors_and_selection(monkeypatch):
-    from mx_recipe.ops import gemm
+def test_cublas_path_errors_and_selection():
+    from mx_recipe.ops import pretend_capability
     from mx_recipe.ops.backends import resolve_backend
     from mx_recipe.ops.nvfp4_backends import NVFP4CublasBackend, NVFP4EmulatedBackend
 
     cpu = torch.device("cpu")
     assert isinstance(resolve_backend(NVFP4Recipe(), cpu), NVFP4EmulatedBackend)  # auto off sm_100: emulated
     # on sm_100 auto takes cublas for dense linears and stays emulated for MoE experts; 'emulated' stays emulated
-    monkeypatch.setattr(gemm, "_device_capability", lambda d: (10, 0) if d.type == "cuda" else None)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    cuda = torch.device("cuda")
-    assert isinstance(resolve_backend(NVFP4Recipe(), cuda), NVFP4CublasBackend)
-    assert isinstance(resolve_backend(NVFP4Recipe(), cuda, grouped=True), NVFP4EmulatedBackend)
-    assert isinstance(resolve_backend(NVFP4Recipe(backend="emulated"), cuda), NVFP4EmulatedBackend)
-    with pytest.raises(ValueError, match="no NVFP4 grouped GEMM"):
-        resolve_backend(NVFP4Recipe(backend="cublas"), cuda, grouped=True)
-    monkeypatch.undo()
+    with pretend_capability((10, 0)):
+        cuda = torch.device("cuda")
+        assert isinstance(resolve_backend(NVFP4Recipe(), cuda), NVFP4CublasBackend)
+        assert isinstance(resolve_backend(NVFP4Recipe(), cuda, grouped=True), NVFP4EmulatedBackend)
+        assert isinstance(resolve_backend(NVFP4Recipe(backend="emulated"), cuda), NVFP4EmulatedBackend)
+        with pytest.raises(ValueError, match="no NVFP4 grouped GEMM"):
+            resolve_backend(NVFP4Recipe(backend="cublas"), cuda, grouped=True)
     with pytest.raises(ValueError, match=r"backend 'cublas' needs .*sm_100"):
         resolve_backend(NVFP4Recipe(backend="cublas"), cpu)
     with pytest.raises(ValueError, match="divisible by 32"):

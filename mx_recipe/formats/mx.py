@@ -57,6 +57,8 @@ from mx_kernels.spec import (  # the constants the kernels share (docs/DESIGN.md
     elem_format,
 )
 
+from mx_recipe.library import define
+
 __all__ = [
     "BLOCK_SIZE",
     "E2M1",
@@ -215,18 +217,27 @@ class MXTensor:
         return (elems * factor).to(dtype)
 
 
-@torch.library.custom_op("mx_recipe::uniform_like", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def _uniform_like(x: torch.Tensor) -> torch.Tensor:
+    return torch.rand(x.shape, dtype=torch.float32, device=x.device)
+
+
+# Tagged nondeterministic_seeded: a random op to torch.compile (never constant-folded, kept in program order among
+# the draws). CompositeExplicitAutograd: one implementation for every device.
+define(
+    "uniform_like(Tensor x) -> Tensor",
+    _uniform_like,
+    lambda x: x.new_empty(x.shape, dtype=torch.float32),
+    keys=("CompositeExplicitAutograd",),
+    tags=(torch.Tag.nondeterministic_seeded,),
+)
+
+
 def uniform_like(x: torch.Tensor) -> torch.Tensor:
     """``torch.rand(x.shape)`` in fp32 on x's device, from the default generator: stochastic
     rounding's random bits. An op that takes x, so that under torch.compile the draw stays where x
     is made: AOTAutograd moves a random op that reads nothing of the backward (torch.rand(shape))
     into the forward graph and saves its output for backward, 4 bytes per element of the gradient."""
-    return torch.rand(x.shape, dtype=torch.float32, device=x.device)
-
-
-@uniform_like.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape, dtype=torch.float32)
+    return torch.ops.mx_recipe.uniform_like(x)
 
 
 def _check_rounding(rounding: str, generator: torch.Generator | None, uniform: torch.Tensor | None) -> None:

@@ -11,7 +11,7 @@ from mx_recipe.formats.mx import ELEM_FORMATS, ROUNDINGS, SCALE_RULES
 HIGH_PRECISION = "bf16"  # keep that GEMM in bf16: no casts at all
 GEMM_FORMATS = (*ELEM_FORMATS, HIGH_PRECISION)
 GRAD_FORMATS = ("e4m3", "e5m2", "e2m1")
-# "cublas": torch's MXFP8 block-scaled GEMMs, sm_100 and later (mx_recipe.ops.gemm.resolve_backend
+# "cublas": torch's MXFP8 block-scaled GEMMs, sm_100 and later (mx_recipe.ops.backends.resolve_backend
 # checks the device at conversion). "triton": tl.dot_scaled, NVIDIA sm_89 and later, dense GEMMs only
 # (mx_recipe/ops/gemm.py; "auto" never picks it: on sm_90 it is slower than "emulated").
 BACKENDS = ("auto", "emulated", "cublas", "triton")

@@ -86,7 +86,7 @@ def convert_to_mx(
     Layers whose features are not multiples of the block size are skipped too. Parameters
     are shared, not copied, so optimizers and state_dict keys are unchanged.
 
-    The GEMM backend is resolved once (``gemm.resolve_backend``) for ``device`` (default: the
+    The GEMM backend is resolved once (``backends.resolve_backend``) for ``device`` (default: the
     current CUDA device if CUDA is available, else the CPU), with grouped GEMMs if any experts are
     converted, and every converted module gets that one backend object. A backend the device or the
     recipe cannot run is a ValueError, raised before anything is swapped.

@@ -28,18 +28,15 @@ rows to a multiple of 16, so that no block of 16, and no block of the Hadamard t
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from mx_recipe.ops.backends import Backend, Recipe, default_backend
-
-CHECK_OFFS_ENV = "MX_RECIPE_CHECK_OFFS"  # "1": check offs on the host on every call, GPU too (debugging)
+from mx_recipe.ops.settings import get_kernel_settings
 
 
 def check_group_ends(offs: torch.Tensor, m: int) -> None:
     """Raise unless ``offs`` holds non-decreasing group ends in [0, m]. Reads offs on the host: a device sync on
-    a GPU, so mx_grouped_mm does it there only when asked (``MX_RECIPE_CHECK_OFFS=1``)."""
+    a GPU, so mx_grouped_mm does it there only when asked (the kernel setting ``check_offs=True``)."""
     ends = offs.cpu().to(torch.int64)
     if (torch.diff(ends, prepend=ends.new_zeros(1)) < 0).any():
         raise ValueError(f"mx_grouped_mm: offs must be non-decreasing group ends >= 0, got {ends.tolist()}")
@@ -82,7 +79,7 @@ def mx_grouped_mm(
 
     offs: non-decreasing group ends in [0, M_total]; rows at and past offs[-1] belong to no group and come
     back as zeros, with zero gradients. The values are checked on the host for CPU tensors, and on a GPU
-    only with ``MX_RECIPE_CHECK_OFFS=1`` (a device sync per call); unchecked, bad offs give unspecified
+    only with the kernel setting ``check_offs=True`` (a device sync per call); unchecked, bad offs give unspecified
     values."""
     if x.dim() != 2 or w.dim() != 3 or offs.dim() != 1 or offs.shape[0] != w.shape[0]:
         raise ValueError(
@@ -98,7 +95,7 @@ def mx_grouped_mm(
         raise ValueError(f"mx_grouped_mm: w {tuple(w.shape)} needs N and K divisible by {recipe.block_size}")
     if offs.device != x.device:
         raise ValueError(f"mx_grouped_mm: offs is on {offs.device}, x on {x.device}")
-    if not torch.compiler.is_compiling() and (not x.is_cuda or os.environ.get(CHECK_OFFS_ENV) == "1"):
+    if not torch.compiler.is_compiling() and (not x.is_cuda or get_kernel_settings().check_offs):
         check_group_ends(offs, x.shape[0])  # free on the CPU; a device sync on a GPU
     backend = backend or default_backend(recipe, x.device, grouped=True)
     if not isinstance(recipe, backend.recipe_type) or not backend.grouped:

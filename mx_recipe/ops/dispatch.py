@@ -7,19 +7,20 @@ kernel and, for Hopper, a Gluon kernel; all three give the same bits. ``implemen
   stochastic rounding of fp8;
 * e2m1 (MXFP4): the Triton casts (packed codes) and the Triton fake-quants of bf16, to nearest or
   stochastically, on every CUDA device;
-* the Gluon kernel on an NVIDIA GPU of compute capability 9.x for bf16 input, unless ``MX_RECIPE_GLUON=0``;
+* the Gluon kernel on an NVIDIA GPU of compute capability 9.x for bf16 input, unless the kernel settings say
+  ``gluon=False`` (``mx_recipe.ops.settings``);
 * the Triton kernel on every other CUDA device (Blackwell included) and input.
 
-The kernels run as torch custom ops (namespace ``mx_recipe``) with fake implementations, so torch.compile
+The kernels run as torch custom ops (``mx_recipe.library``) with fake implementations, so torch.compile
 traces them as opaque nodes without Triton or a GPU; the reference is plain PyTorch and traces as it is.
-Every kernel launch goes through ``mx_kernels.launch_cache`` (``MX_RECIPE_LAUNCH_CACHE=0`` turns it off).
+Every kernel launch goes through ``mx_kernels.launch_cache`` (the kernel setting ``launch_cache=False`` turns it
+off). ``draw_seed`` draws the seed of every kernel's stochastic rounding, MX and NVFP4.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,9 +40,9 @@ from torch import Tensor
 
 from mx_recipe.formats.mx import fake_quant, to_mx
 from mx_recipe.formats.scale_layout import to_blocked, to_blocked_3d, to_blocked_groups
-
-GLUON_ENV = "MX_RECIPE_GLUON"  # "0": the Triton kernels on Hopper too
-
+from mx_recipe.library import define
+from mx_recipe.ops.device import capability
+from mx_recipe.ops.settings import get_kernel_settings
 
 # --- the references: the ops' contracts in plain PyTorch ---
 
@@ -173,7 +174,7 @@ def rule(
 ) -> str:
     """The one rule: "reference", "triton" or "gluon" for ``op`` on a device of CUDA compute ``capability``
     (None: not an NVIDIA CUDA device), input ``dtype``, element format and rounding; ``gluon``: the Gluon
-    kernels are allowed (``MX_RECIPE_GLUON`` is not "0")."""
+    kernels are allowed (``KernelSettings.gluon``)."""
     spec = OPS[op]
     if capability is None:
         return "reference"
@@ -189,26 +190,13 @@ def rule(
     return "gluon" if gluon and capability[0] == 9 else "triton"
 
 
-_CAPABILITIES: dict[int, tuple[int, int] | None] = {}
-
-
-def _capability(device_index: int) -> tuple[int, int] | None:
-    """(major, minor) of an NVIDIA GPU; None on ROCm, whose capabilities (MI300: 9.4) mean something else. Kept in
-    a dict rather than a functools cache: Dynamo traces this inside compiled layers, and warns at every cache
-    wrapper it steps through."""
-    if device_index not in _CAPABILITIES:
-        _CAPABILITIES[device_index] = None if torch.version.hip else torch.cuda.get_device_capability(device_index)
-    return _CAPABILITIES[device_index]
-
-
 def implementation(op: str, x: Tensor, elem: str, rounding: str = "nearest") -> str:
-    """``rule`` for ``op`` on x (the environment is read at each call). The kernels' draws for stochastic
+    """``rule`` for ``op`` on x (the kernel settings are read at each call). The kernels' draws for stochastic
     rounding come eight to a Philox call along the last dim: x's last dim not a multiple of 8 takes the
     reference."""
     if rounding != "nearest" and x.shape[-1] % 8:
         return "reference"
-    capability = _capability(x.device.index) if x.is_cuda else None
-    return rule(op, capability, x.dtype, elem, rounding, os.environ.get(GLUON_ENV) != "0")
+    return rule(op, capability(x.device), x.dtype, elem, rounding, get_kernel_settings().gluon)
 
 
 @functools.cache
@@ -253,20 +241,6 @@ def device_table() -> str:
 
 # --- the custom ops ---
 
-# Defined with torch.library.Library rather than torch.library.custom_op: the same dispatcher op, but its
-# wrappers (autograd checks, alias checks) cost about 28 us a call on an H200 host, more than the launch.
-_LIB = torch.library.Library("mx_recipe", "FRAGMENT")
-
-
-def _define(schema: str, kernel: Callable, fake: Callable) -> None:
-    """torch.ops.mx_recipe.<name>: ``kernel`` on CUDA tensors (and CPU ones, which the Triton interpreter
-    runs and the launchers otherwise refuse), ``fake`` for tracing (shapes only)."""
-    name = schema.split("(")[0]
-    _LIB.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
-    for device in ("CUDA", "CPU"):
-        _LIB.impl(name, kernel, device)
-    torch.library.register_fake(f"mx_recipe::{name}", fake, lib=_LIB)
-
 
 def _one_side_cast_op(name: str, qdim: int, shapes: Callable) -> None:
     """The op of the one-sided cast ``name`` (x [M, K] or [E, M, K], quantized along ``qdim``)."""
@@ -280,7 +254,7 @@ def _one_side_cast_op(name: str, qdim: int, shapes: Callable) -> None:
         check_cast(x, elem, mode, ndims=(2, 3), qdim=qdim, op=name, fp4=True)
         return tuple(empty_outputs(x, elem, shapes(x.shape, blocked)))
 
-    _define(f"{name}(Tensor x, str elem, str mode, bool blocked, Tensor? seed=None) -> (Tensor, Tensor)", kernel, fake)
+    define(f"{name}(Tensor x, str elem, str mode, bool blocked, Tensor? seed=None) -> (Tensor, Tensor)", kernel, fake)
 
 
 _one_side_cast_op("cast_dim0", -1, dim0_shapes)
@@ -296,7 +270,7 @@ def _cast_dim0_dim1_fake(x: Tensor, elem: str, mode: str, blocked: bool) -> tupl
     )
 
 
-_define(
+define(
     "cast_dim0_dim1(Tensor x, str elem, str mode, bool blocked) -> (Tensor, Tensor, Tensor, Tensor)",
     lambda x, elem, mode, blocked: _kernel("cast_dim0_dim1", x, elem)(x, elem, mode, blocked),
     _cast_dim0_dim1_fake,
@@ -308,7 +282,7 @@ def _cast_groups_dim1_fake(x: Tensor, elem: str, mode: str, offs: Tensor) -> tup
     return tuple(empty_outputs(x, elem, groups_dim1_shapes(x.shape, offs.shape[0], blocked=True)))
 
 
-_define(
+define(
     "cast_groups_dim1(Tensor x, str elem, str mode, Tensor offs) -> (Tensor, Tensor)",
     lambda x, elem, mode, offs: _kernel("cast_groups_dim1", x, elem)(x, offs, elem, mode),
     _cast_groups_dim1_fake,
@@ -331,7 +305,7 @@ def _fake_quant_2d_op(
     return _kernel("fake_quant_2d", x, elem)(x, elem, mode, along_k, along_m)
 
 
-_define(
+define(
     "fake_quant_2d(Tensor x, str elem, str mode, bool along_k, bool along_m, Tensor? seed=None) -> (Tensor, Tensor)",
     _fake_quant_2d_op,
     _fake_quant_2d_fake,
@@ -354,7 +328,7 @@ def _fake_quant_groups_along_m_op(
     return _kernel("fake_quant_groups_along_m", x, elem)(x, row_src, elem, mode)
 
 
-_define(
+define(
     "fake_quant_groups_along_m(Tensor x, str elem, str mode, Tensor row_src, Tensor? seed=None) -> Tensor",
     _fake_quant_groups_along_m_op,
     _fake_quant_groups_along_m_fake,
@@ -370,7 +344,7 @@ def _mx_gemm(
     return launch(a_q, a_scale, a_elem, b_q, b_scale, b_elem, out_dtype)
 
 
-_define(
+define(
     "mx_gemm(Tensor a_q, Tensor a_scale, str a_elem, Tensor b_q, Tensor b_scale, str b_elem, ScalarType out_dtype)"
     " -> Tensor",
     _mx_gemm,
@@ -378,6 +352,12 @@ _define(
         (a_q.shape[0], b_q.shape[0]), dtype=out_dtype
     ),
 )
+
+
+def draw_seed(x: Tensor, generator: torch.Generator | None) -> Tensor:
+    """The seed of a kernel's Philox stream for stochastic rounding of x: int64 [1] on x's device, drawn from
+    ``generator`` (None: the default generator of x's device)."""
+    return torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64, generator=generator)
 
 
 def run(op: str, x: Tensor, elem: str, mode: str, *args, rounding: str = "nearest", generator=None):
@@ -389,5 +369,4 @@ def run(op: str, x: Tensor, elem: str, mode: str, *args, rounding: str = "neares
         return OPS[op].reference(x, elem, mode, *args, **random)
     if rounding == "nearest":
         return getattr(torch.ops.mx_recipe, op)(x, elem, mode, *args)
-    seed = torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64, generator=generator)
-    return getattr(torch.ops.mx_recipe, op)(x, elem, mode, *args, seed=seed)
+    return getattr(torch.ops.mx_recipe, op)(x, elem, mode, *args, seed=draw_seed(x, generator))

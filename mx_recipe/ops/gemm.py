@@ -33,6 +33,7 @@ from mx_recipe.formats.scale_layout import (
     padded_group_layout,
     to_blocked,
 )
+from mx_recipe.ops.device import capability
 from mx_recipe.ops.mx_cast import (
     BlockedMXTensor,
 )
@@ -51,16 +52,8 @@ TRITON_ELEMS = ("e4m3", "e5m2", "e2m1")
 # --- what a device runs ---
 
 
-def _device_capability(device: torch.device) -> tuple[int, int] | None:
-    """(major, minor) of a CUDA device, None for anything else (CPU, ROCm, no CUDA)."""
-    if device.type != "cuda" or not torch.cuda.is_available() or torch.version.hip is not None:
-        return None
-    props = torch.cuda.get_device_properties(device)  # dynamo constant-folds this one
-    return props.major, props.minor
-
-
 def describe_device(device: torch.device) -> str:
-    cap = _device_capability(device)
+    cap = capability(device)
     if cap is None:
         return f"{device} is not an NVIDIA CUDA device"
     return f"{device} has compute capability {cap[0]}.{cap[1]} (sm_{cap[0]}{cap[1]})"
@@ -68,7 +61,7 @@ def describe_device(device: torch.device) -> str:
 
 def cublas_available(device: torch.device) -> bool:
     """Whether ``torch._scaled_mm`` runs MXFP8 on ``device``: CUDA sm_100 or later."""
-    cap = _device_capability(device)
+    cap = capability(device)
     return cap is not None and cap >= CUBLAS_MIN_CAPABILITY and hasattr(torch, "_scaled_mm")
 
 
@@ -83,13 +76,13 @@ def cublas_grouped_available(device: torch.device) -> bool:
     built with the MSLK (formerly FBGEMM GenAI) kernels; PyTorch's own tests check the build the
     same way, through ``torch.__config__.show()``.
     """
-    cap = _device_capability(device)
+    cap = capability(device)
     return cap is not None and cap[0] == 10 and hasattr(torch, "_scaled_grouped_mm") and _TORCH_HAS_MSLK
 
 
 def triton_available(device: torch.device) -> bool:
     """Whether the triton backend runs on ``device``: an NVIDIA GPU of sm_89 or later, triton importable."""
-    cap = _device_capability(device)
+    cap = capability(device)
     return cap is not None and cap >= TRITON_MIN_CAPABILITY and importlib.util.find_spec("triton") is not None
 
 
@@ -105,7 +98,7 @@ def resolve_name(backend: str, device: torch.device) -> str:
         return "cublas" if cublas_available(device) else "emulated"
     if backend == "triton":
         if not triton_available(device):
-            cap = _device_capability(device)
+            cap = capability(device)
             gpu_ok = cap is not None and cap >= TRITON_MIN_CAPABILITY
             why = f"triton is not importable ({describe_device(device)})" if gpu_ok else describe_device(device)
             raise ValueError(

@@ -17,6 +17,8 @@ from mx_kernels.common import check_nvfp4
 from torch import Tensor
 
 from mx_recipe.formats.nvfp4 import NVFP4Tensor, to_nvfp4
+from mx_recipe.library import define
+from mx_recipe.ops.dispatch import draw_seed
 from mx_recipe.ops.nvfp4_fake_quant import ROWS, TILES, along_m_input, uses_kernel
 
 
@@ -48,9 +50,7 @@ def cast_nvfp4(
         raise ValueError(f"cast_nvfp4: rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if not uses_kernel(x):
         return reference_cast_nvfp4(x, along_k, along_m, tiles, signs, rounding, pad_m, generator)
-    seed = None
-    if rounding == "stochastic":
-        seed = torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64, generator=generator)
+    seed = draw_seed(x, generator) if rounding == "stochastic" else None
     q_k, scale_k, q_m, scale_m, s_dec = torch.ops.mx_recipe.cast_nvfp4(x, along_k, along_m, tiles, signs, seed, pad_m)
     k = NVFP4Tensor(q_k, scale_k, s_dec[0], 1, TILES if tiles else ROWS) if along_k else None
     m = NVFP4Tensor(q_m, scale_m, s_dec[1], 1, ROWS) if along_m else None
@@ -58,13 +58,6 @@ def cast_nvfp4(
 
 
 # --- the custom op: opaque to torch.compile, traced by its fake ---
-
-_LIB = torch.library.Library("mx_recipe", "FRAGMENT")
-_LIB.define(
-    "cast_nvfp4(Tensor x, bool along_k, bool along_m, bool tiles, Tensor? signs, Tensor? seed, int pad_m)"
-    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-    tags=(torch.Tag.pt2_compliant_tag,),
-)
 
 
 def _kernel(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | None, seed: Tensor | None,
@@ -89,6 +82,9 @@ def _fake(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | 
     )
 
 
-for _device in ("CUDA", "CPU"):  # CPU: the Triton interpreter (TRITON_INTERPRET=1), for tests
-    _LIB.impl("cast_nvfp4", _kernel, _device)
-torch.library.register_fake("mx_recipe::cast_nvfp4", _fake, lib=_LIB)
+define(
+    "cast_nvfp4(Tensor x, bool along_k, bool along_m, bool tiles, Tensor? signs, Tensor? seed, int pad_m)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _kernel,
+    _fake,
+)

@@ -23,6 +23,9 @@ from torch import Tensor
 
 from mx_recipe.formats.nvfp4 import NVFP4_BLOCK, hadamard_transform, nvfp4_operand
 from mx_recipe.formats.scale_layout import pad_groups, zero_rows_past_groups
+from mx_recipe.library import define
+from mx_recipe.ops.device import capability
+from mx_recipe.ops.dispatch import draw_seed
 
 TILES, ROWS = (NVFP4_BLOCK, NVFP4_BLOCK), (1, NVFP4_BLOCK)
 
@@ -38,7 +41,7 @@ class NVFP4Operands(NamedTuple):
 
 def uses_kernel(x: Tensor) -> bool:
     """The kernel takes bf16 on NVIDIA CUDA devices; everything else takes the reference."""
-    return x.is_cuda and x.dtype == torch.bfloat16 and torch.version.hip is None
+    return x.dtype == torch.bfloat16 and capability(x.device) is not None
 
 
 def along_m_input(x: Tensor, signs: Tensor | None, pad_m: int) -> Tensor:
@@ -79,9 +82,7 @@ def fake_quant_nvfp4(
         raise ValueError(f"fake_quant_nvfp4: rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if not uses_kernel(x):
         return reference_fake_quant_nvfp4(x, along_k, along_m, tiles, signs, rounding, generator)
-    seed = None
-    if rounding == "stochastic":
-        seed = torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64, generator=generator)
+    seed = draw_seed(x, generator) if rounding == "stochastic" else None
     k, m, s_dec = torch.ops.mx_recipe.fake_quant_nvfp4(x, along_k, along_m, tiles, signs, seed)
     return NVFP4Operands(k if along_k else None, s_dec[0], m if along_m else None, s_dec[1])
 
@@ -122,21 +123,12 @@ def fake_quant_nvfp4_groups(
         return reference_fake_quant_nvfp4_groups(
             x, offs, dest, row_src.numel(), along_k, along_m, signs, rounding, generator
         )
-    seed = None
-    if rounding == "stochastic":
-        seed = torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64, generator=generator)
+    seed = draw_seed(x, generator) if rounding == "stochastic" else None
     k, m, s_dec = torch.ops.mx_recipe.fake_quant_nvfp4_groups(x, row_src, offs[-1:], along_k, along_m, signs, seed)
     return NVFP4Operands(k if along_k else None, s_dec[0], m if along_m else None, s_dec[1])
 
 
 # --- the custom ops: opaque to torch.compile, traced by their fakes ---
-
-_LIB = torch.library.Library("mx_recipe", "FRAGMENT")
-_LIB.define(
-    "fake_quant_nvfp4(Tensor x, bool along_k, bool along_m, bool tiles, Tensor? signs, Tensor? seed)"
-    " -> (Tensor, Tensor, Tensor)",
-    tags=(torch.Tag.pt2_compliant_tag,),
-)
 
 
 def _kernel(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | None, seed: Tensor | None):
@@ -156,10 +148,11 @@ def _fake(x: Tensor, along_k: bool, along_m: bool, tiles: bool, signs: Tensor | 
     )
 
 
-_LIB.define(
-    "fake_quant_nvfp4_groups(Tensor x, Tensor row_src, Tensor group_end, bool along_k, bool along_m, Tensor? signs,"
-    " Tensor? seed) -> (Tensor, Tensor, Tensor)",
-    tags=(torch.Tag.pt2_compliant_tag,),
+define(
+    "fake_quant_nvfp4(Tensor x, bool along_k, bool along_m, bool tiles, Tensor? signs, Tensor? seed)"
+    " -> (Tensor, Tensor, Tensor)",
+    _kernel,
+    _fake,
 )
 
 
@@ -185,8 +178,9 @@ def _groups_fake(
     )
 
 
-for _device in ("CUDA", "CPU"):  # CPU: the Triton interpreter (TRITON_INTERPRET=1), for tests
-    _LIB.impl("fake_quant_nvfp4", _kernel, _device)
-    _LIB.impl("fake_quant_nvfp4_groups", _groups_kernel, _device)
-torch.library.register_fake("mx_recipe::fake_quant_nvfp4", _fake, lib=_LIB)
-torch.library.register_fake("mx_recipe::fake_quant_nvfp4_groups", _groups_fake, lib=_LIB)
+define(
+    "fake_quant_nvfp4_groups(Tensor x, Tensor row_src, Tensor group_end, bool along_k, bool along_m, Tensor? signs,"
+    " Tensor? seed) -> (Tensor, Tensor, Tensor)",
+    _groups_kernel,
+    _groups_fake,
+)
