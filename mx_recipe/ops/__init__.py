@@ -1,5 +1,6 @@
 """The ops: casts (MX and NVFP4), the kernel table and its custom ops (``dispatch``), the GEMM backends
-(``backends``: ``mx_backends``, ``nvfp4_backends``) and the raw GEMMs (``gemm``). Each op runs the reference of ``mx_recipe.formats`` or a kernel of ``mx_kernels``, the same bits.
+(``backends``: ``mx_backends``, ``nvfp4_backends``) and the raw GEMMs (``gemm``). Each op runs the reference
+of ``mx_recipe.formats`` or a kernel of ``mx_kernels``, the same bits.
 
 The kernel settings (``settings``) and the device probe (``device``) are exported here."""
 
