@@ -90,7 +90,8 @@ class GroupedExperts(nn.Module):
 
 
 class TokenChoiceRouter(nn.Module):
-    """Scores every expert for every token and keeps the top k. The gate stays in bf16."""
+    """Scores every expert for every token and keeps the top k. The gate runs in the compute dtype (bf16 or
+    fp32; mx.skip keeps it out of MX by default), the scores in fp32."""
 
     def __init__(self, args: MoEArgs):
         super().__init__()

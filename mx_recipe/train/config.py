@@ -68,6 +68,7 @@ class TrainingConfig:
     gradient_accumulation_steps: int = 1  # microbatches of local_batch_size per optimizer step
     skip_nan_steps: int = 0  # skip up to this many steps with a NaN/Inf loss before stopping
     deterministic: bool = False  # torch.use_deterministic_algorithms: two runs give the same bits (slower)
+    compute_dtype: str = "auto"  # auto (bf16 on CUDA and on CPUs with native bf16 matmul, else fp32), bf16, fp32
 
 
 @dataclass
@@ -322,6 +323,7 @@ def validate(config: Config) -> None:
     from mx_recipe.formats.mx import ROUNDINGS
     from mx_recipe.formats.recipe import BACKENDS, NVFP4_RECIPES, RECIPES, MXRecipe
     from mx_recipe.models import MODEL_FLAVORS
+    from mx_recipe.train.parallel import COMPUTE_DTYPES
 
     src = config.source
 
@@ -342,6 +344,8 @@ def validate(config: Config) -> None:
         fail("training.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
     if t.max_norm < 0:
         fail("training.max_norm", f"must be >= 0, got {t.max_norm}")
+    if t.compute_dtype != "auto" and t.compute_dtype not in COMPUTE_DTYPES:
+        fail("training.compute_dtype", f"unknown dtype {t.compute_dtype!r}; known: auto, {', '.join(COMPUTE_DTYPES)}")
     if config.metrics.log_freq <= 0:
         fail("metrics.log_freq", f"must be positive, got {config.metrics.log_freq}")
     if config.model.name not in MODEL_FLAVORS:

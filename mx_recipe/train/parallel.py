@@ -1,9 +1,10 @@
 """Process group, device mesh, activation checkpointing, compile and FSDP2.
 
 Every run, one process included, goes through FSDP2: the numerics of one GPU and of N GPUs
-then differ only in the order of the gradient reduction. bf16 compute with fp32 master weights
-and fp32 gradient reduction, through FSDP2's MixedPrecisionPolicy. The order per block is
-torchtitan's: activation checkpointing, then torch.compile, then fully_shard.
+then differ only in the order of the gradient reduction. Compute in bf16 (fp32 on a CPU without
+native bf16 matmul: ``resolve_compute_dtype``) with fp32 master weights and fp32 gradient reduction, through
+FSDP2's MixedPrecisionPolicy. The order per block is torchtitan's: activation checkpointing, then
+torch.compile, then fully_shard.
 """
 
 from __future__ import annotations
@@ -156,6 +157,31 @@ def apply_compile(model: nn.Module, mode: str = "default") -> None:
         block.compile(mode=None if mode == "default" else mode)
 
 
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively: ATen's vector capability is AVX512 and the CPU has
+    AVX512-BF16 or AMX. Without them (AVX2, ARM, others) a bf16 matmul has no native kernel and runs
+    16-33x slower than in fp32. Decided from the CPU's flags, not by timing, so every run on one machine
+    decides alike; ``ATEN_CPU_CAPABILITY=avx2`` lowers the capability and so gives False."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith("AVX512"):
+        return False
+    flags = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return any(flag is not None and flag() for flag in flags)
+
+
+def resolve_compute_dtype(name: str, device: torch.device) -> str:
+    """``training.compute_dtype`` on ``device``, "bf16" or "fp32" (a key of COMPUTE_DTYPES): as named, and
+    "auto" is bf16 on CUDA and on a CPU with native bf16 matmul (``cpu_has_native_bf16``), else fp32."""
+    if name == "auto":
+        return "bf16" if device.type == "cuda" or cpu_has_native_bf16() else "fp32"
+    if name not in COMPUTE_DTYPES:
+        raise ValueError(f"unknown compute dtype {name!r}; known: auto, {', '.join(COMPUTE_DTYPES)}")
+    return name
+
+
 @torch.no_grad()
 def materialize_and_shard(
     model: nn.Module,
@@ -164,7 +190,8 @@ def materialize_and_shard(
     param_dtype: torch.dtype = torch.bfloat16,
     reshard_after_forward: bool = True,
 ) -> DeviceMesh:
-    """Turn a model built on the meta device into an FSDP2 model on ``info.device``.
+    """Turn a model built on the meta device into an FSDP2 model on ``info.device`` that computes in
+    ``param_dtype`` (``resolve_compute_dtype``) over fp32 master weights.
 
     Each block is materialized in full, initialized, then sharded with ``fully_shard``, one at a
     time; then the root (embeddings, final norm, output). Every rank draws the same full values

@@ -7,6 +7,7 @@ logs the same losses as one that never stopped (exactly, on CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -41,6 +42,7 @@ from mx_recipe.train.data import build_datasets
 from mx_recipe.train.faults import fault_hooks
 from mx_recipe.train.metrics import MetricsLogger, peak_memory_gib
 from mx_recipe.train.parallel import (
+    COMPUTE_DTYPES,
     DistInfo,
     all_reduce_mean,
     apply_activation_checkpointing,
@@ -48,6 +50,7 @@ from mx_recipe.train.parallel import (
     build_mesh,
     materialize_and_shard,
     reshard,
+    resolve_compute_dtype,
 )
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -195,7 +198,8 @@ def _agree(loss: torch.Tensor, grad_norm: torch.Tensor, signum: int) -> tuple[bo
 
 def build_sharded_model(config: Config, args, info: DistInfo, mesh, log) -> torch.nn.Module:
     """The model on the meta device, converted to MX, with activation checkpointing and compile
-    per block, then materialized block by block from the seed and sharded (torchtitan's order)."""
+    per block, then materialized block by block from the seed and sharded (torchtitan's order) to
+    compute in training.compute_dtype."""
     seed_everything(config.job.seed)
     with torch.device("meta"):
         model = build_model(args)
@@ -213,7 +217,8 @@ def build_sharded_model(config: Config, args, info: DistInfo, mesh, log) -> torc
     if config.compile.enable:
         apply_compile(model, config.compile.mode)
     seed_everything(config.job.seed)  # the same initial weights on every world size
-    materialize_and_shard(model, info, mesh, reshard_after_forward=config.parallel.reshard_after_forward)
+    dtype = COMPUTE_DTYPES[resolve_compute_dtype(config.training.compute_dtype, info.device)]
+    materialize_and_shard(model, info, mesh, dtype, reshard_after_forward=config.parallel.reshard_after_forward)
     return model
 
 
@@ -321,6 +326,10 @@ def train(config: Config, info: DistInfo) -> list[dict]:
 
 def _train(config: Config, info: DistInfo) -> list[dict]:
     log = print if info.is_main else (lambda *a, **k: None)
+    # "auto" resolved here, so that the config.toml of the run names the dtype it computed in
+    asked = config.training.compute_dtype
+    dtype = resolve_compute_dtype(asked, info.device)
+    config = dataclasses.replace(config, training=dataclasses.replace(config.training, compute_dtype=dtype))
     t, ckpt = config.training, config.checkpoint
     output_dir = Path(config.job.output_dir)
     problem = _output_dir_problem(output_dir, output_dir / ckpt.folder) if info.is_main else None
@@ -356,7 +365,8 @@ def _train(config: Config, info: DistInfo) -> list[dict]:
     global_batch = t.local_batch_size * info.world_size * t.gradient_accumulation_steps
     log(
         f"model {config.model.name} {config.model.flavor}: {num_params / 1e6:.1f}M parameters, "
-        f"mx recipe {config.mx.recipe}, {info.world_size} x {info.device.type} (mesh {tuple(mesh.shape)}), "
+        f"mx recipe {config.mx.recipe}, compute dtype {dtype}{' (auto)' if asked == 'auto' else ''}, "
+        f"{info.world_size} x {info.device.type} (mesh {tuple(mesh.shape)}), "
         f"global batch {global_batch} x {t.seq_len} tokens, activation checkpointing "
         f"{config.activation_checkpoint.mode}, compile "
         f"{f'on ({config.compile.mode})' if config.compile.enable else 'off'}"
