@@ -89,7 +89,8 @@ def test_bad_recipe_or_override_stops_before_any_run(tmp_path):
 
 def test_real_cpu_sweep_of_debug_mxfp8(tmp_path):
     out = tmp_path / "out"
-    small = ["--training.steps", "4", "--training.seq_len", "64", "--data.max_bytes", "2000000"]
+    small = ["--training.steps", "4", "--training.local_batch_size", "2", "--training.seq_len", "64"]
+    small += ["--data.max_bytes", "2000000"]
     proc = subprocess.run([*SWEEP, "--config", "debug_mxfp8", "--recipes", "none", "mxfp8", "--out", str(out),
                            *small, "--metrics.log_freq", "1"], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr + proc.stdout

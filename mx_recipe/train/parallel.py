@@ -162,8 +162,8 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively: ATen's vector capability is AVX512 and the CPU has
-    AVX512-BF16 or AMX. Without them (AVX2, ARM, others) a bf16 matmul is converted element by element,
-    16-33x slower than fp32. Decided from the CPU's flags, not by timing, so every run on one machine
+    AVX512-BF16 or AMX. Without them (AVX2, ARM, others) a bf16 matmul has no native kernel and runs
+    16-33x slower than in fp32. Decided from the CPU's flags, not by timing, so every run on one machine
     decides alike; ``ATEN_CPU_CAPABILITY=avx2`` lowers the capability and so gives False."""
     capability = torch.backends.cpu.get_cpu_capability()
     if not capability.startswith("AVX512"):
