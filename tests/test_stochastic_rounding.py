@@ -1,4 +1,4 @@
-"""Stochastic rounding in the MX reference (formats.py ``rounding="stochastic"``) and its dispatch.
+"""Stochastic rounding in the MX reference (formats/mx.py ``rounding="stochastic"``) and its dispatch.
 
 The contract: a scaled value v / 2**e between adjacent grid points lo < |v| < hi of the element
 format goes to hi with probability f = (|v| - lo) / (hi - lo), else to lo: up exactly when f + u >= 1

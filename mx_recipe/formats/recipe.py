@@ -41,7 +41,7 @@ class MXRecipe:
     grad_weight: gw = g.T @ x   -- element format of x (or "bf16"); g uses ``grad``
 
     grad_rounding: how g is rounded to ``grad`` in the backward GEMMs: "nearest" (ties to even) or
-        "stochastic" (formats.py; unbiased), which needs grad="e2m1": it is for MXFP4 gradients, whose
+        "stochastic" (formats/mx.py; unbiased), which needs grad="e2m1": it is for MXFP4 gradients, whose
         1-bit mantissa makes round-to-nearest's bias matter; the fp8 cast kernels round to nearest.
         Random bits come from the default generator of g's device (torch.manual_seed repeats them).
     save_mx_input: save x for backward in MX form, x along M as the grad-weight GEMM quantizes it

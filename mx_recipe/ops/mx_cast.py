@@ -1,7 +1,7 @@
 """The MX casts and fake-quants: the public entry points, each a contract that every implementation meets bit
 for bit (the reference, a Triton kernel, a Gluon kernel on Hopper; ``mx_recipe.ops.dispatch`` picks which runs).
 
-* ``blocked_scales=False``: an ``MXTensor`` (formats.py), quantized along its last dim;
+* ``blocked_scales=False``: an ``MXTensor`` (formats/mx.py), quantized along its last dim;
 * ``blocked_scales=True``: a ``BlockedMXTensor``, whose scales are already in the blocked layout that hardware
   block-scaled GEMMs read (docs/DESIGN.md, Scale layout), written by the cast kernel itself.
 
