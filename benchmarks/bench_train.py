@@ -3,11 +3,12 @@
     python benchmarks/bench_train.py --config llama1b_bf16 --recipes mxfp8 [--layers N] [--steps 10]
         [--warmup 3] [--rounds 3] [--out FILE] [--section.key value ...]
 
-Every variant is the config as train.py builds it (conversion, activation checkpointing, compile per
-block, FSDP2 over a 1-process group), with ``mx.recipe`` set to "none" (bf16) or to one of ``--recipes``;
-``--layers`` keeps the first N blocks (to fit a large flavor on one GPU). All variants are resident at
-once and train on the same pre-drawn batches: after ``--warmup`` steps each (compilation), every round
-runs ``--steps`` steps of each variant in turn, so that a drift of the clock lands on all of them.
+Every variant is the config as train.py builds and steps it (conversion, activation checkpointing, compile
+per block, unsharded mixed precision, CUDA graph, clipping and fused AdamW as the config says), with
+``mx.recipe`` set to "none" (bf16) or to one of ``--recipes``; ``--layers`` keeps the first N blocks (to fit a
+large flavor on one GPU). All variants are resident at once and train on the same pre-drawn batches: after
+``--warmup`` steps each (compilation, the CUDA graph's capture), every round runs ``--steps`` steps of each
+variant in turn, so that a drift of the clock lands on all of them.
 Printed per variant: median tokens/s over the rounds, MFU, the peak memory of its steps (the other
 variants' weights and optimizer state included) and the ratio to bf16, with the device name; ``--out``
 writes JSON with provenance for docs/results/.
@@ -36,7 +37,15 @@ from mx_recipe.train.config import ConfigError, load_config, parse_overrides
 from mx_recipe.train.data import build_datasets
 from mx_recipe.train.metrics import device_peak_flops
 from mx_recipe.train.parallel import build_mesh, destroy_distributed, init_distributed
-from mx_recipe.train.trainer import build_sharded_model, forward_backward, padded_vocab_size
+from mx_recipe.train.step import TrainStep
+from mx_recipe.train.trainer import (
+    build_optimizer,
+    build_training_model,
+    padded_vocab_size,
+    step_setup,
+    update_expert_biases,
+    uses_cuda_graph,
+)
 
 
 @dataclasses.dataclass
@@ -45,7 +54,7 @@ class Variant:
 
     recipe: str
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    step: TrainStep
     flops_per_token: float
     tokens_per_sec: list[float] = dataclasses.field(default_factory=list)
     peak_gib: float | None = None  # CUDA only
@@ -64,12 +73,10 @@ def with_layers(dims, layers: int | None):
 
 def build_variant(config, recipe: str, dims, info, mesh) -> Variant:
     config = dataclasses.replace(config, mx=dataclasses.replace(config.mx, recipe=recipe))
-    model = build_sharded_model(config, dims, info, mesh, log=lambda *a: None)
+    model = build_training_model(config, dims, info, mesh, log=lambda *a: None)
     t = config.training
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay
-    )
-    return Variant(recipe, model, optimizer, flops_per_token(dims, model, t.seq_len))
+    step = TrainStep(model, build_optimizer(model, t), info.device, t.max_norm, uses_cuda_graph(config, model, info))
+    return Variant(recipe, model, step, flops_per_token(dims, model, t.seq_len))
 
 
 def synchronize(device: torch.device) -> None:
@@ -85,14 +92,16 @@ def run_steps(v: Variant, batches: list, device: torch.device) -> float:
     synchronize(device)
     start = time.perf_counter()
     for microbatches in batches:
-        loss = forward_backward(v.model, microbatches, device)
-        v.optimizer.step()
-        v.optimizer.zero_grad(set_to_none=True)
+        loss, _ = v.step(microbatches)
+        finite = torch.isfinite(loss).item()  # train.py reads the loss on the host every step too
+        v.step.update()
+        update_expert_biases(v.model)
+        v.step.zero_grad()
+        if not finite:
+            raise SystemExit(f"{v.recipe}: the loss is {loss.item()}")
     synchronize(device)
     elapsed = time.perf_counter() - start
     v.losses.append(loss.item())
-    if not torch.isfinite(loss):
-        raise SystemExit(f"{v.recipe}: the loss is {loss.item()}")
     return elapsed
 
 
@@ -171,7 +180,7 @@ def main() -> int:
         print(
             f"device: {device_name}, torch {torch.__version__}, {config.model.name} {config.model.flavor} "
             f"({dims.n_layers} blocks), {t.local_batch_size} x {t.seq_len} tokens x {t.gradient_accumulation_steps} "
-            f"microbatches a step, compile {f'on ({config.compile.mode})' if config.compile.enable else 'off'}"
+            f"microbatches a step, {step_setup(config, info, mesh, variants[0].step.cuda_graph)}"
         )
         for v in variants:
             run_steps(v, batches[: args.warmup], info.device)

@@ -42,8 +42,11 @@ def test_layers_keeps_the_first_blocks_and_refuses_more_than_the_flavor_has():
 
 def test_no_warmup_steps_run_nothing():
     bench = load_benchmark("bench_train")
+    from mx_recipe.train.step import TrainStep
+
     model = torch.nn.Linear(2, 2)
-    v = bench.Variant("none", model, torch.optim.AdamW(model.parameters()), 1.0)
+    step = TrainStep(model, torch.optim.AdamW(model.parameters()), torch.device("cpu"), max_norm=1.0)
+    v = bench.Variant("none", model, step, 1.0)
     assert bench.run_steps(v, [], torch.device("cpu")) == 0.0 and v.losses == []
 
 

@@ -32,7 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 from mx_recipe.models import build_model, model_args
 from mx_recipe.train.faults import NO_FAULTS, FaultHooks, fault_hooks, set_fault_hooks
 from mx_recipe.train.parallel import DistInfo, apply_activation_checkpointing, materialize_and_shard
-from mx_recipe.train.trainer import forward_backward
+from mx_recipe.train.step import forward_backward
 
 CPU = torch.device("cpu")
 

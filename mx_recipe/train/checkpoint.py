@@ -156,6 +156,24 @@ def _remove(path: Path) -> None:
     shutil.rmtree(doomed)
 
 
+# How the optimizer runs, not what it learned: load_state_dict takes these from the checkpoint's param groups, and
+# they stay as this run built them (a checkpoint of the foreach AdamW resumes fused, and back).
+_OPTIMIZER_IMPLEMENTATION = ("fused", "foreach", "capturable")
+
+
+@torch.no_grad()
+def _keep_implementation(optimizer: torch.optim.Optimizer, kept: list[dict[str, Any]]) -> None:
+    """Put back the implementation flags ``kept`` from before a load, and each parameter's step count where that
+    implementation keeps it: on the parameter's device for fused and capturable AdamW, on the CPU otherwise."""
+    for group, flags in zip(optimizer.param_groups, kept, strict=True):
+        group.update(flags)
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                optimizer.state[p]["step"] = step.to(p.device if on_device else "cpu", torch.float32)
+
+
 class Checkpointer:
     """Saves and loads checkpoints for one run; every method is collective (all ranks call it)."""
 
@@ -270,7 +288,9 @@ class Checkpointer:
         state = self._state(model, optimizer, scheduler, train_state)
         state[f"rank_{source}"] = b""
         dcp.load(state, checkpoint_id=path)
+        kept = [{key: group.get(key) for key in _OPTIMIZER_IMPLEMENTATION} for group in optimizer.param_groups]
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        _keep_implementation(optimizer, kept)
         scheduler.load_state_dict(state["scheduler"])
         for key, value in state["train_state"].items():
             setattr(train_state, key, value)

@@ -35,8 +35,9 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = "debug_mxfp8"
 REQUIRED: Any = object()  # sentinel default: the key must be given
 AC_MODES = ("none", "selective", "full")
-# torch.compile modes; "reduce-overhead" captures each compiled block in CUDA graphs (no host launch cost)
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+# torch.compile modes; "reduce-overhead" is refused by validate (training.cuda_graph captures the whole step)
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
@@ -77,6 +78,8 @@ class TrainingConfig:
     skip_nan_steps: int = 0  # skip up to this many steps with a NaN/Inf loss before stopping
     deterministic: bool = False  # torch.use_deterministic_algorithms: two runs give the same bits (slower)
     compute_dtype: str = "auto"  # auto (bf16 on CUDA and on CPUs with native bf16 matmul, else fp32), bf16, fp32
+    cuda_graph: str = "auto"  # capture forward+backward in a CUDA graph: auto (where it can: 1 CUDA device), on, off
+    fused_adamw: bool = True  # AdamW as torch's fused kernels (false: its foreach AdamW; same state, other rounding)
 
 
 @dataclass
@@ -137,7 +140,7 @@ class MetricsConfig:
 @dataclass
 class CompileConfig:
     enable: bool = False  # torch.compile each transformer block
-    mode: str = "default"  # torch.compile's mode: default, reduce-overhead (CUDA graphs), max-autotune-no-cudagraphs
+    mode: str = "default"  # torch.compile's mode: default, max-autotune-no-cudagraphs
 
 
 @dataclass
@@ -149,6 +152,7 @@ class ActivationCheckpointConfig:
 class ParallelConfig:
     reshard_after_forward: bool = True  # FSDP2: free the gathered weights after forward (less memory)
     dp_replicate: int = 1  # HSDP: replicate x shard mesh; 1 is plain FSDP
+    fsdp_on_one_device: bool = False  # a 1-process run shards through FSDP2 too (false: unsharded, no FSDP2 copies)
 
 
 @dataclass
@@ -399,6 +403,15 @@ def validate(config: Config) -> None:
             fail(key, f"must be >= 0, got {value}")
     if not 0.0 <= config.data.validation_fraction < 1.0:
         fail("data.validation_fraction", f"must be in [0, 1), got {config.data.validation_fraction}")
+    if t.cuda_graph not in CUDA_GRAPH_MODES:
+        fail("training.cuda_graph", f"unknown mode {t.cuda_graph!r}; known: {', '.join(CUDA_GRAPH_MODES)}")
+    if config.compile.mode == "reduce-overhead":
+        fail(
+            "compile.mode",
+            "reduce-overhead (CUDA graphs per block) re-records its graphs on every step, as each block mutates its "
+            "inputs (the MoE's token counts, FSDP2's weights), and runs slower than default: use compile.mode "
+            "default with training.cuda_graph, which captures the whole forward and backward",
+        )
     if config.compile.mode not in COMPILE_MODES:
         fail("compile.mode", f"unknown mode {config.compile.mode!r}; known: {', '.join(COMPILE_MODES)}")
     if config.activation_checkpoint.mode not in AC_MODES:

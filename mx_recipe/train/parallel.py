@@ -1,10 +1,11 @@
-"""Process group, device mesh, activation checkpointing, compile and FSDP2.
+"""Process group, device mesh, activation checkpointing, compile, FSDP2 and its one-device alternative.
 
-Every run, one process included, goes through FSDP2: the numerics of one GPU and of N GPUs
-then differ only in the order of the gradient reduction. Compute in bf16 (fp32 on a CPU without
-native bf16 matmul: ``resolve_compute_dtype``) with fp32 master weights and fp32 gradient reduction, through
-FSDP2's MixedPrecisionPolicy. The order per block is torchtitan's: activation checkpointing, then
-torch.compile, then fully_shard.
+Several processes train through FSDP2. One process trains unsharded (``materialize_unsharded``) with the
+same mixed precision and no FSDP2 copies, unless parallel.fsdp_on_one_device keeps FSDP2 there too; the
+numerics of one GPU and of N GPUs differ only in the order of the gradient reduction. Compute in bf16
+(fp32 on a CPU without native bf16 matmul: ``resolve_compute_dtype``) with fp32 master weights and fp32
+gradient reduction, through FSDP2's MixedPrecisionPolicy or ``mixed_precision``. The order per block
+is torchtitan's: activation checkpointing, then torch.compile, then fully_shard.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+
+from mx_recipe.train.mixed_precision import mixed_precision
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,30 @@ def resolve_compute_dtype(name: str, device: torch.device) -> str:
     return name
 
 
+def _materialize(model: nn.Module, device: torch.device, shard_block: Callable[[int, nn.Module], None]) -> None:
+    """Materialize a model built on the meta device on ``device`` and initialize it, block by block and then the
+    root, in one order whatever happens to each block after (``shard_block``), so that every rank and every
+    world size draws the same initial weights from the same seed."""
+    for i, block in enumerate(model.layers.values()):
+        block.to_empty(device=device)
+        block.init_weights()
+        shard_block(i, block)
+    for name, child in model.named_children():
+        if name != "layers":
+            child.to_empty(device=device)
+    model.to_empty(device=device, recurse=False)
+    model.init_root_weights()
+
+
+@torch.no_grad()
+def materialize_unsharded(model: nn.Module, info: DistInfo, param_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """A model built on the meta device on ``info.device``, unsharded, computing in ``param_dtype`` over fp32
+    master weights (``mixed_precision``; a plain fp32 model when ``param_dtype`` is fp32). For one device: the
+    same initial weights and numerics as ``materialize_and_shard`` there, without FSDP2's copies."""
+    _materialize(model, info.device, lambda i, block: None)
+    return model if param_dtype == torch.float32 else mixed_precision(model, param_dtype, model.layers.values())
+
+
 @torch.no_grad()
 def materialize_and_shard(
     model: nn.Module,
@@ -201,18 +228,14 @@ def materialize_and_shard(
     """
     mesh = mesh if mesh is not None else build_mesh(info)
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    layers = list(model.layers.values())
-    for i, block in enumerate(layers):
-        block.to_empty(device=info.device)
-        block.init_weights()
+    n_blocks = len(model.layers)
+
+    def shard_block(i: int, block: nn.Module) -> None:
         # The last block's parameters are gathered again at once by backward: keep them.
-        reshard = reshard_after_forward and i < len(layers) - 1
+        reshard = reshard_after_forward and i < n_blocks - 1
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
-    for name, child in model.named_children():
-        if name != "layers":
-            child.to_empty(device=info.device)
-    model.to_empty(device=info.device, recurse=False)
-    model.init_root_weights()
+
+    _materialize(model, info.device, shard_block)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     return mesh
 

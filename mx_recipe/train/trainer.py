@@ -20,7 +20,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -37,10 +36,11 @@ from mx_recipe.train.checkpoint import (
     TrainState,
     latest_checkpoint,
 )
-from mx_recipe.train.config import Config, build_mx_recipe, config_to_dict, config_to_toml
+from mx_recipe.train.config import Config, TrainingConfig, build_mx_recipe, config_to_dict, config_to_toml
 from mx_recipe.train.data import build_datasets
 from mx_recipe.train.faults import fault_hooks
 from mx_recipe.train.metrics import MetricsLogger, peak_memory_gib
+from mx_recipe.train.mixed_precision import compute_weights
 from mx_recipe.train.parallel import (
     COMPUTE_DTYPES,
     DistInfo,
@@ -49,9 +49,11 @@ from mx_recipe.train.parallel import (
     apply_compile,
     build_mesh,
     materialize_and_shard,
+    materialize_unsharded,
     reshard,
     resolve_compute_dtype,
 )
+from mx_recipe.train.step import TrainStep, can_capture
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -122,32 +124,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # CPU and every CUDA device
 
 
-def forward_backward(
-    model: torch.nn.Module,
-    microbatches: list[tuple[torch.Tensor, torch.Tensor]],
-    device: torch.device,
-    inject_nan: bool = False,
-) -> torch.Tensor:
-    """Forward and backward over one step's microbatches; returns their mean loss (fp32, detached).
-
-    Each microbatch's loss is scaled by 1/n, so the accumulated gradient is that of the mean over
-    all of them. FSDP reduce-scatters the gradients once, after the last microbatch.
-    """
-    n = len(microbatches)
-    total = torch.zeros((), device=device)
-    for i, (inputs, targets) in enumerate(microbatches):
-        if isinstance(model, FSDPModule):
-            model.set_requires_gradient_sync(i == n - 1)
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # loss in fp32
-        if inject_nan:
-            loss = loss * float("nan")
-        (loss / n).backward()
-        total += loss.detach() / n
-    return total
-
-
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches, device: torch.device) -> float:
     """Mean loss per token over ``batches`` (an iterable of (inputs, targets)) and over all ranks.
@@ -159,11 +135,12 @@ def evaluate(model: torch.nn.Module, batches, device: torch.device) -> float:
     model.eval()
     counts = [(m, m.tokens_per_expert.clone()) for m in moe_layers(model)]
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, tokens
-    for inputs, targets in batches:
-        inputs, targets = inputs.to(device), targets.to(device)
-        logits = model(inputs)
-        totals[0] += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum").double()
-        totals[1] += targets.numel()
+    with compute_weights(model):
+        for inputs, targets in batches:
+            inputs, targets = inputs.to(device), targets.to(device)
+            logits = model(inputs)
+            totals[0] += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum").double()
+            totals[1] += targets.numel()
     dist.all_reduce(totals)
     for m, saved in counts:
         m.tokens_per_expert.copy_(saved)
@@ -196,10 +173,51 @@ def _agree(loss: torch.Tensor, grad_norm: torch.Tensor, signum: int) -> tuple[bo
     return bool(bad_loss), bool(bad_grad), int(sig)
 
 
-def build_sharded_model(config: Config, args, info: DistInfo, mesh, log) -> torch.nn.Module:
+def build_optimizer(model: torch.nn.Module, t: TrainingConfig) -> torch.optim.AdamW:
+    """AdamW over the model's (fp32 master) parameters, fused unless training.fused_adamw is false: the foreach
+    AdamW launches several kernels per parameter group and, over FSDP2's DTensors, costs more host time than the
+    GPU time of its math."""
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+        weight_decay=t.weight_decay,
+        fused=t.fused_adamw,
+        foreach=None if t.fused_adamw else True,
+    )
+
+
+def uses_fsdp(config: Config, info: DistInfo) -> bool:
+    """Whether the run shards through FSDP2: several processes, or one with parallel.fsdp_on_one_device."""
+    return info.world_size > 1 or config.parallel.fsdp_on_one_device
+
+
+def step_setup(config: Config, info: DistInfo, mesh, cuda_graph: bool) -> str:
+    """How a step runs, for the start-up line and the benchmarks: sharding, optimizer, CUDA graph, AC, compile."""
+    graph = "on" if cuda_graph else "off"
+    sharding = f"FSDP2 mesh {tuple(mesh.shape)}" if uses_fsdp(config, info) else "unsharded"
+    compiled = f"on ({config.compile.mode})" if config.compile.enable else "off"
+    return (
+        f"{sharding}, AdamW {'fused' if config.training.fused_adamw else 'foreach'}, CUDA graph {graph}, "
+        f"activation checkpointing {config.activation_checkpoint.mode}, compile {compiled}"
+    )
+
+
+def uses_cuda_graph(config: Config, model: torch.nn.Module, info: DistInfo) -> bool:
+    """training.cuda_graph: "on" (a step that cannot be captured is a SetupError naming why), "off", or "auto":
+    on wherever the step can be captured (one CUDA device, unsharded, bf16 compute)."""
+    mode = config.training.cuda_graph
+    reason = can_capture(model, info.device)
+    if mode == "on" and reason is not None:
+        raise SetupError(f"training.cuda_graph is on, but {reason}: set it to auto or off")
+    return mode != "off" and reason is None
+
+
+def build_training_model(config: Config, args, info: DistInfo, mesh, log) -> torch.nn.Module:
     """The model on the meta device, converted to MX, with activation checkpointing and compile
-    per block, then materialized block by block from the seed and sharded (torchtitan's order) to
-    compute in training.compute_dtype."""
+    per block, then materialized block by block from the seed and sharded (torchtitan's order), or on
+    one device left unsharded (``uses_fsdp``), to compute in training.compute_dtype."""
     seed_everything(config.job.seed)
     with torch.device("meta"):
         model = build_model(args)
@@ -218,6 +236,8 @@ def build_sharded_model(config: Config, args, info: DistInfo, mesh, log) -> torc
         apply_compile(model, config.compile.mode)
     seed_everything(config.job.seed)  # the same initial weights on every world size
     dtype = COMPUTE_DTYPES[resolve_compute_dtype(config.training.compute_dtype, info.device)]
+    if not uses_fsdp(config, info):
+        return materialize_unsharded(model, info, dtype)
     materialize_and_shard(model, info, mesh, dtype, reshard_after_forward=config.parallel.reshard_after_forward)
     return model
 
@@ -360,21 +380,19 @@ def _train(config: Config, info: DistInfo) -> list[dict]:
         raise SetupError(f"checkpoint.folder: cannot write {checkpointer.folder}")
 
     args = model_args(config.model.name, config.model.flavor, padded_vocab_size(data.tokenizer.vocab_size), t.seq_len)
-    model = build_sharded_model(config, args, info, mesh, log)
+    model = build_training_model(config, args, info, mesh, log)
     num_params = sum(p.numel() for p in model.parameters())  # DTensors: numel() is the global size
     global_batch = t.local_batch_size * info.world_size * t.gradient_accumulation_steps
+    optimizer = build_optimizer(model, t)
+    cuda_graph = uses_cuda_graph(config, model, info)
+    train_step = TrainStep(model, optimizer, info.device, t.max_norm, cuda_graph=cuda_graph)
     log(
         f"model {config.model.name} {config.model.flavor}: {num_params / 1e6:.1f}M parameters, "
         f"mx recipe {config.mx.recipe}, compute dtype {dtype}{' (auto)' if asked == 'auto' else ''}, "
-        f"{info.world_size} x {info.device.type} (mesh {tuple(mesh.shape)}), "
-        f"global batch {global_batch} x {t.seq_len} tokens, activation checkpointing "
-        f"{config.activation_checkpoint.mode}, compile "
-        f"{f'on ({config.compile.mode})' if config.compile.enable else 'off'}"
+        f"{info.world_size} x {info.device.type}, global batch {global_batch} x {t.seq_len} tokens, "
+        + step_setup(config, info, mesh, cuda_graph)
     )
 
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay
-    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda i: lr_lambda(i + 1, t.warmup_steps, t.steps, t.min_lr_ratio)
     )
@@ -395,16 +413,12 @@ def _train(config: Config, info: DistInfo) -> list[dict]:
         done_file.unlink(missing_ok=True)
 
     faults = fault_hooks()  # tests only (faults.py); by default nothing is injected
-    max_norm = t.max_norm if t.max_norm > 0 else math.inf
     records: list[dict] = []
     try:
         with StopSignals() as signals:
             for step in range(state.step + 1, t.steps + 1):
                 microbatches = [data.train.next_batch() for _ in range(t.gradient_accumulation_steps)]
-                loss = forward_backward(model, microbatches, info.device, inject_nan=step in faults.nan_loss_steps)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
-                    grad_norm = grad_norm.full_tensor()
+                loss, grad_norm = train_step(microbatches, inject_nan=step in faults.nan_loss_steps)
                 if step == faults.signal_step and info.is_main:
                     os.kill(os.getpid(), signal.SIGTERM)
                 bad_loss, bad_grad, signum = _agree(loss, grad_norm, signals.received)
@@ -426,9 +440,9 @@ def _train(config: Config, info: DistInfo) -> list[dict]:
                     for m in moe_layers(model):
                         m.tokens_per_expert.zero_()
                 else:
-                    optimizer.step()
+                    train_step.update()
                     update_expert_biases(model)
-                optimizer.zero_grad(set_to_none=True)
+                train_step.zero_grad()
                 lr = scheduler.get_last_lr()[0]
                 scheduler.step()
                 metrics.add_tokens(sum(inputs.numel() for inputs, _ in microbatches))
