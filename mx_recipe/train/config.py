@@ -78,7 +78,7 @@ class TrainingConfig:
     skip_nan_steps: int = 0  # skip up to this many steps with a NaN/Inf loss before stopping
     deterministic: bool = False  # torch.use_deterministic_algorithms: two runs give the same bits (slower)
     compute_dtype: str = "auto"  # auto (bf16 on CUDA and on CPUs with native bf16 matmul, else fp32), bf16, fp32
-    cuda_graph: str = "auto"  # capture forward+backward in a CUDA graph: auto (where it can: 1 CUDA device), on, off
+    cuda_graph: str = "auto"  # capture forward+backward in a CUDA graph: auto (on CUDA without FSDP2), on, off
     fused_adamw: bool = True  # AdamW as torch's fused kernels (false: its foreach AdamW; same state, other rounding)
 
 
@@ -152,7 +152,7 @@ class ActivationCheckpointConfig:
 class ParallelConfig:
     reshard_after_forward: bool = True  # FSDP2: free the gathered weights after forward (less memory)
     dp_replicate: int = 1  # HSDP: replicate x shard mesh; 1 is plain FSDP
-    fsdp_on_one_device: bool = False  # a 1-process run shards through FSDP2 too (false: unsharded, no FSDP2 copies)
+    fsdp_on_one_device: bool = False  # FSDP2 also where a shard group is one rank (false: whole model, no FSDP2 copies)
 
 
 @dataclass

@@ -1,11 +1,13 @@
-"""Mixed precision on one device without FSDP2: fp32 master weights, compute copies in bf16.
+"""Mixed precision without FSDP2, for a model that each rank holds whole: fp32 master weights, compute copies in
+the compute dtype, gradients averaged over the ranks by one all-reduce.
 
-On one device FSDP2 has nothing to shard, but it still runs its all-gather and reduce-scatter
-machinery: every step it casts each weight into an all-gather buffer, copies it out, and in backward
-copies each gradient into a reduce-scatter buffer in fp32 and out again, twice over for blocks that
-reshard after forward. On a 2-billion-parameter MoE that is about 70 GB of copies a step (17 ms on
-an H200). ``mixed_precision`` does only what the arithmetic needs, with the same numerics as FSDP2's
-MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32) at world size 1:
+On one device FSDP2 has nothing to shard, and with every rank holding the whole model (HSDP with shard groups of
+one rank) nothing to gather, but it still runs its all-gather and reduce-scatter machinery: every step it casts
+each weight into an all-gather buffer, copies it out, and in backward copies each gradient into a reduce-scatter
+buffer in fp32 and out again, twice over for blocks that reshard after forward. On a 2-billion-parameter MoE that
+is about 70 GB of copies a step (17 ms on an H200), and its hooks keep the step on the host, out of a CUDA graph.
+``mixed_precision`` does only what the arithmetic needs, with the numerics of FSDP2's
+MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32):
 
 - the parameters stay the model's own fp32 tensors (same names, state dict, checkpoints and optimizer
   as the FSDP2 run: a checkpoint moves between the two);
@@ -13,7 +15,9 @@ MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32) at world size 1:
   the copies in their place for forward and backward;
 - ``accumulate_grads(first)`` after each microbatch's backward moves the copies' gradients into the
   masters' fp32 ``.grad``: copied for the first microbatch, added after (as FSDP2 accumulates
-  unsynchronized microbatches in its reduce dtype).
+  unsynchronized microbatches in its reduce dtype);
+- the masters' gradients are views of one flat fp32 buffer, allocated once, so that ``all_reduce_grads``
+  averages them over the ranks in one collective, and a CUDA graph finds them at the same address each step.
 
 As ``fully_shard`` does, it changes the model's class (``MixedPrecisionModule`` is a mixin), so the
 loop asks ``isinstance(model, MixedPrecisionModule)``.
@@ -26,6 +30,7 @@ import functools
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -35,6 +40,8 @@ class MixedPrecisionModule:
     _mp_slots: list[tuple[nn.Module, str, int]]  # (module, parameter name, index into the lists below)
     _mp_masters: list[nn.Parameter]  # fp32, unique
     _mp_compute: list[nn.Parameter]  # param_dtype copies, one per master
+    _mp_grads: list[torch.Tensor]  # the masters' gradients: views of _mp_flat_grads
+    _mp_flat_grads: torch.Tensor  # fp32
 
     @contextlib.contextmanager
     def compute_weights(self) -> Iterator[None]:
@@ -54,24 +61,33 @@ class MixedPrecisionModule:
     @torch.no_grad()
     def accumulate_grads(self, first: bool) -> None:
         """Move the compute copies' gradients into the masters' ``.grad`` (fp32): ``first``, a step's first
-        microbatch, overwrites them (a master with no ``.grad`` gets one); later ones add to them."""
-        pairs = [(m, c) for m, c in zip(self._mp_masters, self._mp_compute, strict=True) if c.grad is not None]
+        microbatch, overwrites them (a parameter without a gradient this microbatch gets zeros); later ones add."""
+        masters, compute, grads = self._mp_masters, self._mp_compute, self._mp_grads
+        for m, g in zip(masters, grads, strict=True):
+            if m.grad is None:  # dropped by zero_grad: the same view again
+                m.grad = g
+        have = [i for i, c in enumerate(compute) if c.grad is not None]
         if first:
-            for m, _ in pairs:
-                if m.grad is None:
-                    m.grad = torch.empty_like(m)
-            torch._foreach_copy_([m.grad for m, _ in pairs], [c.grad for _, c in pairs])
+            if len(have) < len(compute):
+                self._mp_flat_grads.zero_()
+            torch._foreach_copy_([grads[i] for i in have], [compute[i].grad for i in have])
         else:
-            for m, _ in pairs:
-                if m.grad is None:  # a parameter that got no gradient from the earlier microbatches
-                    m.grad = torch.zeros_like(m)
-            torch._foreach_add_([m.grad for m, _ in pairs], [c.grad for _, c in pairs])
-        for _, c in pairs:
-            c.grad = None
+            torch._foreach_add_([grads[i] for i in have], [compute[i].grad for i in have])
+        for i in have:
+            compute[i].grad = None
+
+    @torch.no_grad()
+    def all_reduce_grads(self) -> None:
+        """Average the gradients over the ranks of the default process group (each holds the whole model)."""
+        if dist.get_backend() == "nccl":
+            dist.all_reduce(self._mp_flat_grads, op=dist.ReduceOp.AVG)
+        else:  # gloo has no AVG
+            dist.all_reduce(self._mp_flat_grads)
+            self._mp_flat_grads.div_(dist.get_world_size())
 
 
 def mixed_precision(model: nn.Module, param_dtype: torch.dtype, blocks: Iterable[nn.Module] = ()) -> nn.Module:
-    """``model`` (parameters materialized in fp32 on their device) computing in ``param_dtype`` over its fp32
+    """``model`` (parameters materialized in fp32 on one device) computing in ``param_dtype`` over its fp32
     parameters; returned for convenience, changed in place. A parameter shared by two modules gets one copy.
     Each of ``blocks`` gets its floating-point inputs cast to ``param_dtype``, as FSDP2 casts those of each module
     it shards (MixedPrecisionPolicy.cast_forward_inputs): the rotary cos/sin tables reach the blocks in bf16."""
@@ -89,9 +105,12 @@ def mixed_precision(model: nn.Module, param_dtype: torch.dtype, blocks: Iterable
                 masters.append(p)
             slots.append((module, name, index[id(p)]))
     compute = [nn.Parameter(m.detach().to(param_dtype), requires_grad=m.requires_grad) for m in masters]
+    flat = torch.zeros(sum(m.numel() for m in masters), dtype=torch.float32, device=masters[0].device)
+    grads = [g.view_as(m) for g, m in zip(flat.split([m.numel() for m in masters]), masters, strict=True)]
     cls = model.__class__
     model.__class__ = type(f"MixedPrecision{cls.__name__}", (MixedPrecisionModule, cls), {})
     model._mp_slots, model._mp_masters, model._mp_compute = slots, masters, compute
+    model._mp_grads, model._mp_flat_grads = grads, flat
     return model
 
 

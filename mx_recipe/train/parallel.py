@@ -1,7 +1,8 @@
 """Process group, device mesh, activation checkpointing, compile, FSDP2 and its one-device alternative.
 
-Several processes train through FSDP2. One process trains unsharded (``materialize_unsharded``) with the
-same mixed precision and no FSDP2 copies, unless parallel.fsdp_on_one_device keeps FSDP2 there too; the
+Sharded runs train through FSDP2 (HSDP with parallel.dp_replicate). Where a shard group is one rank (one process,
+or dp_replicate = world size) each rank holds the whole model (``materialize_unsharded``): the same mixed precision
+and gradient averaging without FSDP2's copies, unless parallel.fsdp_on_one_device keeps FSDP2 there too. The
 numerics of one GPU and of N GPUs differ only in the order of the gradient reduction. Compute in bf16
 (fp32 on a CPU without native bf16 matmul: ``resolve_compute_dtype``) with fp32 master weights and fp32
 gradient reduction, through FSDP2's MixedPrecisionPolicy or ``mixed_precision``. The order per block
@@ -202,11 +203,11 @@ def _materialize(model: nn.Module, device: torch.device, shard_block: Callable[[
 
 @torch.no_grad()
 def materialize_unsharded(model: nn.Module, info: DistInfo, param_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """A model built on the meta device on ``info.device``, unsharded, computing in ``param_dtype`` over fp32
-    master weights (``mixed_precision``; a plain fp32 model when ``param_dtype`` is fp32). For one device: the
-    same initial weights and numerics as ``materialize_and_shard`` there, without FSDP2's copies."""
+    """A model built on the meta device on ``info.device``, whole on every rank, computing in ``param_dtype`` over
+    fp32 master weights (``mixed_precision``). The same initial weights and numerics as ``materialize_and_shard``
+    with shard groups of one rank (one device, or HSDP with dp_replicate = world size), without FSDP2's copies."""
     _materialize(model, info.device, lambda i, block: None)
-    return model if param_dtype == torch.float32 else mixed_precision(model, param_dtype, model.layers.values())
+    return mixed_precision(model, param_dtype, model.layers.values())
 
 
 @torch.no_grad()

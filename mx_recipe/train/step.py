@@ -1,12 +1,13 @@
 """One training step's GPU work: forward and backward over the microbatches, then gradient clipping, then
 (``update``) the optimizer, optionally replayed from a CUDA graph.
 
-A MoE step launches thousands of small kernels (router, permutation, per-expert casts), and on one GPU the
-host cannot launch them as fast as the GPU runs them: the GPU idles through much of the step. With
+A MoE step launches thousands of small kernels (router, permutation, per-expert casts), and the host cannot
+launch them as fast as the GPU runs them: the GPU idles through much of the step. With
 ``cuda_graph`` the forward, backward and clipping of a step are captured once, after ``warmup`` eager steps,
 and replayed every step after: one launch, no Python. What makes that possible here:
 
-- the model is unsharded (``mixed_precision``): FSDP2's hooks run collectives and stream waits on the host;
+- every rank holds the whole model (``mixed_precision``; FSDP2's hooks run collectives and stream waits on the
+  host): the gradient all-reduce of several ranks is one NCCL call, which a graph captures;
 - the shapes are static (fixed batch; the MoE's group ends ``offs`` stay on the device) and nothing in the
   step reads a value on the host;
 - the microbatches are copied into static device buffers before each replay;
@@ -24,6 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -56,6 +58,8 @@ def forward_backward(
             if isinstance(model, MixedPrecisionModule):
                 model.accumulate_grads(first=i == 0)
             total += loss.detach() / n
+    if isinstance(model, MixedPrecisionModule) and dist.get_world_size() > 1:
+        model.all_reduce_grads()  # replicated: every rank holds the whole model
     return total
 
 
@@ -69,10 +73,8 @@ def can_capture(model: nn.Module, device: torch.device) -> str | None:
     """Why a step of ``model`` on ``device`` cannot be a CUDA graph (None: it can)."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, not {device.type}"
-    if isinstance(model, FSDPModule):
-        return "FSDP2 runs its collectives from host hooks, which a CUDA graph cannot replay (several processes)"
-    if not isinstance(model, MixedPrecisionModule):
-        return "the step is captured with bf16 compute over fp32 master weights (training.compute_dtype bf16)"
+    if not isinstance(model, MixedPrecisionModule):  # FSDPModule
+        return "FSDP2 runs its collectives from host hooks, which a CUDA graph cannot replay (use dp_replicate)"
     return None
 
 

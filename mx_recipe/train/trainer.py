@@ -189,14 +189,18 @@ def build_optimizer(model: torch.nn.Module, t: TrainingConfig) -> torch.optim.Ad
 
 
 def uses_fsdp(config: Config, info: DistInfo) -> bool:
-    """Whether the run shards through FSDP2: several processes, or one with parallel.fsdp_on_one_device."""
-    return info.world_size > 1 or config.parallel.fsdp_on_one_device
+    """Whether the run shards through FSDP2: shard groups of several ranks, or parallel.fsdp_on_one_device; else
+    every rank holds the whole model (one process, or dp_replicate = world size)."""
+    return info.world_size > config.parallel.dp_replicate or config.parallel.fsdp_on_one_device
 
 
 def step_setup(config: Config, info: DistInfo, mesh, cuda_graph: bool) -> str:
     """How a step runs, for the start-up line and the benchmarks: sharding, optimizer, CUDA graph, AC, compile."""
     graph = "on" if cuda_graph else "off"
-    sharding = f"FSDP2 mesh {tuple(mesh.shape)}" if uses_fsdp(config, info) else "unsharded"
+    if uses_fsdp(config, info):
+        sharding = f"FSDP2 mesh {tuple(mesh.shape)}"
+    else:
+        sharding = "unsharded" if info.world_size == 1 else f"replicated on {info.world_size} ranks (all-reduce)"
     compiled = f"on ({config.compile.mode})" if config.compile.enable else "off"
     return (
         f"{sharding}, AdamW {'fused' if config.training.fused_adamw else 'foreach'}, CUDA graph {graph}, "
@@ -206,7 +210,7 @@ def step_setup(config: Config, info: DistInfo, mesh, cuda_graph: bool) -> str:
 
 def uses_cuda_graph(config: Config, model: torch.nn.Module, info: DistInfo) -> bool:
     """training.cuda_graph: "on" (a step that cannot be captured is a SetupError naming why), "off", or "auto":
-    on wherever the step can be captured (one CUDA device, unsharded, bf16 compute)."""
+    on wherever the step can be captured (CUDA, every rank holding the whole model)."""
     mode = config.training.cuda_graph
     reason = can_capture(model, info.device)
     if mode == "on" and reason is not None:

@@ -1,11 +1,13 @@
-"""One process trains unsharded (mixed_precision), with FSDP2's numerics and checkpoints; the optimizer's
-implementation follows the config across a resume; a CUDA graph is refused where it cannot run."""
+"""Where a shard group is one rank (one process, or dp_replicate = world size) every rank trains the whole model
+(mixed_precision), with FSDP2's numerics and checkpoints; the optimizer's implementation follows the config across
+a resume; a CUDA graph is refused where it cannot run."""
 
 import dataclasses
 import shutil
+import subprocess
 
 import torch
-from test_train import SMALL, last_losses, run_in_process
+from test_train import ENV, REPO, SMALL, TORCHRUN, last_losses, run_in_process
 
 from mx_recipe.train.checkpoint import Checkpointer, TrainState
 from mx_recipe.train.config import load_config
@@ -32,6 +34,20 @@ def test_unsharded_one_device_run_matches_fsdp2_bit_for_bit(tmp_path):
     sharded = _train(tmp_path / "fsdp", "--training.steps", "3", *BF16, *FSDP)
     assert "unsharded, AdamW fused" in plain and "FSDP2 mesh (1,), AdamW fused" in sharded
     assert last_losses(tmp_path / "plain") == last_losses(tmp_path / "fsdp")
+
+
+def test_replicated_two_process_run_matches_fsdp2_hsdp_bit_for_bit(tmp_path):
+    """dp_replicate = 2 on 2 gloo processes: whole models and one gradient all-reduce give the losses of FSDP2's
+    HSDP with shard groups of one rank."""
+    losses = {}
+    for name, extra in {"replicated": [], "hsdp": FSDP}.items():
+        out = tmp_path / name
+        cmd = [*TORCHRUN, *MOE, "--training.steps", "3", "--parallel.dp_replicate", "2", *extra]
+        done = subprocess.run([*cmd, "--job.output_dir", str(out)], cwd=REPO, env=ENV, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert ("replicated on 2 ranks (all-reduce)" in done.stdout) == (name == "replicated")
+        losses[name] = last_losses(out)
+    assert losses["replicated"] == losses["hsdp"]
 
 
 def test_checkpoints_move_between_unsharded_and_fsdp2_and_keep_the_configured_adamw(tmp_path):
