@@ -1,5 +1,5 @@
 """The one-GPU training step: replayed from a CUDA graph it gives the eager step's losses to the bit, and the
-unsharded run gives FSDP2's (bf16 and MXFP8, Llama and MoE; deterministic algorithms)."""
+unsharded run gives FSDP2's (bf16, MXFP8 and NVFP4, Llama and MoE; deterministic algorithms)."""
 
 import pytest
 from test_train import SMALL, last_losses, run_in_process
@@ -8,8 +8,14 @@ pytestmark = pytest.mark.gpu
 
 STEPS = ["--training.steps", "6", "--training.local_batch_size", "2", "--training.gradient_accumulation_steps", "2"]
 COMMON = [*SMALL, *STEPS, "--training.deterministic", "true"]
-CONFIGS = {"moe_bf16": ["--config", "debug_moe_bf16"], "moe_mxfp8": ["--config", "debug_moe_mxfp8"],
-           "llama_mxfp8": ["--config", "debug_mxfp8"]}  # fmt: skip
+# nvfp4 rounds its gradients stochastically: the replays' seeds come from the CUDA generator's graph-safe Philox
+# offsets, which advance as the eager draws do, so its losses match too
+CONFIGS = {
+    "moe_bf16": ["--config", "debug_moe_bf16"],
+    "moe_mxfp8": ["--config", "debug_moe_mxfp8"],
+    "llama_mxfp8": ["--config", "debug_mxfp8"],
+    "llama_nvfp4": ["--config", "debug_mxfp8", "--mx.recipe", "nvfp4"],
+}
 
 
 def _losses(out, *args: str) -> dict[int, float]:

@@ -42,9 +42,21 @@ class ScaledOperand(NamedTuple):
     s_dec: torch.Tensor
 
 
+_SIGNS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
 def signs_for(recipe: NVFP4Recipe, device: torch.device) -> torch.Tensor | None:
-    """The signs of the recipe's random Hadamard transform on ``device``, or None without the transform."""
-    return random_signs(recipe.hadamard_seed, device) if recipe.hadamard else None
+    """The signs of the recipe's random Hadamard transform on ``device``, or None without the transform. Made once
+    per seed and device: building them is a host-to-device copy, which a CUDA graph cannot capture (a compiled
+    graph folds them into a constant instead)."""
+    if not recipe.hadamard:
+        return None
+    if torch.compiler.is_compiling():
+        return random_signs(recipe.hadamard_seed, device)
+    key = (recipe.hadamard_seed, torch.device(device))
+    if key not in _SIGNS:
+        _SIGNS[key] = random_signs(*key)
+    return _SIGNS[key]
 
 
 class NVFP4Backend:

@@ -16,8 +16,9 @@ and replayed every step after: one launch, no Python. What makes that possible h
 - the optimizer stays outside the graph: fused AdamW is a few launches, and the learning-rate schedule and
   checkpoints keep their plain Python floats.
 
-The replay runs the kernels the eager step runs, so the losses are the same bits (stochastic rounding aside:
-its seeds come from the CUDA generator's graph-safe Philox offsets, not the eager draws).
+The replay runs the kernels the eager step runs, so the losses are the same bits, stochastic rounding included:
+its seeds are drawn on the device from the CUDA generator, whose graph-safe Philox offsets advance on each replay
+as the eager draws would. Nothing in the step may copy from the host (the NVFP4 Hadamard signs are made once).
 """
 
 from __future__ import annotations
