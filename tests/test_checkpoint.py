@@ -68,8 +68,8 @@ def test_two_process_resume_is_exact_and_reshards(tmp_path):
     - 2 processes resume to the uninterrupted run's losses bit for bit;
     - 1 process at the same global batch (DCP reshards) stays within 1e-3 relative: only the
       order of the reductions differs (measured: about 1e-4 after 4 steps);
-    - 2 processes as HSDP (dp_replicate 2: a (2, 1) mesh) resume too, and when rank 0 alone gets
-      SIGTERM in step 3, both ranks stop after it and save."""
+    - 2 processes with dp_replicate 2 (each holding the whole model, no FSDP2) resume the FSDP2
+      checkpoint too, and when rank 0 alone gets SIGTERM in step 3, both ranks stop after it and save."""
     ref, run, one, hsdp = (tmp_path / name for name in ("ref", "run", "one", "hsdp"))
     args = ["--config", "debug_moe_bf16", "--training.steps", "4", *SMALL]
     two = [*TORCHRUN, *args, "--training.local_batch_size", "2"]
@@ -99,7 +99,7 @@ def test_two_process_resume_is_exact_and_reshards(tmp_path):
     assert (run / "DONE").is_file()
     assert last_losses(run) == expected
 
-    assert "2 x cpu" in out_hsdp and "FSDP2 mesh (2, 1)" in out_hsdp
+    assert "2 x cpu" in out_hsdp and "replicated on 2 ranks (all-reduce)" in out_hsdp
     assert "received SIGTERM: stopped after step 3 of 4" in out_hsdp
     assert latest_checkpoint(hsdp / "checkpoints") == hsdp / "checkpoints" / "step-3"
     assert not (hsdp / "DONE").exists()
