@@ -52,7 +52,7 @@ def section(folder: Path, summary_md: str) -> list[str]:
     meta = json.loads((folder / "meta.json").read_text())
     rel = folder.relative_to(ROOT / "docs")
     table = summary_md.split("\n\n")
-    body = [block for block in table if block.startswith("| run ") or block.startswith("**PARITY")]
+    body = [block for block in table if block.startswith("| arm") or block.startswith("**PARITY")]
     return [
         f"### {folder.name.split('_parity_', 1)[1]}",
         "",

@@ -210,7 +210,8 @@ def test_parity_1node_stops_on_usr1_then_resumes_to_a_verdict(tmp_path, fake):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "debug_bf16 is DONE; not run again" in proc.stdout
     verdict = proc.stdout.splitlines()[-1]
-    assert verdict.startswith("PARITY PASS: debug_mxfp8 final smoothed train loss +0.00% vs debug_bf16")
+    # One seed, no validation: compare_runs gives no verdict, and says why.
+    assert verdict.startswith("PARITY INCONCLUSIVE: debug_mxfp8 vs debug_bf16: no verdict: no validation loss")
     assert (out / "DONE").read_text().strip() == verdict and (out / "summary.md").exists()
     for name in ("debug_bf16", "debug_mxfp8"):  # the same seed, the same overrides
         argv = json.loads((out / name / "rank0.json").read_text())["argv"]
