@@ -432,7 +432,7 @@ def test_parity_sh_on_cpu_writes_a_summary(tmp_path):
     assert (out / "summary.md").is_file() and (out / "loss.png").stat().st_size > 0
     runs = json.loads((out / "summary.json").read_text())["runs"]
     assert [r["label"] for r in runs] == ["debug bf16", "debug mxfp8"]
-    assert [Path(r["run_dir"]).relative_to(out).as_posix() for r in runs] == ["debug_bf16", "debug_mxfp8"]
+    assert [Path(r["run_dir"]).relative_to(out).as_posix() for r in runs] == ["debug_bf16/seed0", "debug_mxfp8/seed0"]
     first = [json.loads((Path(r["run_dir"]) / "metrics.jsonl").read_text().splitlines()[0]) for r in runs]
     assert first[0]["step"] == first[1]["step"] == 1
     assert first[0]["loss"] == pytest.approx(first[1]["loss"], rel=0.01)  # one init, one batch; MX rounding only
