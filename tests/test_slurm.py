@@ -40,7 +40,7 @@ info = {"argv": args, "pid": os.getpid(), "ppid": os.getppid()}
 info.update({k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_RANK", "OMP_NUM_THREADS")})
 (out / f"rank{rank}.json").write_text(json.dumps(info))
 mode, _, only_in = os.environ["FAKE_MODE"].partition(":")
-if mode == "wait" and only_in in ("", out.name):
+if mode == "wait" and (not only_in or only_in in out.parts):
     while not received:
         time.sleep(0.02)
     (out / f"usr1.rank{rank}").touch()
@@ -201,20 +201,43 @@ def test_parity_1node_stops_on_usr1_then_resumes_to_a_verdict(tmp_path, fake):
     out = tmp_path / "parity"
     env = {**fake, "MX_LOCAL": "1", "MX_OUTPUT_DIR": str(out), "FAKE_MODE": "wait:debug_mxfp8"}
     cmd = ["bash", str(SLURM / "parity_1node.sbatch"), "debug_bf16", "debug_mxfp8", "--training.steps", "4"]
-    rc, output = start_and_signal(cmd, env, out / "debug_mxfp8")  # the bf16 run is done by then
+    rc, output = start_and_signal(cmd, env, out / "debug_mxfp8" / "seed0")  # the bf16 run is done by then
     assert rc == 0, output
-    assert (out / "debug_bf16" / "DONE").exists() and (out / "debug_mxfp8" / "usr1.rank1").exists()
+    assert (out / "debug_bf16" / "seed0" / "DONE").exists()
+    assert (out / "debug_mxfp8" / "seed0" / "usr1.rank1").exists()
     assert "under SLURM this job would requeue" in output and not (out / "DONE").exists()
     # The requeued job: the finished run is not run again, the stopped one goes on, then the comparison.
     proc = run(cmd, {**env, "FAKE_MODE": "done"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "debug_bf16 is DONE; not run again" in proc.stdout
+    assert "debug_bf16/seed0 is DONE; not run again" in proc.stdout
     verdict = proc.stdout.splitlines()[-1]
-    assert verdict.startswith("PARITY PASS: debug_mxfp8 final smoothed train loss +0.00% vs debug_bf16")
+    # One seed, no validation: compare_runs gives no verdict, and says why.
+    assert verdict.startswith("PARITY INCONCLUSIVE: debug_mxfp8 vs debug_bf16: no verdict: no validation loss")
     assert (out / "DONE").read_text().strip() == verdict and (out / "summary.md").exists()
     for name in ("debug_bf16", "debug_mxfp8"):  # the same seed, the same overrides
-        argv = json.loads((out / name / "rank0.json").read_text())["argv"]
+        argv = json.loads((out / name / "seed0" / "rank0.json").read_text())["argv"]
         assert argv[argv.index("--job.seed") + 1] == "0" and argv[-2:] == ["--training.steps", "4"]
+
+
+def test_parity_sh_runs_each_seed_of_both_configs(tmp_path, fake):
+    out = tmp_path / "parity"
+    cmd = ["bash", "scripts/parity.sh", "debug_bf16", "debug_mxfp8", "--out", str(out), "--seeds", "3", "5"]
+    proc = run([*cmd, "--training.steps", "4"], {**fake, "FAKE_MODE": "done"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launched = [
+        line.split("--job.output_dir ")[1].split()[0] for line in proc.stdout.splitlines() if "--job.seed" in line
+    ]
+    assert [Path(d).relative_to(out).as_posix() for d in launched] == [
+        "debug_bf16/seed3", "debug_mxfp8/seed3", "debug_bf16/seed5", "debug_mxfp8/seed5"
+    ]  # fmt: skip
+    for d in launched:
+        argv = json.loads((Path(d) / "rank0.json").read_text())["argv"]
+        assert argv[argv.index("--job.seed") + 1] == Path(d).name.removeprefix("seed")
+    summary = json.loads((out / "summary.json").read_text())
+    assert [a["seeds"] for a in summary["arms"]] == [[3, 5], [3, 5]]
+    assert (out / "SETTINGS").read_text().startswith("configs: debug_bf16 debug_mxfp8; seeds: 3 5;")
+    bad = run(["bash", "scripts/parity.sh", "debug_bf16", "debug_mxfp8", "--seeds", "1", "--job.seed", "2"], fake)
+    assert bad.returncode != 0 and "give the seeds with --seeds, not --job.seed" in bad.stderr
 
 
 def test_parity_sh_one_process_passes_usr1_to_train_py(tmp_path, fake):
@@ -222,9 +245,9 @@ def test_parity_sh_one_process_passes_usr1_to_train_py(tmp_path, fake):
     out = tmp_path / "parity"
     env = {**fake, "FAKE_MODE": "wait"}
     cmd = ["bash", "scripts/parity.sh", "debug_bf16", "debug_mxfp8", "--out", str(out), "--nproc", "1"]
-    rc, output = start_and_signal(cmd, env, out / "debug_bf16", nranks=1)
+    rc, output = start_and_signal(cmd, env, out / "debug_bf16" / "seed0", nranks=1)
     assert rc == 0, output
-    assert (out / "debug_bf16" / "usr1.rank0").exists() and not (out / "debug_mxfp8").exists()
+    assert (out / "debug_bf16" / "seed0" / "usr1.rank0").exists() and not (out / "debug_mxfp8").exists()
     assert "stopped by USR1 during debug_bf16" in output and not (out / "DONE").exists()
 
 
