@@ -211,6 +211,18 @@ def test_resume_under_another_model_or_recipe_is_refused_unless_allowed(died_aft
     assert 'recipe = "mxfp8"' in (run / "config.toml").read_text()
 
 
+def test_a_checkpoint_written_before_a_key_existed_resumes_as_unchanged(died_after_step_4, tmp_path):
+    """A key added to [mx] since the checkpoint was written (its config.toml lacks it) counts as at its default,
+    so the resume is no config change."""
+    run = tmp_path / "run"
+    shutil.copytree(died_after_step_4, run)
+    saved = run / "checkpoints" / "step-4" / "config.toml"
+    saved.write_text("".join(line for line in saved.read_text().splitlines(True) if "skip_replace" not in line))
+    code, out, err = run_in_process([*BF16_ARGS, *CKPT_EVERY_2, "--job.output_dir", str(run), "--training.steps", "5"])
+    assert code == 0, err
+    assert "resuming from checkpoint" in out and "config changed" not in out
+
+
 def test_a_save_on_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     """DCP on a full disk fails with "unexpected pos 704 vs 598"; the run stops with one line that says the disk is
     full and names the checkpoint still intact, and the partial save is removed. The disk is made full by stand-ins

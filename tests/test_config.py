@@ -130,7 +130,7 @@ def test_overrides_are_typed():
     pairs = parse_overrides(["--training.steps", "7", "--training.lr=0.5", "--mx.skip", "output,layers.0.*"])
     config = build_config(MINIMAL, "mem.toml", pairs)
     assert config.training.steps == 7 and config.training.lr == 0.5
-    assert config.mx.skip == ["output", "layers.0.*"]
+    assert config.mx.skip == ["output", "*router.gate", "layers.0.*"]  # added to the defaults
     with pytest.raises(ConfigError, match=r"^command line --training.steps: expected an integer, got 'many'$"):
         build_config(MINIMAL, "mem.toml", parse_overrides(["--training.steps", "many"]))
     with pytest.raises(ConfigError, match=r"unknown key 'training.nope'"):
@@ -157,6 +157,35 @@ def test_an_error_in_an_override_names_the_override_not_the_file():
         ConfigError, match=r"^command line --training.stepz: unknown key .*did you mean --training.steps"
     ):
         build_config(MINIMAL, "mem.toml", parse_overrides(["--training.stepz", "3"]))
+
+
+def test_a_data_path_given_alone_reads_files(tmp_path):
+    """data.path without data.dataset means dataset files (it used to train on the stdlib corpus, silently); with
+    another dataset named, it is an error naming both keys."""
+    (tmp_path / "a.txt").write_text("some text")
+    (tmp_path / "b.txt").write_text("more text")
+    pattern = str(tmp_path / "*.txt")
+    config = build_config(MINIMAL, "mem.toml", parse_overrides(["--data.path", pattern]))
+    assert config.data.dataset == "files" and config.data.path == pattern
+    overrides = parse_overrides(["--data.path", pattern, "--data.dataset", "python_stdlib"])
+    with pytest.raises(ConfigError, match=r"^command line --data.path: .* data.dataset is 'python_stdlib': set data"):
+        build_config(MINIMAL, "mem.toml", overrides)
+
+
+def test_mx_skip_adds_to_the_default_patterns_unless_told_to_replace_them(tmp_path):
+    """A given mx.skip keeps the output layer and router gates in bf16 (it used to replace them, converting the
+    output layer); mx.skip_replace true makes it the whole list. The resolved config loads to itself."""
+    added = build_config(MINIMAL, "mem.toml", parse_overrides(["--mx.skip", "layers.0.*"]))
+    assert added.mx.skip == ["output", "*router.gate", "layers.0.*"] and not added.mx.skip_replace
+    in_file = build_config(_with("mx", "skip", ["layers.0.*", "output"]), "mem.toml", [])
+    assert in_file.mx.skip == ["output", "*router.gate", "layers.0.*"]
+    replaced = build_config(MINIMAL, "mem.toml", parse_overrides(["--mx.skip", "layers.0.*", "--mx.skip_replace", "1"]))
+    assert replaced.mx.skip == ["layers.0.*"]
+    nothing = build_config(MINIMAL, "mem.toml", parse_overrides(["--mx.skip=", "--mx.skip_replace", "true"]))
+    assert nothing.mx.skip == []
+    for config in (added, replaced, nothing):
+        (tmp_path / "config.toml").write_text(config_to_toml(config))
+        assert load_config(str(tmp_path / "config.toml")).mx.skip == config.mx.skip
 
 
 def test_a_config_file_that_is_not_utf8_text_is_one_line(tmp_path):
@@ -215,8 +244,9 @@ def test_mx_keys_build_the_recipe():
 
 
 def test_mx_keys_are_the_recipe_options():
-    """[mx] is recipe and skip plus one key per option field of MXRecipe and NVFP4Recipe, with the field's type and
-    default ("" where the named recipes differ: keep the recipe's), so a new option field is a new key."""
+    """[mx] is recipe, skip and skip_replace plus one key per option field of MXRecipe and NVFP4Recipe, with the
+    field's type and default ("" where the named recipes differ: keep the recipe's), so a new option field is a
+    new key."""
     import dataclasses
     import typing
 
@@ -234,7 +264,7 @@ def test_mx_keys_are_the_recipe_options():
                 assert keys[f.name].type is hints[f.name], f.name
                 assert keys[f.name].default in ({KEEP} if len(values) > 1 else {f.default}), f.name
                 option_fields[f.name] = f
-    assert set(keys) == {"recipe", "skip"} | set(option_fields)
+    assert set(keys) == {"recipe", "skip", "skip_replace"} | set(option_fields)
     assert {"backend", "grad_rounding", "save_mx_input", "fuse_x_casts", "share_input_casts"} <= set(option_fields)
 
 

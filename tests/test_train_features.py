@@ -133,12 +133,25 @@ def test_validation_is_logged_and_changes_no_training_step(tmp_path):
     [
         (["--validation.enable", "true", "--data.validation_fraction", "0"], "has no validation split"),
         (["--parallel.dp_replicate", "2"], "parallel.dp_replicate = 2 does not divide the world size 1"),
+        (
+            ["--mx.recipe", "mxfp8", "--mx.skip", "layers.0.attention"],
+            "mx.skip: 'layers.0.attention' matches no linear layer or expert group of llama debug",
+        ),
     ],
 )
 def test_a_run_that_cannot_start_stops_before_the_model_is_built(tmp_path, overrides, message):
     code, out, err = run_in_process([*BF16_ARGS, *overrides, "--job.output_dir", str(tmp_path)])
     assert code == 2 and message in err and err.startswith("error: ")
     assert "parameters" not in out
+
+
+def test_mx_skip_keeps_the_output_layer_in_bf16(tmp_path):
+    """--mx.skip adds to the default patterns: the output layer stays in bf16 (it used to be converted)."""
+    skip = ["--mx.recipe", "mxfp8", "--mx.skip", "layers.0.attention.wq", "--training.steps", "1"]
+    code, out, err = run_in_process([*BF16_ARGS, *skip, "--job.output_dir", str(tmp_path)])
+    assert code == 0, err
+    assert re.search(r"^output +\S+ +skipped: matches 'output'$", out, re.M), out
+    assert "layers.0.attention.wq" in out and "27 of 29 layers converted" in out
 
 
 def test_out_of_memory_reports_the_memory_figures(monkeypatch, tmp_path):

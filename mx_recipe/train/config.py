@@ -24,6 +24,7 @@ from mx_recipe.formats.options import (
     recipe_from_options,
     recipe_option_fields,
 )
+from mx_recipe.nn.convert import DEFAULT_SKIP
 
 if TYPE_CHECKING:
     from mx_recipe.formats.recipe import MXRecipe, NVFP4Recipe
@@ -84,7 +85,7 @@ class TrainingConfig:
 @dataclass
 class DataConfig:
     dataset: str = "python_stdlib"  # python_stdlib (offline), files (path glob), hf (Hugging Face, streaming)
-    path: str = ""  # for files: a glob of .txt, .jsonl or .parquet files
+    path: str = ""  # for files: a glob of .txt, .jsonl or .parquet files; a path given alone implies files
     hf_name: str = "allenai/c4"  # for hf: the dataset name on the Hugging Face hub
     hf_config: str = "en"  # for hf: the dataset configuration
     hf_split: str = "train"  # for hf: the split to stream
@@ -112,7 +113,8 @@ class CheckpointConfig:
 
 
 _RECIPE_HELP = 'an MXRecipe name (mxfp8, mxfp4, ...), an NVFP4Recipe name (nvfp4, ...) or "none" (bf16)'
-_SKIP_HELP = "fqn patterns left in bf16"
+_SKIP_HELP = "fqn patterns left in bf16; a list given adds to these defaults (see mx.skip_replace)"
+_SKIP_REPLACE_HELP = "a given mx.skip replaces the default patterns instead of adding to them"
 
 # [mx]: the recipe's name, the converter's skip list, and one key per recipe option: the MXRecipe and NVFP4Recipe
 # fields made with recipe.option (mx_recipe.formats.options), each key with the field's type, default and help
@@ -121,7 +123,8 @@ MXConfig = dataclasses.make_dataclass(
     "MXConfig",
     [
         ("recipe", str, field(default=REQUIRED, metadata={"help": _RECIPE_HELP})),
-        ("skip", list[str], field(default_factory=lambda: ["output", "*router.gate"], metadata={"help": _SKIP_HELP})),
+        ("skip", list[str], field(default_factory=lambda: list(DEFAULT_SKIP), metadata={"help": _SKIP_HELP})),
+        ("skip_replace", bool, field(default=False, metadata={"help": _SKIP_REPLACE_HELP})),
         *recipe_option_fields(),
     ],
 )
@@ -216,6 +219,12 @@ def config_help() -> str:
 
 def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def section_defaults(section: str) -> dict[str, Any]:
+    """The default of each key of ``section`` that has one (a required key has none)."""
+    fields = dataclasses.fields(_SECTION_TYPES[section])
+    return {f.name: _default(f) for f in fields if _default(f) is not REQUIRED}
 
 
 def _key_type(section: str, key: str) -> Any:
@@ -345,6 +354,7 @@ def build_config(data: dict[str, Any], source: str, overrides: list[tuple[str, s
             values[section][key] = _parse_override(text, _key_type(section, key))
         except TypeError as e:
             raise ConfigError(f"command line --{dotted}: {e}") from None
+    _imply(values)
     sections = {}
     for name, cls in _SECTION_TYPES.items():
         section = cls(**values[name])
@@ -355,6 +365,16 @@ def build_config(data: dict[str, Any], source: str, overrides: list[tuple[str, s
     config = Config(**sections, source=source, overridden=frozenset(dotted for dotted, _ in overrides))
     validate(config)
     return config
+
+
+def _imply(values: dict[str, dict[str, Any]]) -> None:
+    """What a key given alone means: a data.path reads files; an mx.skip list adds to the default patterns
+    unless mx.skip_replace (so the output layer stays in bf16 when a user skips more)."""
+    data, mx = values["data"], values["mx"]
+    if data.get("path") and "dataset" not in data:
+        data["dataset"] = "files"
+    if "skip" in mx and not mx.get("skip_replace", False):
+        mx["skip"] = list(dict.fromkeys([*DEFAULT_SKIP, *mx["skip"]]))  # in order, once each
 
 
 def validate(config: Config) -> None:
@@ -431,6 +451,12 @@ def validate(config: Config) -> None:
         )
     if config.data.max_bytes <= t.seq_len + 1:
         fail("data.max_bytes", f"must exceed training.seq_len + 1, got {config.data.max_bytes}")
+    if config.data.path and config.data.dataset != "files":
+        fail(
+            "data.path",
+            f"{config.data.path!r} is read by data.dataset 'files' only, and data.dataset is "
+            f"{config.data.dataset!r}: set data.dataset files, or leave data.path empty",
+        )
     from mx_recipe.train.data import check_data_config
     from mx_recipe.train.metrics import check_metrics_config
 

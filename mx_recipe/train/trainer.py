@@ -28,7 +28,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from mx_recipe.models import build_model, flops_per_token, model_args, moe_layers
-from mx_recipe.nn.convert import convert_to_mx, format_conversion_table
+from mx_recipe.nn.convert import DEFAULT_SKIP, convert_to_mx, format_conversion_table, unmatched_skip_patterns
 from mx_recipe.train.checkpoint import (
     CONFIG,
     DCP_ERRORS,
@@ -37,7 +37,7 @@ from mx_recipe.train.checkpoint import (
     TrainState,
     latest_checkpoint,
 )
-from mx_recipe.train.config import Config, build_mx_recipe, config_to_dict, config_to_toml
+from mx_recipe.train.config import Config, build_mx_recipe, config_to_dict, config_to_toml, section_defaults
 from mx_recipe.train.data import build_datasets
 from mx_recipe.train.faults import fault_hooks
 from mx_recipe.train.metrics import MetricsLogger, peak_memory_gib
@@ -205,6 +205,7 @@ def build_sharded_model(config: Config, args, info: DistInfo, mesh, log) -> torc
         model = build_model(args)
     if config.mx.recipe != "none":
         recipe = build_mx_recipe(config.mx, seed=config.job.seed)
+        _check_skip_patterns(model, config)
         # The GEMM backend is resolved once, here: one this device or recipe cannot run stops the run.
         try:
             records = convert_to_mx(model, recipe, skip=config.mx.skip, log=False, device=info.device)
@@ -220,6 +221,17 @@ def build_sharded_model(config: Config, args, info: DistInfo, mesh, log) -> torc
     dtype = COMPUTE_DTYPES[resolve_compute_dtype(config.training.compute_dtype, info.device)]
     materialize_and_shard(model, info, mesh, dtype, reshard_after_forward=config.parallel.reshard_after_forward)
     return model
+
+
+def _check_skip_patterns(model: torch.nn.Module, config: Config) -> None:
+    """An mx.skip pattern of the user's that matches no layer is a SetupError: a misspelt one would convert
+    the layer it meant to keep in bf16. The default patterns need not match (a dense model has no router)."""
+    unmatched = [p for p in unmatched_skip_patterns(model, config.mx.skip) if p not in DEFAULT_SKIP]
+    if unmatched:
+        raise SetupError(
+            f"mx.skip: {unmatched[0]!r} matches no linear layer or expert group of {config.model.name} "
+            f"{config.model.flavor} (a pattern matches whole names, such as layers.0.attention.wq): fix or remove it"
+        )
 
 
 def _write_config(path: Path, text: str) -> None:
@@ -258,12 +270,16 @@ def _config_changes(saved: Path, config: Config) -> list[str]:
     if not saved.is_file():  # written before checkpoints kept their config
         return []
     before, now = tomllib.loads(saved.read_text()), config_to_dict(config)
-    return [
-        f"{section}.{key}: {before.get(section, {}).get(key)!r} -> {value!r}"
-        for section in ("model", "mx")
-        for key, value in now[section].items()
-        if before.get(section, {}).get(key) != value
-    ]
+    changes = []
+    for section in ("model", "mx"):
+        # a key the saved config lacks was added since; the checkpoint's run had its default
+        saved_values = section_defaults(section) | before.get(section, {})
+        changes += [
+            f"{section}.{key}: {saved_values.get(key)!r} -> {value!r}"
+            for key, value in now[section].items()
+            if saved_values.get(key) != value
+        ]
+    return changes
 
 
 def _resume(checkpointer: Checkpointer, config: Config, model, optimizer, scheduler, data, state, log) -> Path | None:
