@@ -8,6 +8,7 @@ mx_recipe.train.faults.
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -305,6 +306,35 @@ def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
     assert code == 2 and f"job.output_dir {path} is a file, not a folder" in err and path.read_text() == "not a folder"
 
 
+def test_a_second_run_in_a_busy_output_dir_is_refused_and_the_first_resumes_after_a_kill(tmp_path):
+    """Two runs in one output_dir: the second is refused with one line naming the first's pid and host, and
+    writes nothing. kill -9 of the first leaves no stale lock: the rerun resumes from its checkpoint and ends
+    with the losses of a run that never stopped."""
+    run = tmp_path / "run"
+    args = [*BF16_ARGS, "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--job.output_dir", str(run)]
+    cmd = [sys.executable, "train.py", *args]
+    first = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in first.stdout:
+            if line.startswith("saved checkpoint"):
+                first.send_signal(signal.SIGSTOP)  # holds the lock, mid-run
+                break
+        before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+        code, out, err = run_in_process(args)
+        assert code == 2 and out == ""
+        holder = f"pid {first.pid} on host {socket.gethostname()}"
+        assert err.startswith(f"error: job.output_dir {run} is in use by the run of {holder} (it holds {run}/run.lock)")
+        assert len(err.splitlines()) == 1
+        assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    finally:
+        first.kill()
+        first.wait(timeout=60)
+    code, out, err = run_in_process(args)
+    assert code == 0, err
+    assert "resuming from checkpoint" in out
+    assert last_losses(run) == bf16_reference()
+
+
 @pytest.mark.parametrize("case", ["max_bytes", "short_corpus", "bad_jsonl", "bad_parquet"])
 def test_data_that_cannot_make_a_run_is_one_line_and_exit_2(tmp_path, case):
     """The README's promise for a run that cannot start: exit 2 and one line that names the problem."""
@@ -338,3 +368,13 @@ def test_an_output_dir_that_cannot_be_created_is_refused(tmp_path):
     code, _, err = run_in_process([*BF16_ARGS, "--job.output_dir", "/proc/mx_recipe_run"])
     assert code == 2 and "job.output_dir: cannot create /proc/mx_recipe_run" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_an_output_dir_too_long_for_the_file_system_is_one_line(tmp_path):
+    """A name longer than the file system allows was an OSError traceback (Errno 36) on rank 0."""
+    long = tmp_path / ("x" * 300)
+    code, _, err = run_in_process([*BF16_ARGS, "--job.output_dir", str(long)])
+    assert (
+        code == 2
+        and err == f"error: job.output_dir: cannot create {long} (File name too long): choose another job.output_dir\n"
+    )

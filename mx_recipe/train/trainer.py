@@ -40,6 +40,7 @@ from mx_recipe.train.checkpoint import (
 from mx_recipe.train.config import Config, build_mx_recipe, config_to_dict, config_to_toml, section_defaults
 from mx_recipe.train.data import build_datasets
 from mx_recipe.train.faults import fault_hooks
+from mx_recipe.train.lock import RunLock
 from mx_recipe.train.metrics import MetricsLogger, peak_memory_gib
 from mx_recipe.train.parallel import (
     COMPUTE_DTYPES,
@@ -242,17 +243,21 @@ def _write_config(path: Path, text: str) -> None:
     path.write_text(text)
 
 
-def _output_dir_problem(output_dir: Path, checkpoint_folder: Path) -> str | None:
-    """Why a run cannot start in ``output_dir`` (None: it can; the folder is created). A new run there would
-    replace the metrics of an earlier one that left no checkpoint to resume from: refused, so nothing is lost."""
-    if output_dir.exists() and not output_dir.is_dir():
-        return f"job.output_dir {output_dir} is a file, not a folder: choose another job.output_dir"
+def _output_dir_problem(output_dir: Path, checkpoint_folder: Path, lock: RunLock) -> str | None:
+    """Why a run cannot start in ``output_dir`` (None: it can; the folder is created and ``lock`` taken, before
+    anything is written there). A new run there would replace the metrics of an earlier one that left no
+    checkpoint to resume from: refused, so nothing is lost."""
     try:
+        if output_dir.exists() and not output_dir.is_dir():
+            return f"job.output_dir {output_dir} is a file, not a folder: choose another job.output_dir"
         output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
+    except OSError as e:  # a read-only disk, a name too long for the file system
         return f"job.output_dir: cannot create {output_dir} ({e.strerror}): choose another job.output_dir"
     if not os.access(output_dir, os.W_OK):
         return f"job.output_dir {output_dir} is not writable: choose another job.output_dir"
+    holder = lock.acquire(output_dir)  # one run per output_dir: a second one would interleave their files
+    if holder is not None:
+        return holder
     metrics = output_dir / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size and latest_checkpoint(checkpoint_folder) is None:
         records = sum(1 for line in metrics.read_text().splitlines() if line.strip())
@@ -334,13 +339,15 @@ def train(config: Config, info: DistInfo) -> list[dict]:
     if config.training.deterministic:  # flash attention's backward and index_add_ otherwise race
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts, after this
         torch.use_deterministic_algorithms(True)
+    lock = RunLock()  # rank 0 takes it in _output_dir_problem
     try:
-        return _train(config, info)
+        return _train(config, info, lock)
     finally:
+        lock.release()
         torch.use_deterministic_algorithms(previous)
 
 
-def _train(config: Config, info: DistInfo) -> list[dict]:
+def _train(config: Config, info: DistInfo, lock: RunLock) -> list[dict]:
     log = print if info.is_main else (lambda *a, **k: None)
     # "auto" resolved here, so that the config.toml of the run names the dtype it computed in
     asked = config.training.compute_dtype
@@ -348,11 +355,13 @@ def _train(config: Config, info: DistInfo) -> list[dict]:
     config = dataclasses.replace(config, training=dataclasses.replace(config.training, compute_dtype=dtype))
     t, ckpt = config.training, config.checkpoint
     output_dir = Path(config.job.output_dir)
-    problem = _output_dir_problem(output_dir, output_dir / ckpt.folder) if info.is_main else None
+    problem = _output_dir_problem(output_dir, output_dir / ckpt.folder, lock) if info.is_main else None
     box = [problem]
     dist.broadcast_object_list(box, src=0)  # rank 0 looked: every rank stops, or none
     if box[0] is not None:
         raise SetupError(box[0])
+    if lock.unsupported:
+        log(f"warning: {lock.unsupported}: a second run in this job.output_dir would not be refused")
     if info.is_main:
         _write_config(output_dir / "config.toml", config_to_toml(config))
 
