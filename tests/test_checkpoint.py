@@ -11,7 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import BF16_ARGS, ENV, REPO, SMALL, TORCHRUN, _run, bf16_reference, last_losses, run_in_process
+from test_train import (
+    BF16_ARGS,
+    ENV,
+    REPO,
+    SMALL,
+    TORCHRUN,
+    _metrics,
+    _run,
+    bf16_reference,
+    last_losses,
+    run_in_process,
+)
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from mx_recipe.train.checkpoint import committed_checkpoints, latest_checkpoint
@@ -209,6 +220,19 @@ def test_resume_under_another_model_or_recipe_is_refused_unless_allowed(died_aft
     # the history of the run's config: the earlier one kept beside the current one
     assert 'recipe = "none"' in (run / "config-1.toml").read_text()
     assert 'recipe = "mxfp8"' in (run / "config.toml").read_text()
+
+
+def test_after_a_resume_each_step_is_logged_once(died_after_step_4, tmp_path):
+    """The run died after logging step 4 with step-2 its newest checkpoint: the resume trains steps 3 and 4 again,
+    and their first records move to metrics.redone.jsonl (they used to appear twice in metrics.jsonl)."""
+    run = tmp_path / "run"
+    shutil.copytree(died_after_step_4, run)
+    shutil.rmtree(run / "checkpoints" / "step-4")
+    code, out, err = run_in_process([*BF16_ARGS, *CKPT_EVERY_2, "--job.output_dir", str(run)])
+    assert code == 0, err
+    assert "moved 2 records logged after step 2 to metrics.redone.jsonl" in out
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4] and last_losses(run) == bf16_reference()
+    assert [json.loads(line)["step"] for line in (run / "metrics.redone.jsonl").read_text().splitlines()] == [3, 4]
 
 
 def test_a_checkpoint_written_before_a_key_existed_resumes_as_unchanged(died_after_step_4, tmp_path):

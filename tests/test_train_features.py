@@ -308,8 +308,8 @@ def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
 
 def test_a_second_run_in_a_busy_output_dir_is_refused_and_the_first_resumes_after_a_kill(tmp_path):
     """Two runs in one output_dir: the second is refused with one line naming the first's pid and host, and
-    writes nothing. kill -9 of the first leaves no stale lock: the rerun resumes from its checkpoint and ends
-    with the losses of a run that never stopped."""
+    writes nothing. kill -9 of the first leaves no stale lock: the rerun resumes from its checkpoint, logs each
+    step once and ends with the losses of a run that never stopped."""
     run = tmp_path / "run"
     args = [*BF16_ARGS, "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--job.output_dir", str(run)]
     cmd = [sys.executable, "train.py", *args]
@@ -332,6 +332,7 @@ def test_a_second_run_in_a_busy_output_dir_is_refused_and_the_first_resumes_afte
     code, out, err = run_in_process(args)
     assert code == 0, err
     assert "resuming from checkpoint" in out
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4]  # the steps logged after its checkpoint set aside
     assert last_losses(run) == bf16_reference()
 
 

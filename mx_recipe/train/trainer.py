@@ -414,6 +414,7 @@ def _train(config: Config, info: DistInfo, lock: RunLock) -> list[dict]:
         append=resume_from is not None,
         total_steps=t.steps,
         metrics_config=config.metrics,
+        resumed_step=state.step if resume_from is not None else None,
     )
     done_file = output_dir / "DONE"
     if info.is_main:
