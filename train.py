@@ -3,11 +3,12 @@
 python train.py --config debug_mxfp8 --training.steps 40
 torchrun --nproc_per_node=8 train.py --config llama_mxfp8.toml
 
-A run pointed at an output_dir that holds checkpoints resumes from the latest; a finished run
-writes <output_dir>/DONE. Exit status: 0 when done, and also after SIGTERM/SIGUSR1 (a checkpoint
-is saved at the next step boundary first, even with checkpoint.enable false, so SLURM can
-requeue; under torchrun, signal its children: torchrun itself exits 1 when signalled); 1 for a NaN/Inf
-loss, out of memory or a failed checkpoint save; 2 for a bad config or a run that cannot start.
+A run pointed at an output_dir that holds checkpoints resumes from the latest (one at or past
+training.steps stops: raise training.steps to train on); a finished run writes <output_dir>/DONE.
+Exit status: 0 when done, and also after SIGTERM/SIGUSR1 (a checkpoint is saved at the next step
+boundary first, even with checkpoint.enable false, so SLURM can requeue; under torchrun, signal its
+children: torchrun itself exits 1 when signalled); 1 for a NaN/Inf loss, out of memory or a failed
+checkpoint save; 2 for a bad config or a run that cannot start.
 """
 
 from __future__ import annotations

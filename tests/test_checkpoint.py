@@ -211,7 +211,7 @@ def test_resume_under_another_model_or_recipe_is_refused_unless_allowed(died_aft
     code, _, err = run_in_process(moe)
     assert code == 2 and "model.name: 'llama' -> 'moe'; model.flavor: 'debug' -> 'debug_moe'" in err
     assert "checkpoint.allow_config_change true" in err
-    mx = [*BF16_ARGS, *CKPT_EVERY_2, "--job.output_dir", str(run), "--mx.recipe", "mxfp8"]
+    mx = [*BF16_ARGS, *CKPT_EVERY_2, "--job.output_dir", str(run), "--mx.recipe", "mxfp8", "--training.steps", "5"]
     code, _, err = run_in_process(mx)
     assert code == 2 and "mx.recipe: 'none' -> 'mxfp8'" in err
     code, out, err = run_in_process([*mx, "--checkpoint.allow_config_change", "true"])
@@ -220,6 +220,26 @@ def test_resume_under_another_model_or_recipe_is_refused_unless_allowed(died_aft
     # the history of the run's config: the earlier one kept beside the current one
     assert 'recipe = "none"' in (run / "config-1.toml").read_text()
     assert 'recipe = "mxfp8"' in (run / "config.toml").read_text()
+
+
+def test_a_resume_with_nothing_left_to_train_says_so_unless_the_steps_were_raised(died_after_step_4, tmp_path):
+    """A checkpoint at or past training.steps: exit 2 and one line saying so (it used to print "done" and exit
+    0 having trained nothing), metrics.jsonl untouched; with training.steps raised the run trains on from it."""
+    run = tmp_path / "run"
+    shutil.copytree(died_after_step_4, run)
+    before = (run / "metrics.jsonl").read_bytes()
+    step_4 = run / "checkpoints" / "step-4"
+    args = [*BF16_ARGS, *CKPT_EVERY_2, "--job.output_dir", str(run)]
+    for steps, where in (("4", "the last of training.steps = 4"), ("3", "past training.steps = 3")):
+        code, out, err = run_in_process([*args, "--training.steps", steps])
+        assert code == 2 and err == (
+            f"error: checkpoint {step_4} is at step 4, {where}: nothing left to train; raise training.steps above 4 "
+            "to train on, or choose another job.output_dir\n"
+        )
+        assert "done" not in out and (run / "metrics.jsonl").read_bytes() == before
+    code, out, err = run_in_process([*args, "--training.steps", "5"])
+    assert code == 0, err
+    assert f"resuming from checkpoint {step_4} (step 4 of 5)" in out and [r["step"] for r in _metrics(run)][-1] == 5
 
 
 def test_after_a_resume_each_step_is_logged_once(died_after_step_4, tmp_path):

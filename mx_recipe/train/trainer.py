@@ -270,6 +270,16 @@ def _output_dir_problem(output_dir: Path, checkpoint_folder: Path, lock: RunLock
     return None
 
 
+def _nothing_left(checkpoint: Path, step: int, steps: int) -> str:
+    """Why a resume from ``checkpoint`` (at ``step``) has nothing to train: it used to print "done" and exit 0,
+    so a user who meant to train on, with training.steps unchanged, learnt nothing."""
+    where = "the last of" if step == steps else "past"
+    return (
+        f"checkpoint {checkpoint} is at step {step}, {where} training.steps = {steps}: nothing left to train; "
+        f"raise training.steps above {step} to train on, or choose another job.output_dir"
+    )
+
+
 def _config_changes(saved: Path, config: Config) -> list[str]:
     """The [model] and [mx] keys whose values differ from those of the checkpoint's saved config."""
     if not saved.is_file():  # written before checkpoints kept their config
@@ -406,6 +416,8 @@ def _train(config: Config, info: DistInfo, lock: RunLock) -> list[dict]:
     state = TrainState()
     checkpointer.config_text = config_to_toml(config)
     resume_from = _resume(checkpointer, config, model, optimizer, scheduler, data.train, state, log)
+    if resume_from is not None and state.step >= t.steps:
+        raise SetupError(_nothing_left(resume_from, state.step, t.steps))
     metrics = MetricsLogger(
         output_dir,
         info.device,
