@@ -6,9 +6,10 @@ torchrun --nproc_per_node=8 train.py --config llama_mxfp8.toml
 A run pointed at an output_dir that holds checkpoints resumes from the latest (one at or past
 training.steps stops: raise training.steps to train on); a finished run writes <output_dir>/DONE.
 Exit status: 0 when done, and also after SIGTERM/SIGUSR1 (a checkpoint is saved at the next step
-boundary first, even with checkpoint.enable false, so SLURM can requeue; under torchrun, signal its
-children: torchrun itself exits 1 when signalled); 1 for a NaN/Inf loss, out of memory or a failed
-checkpoint save; 2 for a bad config or a run that cannot start.
+boundary first, even with checkpoint.enable false; during set-up the run stops before its first step;
+so SLURM can requeue; under torchrun, signal its children: torchrun itself exits 1 when signalled);
+1 for a NaN/Inf loss, out of memory or a failed checkpoint save; 2 for a bad config or a run that
+cannot start.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from mx_recipe.train.config import DEFAULT_CONFIG, ConfigError, config_help, load_config, parse_overrides
 from mx_recipe.train.parallel import destroy_distributed, init_distributed
-from mx_recipe.train.trainer import TrainingError, memory_report, train
+from mx_recipe.train.trainer import StopSignals, TrainingError, memory_report, train
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,12 +36,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
 
-    info = init_distributed()
+    signals = StopSignals()
     try:
-        train(config, info)
+        with signals:  # from here on a stop signal ends the run cleanly, during set-up too
+            info = init_distributed()
+            train(config, info, signals)
     except TrainingError as e:  # every rank stops at the same point, for the same reason
-        if info.is_main:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        if info.is_main:  # exit 0 (a stop during set-up) is no error
+            print(f"error: {e}" if e.exit_code else e, file=sys.stderr if e.exit_code else sys.stdout, flush=True)
         destroy_distributed()
         return e.exit_code
     except torch.OutOfMemoryError:

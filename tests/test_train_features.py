@@ -117,6 +117,23 @@ def test_fault_entry_takes_its_hooks_and_leaves_train_py_its_arguments():
     assert hooks == FaultHooks(nan_loss_steps=frozenset({2, 3}), kill_in_save_step=3)
     assert rest == ["--config", "debug_bf16", "--training.steps", "4"]
     assert fault_entry.parse_hooks(["--signal-step", "3"]) == (FaultHooks(signal_step=3), [])
+    assert fault_entry.parse_hooks(["--signal-in-setup"]) == (FaultHooks(signal_in_setup=True), [])
+
+
+def test_a_stop_signal_during_set_up_exits_0_for_a_requeue_and_the_rerun_trains(tmp_path):
+    """SIGTERM before the first step used to kill the run (exit 143, no message), which the SLURM scripts do not
+    requeue: now set-up stops at its next stage, says so in one line and exits 0, as a stop in the loop does;
+    the same command again trains from the start."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "tests/fault_entry.py", "--signal-in-setup", *BF16_ARGS, "--job.output_dir", str(run)]
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    expected = "received SIGTERM during set-up: stopped before this run's first step; exiting 0 for a requeue"
+    assert proc.stdout.splitlines()[-1] == expected and proc.stderr == ""
+    assert not (run / "metrics.jsonl").exists() and not (run / "DONE").exists()
+    code, _, err = run_in_process([*BF16_ARGS, "--job.output_dir", str(run)])
+    assert code == 0, err
+    assert last_losses(run) == bf16_reference()
 
 
 def test_validation_is_logged_and_changes_no_training_step(tmp_path):
@@ -156,7 +173,7 @@ def test_mx_skip_keeps_the_output_layer_in_bf16(tmp_path):
 
 
 def test_out_of_memory_reports_the_memory_figures(monkeypatch, tmp_path):
-    def oom(config, info):
+    def oom(config, info, signals):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(train_script, "train", oom)

@@ -73,24 +73,49 @@ class NonFiniteLossError(TrainingError):
     pass
 
 
+class SetupStopped(TrainingError):
+    """A stop signal during set-up: the run ends before its first step, with exit 0 so that SLURM requeues it."""
+
+    exit_code = 0
+
+
 class StopSignals:
     """SIGTERM and SIGUSR1 only set a flag: the loop checks it at each step boundary (all ranks
-    agree through an all-reduce), saves a checkpoint and returns, so SLURM can requeue the job."""
+    agree through an all-reduce), saves a checkpoint and returns, so SLURM can requeue the job;
+    set-up checks it between its stages. Entered again while entered, it keeps its handler."""
 
     def __init__(self) -> None:
         self.received = 0  # the signal number, 0 for none
         self._previous: dict[int, object] = {}
+        self._depth = 0
 
     def _handler(self, signum: int, frame) -> None:
         self.received = signum
 
     def __enter__(self) -> StopSignals:
-        self._previous = {s: signal.signal(s, self._handler) for s in STOP_SIGNALS}
+        if self._depth == 0:
+            self._previous = {s: signal.signal(s, self._handler) for s in STOP_SIGNALS}
+        self._depth += 1
         return self
 
     def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
+        self._depth -= 1
+        if self._depth == 0:
+            for s, handler in self._previous.items():
+                signal.signal(s, handler)
+
+
+def _stop_if_signalled(signals: StopSignals, info: DistInfo) -> None:
+    """Between set-up stages (data, model, resume: minutes for a large model): a stop signal any rank received
+    ends the run on every rank (one all-reduce), as at a step boundary. It used to kill the run (exit 143,
+    no message), which the SLURM scripts do not requeue."""
+    flag = torch.tensor([float(signals.received)], device=info.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if signum := int(flag.item()):
+        raise SetupStopped(
+            f"received {signal.Signals(signum).name} during set-up: stopped before this run's first step; "
+            "exiting 0 for a requeue"
+        )
 
 
 def lr_lambda(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -338,26 +363,30 @@ def _resume(checkpointer: Checkpointer, config: Config, model, optimizer, schedu
     return None
 
 
-def train(config: Config, info: DistInfo) -> list[dict]:
+def train(config: Config, info: DistInfo, signals: StopSignals | None = None) -> list[dict]:
     """Run ``config`` on this rank; returns the logged records (identical on every rank).
 
-    Returns early, after saving a checkpoint, when SIGTERM or SIGUSR1 arrives. Raises
-    TrainingError (one-line message, exit code) for a run that cannot go on. With
-    ``training.deterministic`` the run uses deterministic algorithms (restored after it).
+    Returns early, after saving a checkpoint, when SIGTERM or SIGUSR1 arrives (``signals``: the
+    caller's, entered before this, so that one that came earlier counts too). Raises TrainingError
+    (one-line message, exit code) for a run that cannot go on, SetupStopped for a stop signal
+    before the first step. With ``training.deterministic`` the run uses deterministic algorithms
+    (restored after it).
     """
     previous = torch.are_deterministic_algorithms_enabled()
     if config.training.deterministic:  # flash attention's backward and index_add_ otherwise race
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts, after this
         torch.use_deterministic_algorithms(True)
     lock = RunLock()  # rank 0 takes it in _output_dir_problem
+    signals = signals if signals is not None else StopSignals()
     try:
-        return _train(config, info, lock)
+        with signals:
+            return _train(config, info, lock, signals)
     finally:
         lock.release()
         torch.use_deterministic_algorithms(previous)
 
 
-def _train(config: Config, info: DistInfo, lock: RunLock) -> list[dict]:
+def _train(config: Config, info: DistInfo, lock: RunLock, signals: StopSignals) -> list[dict]:
     log = print if info.is_main else (lambda *a, **k: None)
     # "auto" resolved here, so that the config.toml of the run names the dtype it computed in
     asked = config.training.compute_dtype
@@ -365,6 +394,8 @@ def _train(config: Config, info: DistInfo, lock: RunLock) -> list[dict]:
     config = dataclasses.replace(config, training=dataclasses.replace(config.training, compute_dtype=dtype))
     t, ckpt = config.training, config.checkpoint
     output_dir = Path(config.job.output_dir)
+    if fault_hooks().signal_in_setup and info.is_main:  # tests only (faults.py)
+        os.kill(os.getpid(), signal.SIGTERM)
     problem = _output_dir_problem(output_dir, output_dir / ckpt.folder, lock) if info.is_main else None
     box = [problem]
     dist.broadcast_object_list(box, src=0)  # rank 0 looked: every rank stops, or none
@@ -385,6 +416,7 @@ def _train(config: Config, info: DistInfo, lock: RunLock) -> list[dict]:
             f"validation.enable is true but data.dataset {config.data.dataset!r} has no validation split "
             f"(data.validation_fraction = {config.data.validation_fraction}); raise it or set validation.enable false"
         )
+    _stop_if_signalled(signals, info)
     try:
         mesh = build_mesh(info, config.parallel.dp_replicate)
     except ValueError as e:
@@ -396,6 +428,7 @@ def _train(config: Config, info: DistInfo, lock: RunLock) -> list[dict]:
 
     args = model_args(config.model.name, config.model.flavor, padded_vocab_size(data.tokenizer.vocab_size), t.seq_len)
     model = build_sharded_model(config, args, info, mesh, log)
+    _stop_if_signalled(signals, info)
     num_params = sum(p.numel() for p in model.parameters())  # DTensors: numel() is the global size
     global_batch = t.local_batch_size * info.world_size * t.gradient_accumulation_steps
     log(
@@ -418,6 +451,7 @@ def _train(config: Config, info: DistInfo, lock: RunLock) -> list[dict]:
     resume_from = _resume(checkpointer, config, model, optimizer, scheduler, data.train, state, log)
     if resume_from is not None and state.step >= t.steps:
         raise SetupError(_nothing_left(resume_from, state.step, t.steps))
+    _stop_if_signalled(signals, info)
     metrics = MetricsLogger(
         output_dir,
         info.device,
@@ -436,7 +470,7 @@ def _train(config: Config, info: DistInfo, lock: RunLock) -> list[dict]:
     max_norm = t.max_norm if t.max_norm > 0 else math.inf
     records: list[dict] = []
     try:
-        with StopSignals() as signals:
+        with signals:
             for step in range(state.step + 1, t.steps + 1):
                 microbatches = [data.train.next_batch() for _ in range(t.gradient_accumulation_steps)]
                 loss = forward_backward(model, microbatches, info.device, inject_nan=step in faults.nan_loss_steps)
