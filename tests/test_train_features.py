@@ -353,7 +353,7 @@ def test_a_second_run_in_a_busy_output_dir_is_refused_and_the_first_resumes_afte
     assert last_losses(run) == bf16_reference()
 
 
-@pytest.mark.parametrize("case", ["max_bytes", "short_corpus", "bad_jsonl", "bad_parquet"])
+@pytest.mark.parametrize("case", ["max_bytes", "short_corpus", "bad_jsonl", "bad_parquet", "empty"])
 def test_data_that_cannot_make_a_run_is_one_line_and_exit_2(tmp_path, case):
     """The README's promise for a run that cannot start: exit 2 and one line that names the problem."""
     args = [*BF16_ARGS, "--job.output_dir", str(tmp_path / "run")]
@@ -370,6 +370,11 @@ def test_data_that_cannot_make_a_run_is_one_line_and_exit_2(tmp_path, case):
         (tmp_path / "docs.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
         args += ["--data.dataset", "files", "--data.path", str(tmp_path / "docs.jsonl")]
         expected = f"data: {tmp_path / 'docs.jsonl'}:2: not valid JSON"
+    elif case == "empty":  # it used to say "set data.validation_fraction = 0", which cannot help
+        for name in ("a.txt", "b.txt"):
+            (tmp_path / name).write_text("")
+        args += ["--data.path", str(tmp_path / "*.txt")]
+        expected = f"data: data.path '{tmp_path / '*.txt'}': every document is empty"
     elif case == "bad_parquet":
         pytest.importorskip("pyarrow")
         (tmp_path / "docs.parquet").write_bytes(b"PAR1 this is not parquet PAR1")
