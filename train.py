@@ -15,13 +15,30 @@ cannot start.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
+import signal
 import sys
 
-import torch
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
-from mx_recipe.train.config import DEFAULT_CONFIG, ConfigError, config_help, load_config, parse_overrides
-from mx_recipe.train.parallel import destroy_distributed, init_distributed
-from mx_recipe.train.trainer import StopSignals, TrainingError, memory_report, train
+
+def end_with_launcher() -> None:
+    """Under torchrun, have the kernel SIGKILL this worker when its parent, torchrun, dies: a kill -9 of
+    torchrun used to leave the workers training on (or hung at start-up), and a relaunch then had two
+    writers in one output_dir. Linux only; elsewhere, and outside torchrun, nothing changes."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+if __name__ == "__main__":  # first: a launcher killed during the seconds of imports below takes this process along
+    end_with_launcher()
+
+import torch  # noqa: E402
+
+from mx_recipe.train.config import DEFAULT_CONFIG, ConfigError, config_help, load_config, parse_overrides  # noqa: E402
+from mx_recipe.train.parallel import destroy_distributed, init_distributed  # noqa: E402
+from mx_recipe.train.trainer import StopSignals, TrainingError, memory_report, train  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mx_recipe.train.faults import FaultHooks, set_fault_hooks  # noqa: E402
-from train import main  # noqa: E402
+from train import end_with_launcher, main  # noqa: E402
 
 
 def parse_hooks(argv: list[str]) -> tuple[FaultHooks, list[str]]:
@@ -38,6 +38,7 @@ def parse_hooks(argv: list[str]) -> tuple[FaultHooks, list[str]]:
 
 
 if __name__ == "__main__":
+    end_with_launcher()
     hooks, rest = parse_hooks(sys.argv[1:])
     set_fault_hooks(hooks)
     sys.exit(main(rest))

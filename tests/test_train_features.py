@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import fault_entry
@@ -32,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from mx_recipe.models import build_model, model_args
 from mx_recipe.train.faults import NO_FAULTS, FaultHooks, fault_hooks, set_fault_hooks
+from mx_recipe.train.lock import output_dir_holder
 from mx_recipe.train.parallel import DistInfo, apply_activation_checkpointing, materialize_and_shard
 from mx_recipe.train.trainer import forward_backward
 
@@ -351,6 +353,30 @@ def test_a_second_run_in_a_busy_output_dir_is_refused_and_the_first_resumes_afte
     assert "resuming from checkpoint" in out
     assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4]  # the steps logged after its checkpoint set aside
     assert last_losses(run) == bf16_reference()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_workers_end_when_their_torchrun_is_killed(tmp_path):
+    """kill -9 of torchrun alone used to leave its worker training on; now the kernel ends it with its parent.
+    The worker's lock on its output_dir, released only when the process is gone, shows it ended."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py"]
+    cmd += [*BF16_ARGS, "--training.steps", "100000", "--job.output_dir", str(run)]
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in launcher.stdout:
+            if line.startswith("step      1/"):
+                break
+        assert output_dir_holder(run) is not None, "the worker holds its output_dir"
+        launcher.kill()
+        launcher.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while output_dir_holder(run) is not None:
+            assert time.monotonic() < deadline, "the worker outlived its torchrun"
+            time.sleep(0.1)
+    finally:
+        launcher.kill()
+        launcher.stdout.close()
 
 
 @pytest.mark.parametrize("case", ["max_bytes", "short_corpus", "bad_jsonl", "bad_parquet", "empty"])
