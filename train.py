@@ -36,13 +36,14 @@ if __name__ == "__main__":  # first: a launcher killed during the seconds of imp
 
 import torch  # noqa: E402
 
+from mx_recipe.cli import ArgumentParser  # noqa: E402
 from mx_recipe.train.config import DEFAULT_CONFIG, ConfigError, config_help, load_config, parse_overrides  # noqa: E402
 from mx_recipe.train.parallel import destroy_distributed, init_distributed  # noqa: E402
 from mx_recipe.train.trainer import StopSignals, TrainingError, memory_report, train  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, epilog=config_help(), formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", default=None, help=f"configs/NAME[.toml] or a path (default: {DEFAULT_CONFIG})")
