@@ -2,6 +2,7 @@
 
 python train.py --config debug_mxfp8 --training.steps 40
 torchrun --nproc_per_node=8 train.py --config llama_mxfp8.toml
+python train.py --config llama_mxfp8.toml --check    # can it start? (before torchrun: see --check)
 
 A run pointed at an output_dir that holds checkpoints resumes from the latest (one at or past
 training.steps stops: raise training.steps to train on); a finished run writes <output_dir>/DONE.
@@ -39,7 +40,7 @@ import torch  # noqa: E402
 from mx_recipe.cli import ArgumentParser  # noqa: E402
 from mx_recipe.train.config import DEFAULT_CONFIG, ConfigError, config_help, load_config, parse_overrides  # noqa: E402
 from mx_recipe.train.parallel import destroy_distributed, init_distributed  # noqa: E402
-from mx_recipe.train.trainer import StopSignals, TrainingError, memory_report, train  # noqa: E402
+from mx_recipe.train.trainer import StopSignals, TrainingError, check_run, memory_report, train  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,12 +48,25 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, epilog=config_help(), formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", default=None, help=f"configs/NAME[.toml] or a path (default: {DEFAULT_CONFIG})")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the config, its data files, job.output_dir (created if missing) and the mx.skip patterns, then "
+        'exit without training: 0 and "ok: job.output_dir DIR" on stdout, or 2 and one line on stderr',
+    )
     args, rest = parser.parse_known_args(argv)
     try:
         config = load_config(args.config, parse_overrides(rest))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if args.check:  # before a launcher starts the run: under torchrun an exit 2 becomes exit 1 and a traceback
+        problem = check_run(config)
+        print(
+            f"error: {problem}" if problem else f"ok: job.output_dir {config.job.output_dir}",
+            file=sys.stderr if problem else sys.stdout,
+        )
+        return 2 if problem else 0
 
     signals = StopSignals()
     try:

@@ -237,6 +237,8 @@ def test_a_resume_with_nothing_left_to_train_says_so_unless_the_steps_were_raise
             "to train on, or choose another job.output_dir\n"
         )
         assert "done" not in out and (run / "metrics.jsonl").read_bytes() == before
+    code, out, err = run_in_process([*args, "--training.steps", "4", "--check"])  # the same, before a launcher
+    assert code == 2 and err.startswith(f"error: checkpoint {step_4} is at step 4, the last of training.steps = 4")
     code, out, err = run_in_process([*args, "--training.steps", "5"])
     assert code == 0, err
     assert f"resuming from checkpoint {step_4} (step 4 of 5)" in out and [r["step"] for r in _metrics(run)][-1] == 5

@@ -6,6 +6,7 @@ the ones that need a real signal run it as a subprocess. Faults (a NaN loss) are
 mx_recipe.train.faults.
 """
 
+import os
 import re
 import signal
 import socket
@@ -33,7 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from mx_recipe.models import build_model, model_args
 from mx_recipe.train.faults import NO_FAULTS, FaultHooks, fault_hooks, set_fault_hooks
-from mx_recipe.train.lock import output_dir_holder
+from mx_recipe.train.lock import RunLock
 from mx_recipe.train.parallel import DistInfo, apply_activation_checkpointing, materialize_and_shard
 from mx_recipe.train.trainer import forward_backward
 
@@ -355,6 +356,15 @@ def test_a_second_run_in_a_busy_output_dir_is_refused_and_the_first_resumes_afte
     assert last_losses(run) == bf16_reference()
 
 
+def output_dir_holder(output_dir: Path) -> str | None:
+    """Who holds ``output_dir`` now (None: nobody; the lock is left free)."""
+    lock = RunLock()
+    try:
+        return lock.acquire(output_dir)
+    finally:
+        lock.release()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_workers_end_when_their_torchrun_is_killed(tmp_path):
     """kill -9 of torchrun alone used to leave its worker training on; now the kernel ends it with its parent.
@@ -377,6 +387,29 @@ def test_workers_end_when_their_torchrun_is_killed(tmp_path):
     finally:
         launcher.kill()
         launcher.stdout.close()
+
+
+def test_check_says_whether_a_run_can_start_without_starting_it(tmp_path):
+    """train.py --check, for launchers to run before torchrun: exit 0 and the output_dir for a run that can start,
+    else exit 2 and one line (a config error, a busy output_dir, a skip pattern that matches nothing); no model
+    is trained and nothing but the folder is written."""
+    run = tmp_path / "run"
+    args = [*BF16_ARGS, "--job.output_dir", str(run), "--check"]
+    assert run_in_process(args) == (0, f"ok: job.output_dir {run}\n", "")
+    assert [p.name for p in run.iterdir()] == ["run.lock"]
+    code, out, err = run_in_process([*args, "--training.lr", "0"])
+    assert code == 2 and err == "config error: command line --training.lr: must be positive, got 0.0\n"
+    code, _, err = run_in_process([*args, "--mx.recipe", "mxfp8", "--mx.skip", "layers.0.ffn"])
+    assert (
+        code == 2 and err.startswith("error: mx.skip: 'layers.0.ffn' matches no linear layer") and err.count("\n") == 1
+    )
+    lock = RunLock()
+    assert lock.acquire(run) is None
+    try:
+        code, _, err = run_in_process(args)
+        assert code == 2 and err.startswith(f"error: job.output_dir {run} is in use by the run of pid {os.getpid()}")
+    finally:
+        lock.release()
 
 
 @pytest.mark.parametrize("case", ["max_bytes", "short_corpus", "bad_jsonl", "bad_parquet", "empty"])

@@ -53,12 +53,3 @@ class RunLock:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-def output_dir_holder(output_dir: Path) -> str | None:
-    """The line ``RunLock.acquire`` gives when a run holds ``output_dir`` now, else None (the lock is left free)."""
-    lock = RunLock()
-    try:
-        return lock.acquire(output_dir)
-    finally:
-        lock.release()

@@ -35,6 +35,7 @@ from mx_recipe.train.checkpoint import (
     Checkpointer,
     CheckpointSaveError,
     TrainState,
+    committed_checkpoints,
     latest_checkpoint,
 )
 from mx_recipe.train.config import Config, build_mx_recipe, config_to_dict, config_to_toml, section_defaults
@@ -360,6 +361,34 @@ def _resume(checkpointer: Checkpointer, config: Config, model, optimizer, schedu
             f"every checkpoint under {checkpointer.folder} is damaged ({', '.join(damaged)}): nothing to resume from; "
             "delete them to start over"
         )
+    return None
+
+
+def check_run(config: Config) -> str | None:
+    """What ``train.py --check`` adds to the config's own checks, in one process, without building the model or
+    starting a process group, so that a launcher can run it first (under torchrun a clean exit 2 becomes exit 1
+    and a traceback): job.output_dir can be created (it is) and written, no run holds it, it holds no run that a
+    new one would overwrite or that has nothing left to train, and each mx.skip pattern matches a layer.
+    None: the run can start; else why not, in one line."""
+    output_dir = Path(config.job.output_dir)
+    folder = output_dir / config.checkpoint.folder
+    lock = RunLock()
+    try:
+        problem = _output_dir_problem(output_dir, folder, lock)
+    finally:
+        lock.release()
+    if problem is not None:
+        return problem
+    found = committed_checkpoints(folder)  # the newest: the one the run will resume from, unless it is damaged
+    if found and found[-1][0] >= config.training.steps:
+        return _nothing_left(found[-1][1], found[-1][0], config.training.steps)
+    if config.mx.recipe != "none":
+        with torch.device("meta"):  # the layers' names, no memory
+            model = build_model(model_args(config.model.name, config.model.flavor, 256, config.training.seq_len))
+        try:
+            _check_skip_patterns(model, config)
+        except SetupError as e:
+            return str(e)
     return None
 
 
