@@ -28,7 +28,8 @@ import torch
 from timing import kernel_us, median_ms, run_meta
 
 import mx_recipe.ops.mx_cast as mx_cast
-from mx_recipe.formats.mx import to_mx
+from mx_recipe.cli import ArgumentParser, int_list, names, output_file
+from mx_recipe.formats.mx import ELEM_FORMATS, SCALE_RULES, to_mx
 from mx_recipe.ops import KernelSettings, set_kernel_settings
 from mx_recipe.ops.mx_cast import (
     cast_dim0,
@@ -246,21 +247,20 @@ def check_targets(res: Results, experts: list[int], n: int, k: int, modes: list[
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--m", type=int, default=16384)
     p.add_argument("--k", type=int, default=16384)
-    p.add_argument("--experts", default="1,4,16,64", help="comma-separated E for the 3D [E, N, K] casts")
+    p.add_argument("--experts", type=int_list(), default=(1, 4, 16, 64), help="comma-separated E for the 3D casts")
     p.add_argument("--n3d", type=int, default=8192)
     p.add_argument("--k3d", type=int, default=5120)
-    p.add_argument("--elem", default="e4m3")
-    p.add_argument("--modes", default="floor,rceil")
+    p.add_argument("--elem", default="e4m3", choices=list(ELEM_FORMATS))
+    p.add_argument("--modes", type=names(SCALE_RULES), default=("floor", "rceil"), help="comma-separated")
     p.add_argument("--no-compile-ref", action="store_true", help="skip the torch.compile'd reference")
     p.add_argument("--no-gluon", action="store_true", help="the Triton kernels where Gluon ones would run (Hopper)")
-    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--out", type=output_file, help="write the results as JSON here")
     args = p.parse_args()
     set_kernel_settings(KernelSettings(gluon=not args.no_gluon))
-    experts = [int(e) for e in args.experts.split(",") if e]
-    modes = args.modes.split(",")
+    experts, modes = list(args.experts), list(args.modes)
 
     device = torch.cuda.get_device_name()
     copy_gbs = copy_bandwidth_gbs()

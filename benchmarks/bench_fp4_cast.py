@@ -32,6 +32,7 @@ import json
 import torch
 from timing import kernel_us_by_name, require_cuda, run_meta
 
+from mx_recipe.cli import ArgumentParser, output_file
 from mx_recipe.formats.nvfp4 import random_signs
 from mx_recipe.ops.mx_cast import (
     cast_dim0,
@@ -78,10 +79,10 @@ def scale_bytes(result) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", type=int, default=16384)
     parser.add_argument("--k", type=int, default=16384)
-    parser.add_argument("--out")
+    parser.add_argument("--out", type=output_file)
     args = parser.parse_args()
     require_cuda("bench_fp4_cast.py")
     copy_gbs = copy_bandwidth_gbs()

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 from timing import add_run_args, median_ms, require_cuda, run_meta
 
+from mx_recipe.cli import ArgumentParser
 from mx_recipe.formats.mx import ELEM_FORMATS, SCALE_RULES, MXTensor
 from mx_recipe.ops.gemm import CUBLAS_ELEMS, cublas_available, mx_mm, mx_mm_blocked, mx_mm_triton, triton_available
 from mx_recipe.ops.mx_cast import cast_dim0
@@ -110,7 +111,7 @@ def bench_shape(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--elem", default="e4m3", choices=list(ELEM_FORMATS))
     parser.add_argument("--rule", default="floor", choices=list(SCALE_RULES))
     args = add_run_args(parser, rounds=False).parse_args()

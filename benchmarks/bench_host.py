@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from timing import host_us, require_cuda, run_meta
 
 from mx_recipe import MXRecipe, mx_grouped_mm, mx_linear
+from mx_recipe.cli import ArgumentParser, output_file
 from mx_recipe.formats.nvfp4 import random_signs
 from mx_recipe.formats.recipe import NVFP4Recipe
 from mx_recipe.formats.scale_layout import group_row_sources, padded_group_layout
@@ -103,8 +104,8 @@ def layer_calls(x: torch.Tensor, offs: torch.Tensor) -> dict[str, tuple[Callable
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", help="write the rows as JSON here, with provenance")
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=output_file, help="write the rows as JSON here, with provenance")
     args = parser.parse_args()
     require_cuda("bench_host.py")
     x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)

@@ -34,6 +34,7 @@ from saved_memory import saved_bytes
 from timing import add_run_args, interleaved, require_cuda, run_meta
 
 from mx_recipe import MXLinear, MXRecipe
+from mx_recipe.cli import ArgumentParser, recipe_name
 from mx_recipe.formats.recipe import NVFP4_RECIPES, NVFP4Recipe
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192)]
@@ -62,8 +63,8 @@ def fwd_held_gib(layer: torch.nn.Module, x: torch.Tensor) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", default="mxfp8")
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="mxfp8", type=recipe_name())
     parser.add_argument("--m", type=int, default=16384)
     args = add_run_args(parser).parse_args()
     require_cuda("bench_linear.py")

@@ -25,6 +25,7 @@ import torch
 from timing import add_run_args, interleaved, require_cuda, run_meta
 
 from mx_recipe import MXRecipe
+from mx_recipe.cli import ArgumentParser, recipe_name
 from mx_recipe.formats.recipe import NVFP4_RECIPES, NVFP4Recipe
 from mx_recipe.nn.grouped import mx_grouped_mm
 
@@ -55,12 +56,12 @@ def steps(fns: dict, a, b, offs, grad_out: torch.Tensor | None) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--experts", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--m", type=int, default=16640)
     parser.add_argument("--n", type=int, default=8192)
     parser.add_argument("--k", type=int, default=5120)
-    parser.add_argument("--recipe", default="mxfp8")
+    parser.add_argument("--recipe", default="mxfp8", type=recipe_name())
     parser.add_argument("--fuse-expert-casts", action="store_true", help="MXRecipe.fuse_expert_casts=True")
     args = add_run_args(parser).parse_args()
     require_cuda("bench_moe.py")

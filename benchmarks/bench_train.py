@@ -32,6 +32,7 @@ import torch
 from timing import run_meta
 from torch.profiler import ProfilerActivity, profile
 
+from mx_recipe.cli import ArgumentParser, output_file, recipe_name
 from mx_recipe.models import flops_per_token, model_args
 from mx_recipe.train.config import ConfigError, load_config, parse_overrides
 from mx_recipe.train.data import build_datasets
@@ -39,6 +40,7 @@ from mx_recipe.train.metrics import device_peak_flops
 from mx_recipe.train.parallel import build_mesh, destroy_distributed, init_distributed
 from mx_recipe.train.step import TrainStep
 from mx_recipe.train.trainer import (
+    TrainingError,
     build_optimizer,
     build_training_model,
     padded_vocab_size,
@@ -63,11 +65,12 @@ class Variant:
 
 
 def with_layers(dims, layers: int | None):
-    """The model dims with only the first ``layers`` blocks (None: as the flavor has them)."""
+    """The model dims with only the first ``layers`` blocks (None: as the flavor has them); ValueError for more
+    blocks than the flavor has."""
     if layers is None:
         return dims
     if not 0 < layers <= dims.n_layers:
-        raise SystemExit(f"--layers {layers}: the flavor has {dims.n_layers} blocks")
+        raise ValueError(f"--layers {layers}: the flavor has {dims.n_layers} blocks")
     return dataclasses.replace(dims, n_layers=layers)
 
 
@@ -144,22 +147,26 @@ def print_profiles(variants: list[Variant]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="configs/NAME[.toml] or a path; its mx.recipe is ignored")
-    parser.add_argument("--recipes", nargs="+", default=["mxfp8"], help="MX recipes to time against bf16")
+    parser.add_argument("--recipes", nargs="+", type=recipe_name(), default=["mxfp8"], help="recipes to time")
     parser.add_argument("--layers", type=int, help="keep the first N transformer blocks")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (compilation)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", help="write the rows as JSON here, with provenance")
+    parser.add_argument("--out", type=output_file, help="write the rows as JSON here, with provenance")
     parser.add_argument("--profile", action="store_true", help="then profile 2 steps of each variant")
     args, rest = parser.parse_known_args()
     if min(args.steps, args.rounds) < 1 or args.warmup < 0:
-        raise SystemExit("--steps and --rounds must be >= 1 and --warmup >= 0")
+        parser.error("--steps and --rounds must be >= 1 and --warmup >= 0")
     try:
-        config = load_config(args.config, parse_overrides(rest))
+        overrides = parse_overrides(rest)
+        config = load_config(args.config, overrides)
+        for recipe in args.recipes:  # the config's [mx] keys with each recipe, checked as train.py checks them
+            load_config(args.config, [*overrides, ("mx.recipe", recipe)])
     except ConfigError as e:
-        raise SystemExit(f"config error: {e}") from None
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
 
     info = init_distributed()
     if info.world_size != 1:
@@ -170,9 +177,16 @@ def main() -> int:
         t = config.training
         data = build_datasets(config, info.rank, info.world_size)
         vocab = padded_vocab_size(data.tokenizer.vocab_size)
-        dims = with_layers(model_args(config.model.name, config.model.flavor, vocab, t.seq_len), args.layers)
+        try:
+            dims = with_layers(model_args(config.model.name, config.model.flavor, vocab, t.seq_len), args.layers)
+        except ValueError as e:
+            parser.error(str(e))
         mesh = build_mesh(info, config.parallel.dp_replicate)
-        variants = [build_variant(config, r, dims, info, mesh) for r in ["none", *args.recipes]]
+        try:
+            variants = [build_variant(config, r, dims, info, mesh) for r in ["none", *args.recipes]]
+        except TrainingError as e:  # a backend this device cannot run, a skip pattern that matches nothing
+            print(f"error: {e}", file=sys.stderr)
+            return e.exit_code
         steps = max(args.steps, args.warmup, 2)
         batches = [[data.train.next_batch() for _ in range(t.gradient_accumulation_steps)] for _ in range(steps)]
         tokens = args.steps * t.gradient_accumulation_steps * t.local_batch_size * t.seq_len

@@ -33,6 +33,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
+from mx_recipe.cli import output_file
+
 
 @dataclass
 class Timing:
@@ -51,7 +53,7 @@ def add_run_args(parser: argparse.ArgumentParser, rounds: bool = True) -> argpar
     parser.add_argument("--eager", action="store_true", help="do not torch.compile either side")
     if rounds:
         parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (timing.py)")
-    parser.add_argument("--out", help="write the rows as JSON here, with provenance (run_meta)")
+    parser.add_argument("--out", type=output_file, help="write the rows as JSON here, with provenance (run_meta)")
     return parser
 
 

@@ -45,7 +45,9 @@ from roofline_model import (  # noqa: E402
     step_time,
 )
 
+from mx_recipe.cli import ArgumentParser, int_list, output_file, recipe_name  # noqa: E402
 from mx_recipe.formats.recipe import NVFP4_RECIPES, MXRecipe, NVFP4Recipe  # noqa: E402
+from mx_recipe.models import MODEL_FLAVORS  # noqa: E402
 
 DOC = ROOT / "docs" / "ROOFLINE.md"
 PLOT = ROOT / "docs" / "roofline_speedup.png"
@@ -546,22 +548,33 @@ def ratio_row(kind: str, shape, t_bf16: float, t_mx: float, roof_bf16: float, ro
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", help="M,K,N of one linear: its ops, forward + backward")
-    p.add_argument("--model", help="llama or moe: every GEMM of the model, per layer")
-    p.add_argument("--flavor", default="8B")
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", type=int_list(3, "M,K,N"), help="M,K,N of one linear: its ops, forward + backward")
+    p.add_argument("--model", choices=sorted(MODEL_FLAVORS), help="every GEMM of the model, per layer")
+    p.add_argument("--flavor", help="with --model: its size (default 8B)")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1, help="local batch size (sequences per GPU)")
     p.add_argument("--vocab-size", type=int, default=128256)
     p.add_argument("--device", choices=sorted(DEVICES), help="roofline device (default: b200; --observe: the GPU's)")
     p.add_argument("--path", choices=sorted(PATHS), help=f"MX path (default: native on B200, {OURS_TODAY} elsewhere)")
-    p.add_argument("--recipe", default="mxfp8")
+    p.add_argument("--recipe", default="mxfp8", type=recipe_name(nvfp4=False), help="an MX recipe")
     p.add_argument("--project", action="store_true", help="the B200 projections of docs/ROOFLINE.md")
     p.add_argument("--write", metavar="DOC", help="with --project: replace the generated part of DOC")
-    p.add_argument("--plot", metavar="PNG", help="write the speedup-against-M plot here")
+    p.add_argument("--plot", metavar="PNG", type=output_file, help="write the speedup-against-M plot here")
     p.add_argument("--observe", action="store_true", help="measure on this CUDA GPU against the roofline")
-    p.add_argument("--out", help="with --observe: write the rows as JSON here")
+    p.add_argument("--out", type=output_file, help="with --observe: write the rows as JSON here")
     args = p.parse_args(argv)
+    if args.flavor is not None and args.model is None:
+        p.error(f"argument --flavor: {args.flavor!r} needs --model")
+    if args.model is not None:
+        known = ", ".join(MODEL_FLAVORS[args.model])
+        if args.flavor is None and args.model != "llama":
+            p.error(f"argument --flavor: --model {args.model} needs one of {known}")
+        args.flavor = args.flavor or "8B"
+        if args.flavor not in MODEL_FLAVORS[args.model]:
+            p.error(f"argument --flavor: unknown {args.model} flavor {args.flavor!r}; known: {known}")
+    if args.write is not None and not Path(args.write).is_file():
+        p.error(f"argument --write: no file {args.write}")
 
     if args.observe:
         observe(args.out, args.device)
@@ -571,8 +584,7 @@ def main(argv: list[str] | None = None) -> None:
     recipe = MXRecipe.from_name(args.recipe)
     did = False
     if args.shape:
-        m, k, n = (int(v) for v in args.shape.split(","))
-        print_shape(m, k, n, dev, recipe, path)
+        print_shape(*args.shape, dev, recipe, path)
         did = True
     if args.model:
         print_model(args, dev, recipe, path)

@@ -36,7 +36,7 @@ def test_layers_keeps_the_first_blocks_and_refuses_more_than_the_flavor_has():
 
     dims = model_args("llama", "debug", 256, 64)
     assert bench.with_layers(dims, None) is dims and bench.with_layers(dims, 2).n_layers == 2
-    with pytest.raises(SystemExit, match="--layers 5: the flavor has 4 blocks"):
+    with pytest.raises(ValueError, match="--layers 5: the flavor has 4 blocks"):
         bench.with_layers(dims, 5)
 
 

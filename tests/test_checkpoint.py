@@ -11,7 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import BF16_ARGS, ENV, REPO, SMALL, TORCHRUN, _run, bf16_reference, last_losses, run_in_process
+from test_train import (
+    BF16_ARGS,
+    ENV,
+    REPO,
+    SMALL,
+    TORCHRUN,
+    _metrics,
+    _run,
+    bf16_reference,
+    last_losses,
+    run_in_process,
+)
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from mx_recipe.train.checkpoint import committed_checkpoints, latest_checkpoint
@@ -200,7 +211,7 @@ def test_resume_under_another_model_or_recipe_is_refused_unless_allowed(died_aft
     code, _, err = run_in_process(moe)
     assert code == 2 and "model.name: 'llama' -> 'moe'; model.flavor: 'debug' -> 'debug_moe'" in err
     assert "checkpoint.allow_config_change true" in err
-    mx = [*BF16_ARGS, *CKPT_EVERY_2, "--job.output_dir", str(run), "--mx.recipe", "mxfp8"]
+    mx = [*BF16_ARGS, *CKPT_EVERY_2, "--job.output_dir", str(run), "--mx.recipe", "mxfp8", "--training.steps", "5"]
     code, _, err = run_in_process(mx)
     assert code == 2 and "mx.recipe: 'none' -> 'mxfp8'" in err
     code, out, err = run_in_process([*mx, "--checkpoint.allow_config_change", "true"])
@@ -209,6 +220,57 @@ def test_resume_under_another_model_or_recipe_is_refused_unless_allowed(died_aft
     # the history of the run's config: the earlier one kept beside the current one
     assert 'recipe = "none"' in (run / "config-1.toml").read_text()
     assert 'recipe = "mxfp8"' in (run / "config.toml").read_text()
+
+
+def test_a_resume_with_nothing_left_to_train_says_so_unless_the_steps_were_raised(died_after_step_4, tmp_path):
+    """A checkpoint past training.steps: exit 2 and one line saying so (it used to print "done" and exit 0 having
+    trained nothing), metrics.jsonl untouched. One at the last step is a finished run (it died before writing
+    DONE): it says so, writes DONE and exits 0, so a requeue ends cleanly. With training.steps raised the run
+    trains on from it."""
+    run = tmp_path / "run"
+    shutil.copytree(died_after_step_4, run)
+    before = (run / "metrics.jsonl").read_bytes()
+    step_4 = run / "checkpoints" / "step-4"
+    args = [*BF16_ARGS, *CKPT_EVERY_2, "--job.output_dir", str(run)]
+    for extra in ([], ["--check"]):  # the same, before a launcher
+        code, out, err = run_in_process([*args, "--training.steps", "3", *extra])
+        assert code == 2 and err == (
+            f"error: checkpoint {step_4} is at step 4, past training.steps = 3: nothing left to train; raise "
+            "training.steps above 4 to train on, or choose another job.output_dir\n"
+        )
+        assert "done" not in out and (run / "metrics.jsonl").read_bytes() == before
+    code, out, err = run_in_process([*args, "--training.steps", "4"])
+    assert code == 0 and f"done: checkpoint {step_4} is at step 4, the last of training.steps: the run is" in out
+    assert (run / "DONE").is_file() and (run / "metrics.jsonl").read_bytes() == before
+    (run / "DONE").unlink()
+    code, out, err = run_in_process([*args, "--training.steps", "5"])
+    assert code == 0, err
+    assert f"resuming from checkpoint {step_4} (step 4 of 5)" in out and [r["step"] for r in _metrics(run)][-1] == 5
+
+
+def test_after_a_resume_each_step_is_logged_once(died_after_step_4, tmp_path):
+    """The run died after logging step 4 with step-2 its newest checkpoint: the resume trains steps 3 and 4 again,
+    and their first records move to metrics.redone.jsonl (they used to appear twice in metrics.jsonl)."""
+    run = tmp_path / "run"
+    shutil.copytree(died_after_step_4, run)
+    shutil.rmtree(run / "checkpoints" / "step-4")
+    code, out, err = run_in_process([*BF16_ARGS, *CKPT_EVERY_2, "--job.output_dir", str(run)])
+    assert code == 0, err
+    assert "moved 2 records logged after step 2 to metrics.redone.jsonl" in out
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4] and last_losses(run) == bf16_reference()
+    assert [json.loads(line)["step"] for line in (run / "metrics.redone.jsonl").read_text().splitlines()] == [3, 4]
+
+
+def test_a_checkpoint_written_before_a_key_existed_resumes_as_unchanged(died_after_step_4, tmp_path):
+    """A key added to [mx] since the checkpoint was written (its config.toml lacks it) counts as at its default,
+    so the resume is no config change."""
+    run = tmp_path / "run"
+    shutil.copytree(died_after_step_4, run)
+    saved = run / "checkpoints" / "step-4" / "config.toml"
+    saved.write_text("".join(line for line in saved.read_text().splitlines(True) if "skip_replace" not in line))
+    code, out, err = run_in_process([*BF16_ARGS, *CKPT_EVERY_2, "--job.output_dir", str(run), "--training.steps", "5"])
+    assert code == 0, err
+    assert "resuming from checkpoint" in out and "config changed" not in out
 
 
 def test_a_save_on_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):

@@ -132,20 +132,71 @@ def test_overrides_are_typed():
     pairs = parse_overrides(["--training.steps", "7", "--training.lr=0.5", "--mx.skip", "output,layers.0.*"])
     config = build_config(MINIMAL, "mem.toml", pairs)
     assert config.training.steps == 7 and config.training.lr == 0.5
-    assert config.mx.skip == ["output", "layers.0.*"]
-    with pytest.raises(ConfigError, match=r"command line \(config mem.toml\): key 'training.steps'"):
+    assert config.mx.skip == ["output", "*router.gate", "layers.0.*"]  # added to the defaults
+    with pytest.raises(ConfigError, match=r"^command line --training.steps: expected an integer, got 'many'$"):
         build_config(MINIMAL, "mem.toml", parse_overrides(["--training.steps", "many"]))
     with pytest.raises(ConfigError, match=r"unknown key 'training.nope'"):
         build_config(MINIMAL, "mem.toml", parse_overrides(["--training.nope", "1"]))
     for bad in ("nan", "inf", "-inf"):  # as users type them: a config error, not a traceback or a NaN run
-        with pytest.raises(ConfigError, match=rf"key 'training.lr': expected a finite number, got {bad}"):
+        with pytest.raises(ConfigError, match=rf"--training.lr: expected a finite number, got {bad}"):
             build_config(MINIMAL, "mem.toml", parse_overrides(["--training.lr", bad]))
-    with pytest.raises(ConfigError, match=r"key 'job.seed': must be in"):
+    with pytest.raises(ConfigError, match=r"command line --job.seed: must be in"):
         build_config(MINIMAL, "mem.toml", parse_overrides(["--job.seed", "-1"]))
     with pytest.raises(ConfigError, match="needs a value"):
         parse_overrides(["--training.steps"])
     with pytest.raises(ConfigError, match="expected --section.key"):
         parse_overrides(["steps"])
+
+
+def test_an_error_in_an_override_names_the_override_not_the_file():
+    """A value from the command line that fails a check names --section.key; the same value in the file names the
+    file; an unknown override says which key was probably meant."""
+    with pytest.raises(ConfigError, match=r"^command line --training.lr: must be positive, got -1.0$"):
+        build_config(MINIMAL, "mem.toml", parse_overrides(["--training.lr", "-1"]))
+    with pytest.raises(ConfigError, match=r"^mem.toml: key 'training.lr': must be positive, got -1.0$"):
+        build_config(_with("training", "lr", -1.0), "mem.toml", [])
+    with pytest.raises(
+        ConfigError, match=r"^command line --training.stepz: unknown key .*did you mean --training.steps"
+    ):
+        build_config(MINIMAL, "mem.toml", parse_overrides(["--training.stepz", "3"]))
+
+
+def test_a_data_path_given_alone_reads_files(tmp_path):
+    """data.path without data.dataset means dataset files (it used to train on the stdlib corpus, silently); with
+    another dataset named, it is an error naming both keys."""
+    (tmp_path / "a.txt").write_text("some text")
+    (tmp_path / "b.txt").write_text("more text")
+    pattern = str(tmp_path / "*.txt")
+    config = build_config(MINIMAL, "mem.toml", parse_overrides(["--data.path", pattern]))
+    assert config.data.dataset == "files" and config.data.path == pattern
+    overrides = parse_overrides(["--data.path", pattern, "--data.dataset", "python_stdlib"])
+    with pytest.raises(ConfigError, match=r"^command line --data.path: .* data.dataset is 'python_stdlib': set data"):
+        build_config(MINIMAL, "mem.toml", overrides)
+
+
+def test_mx_skip_adds_to_the_default_patterns_unless_told_to_replace_them(tmp_path):
+    """A given mx.skip keeps the output layer and router gates in bf16 (it used to replace them, converting the
+    output layer); mx.skip_replace true makes it the whole list. The resolved config loads to itself."""
+    added = build_config(MINIMAL, "mem.toml", parse_overrides(["--mx.skip", "layers.0.*"]))
+    assert added.mx.skip == ["output", "*router.gate", "layers.0.*"] and not added.mx.skip_replace
+    in_file = build_config(_with("mx", "skip", ["layers.0.*", "output"]), "mem.toml", [])
+    assert in_file.mx.skip == ["output", "*router.gate", "layers.0.*"]
+    replaced = build_config(MINIMAL, "mem.toml", parse_overrides(["--mx.skip", "layers.0.*", "--mx.skip_replace", "1"]))
+    assert replaced.mx.skip == ["layers.0.*"]
+    nothing = build_config(MINIMAL, "mem.toml", parse_overrides(["--mx.skip=", "--mx.skip_replace", "true"]))
+    assert nothing.mx.skip == []
+    for config in (added, replaced, nothing):
+        (tmp_path / "config.toml").write_text(config_to_toml(config))
+        assert load_config(str(tmp_path / "config.toml")).mx.skip == config.mx.skip
+
+
+def test_a_config_file_that_is_not_utf8_text_is_one_line(tmp_path):
+    binary = tmp_path / "model.toml"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    with pytest.raises(ConfigError, match=rf"^{binary}: not a TOML text file \(byte 0x89 at offset 0 is not UTF-8\)$"):
+        load_config(str(binary))
+    with pytest.raises(ConfigError, match="no such config file"):  # longer than a file name may be
+        load_config("x" * 300)
 
 
 def test_resolved_config_round_trips(tmp_path):
@@ -195,8 +246,9 @@ def test_mx_keys_build_the_recipe():
 
 
 def test_mx_keys_are_the_recipe_options():
-    """[mx] is recipe and skip plus one key per option field of MXRecipe and NVFP4Recipe, with the field's type and
-    default ("" where the named recipes differ: keep the recipe's), so a new option field is a new key."""
+    """[mx] is recipe, skip and skip_replace plus one key per option field of MXRecipe and NVFP4Recipe, with the
+    field's type and default ("" where the named recipes differ: keep the recipe's), so a new option field is a
+    new key."""
     import dataclasses
     import typing
 
@@ -214,13 +266,13 @@ def test_mx_keys_are_the_recipe_options():
                 assert keys[f.name].type is hints[f.name], f.name
                 assert keys[f.name].default in ({KEEP} if len(values) > 1 else {f.default}), f.name
                 option_fields[f.name] = f
-    assert set(keys) == {"recipe", "skip"} | set(option_fields)
+    assert set(keys) == {"recipe", "skip", "skip_replace"} | set(option_fields)
     assert {"backend", "grad_rounding", "save_mx_input", "fuse_x_casts", "share_input_casts"} <= set(option_fields)
 
 
 def test_a_checkpoints_mx_table_still_loads_and_builds_the_named_recipe():
     """The [mx] table as config.toml has been written (every key, this order) builds each named recipe as it is;
-    NVFP4's Hadamard seed is job.seed. Overrides on the command line name the key and the file."""
+    NVFP4's Hadamard seed is job.seed. An error in an override on the command line names the override."""
     from mx_recipe.formats.recipe import NVFP4_RECIPES, RECIPES
     from mx_recipe.train.config import build_mx_recipe
 
@@ -237,10 +289,10 @@ def test_a_checkpoints_mx_table_still_loads_and_builds_the_named_recipe():
         data = {**MINIMAL, "job": {"output_dir": "out", "seed": 9}, "mx": {"recipe": name, **written}}
         recipe = build_mx_recipe(build_config(data, "config.toml", []).mx, seed=9)
         assert recipe == (dataclasses.replace(expected, hadamard_seed=9) if name in NVFP4_RECIPES else expected)
-    with pytest.raises(ConfigError, match=r"command line \(config mem.toml\): key 'mx.fuse_x_casts': expected true"):
+    with pytest.raises(ConfigError, match=r"command line --mx.fuse_x_casts: expected true"):
         build_config(MINIMAL, "mem.toml", parse_overrides(["--mx.fuse_x_casts", "maybe"]))
     overrides = parse_overrides(["--mx.recipe", "nvfp4", "--mx.share_input_casts", "false"])
-    with pytest.raises(ConfigError, match=r"mem.toml: key 'mx.share_input_casts': is an MX cast option"):
+    with pytest.raises(ConfigError, match=r"command line --mx.share_input_casts: is an MX cast option"):
         build_config(MINIMAL, "mem.toml", overrides)
 
 

@@ -153,6 +153,24 @@ def test_skip_pattern_is_fnmatch_on_the_full_fqn():
     assert by_fqn["output"].converted
 
 
+def test_a_recipe_name_converts_as_the_named_recipe():
+    """convert_to_mx(model, "mxfp8") used to fail with AttributeError: 'str' object has no attribute 'block_size'."""
+    by_name, by_recipe = Model(), Model()
+    assert convert_to_mx(by_name, "mxfp8", log=False) == convert_to_mx(by_recipe, MXFP8, log=False)
+    assert by_name.layers[0].attention.wq.recipe == MXFP8
+    with pytest.raises(ValueError, match=r"^convert_to_mx: unknown recipe 'mxfp9'; known: mxfp8, .*nvfp4"):
+        convert_to_mx(Model(), "mxfp9")
+    with pytest.raises(TypeError, match="recipe must be an MXRecipe, an NVFP4Recipe or a recipe's name, got 8"):
+        convert_to_mx(Model(), 8)
+
+
+def test_unmatched_skip_patterns_are_those_that_match_no_layer():
+    from mx_recipe.nn.convert import unmatched_skip_patterns
+
+    patterns = ["output", "layers.*.attention.wq", "layers.0.attention", "*router.gate"]
+    assert unmatched_skip_patterns(Model(), patterns) == ["layers.0.attention", "*router.gate"]
+
+
 def test_second_conversion_is_a_no_op_for_converted_layers():
     model = Model()
     convert_to_mx(model, MXFP8, log=False)

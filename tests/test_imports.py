@@ -65,8 +65,10 @@ def test_import_mx_recipe_is_light_and_exports_the_api():
     loaded = _fresh_import("mx_recipe")
     assert "mx_recipe.models" not in loaded and "mx_recipe.train" not in loaded, loaded
     assert not [m for m in loaded if m.startswith("triton")], loaded
-    for name in ("to_mx", "MXRecipe", "mx_linear", "MXLinear", "convert_to_mx", "mx_grouped_mm"):
+    for name in ("to_mx", "MXRecipe", "mx_linear", "MXLinear", "convert_to_mx", "mx_grouped_mm", "NVFP4Recipe"):
         assert name in mx_recipe.__all__ and callable(getattr(mx_recipe, name)), name
+    for name in mx_recipe.__all__:  # `from mx_recipe import NAME` works for each, as the README's snippet does
+        assert getattr(mx_recipe, name) is not None, name
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         mx_recipe.nope  # noqa: B018
 

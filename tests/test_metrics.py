@@ -56,6 +56,28 @@ def test_resumed_run_appends(tmp_path):
     assert set(records[-1]) == {"step", "val_loss", "time"} and records[-1]["val_loss"] == 1.5
 
 
+def test_a_resumed_run_sets_aside_the_records_of_the_steps_it_trains_again(tmp_path, capsys):
+    """Resumed from its checkpoint of step 2, a run logs steps 3 and 4 again: their first records, validation
+    and a line a crash cut short included, move to metrics.redone.jsonl, so each step is in metrics.jsonl once."""
+    first = _logger(tmp_path)
+    for step in (1, 2, 3, 4):
+        _log(first, step)
+    first.log_validation(2, 1.75)
+    first.log_validation(4, 1.5)
+    first.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')  # killed mid-write
+    capsys.readouterr()
+    resumed = _logger(tmp_path, append=True, resumed_step=2)
+    assert "moved 4 records logged after step 2 to metrics.redone.jsonl" in capsys.readouterr().out
+    for step in (3, 4):
+        _log(resumed, step)
+    resumed.close()
+    assert [(r["step"], "val_loss" in r) for r in _records(tmp_path)] == [(1, 0), (2, 0), (2, 1), (3, 0), (4, 0)]
+    redone = (tmp_path / "metrics.redone.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in redone[:3]] == [3, 4, 4] and redone[3] == '{"step": 5, "lo'
+
+
 def test_validation_record_and_line(tmp_path, capsys):
     logger = _logger(tmp_path)
     record = logger.log_validation(10, 2.25)

@@ -65,6 +65,10 @@ def fake(tmp_path: Path) -> dict[str, str]:
         f'#!/bin/bash\nif [[ $1 == show ]]; then echo localhost; else echo "$*" >>{scontrol_log}; fi\n'
     )
     (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
+    # PYTHON for a launcher that exits FAKE_LAUNCHER_RC at once; train.py --check runs for real
+    (bin_dir / "fake_launcher").write_text(
+        f'#!/bin/bash\nfor arg; do [[ $arg == --check ]] && exec {sys.executable} "$@"; done\nexit $FAKE_LAUNCHER_RC\n'
+    )
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
@@ -162,13 +166,33 @@ def test_train_1node_failure_or_too_many_restarts_is_not_requeued(tmp_path, fake
     env = {**fake, "SLURM_JOB_ID": "7", "FAKE_MODE": "done", "MX_OUTPUT_DIR": str(tmp_path / "run")}
     cmd = ["bash", str(SLURM / "train_1node.sbatch"), "debug_mxfp8"]
     proc = run([*cmd, "--training.stepz", "3"], {**env, "MX_OUTPUT_DIR": ""})  # bad key: caught before launch
-    assert proc.returncode != 0 and "unknown key 'training.stepz'" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith("config error: command line --training.stepz: unknown key")
     # A launcher that exits 0 without DONE, the 21st time; then one that fails.
-    proc = run(cmd, {**env, "PYTHON": "true", "SLURM_RESTART_COUNT": "20"})
+    launcher = {"PYTHON": str(tmp_path / "bin" / "fake_launcher")}
+    proc = run(cmd, {**env, **launcher, "FAKE_LAUNCHER_RC": "0", "SLURM_RESTART_COUNT": "20"})
     assert proc.returncode == 1 and "not requeued again" in proc.stdout
-    proc = run(cmd, {**env, "PYTHON": "false"})
+    proc = run(cmd, {**env, **launcher, "FAKE_LAUNCHER_RC": "1"})
     assert proc.returncode == 1 and "launcher failed (exit 1): not requeued" in proc.stdout
     assert scontrol_calls(env) == []
+
+
+@pytest.mark.parametrize("name", ["train_1node.sbatch", "train_multinode.sbatch"])
+def test_a_run_that_cannot_start_stops_before_torchrun(tmp_path, fake, name):
+    """train.py --check runs first: a busy output_dir (another run holds it) stops the script with that one line
+    and exit 2, before torchrun, which would turn the exit 2 into exit 1 and a ChildFailedError traceback."""
+    from mx_recipe.train.lock import RunLock
+
+    out = tmp_path / "run"
+    out.mkdir()
+    env = {**fake, "SLURM_JOB_ID": "3", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "localhost", "FAKE_MODE": "done"}
+    lock = RunLock()
+    assert lock.acquire(out) is None
+    try:
+        proc = run(["bash", str(SLURM / name), "debug_mxfp8", "--job.output_dir", str(out)], env)
+    finally:
+        lock.release()
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: job.output_dir {out} is in use by the run of pid ")
+    assert proc.stderr.count("\n") == 1 and "launch" not in proc.stdout and not (out / "rank0.json").exists()
 
 
 def test_train_multinode_launch_line(tmp_path, fake):

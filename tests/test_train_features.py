@@ -6,10 +6,13 @@ the ones that need a real signal run it as a subprocess. Faults (a NaN loss) are
 mx_recipe.train.faults.
 """
 
+import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import fault_entry
@@ -31,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from mx_recipe.models import build_model, model_args
 from mx_recipe.train.faults import NO_FAULTS, FaultHooks, fault_hooks, set_fault_hooks
+from mx_recipe.train.lock import RunLock
 from mx_recipe.train.parallel import DistInfo, apply_activation_checkpointing, materialize_and_shard
 from mx_recipe.train.step import forward_backward
 
@@ -116,6 +120,23 @@ def test_fault_entry_takes_its_hooks_and_leaves_train_py_its_arguments():
     assert hooks == FaultHooks(nan_loss_steps=frozenset({2, 3}), kill_in_save_step=3)
     assert rest == ["--config", "debug_bf16", "--training.steps", "4"]
     assert fault_entry.parse_hooks(["--signal-step", "3"]) == (FaultHooks(signal_step=3), [])
+    assert fault_entry.parse_hooks(["--signal-in-setup"]) == (FaultHooks(signal_in_setup=True), [])
+
+
+def test_a_stop_signal_during_set_up_exits_0_for_a_requeue_and_the_rerun_trains(tmp_path):
+    """SIGTERM before the first step used to kill the run (exit 143, no message), which the SLURM scripts do not
+    requeue: now set-up stops at its next stage, says so in one line and exits 0, as a stop in the loop does;
+    the same command again trains from the start."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "tests/fault_entry.py", "--signal-in-setup", *BF16_ARGS, "--job.output_dir", str(run)]
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    expected = "received SIGTERM during set-up: stopped before this run's first step; exiting 0 for a requeue"
+    assert proc.stdout.splitlines()[-1] == expected and proc.stderr == ""
+    assert not (run / "metrics.jsonl").exists() and not (run / "DONE").exists()
+    code, _, err = run_in_process([*BF16_ARGS, "--job.output_dir", str(run)])
+    assert code == 0, err
+    assert last_losses(run) == bf16_reference()
 
 
 def test_validation_is_logged_and_changes_no_training_step(tmp_path):
@@ -133,6 +154,10 @@ def test_validation_is_logged_and_changes_no_training_step(tmp_path):
     [
         (["--validation.enable", "true", "--data.validation_fraction", "0"], "has no validation split"),
         (["--parallel.dp_replicate", "2"], "parallel.dp_replicate = 2 does not divide the world size 1"),
+        (
+            ["--mx.recipe", "mxfp8", "--mx.skip", "layers.0.attention"],
+            "mx.skip: 'layers.0.attention' matches no linear layer or expert group of llama debug",
+        ),
     ],
 )
 def test_a_run_that_cannot_start_stops_before_the_model_is_built(tmp_path, overrides, message):
@@ -141,8 +166,17 @@ def test_a_run_that_cannot_start_stops_before_the_model_is_built(tmp_path, overr
     assert "parameters" not in out
 
 
+def test_mx_skip_keeps_the_output_layer_in_bf16(tmp_path):
+    """--mx.skip adds to the default patterns: the output layer stays in bf16 (it used to be converted)."""
+    skip = ["--mx.recipe", "mxfp8", "--mx.skip", "layers.0.attention.wq", "--training.steps", "1"]
+    code, out, err = run_in_process([*BF16_ARGS, *skip, "--job.output_dir", str(tmp_path)])
+    assert code == 0, err
+    assert re.search(r"^output +\S+ +skipped: matches 'output'$", out, re.M), out
+    assert "layers.0.attention.wq" in out and "27 of 29 layers converted" in out
+
+
 def test_out_of_memory_reports_the_memory_figures(monkeypatch, tmp_path):
-    def oom(config, info):
+    def oom(config, info, signals):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(train_script, "train", oom)
@@ -292,7 +326,93 @@ def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
     assert code == 2 and f"job.output_dir {path} is a file, not a folder" in err and path.read_text() == "not a folder"
 
 
-@pytest.mark.parametrize("case", ["max_bytes", "short_corpus", "bad_jsonl", "bad_parquet"])
+def test_a_second_run_in_a_busy_output_dir_is_refused_and_the_first_resumes_after_a_kill(tmp_path):
+    """Two runs in one output_dir: the second is refused with one line naming the first's pid and host, and
+    writes nothing. kill -9 of the first leaves no stale lock: the rerun resumes from its checkpoint, logs each
+    step once and ends with the losses of a run that never stopped."""
+    run = tmp_path / "run"
+    args = [*BF16_ARGS, "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--job.output_dir", str(run)]
+    cmd = [sys.executable, "train.py", *args]
+    first = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in first.stdout:
+            if line.startswith("saved checkpoint"):
+                first.send_signal(signal.SIGSTOP)  # holds the lock, mid-run
+                break
+        before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+        code, out, err = run_in_process(args)
+        assert code == 2 and out == ""
+        holder = f"pid {first.pid} on host {socket.gethostname()}"
+        assert err.startswith(f"error: job.output_dir {run} is in use by the run of {holder} (it holds {run}/run.lock)")
+        assert len(err.splitlines()) == 1
+        assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    finally:
+        first.kill()
+        first.wait(timeout=60)
+    code, out, err = run_in_process(args)
+    assert code == 0, err
+    assert "resuming from checkpoint" in out
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4]  # the steps logged after its checkpoint set aside
+    assert last_losses(run) == bf16_reference()
+
+
+def output_dir_holder(output_dir: Path) -> str | None:
+    """Who holds ``output_dir`` now (None: nobody; the lock is left free)."""
+    lock = RunLock()
+    try:
+        return lock.acquire(output_dir)
+    finally:
+        lock.release()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_workers_end_when_their_torchrun_is_killed(tmp_path):
+    """kill -9 of torchrun alone used to leave its worker training on; now the kernel ends it with its parent.
+    The worker's lock on its output_dir, released only when the process is gone, shows it ended."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py"]
+    cmd += [*BF16_ARGS, "--training.steps", "100000", "--job.output_dir", str(run)]
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in launcher.stdout:
+            if line.startswith("step      1/"):
+                break
+        assert output_dir_holder(run) is not None, "the worker holds its output_dir"
+        launcher.kill()
+        launcher.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while output_dir_holder(run) is not None:
+            assert time.monotonic() < deadline, "the worker outlived its torchrun"
+            time.sleep(0.1)
+    finally:
+        launcher.kill()
+        launcher.stdout.close()
+
+
+def test_check_says_whether_a_run_can_start_without_starting_it(tmp_path):
+    """train.py --check, for launchers to run before torchrun: exit 0 and the output_dir for a run that can start,
+    else exit 2 and one line (a config error, a busy output_dir, a skip pattern that matches nothing); no model
+    is trained and nothing but the folder is written."""
+    run = tmp_path / "run"
+    args = [*BF16_ARGS, "--job.output_dir", str(run), "--check"]
+    assert run_in_process(args) == (0, f"ok: job.output_dir {run}\n", "")
+    assert [p.name for p in run.iterdir()] == ["run.lock"]
+    code, out, err = run_in_process([*args, "--training.lr", "0"])
+    assert code == 2 and err == "config error: command line --training.lr: must be positive, got 0.0\n"
+    code, _, err = run_in_process([*args, "--mx.recipe", "mxfp8", "--mx.skip", "layers.0.ffn"])
+    assert (
+        code == 2 and err.startswith("error: mx.skip: 'layers.0.ffn' matches no linear layer") and err.count("\n") == 1
+    )
+    lock = RunLock()
+    assert lock.acquire(run) is None
+    try:
+        code, _, err = run_in_process(args)
+        assert code == 2 and err.startswith(f"error: job.output_dir {run} is in use by the run of pid {os.getpid()}")
+    finally:
+        lock.release()
+
+
+@pytest.mark.parametrize("case", ["max_bytes", "short_corpus", "bad_jsonl", "bad_parquet", "empty"])
 def test_data_that_cannot_make_a_run_is_one_line_and_exit_2(tmp_path, case):
     """The README's promise for a run that cannot start: exit 2 and one line that names the problem."""
     args = [*BF16_ARGS, "--job.output_dir", str(tmp_path / "run")]
@@ -309,6 +429,11 @@ def test_data_that_cannot_make_a_run_is_one_line_and_exit_2(tmp_path, case):
         (tmp_path / "docs.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
         args += ["--data.dataset", "files", "--data.path", str(tmp_path / "docs.jsonl")]
         expected = f"data: {tmp_path / 'docs.jsonl'}:2: not valid JSON"
+    elif case == "empty":  # it used to say "set data.validation_fraction = 0", which cannot help
+        for name in ("a.txt", "b.txt"):
+            (tmp_path / name).write_text("")
+        args += ["--data.path", str(tmp_path / "*.txt")]
+        expected = f"data: data.path '{tmp_path / '*.txt'}': every document is empty"
     elif case == "bad_parquet":
         pytest.importorskip("pyarrow")
         (tmp_path / "docs.parquet").write_bytes(b"PAR1 this is not parquet PAR1")
@@ -325,3 +450,13 @@ def test_an_output_dir_that_cannot_be_created_is_refused(tmp_path):
     code, _, err = run_in_process([*BF16_ARGS, "--job.output_dir", "/proc/mx_recipe_run"])
     assert code == 2 and "job.output_dir: cannot create /proc/mx_recipe_run" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_an_output_dir_too_long_for_the_file_system_is_one_line(tmp_path):
+    """A name longer than the file system allows was an OSError traceback (Errno 36) on rank 0."""
+    long = tmp_path / ("x" * 300)
+    code, _, err = run_in_process([*BF16_ARGS, "--job.output_dir", str(long)])
+    assert (
+        code == 2
+        and err == f"error: job.output_dir: cannot create {long} (File name too long): choose another job.output_dir\n"
+    )

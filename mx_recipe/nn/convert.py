@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mx_recipe.formats.options import recipe_from_options
 from mx_recipe.formats.recipe import MXRecipe, NVFP4Recipe
 from mx_recipe.nn.grouped import mx_grouped_mm
 from mx_recipe.nn.linear import MXLinear
@@ -72,15 +73,25 @@ def skip_reason(fqn: str, features: tuple[int, ...], skip: list[str] | tuple[str
     return None
 
 
+def unmatched_skip_patterns(model: nn.Module, skip: list[str] | tuple[str, ...]) -> list[str]:
+    """The patterns of ``skip`` that match no linear layer or expert group of ``model``: a misspelt pattern
+    otherwise leaves converted a layer that was meant to stay in high precision."""
+    fqns = [fqn for fqn, m in model.named_modules(remove_duplicate=False) if isinstance(m, nn.Linear) or _is_experts(m)]
+    return [pattern for pattern in skip if not any(_matches(fqn, [pattern]) for fqn in fqns)]
+
+
 def convert_to_mx(
     model: nn.Module,
-    recipe: MXRecipe | NVFP4Recipe,
+    recipe: MXRecipe | NVFP4Recipe | str,
     skip: list[str] | tuple[str, ...] = DEFAULT_SKIP,
     log: bool = True,
     device: torch.device | str | None = None,
 ) -> list[ConversionRecord]:
     """Replace every ``nn.Linear`` (and subclass) of ``model`` by an ``MXLinear``, and make every MoE
     expert module (``MXGroupedExperts``'s docstring says which) an ``MXGroupedExperts``, in place.
+
+    ``recipe`` is a recipe or the name of one (``"mxfp8"``, ``"nvfp4"``, ...: the named recipe as a training
+    config's ``mx.recipe`` gives it); an unknown name is a ValueError listing the known ones.
 
     ``skip`` holds fqn patterns (fnmatch, e.g. ``"output"``, ``"layers.*.attention.wq"``).
     Layers whose features are not multiples of the block size are skipped too. Parameters
@@ -91,6 +102,13 @@ def convert_to_mx(
     converted, and every converted module gets that one backend object. A backend the device or the
     recipe cannot run is a ValueError, raised before anything is swapped.
     """
+    if isinstance(recipe, str):
+        try:
+            recipe = recipe_from_options(recipe)
+        except ValueError as e:
+            raise ValueError(f"convert_to_mx: {e}") from None
+    elif not isinstance(recipe, (MXRecipe, NVFP4Recipe)):
+        raise TypeError(f"convert_to_mx: recipe must be an MXRecipe, an NVFP4Recipe or a recipe's name, got {recipe!r}")
     layers = []  # (fqn, module, shape, why it is skipped or None)
     for fqn, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, (MXLinear, MXGroupedExperts)):

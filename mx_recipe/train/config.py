@@ -1,11 +1,13 @@
 """Training configuration: TOML files plus ``--section.key value`` overrides, validated strictly.
 
-Every error names the key and the file, so a bad run stops before any model is built.
+Every error names the key and the file (or the ``--section.key`` override that set it), so a bad run stops
+before any model is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import json
 import math
@@ -22,6 +24,7 @@ from mx_recipe.formats.options import (
     recipe_from_options,
     recipe_option_fields,
 )
+from mx_recipe.nn.convert import DEFAULT_SKIP
 
 if TYPE_CHECKING:
     from mx_recipe.formats.recipe import MXRecipe, NVFP4Recipe
@@ -85,7 +88,7 @@ class TrainingConfig:
 @dataclass
 class DataConfig:
     dataset: str = "python_stdlib"  # python_stdlib (offline), files (path glob), hf (Hugging Face, streaming)
-    path: str = ""  # for files: a glob of .txt, .jsonl or .parquet files
+    path: str = ""  # for files: a glob of .txt, .jsonl or .parquet files; a path given alone implies files
     hf_name: str = "allenai/c4"  # for hf: the dataset name on the Hugging Face hub
     hf_config: str = "en"  # for hf: the dataset configuration
     hf_split: str = "train"  # for hf: the split to stream
@@ -113,7 +116,8 @@ class CheckpointConfig:
 
 
 _RECIPE_HELP = 'an MXRecipe name (mxfp8, mxfp4, ...), an NVFP4Recipe name (nvfp4, ...) or "none" (bf16)'
-_SKIP_HELP = "fqn patterns left in bf16"
+_SKIP_HELP = "fqn patterns left in bf16; a list given adds to these defaults (see mx.skip_replace)"
+_SKIP_REPLACE_HELP = "a given mx.skip replaces the default patterns instead of adding to them"
 
 # [mx]: the recipe's name, the converter's skip list, and one key per recipe option: the MXRecipe and NVFP4Recipe
 # fields made with recipe.option (mx_recipe.formats.options), each key with the field's type, default and help
@@ -122,7 +126,8 @@ MXConfig = dataclasses.make_dataclass(
     "MXConfig",
     [
         ("recipe", str, field(default=REQUIRED, metadata={"help": _RECIPE_HELP})),
-        ("skip", list[str], field(default_factory=lambda: ["output", "*router.gate"], metadata={"help": _SKIP_HELP})),
+        ("skip", list[str], field(default_factory=lambda: list(DEFAULT_SKIP), metadata={"help": _SKIP_HELP})),
+        ("skip_replace", bool, field(default=False, metadata={"help": _SKIP_REPLACE_HELP})),
         *recipe_option_fields(),
     ],
 )
@@ -169,6 +174,7 @@ class Config:
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     source: str = "<defaults>"  # the file the config came from, for messages
+    overridden: frozenset[str] = frozenset()  # the keys set on the command line ("section.key"), for messages
 
 
 _SECTION_TYPES: dict[str, type] = {
@@ -208,11 +214,21 @@ def config_help() -> str:
         lines.append(f"  [{section}]")
         comments = _key_comments(cls)
         for f in dataclasses.fields(cls):
-            value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            value = _default(f)
             default = "required" if value is REQUIRED else f"default {json.dumps(value)}"  # TOML spells these so
             kind = _type_name(_key_type(section, f.name)).removeprefix("an ").removeprefix("a ")
             lines.append(f"    {section}.{f.name} ({kind}, {default}): {comments.get(f.name, '')}".rstrip(": "))
     return "\n".join(lines)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def section_defaults(section: str) -> dict[str, Any]:
+    """The default of each key of ``section`` that has one (a required key has none)."""
+    fields = dataclasses.fields(_SECTION_TYPES[section])
+    return {f.name: _default(f) for f in fields if _default(f) is not REQUIRED}
 
 
 def _key_type(section: str, key: str) -> Any:
@@ -266,14 +282,21 @@ def resolve_config_path(name_or_path: str | None) -> Path:
     """A path as given, or NAME / NAME.toml under configs/."""
     name_or_path = name_or_path or DEFAULT_CONFIG
     path = Path(name_or_path)
-    if path.is_file():
+    if _is_file(path):
         return path
     stem = name_or_path.removesuffix(".toml")
     candidate = CONFIG_DIR / f"{stem}.toml"
-    if candidate.is_file():
+    if _is_file(candidate):
         return candidate
     known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml")))
     raise ConfigError(f"{name_or_path}: no such config file (and no configs/{stem}.toml; known: {known})")
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name too long for the file system, say: no such file
+        return False
 
 
 def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
@@ -302,6 +325,11 @@ def load_config(name_or_path: str | None = None, overrides: list[tuple[str, str]
             data = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:  # a binary file, or text in another encoding: TOML is UTF-8
+        byte = e.object[e.start]
+        raise ConfigError(f"{path}: not a TOML text file (byte {byte:#04x} at offset {e.start} is not UTF-8)") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it ({e.strerror})") from None
     return build_config(data, str(path), overrides or [])
 
 
@@ -322,11 +350,15 @@ def build_config(data: dict[str, Any], source: str, overrides: list[tuple[str, s
     for dotted, text in overrides:
         section, _, key = dotted.partition(".")
         if section not in _SECTION_TYPES or key not in _KEY_TYPES[section]:
-            raise ConfigError(f"command line (config {source}): unknown key '{dotted}'")
+            known = [f"{s}.{k}" for s, keys in _KEY_TYPES.items() for k in keys]
+            close = difflib.get_close_matches(dotted, known, n=1)
+            hint = f" (did you mean --{close[0]}?)" if close else ""
+            raise ConfigError(f"command line --{dotted}: unknown key '{dotted}'{hint}")
         try:
             values[section][key] = _parse_override(text, _key_type(section, key))
         except TypeError as e:
-            raise ConfigError(f"command line (config {source}): key '{dotted}': {e}") from None
+            raise ConfigError(f"command line --{dotted}: {e}") from None
+    _imply(values)
     sections = {}
     for name, cls in _SECTION_TYPES.items():
         section = cls(**values[name])
@@ -334,9 +366,19 @@ def build_config(data: dict[str, Any], source: str, overrides: list[tuple[str, s
             if getattr(section, f.name) is REQUIRED:
                 raise ConfigError(f"{source}: missing required key '{name}.{f.name}'")
         sections[name] = section
-    config = Config(**sections, source=source)
+    config = Config(**sections, source=source, overridden=frozenset(dotted for dotted, _ in overrides))
     validate(config)
     return config
+
+
+def _imply(values: dict[str, dict[str, Any]]) -> None:
+    """What a key given alone means: a data.path reads files; an mx.skip list adds to the default patterns
+    unless mx.skip_replace (so the output layer stays in bf16 when a user skips more)."""
+    data, mx = values["data"], values["mx"]
+    if data.get("path") and "dataset" not in data:
+        data["dataset"] = "files"
+    if "skip" in mx and not mx.get("skip_replace", False):
+        mx["skip"] = list(dict.fromkeys([*DEFAULT_SKIP, *mx["skip"]]))  # in order, once each
 
 
 def validate(config: Config) -> None:
@@ -348,8 +390,9 @@ def validate(config: Config) -> None:
 
     src = config.source
 
-    def fail(key: str, message: str) -> None:
-        raise ConfigError(f"{src}: key '{key}': {message}")
+    def fail(key: str, message: str) -> None:  # names the override when the value came from the command line
+        where = f"command line --{key}" if key in config.overridden else f"{src}: key '{key}'"
+        raise ConfigError(f"{where}: {message}")
 
     if not 0 <= config.job.seed < 2**32:  # what numpy's seeding takes
         fail("job.seed", f"must be in [0, 2**32), got {config.job.seed}")
@@ -421,6 +464,12 @@ def validate(config: Config) -> None:
         )
     if config.data.max_bytes <= t.seq_len + 1:
         fail("data.max_bytes", f"must exceed training.seq_len + 1, got {config.data.max_bytes}")
+    if config.data.path and config.data.dataset != "files":
+        fail(
+            "data.path",
+            f"{config.data.path!r} is read by data.dataset 'files' only, and data.dataset is "
+            f"{config.data.dataset!r}: set data.dataset files, or leave data.path empty",
+        )
     from mx_recipe.train.data import check_data_config
     from mx_recipe.train.metrics import check_metrics_config
 

@@ -373,6 +373,8 @@ def _build_in_memory(config, tokenizer: Tokenizer, rank: int, world_size: int) -
     else:
         source = file_documents(data.path, data.text_field)
     documents = read_documents(source, data.max_bytes)
+    if not documents:  # nothing to train on, whatever data.validation_fraction is
+        raise ValueError(f"data.path {data.path!r}: every document is empty: there is no text to train on")
     n_val = held_out_count(len(documents), data.validation_fraction)
     if len(documents) - n_val < 1:
         raise ValueError(

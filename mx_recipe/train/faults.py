@@ -15,6 +15,7 @@ from dataclasses import dataclass
 class FaultHooks:
     nan_loss_steps: frozenset[int] = frozenset()  # the loss of these steps is made NaN, on every rank
     signal_step: int | None = None  # rank 0 sends itself SIGTERM during this step
+    signal_in_setup: bool = False  # rank 0 sends itself SIGTERM as set-up starts, before the data are read
     kill_in_save_step: int | None = None  # SIGKILL inside this step's save, shards written, before the commit
 
 

@@ -19,6 +19,7 @@ BF16_PEAK_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "B200": 2250e12}
 TENSORBOARD_HINT = "pip install tensorboard (it is in the project's dev extra: pip install -e '.[dev]')"
 WANDB_HINT = "pip install -e '.[wandb]' (the wandb extra), or pip install wandb"
 WANDB_RUN_ID_FILE = "wandb_run_id"  # under output_dir: a resumed run continues the same wandb run
+REDONE_FILE = "metrics.redone.jsonl"  # beside metrics.jsonl: the records of steps a resumed run trained again
 
 
 def device_peak_flops(device: torch.device) -> float | None:
@@ -91,11 +92,36 @@ def _wandb_run(output_dir: Path, project: str, append: bool):
     )
 
 
+def set_aside_records_after(path: Path, step: int) -> int:
+    """Move the records of ``path`` (a metrics.jsonl) logged after ``step`` to REDONE_FILE beside it, appended
+    there; returns how many moved. A run resumed from its checkpoint of ``step`` logs those steps again, so each
+    step appears once in metrics.jsonl and nothing is deleted. A line a crash cut short moves too."""
+    if not path.is_file():
+        return 0
+    keep, moved = [], []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            logged_at = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            logged_at = None
+        (keep if isinstance(logged_at, int) and logged_at <= step else moved).append(line + "\n")
+    if moved:
+        with open(path.with_name(REDONE_FILE), "a") as f:  # first, so that a crash in between loses nothing
+            f.writelines(moved)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
+    return len(moved)
+
+
 class MetricsLogger:
     """Times the steps between log points; rank 0 prints, appends to metrics.jsonl, and mirrors
     the numbers to TensorBoard (output_dir/tb) and wandb when ``metrics_config`` asks.
 
-    ``append``: a resumed run appends to metrics.jsonl instead of starting a fresh file.
+    ``append``: a resumed run appends to metrics.jsonl instead of starting a fresh file; with ``resumed_step``
+    (the step of the checkpoint it resumed from), the records logged after that step move to REDONE_FILE first.
     ``total_steps``: the stdout line shows step/total and an ETA from the average step time so far
     (a resumed run's first line has no ETA: the steps before it were not timed here).
     """
@@ -110,6 +136,7 @@ class MetricsLogger:
         *,
         total_steps: int | None = None,
         metrics_config: Any = None,
+        resumed_step: int | None = None,
     ):
         output_dir = Path(output_dir)
         self.path = output_dir / "metrics.jsonl"
@@ -126,6 +153,8 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not append:
             self.path.write_text("")  # a fresh run starts a fresh file
+        elif resumed_step is not None and (moved := set_aside_records_after(self.path, resumed_step)):
+            print(f"moved {moved} records logged after step {resumed_step} to {REDONE_FILE}: the steps run again")
         if metrics_config is not None and metrics_config.tensorboard:
             self.tensorboard = _tensorboard_writer(output_dir / "tb")
         if metrics_config is not None and metrics_config.wandb:

@@ -27,18 +27,27 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from mx_recipe.models import build_model, flops_per_token, model_args, moe_layers
-from mx_recipe.nn.convert import convert_to_mx, format_conversion_table
+from mx_recipe.nn.convert import DEFAULT_SKIP, convert_to_mx, format_conversion_table, unmatched_skip_patterns
 from mx_recipe.train.checkpoint import (
     CONFIG,
     DCP_ERRORS,
     Checkpointer,
     CheckpointSaveError,
     TrainState,
+    committed_checkpoints,
     latest_checkpoint,
 )
-from mx_recipe.train.config import Config, TrainingConfig, build_mx_recipe, config_to_dict, config_to_toml
+from mx_recipe.train.config import (
+    Config,
+    TrainingConfig,
+    build_mx_recipe,
+    config_to_dict,
+    config_to_toml,
+    section_defaults,
+)
 from mx_recipe.train.data import build_datasets
 from mx_recipe.train.faults import fault_hooks
+from mx_recipe.train.lock import RunLock
 from mx_recipe.train.metrics import MetricsLogger, peak_memory_gib
 from mx_recipe.train.mixed_precision import compute_weights
 from mx_recipe.train.parallel import (
@@ -74,24 +83,49 @@ class NonFiniteLossError(TrainingError):
     pass
 
 
+class SetupStopped(TrainingError):
+    """A stop signal during set-up: the run ends before its first step, with exit 0 so that SLURM requeues it."""
+
+    exit_code = 0
+
+
 class StopSignals:
     """SIGTERM and SIGUSR1 only set a flag: the loop checks it at each step boundary (all ranks
-    agree through an all-reduce), saves a checkpoint and returns, so SLURM can requeue the job."""
+    agree through an all-reduce), saves a checkpoint and returns, so SLURM can requeue the job;
+    set-up checks it between its stages. Entered again while entered, it keeps its handler."""
 
     def __init__(self) -> None:
         self.received = 0  # the signal number, 0 for none
         self._previous: dict[int, object] = {}
+        self._depth = 0
 
     def _handler(self, signum: int, frame) -> None:
         self.received = signum
 
     def __enter__(self) -> StopSignals:
-        self._previous = {s: signal.signal(s, self._handler) for s in STOP_SIGNALS}
+        if self._depth == 0:
+            self._previous = {s: signal.signal(s, self._handler) for s in STOP_SIGNALS}
+        self._depth += 1
         return self
 
     def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
+        self._depth -= 1
+        if self._depth == 0:
+            for s, handler in self._previous.items():
+                signal.signal(s, handler)
+
+
+def _stop_if_signalled(signals: StopSignals, info: DistInfo) -> None:
+    """Between set-up stages (data, model, resume: minutes for a large model): a stop signal any rank received
+    ends the run on every rank (one all-reduce), as at a step boundary. It used to kill the run (exit 143,
+    no message), which the SLURM scripts do not requeue."""
+    flag = torch.tensor([float(signals.received)], device=info.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if signum := int(flag.item()):
+        raise SetupStopped(
+            f"received {signal.Signals(signum).name} during set-up: stopped before this run's first step; "
+            "exiting 0 for a requeue"
+        )
 
 
 def lr_lambda(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -227,6 +261,7 @@ def build_training_model(config: Config, args, info: DistInfo, mesh, log) -> tor
         model = build_model(args)
     if config.mx.recipe != "none":
         recipe = build_mx_recipe(config.mx, seed=config.job.seed)
+        _check_skip_patterns(model, config)
         # The GEMM backend is resolved once, here: one this device or recipe cannot run stops the run.
         try:
             records = convert_to_mx(model, recipe, skip=config.mx.skip, log=False, device=info.device)
@@ -246,6 +281,17 @@ def build_training_model(config: Config, args, info: DistInfo, mesh, log) -> tor
     return model
 
 
+def _check_skip_patterns(model: torch.nn.Module, config: Config) -> None:
+    """An mx.skip pattern of the user's that matches no layer is a SetupError: a misspelt one would convert
+    the layer it meant to keep in bf16. The default patterns need not match (a dense model has no router)."""
+    unmatched = [p for p in unmatched_skip_patterns(model, config.mx.skip) if p not in DEFAULT_SKIP]
+    if unmatched:
+        raise SetupError(
+            f"mx.skip: {unmatched[0]!r} matches no linear layer or expert group of {config.model.name} "
+            f"{config.model.flavor} (a pattern matches whole names, such as layers.0.attention.wq): fix or remove it"
+        )
+
+
 def _write_config(path: Path, text: str) -> None:
     """The run's resolved config; one that a resumed run changed is kept as config-N.toml (N = 1, 2, ...)."""
     if path.is_file() and path.read_text().splitlines()[1:] != text.splitlines()[1:]:  # line 0: a timestamp
@@ -254,17 +300,21 @@ def _write_config(path: Path, text: str) -> None:
     path.write_text(text)
 
 
-def _output_dir_problem(output_dir: Path, checkpoint_folder: Path) -> str | None:
-    """Why a run cannot start in ``output_dir`` (None: it can; the folder is created). A new run there would
-    replace the metrics of an earlier one that left no checkpoint to resume from: refused, so nothing is lost."""
-    if output_dir.exists() and not output_dir.is_dir():
-        return f"job.output_dir {output_dir} is a file, not a folder: choose another job.output_dir"
+def _output_dir_problem(output_dir: Path, checkpoint_folder: Path, lock: RunLock) -> str | None:
+    """Why a run cannot start in ``output_dir`` (None: it can; the folder is created and ``lock`` taken, before
+    anything is written there). A new run there would replace the metrics of an earlier one that left no
+    checkpoint to resume from: refused, so nothing is lost."""
     try:
+        if output_dir.exists() and not output_dir.is_dir():
+            return f"job.output_dir {output_dir} is a file, not a folder: choose another job.output_dir"
         output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
+    except OSError as e:  # a read-only disk, a name too long for the file system
         return f"job.output_dir: cannot create {output_dir} ({e.strerror}): choose another job.output_dir"
     if not os.access(output_dir, os.W_OK):
         return f"job.output_dir {output_dir} is not writable: choose another job.output_dir"
+    holder = lock.acquire(output_dir)  # one run per output_dir: a second one would interleave their files
+    if holder is not None:
+        return holder
     metrics = output_dir / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size and latest_checkpoint(checkpoint_folder) is None:
         records = sum(1 for line in metrics.read_text().splitlines() if line.strip())
@@ -277,17 +327,32 @@ def _output_dir_problem(output_dir: Path, checkpoint_folder: Path) -> str | None
     return None
 
 
+def _nothing_left(checkpoint: Path, step: int, steps: int) -> str:
+    """Why a resume from ``checkpoint``, past training.steps, cannot run: it used to print "done" and exit 0, so a
+    user who lowered training.steps, or meant to train on, learnt nothing. (A checkpoint at the last step is a
+    finished run: ``_train`` says so and exits 0, so that a requeue after a crash between that checkpoint and the
+    DONE file ends cleanly.)"""
+    return (
+        f"checkpoint {checkpoint} is at step {step}, past training.steps = {steps}: nothing left to train; "
+        f"raise training.steps above {step} to train on, or choose another job.output_dir"
+    )
+
+
 def _config_changes(saved: Path, config: Config) -> list[str]:
     """The [model] and [mx] keys whose values differ from those of the checkpoint's saved config."""
     if not saved.is_file():  # written before checkpoints kept their config
         return []
     before, now = tomllib.loads(saved.read_text()), config_to_dict(config)
-    return [
-        f"{section}.{key}: {before.get(section, {}).get(key)!r} -> {value!r}"
-        for section in ("model", "mx")
-        for key, value in now[section].items()
-        if before.get(section, {}).get(key) != value
-    ]
+    changes = []
+    for section in ("model", "mx"):
+        # a key the saved config lacks was added since; the checkpoint's run had its default
+        saved_values = section_defaults(section) | before.get(section, {})
+        changes += [
+            f"{section}.{key}: {saved_values.get(key)!r} -> {value!r}"
+            for key, value in now[section].items()
+            if saved_values.get(key) != value
+        ]
+    return changes
 
 
 def _resume(checkpointer: Checkpointer, config: Config, model, optimizer, scheduler, data, state, log) -> Path | None:
@@ -331,24 +396,58 @@ def _resume(checkpointer: Checkpointer, config: Config, model, optimizer, schedu
     return None
 
 
-def train(config: Config, info: DistInfo) -> list[dict]:
+def check_run(config: Config) -> str | None:
+    """What ``train.py --check`` adds to the config's own checks, in one process, without building the model or
+    starting a process group, so that a launcher can run it first (under torchrun a clean exit 2 becomes exit 1
+    and a traceback): job.output_dir can be created (it is) and written, no run holds it, it holds no run that a
+    new one would overwrite or that has nothing left to train, and each mx.skip pattern matches a layer.
+    None: the run can start; else why not, in one line."""
+    output_dir = Path(config.job.output_dir)
+    folder = output_dir / config.checkpoint.folder
+    lock = RunLock()
+    try:
+        problem = _output_dir_problem(output_dir, folder, lock)
+    finally:
+        lock.release()
+    if problem is not None:
+        return problem
+    found = committed_checkpoints(folder)  # the newest: the one the run will resume from, unless it is damaged
+    if found and found[-1][0] > config.training.steps:
+        return _nothing_left(found[-1][1], found[-1][0], config.training.steps)
+    if config.mx.recipe != "none":
+        with torch.device("meta"):  # the layers' names, no memory
+            model = build_model(model_args(config.model.name, config.model.flavor, 256, config.training.seq_len))
+        try:
+            _check_skip_patterns(model, config)
+        except SetupError as e:
+            return str(e)
+    return None
+
+
+def train(config: Config, info: DistInfo, signals: StopSignals | None = None) -> list[dict]:
     """Run ``config`` on this rank; returns the logged records (identical on every rank).
 
-    Returns early, after saving a checkpoint, when SIGTERM or SIGUSR1 arrives. Raises
-    TrainingError (one-line message, exit code) for a run that cannot go on. With
-    ``training.deterministic`` the run uses deterministic algorithms (restored after it).
+    Returns early, after saving a checkpoint, when SIGTERM or SIGUSR1 arrives (``signals``: the
+    caller's, entered before this, so that one that came earlier counts too). Raises TrainingError
+    (one-line message, exit code) for a run that cannot go on, SetupStopped for a stop signal
+    before the first step. With ``training.deterministic`` the run uses deterministic algorithms
+    (restored after it).
     """
     previous = torch.are_deterministic_algorithms_enabled()
     if config.training.deterministic:  # flash attention's backward and index_add_ otherwise race
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts, after this
         torch.use_deterministic_algorithms(True)
+    lock = RunLock()  # rank 0 takes it in _output_dir_problem
+    signals = signals if signals is not None else StopSignals()
     try:
-        return _train(config, info)
+        with signals:
+            return _train(config, info, lock, signals)
     finally:
+        lock.release()
         torch.use_deterministic_algorithms(previous)
 
 
-def _train(config: Config, info: DistInfo) -> list[dict]:
+def _train(config: Config, info: DistInfo, lock: RunLock, signals: StopSignals) -> list[dict]:
     log = print if info.is_main else (lambda *a, **k: None)
     # "auto" resolved here, so that the config.toml of the run names the dtype it computed in
     asked = config.training.compute_dtype
@@ -356,11 +455,15 @@ def _train(config: Config, info: DistInfo) -> list[dict]:
     config = dataclasses.replace(config, training=dataclasses.replace(config.training, compute_dtype=dtype))
     t, ckpt = config.training, config.checkpoint
     output_dir = Path(config.job.output_dir)
-    problem = _output_dir_problem(output_dir, output_dir / ckpt.folder) if info.is_main else None
+    if fault_hooks().signal_in_setup and info.is_main:  # tests only (faults.py)
+        os.kill(os.getpid(), signal.SIGTERM)
+    problem = _output_dir_problem(output_dir, output_dir / ckpt.folder, lock) if info.is_main else None
     box = [problem]
     dist.broadcast_object_list(box, src=0)  # rank 0 looked: every rank stops, or none
     if box[0] is not None:
         raise SetupError(box[0])
+    if lock.unsupported:
+        log(f"warning: {lock.unsupported}: a second run in this job.output_dir would not be refused")
     if info.is_main:
         _write_config(output_dir / "config.toml", config_to_toml(config))
 
@@ -374,6 +477,7 @@ def _train(config: Config, info: DistInfo) -> list[dict]:
             f"validation.enable is true but data.dataset {config.data.dataset!r} has no validation split "
             f"(data.validation_fraction = {config.data.validation_fraction}); raise it or set validation.enable false"
         )
+    _stop_if_signalled(signals, info)
     try:
         mesh = build_mesh(info, config.parallel.dp_replicate)
     except ValueError as e:
@@ -385,6 +489,7 @@ def _train(config: Config, info: DistInfo) -> list[dict]:
 
     args = model_args(config.model.name, config.model.flavor, padded_vocab_size(data.tokenizer.vocab_size), t.seq_len)
     model = build_training_model(config, args, info, mesh, log)
+    _stop_if_signalled(signals, info)
     num_params = sum(p.numel() for p in model.parameters())  # DTensors: numel() is the global size
     global_batch = t.local_batch_size * info.world_size * t.gradient_accumulation_steps
     optimizer = build_optimizer(model, t)
@@ -403,6 +508,17 @@ def _train(config: Config, info: DistInfo) -> list[dict]:
     state = TrainState()
     checkpointer.config_text = config_to_toml(config)
     resume_from = _resume(checkpointer, config, model, optimizer, scheduler, data.train, state, log)
+    if resume_from is not None and state.step > t.steps:
+        raise SetupError(_nothing_left(resume_from, state.step, t.steps))
+    if resume_from is not None and state.step == t.steps:
+        if info.is_main:
+            (output_dir / "DONE").write_text(f"{t.steps} steps\n")
+        log(
+            f"done: checkpoint {resume_from} is at step {t.steps}, the last of training.steps: the run is complete "
+            f"(raise training.steps above {t.steps} to train on)"
+        )
+        return []
+    _stop_if_signalled(signals, info)
     metrics = MetricsLogger(
         output_dir,
         info.device,
@@ -411,6 +527,7 @@ def _train(config: Config, info: DistInfo) -> list[dict]:
         append=resume_from is not None,
         total_steps=t.steps,
         metrics_config=config.metrics,
+        resumed_step=state.step if resume_from is not None else None,
     )
     done_file = output_dir / "DONE"
     if info.is_main:
@@ -419,7 +536,7 @@ def _train(config: Config, info: DistInfo) -> list[dict]:
     faults = fault_hooks()  # tests only (faults.py); by default nothing is injected
     records: list[dict] = []
     try:
-        with StopSignals() as signals:
+        with signals:
             for step in range(state.step + 1, t.steps + 1):
                 microbatches = [data.train.next_batch() for _ in range(t.gradient_accumulation_steps)]
                 loss, grad_norm = train_step(microbatches, inject_nan=step in faults.nan_loss_steps)
