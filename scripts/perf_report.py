@@ -113,9 +113,9 @@ def training_targets(folders: list[Path]) -> dict[str, list[str]]:
         if "_parity_" in folder.name:
             summary = load(folder / "summary.json")
             name = folder.name.split("_parity_", 1)[1]
-            for r in summary["runs"]:
-                if r["mx_recipe"].startswith("mxfp8"):
-                    cells.setdefault(device, []).append(f"{name} {r['mx_recipe']} {r['tokens_per_sec_ratio']:.3f}x")
+            for arm in summary["arms"]:  # one cell per recipe, whatever the number of seeds
+                if arm["mx_recipe"].startswith("mxfp8"):
+                    cells.setdefault(device, []).append(f"{name} {arm['mx_recipe']} {arm['tokens_per_sec_ratio']:.3f}x")
         else:
             speed = {run.name: median_tokens_per_sec(train_records(run)) for run in runs_of(folder)}
             for name, tokens in speed.items():
@@ -410,6 +410,15 @@ def runs_of(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if (p / "metrics.jsonl").is_file())
 
 
+def arm_loss(arm: dict) -> str:
+    """The loss column of a parity arm: its mean paired difference to bf16, the 95% interval and the verdict."""
+    if arm["is_baseline"]:
+        return "baseline"
+    ci = arm.get("delta_rel_ci")
+    interval = f" [{ci[0]:+.2%}, {ci[1]:+.2%}]" if ci else ""
+    return f"{arm['delta_rel_mean']:+.2%}{interval} {arm['verdict']}"
+
+
 def runs_section(folders: list[Path]) -> list[str]:
     """The parity sets (their summary.json; curves in RESULTS.md) and the multi-GPU training sets: one row per
     run, tokens/s per GPU against the set's bf16 run."""
@@ -420,11 +429,11 @@ def runs_section(folders: list[Path]) -> list[str]:
         name = folder.name.split("_", 2)[2].removeprefix("parity_").removeprefix("train_")
         device = column_name(load(folder / "meta.json")).split(" (")[0]
         if "_parity_" in folder.name:
-            for r in load(folder / "summary.json")["runs"]:
-                ratio = "1.000x" if r["is_baseline"] else f"{r['tokens_per_sec_ratio']:.3f}x"
-                loss = "baseline" if r["is_baseline"] else f"{r['rel_delta']:+.2%}"
-                rows.append([name, device, r["label"], str(r["last_step"]), f"{r['median_tokens_per_sec']:,.0f}", ratio,
-                             f"{r['peak_memory_gib']:.2f}", loss])  # fmt: skip
+            for arm in load(folder / "summary.json")["arms"]:  # one row per recipe, its seeds together
+                ratio = "1.000x" if arm["is_baseline"] else f"{arm['tokens_per_sec_ratio']:.3f}x"
+                label = f"{arm['label']} ({len(arm['seeds'])} seed{'s' * (len(arm['seeds']) > 1)})"
+                rows.append([name, device, label, str(arm["final_val_step"]), f"{arm['median_tokens_per_sec']:,.0f}",
+                             ratio, f"{arm['peak_memory_gib']:.2f}", arm_loss(arm)])  # fmt: skip
             continue
         speed = {run.name: median_tokens_per_sec(train_records(run)) for run in runs_of(folder)}
         for run in runs_of(folder):
@@ -436,9 +445,10 @@ def runs_section(folders: list[Path]) -> list[str]:
                          f"{peak:.2f}", f"train {train[-1]['loss']:.4f}"])  # fmt: skip
     lines = ["## Training runs (`train.py`; parity sets from `scripts/parity_sweep.py`)", ""]
     lines += [
-        "Median tokens/s per GPU after the first step, against the set's bf16 run; the last column is the final",
-        "validation loss against bf16 for a parity set (curves and verdicts in [RESULTS.md](RESULTS.md)), the",
-        "last training loss for a run set.",
+        "Median tokens/s per GPU after the first step, against the set's bf16 run; a parity set has one row per",
+        "recipe over its seeds, and its last column is the mean paired difference of the final validation loss to",
+        "bf16, its 95% interval (two seeds or more) and the verdict (curves in [RESULTS.md](RESULTS.md)); a run",
+        "set's is the last training loss.",
         "",
     ]
     header = ["set", "device", "run", "steps", "tokens/s per GPU", "to bf16", "peak GiB", "loss"]

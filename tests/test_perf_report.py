@@ -128,3 +128,42 @@ def test_one_result_per_benchmark_and_device(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "RESULTS", tmp_path)
     with pytest.raises(SystemExit, match="hold the same run kind; keep the latest"):
         report.check_one_per_kind(report.latest_results())
+
+
+def test_a_seeded_parity_set_is_one_row_per_recipe_with_its_interval(tmp_path):
+    import json
+
+    folder = tmp_path / "2026-11-28_h200_parity_llama1b"
+    folder.mkdir()
+    meta = dict(device="NVIDIA H200", torch="2.11", date="2026-11-28", commit="abc1234")
+    (folder / "meta.json").write_text(json.dumps(meta))
+    base = dict(
+        label="1B bf16",
+        mx_recipe="none",
+        is_baseline=True,
+        seeds=[0, 1, 2],
+        final_val_step=1000,
+        median_tokens_per_sec=60000.0,
+        tokens_per_sec_ratio=1.0,
+        peak_memory_gib=21.3,
+    )
+    mx = base | dict(
+        label="1B mxfp8",
+        mx_recipe="mxfp8",
+        is_baseline=False,
+        median_tokens_per_sec=57000.0,
+        tokens_per_sec_ratio=0.95,
+        delta_rel_mean=0.001,
+        delta_rel_ci=[-0.002, 0.004],
+        verdict="PASS",
+    )
+    runs = [{"label": "one run per seed"}] * 6  # the per-run records stay out of the table
+    (folder / "summary.json").write_text(json.dumps(dict(arms=[base, mx], runs=runs)))  # fmt: skip
+    report = _perf_report()
+    lines = report.runs_section([folder])
+    rows = [line for line in lines if line.startswith("| llama1b ")]
+    assert rows == [
+        "| llama1b | H200 | 1B bf16 (3 seeds) | 1000 | 60,000 | 1.000x | 21.30 | baseline |",
+        "| llama1b | H200 | 1B mxfp8 (3 seeds) | 1000 | 57,000 | 0.950x | 21.30 | +0.10% [-0.20%, +0.40%] PASS |",
+    ]
+    assert report.training_targets([folder]) == {"h200": ["llama1b mxfp8 0.950x"]}
