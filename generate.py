@@ -1,0 +1,95 @@
+"""Generate text from a train.py run, with the weights kept in bf16, MXFP8, MXFP4 or NVFP4.
+
+    python generate.py --checkpoint outputs/debug_mxfp8 --weights mxfp8 --prompt "def main("
+    python generate.py --checkpoint DIR --prompt "a" --prompt "b" --temperature 0.8 --top-k 50
+    python generate.py --model llama --flavor 8B --weights mxfp4 --batch 8 --max-new-tokens 256   # random weights
+
+--checkpoint: a train.py job.output_dir; its newest committed checkpoint is loaded whatever world size wrote
+it, with the run's tokenizer. Without it, --model and --flavor build a model at random for speed runs (byte
+tokenizer). The weights are quantized along K and kept packed (mx_recipe.infer.weights); each GEMM dequantizes
+its weight and runs in bf16 (the reference weight-only path); --activations mx quantizes each GEMM's input too,
+as a B200's MX GEMM reads it. Decoding keeps a static KV cache; --compile compiles the decode step. Greedy at
+--temperature 0 (the default), else sampling over the --top-k most likely tokens. Several --prompt give a batch
+(each padded on the left to the longest with the tokenizer's BOS); --batch N repeats one prompt N times.
+Prints the continuations and one line with prefill time and decode tokens/s. Exit 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from mx_recipe.cli import ArgumentParser
+from mx_recipe.infer.decode import forward, generate
+from mx_recipe.infer.load import load_run, random_model, to_compute_dtype
+from mx_recipe.infer.weights import WEIGHT_FORMATS, quantize_model, weight_bytes
+from mx_recipe.models import MODEL_FLAVORS
+from mx_recipe.train.tokenizer import ByteTokenizer
+from mx_recipe.train.trainer import padded_vocab_size
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = ArgumentParser(description=__doc__)
+    p.add_argument("--checkpoint", help="a train.py job.output_dir to load")
+    p.add_argument("--model", choices=sorted(MODEL_FLAVORS), help="without --checkpoint: a model at random")
+    p.add_argument("--flavor", help="with --model: its size")
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16", help="the format the weights are kept in")
+    p.add_argument("--activations", choices=("bf16", "mx"), default="bf16", help="mx: quantize GEMM inputs too")
+    p.add_argument("--prompt", action="append", help="a prompt; several make a batch")
+    p.add_argument("--batch", type=int, default=1, help="with one prompt: decode it this many times at once")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, help="with --temperature: sample among the k most likely tokens")
+    p.add_argument("--seed", type=int, default=0, help="the random weights and the sampling")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--device", help="default: cuda if available, else cpu")
+    args = p.parse_args(argv)
+    if (args.checkpoint is None) == (args.model is None):
+        p.error("give --checkpoint DIR, or --model and --flavor for a model at random")
+    if args.model and (args.flavor not in MODEL_FLAVORS[args.model]):
+        p.error(f"--flavor: unknown {args.model} flavor {args.flavor!r}; known: {', '.join(MODEL_FLAVORS[args.model])}")
+    if args.max_new_tokens < 1 or args.batch < 1 or args.temperature < 0 or (args.top_k is not None and args.top_k < 1):
+        p.error("--max-new-tokens, --batch and --top-k must be >= 1 and --temperature >= 0")
+    if args.activations == "mx" and args.weights == "bf16":
+        p.error("--activations mx needs --weights mxfp8, mxfp4 or nvfp4")
+    prompts = args.prompt or [""]
+    if len(prompts) > 1 and args.batch != 1:
+        p.error("--batch repeats one --prompt: give one prompt, or several and no --batch")
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tokenizer = ByteTokenizer()
+    # RoPE tables for the longest prompt in bytes (no tokenizer makes more tokens than bytes, plus BOS)
+    max_len = max(len(text.encode()) for text in prompts) + 1 + args.max_new_tokens
+    if args.checkpoint:
+        try:
+            model, tokenizer, _ = load_run(args.checkpoint, device, max_len=max(max_len, 64))
+        except ValueError as e:
+            print(f"error: --checkpoint {e}", file=sys.stderr)
+            return 2
+    else:
+        vocab = padded_vocab_size(tokenizer.vocab_size)
+        model = random_model(args.model, args.flavor, vocab, max_len, device, args.seed)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = quantize_model(to_compute_dtype(model.eval(), dtype), args.weights, activations=args.activations == "mx")
+
+    ids = [[tokenizer.bos_id, *tokenizer.encode(text)] for text in prompts] * args.batch
+    width = max(len(x) for x in ids)
+    if width + args.max_new_tokens > model.args.max_seq_len:
+        p.error(f"prompt + --max-new-tokens = {width + args.max_new_tokens} tokens, past {model.args.max_seq_len}")
+    tokens = torch.tensor([[tokenizer.bos_id] * (width - len(x)) + x for x in ids], device=device)
+    step = torch.compile(forward) if args.compile else forward
+    generator = torch.Generator(device).manual_seed(args.seed)
+    new, timing = generate(model, tokens, args.max_new_tokens, args.temperature, args.top_k, generator, step)
+    for prompt, row in zip(prompts * args.batch, new.tolist(), strict=True):
+        print(f"{prompt}{tokenizer.decode(row)}")
+    print(
+        f"{device.type} {args.weights} weights ({weight_bytes(model) / 2**20:,.1f} MiB), activations "
+        f"{args.activations}, batch {tokens.shape[0]}: prefill {tokens.shape[1]} tokens in "
+        f"{timing.prefill_s * 1e3:,.1f} ms, decode {timing.tokens_per_second(tokens.shape[0]):,.1f} tokens/s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The model to decode with: a train.py run's latest checkpoint (DCP, written at any world size), or a model
+built at random for speed runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from mx_recipe.models import build_model, model_args
+from mx_recipe.models.llama import Transformer, rope_tables
+from mx_recipe.train.checkpoint import latest_checkpoint
+from mx_recipe.train.config import Config, ConfigError, load_config
+from mx_recipe.train.tokenizer import Tokenizer, build_tokenizer
+from mx_recipe.train.trainer import padded_vocab_size
+
+
+def _build(name: str, flavor: str, vocab_size: int, max_len: int, device: torch.device) -> Transformer:
+    with torch.device("meta"):
+        model = build_model(model_args(name, flavor, vocab_size, max_len))
+    model.to_empty(device=device)
+    return model
+
+
+def load_run(output_dir: str | Path, device: torch.device, max_len: int) -> tuple[Transformer, Tokenizer, Config]:
+    """The model of the newest committed checkpoint of the train.py run in ``output_dir`` (fp32), its tokenizer and
+    its config; RoPE tables for ``max_len`` positions. Raises ValueError naming what is missing."""
+    output_dir = Path(output_dir)
+    config_file = output_dir / "config.toml"
+    if not config_file.is_file():
+        raise ValueError(f"{output_dir}: no config.toml: not the job.output_dir of a train.py run")
+    try:
+        config = load_config(str(config_file))
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+    checkpoint = latest_checkpoint(output_dir / config.checkpoint.folder)
+    if checkpoint is None:
+        raise ValueError(f"{output_dir}: no committed checkpoint under {config.checkpoint.folder}/")
+    tokenizer = build_tokenizer(config.data.tokenizer)
+    vocab = padded_vocab_size(tokenizer.vocab_size)
+    model = _build(config.model.name, config.model.flavor, vocab, max_len, device)
+    state = {"model": model.state_dict()}
+    # the model's tensors only; DCP reshards from any world size
+    dcp.load(state, checkpoint_id=checkpoint, no_dist=not torch.distributed.is_initialized())
+    model.load_state_dict(state["model"])
+    _rope(model, device)  # not in the state dict (non-persistent buffers)
+    return model, tokenizer, config
+
+
+def random_model(name: str, flavor: str, vocab_size: int, max_len: int, device: torch.device, seed: int = 0
+                 ) -> Transformer:  # fmt: skip
+    """A model of ``name``/``flavor`` with its training initialization from ``seed``: for speed runs."""
+    model = _build(name, flavor, vocab_size, max_len, device)
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
+
+
+def _rope(model: Transformer, device: torch.device) -> None:
+    cos, sin = rope_tables(model.args.head_dim, model.args.max_seq_len, model.args.rope_theta, device)
+    model.rope_cos.copy_(cos)
+    model.rope_sin.copy_(sin)
+
+
+@torch.no_grad()
+def to_compute_dtype(model: Transformer, dtype: torch.dtype) -> Transformer:
+    """Parameters and RoPE tables in ``dtype``, as training computed (FSDP2's mixed precision casts the
+    parameters and the blocks' inputs); other buffers (the MoE's expert biases) stay fp32 as in training."""
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
+    model.rope_cos, model.rope_sin = model.rope_cos.to(dtype), model.rope_sin.to(dtype)
+    return model

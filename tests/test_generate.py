@@ -1,0 +1,106 @@
+"""Inference on the CPU: the KV-cache decode gives the full forward's logits, the quantized weights are the
+formats' own bits kept packed, and generate.py continues a prompt from a train.py checkpoint."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_train import BF16_ARGS, REPO, run_in_process
+
+from mx_recipe.formats.mx import fake_quant
+from mx_recipe.formats.nvfp4 import to_nvfp4
+from mx_recipe.infer.decode import KVCache, forward, generate
+from mx_recipe.infer.load import load_run
+from mx_recipe.infer.weights import QuantizedExperts, QuantizedLinear, quantize_model, weight_bytes
+from mx_recipe.models import build_model, model_args
+
+CPU = torch.device("cpu")
+
+
+def _model(name: str, flavor: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build_model(model_args(name, flavor, 320, 64))
+    model.init_weights()
+    return model.eval()
+
+
+@pytest.mark.parametrize(("name", "flavor"), [("llama", "debug"), ("moe", "debug_moe")])
+def test_decoding_with_the_kv_cache_gives_the_full_forward_logits(name, flavor):
+    model = _model(name, flavor)
+    tokens = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(model, 2, 16, torch.float32, CPU)
+        steps = [forward(model, tokens[:, :8], torch.arange(8), cache)]
+        steps += [forward(model, tokens[:, i : i + 1], torch.tensor([i]), cache) for i in range(8, 12)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    new, timing = generate(model, tokens[:, :8], 4)  # greedy: each new token is the argmax of the logits so far
+    assert torch.equal(new[:, 0], full[:, 7].argmax(-1)) and timing.new_tokens == 4
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4"])
+def test_quantized_weights_are_the_formats_bits_kept_packed(fmt):
+    """Each linear keeps its weight packed (bytes as the format says) and multiplies by exactly its dequantized
+    value: the bits the training fake-quant gives along K."""
+    model = _model("moe", "debug_moe")
+    wq = model.layers["0"].attention.wq.weight.detach().clone()
+    w1 = model.layers["1"].moe.experts.w1.detach().clone()
+    before = weight_bytes(model)
+    quantize_model(model, fmt)
+    linear, experts = model.layers["0"].attention.wq, model.layers["1"].moe.experts
+    assert isinstance(linear, QuantizedLinear) and isinstance(experts, QuantizedExperts)
+    assert type(model.output) is torch.nn.Linear and type(model.layers["1"].moe.router.gate) is torch.nn.Linear
+    if fmt == "nvfp4":
+        expected = to_nvfp4(wq, dim=-1).dequantize(wq.dtype)
+    else:
+        expected = fake_quant(wq, {"mxfp8": "e4m3", "mxfp4": "e2m1"}[fmt], "floor", dim=-1)
+    assert torch.equal(linear.weight_packed.dequantize(torch.float32), expected)
+    per_element = {"mxfp8": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32, "nvfp4": 0.5 + 1 / 16}[fmt]
+    assert linear.weight_packed.nbytes() == pytest.approx(wq.numel() * per_element, abs=4)
+    assert experts.w1_packed.nbytes() == pytest.approx(w1.numel() * per_element, abs=4)
+    x = torch.randn(3, wq.shape[1])
+    assert torch.equal(linear(x), torch.nn.functional.linear(x, expected))
+    assert weight_bytes(model) < before / 2
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("gen") / "run"
+    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "4"]
+    code, _, err = run_in_process([*BF16_ARGS, *ckpt, "--job.output_dir", str(run)])
+    assert code == 0, err
+    return run
+
+
+def test_generate_continues_a_prompt_from_a_train_py_checkpoint(trained_run):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    model, tokenizer, config = load_run(trained_run, CPU, max_len=64)
+    dcp_to_torch_save(trained_run / "checkpoints" / "step-4", trained_run / "step-4.pt")
+    saved = torch.load(trained_run / "step-4.pt", weights_only=False)["model"]
+    for name, p in model.state_dict().items():
+        assert torch.equal(p, saved[name]), name
+    cmd = [sys.executable, "generate.py", "--checkpoint", str(trained_run), "--weights", "mxfp8", "--prompt", "def "]
+    cmd += ["--max-new-tokens", "8"]
+    runs = [subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300) for _ in range(2)]
+    for done in runs:
+        assert done.returncode == 0, done.stderr
+        text, summary = done.stdout.rstrip("\n").rsplit("\n", 1)
+        assert text.startswith("def ") and "cpu mxfp8 weights" in summary and "decode" in summary
+    assert runs[0].stdout.split("\n")[0] == runs[1].stdout.split("\n")[0]  # greedy: the same continuation
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "llama"], "--flavor: unknown llama flavor None"),
+        (["--checkpoint", "/no/such/run"], "error: --checkpoint /no/such/run: no config.toml"),
+        (["--model", "llama", "--flavor", "debug", "--activations", "mx"], "--activations mx needs --weights"),
+        (["--model", "llama", "--flavor", "debug", "--weights", "fp6"], "argument --weights: invalid choice"),
+        ([], "give --checkpoint DIR, or --model and --flavor"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(args, message):
+    done = subprocess.run([sys.executable, "generate.py", *args], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
