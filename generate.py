@@ -11,7 +11,8 @@ its weight and runs in bf16 (the reference weight-only path); --activations mx q
 as a B200's MX GEMM reads it. Decoding keeps a static KV cache; --compile compiles the decode step. Greedy at
 --temperature 0 (the default), else sampling over the --top-k most likely tokens. Several --prompt give a batch
 (each padded on the left to the longest with the tokenizer's BOS); --batch N repeats one prompt N times.
-Prints the continuations and one line with prefill time and decode tokens/s. Exit 2 for bad arguments.
+Prints the continuations and one line with prefill time and decode tokens/s (from the second decode step on:
+the first compiles). Exit 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -53,11 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--max-new-tokens, --batch and --top-k must be >= 1 and --temperature >= 0")
     if args.activations == "mx" and args.weights == "bf16":
         p.error("--activations mx needs --weights mxfp8, mxfp4 or nvfp4")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.compile and device.type == "cpu" and args.weights in ("mxfp8", "mxfp4"):
+        p.error("--compile: Inductor's CPU code has no float8_e8m0fnu, the MX scales' type: decode MX weights eagerly")
     prompts = args.prompt or [""]
     if len(prompts) > 1 and args.batch != 1:
         p.error("--batch repeats one --prompt: give one prompt, or several and no --batch")
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = ByteTokenizer()
     # RoPE tables for the longest prompt in bytes (no tokenizer makes more tokens than bytes, plus BOS)
     max_len = max(len(text.encode()) for text in prompts) + 1 + args.max_new_tokens

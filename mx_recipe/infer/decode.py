@@ -79,11 +79,11 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None, generato
 class Timing:
     prefill_s: float
     decode_s: float
-    new_tokens: int  # per sequence
+    decode_steps: int  # the timed decode steps: all but the first (compilation, first launches)
 
     def tokens_per_second(self, batch: int) -> float:
-        """Decode tokens/s, all sequences together (the first token, from the prefill, left out)."""
-        return batch * max(self.new_tokens - 1, 0) / self.decode_s if self.decode_s > 0 else 0.0
+        """Decode tokens/s, all sequences together (0 when no step was timed)."""
+        return batch * self.decode_steps / self.decode_s if self.decode_steps else 0.0
 
 
 @torch.no_grad()
@@ -113,10 +113,14 @@ def generate(
     prefill = time.perf_counter() - start
     start = time.perf_counter()
     for n in range(1, max_new_tokens):
+        if n == 2:  # the first decode step compiled the step function, if compiled: the timing starts after it
+            sync()
+            start = time.perf_counter()
         position = torch.tensor([prompt_len + n - 1], device=device)
         logits = step_fn(model, out[-1][:, None], position, cache)
         out.append(sample(logits[:, -1], temperature, top_k, generator))
         if progress is not None:
             progress(n, time.perf_counter() - start)
     sync()
-    return torch.stack(out, dim=1), Timing(prefill, time.perf_counter() - start, max_new_tokens)
+    timed = max(max_new_tokens - 2, 0)
+    return torch.stack(out, dim=1), Timing(prefill, time.perf_counter() - start if timed else 0.0, timed)
