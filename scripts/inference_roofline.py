@@ -66,14 +66,12 @@ class ModelCounts:
 
 def model_counts(name: str, flavor: str, vocab_size: int, label: str) -> ModelCounts:
     """Count a flavor built on the meta device (no memory); ``convert_to_mx``'s default skip decides what stays bf16."""
-    import fnmatch
-
     import torch
     from torch import nn
 
     from mx_recipe.models import build_model, model_args
     from mx_recipe.models.moe import GroupedExperts
-    from mx_recipe.nn.convert import DEFAULT_SKIP
+    from mx_recipe.nn.convert import DEFAULT_SKIP, skip_reason
 
     args = model_args(name, flavor, vocab_size, 2048)
     with torch.device("meta"):
@@ -82,8 +80,7 @@ def model_counts(name: str, flavor: str, vocab_size: int, label: str) -> ModelCo
     n_experts = 0
     for fqn, module in model.named_modules():
         if isinstance(module, nn.Linear):
-            skipped = any(fnmatch.fnmatchcase(fqn, p) or fqn == p for p in DEFAULT_SKIP)
-            if skipped:
+            if skip_reason(fqn, (module.out_features, module.in_features), DEFAULT_SKIP, 32) is not None:
                 kept += module.weight.numel()
             else:
                 dense += module.weight.numel()

@@ -27,7 +27,6 @@ Nothing here needs a GPU: models are built on the meta device to enumerate their
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from dataclasses import dataclass, replace
 
@@ -382,10 +381,6 @@ class ModelGemms:
     tokens: int
 
 
-def _skipped(fqn: str, skip: tuple[str, ...] | list[str]) -> bool:
-    return any(fnmatch.fnmatchcase(fqn, p) or fqn == p for p in skip)
-
-
 def model_gemms(
     name: str, flavor: str, batch: int, seq_len: int, vocab_size: int, skip: tuple[str, ...] | list[str] | None = None
 ) -> ModelGemms:
@@ -399,7 +394,7 @@ def model_gemms(
 
     from mx_recipe.models import build_model, model_args
     from mx_recipe.models.moe import GroupedExperts
-    from mx_recipe.nn.convert import DEFAULT_SKIP
+    from mx_recipe.nn.convert import DEFAULT_SKIP, skip_reason
 
     skip = DEFAULT_SKIP if skip is None else skip
     args = model_args(name, flavor, vocab_size, seq_len)
@@ -411,10 +406,10 @@ def model_gemms(
         layer = ".".join(fqn.split(".")[:2]) if fqn.startswith("layers.") else ""
         if isinstance(module, nn.Linear):
             n, k = module.out_features, module.in_features
-            mx = not _skipped(fqn, skip) and k % BLOCK == 0 and n % BLOCK == 0
+            mx = skip_reason(fqn, (n, k), skip, BLOCK) is None
             out.append((layer, Gemm(fqn, tokens, k, n, 1, mx)))
         elif isinstance(module, GroupedExperts):
-            mx = not _skipped(fqn, skip) and all(d % BLOCK == 0 for d in module.w1.shape[1:])
+            mx = skip_reason(fqn, tuple(module.w1.shape[1:]), skip, BLOCK) is None
             for w_name in ("w1", "w3", "w2"):
                 e, n, k = getattr(module, w_name).shape
                 out.append((layer, Gemm(f"{fqn}.{w_name}", tokens * args.top_k, k, n, e, mx)))

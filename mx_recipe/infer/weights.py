@@ -10,15 +10,14 @@ what a kernel that upcasts in registers computes up to summation order. It saves
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mx_recipe.formats.mx import MXTensor, fake_quant, to_mx
+from mx_recipe.formats.mx import BLOCK_SIZE, MXTensor, fake_quant, to_mx
 from mx_recipe.formats.nvfp4 import NVFP4Tensor, to_nvfp4
 from mx_recipe.models.moe import GroupedExperts
+from mx_recipe.nn.convert import DEFAULT_SKIP, skip_reason
 
 # weight format -> MX element format (None: NVFP4)
 FORMATS = {"mxfp8": "e4m3", "mxfp4": "e2m1", "nvfp4": None}
@@ -96,23 +95,25 @@ class QuantizedExperts(nn.Module):
 
 
 def quantize_model(
-    model: nn.Module, fmt: str, activations: bool = False, skip: tuple[str, ...] = ("output", "*router.gate")
+    model: nn.Module, fmt: str, activations: bool = False, skip: tuple[str, ...] | list[str] = DEFAULT_SKIP
 ) -> nn.Module:
-    """Swap ``model``'s linears and expert groups for quantized ones in place (``fmt`` "bf16": nothing); the
-    ``skip`` patterns (fnmatch on the module's name) and linears whose K is not a multiple of 32 stay as they are."""
+    """Swap ``model``'s linears and expert groups for quantized ones in place (``fmt`` "bf16": nothing). What stays
+    as it is follows the training converter's rule (``skip_reason``): the ``skip`` patterns, and layers whose
+    features are not multiples of 32."""
     if fmt == "bf16":
         return model
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(WEIGHT_FORMATS)}")
     for name, module in list(model.named_modules()):
-        if not name or any(fnmatch.fnmatchcase(name, p) for p in skip):
+        if isinstance(module, nn.Linear):
+            quantized, features = QuantizedLinear, (module.out_features, module.in_features)
+        elif isinstance(module, GroupedExperts):
+            quantized, features = QuantizedExperts, tuple(module.w1.shape[1:])
+        else:
             continue
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        if isinstance(module, nn.Linear) and module.in_features % 32 == 0:
-            setattr(owner, child, QuantizedLinear(module, fmt, activations))
-        elif isinstance(module, GroupedExperts) and module.w1.shape[-1] % 32 == 0 and module.w2.shape[-1] % 32 == 0:
-            setattr(owner, child, QuantizedExperts(module, fmt, activations))
+        if skip_reason(name, features, skip, BLOCK_SIZE) is None:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, quantized(module, fmt, activations))
     return model
 
 

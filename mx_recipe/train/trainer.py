@@ -254,8 +254,8 @@ def uses_cuda_graph(config: Config, model: torch.nn.Module, info: DistInfo) -> b
 
 def build_training_model(config: Config, args, info: DistInfo, mesh, log) -> torch.nn.Module:
     """The model on the meta device, converted to MX, with activation checkpointing and compile
-    per block, then materialized block by block from the seed and sharded (torchtitan's order), or on
-    one device left unsharded (``uses_fsdp``), to compute in training.compute_dtype."""
+    per block, then materialized block by block from the seed and sharded (torchtitan's order), or left
+    whole on every rank where a shard group is one rank (``uses_fsdp``), to compute in training.compute_dtype."""
     seed_everything(config.job.seed)
     with torch.device("meta"):
         model = build_model(args)
