@@ -95,11 +95,9 @@ def generate(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
     step_fn: Callable | None = None,
-    progress: Callable[[int, float], None] | None = None,
 ) -> tuple[torch.Tensor, Timing]:
     """Continue ``prompts`` [B, P] (one length for all) by ``max_new_tokens``; returns the new tokens [B, N] and the
-    timing. ``step_fn``: the decode step (``forward`` by default; e.g. its compiled form). ``progress(n, seconds)``
-    after each decode step."""
+    timing. ``step_fn``: the decode step (``forward`` by default; e.g. its compiled form)."""
     batch, prompt_len = prompts.shape
     device = prompts.device
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -119,8 +117,6 @@ def generate(
         position = torch.tensor([prompt_len + n - 1], device=device)
         logits = step_fn(model, out[-1][:, None], position, cache)
         out.append(sample(logits[:, -1], temperature, top_k, generator))
-        if progress is not None:
-            progress(n, time.perf_counter() - start)
     sync()
     timed = max(max_new_tokens - 2, 0)
     return torch.stack(out, dim=1), Timing(prefill, time.perf_counter() - start if timed else 0.0, timed)
