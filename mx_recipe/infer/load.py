@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mx_recipe.models import build_model, model_args
-from mx_recipe.models.llama import Transformer, rope_tables
+from mx_recipe.models.llama import Transformer
 from mx_recipe.train.checkpoint import latest_checkpoint
 from mx_recipe.train.config import Config, ConfigError, load_config
 from mx_recipe.train.tokenizer import Tokenizer, build_tokenizer
@@ -44,7 +44,7 @@ def load_run(output_dir: str | Path, device: torch.device, max_len: int) -> tupl
     # the model's tensors only; DCP reshards from any world size
     dcp.load(state, checkpoint_id=checkpoint, no_dist=not torch.distributed.is_initialized())
     model.load_state_dict(state["model"])
-    _rope(model, device)  # not in the state dict (non-persistent buffers)
+    model.init_rope()  # not in the state dict
     return model, tokenizer, config
 
 
@@ -55,12 +55,6 @@ def random_model(name: str, flavor: str, vocab_size: int, max_len: int, device: 
     torch.manual_seed(seed)
     model.init_weights()
     return model
-
-
-def _rope(model: Transformer, device: torch.device) -> None:
-    cos, sin = rope_tables(model.args.head_dim, model.args.max_seq_len, model.args.rope_theta, device)
-    model.rope_cos.copy_(cos)
-    model.rope_sin.copy_(sin)
 
 
 @torch.no_grad()

@@ -166,11 +166,17 @@ class Transformer(nn.Module):
         self.init_root_weights()
 
     @torch.no_grad()
-    def init_root_weights(self) -> None:
-        """Everything outside ``layers``: embeddings, final norm, output and the RoPE tables."""
+    def init_rope(self) -> None:
+        """Fill the RoPE tables (buffers left out of the state dict: a model materialized from the meta device and
+        loaded from a checkpoint needs this too)."""
         cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
+    def init_root_weights(self) -> None:
+        """Everything outside ``layers``: embeddings, final norm, output and the RoPE tables."""
+        self.init_rope()
         nn.init.normal_(self.tok_embeddings.weight)
         self.norm.reset_parameters()
         final_std = self.args.dim**-0.5
