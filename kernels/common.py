@@ -109,16 +109,18 @@ def fake_quant_2d_outputs(
 
 def fake_quant_groups_outputs(
     x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str, launch, op: str, fp4: bool = False,
-    seed: torch.Tensor | None = None,
+    seed: torch.Tensor | None = None, along_k: bool = False,
 ):  # fmt: skip
-    """The host side of a fake_quant_groups_along_m launcher, as ``fake_quant_2d_outputs``."""
-    check_cast(x, elem, mode, ndims=(2,), qdim=None, op=op, fp4=fp4)
+    """The host side of a fake_quant_groups_along_m launcher, as ``fake_quant_2d_outputs``: the along-M result,
+    or with ``along_k`` (fake_quant_groups, to nearest) the pair (along K, along M)."""
+    check_cast(x, elem, mode, ndims=(2,), qdim=-1 if along_k else None, op=op, fp4=fp4)
     random = check_stochastic(x, elem, seed, op, fp4)
     rows = groups_along_m_rows(row_src)
     out = x.new_empty(x.shape[0], x.shape[1])
+    out_k = x.new_empty(x.shape[0], x.shape[1]) if along_k else out
     if out.numel():
-        launch(x, row_src, out, out, elem, mode, False, True, rows, rows, *random)
-    return out
+        launch(x, row_src, out_k, out, elem, mode, along_k, True, rows, rows, *random)
+    return (out_k, out) if along_k else out
 
 
 def check_stochastic(x: torch.Tensor, elem: str, seed: torch.Tensor | None, op: str, fp4: bool = True) -> tuple:

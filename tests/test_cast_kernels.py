@@ -273,7 +273,12 @@ def check_fake_quant_groups_along_m(sizes, dtype, elem, mode, device, flip_first
     got = dispatch.launcher("fake_quant_groups_along_m", impl)(x, src, elem, mode)
     assert got.shape == x.shape
     what = f"{impl} groups along M {sizes} {dtype} {elem} {mode}"
-    assert_values_equal(got, ref_groups_along_m(x, src, elem, mode), what)
+    want = ref_groups_along_m(x, src, elem, mode)
+    assert_values_equal(got, want, what)
+    # fake_quant_groups: along K too, from the same read (each row to its own row, like along M)
+    along_k, along_m = dispatch.launcher("fake_quant_groups", impl)(x, src, elem, mode)
+    assert_values_equal(along_m, want, what + " (with along K)")
+    assert_values_equal(along_k, to_mx(x.cpu(), elem, mode, dim=-1).dequantize(dtype), what + " along K")
 
 
 # ---------------------------------------------------------------------------------------

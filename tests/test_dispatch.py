@@ -43,7 +43,7 @@ def test_rule(op):
     assert dispatch.rule(op, BLACKWELL, bf16, "e2m1", "nearest") == fp4_kernel
     assert dispatch.rule(op, HOPPER, fp32, "e2m1", "nearest") == ("reference" if fake_quant else fp4_kernel)
     # the Triton fake-quants' and one-sided casts' draws; the fused and per-group casts round to nearest
-    sr_kernel = "reference" if op in ("cast_dim0_dim1", "cast_groups_dim1") else "triton"
+    sr_kernel = "reference" if op in ("cast_dim0_dim1", "cast_groups_dim1", "fake_quant_groups") else "triton"
     assert dispatch.rule(op, HOPPER, bf16, "e2m1", "stochastic") == sr_kernel
     assert dispatch.rule(op, BLACKWELL, bf16, "e2m1", "stochastic") == sr_kernel
     assert dispatch.rule(op, HOPPER, fp32, "e2m1", "stochastic") == ("reference" if fake_quant else sr_kernel)

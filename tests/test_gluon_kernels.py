@@ -476,7 +476,7 @@ def test_kernel_choice_follows_the_capability_and_settings(pretend_gpu, capabili
 def reference_from_launcher_args(op: str, *args):
     """What ``op``'s launcher returns, from the launcher's own arguments (their order differs from the op's)."""
     ref = dispatch.OPS[op].reference
-    if op in ("cast_groups_dim1", "fake_quant_groups_along_m"):
+    if op in ("cast_groups_dim1", "fake_quant_groups_along_m", "fake_quant_groups"):
         x, offs_or_src, elem, mode = args
         return ref(x, elem, mode, offs_or_src)
     return ref(*args)

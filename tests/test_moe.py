@@ -1,6 +1,8 @@
 """MoE: mx_grouped_mm against a per-group reference, routing against a per-token loop,
 load balancing, conversion, and training on the CPU."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,7 @@ from mx_recipe.formats.scale_layout import padded_group_layout
 from mx_recipe.models import build_model, flops_per_token, model_args, moe_layers
 from mx_recipe.models.moe import MOE_FLAVORS, MoE, MoEArgs
 from mx_recipe.nn.convert import MXGroupedExperts
-from mx_recipe.nn.grouped import mx_grouped_mm
+from mx_recipe.nn.grouped import grouped_mm_on_one_input, mx_grouped_mm
 from mx_recipe.ops import kernel_settings
 
 RECIPES = ["mxfp8", "mxfp8_rceil", "mxfp8_wgrad_bf16", "mxfp8_e5m2_grads", "mxfp4"]
@@ -96,7 +98,7 @@ def test_fuse_expert_casts_casts_w_once(monkeypatch):
     import mx_recipe.ops.mx_backends as gemm
 
     calls = []
-    for fname in ("fake_quant_dim0", "fake_quant_dim0_dim1", "fake_quant_along_m"):
+    for fname in ("fake_quant_dim0", "fake_quant_dim0_dim1", "fake_quant_along_m", "fake_quant_dim0_groups_along_m"):
         fn = getattr(gemm, fname)
         monkeypatch.setattr(
             gemm, fname, lambda t, *a, _n=fname, _f=fn, **kw: calls.append((_n, t.dim())) or _f(t, *a, **kw)
@@ -106,15 +108,110 @@ def test_fuse_expert_casts_casts_w_once(monkeypatch):
     w = torch.randn(2, 32, 64, requires_grad=True)
     offs = torch.tensor([40, 64], dtype=torch.int32)
     y = mx_grouped_mm(x, w, offs, recipe)
-    assert calls == [("fake_quant_dim0_dim1", 3), ("fake_quant_dim0", 2)]
+    assert calls == [("fake_quant_dim0_dim1", 3), ("fake_quant_dim0_groups_along_m", 2)]
     calls.clear()
     y.backward(torch.randn_like(y))
-    assert ("fake_quant_along_m", 3) not in calls and ("fake_quant_dim0", 2) in calls
-    for ctx in (torch.no_grad(), torch.enable_grad()):
+    assert calls == [("fake_quant_dim0_groups_along_m", 2)]  # g, once for both GEMMs; nothing of w or x
+    # x needs no gradient: w along K alone; x along M too (for w's gradient), but not under no_grad
+    for ctx, x_cast in ((torch.no_grad(), "fake_quant_dim0"), (torch.enable_grad(), "fake_quant_dim0_groups_along_m")):
         calls.clear()
         with ctx:
             mx_grouped_mm(x.detach(), w, offs, recipe)
-        assert calls == [("fake_quant_dim0", 3), ("fake_quant_dim0", 2)]
+        assert calls == [("fake_quant_dim0", 3), (x_cast, 2)]
+
+
+SHARED_CASES = [
+    *RECIPES,
+    "mxfp4_sr",  # g rounds stochastically: cast once per GEMM, x still once for both
+    dict(name="mxfp8", fuse_x_casts=False),  # x along M cast in backward, by each GEMM
+    dict(name="mxfp8", share_input_casts=False),
+    dict(name="mxfp8", grad_weight="e5m2"),  # x along M in another format: its own cast, still in forward
+]
+
+
+def _recipe(case) -> MXRecipe:
+    return MXRecipe.from_name(case) if isinstance(case, str) else MXRecipe.from_name(**case)
+
+
+def run_experts_pair(fn, x0, ws0, offs, gs, frozen=()):
+    """Outputs, x.grad and the weights' grads of ``fn(x, ws)`` and a backward of ``gs``."""
+    x = x0.clone().requires_grad_()
+    ws = [w.clone().requires_grad_(i not in frozen) for i, w in enumerate(ws0)]
+    ys = fn(x, ws)
+    torch.manual_seed(0)  # stochastic rounding's draws, the same for both
+    torch.autograd.backward(ys, gs)
+    return [*(y.detach() for y in ys), x.grad, *(w.grad for w in ws if w.requires_grad)]
+
+
+def check_shared_expert_casts(case, sizes, device: str, frozen=()) -> None:
+    """grouped_mm_on_one_input (w1 and w3 reading one x) against separate mx_grouped_mm calls, and a single
+    GEMM with x's casts made in forward (fuse_x_casts) against one that makes them in backward: bit for bit."""
+    recipe = _recipe(case)
+    gen = torch.Generator().manual_seed(len(sizes) + sum(sizes))
+    m, n, k = sum(sizes), 96, 64
+    x0 = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(device)
+    ws0 = [(torch.randn(len(sizes), n, k, generator=gen) * 0.1).to(torch.bfloat16).to(device) for _ in range(2)]
+    gs = [torch.randn(m, n, generator=gen).to(torch.bfloat16).to(device) for _ in range(2)]
+    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    shared = run_experts_pair(lambda x, ws: grouped_mm_on_one_input(x, ws, offs, recipe), x0, ws0, offs, gs, frozen)
+    separate = run_experts_pair(
+        lambda x, ws: [mx_grouped_mm(x, w, offs, recipe) for w in ws], x0, ws0, offs, gs, frozen
+    )
+    unfused = dataclasses.replace(recipe, fuse_x_casts=False)
+    backward_casts = run_experts_pair(
+        lambda x, ws: [mx_grouped_mm(x, w, offs, unfused) for w in ws], x0, ws0, offs, gs, frozen
+    )
+    for what, other in (("separate", separate), ("x cast in backward", backward_casts)):
+        for i, (a, b) in enumerate(zip(shared, other, strict=True)):
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16)), (case, what, i)
+
+
+@pytest.mark.parametrize("case", SHARED_CASES)
+@pytest.mark.parametrize("sizes", GROUP_SIZES)
+def test_shared_expert_casts_give_the_bits_of_separate_calls(case, sizes):
+    check_shared_expert_casts(case, sizes, "cpu")
+
+
+def test_shared_expert_casts_with_a_frozen_weight_and_no_grad():
+    check_shared_expert_casts("mxfp8", [40, 0, 60, 60], "cpu", frozen=(1,))
+    x, offs = torch.randn(64, 64, dtype=torch.bfloat16), torch.tensor([10, 64], dtype=torch.int32)
+    ws = [torch.randn(2, 32, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
+    recipe = MXRecipe.from_name("mxfp8")
+    with torch.no_grad():
+        got = grouped_mm_on_one_input(x, ws, offs, recipe)
+        want = [mx_grouped_mm(x, w, offs, recipe) for w in ws]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_experts_cast_x_once_per_orientation(monkeypatch):
+    """MX experts (w1 and w3 on x, w2 on h): forward makes x's and h's casts, each from one read (along K and
+    along M in groups); backward casts each upstream gradient once, for both of its GEMMs, and nothing of x or h."""
+    import mx_recipe.ops.mx_backends as gemm
+
+    calls = []
+    for fname in ("fake_quant_dim0", "fake_quant_groups_along_m", "fake_quant_dim0_groups_along_m"):
+        fn = getattr(gemm, fname)
+        monkeypatch.setattr(
+            gemm, fname, lambda t, *a, _n=fname, _f=fn, **kw: calls.append((_n, t.shape)) or _f(t, *a, **kw)
+        )
+    moe = MoE(_small_moe_args(n_shared_experts=0))
+    convert_to_mx(moe, MXRecipe.from_name("mxfp8"))
+    x = torch.randn(20, 64, requires_grad=True)
+    y = moe.experts(x, torch.tensor([5, 5, 12, 20], dtype=torch.int32))
+    w_casts = [c for c in calls if len(c[1]) == 3]
+    assert [c[0] for c in calls if len(c[1]) == 2] == ["fake_quant_dim0_groups_along_m"] * 2, calls  # x, then h
+    assert len(w_casts) == 3
+    calls.clear()
+    y.sum().backward()
+    assert [c[0] for c in calls if len(c[1]) == 2] == ["fake_quant_dim0_groups_along_m"] * 3, calls  # g2, g1, g3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", SHARED_CASES)
+def test_gpu_shared_expert_casts_give_the_bits_of_separate_calls(case):
+    for sizes in GROUP_SIZES + [[1040, 7, 0, 300]]:
+        check_shared_expert_casts(case, sizes, "cuda")
 
 
 def test_padded_group_layout_by_hand():

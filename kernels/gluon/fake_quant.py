@@ -171,6 +171,14 @@ def fake_quant_groups_along_m(x: torch.Tensor, row_src: torch.Tensor, elem: str,
     return fake_quant_groups_outputs(x, row_src, elem, mode, _launch, "gluon fake_quant_groups_along_m")
 
 
+def fake_quant_groups(
+    x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] bf16, row_src int32 [R] -> (along K, groups along M): ``mx_kernels.mx.fake_quant_2d.fake_quant_groups``
+    bit for bit, from one read of x."""
+    return fake_quant_groups_outputs(x, row_src, elem, mode, _launch, "gluon fake_quant_groups", along_k=True)
+
+
 def compile_for_target(
     shape: tuple[int, ...], elem: str = "e4m3", mode: str = "floor", along_k: bool = True, along_m: bool = True,
     gather_rows: int | None = None, arch: int = 90,

@@ -62,7 +62,10 @@ def _fake_quant_2d_kernel(
             u = tl.reshape(u, (BLOCK_M * BLOCK_K // 32, 32))
         v = fake_quant_blocks(blocks, 1, ELEM, RCEIL, SOFTWARE_ROUND, OUT_BF16_BITS, u, STOCHASTIC)
         v = tl.reshape(v, (BLOCK_M, BLOCK_K))
-        k_offs = pid_b * M * K + rows.to(tl.int64)[:, None] * K + cols[None, :]
+        if GATHER:  # along K is row-local: each row to its own row of x's shape, as along M below
+            k_offs = x_rows[:, None] * K + cols[None, :]
+        else:
+            k_offs = pid_b * M * K + rows.to(tl.int64)[:, None] * K + cols[None, :]
         tl.store(k_ptr + k_offs, v, mask=in_x)
     if ALONG_M:  # blocks of 32 along M: [BLOCK_M / 32, 32, BLOCK_K], reduced over the middle dim
         if STOCHASTIC:  # the draws are row-major in x's layout (by output row, which gathering scatters)
@@ -116,6 +119,17 @@ def fake_quant_groups_along_m(
     (e2m1), each element drawing by its index in the [M, K] output (stream 1)."""
     _require_bf16(x, "fake_quant_groups_along_m")
     return fake_quant_groups_outputs(x, row_src, elem, mode, _launch, "fake_quant_groups_along_m", fp4=True, seed=seed)
+
+
+def fake_quant_groups(
+    x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16; any strides), row_src int32 [R] -> (along K, groups along M), each [M, K] contiguous:
+    ``fake_quant_2d(x, along_k=True)``'s first result and ``fake_quant_groups_along_m(x, row_src)`` from one read
+    of x (the MoE grouped GEMM's x for its forward and grad-weight GEMMs, g for its grad-input and grad-weight
+    GEMMs). Rounds to nearest."""
+    _require_bf16(x, "fake_quant_groups")
+    return fake_quant_groups_outputs(x, row_src, elem, mode, _launch, "fake_quant_groups", fp4=True, along_k=True)
 
 
 def _require_bf16(x: torch.Tensor, op: str) -> None:

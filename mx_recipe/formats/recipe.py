@@ -53,14 +53,16 @@ class MXRecipe:
         (elsewhere it changes nothing). The forward fake-quantizes x along K (its own GEMM) and along M
         (the grad-weight GEMM's operand) in one read of x (``fake_quant_dim0_dim1``) and saves the along-M
         result, bf16, instead of x; backward then does not read x again: 6 bytes an element of x instead
-        of 8. Bit-identical gradients. On by default; off, backward casts x along M itself.
+        of 8. Bit-identical gradients. On by default; off, backward casts x along M itself. The MoE grouped
+        GEMM does the same with x along M inside token groups (one read where grad_weight == forward).
     fuse_expert_casts: MoE grouped GEMM, emulated backend only. The forward fake-quantizes the
         expert weights w [E, N, K] along K (forward GEMM) and along N (grad-input GEMM) in one read
         (``fake_quant_dim0_dim1``) and saves the along-N result for backward: one read of w fewer per
         step, at the cost of a bf16 copy of w held from forward to backward. Needs grad_input ==
         forward (one format for both casts). Bit-identical gradients. No effect on MXLinear.
     share_input_casts: an input read by several linears (wq, wk and wv; w1 and w3) is cast once for all of
-        them (``linears_on_one_input``). Bit-identical outputs and gradients. On by default.
+        them (``linears_on_one_input``), and so is the routed x of the experts' w1 and w3
+        (``grouped_mm_on_one_input``). Bit-identical outputs and gradients. On by default.
 
     The fields made with ``option`` are the options a run sets on top of a named recipe (train.py's [mx]
     keys, the torchtitan converters' fields; mx_recipe.formats.options); the others define the recipe.

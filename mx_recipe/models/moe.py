@@ -79,9 +79,15 @@ class GroupedExperts(nn.Module):
         """x [M_total, K] by w [E, N, K] per group -> [M_total, N]. MX experts override this."""
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
+    def grouped_mm_on_one_input(
+        self, x: torch.Tensor, ws: tuple[torch.Tensor, ...], offs: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """``[grouped_mm(x, w, offs) for w in ws]``: MX experts override it to cast x once for all."""
+        return [self.grouped_mm(x, w, offs) for w in ws]
+
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        h = F.silu(self.grouped_mm(x, self.w1, offs)) * self.grouped_mm(x, self.w3, offs)
-        return self.grouped_mm(h, self.w2, offs)
+        y1, y3 = self.grouped_mm_on_one_input(x, (self.w1, self.w3), offs)
+        return self.grouped_mm(F.silu(y1) * y3, self.w2, offs)
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)

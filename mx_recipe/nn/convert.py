@@ -11,7 +11,7 @@ from torch import nn
 
 from mx_recipe.formats.options import recipe_from_options
 from mx_recipe.formats.recipe import MXRecipe, NVFP4Recipe
-from mx_recipe.nn.grouped import mx_grouped_mm
+from mx_recipe.nn.grouped import grouped_mm_on_one_input, mx_grouped_mm
 from mx_recipe.nn.linear import MXLinear
 from mx_recipe.ops.backends import Backend, resolve_backend
 
@@ -32,6 +32,11 @@ class MXGroupedExperts(nn.Module):
 
     def grouped_mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return mx_grouped_mm(x, w, offs, self.recipe, self.backend)
+
+    def grouped_mm_on_one_input(
+        self, x: torch.Tensor, ws: tuple[torch.Tensor, ...], offs: torch.Tensor
+    ) -> list[torch.Tensor]:
+        return grouped_mm_on_one_input(x, ws, offs, self.recipe, self.backend)
 
     def extra_repr(self) -> str:
         return f"experts={self.w1.shape[0]}, recipe={self.recipe.name}, backend={self.backend.name}"

@@ -22,11 +22,17 @@ the model (``resolve_backend`` with ``grouped=True``). For MX recipes, emulated 
 The padding happens on the device, into a buffer of static size ceil32(M_total) + 32 * E
 (``scale_layout.padded_group_layout``), so the hot path never synchronizes with the host.
 
+On the emulated backend x is cast in forward for both of its GEMMs (``grouped_input_casts``: along K, and
+along M inside the groups for grad weight, one read) and ``grouped_mm_on_one_input`` shares those casts between
+the experts' w1 and w3; backward reads g once for its two casts.
+
 NVFP4 recipes run on the emulated NVFP4 backend (``nvfp4_backends``): along M every group is padded with zero
 rows to a multiple of 16, so that no block of 16, and no block of the Hadamard transform, straddles two experts.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -46,9 +52,12 @@ def check_group_ends(offs: torch.Tensor, m: int) -> None:
 
 class _GroupedMMFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Recipe, backend: Backend):
-        need_gx, need_gw = ctx.needs_input_grad[:2]
-        y, saved = backend.grouped_forward(x, w, offs, recipe, need_gx, need_gw)
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Recipe, backend: Backend,
+                grad_enabled: bool, x_casts: tuple | None = None):  # fmt: skip
+        """``grad_enabled``: the caller's grad mode (needs_input_grad holds under no_grad too): nothing is cast
+        for a backward that cannot run."""
+        need_gx, need_gw = (grad_enabled and need for need in ctx.needs_input_grad[:2])
+        y, saved = backend.grouped_forward(x, w, offs, recipe, need_gx, need_gw, x_casts)
         ctx.recipe, ctx.backend = recipe, backend
         ctx.x_meta, ctx.w_meta = (x.shape, x.dtype), (w.shape, w.dtype)
         ctx.save_for_backward(*saved)
@@ -58,7 +67,7 @@ class _GroupedMMFunction(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         (x_shape, x_dtype), (w_shape, w_dtype) = ctx.x_meta, ctx.w_meta
         if x_shape[0] == 0:  # no tokens: nothing flows back (torch._grouped_mm rejects an empty K)
-            return g.new_zeros(x_shape, dtype=x_dtype), g.new_zeros(w_shape, dtype=w_dtype), None, None, None
+            return g.new_zeros(x_shape, dtype=x_dtype), g.new_zeros(w_shape, dtype=w_dtype), *(None,) * 5
         need_gx, need_gw = ctx.needs_input_grad[:2]
         gx, gw = ctx.backend.grouped_backward(g.contiguous(), ctx.saved_tensors, ctx.recipe, need_gx, need_gw)
         return (
@@ -67,20 +76,13 @@ class _GroupedMMFunction(torch.autograd.Function):
             None,
             None,
             None,
+            None,
+            None,
         )
 
 
-def mx_grouped_mm(
-    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Recipe, backend: Backend | None = None
-) -> torch.Tensor:
-    """Differentiable grouped GEMM, MX or NVFP4 as ``recipe`` says: x [M_total, K], w [E, N, K], offs int32 [E]
-    -> [M_total, N]. ``backend``: from ``resolve_backend(..., grouped=True)``; None resolves it for x's device
-    (cached).
-
-    offs: non-decreasing group ends in [0, M_total]; rows at and past offs[-1] belong to no group and come
-    back as zeros, with zero gradients. The values are checked on the host for CPU tensors, and on a GPU
-    only with the kernel setting ``check_offs=True`` (a device sync per call); unchecked, bad offs give unspecified
-    values."""
+def _check(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Recipe, backend: Backend | None) -> Backend:
+    """Validate one grouped GEMM's operands; the backend to run it on."""
     if x.dim() != 2 or w.dim() != 3 or offs.dim() != 1 or offs.shape[0] != w.shape[0]:
         raise ValueError(
             f"mx_grouped_mm: expected x [M, K], w [E, N, K], offs [E]; got {tuple(x.shape)}, "
@@ -95,12 +97,51 @@ def mx_grouped_mm(
         raise ValueError(f"mx_grouped_mm: w {tuple(w.shape)} needs N and K divisible by {recipe.block_size}")
     if offs.device != x.device:
         raise ValueError(f"mx_grouped_mm: offs is on {offs.device}, x on {x.device}")
-    if not torch.compiler.is_compiling() and (not x.is_cuda or get_kernel_settings().check_offs):
-        check_group_ends(offs, x.shape[0])  # free on the CPU; a device sync on a GPU
     backend = backend or default_backend(recipe, x.device, grouped=True)
     if not isinstance(recipe, backend.recipe_type) or not backend.grouped:
         raise ValueError(
             f"mx_grouped_mm: recipe {recipe.name!r} cannot run on the {type(backend).__name__} (no grouped GEMM for "
             "it): resolve the backend with resolve_backend(recipe, device, grouped=True)"
         )
-    return _GroupedMMFunction.apply(x, w, offs, recipe, backend)
+    return backend
+
+
+def _check_offs(x: torch.Tensor, offs: torch.Tensor) -> None:
+    if not torch.compiler.is_compiling() and (not x.is_cuda or get_kernel_settings().check_offs):
+        check_group_ends(offs, x.shape[0])  # free on the CPU; a device sync on a GPU
+
+
+def mx_grouped_mm(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Recipe, backend: Backend | None = None
+) -> torch.Tensor:
+    """Differentiable grouped GEMM, MX or NVFP4 as ``recipe`` says: x [M_total, K], w [E, N, K], offs int32 [E]
+    -> [M_total, N]. ``backend``: from ``resolve_backend(..., grouped=True)``; None resolves it for x's device
+    (cached).
+
+    offs: non-decreasing group ends in [0, M_total]; rows at and past offs[-1] belong to no group and come
+    back as zeros, with zero gradients. The values are checked on the host for CPU tensors, and on a GPU
+    only with the kernel setting ``check_offs=True`` (a device sync per call); unchecked, bad offs give unspecified
+    values."""
+    backend = _check(x, w, offs, recipe, backend)
+    _check_offs(x, offs)
+    return _GroupedMMFunction.apply(x, w, offs, recipe, backend, torch.is_grad_enabled())
+
+
+def grouped_mm_on_one_input(
+    x: torch.Tensor, ws: Sequence[torch.Tensor], offs: torch.Tensor, recipe: Recipe, backend: Backend | None = None
+) -> list[torch.Tensor]:
+    """``[mx_grouped_mm(x, w, offs, recipe, backend) for w in ws]`` (the experts' w1 and w3) with x cast once for
+    all of them where the backend makes x's casts in forward (``grouped_input_casts``: x along K and, for the
+    grad-weight GEMMs, along M in token groups, saved once for all). The same casts each GEMM makes on its own, so
+    outputs and gradients are bit for bit those of the separate calls."""
+    backend = _check(x, ws[0], offs, recipe, backend)
+    for w in ws[1:]:
+        _check(x, w, offs, recipe, backend)
+    _check_offs(x, offs)
+    x_casts = None
+    if getattr(recipe, "share_input_casts", False):  # an MX recipe's option; NVFP4 casts in each GEMM
+        any_grad_weight = torch.is_grad_enabled() and any(w.requires_grad for w in ws)
+        with torch.no_grad():  # the casts carry no gradient: each GEMM's backward gives x its own
+            x_casts = backend.grouped_input_casts(x, offs, recipe, any_grad_weight)
+    grad_enabled = torch.is_grad_enabled()
+    return [_GroupedMMFunction.apply(x, w, offs, recipe, backend, grad_enabled, x_casts) for w in ws]

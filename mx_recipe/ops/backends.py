@@ -58,11 +58,15 @@ class Backend(Protocol):
     def grad_weight(self, g: torch.Tensor, g_m: Any, x: Any, x_m: Any, recipe: Any) -> torch.Tensor:
         """gw = g.T @ x."""
 
+    def grouped_input_casts(self, x: torch.Tensor, offs: torch.Tensor, recipe: Any, for_grad_weight: bool) -> Any:
+        """x's casts for the grouped GEMMs that read it, made once (None: each GEMM casts x itself)."""
+
     def grouped_forward(
         self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Any, for_grad_input: bool,
-        for_grad_weight: bool,
+        for_grad_weight: bool, x_casts: Any = None,
     ) -> tuple[torch.Tensor, Tensors]:  # fmt: skip
-        """y = x_e @ w[e].T per token group (rows past the groups zero), and what backward keeps."""
+        """y = x_e @ w[e].T per token group (rows past the groups zero), and what backward keeps; ``x_casts``:
+        from ``grouped_input_casts``, shared by the GEMMs of one x."""
 
     def grouped_backward(
         self, g: torch.Tensor, saved: Tensors, recipe: Any, need_gx: bool, need_gw: bool

@@ -112,6 +112,10 @@ def reference_fake_quant_groups_along_m(x: Tensor, elem: str, mode: str, row_src
     return out[:rows]
 
 
+def reference_fake_quant_groups(x: Tensor, elem: str, mode: str, row_src: Tensor) -> tuple[Tensor, Tensor]:
+    return fake_quant(x, elem, mode, dim=-1), reference_fake_quant_groups_along_m(x, elem, mode, row_src)
+
+
 # --- the table ---
 
 
@@ -165,6 +169,13 @@ OPS: dict[str, KernelOp] = {
         bf16_only=True,
         fp4=True,
         stochastic=True,
+    ),
+    "fake_quant_groups": KernelOp(
+        reference_fake_quant_groups,
+        "mx.fake_quant_2d:fake_quant_groups",
+        "gluon.fake_quant:fake_quant_groups",
+        bf16_only=True,
+        fp4=True,
     ),
 }
 
@@ -332,6 +343,19 @@ define(
     "fake_quant_groups_along_m(Tensor x, str elem, str mode, Tensor row_src, Tensor? seed=None) -> Tensor",
     _fake_quant_groups_along_m_op,
     _fake_quant_groups_along_m_fake,
+)
+
+
+def _fake_quant_groups_fake(x: Tensor, elem: str, mode: str, row_src: Tensor) -> tuple[Tensor, Tensor]:
+    check_cast(x, elem, mode, ndims=(2,), qdim=-1, op="fake_quant_groups", fp4=True)
+    groups_along_m_rows(row_src)
+    return x.new_empty(x.shape[0], x.shape[1]), x.new_empty(x.shape[0], x.shape[1])
+
+
+define(
+    "fake_quant_groups(Tensor x, str elem, str mode, Tensor row_src) -> (Tensor, Tensor)",
+    lambda x, elem, mode, row_src: _kernel("fake_quant_groups", x, elem)(x, row_src, elem, mode),
+    _fake_quant_groups_fake,
 )
 
 

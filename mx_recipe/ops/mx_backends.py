@@ -51,6 +51,7 @@ from mx_recipe.ops.mx_cast import (
     fake_quant_along_m,
     fake_quant_dim0,
     fake_quant_dim0_dim1,
+    fake_quant_dim0_groups_along_m,
     fake_quant_groups_along_m,
 )
 
@@ -58,6 +59,7 @@ MXOperand = MXTensor | BlockedMXTensor
 Operand = MXOperand | torch.Tensor  # what a backend's cast gives: an MX tensor, or emulated, a fake-quant
 GroupLayout = tuple[torch.Tensor, torch.Tensor, int]  # padded_group_layout: (dest rows, padded ends, size)
 InputCasts = tuple[Operand | None, Operand | None]  # x along K (forward GEMM), x along M (grad-weight GEMM)
+GroupedInputCasts = tuple[torch.Tensor, torch.Tensor | None]  # the same for a grouped GEMM's x (emulated)
 
 
 class MXBackend:
@@ -171,14 +173,24 @@ class MXBackend:
 
     # --- the MoE grouped GEMM: group e computes x_e @ w[e].T ---
 
+    def grouped_input_casts(
+        self, x: torch.Tensor, offs: torch.Tensor, recipe: MXRecipe, for_grad_weight: bool
+    ) -> GroupedInputCasts | None:
+        """x's casts for its grouped GEMMs, made in forward: x along K and, where the grad-weight GEMM will run in
+        MX and ``fuse_x_casts`` is on, x along M inside each token group, which backward then reads instead of x.
+        None where each GEMM casts x itself (a bf16 forward GEMM; the MX-operand backends, whose casts pad the
+        token groups). Given to several GEMMs of x (w1 and w3), one set serves all: ``grouped_mm_on_one_input``."""
+        return None
+
     def grouped_forward(
         self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: MXRecipe, for_grad_input: bool,
-        for_grad_weight: bool,
+        for_grad_weight: bool, x_casts: GroupedInputCasts | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:  # fmt: skip
-        """y = x_e @ w[e].T per group (x along K, each w[e] along K) and what backward keeps: x, w and, with
-        ``fuse_expert_casts`` (emulated, where grad input will run), each w[e] along N from the same read of w."""
+        """y = x_e @ w[e].T per group (x along K, each w[e] along K) and what backward keeps: x (or x along M, from
+        ``x_casts`` or ``grouped_input_casts``), w and, with ``fuse_expert_casts`` (emulated, where grad input
+        will run), each w[e] along N from the same read of w."""
         elem, rule, dtype = recipe.forward, recipe.scale_rule, x.dtype
-        w_n = None
+        w_n = x_k = x_m = None
         if elem == HIGH_PRECISION:
             y = plain_grouped_mm(x, w.transpose(-2, -1), offs, dtype)
         else:
@@ -186,18 +198,31 @@ class MXBackend:
                 w_k, w_n = self.cast_both(w, elem, rule, dtype)
             else:
                 w_k = self.cast_experts(w, elem, rule, dtype)
-            y = self.grouped_mm(x, elem, rule, w_k, offs, dtype)
-        return zero_rows_past_groups(y, offs), (x, w, offs, w_n)
+            x_k, x_m = x_casts or self.grouped_input_casts(x, offs, recipe, for_grad_weight) or (None, None)
+            y = self.grouped_mm(x, elem, rule, w_k, offs, dtype, a_cast=x_k)
+        x_m = x_m if for_grad_weight else None
+        saved_x = x if for_grad_weight and x_m is None else None  # the grad-weight GEMM's; grad input needs none
+        return zero_rows_past_groups(y, offs), (saved_x, x_m, w, offs, w_n)
+
+    def grouped_grad_casts(
+        self, g: torch.Tensor, recipe: MXRecipe, layout: GroupLayout
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """g along N (grad input) and along M in token groups (grad weight) from one read of g, where both GEMMs
+        run in MX; (None, None) where each GEMM casts g itself."""
+        return None, None
 
     def grouped_backward(
         self, g: torch.Tensor, saved: tuple[torch.Tensor | None, ...], recipe: MXRecipe, need_gx: bool, need_gw: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """gx = g_e @ w[e] (g along N, each w[e] along N) and gw[e] = g_e.T @ x_e (g and x along M inside each
         group), in the dtype of g; rows of gx past the groups are zero."""
-        x, w, offs, w_n = saved
+        x, x_m, w, offs, w_n = saved
         layout = None  # token rows in groups padded to 32: the MX grad-weight GEMM's, shared with grad input
-        if need_gw and recipe.grad_weight != HIGH_PRECISION:
-            layout = padded_group_layout(offs, x.shape[0], BLOCK_SIZE)
+        mx_gx = need_gx and recipe.grad_input != HIGH_PRECISION
+        mx_gw = need_gw and recipe.grad_weight != HIGH_PRECISION
+        if mx_gw:
+            layout = padded_group_layout(offs, g.shape[0], BLOCK_SIZE)
+        g_n, g_m = self.grouped_grad_casts(g, recipe, layout) if mx_gx and mx_gw else (None, None)
         gx = gw = None
         rule = recipe.scale_rule
         if need_gx:
@@ -206,15 +231,16 @@ class MXBackend:
             else:
                 if w_n is None:
                     w_n = self.cast_experts(w, recipe.grad_input, rule, g.dtype, along_rows=True)
-                gx = self.grouped_mm(g, recipe.grad, rule, w_n, offs, g.dtype, recipe.grad_rounding, layout)
+                gx = self.grouped_mm(g, recipe.grad, rule, w_n, offs, g.dtype, recipe.grad_rounding, layout, a_cast=g_n)
             gx = zero_rows_past_groups(gx, offs)
         if need_gw:
             if recipe.grad_weight == HIGH_PRECISION:
                 gw = plain_grouped_mm(g.t(), x, offs, g.dtype)
             else:
                 gw = self.grouped_mm_along_m(
-                    g, recipe.grad, x, recipe.grad_weight, rule, offs, layout, g.dtype, recipe.grad_rounding
-                )
+                    g, recipe.grad, x, recipe.grad_weight, rule, offs, layout, g.dtype, recipe.grad_rounding,
+                    g_m=g_m, x_m=x_m,
+                )  # fmt: skip
         return gx, gw
 
 
@@ -286,24 +312,57 @@ class EmulatedBackend(MXBackend):
 
     cast_experts = cast  # 2D or 3D alike; along rows: along N of each expert
 
+    def grouped_input_casts(
+        self, x: torch.Tensor, offs: torch.Tensor, recipe: MXRecipe, for_grad_weight: bool
+    ) -> GroupedInputCasts | None:
+        elem, rule, dtype = recipe.forward, recipe.scale_rule, x.dtype
+        if elem == HIGH_PRECISION or x.shape[0] == 0:
+            return None
+        if not (for_grad_weight and recipe.grad_weight != HIGH_PRECISION and recipe.fuse_x_casts):
+            return self.cast(x, elem, rule, dtype), None
+        layout = padded_group_layout(offs, x.shape[0], BLOCK_SIZE)
+        src = group_row_sources(layout[0], layout[2])
+        if recipe.grad_weight == elem:  # one read of x for both
+            x_k, x_m = fake_quant_dim0_groups_along_m(x, src, elem, rule)
+            return x_k.to(dtype), x_m.to(dtype)
+        return self.cast(x, elem, rule, dtype), fake_quant_groups_along_m(x, src, recipe.grad_weight, rule).to(dtype)
+
+    def grouped_grad_casts(
+        self, g: torch.Tensor, recipe: MXRecipe, layout: GroupLayout
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if recipe.grad_rounding != "nearest" or g.shape[0] == 0:  # the fused kernel rounds to nearest only
+            return None, None
+        g_n, g_m = fake_quant_dim0_groups_along_m(
+            g, group_row_sources(layout[0], layout[2]), recipe.grad, recipe.scale_rule
+        )
+        return g_n.to(g.dtype), g_m.to(g.dtype)
+
     def grouped_mm(
         self, a: torch.Tensor, elem: str, rule: str, w: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype,
-        rounding: str = "nearest", layout: GroupLayout | None = None,
+        rounding: str = "nearest", layout: GroupLayout | None = None, a_cast: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Token groups a [M, C], cast along C here, times per-expert operands w [E, D, C] -> [M, D]."""
-        return plain_grouped_mm(self.cast(a, elem, rule, dtype, rounding=rounding), w.transpose(-2, -1), offs, dtype)
+        """Token groups a [M, C], cast along C here (or given as ``a_cast``), times per-expert operands w [E, D, C]
+        -> [M, D]."""
+        if a_cast is None:
+            a_cast = self.cast(a, elem, rule, dtype, rounding=rounding)
+        return plain_grouped_mm(a_cast, w.transpose(-2, -1), offs, dtype)
 
     def grouped_mm_along_m(
-        self, g: torch.Tensor, g_elem: str, x: torch.Tensor, x_elem: str, rule: str, offs: torch.Tensor,
-        layout: GroupLayout, dtype: torch.dtype, rounding: str = "nearest",
+        self, g: torch.Tensor, g_elem: str, x: torch.Tensor | None, x_elem: str, rule: str, offs: torch.Tensor,
+        layout: GroupLayout, dtype: torch.dtype, rounding: str = "nearest", g_m: torch.Tensor | None = None,
+        x_m: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Per group e, g_e.T @ x_e -> [E, N, K], both quantized along M in blocks of 32 from each
         group's start (a group's last block as if zero-padded) and left in their own layout: the GEMM
         runs on the bf16 backward's operands and groups, no padded copies and no padding rows. Only
-        ``g`` takes ``rounding``."""
-        src = group_row_sources(layout[0], layout[2])
-        g_m = fake_quant_groups_along_m(g, src, g_elem, rule, rounding).to(dtype)
-        x_m = fake_quant_groups_along_m(x, src, x_elem, rule).to(dtype)
+        ``g`` takes ``rounding``. ``g_m``, ``x_m``: those casts, where already made."""
+        src = None
+        if g_m is None or x_m is None:
+            src = group_row_sources(layout[0], layout[2])
+        if g_m is None:
+            g_m = fake_quant_groups_along_m(g, src, g_elem, rule, rounding).to(dtype)
+        if x_m is None:
+            x_m = fake_quant_groups_along_m(x, src, x_elem, rule).to(dtype)
         return plain_grouped_mm(g_m.t(), x_m, offs, dtype)
 
 
@@ -353,7 +412,7 @@ class CublasBackend(_HardwareBackend):
 
     def grouped_mm(
         self, a: torch.Tensor, elem: str, rule: str, w: BlockedMXTensor, offs: torch.Tensor, dtype: torch.dtype,
-        rounding: str = "nearest", layout: GroupLayout | None = None,
+        rounding: str = "nearest", layout: GroupLayout | None = None, a_cast: None = None,
     ) -> torch.Tensor:  # fmt: skip
         """The op takes token groups of multiples of 32 rows only: a's dim0 cast is row-local, so its
         rows are scattered into groups padded to 32 after casting, and the output rows gathered back."""
@@ -364,9 +423,10 @@ class CublasBackend(_HardwareBackend):
 
     def grouped_mm_along_m(
         self, g: torch.Tensor, g_elem: str, x: torch.Tensor, x_elem: str, rule: str, offs: torch.Tensor,
-        layout: GroupLayout, dtype: torch.dtype, rounding: str = "nearest",
+        layout: GroupLayout, dtype: torch.dtype, rounding: str = "nearest", g_m: None = None, x_m: None = None,
     ) -> torch.Tensor:  # fmt: skip
-        # rounding is "nearest": stochastic rounding is for e2m1, which has no cublas path
+        # rounding is "nearest": stochastic rounding is for e2m1, which has no cublas path; g_m and x_m are the
+        # emulated backend's (this one's grouped_input_casts and grouped_grad_casts give none)
         g_m = _cast_groups_along_m(g, g_elem, rule, layout)  # [N, size]
         x_m = _cast_groups_along_m(x, x_elem, rule, layout)  # [K, size]
         return mx_grouped_mm_2d_2d(g_m, x_m, CUBLAS_GROUPED_OUT_DTYPE, self.scaled_grouped_mm).to(dtype)

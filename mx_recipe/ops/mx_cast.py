@@ -13,7 +13,8 @@ along M (MoE grad-weight) have their own entry points.
 The fake-quants return the dequantized values instead (in the input's dtype): what the emulated GEMM backend
 multiplies. ``fake_quant_dim0`` quantizes along K; ``fake_quant_along_m`` along M, left in the input's layout
 ([.., M padded to 32, K]: a bf16 GEMM takes either operand transposed, so nothing is written transposed);
-``fake_quant_dim0_dim1`` returns both from one read of the input.
+``fake_quant_dim0_dim1`` returns both from one read of the input; ``fake_quant_dim0_groups_along_m`` likewise for
+rows in MoE token groups.
 
 ``rounding="stochastic"`` (the one-sided 2D casts and the fake-quants; recipe.py allows it for e2m1 gradients):
 the e2m1 casts and the e2m1 fake-quants of bf16 on CUDA run on the Triton kernels, which draw from a Philox stream keyed
@@ -45,6 +46,7 @@ __all__ = [
     "fake_quant_along_m",
     "fake_quant_dim0",
     "fake_quant_dim0_dim1",
+    "fake_quant_dim0_groups_along_m",
     "fake_quant_groups_along_m",
 ]
 
@@ -227,6 +229,15 @@ def fake_quant_groups_along_m(
     groups. Stochastic rounding draws as ``fake_quant_along_m`` on the padded tensor does."""
     _check_ndim(x, (2,), "fake_quant_groups_along_m")
     return run("fake_quant_groups_along_m", x, elem, mode, row_src, rounding=rounding, generator=generator)
+
+
+def fake_quant_dim0_groups_along_m(
+    x: torch.Tensor, row_src: torch.Tensor, elem: str = "e4m3", mode: str = "floor"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``fake_quant_dim0(x)``, ``fake_quant_groups_along_m(x, row_src)``): on CUDA one kernel, one read of x. The
+    MoE grouped GEMM's x (forward and grad-weight operands) and g (grad-input and grad-weight). Rounds to nearest."""
+    _check_ndim(x, (2,), "fake_quant_dim0_groups_along_m")
+    return run("fake_quant_groups", x, elem, mode, row_src)
 
 
 def fake_quant_dim0_dim1(

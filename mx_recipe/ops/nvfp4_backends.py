@@ -90,7 +90,10 @@ class NVFP4Backend:
     def grad_weight(self, g: torch.Tensor, g_m, x: torch.Tensor | None, x_m, recipe: NVFP4Recipe) -> torch.Tensor:
         return self.mm(g_m, x_m, g.dtype)
 
-    def grouped_forward(self, x, w, offs, recipe, for_grad_input, for_grad_weight):
+    def grouped_input_casts(self, x: torch.Tensor, offs: torch.Tensor, recipe: NVFP4Recipe, for_grad_weight: bool):
+        return None  # each grouped GEMM casts its x in forward, both orientations from one read
+
+    def grouped_forward(self, x, w, offs, recipe, for_grad_input, for_grad_weight, x_casts=None):
         raise ValueError(f"NVFP4 backend {self.name!r} has no MoE grouped GEMM; use 'emulated'")
 
     grouped_backward = grouped_forward
@@ -145,7 +148,7 @@ class NVFP4EmulatedBackend(NVFP4Backend):
 
     def grouped_forward(
         self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: NVFP4Recipe, for_grad_input: bool,
-        for_grad_weight: bool,
+        for_grad_weight: bool, x_casts: None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:  # fmt: skip
         """x along K and, for grad weight, along M in the groups padded to 16 (one read); w in the recipe's blocks.
         Saves x along M instead of x, and the padded layout for backward."""
