@@ -151,7 +151,7 @@ PATHS: dict[str, MXPath] = {
 # read of bf16, one write of the dequantized bf16 per result), on every device. dim0 and dim1 are
 # separate kernels except for a linear's x and g (fake_quant_dim0_dim1); the MoE grad-weight casts
 # quantize each token group in place (fake_quant_groups_along_m), so its GEMM runs over the unpadded
-# rows. Not modeled: the recipe option fuse_expert_casts (off by default), and an input shared by
+# rows. Not modeled: the recipe option fuse_expert_casts (on by default), and an input shared by
 # several linears (wq, wk, wv) cast once for all of them (the model is per linear).
 OURS_TODAY = "fake_quant"
 

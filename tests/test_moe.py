@@ -73,10 +73,11 @@ def test_mx_grouped_mm_matches_per_group_reference(name, sizes, dtype):
             assert torch.count_nonzero(w.grad[e]) == 0  # an empty expert gets a zero gradient
 
 
-@pytest.mark.parametrize("name", [n for n in RECIPES if MXRecipe.from_name(n).grad_input != "bf16"])
+@pytest.mark.parametrize("name", RECIPES + ["mxfp8_e5m2_grad_input"])
 @pytest.mark.parametrize("sizes", GROUP_SIZES[:2])
 def test_fuse_expert_casts_is_bit_identical(name, sizes):
-    """w along N made in forward (fuse_expert_casts) is the operand backward would make: same bits."""
+    """w along N made in forward (fuse_expert_casts) is the operand backward would make: same bits. Where grad
+    input runs in bf16 or in another format than forward, the option changes nothing."""
     torch.manual_seed(3)
     m, n, k = sum(sizes), 96, 64
     x0 = torch.randn(m, k, dtype=torch.bfloat16)
@@ -86,7 +87,8 @@ def test_fuse_expert_casts_is_bit_identical(name, sizes):
     results = []
     for fuse in (False, True):
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        mx_grouped_mm(x, w, offs, MXRecipe.from_name(name, fuse_expert_casts=fuse)).backward(g)
+        recipe = MXRecipe("custom", grad_input="e5m2") if name == "mxfp8_e5m2_grad_input" else MXRecipe.from_name(name)
+        mx_grouped_mm(x, w, offs, dataclasses.replace(recipe, fuse_expert_casts=fuse)).backward(g)
         results.append((x.grad, w.grad))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
@@ -189,7 +191,12 @@ def test_experts_cast_x_once_per_orientation(monkeypatch):
     import mx_recipe.ops.mx_backends as gemm
 
     calls = []
-    for fname in ("fake_quant_dim0", "fake_quant_groups_along_m", "fake_quant_dim0_groups_along_m"):
+    for fname in (
+        "fake_quant_dim0",
+        "fake_quant_dim0_dim1",
+        "fake_quant_groups_along_m",
+        "fake_quant_dim0_groups_along_m",
+    ):
         fn = getattr(gemm, fname)
         monkeypatch.setattr(
             gemm, fname, lambda t, *a, _n=fname, _f=fn, **kw: calls.append((_n, t.shape)) or _f(t, *a, **kw)
@@ -198,12 +205,11 @@ def test_experts_cast_x_once_per_orientation(monkeypatch):
     convert_to_mx(moe, MXRecipe.from_name("mxfp8"))
     x = torch.randn(20, 64, requires_grad=True)
     y = moe.experts(x, torch.tensor([5, 5, 12, 20], dtype=torch.int32))
-    w_casts = [c for c in calls if len(c[1]) == 3]
     assert [c[0] for c in calls if len(c[1]) == 2] == ["fake_quant_dim0_groups_along_m"] * 2, calls  # x, then h
-    assert len(w_casts) == 3
+    assert [c[0] for c in calls if len(c[1]) == 3] == ["fake_quant_dim0_dim1"] * 3, calls  # w1, w3, w2: both ways
     calls.clear()
     y.sum().backward()
-    assert [c[0] for c in calls if len(c[1]) == 2] == ["fake_quant_dim0_groups_along_m"] * 3, calls  # g2, g1, g3
+    assert [c[0] for c in calls] == ["fake_quant_dim0_groups_along_m"] * 3, calls  # g2, g1, g3; nothing of x, h, w
 
 
 @pytest.mark.gpu

@@ -55,11 +55,12 @@ class MXRecipe:
         result, bf16, instead of x; backward then does not read x again: 6 bytes an element of x instead
         of 8. Bit-identical gradients. On by default; off, backward casts x along M itself. The MoE grouped
         GEMM does the same with x along M inside token groups (one read where grad_weight == forward).
-    fuse_expert_casts: MoE grouped GEMM, emulated backend only. The forward fake-quantizes the
-        expert weights w [E, N, K] along K (forward GEMM) and along N (grad-input GEMM) in one read
-        (``fake_quant_dim0_dim1``) and saves the along-N result for backward: one read of w fewer per
-        step, at the cost of a bf16 copy of w held from forward to backward. Needs grad_input ==
-        forward (one format for both casts). Bit-identical gradients. No effect on MXLinear.
+    fuse_expert_casts: MoE grouped GEMM, emulated backend, where grad_input == forward (an MX format;
+        elsewhere it changes nothing). The forward fake-quantizes the expert weights w [E, N, K] along K
+        (forward GEMM) and along N (grad-input GEMM) in one read (``fake_quant_dim0_dim1``) and saves the
+        along-N result for backward: one read of w fewer per step, at the cost of a bf16 copy of w held
+        from forward to backward (turn it off where memory is short). Bit-identical gradients. On by
+        default. No effect on MXLinear.
     share_input_casts: an input read by several linears (wq, wk and wv; w1 and w3) is cast once for all of
         them (``linears_on_one_input``), and so is the routed x of the experts' w1 and w3
         (``grouped_mm_on_one_input``). Bit-identical outputs and gradients. On by default.
@@ -79,7 +80,7 @@ class MXRecipe:
     grad_rounding: str = option("nearest", GRAD_ROUNDING_HELP)
     save_mx_input: bool = option(False, "save x for backward in MX form (fp8 or e2m1 and scales), not bf16")
     fuse_x_casts: bool = option(True, "emulated: both fake-quants of x in forward, where it applies")
-    fuse_expert_casts: bool = option(False, "emulated MoE: both fake-quants of the expert weights in forward")
+    fuse_expert_casts: bool = option(True, "emulated MoE: both fake-quants of the expert weights in forward")
     share_input_casts: bool = option(True, "one cast of an input read by several linears (wq/wk/wv, w1/w3)")
 
     def __post_init__(self) -> None:
@@ -113,11 +114,6 @@ class MXRecipe:
             raise ValueError(f"MXRecipe.fuse_x_casts={self.fuse_x_casts!r}: expected True or False")
         if not isinstance(self.fuse_expert_casts, bool):
             raise ValueError(f"MXRecipe.fuse_expert_casts={self.fuse_expert_casts!r}: expected True or False")
-        if self.fuse_expert_casts and (self.grad_input == HIGH_PRECISION or self.grad_input != self.forward):
-            raise ValueError(
-                f"MXRecipe.fuse_expert_casts=True needs grad_input == forward and MX, got forward={self.forward!r}, "
-                f"grad_input={self.grad_input!r}: one kernel casts w for both GEMMs in one format"
-            )
         if not isinstance(self.share_input_casts, bool):
             raise ValueError(f"MXRecipe.share_input_casts={self.share_input_casts!r}: expected True or False")
 

@@ -194,7 +194,7 @@ class MXBackend:
         if elem == HIGH_PRECISION:
             y = plain_grouped_mm(x, w.transpose(-2, -1), offs, dtype)
         else:
-            if for_grad_input and recipe.fuse_expert_casts and self.name == "emulated":
+            if for_grad_input and recipe.fuse_expert_casts and recipe.grad_input == elem and self.name == "emulated":
                 w_k, w_n = self.cast_both(w, elem, rule, dtype)
             else:
                 w_k = self.cast_experts(w, elem, rule, dtype)
