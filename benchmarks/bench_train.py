@@ -46,6 +46,7 @@ from mx_recipe.train.trainer import (
     padded_vocab_size,
     step_setup,
     update_expert_biases,
+    uses_cast_weights_once,
     uses_cuda_graph,
 )
 
@@ -78,7 +79,10 @@ def build_variant(config, recipe: str, dims, info, mesh) -> Variant:
     config = dataclasses.replace(config, mx=dataclasses.replace(config.mx, recipe=recipe))
     model = build_training_model(config, dims, info, mesh, log=lambda *a: None)
     t = config.training
-    step = TrainStep(model, build_optimizer(model, t), info.device, t.max_norm, uses_cuda_graph(config, model, info))
+    step = TrainStep(
+        model, build_optimizer(model, t), info.device, t.max_norm, uses_cuda_graph(config, model, info),
+        cast_weights_once=uses_cast_weights_once(config, info),
+    )  # fmt: skip
     return Variant(recipe, model, step, flops_per_token(dims, model, t.seq_len))
 
 

@@ -29,14 +29,25 @@ class MXGroupedExperts(nn.Module):
 
     recipe: MXRecipe
     backend: Backend
+    weight_casts: dict | None = None  # w1, w2, w3's casts for a step (mx_recipe.nn.weight_casts)
+
+    def step_weight_casts(self, x: torch.Tensor, w: torch.Tensor) -> tuple | None:
+        """w's casts made for the step, where made for x's dtype."""
+        if self.weight_casts is None:
+            return None
+        for name, casts in self.weight_casts.items():
+            if w is getattr(self, name):
+                return casts.operands if casts.dtype == x.dtype else None
+        return None
 
     def grouped_mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        return mx_grouped_mm(x, w, offs, self.recipe, self.backend)
+        return mx_grouped_mm(x, w, offs, self.recipe, self.backend, self.step_weight_casts(x, w))
 
     def grouped_mm_on_one_input(
         self, x: torch.Tensor, ws: tuple[torch.Tensor, ...], offs: torch.Tensor
     ) -> list[torch.Tensor]:
-        return grouped_mm_on_one_input(x, ws, offs, self.recipe, self.backend)
+        casts = [self.step_weight_casts(x, w) for w in ws]
+        return grouped_mm_on_one_input(x, ws, offs, self.recipe, self.backend, casts)
 
     def extra_repr(self) -> str:
         return f"experts={self.w1.shape[0]}, recipe={self.recipe.name}, backend={self.backend.name}"

@@ -53,26 +53,30 @@ def check_group_ends(offs: torch.Tensor, m: int) -> None:
 class _GroupedMMFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Recipe, backend: Backend,
-                grad_enabled: bool, x_casts: tuple | None = None):  # fmt: skip
+                grad_enabled: bool, x_casts: tuple | None = None, w_casts: tuple | None = None):  # fmt: skip
         """``grad_enabled``: the caller's grad mode (needs_input_grad holds under no_grad too): nothing is cast
-        for a backward that cannot run."""
+        for a backward that cannot run. ``w_casts``: w's casts made for the whole step (``weight_casts``)."""
         need_gx, need_gw = (grad_enabled and need for need in ctx.needs_input_grad[:2])
-        y, saved = backend.grouped_forward(x, w, offs, recipe, need_gx, need_gw, x_casts)
+        y, saved = backend.grouped_forward(x, w, offs, recipe, need_gx, need_gw, x_casts, w_casts)
         ctx.recipe, ctx.backend = recipe, backend
         ctx.x_meta, ctx.w_meta = (x.shape, x.dtype), (w.shape, w.dtype)
-        ctx.save_for_backward(*saved)
+        # an MX operand (a step's weight cast on the cublas path) is no tensor: kept on ctx as it is
+        ctx.operands = {i: s for i, s in enumerate(saved) if s is not None and not isinstance(s, torch.Tensor)}
+        ctx.save_for_backward(*(None if i in ctx.operands else s for i, s in enumerate(saved)))
         return y
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         (x_shape, x_dtype), (w_shape, w_dtype) = ctx.x_meta, ctx.w_meta
         if x_shape[0] == 0:  # no tokens: nothing flows back (torch._grouped_mm rejects an empty K)
-            return g.new_zeros(x_shape, dtype=x_dtype), g.new_zeros(w_shape, dtype=w_dtype), *(None,) * 5
+            return g.new_zeros(x_shape, dtype=x_dtype), g.new_zeros(w_shape, dtype=w_dtype), *(None,) * 6
         need_gx, need_gw = ctx.needs_input_grad[:2]
-        gx, gw = ctx.backend.grouped_backward(g.contiguous(), ctx.saved_tensors, ctx.recipe, need_gx, need_gw)
+        saved = [ctx.operands.get(i, s) for i, s in enumerate(ctx.saved_tensors)]
+        gx, gw = ctx.backend.grouped_backward(g.contiguous(), tuple(saved), ctx.recipe, need_gx, need_gw)
         return (
             None if gx is None else gx.to(x_dtype),
             None if gw is None else gw.to(w_dtype),
+            None,
             None,
             None,
             None,
@@ -112,8 +116,9 @@ def _check_offs(x: torch.Tensor, offs: torch.Tensor) -> None:
 
 
 def mx_grouped_mm(
-    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Recipe, backend: Backend | None = None
-) -> torch.Tensor:
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Recipe, backend: Backend | None = None,
+    w_casts: tuple | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Differentiable grouped GEMM, MX or NVFP4 as ``recipe`` says: x [M_total, K], w [E, N, K], offs int32 [E]
     -> [M_total, N]. ``backend``: from ``resolve_backend(..., grouped=True)``; None resolves it for x's device
     (cached).
@@ -121,15 +126,16 @@ def mx_grouped_mm(
     offs: non-decreasing group ends in [0, M_total]; rows at and past offs[-1] belong to no group and come
     back as zeros, with zero gradients. The values are checked on the host for CPU tensors, and on a GPU
     only with the kernel setting ``check_offs=True`` (a device sync per call); unchecked, bad offs give unspecified
-    values."""
+    values. ``w_casts``: w's casts made for the whole step (``mx_recipe.nn.weight_casts``), None to cast here."""
     backend = _check(x, w, offs, recipe, backend)
     _check_offs(x, offs)
-    return _GroupedMMFunction.apply(x, w, offs, recipe, backend, torch.is_grad_enabled())
+    return _GroupedMMFunction.apply(x, w, offs, recipe, backend, torch.is_grad_enabled(), None, w_casts)
 
 
 def grouped_mm_on_one_input(
-    x: torch.Tensor, ws: Sequence[torch.Tensor], offs: torch.Tensor, recipe: Recipe, backend: Backend | None = None
-) -> list[torch.Tensor]:
+    x: torch.Tensor, ws: Sequence[torch.Tensor], offs: torch.Tensor, recipe: Recipe, backend: Backend | None = None,
+    w_casts: Sequence[tuple | None] | None = None,
+) -> list[torch.Tensor]:  # fmt: skip
     """``[mx_grouped_mm(x, w, offs, recipe, backend) for w in ws]`` (the experts' w1 and w3) with x cast once for
     all of them where the backend makes x's casts in forward (``grouped_input_casts``: x along K and, for the
     grad-weight GEMMs, along M in token groups, saved once for all). The same casts each GEMM makes on its own, so
@@ -144,4 +150,8 @@ def grouped_mm_on_one_input(
         with torch.no_grad():  # the casts carry no gradient: each GEMM's backward gives x its own
             x_casts = backend.grouped_input_casts(x, offs, recipe, any_grad_weight)
     grad_enabled = torch.is_grad_enabled()
-    return [_GroupedMMFunction.apply(x, w, offs, recipe, backend, grad_enabled, x_casts) for w in ws]
+    w_casts = w_casts or [None] * len(ws)
+    return [
+        _GroupedMMFunction.apply(x, w, offs, recipe, backend, grad_enabled, x_casts, casts)
+        for w, casts in zip(ws, w_casts, strict=True)
+    ]

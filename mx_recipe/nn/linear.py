@@ -17,6 +17,7 @@ gradients are bit-identical.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,17 +25,22 @@ from torch import nn
 from mx_recipe.formats.recipe import MXRecipe, NVFP4Recipe
 from mx_recipe.ops.backends import Backend, Recipe, default_backend
 
+if TYPE_CHECKING:
+    from mx_recipe.nn.weight_casts import WeightCasts
+
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: Recipe, backend: Backend, for_grad_weight: bool,
-                x_casts: tuple | None = None):  # fmt: skip
+                x_casts: tuple | None = None, w_casts: tuple | None = None):  # fmt: skip
         """``for_grad_weight``: the grad-weight GEMM will run, so forward may cast x for it. ``x_casts``: x's casts
-        made once for several linears (``linears_on_one_input``), used instead."""
+        made once for several linears (``linears_on_one_input``), used instead. ``w_casts``: w along K and along
+        N made once for the step (``mx_recipe.nn.weight_casts``)."""
         if x_casts is None:
             x_casts = backend.input_casts(x, recipe, for_grad_weight)
         x_k, x_m = x_casts
-        y = backend.forward(x, x_k, w, recipe)
+        w_k, ctx.w_n = w_casts or (None, None)  # w_n: a step's operand, not a tensor on every backend
+        y = backend.forward(x, x_k, w, recipe, w_k)
         saved, ctx.x_form = backend.save_input(x, x_m)
         ctx.recipe, ctx.backend, ctx.x_dtype = recipe, backend, x.dtype
         ctx.save_for_backward(w, *saved)
@@ -48,9 +54,9 @@ class _LinearFunction(torch.autograd.Function):
         g = g.contiguous()
         need_gx, need_gw = ctx.needs_input_grad[:2]
         g_n, g_m = backend.grad_casts(g, recipe, need_gx, need_gw)
-        gx = backend.grad_input(g, g_n, w, recipe).to(ctx.x_dtype) if need_gx else None
+        gx = backend.grad_input(g, g_n, w, recipe, ctx.w_n).to(ctx.x_dtype) if need_gx else None
         gw = backend.grad_weight(g, g_m, x, x_m, recipe).to(w.dtype) if need_gw else None
-        return gx, gw, None, None, None, None
+        return gx, gw, None, None, None, None, None
 
 
 def _backend_for(recipe: Recipe, backend: Backend | None, device: torch.device) -> Backend:
@@ -64,7 +70,7 @@ def _backend_for(recipe: Recipe, backend: Backend | None, device: torch.device) 
 
 
 def _apply(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe, backend: Backend,
-           x_casts: tuple | None = None) -> torch.Tensor:  # fmt: skip
+           x_casts: tuple | None = None, w_casts: tuple | None = None) -> torch.Tensor:  # fmt: skip
     n, k = w.shape
     # Cast x for grad weight in forward only when that gradient will be computed (not under no_grad, as in
     # evaluation, nor for a frozen weight).
@@ -72,18 +78,20 @@ def _apply(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: 
     if x_casts is not None and not for_grad_weight:
         x_casts = (x_casts[0], None)
     x2 = x.reshape(-1, k)
-    y = _LinearFunction.apply(x2, w, recipe, backend, for_grad_weight, x_casts).reshape(*x.shape[:-1], n)
+    y = _LinearFunction.apply(x2, w, recipe, backend, for_grad_weight, x_casts, w_casts).reshape(*x.shape[:-1], n)
     return y if bias is None else y + bias.to(y.dtype)
 
 
 def mx_linear(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe, backend: Backend | None = None
-) -> torch.Tensor:
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe, backend: Backend | None = None,
+    w_casts: tuple | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``F.linear`` with each of its three GEMMs as ``recipe`` says (MX or NVFP4). x: [..., K], w: [N, K].
-    ``backend``: from ``resolve_backend``; None resolves it for x's device (cached)."""
+    ``backend``: from ``resolve_backend``; None resolves it for x's device (cached). ``w_casts``: w's casts made
+    once for the step (``backend.weight_casts(w, recipe, x.dtype)``), None to cast here."""
     backend = _backend_for(recipe, backend, x.device)
     backend.check_weight(w, recipe)
-    return _apply(x, w, bias, recipe, backend)
+    return _apply(x, w, bias, recipe, backend, w_casts=w_casts)
 
 
 def linears_on_one_input(x: torch.Tensor, linears: Sequence[MXLinear]) -> list[torch.Tensor]:
@@ -104,7 +112,7 @@ def linears_on_one_input(x: torch.Tensor, linears: Sequence[MXLinear]) -> list[t
     any_grad_weight = torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in linears)
     with torch.no_grad():  # the casts carry no gradient: each linear's backward gives x its own
         x_casts = backend.input_casts(x.reshape(-1, x.shape[-1]), recipe, any_grad_weight, shared=True)
-    return [_apply(x, lin.weight, lin.bias, recipe, backend, x_casts) for lin in linears]
+    return [_apply(x, lin.weight, lin.bias, recipe, backend, x_casts, lin.step_weight_casts(x)) for lin in linears]
 
 
 class MXLinear(nn.Linear):
@@ -136,8 +144,15 @@ class MXLinear(nn.Linear):
         mx.train(linear.training)
         return mx
 
+    weight_casts: WeightCasts | None = None  # set for a step by mx_recipe.nn.weight_casts.weight_casts_once
+
+    def step_weight_casts(self, x: torch.Tensor) -> tuple | None:
+        """The step's casts of the weight, where made for x's dtype."""
+        casts = self.weight_casts
+        return None if casts is None or casts.dtype != x.dtype else casts.operands
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return mx_linear(x, self.weight, self.bias, self.recipe, self.backend)
+        return mx_linear(x, self.weight, self.bias, self.recipe, self.backend, self.step_weight_casts(x))
 
     @staticmethod
     def apply_to_shared_input(x: torch.Tensor, linears: Sequence[MXLinear]) -> list[torch.Tensor]:

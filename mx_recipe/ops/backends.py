@@ -40,8 +40,11 @@ class Backend(Protocol):
     def input_casts(self, x: torch.Tensor, recipe: Any, for_grad_weight: bool, shared: bool = False) -> tuple:
         """x along K (the forward GEMM's operand) and x along M (the grad-weight GEMM's) where forward makes it."""
 
-    def forward(self, x: torch.Tensor, x_k: Any, w: torch.Tensor, recipe: Any) -> torch.Tensor:
-        """y = x @ w.T."""
+    def weight_casts(self, w: torch.Tensor, recipe: Any, dtype: torch.dtype) -> tuple[Any, Any]:
+        """w along K (forward) and along N (grad input), made once for a step: ``mx_recipe.nn.weight_casts``."""
+
+    def forward(self, x: torch.Tensor, x_k: Any, w: torch.Tensor, recipe: Any, w_k: Any = None) -> torch.Tensor:
+        """y = x @ w.T; ``w_k``: w along K, made already."""
 
     def save_input(self, x: torch.Tensor, x_m: Any) -> tuple[Tensors, str]:
         """The tensors forward keeps of x for the grad-weight GEMM, and a tag for ``load_input``."""
@@ -52,8 +55,8 @@ class Backend(Protocol):
     def grad_casts(self, g: torch.Tensor, recipe: Any, need_gx: bool, need_gw: bool) -> tuple[Any, Any]:
         """g along N (grad input) and along M (grad weight), from one read of g."""
 
-    def grad_input(self, g: torch.Tensor, g_n: Any, w: torch.Tensor, recipe: Any) -> torch.Tensor:
-        """gx = g @ w."""
+    def grad_input(self, g: torch.Tensor, g_n: Any, w: torch.Tensor, recipe: Any, w_n: Any = None) -> torch.Tensor:
+        """gx = g @ w; ``w_n``: w along N, made already."""
 
     def grad_weight(self, g: torch.Tensor, g_m: Any, x: Any, x_m: Any, recipe: Any) -> torch.Tensor:
         """gw = g.T @ x."""
@@ -63,10 +66,10 @@ class Backend(Protocol):
 
     def grouped_forward(
         self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Any, for_grad_input: bool,
-        for_grad_weight: bool, x_casts: Any = None,
+        for_grad_weight: bool, x_casts: Any = None, w_casts: Any = None,
     ) -> tuple[torch.Tensor, Tensors]:  # fmt: skip
         """y = x_e @ w[e].T per token group (rows past the groups zero), and what backward keeps; ``x_casts``:
-        from ``grouped_input_casts``, shared by the GEMMs of one x."""
+        from ``grouped_input_casts``, shared by the GEMMs of one x; ``w_casts``: from ``weight_casts``."""
 
     def grouped_backward(
         self, g: torch.Tensor, saved: Tensors, recipe: Any, need_gx: bool, need_gw: bool

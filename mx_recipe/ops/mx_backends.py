@@ -115,11 +115,28 @@ class MXBackend:
             x_m = self.cast_saved(x, recipe.grad_weight, rule)
         return x_k, x_m
 
-    def forward(self, x: torch.Tensor, x_k: Operand | None, w: torch.Tensor, recipe: MXRecipe) -> torch.Tensor:
-        """y = x @ w.T: x along K (``x_k``), w along K."""
+    def weight_casts(
+        self, w: torch.Tensor, recipe: MXRecipe, dtype: torch.dtype
+    ) -> tuple[Operand | None, Operand | None]:
+        """A weight's casts for its GEMMs, made once for a step (``mx_recipe.nn.weight_casts``): w along K (the
+        forward GEMM's operand) and along N (grad input's), None for a GEMM in high precision; one read of w where
+        both are one format (2D on every backend, 3D experts on the emulated one). The casts each GEMM makes."""
+        fwd, grad_input, rule = recipe.forward, recipe.grad_input, recipe.scale_rule
+        if fwd != HIGH_PRECISION and fwd == grad_input and (w.dim() == 2 or self.name == "emulated"):
+            return self.cast_both(w, fwd, rule, dtype)
+        w_k = None if fwd == HIGH_PRECISION else self.cast_experts(w, fwd, rule, dtype)
+        w_n = None if grad_input == HIGH_PRECISION else self.cast_experts(w, grad_input, rule, dtype, along_rows=True)
+        return w_k, w_n
+
+    def forward(
+        self, x: torch.Tensor, x_k: Operand | None, w: torch.Tensor, recipe: MXRecipe, w_k: Operand | None = None
+    ) -> torch.Tensor:
+        """y = x @ w.T: x along K (``x_k``), w along K (``w_k`` where made already)."""
         if x_k is None:
             return torch.mm(x, w.to(x.dtype).t())
-        return self.mm(x_k, self.cast(w, recipe.forward, recipe.scale_rule, x.dtype), x.dtype)
+        if w_k is None:
+            w_k = self.cast(w, recipe.forward, recipe.scale_rule, x.dtype)
+        return self.mm(x_k, w_k, x.dtype)
 
     def save_input(self, x: torch.Tensor, x_m: Operand | None) -> tuple[tuple[torch.Tensor, ...], str]:
         """What forward keeps of x for backward, and its form: "x" itself, "operand" (x along M as the grad-weight
@@ -154,11 +171,14 @@ class MXBackend:
             return None, self.cast(g, recipe.grad, rule, dtype, along_rows=True, rounding=rounding)
         return None, None
 
-    def grad_input(self, g: torch.Tensor, g_n: Operand | None, w: torch.Tensor, recipe: MXRecipe) -> torch.Tensor:
-        """gx = g @ w: g along N (``g_n``), w along N."""
+    def grad_input(
+        self, g: torch.Tensor, g_n: Operand | None, w: torch.Tensor, recipe: MXRecipe, w_n: Operand | None = None
+    ) -> torch.Tensor:
+        """gx = g @ w: g along N (``g_n``), w along N (``w_n`` where made already)."""
         if recipe.grad_input == HIGH_PRECISION:
             return torch.mm(g, w.to(g.dtype))
-        w_n = self.cast(w, recipe.grad_input, recipe.scale_rule, g.dtype, along_rows=True)
+        if w_n is None:
+            w_n = self.cast(w, recipe.grad_input, recipe.scale_rule, g.dtype, along_rows=True)
         return self.mm(g_n, w_n, g.dtype)
 
     def grad_weight(
@@ -184,17 +204,20 @@ class MXBackend:
 
     def grouped_forward(
         self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: MXRecipe, for_grad_input: bool,
-        for_grad_weight: bool, x_casts: GroupedInputCasts | None = None,
+        for_grad_weight: bool, x_casts: GroupedInputCasts | None = None, w_casts: tuple | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:  # fmt: skip
         """y = x_e @ w[e].T per group (x along K, each w[e] along K) and what backward keeps: x (or x along M, from
         ``x_casts`` or ``grouped_input_casts``), w and, with ``fuse_expert_casts`` (emulated, where grad input
-        will run), each w[e] along N from the same read of w."""
+        will run), each w[e] along N from the same read of w. ``w_casts``: ``weight_casts(w)``, made already."""
         elem, rule, dtype = recipe.forward, recipe.scale_rule, x.dtype
-        w_n = x_k = x_m = None
+        x_k = x_m = None
+        w_n = w_casts[1] if w_casts is not None and for_grad_input else None
         if elem == HIGH_PRECISION:
             y = plain_grouped_mm(x, w.transpose(-2, -1), offs, dtype)
         else:
-            if for_grad_input and recipe.fuse_expert_casts and recipe.grad_input == elem and self.name == "emulated":
+            if w_casts is not None:
+                w_k = w_casts[0]
+            elif for_grad_input and recipe.fuse_expert_casts and recipe.grad_input == elem and self.name == "emulated":
                 w_k, w_n = self.cast_both(w, elem, rule, dtype)
             else:
                 w_k = self.cast_experts(w, elem, rule, dtype)

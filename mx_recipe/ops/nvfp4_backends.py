@@ -78,14 +78,18 @@ class NVFP4Backend:
     def shares_input_casts(self, recipe: NVFP4Recipe) -> bool:
         return True  # linears that read one input take the same casts of it: one read of x
 
-    def forward(self, x: torch.Tensor, x_k, w: torch.Tensor, recipe: NVFP4Recipe) -> torch.Tensor:
-        return self.mm(x_k, self.weight(w, True, recipe, x.dtype), x.dtype)
+    def weight_casts(self, w: torch.Tensor, recipe: NVFP4Recipe, dtype: torch.dtype) -> tuple:
+        """w along K and along N, made once for a step (``mx_recipe.nn.weight_casts``)."""
+        return self.weight(w, True, recipe, dtype), self.weight(w, False, recipe, dtype)
+
+    def forward(self, x: torch.Tensor, x_k, w: torch.Tensor, recipe: NVFP4Recipe, w_k=None) -> torch.Tensor:
+        return self.mm(x_k, self.weight(w, True, recipe, x.dtype) if w_k is None else w_k, x.dtype)
 
     def load_input(self, saved: tuple[torch.Tensor, ...], form: str, recipe: NVFP4Recipe, dtype: torch.dtype):
         return None, (self.load_saved(saved) if saved else None)
 
-    def grad_input(self, g: torch.Tensor, g_n, w: torch.Tensor, recipe: NVFP4Recipe) -> torch.Tensor:
-        return self.mm(g_n, self.weight(w, False, recipe, g.dtype), g.dtype)
+    def grad_input(self, g: torch.Tensor, g_n, w: torch.Tensor, recipe: NVFP4Recipe, w_n=None) -> torch.Tensor:
+        return self.mm(g_n, self.weight(w, False, recipe, g.dtype) if w_n is None else w_n, g.dtype)
 
     def grad_weight(self, g: torch.Tensor, g_m, x: torch.Tensor | None, x_m, recipe: NVFP4Recipe) -> torch.Tensor:
         return self.mm(g_m, x_m, g.dtype)
@@ -93,7 +97,7 @@ class NVFP4Backend:
     def grouped_input_casts(self, x: torch.Tensor, offs: torch.Tensor, recipe: NVFP4Recipe, for_grad_weight: bool):
         return None  # each grouped GEMM casts its x in forward, both orientations from one read
 
-    def grouped_forward(self, x, w, offs, recipe, for_grad_input, for_grad_weight, x_casts=None):
+    def grouped_forward(self, x, w, offs, recipe, for_grad_input, for_grad_weight, x_casts=None, w_casts=None):
         raise ValueError(f"NVFP4 backend {self.name!r} has no MoE grouped GEMM; use 'emulated'")
 
     grouped_backward = grouped_forward
@@ -148,31 +152,33 @@ class NVFP4EmulatedBackend(NVFP4Backend):
 
     def grouped_forward(
         self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: NVFP4Recipe, for_grad_input: bool,
-        for_grad_weight: bool, x_casts: None = None,
+        for_grad_weight: bool, x_casts: None = None, w_casts: tuple | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:  # fmt: skip
-        """x along K and, for grad weight, along M in the groups padded to 16 (one read); w in the recipe's blocks.
-        Saves x along M instead of x, and the padded layout for backward."""
+        """x along K and, for grad weight, along M in the groups padded to 16 (one read); w in the recipe's blocks
+        (``w_casts``: made for the step already). Saves x along M instead of x, and the padded layout for
+        backward (and w along N, where made already)."""
         dest, padded_offs, size = padded_group_layout(offs, x.shape[0], NVFP4_BLOCK)
         src = group_row_sources(dest, size)
         signs = signs_for(recipe, x.device) if for_grad_weight else None
         q = fake_quant_nvfp4_groups(x, offs, dest, src, along_m=for_grad_weight, signs=signs)
-        w_k = self.weight(w, True, recipe, x.dtype)
+        w_k = self.weight(w, True, recipe, x.dtype) if w_casts is None else w_casts[0]
+        w_n = w_casts[1] if w_casts is not None and for_grad_input else ScaledOperand(None, None)
         y = self.grouped_mm(ScaledOperand(q.along_k, q.s_dec_k), w_k._replace(values=w_k.values.transpose(-2, -1)),
                             offs, x.dtype)  # fmt: skip
         x_m = (q.along_m, q.s_dec_m) if for_grad_weight else (None, None)
-        return zero_rows_past_groups(y, offs), (w, offs, dest, src, padded_offs, *x_m)
+        return zero_rows_past_groups(y, offs), (w, offs, dest, src, padded_offs, *x_m, *w_n)
 
     def grouped_backward(
         self, g: torch.Tensor, saved: tuple[torch.Tensor | None, ...], recipe: NVFP4Recipe, need_gx: bool,
         need_gw: bool,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-        w, offs, dest, src, padded_offs, x_along_m, s_x = saved
+        w, offs, dest, src, padded_offs, x_along_m, s_x, w_n_values, w_n_s_dec = saved
         dtype = g.dtype
         signs = signs_for(recipe, g.device) if need_gw else None
         q = fake_quant_nvfp4_groups(g, offs, dest, src, need_gx, need_gw, signs, recipe.grad_rounding)
         gx = gw = None
         if need_gx:
-            w_n = self.weight(w, False, recipe, dtype)
+            w_n = self.weight(w, False, recipe, dtype) if w_n_values is None else ScaledOperand(w_n_values, w_n_s_dec)
             w_n = w_n._replace(values=w_n.values.transpose(-2, -1))  # [E, N, K]: g_e [M, N] @ w[e]
             gx = zero_rows_past_groups(self.grouped_mm(ScaledOperand(q.along_k, q.s_dec_k), w_n, offs, dtype), offs)
         if need_gw:  # the padded groups: zero rows add nothing to the sums

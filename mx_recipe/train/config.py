@@ -41,6 +41,7 @@ AC_MODES = ("none", "selective", "full")
 # torch.compile modes; "reduce-overhead" is refused by validate (training.cuda_graph captures the whole step)
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("auto", "on", "off")
+CAST_ONCE_MODES = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
@@ -83,6 +84,7 @@ class TrainingConfig:
     compute_dtype: str = "auto"  # auto (bf16 on CUDA and on CPUs with native bf16 matmul, else fp32), bf16, fp32
     cuda_graph: str = "auto"  # capture forward+backward in a CUDA graph: auto (on CUDA without FSDP2), on, off
     fused_adamw: bool = True  # AdamW as torch's fused kernels (false: its foreach AdamW; same state, other rounding)
+    cast_weights_once: str = "auto"  # MX weight casts made once a step: auto (where reused, unsharded), on, off
 
 
 @dataclass
@@ -448,6 +450,11 @@ def validate(config: Config) -> None:
         fail("data.validation_fraction", f"must be in [0, 1), got {config.data.validation_fraction}")
     if t.cuda_graph not in CUDA_GRAPH_MODES:
         fail("training.cuda_graph", f"unknown mode {t.cuda_graph!r}; known: {', '.join(CUDA_GRAPH_MODES)}")
+    if t.cast_weights_once not in CAST_ONCE_MODES:
+        fail(
+            "training.cast_weights_once",
+            f"unknown mode {t.cast_weights_once!r}; known: {', '.join(CAST_ONCE_MODES)}",
+        )
     if config.compile.mode == "reduce-overhead":
         fail(
             "compile.mode",

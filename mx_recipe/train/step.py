@@ -23,6 +23,7 @@ as the eager draws would. Nothing in the step may copy from the host (the NVFP4 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -31,22 +32,25 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from mx_recipe.nn.weight_casts import weight_casts_once
 from mx_recipe.train.mixed_precision import MixedPrecisionModule, compute_weights
 
 Microbatches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def forward_backward(
-    model: nn.Module, microbatches: Microbatches, device: torch.device, inject_nan: bool = False
-) -> torch.Tensor:
+    model: nn.Module, microbatches: Microbatches, device: torch.device, inject_nan: bool = False,
+    cast_weights_once: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """Forward and backward over one step's microbatches; returns their mean loss (fp32, detached).
 
     Each microbatch's loss is scaled by 1/n, so the accumulated gradient is that of the mean over
-    all of them. FSDP reduce-scatters the gradients once, after the last microbatch.
+    all of them. FSDP reduce-scatters the gradients once, after the last microbatch. ``cast_weights_once``: the
+    MX weights' casts are made once for all microbatches and recomputes (``mx_recipe.nn.weight_casts``).
     """
     n = len(microbatches)
     total = torch.zeros((), device=device)
-    with compute_weights(model):
+    with compute_weights(model), weight_casts_once(model) if cast_weights_once else contextlib.nullcontext():
         for i, (inputs, targets) in enumerate(microbatches):
             if isinstance(model, FSDPModule):
                 model.set_requires_gradient_sync(i == n - 1)
@@ -91,18 +95,19 @@ class TrainStep:
         max_norm: float,
         cuda_graph: bool = False,
         warmup: int = 2,
+        cast_weights_once: bool = False,
     ):
         if cuda_graph and (reason := can_capture(model, device)) is not None:
             raise ValueError(f"cannot capture the training step in a CUDA graph: {reason}")
         self.model, self.optimizer, self.device, self.max_norm = model, optimizer, device, max_norm
-        self.cuda_graph, self.warmup = cuda_graph, warmup
+        self.cuda_graph, self.warmup, self.cast_weights_once = cuda_graph, warmup, cast_weights_once
         self.eager_steps = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static: Microbatches = []
         self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _eager(self, microbatches: Microbatches, inject_nan: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        loss = forward_backward(self.model, microbatches, self.device, inject_nan)
+        loss = forward_backward(self.model, microbatches, self.device, inject_nan, self.cast_weights_once)
         return loss, clip_grad_norm(self.model, self.max_norm)
 
     def __call__(self, microbatches: Microbatches, inject_nan: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -228,6 +228,22 @@ def uses_fsdp(config: Config, info: DistInfo) -> bool:
     return info.world_size > config.parallel.dp_replicate or config.parallel.fsdp_on_one_device
 
 
+def uses_cast_weights_once(config: Config, info: DistInfo) -> bool:
+    """training.cast_weights_once: "on" (a SetupError under FSDP2 sharding, naming why), "off", or "auto": on for
+    an MX run whose step reuses its weights' casts (gradient accumulation, activation checkpointing) and whose
+    ranks hold the whole model (``mx_recipe.nn.weight_casts``)."""
+    mode = config.training.cast_weights_once
+    if mode == "on" and uses_fsdp(config, info):
+        raise SetupError(
+            "training.cast_weights_once is on, but the run shards the model through FSDP2: its unsharded weights "
+            "exist only inside each block's forward and backward, and their casts kept for the step would hold "
+            "every layer unsharded; set it to auto or off"
+        )
+    reuse = config.training.gradient_accumulation_steps > 1 or config.activation_checkpoint.mode != "none"
+    mx = config.mx.recipe != "none"
+    return mode == "on" or (mode == "auto" and mx and reuse and not uses_fsdp(config, info))
+
+
 def step_setup(config: Config, info: DistInfo, mesh, cuda_graph: bool) -> str:
     """How a step runs, for the start-up line and the benchmarks: sharding, optimizer, CUDA graph, AC, compile."""
     graph = "on" if cuda_graph else "off"
@@ -236,9 +252,12 @@ def step_setup(config: Config, info: DistInfo, mesh, cuda_graph: bool) -> str:
     else:
         sharding = "unsharded" if info.world_size == 1 else f"replicated on {info.world_size} ranks (all-reduce)"
     compiled = f"on ({config.compile.mode})" if config.compile.enable else "off"
+    once = (
+        ", MX weights cast once a step" if config.mx.recipe != "none" and uses_cast_weights_once(config, info) else ""
+    )
     return (
         f"{sharding}, AdamW {'fused' if config.training.fused_adamw else 'foreach'}, CUDA graph {graph}, "
-        f"activation checkpointing {config.activation_checkpoint.mode}, compile {compiled}"
+        f"activation checkpointing {config.activation_checkpoint.mode}, compile {compiled}{once}"
     )
 
 
@@ -494,7 +513,8 @@ def _train(config: Config, info: DistInfo, lock: RunLock, signals: StopSignals) 
     global_batch = t.local_batch_size * info.world_size * t.gradient_accumulation_steps
     optimizer = build_optimizer(model, t)
     cuda_graph = uses_cuda_graph(config, model, info)
-    train_step = TrainStep(model, optimizer, info.device, t.max_norm, cuda_graph=cuda_graph)
+    once = uses_cast_weights_once(config, info)
+    train_step = TrainStep(model, optimizer, info.device, t.max_norm, cuda_graph=cuda_graph, cast_weights_once=once)
     log(
         f"model {config.model.name} {config.model.flavor}: {num_params / 1e6:.1f}M parameters, "
         f"mx recipe {config.mx.recipe}, compute dtype {dtype}{' (auto)' if asked == 'auto' else ''}, "
