@@ -185,3 +185,16 @@ def test_the_mx_all_gather_on_one_process_is_a_setup_error(tmp_path):
     code, out, err = run_in_process(["--config", "debug_mxfp8", *ARGS, "--parallel.mx_all_gather", "on",
                                      "--job.output_dir", str(tmp_path)])  # fmt: skip
     assert code == 2 and "parallel.mx_all_gather is on, but the world size: FSDP2 gathers nothing" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("config", ["debug_mxfp8", "debug_moe_mxfp8"])
+def test_mx_all_gather_on_two_gpus_gives_the_bf16_all_gather_losses(tmp_path, config):
+    """NCCL, the GPU casts of the shards: the same loss at every step, deterministic algorithms on."""
+    losses = {}
+    for mode in ("on", "off"):
+        _torchrun(tmp_path / mode, "--config", config, "--parallel.mx_all_gather", mode, "--training.steps", "6",
+                  "--training.deterministic", "true")  # fmt: skip
+        losses[mode] = last_losses(tmp_path / mode)
+    assert losses["on"] == losses["off"] and len(losses["on"]) == 6
