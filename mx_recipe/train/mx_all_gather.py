@@ -26,13 +26,16 @@ largest |q| lies in [2**emax, max_normal], so the block's scale comes out e agai
 [max_normal / 2, max_normal], so the scale is e or e - 1, and the grid is closed under doubling up to
 max_normal, so either scale gives back every value. A scale clamped at -127 stays -127; zeros, -0, NaN blocks
 and saturated infinities (scale 127) come back as they were; where bf16 rounded a product below its normal
-range (e4m3 subnormals at scales near -127), the rounded value is on the grid too. tests/test_mx_all_gather.py
-checks this on every bf16 bit pattern. So the layers read the gathered weight as they read a bf16 one.
+range (e4m3 subnormals at scales near -127), the rounded value is on the grid too. The one exception, far from
+any weight: under rceil a block whose amax exceeds 448 * 2**119 (2.98e38) fake-quantizes to infinity already
+(2**120 times 448 overflows). tests/test_mx_all_gather.py checks this on every bf16 bit pattern. So the layers
+read the gathered weight as they read a bf16 one.
 
 Where it does not apply, and why (the config error or the log says so):
 
 * a forward gather reused in backward: a block that does not reshard after forward (the last block, the root,
-  ``parallel.reshard_after_forward = false``) holds w along K where grad input needs w along N;
+  ``parallel.reshard_after_forward = false``) holds w along K where grad input needs w along N (likewise a
+  block kept unsharded after backward would hold w along N for the next forward: FSDP2's default reshards);
 * activation checkpointing: the recomputed forward runs in backward, on w gathered along N;
 * ``fuse_expert_casts``: forward would derive w along N from the gathered w along K;
 * recipes whose forward and grad-input formats differ or are bf16 (the two gathers must have the same bytes);
