@@ -197,6 +197,8 @@ def _weight_problem(fsdp_param, group, root: bool, recipe: MXRecipe) -> str | No
         return "the root module"
     if group.post_forward_mesh_info is None or group.post_forward_mesh_info != group.mesh_info:
         return "its block does not reshard after forward (backward reuses forward's gather)"
+    if not getattr(group, "reshard_after_backward", True):
+        return "its block does not reshard after backward (the next forward would reuse backward's gather)"
     if fsdp_param.fsdp_placement.dim != 0 or getattr(fsdp_param, "offload_to_cpu", False):
         return "sharded on another dim or offloaded"
     shape, ranks = tuple(fsdp_param._orig_size), group.mesh_info.shard_mesh_size
