@@ -1,7 +1,10 @@
-"""Training steps of one config in bf16 and in each MX recipe, on one device, timed in interleaved rounds.
+"""Training steps of one config in bf16 and in each MX recipe, timed in interleaved rounds, on one device or,
+under torchrun, on several through FSDP2.
 
     python benchmarks/bench_train.py --config llama1b_bf16 --recipes mxfp8 [--layers N] [--steps 10]
         [--warmup 3] [--rounds 3] [--out FILE] [--section.key value ...]
+    torchrun --nproc_per_node=2 benchmarks/bench_train.py --config moe_bf16 --recipes mxfp8 --all-gather both
+        [--skip-bf16] ...
 
 Every variant is the config as train.py builds and steps it (conversion, activation checkpointing, compile
 per block, unsharded mixed precision, CUDA graph, clipping and fused AdamW as the config says), with
@@ -9,6 +12,10 @@ per block, unsharded mixed precision, CUDA graph, clipping and fused AdamW as th
 large flavor on one GPU). All variants are resident at once and train on the same pre-drawn batches: after
 ``--warmup`` steps each (compilation, the CUDA graph's capture), every round runs ``--steps`` steps of each
 variant in turn, so that a drift of the clock lands on all of them.
+``--all-gather both`` times each MX recipe twice, with FSDP2's bf16 all-gather and with the MX all-gather
+(``parallel.mx_all_gather``), and prints the bytes each all-gather moves; ``--skip-bf16`` leaves out the bf16
+variant (the ratios are then to the first variant). Under torchrun, tokens/s are the sum over the ranks and the
+memory is rank 0's.
 Printed per variant: median tokens/s over the rounds, MFU, the peak memory of its steps (the other
 variants' weights and optimizer state included) and the ratio to bf16, with the device name; ``--out``
 writes JSON with provenance for docs/results/.
@@ -56,6 +63,7 @@ class Variant:
     """One recipe's model and optimizer, and what its rounds measured."""
 
     recipe: str
+    name: str  # the recipe, and which all-gather where --all-gather both
     model: torch.nn.Module
     step: TrainStep
     flops_per_token: float
@@ -75,15 +83,24 @@ def with_layers(dims, layers: int | None):
     return dataclasses.replace(dims, n_layers=layers)
 
 
-def build_variant(config, recipe: str, dims, info, mesh) -> Variant:
+def build_variant(config, recipe: str, all_gather: str | None, dims, info, mesh, log) -> Variant:
+    """``recipe``'s variant of ``config``; ``all_gather``: its parallel.mx_all_gather (None: the config's)."""
     config = dataclasses.replace(config, mx=dataclasses.replace(config.mx, recipe=recipe))
-    model = build_training_model(config, dims, info, mesh, log=lambda *a: None)
+    if all_gather is not None:
+        config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, mx_all_gather=all_gather))
+    name = "bf16" if recipe == "none" else recipe
+    reports = []
+    model = build_training_model(config, dims, info, mesh, log=reports.append)
+    if all_gather is not None:
+        name += " MX all-gather" if all_gather == "on" else " bf16 all-gather"
+    for line in reports[-1:] if reports and reports[-1].startswith("all-gather bytes") else []:
+        log(f"{name}: {line}")
     t = config.training
     step = TrainStep(
         model, build_optimizer(model, t), info.device, t.max_norm, uses_cuda_graph(config, model, info),
         cast_weights_once=uses_cast_weights_once(config, info),
     )  # fmt: skip
-    return Variant(recipe, model, step, flops_per_token(dims, model, t.seq_len))
+    return Variant(recipe, name, model, step, flops_per_token(dims, model, t.seq_len))
 
 
 def synchronize(device: torch.device) -> None:
@@ -105,7 +122,7 @@ def run_steps(v: Variant, batches: list, device: torch.device) -> float:
         update_expert_biases(v.model)
         v.step.zero_grad()
         if not finite:
-            raise SystemExit(f"{v.recipe}: the loss is {loss.item()}")
+            raise SystemExit(f"{v.name}: the loss is {loss.item()}")
     synchronize(device)
     elapsed = time.perf_counter() - start
     v.losses.append(loss.item())
@@ -144,7 +161,7 @@ def profile_steps(v: Variant, batches: list, device: torch.device) -> dict[str, 
 def print_profiles(variants: list[Variant]) -> None:
     kinds = list(variants[0].profile)
     print("\nms per step by kernel kind (torch.profiler):")
-    print(f"{'':>18}" + "".join(f"{v.recipe if v.recipe != 'none' else 'bf16':>12}" for v in variants))
+    print(f"{'':>18}" + "".join(f"{v.name:>12}" for v in variants))
     for kind in kinds:
         print(f"{kind:>18}" + "".join(f"{v.profile[kind]:>12.1f}" for v in variants))
     print(f"{'step':>18}" + "".join(f"{sum(v.profile.values()):>12.1f}" for v in variants))
@@ -160,6 +177,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=output_file, help="write the rows as JSON here, with provenance")
     parser.add_argument("--profile", action="store_true", help="then profile 2 steps of each variant")
+    parser.add_argument(
+        "--all-gather", choices=["config", "both"], default="config",
+        help="both: each MX recipe with the bf16 and with the MX all-gather (FSDP2, under torchrun)",
+    )  # fmt: skip
+    parser.add_argument("--skip-bf16", action="store_true", help="time the MX recipes only")
     args, rest = parser.parse_known_args()
     if min(args.steps, args.rounds) < 1 or args.warmup < 0:
         parser.error("--steps and --rounds must be >= 1 and --warmup >= 0")
@@ -173,8 +195,7 @@ def main() -> int:
         return 2
 
     info = init_distributed()
-    if info.world_size != 1:
-        raise SystemExit("bench_train.py times one device: run it with python, not torchrun")
+    log = print if info.is_main else (lambda *a, **k: None)
     if args.profile and info.device.type != "cuda":
         raise SystemExit("--profile breaks GPU kernel time down: it needs a CUDA device")
     try:
@@ -186,20 +207,27 @@ def main() -> int:
         except ValueError as e:
             parser.error(str(e))
         mesh = build_mesh(info, config.parallel.dp_replicate)
+        plan = [] if args.skip_bf16 else [("none", None)]
+        for r in args.recipes:
+            plan += [(r, "off"), (r, "on")] if args.all_gather == "both" else [(r, None)]
         try:
-            variants = [build_variant(config, r, dims, info, mesh) for r in ["none", *args.recipes]]
+            variants = [build_variant(config, r, ag, dims, info, mesh, log) for r, ag in plan]
         except TrainingError as e:  # a backend this device cannot run, a skip pattern that matches nothing
             print(f"error: {e}", file=sys.stderr)
             return e.exit_code
         steps = max(args.steps, args.warmup, 2)
         batches = [[data.train.next_batch() for _ in range(t.gradient_accumulation_steps)] for _ in range(steps)]
-        tokens = args.steps * t.gradient_accumulation_steps * t.local_batch_size * t.seq_len
+        tokens = args.steps * t.gradient_accumulation_steps * t.local_batch_size * t.seq_len * info.world_size
         device_name = torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu"
-        print(
-            f"device: {device_name}, torch {torch.__version__}, {config.model.name} {config.model.flavor} "
-            f"({dims.n_layers} blocks), {t.local_batch_size} x {t.seq_len} tokens x {t.gradient_accumulation_steps} "
-            f"microbatches a step, {step_setup(config, info, mesh, variants[0].step.cuda_graph)}"
+        devices = device_name if info.world_size == 1 else f"{info.world_size} x {device_name}"
+        log(
+            f"device: {devices}, torch {torch.__version__}, {config.model.name} "
+            f"{config.model.flavor} ({dims.n_layers} blocks), {t.local_batch_size} x {t.seq_len} tokens x "
+            f"{t.gradient_accumulation_steps} microbatches a step per rank, "
+            f"{step_setup(config, info, mesh, variants[0].step.cuda_graph, variants[0].model)}"
         )
+        for v in variants[1:]:
+            log(f"{v.name}: {step_setup(config, info, mesh, v.step.cuda_graph, v.model)}")
         for v in variants:
             run_steps(v, batches[: args.warmup], info.device)
         for _ in range(args.rounds):
@@ -209,35 +237,40 @@ def main() -> int:
                 v.tokens_per_sec.append(tokens / run_steps(v, batches[: args.steps], info.device))
                 if info.device.type == "cuda":
                     v.peak_gib = max(v.peak_gib or 0.0, torch.cuda.max_memory_allocated(info.device) / 2**30)
-        rows = report(variants, device_peak_flops(info.device))
+        peak = device_peak_flops(info.device)
+        rows = report(variants, None if peak is None else peak * info.world_size, log)
         if args.profile:
             for v, row in zip(variants, rows, strict=True):
                 v.profile = row["profile_ms_per_step"] = profile_steps(v, batches[:2], info.device)
-            print_profiles(variants)
+            if info.is_main:
+                print_profiles(variants)
     finally:
         destroy_distributed(barrier=False)
-    if args.out:
-        meta = run_meta(config=args.config, layers=dims.n_layers, steps=args.steps, rounds=args.rounds)
+    if args.out and info.is_main:
+        meta = run_meta(
+            config=args.config, layers=dims.n_layers, steps=args.steps, rounds=args.rounds, world_size=info.world_size
+        )
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0
 
 
-def report(variants: list[Variant], peak_flops: float | None) -> list[dict]:
-    """Print one line per variant and return them as rows (the first variant is bf16)."""
+def report(variants: list[Variant], peak_flops: float | None, log=print) -> list[dict]:
+    """Print one line per variant and return them as rows (the ratios are to the first variant, bf16 unless
+    --skip-bf16). ``peak_flops``: of all ranks together."""
     base = statistics.median(variants[0].tokens_per_sec)
     rows = []
     for v in variants:
         tps = statistics.median(v.tokens_per_sec)
         spread = (max(v.tokens_per_sec) - min(v.tokens_per_sec)) / tps
         mfu = None if peak_flops is None else 100 * tps * v.flops_per_token / peak_flops
-        name = "bf16" if v.recipe == "none" else v.recipe
+        name = v.name
         row = dict(recipe=name, tokens_per_sec=tps, ratio=tps / base, mfu=mfu, peak_gib=v.peak_gib)
         rows.append(row | dict(rounds_spread=spread, last_loss=v.losses[-1]))
         mfu_text = "n/a" if mfu is None else f"{mfu:.1f}%"
         peak = "n/a" if v.peak_gib is None else f"{v.peak_gib:.2f} GiB"
-        print(
-            f"{name:>16}: {tps:>10,.0f} tokens/s  {tps / base:.3f}x bf16  MFU {mfu_text:>6}  "
+        log(
+            f"{name:>22}: {tps:>10,.0f} tokens/s  {tps / base:.3f}x {variants[0].name}  MFU {mfu_text:>6}  "
             f"peak {peak:>10}  rounds spread {spread:.1%}  last loss {v.losses[-1]:.4f}"
         )
     return rows

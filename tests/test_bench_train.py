@@ -2,6 +2,7 @@
 result file holds one row per recipe with bf16 first (its timings only mean something on a GPU)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -30,6 +31,25 @@ def test_bf16_and_mx_rows_from_one_run(tmp_path):
     assert data["meta"]["layers"] == 4
 
 
+def test_two_processes_time_the_bf16_and_the_mx_all_gather(tmp_path):
+    """Under torchrun (FSDP2 over gloo), --all-gather both times the recipe with each all-gather: the same losses,
+    and the log says which all-gather each variant runs and the bytes it moves."""
+    out = tmp_path / "train.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(BENCHMARKS / "bench_train.py"), "--config", "debug_moe_bf16", "--recipes", "mxfp8", "--skip-bf16"]
+    cmd += ["--all-gather", "both", "--steps", "1", "--warmup", "1", "--rounds", "1", "--out", str(out)]
+    cmd += ["--training.seq_len", "64", "--training.local_batch_size", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "device: 2 x cpu" in done.stdout and "FSDP2 mesh (2,), all-gather bf16" in done.stdout
+    assert "mxfp8 MX all-gather: FSDP2 mesh (2,), MX all-gather for" in done.stdout
+    assert "mxfp8 MX all-gather: all-gather bytes: layers.1" in done.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["recipe"] for r in rows] == ["mxfp8 bf16 all-gather", "mxfp8 MX all-gather"]
+    assert rows[0]["last_loss"] == rows[1]["last_loss"]
+
+
 def test_layers_keeps_the_first_blocks_and_refuses_more_than_the_flavor_has():
     bench = load_benchmark("bench_train")
     from mx_recipe.models import model_args
@@ -46,7 +66,7 @@ def test_no_warmup_steps_run_nothing():
 
     model = torch.nn.Linear(2, 2)
     step = TrainStep(model, torch.optim.AdamW(model.parameters()), torch.device("cpu"), max_norm=1.0)
-    v = bench.Variant("none", model, step, 1.0)
+    v = bench.Variant("none", "bf16", model, step, 1.0)
     assert bench.run_steps(v, [], torch.device("cpu")) == 0.0 and v.losses == []
 
 

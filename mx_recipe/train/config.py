@@ -160,6 +160,7 @@ class ParallelConfig:
     reshard_after_forward: bool = True  # FSDP2: free the gathered weights after forward (less memory)
     dp_replicate: int = 1  # HSDP: replicate x shard mesh; 1 is plain FSDP
     fsdp_on_one_device: bool = False  # FSDP2 also where a shard group is one rank (false: whole model, no FSDP2 copies)
+    mx_all_gather: str = "auto"  # FSDP2 gathers MX weights as MX (e4m3/e2m1 + e8m0), not bf16: auto (off), on, off
 
 
 @dataclass
@@ -448,6 +449,7 @@ def validate(config: Config) -> None:
             fail(key, f"must be >= 0, got {value}")
     if not 0.0 <= config.data.validation_fraction < 1.0:
         fail("data.validation_fraction", f"must be in [0, 1), got {config.data.validation_fraction}")
+    _check_mx_all_gather(config, fail)
     if t.cuda_graph not in CUDA_GRAPH_MODES:
         fail("training.cuda_graph", f"unknown mode {t.cuda_graph!r}; known: {', '.join(CUDA_GRAPH_MODES)}")
     if t.cast_weights_once not in CAST_ONCE_MODES:
@@ -484,6 +486,22 @@ def validate(config: Config) -> None:
     for problem in (check_data_config(config.data), check_metrics_config(config.metrics)):
         if problem is not None:
             fail(*problem)
+
+
+def _check_mx_all_gather(config: Config, fail) -> None:
+    """parallel.mx_all_gather: a known mode, and "on" only where the config allows it (mx_all_gather.py says why)."""
+    from mx_recipe.train.mx_all_gather import MODES, config_problem
+
+    mode = config.parallel.mx_all_gather
+    if mode not in MODES:
+        fail("parallel.mx_all_gather", f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+    if mode != "on":
+        return
+    recipe = build_mx_recipe(config.mx, config.job.seed)
+    problem = config_problem(recipe, config.activation_checkpoint.mode, config.parallel.reshard_after_forward)
+    if problem is not None:
+        key, why = problem
+        fail("parallel.mx_all_gather", f"is on, but {key}: {why}")
 
 
 def _mx_options(mx: MXConfig) -> dict[str, Any]:

@@ -50,6 +50,13 @@ from mx_recipe.train.faults import fault_hooks
 from mx_recipe.train.lock import RunLock
 from mx_recipe.train.metrics import MetricsLogger, peak_memory_gib
 from mx_recipe.train.mixed_precision import compute_weights
+from mx_recipe.train.mx_all_gather import (
+    AUTO_ON,
+    apply_mx_all_gather,
+    config_problem,
+    describe_all_gather,
+    format_gather_report,
+)
 from mx_recipe.train.parallel import (
     COMPUTE_DTYPES,
     DistInfo,
@@ -244,11 +251,15 @@ def uses_cast_weights_once(config: Config, info: DistInfo) -> bool:
     return mode == "on" or (mode == "auto" and mx and reuse and not uses_fsdp(config, info))
 
 
-def step_setup(config: Config, info: DistInfo, mesh, cuda_graph: bool) -> str:
-    """How a step runs, for the start-up line and the benchmarks: sharding, optimizer, CUDA graph, AC, compile."""
+def step_setup(config: Config, info: DistInfo, mesh, cuda_graph: bool, model: torch.nn.Module | None = None) -> str:
+    """How a step runs, for the start-up line and the benchmarks: sharding (and, given the FSDP2 ``model``, its
+    all-gather), optimizer, CUDA graph, AC, compile."""
     graph = "on" if cuda_graph else "off"
     if uses_fsdp(config, info):
         sharding = f"FSDP2 mesh {tuple(mesh.shape)}"
+        if model is not None:
+            dtype = resolve_compute_dtype(config.training.compute_dtype, info.device)
+            sharding += f", {describe_all_gather(model, dtype)}"
     else:
         sharding = "unsharded" if info.world_size == 1 else f"replicated on {info.world_size} ranks (all-reduce)"
     compiled = f"on ({config.compile.mode})" if config.compile.enable else "off"
@@ -294,10 +305,32 @@ def build_training_model(config: Config, args, info: DistInfo, mesh, log) -> tor
         apply_compile(model, config.compile.mode)
     seed_everything(config.job.seed)  # the same initial weights on every world size
     dtype = COMPUTE_DTYPES[resolve_compute_dtype(config.training.compute_dtype, info.device)]
+    recipe = build_mx_recipe(config.mx, seed=config.job.seed)
+    mx_all_gather = _mx_all_gather_on(config, recipe, model, info, mesh)
     if not uses_fsdp(config, info):
         return materialize_unsharded(model, info, dtype)
     materialize_and_shard(model, info, mesh, dtype, reshard_after_forward=config.parallel.reshard_after_forward)
+    gathers = apply_mx_all_gather(model, recipe, mx_all_gather)
+    if mx_all_gather:
+        log(format_gather_report(gathers))
     return model
+
+
+def _mx_all_gather_on(config: Config, recipe, model: torch.nn.Module, info: DistInfo, mesh) -> bool:
+    """parallel.mx_all_gather resolved for this run: "on" where the config allows it (validate checked) and FSDP2
+    has several ranks to gather from, a SetupError where it has not; "auto" is AUTO_ON where everything allows it."""
+    mode = config.parallel.mx_all_gather
+    if mode == "off" or (mode == "auto" and not AUTO_ON):
+        return False
+    problem = config_problem(recipe, config.activation_checkpoint.mode, config.parallel.reshard_after_forward)
+    if problem is None and (not uses_fsdp(config, info) or mesh.shape[-1] == 1):
+        problem = ("the world size", "FSDP2 gathers nothing where a shard group is one rank")
+    emulated = any(getattr(getattr(m, "backend", None), "name", "") == "emulated" for m in model.modules())
+    if problem is None and not emulated:
+        problem = ("mx.backend", "the MX all-gather serves the emulated GEMM backend only")
+    if problem is not None and mode == "on":
+        raise SetupError(f"parallel.mx_all_gather is on, but {problem[0]}: {problem[1]}")
+    return problem is None
 
 
 def _check_skip_patterns(model: torch.nn.Module, config: Config) -> None:
@@ -519,7 +552,7 @@ def _train(config: Config, info: DistInfo, lock: RunLock, signals: StopSignals) 
         f"model {config.model.name} {config.model.flavor}: {num_params / 1e6:.1f}M parameters, "
         f"mx recipe {config.mx.recipe}, compute dtype {dtype}{' (auto)' if asked == 'auto' else ''}, "
         f"{info.world_size} x {info.device.type}, global batch {global_batch} x {t.seq_len} tokens, "
-        + step_setup(config, info, mesh, cuda_graph)
+        + step_setup(config, info, mesh, cuda_graph, model)
     )
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(
