@@ -165,7 +165,6 @@ def test_checkpoints_move_between_mx_and_bf16_all_gather(tmp_path):
     [
         ([("mx.recipe", "none")], "is on, but mx.recipe: the MX all-gather needs an MX recipe, got no MX recipe"),
         ([("mx.recipe", "nvfp4")], "NVFP4 recipe 'nvfp4' (its per-tensor scale)"),
-        ([("mx.fuse_expert_casts", "true")], "turn fuse_expert_casts off"),
         ([("activation_checkpoint.mode", "full")], "is on, but activation_checkpoint.mode: 'full' recomputes"),
         ([("parallel.reshard_after_forward", "false")], "is on, but parallel.reshard_after_forward: false keeps"),
     ],

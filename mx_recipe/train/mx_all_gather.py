@@ -37,7 +37,8 @@ Where it does not apply, and why (the config error or the log says so):
   ``parallel.reshard_after_forward = false``) holds w along K where grad input needs w along N (likewise a
   block kept unsharded after backward would hold w along N for the next forward: FSDP2's default reshards);
 * activation checkpointing: the recomputed forward runs in backward, on w gathered along N;
-* ``fuse_expert_casts``: forward would derive w along N from the gathered w along K;
+* ``fuse_expert_casts`` is turned off on the expert groups it gathers: forward would derive w along N from the
+  gathered w along K (their w along N comes from backward's gather instead);
 * recipes whose forward and grad-input formats differ or are bf16 (the two gathers must have the same bytes);
 * NVFP4 recipes: the per-tensor scale needs the amax of the whole weight, a reduction across the shards;
 * GEMM backends other than the emulated one (cublas, triton): they cast the weight themselves; by the same
@@ -46,6 +47,7 @@ Where it does not apply, and why (the config error or the log says so):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -76,8 +78,6 @@ def config_problem(recipe: object, ac_mode: str, reshard_after_forward: bool) ->
             f"the MX all-gather needs forward == grad_input in an MX format, got {recipe.forward!r} and "
             f"{recipe.grad_input!r}"
         )
-    if recipe.fuse_expert_casts:
-        return "mx.fuse_expert_casts", "the MX all-gather gathers w along N for backward: turn fuse_expert_casts off"
     if ac_mode != "none":
         return "activation_checkpoint.mode", (
             f"{ac_mode!r} recomputes the forward in backward, where the MX all-gather holds w along N only: "
@@ -232,6 +232,9 @@ def apply_mx_all_gather(model: nn.Module, recipe: MXRecipe | None, on: bool) -> 
                     local.fsdp_pre_all_gather = gather.fsdp_pre_all_gather
                     local.fsdp_post_all_gather = gather.fsdp_post_all_gather
                     fsdp_param._init_extensions()  # FSDP2 looks for the extension once, in fully_shard
+                    owner = fsdp_param._module_info.module
+                    if isinstance(owner, MXGroupedExperts) and owner.recipe.fuse_expert_casts:
+                        owner.recipe = dataclasses.replace(owner.recipe, fuse_expert_casts=False)
                     gathered = numel * (4 if recipe.forward == "e2m1" else 8) // 8 + numel // BLOCK_SIZE
                 fqn = names.get(id(param), fsdp_param._module_info.param_name)
                 records.append(GatherRecord(fqn, blocks[id(module)], problem is None, problem or "", gathered, plain))
