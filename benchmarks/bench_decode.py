@@ -20,6 +20,8 @@ the whole KV cache) over the device's copy bandwidth, measured here (a device-to
 bytes). The targets on one H200: bf16 batch-1 decode >= 80% of the bound; MXFP8 >= 1.7x bf16 at batch 1,
 MXFP4 and NVFP4 >= 2.8x, 4-bit >= 1.5x at batch 32; MoE 16B dims, MXFP4 experts >= 2x bf16 at batch 1.
 
+The kernel's configs are timed once per GEMM shape, before the graphs are captured, and the fastest kept
+(mx_recipe.infer.weight_only.set_tuning; --no-tune: its defaults by M).
 --reference: the quantized GEMMs dequantize to bf16 first (what they did before the kernel), for comparison.
 On the CPU (fp32, no graphs, the reference GEMMs) the numbers only show that the script runs.
 """
@@ -39,6 +41,7 @@ from timing import run_meta
 from mx_recipe.cli import ArgumentParser, int_list, names, output_file
 from mx_recipe.infer.decode import DecodeGraph, KVCache, forward
 from mx_recipe.infer.load import to_compute_dtype
+from mx_recipe.infer.weight_only import set_tuning
 from mx_recipe.infer.weights import WEIGHT_FORMATS, QuantizedExperts, QuantizedLinear, quantize_model, weight_bytes
 from mx_recipe.models import MODEL_FLAVORS, build_model, model_args
 from mx_recipe.models.llama import Transformer
@@ -187,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gemms-only", action="store_true", help="time only the GEMMs of one decode step")
     p.add_argument("--reference", action="store_true", help="quantized GEMMs dequantize first (no kernel)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step before capture")
+    p.add_argument("--no-tune", action="store_true", help="the kernel's default configs, not the fastest timed")
     p.add_argument("--steps", type=int, default=20, help="decode steps per timing")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
     p.add_argument("--device", help="default: cuda if available, else cpu")
@@ -202,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile and device.type == "cpu":
         p.error("--compile: Inductor's CPU code has no float8_e8m0fnu, the MX scales' type: time the CPU eagerly")
     batches = args.batch or DEFAULT_BATCH[args.model]
+    if device.type == "cuda" and not args.no_tune:
+        set_tuning(True)
     weights = ("bf16", *[w for w in args.weights if w != "bf16"])  # bf16 first: the ratios' base
     max_len = max(args.context, args.prefill)
 
@@ -216,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         f"device: {name}, torch {torch.__version__}, {args.model} {flavor} dims, {dims.n_layers} layers, "
         f"vocab {dims.vocab_size}; copy bandwidth {bandwidth / 1e9:,.0f} GB/s; "
         f"{'reference GEMMs' if args.reference else 'weight-only kernel'}"
+        f"{', default configs' if args.no_tune or args.reference else ', tuned configs'}"
         f"{', torch.compile' if args.compile else ''}; weights "
         + ", ".join(f"{fmt} {weight_bytes(m) / 1e9:.2f} GB" for fmt, m in models.items())
     )
@@ -280,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         meta = run_meta(model=args.model, flavor=flavor, layers=dims.n_layers, vocab=dims.vocab_size,
                         context=args.context, copy_bytes_per_s=bandwidth, reference=args.reference,
-                        compiled=args.compile, mode=mode)  # fmt: skip
+                        compiled=args.compile, tuned=not args.no_tune and device.type == "cuda", mode=mode)  # fmt: skip
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows, "verdicts": verdicts}, f, indent=1)
     return 0

@@ -239,3 +239,20 @@ def test_gpu_split_k_deterministic_and_graph_capture():
         out = lin(x)
     graph.replay()
     assert torch.equal(out, first)
+
+
+@pytest.mark.gpu
+def test_gpu_tuned_configs_stay_within_the_bound():
+    """set_tuning times the candidates once per shape; whichever it keeps computes the same GEMM."""
+    from mx_kernels.mx import weight_only
+
+    torch.manual_seed(3)
+    p = packed(weights(1024, 4096, CUDA) * 0.02, "mxfp4")
+    x = torch.randn(1, 4096, device=CUDA).bfloat16()
+    weight_only.set_tuning(True)
+    try:
+        assert_within_bound(run(x, p), x, p)
+        assert any(key[:4] == ("mxfp4", 1, 1024, 4096) for key in weight_only._TUNED)
+        assert_within_bound(run(x, p), x, p)
+    finally:
+        weight_only.set_tuning(False)

@@ -58,14 +58,34 @@ from mx_kernels.spec import cdiv
 # fmt -> (elements per scale, elements per code byte)
 FORMATS = {"mxfp8": (32, 1), "mxfp4": (32, 2), "nvfp4": (16, 2)}
 
-# Hopper configs by M bucket (the first whose max_m >= M; the last takes the rest). BLOCK_K counts elements.
-CONFIGS = (
-    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)),
-    (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)),
-    (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),
-    (128, dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3)),
-    (None, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
-)
+# Hopper configs by M bucket: the first whose max_m >= M (per group, for the grouped GEMM); the last takes the
+# rest. BLOCK_K counts the elements of fp8 weights; e2m1 tiles take twice as many elements, the same bytes. The
+# first candidate of a bucket is its default; ``set_tuning(True)`` times them all once per shape and keeps the
+# fastest (with split K off and as the SM count asks).
+CANDIDATES = (
+    (32, [
+        dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+        dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4),
+        dict(BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=3),
+        dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+        dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5),
+    ]),
+    (64, [
+        dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+        dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+        dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    ]),
+    (128, [
+        dict(BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3),
+        dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+        dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    ]),
+    (None, [
+        dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+        dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+        dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    ]),
+)  # fmt: skip
 PROGRAMS_PER_SM = 2  # split K until a GEMM has this many programs per SM
 MAX_SPLIT_K = 16
 COUNTERS = 1 << 16  # split-K tiles a launch may have
@@ -217,12 +237,54 @@ def _counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[device]
 
 
-def config_for(m: int) -> dict:
-    """The Hopper tiles for M rows (per group, for the grouped GEMM)."""
-    for max_m, cfg in CONFIGS:
+def candidates(m: int, fmt: str) -> list[dict]:
+    """The configs for M rows (per group) of ``fmt`` weights, the default first (see CANDIDATES)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    for max_m, configs in CANDIDATES:
         if max_m is None or m <= max_m:
-            return cfg
+            pack = FORMATS[fmt][1]
+            return [dict(cfg, BLOCK_M=block_m, BLOCK_K=cfg["BLOCK_K"] * pack) for cfg in configs]
     raise AssertionError("unreachable")
+
+
+def config_for(m: int, fmt: str) -> dict:
+    """The default config for M rows (per group) of ``fmt`` weights."""
+    return candidates(m, fmt)[0]
+
+
+_TUNE = False
+_TUNED: dict[tuple, tuple[dict, int | None]] = {}
+
+
+def set_tuning(enabled: bool) -> None:
+    """Time every candidate config of each new GEMM shape on its first call and keep the fastest (off: the
+    defaults). A call inside CUDA-graph capture never tunes: the shapes are tuned by the runs before capture."""
+    global _TUNE
+    _TUNE = enabled
+
+
+def _tuned(key: tuple, x: torch.Tensor, run) -> tuple[dict, int | None]:
+    """The fastest (config, split_k) of ``run(config, split_k)`` for ``key``, timed once and kept."""
+    if key in _TUNED:
+        return _TUNED[key]
+    m, fmt = key[1], key[0]
+    best, best_ms = None, float("inf")
+    for cfg in candidates(m, fmt):
+        for split in (None, 1):
+            try:
+                run(cfg, split)  # compiles
+            except triton.runtime.errors.OutOfResources:  # too much shared memory or too many registers
+                continue
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(10):
+                run(cfg, split)
+            end.record()
+            end.synchronize()
+            if begin.elapsed_time(end) < best_ms:
+                best, best_ms = (cfg, split), begin.elapsed_time(end)
+    _TUNED[key] = best
+    return best
 
 
 def _sm_count(device: torch.device) -> int:
@@ -280,8 +342,11 @@ def weight_only_mm(
     if k == 0:
         return out.zero_()
     n_groups = qdata.shape[0] if grouped else 1
-    cfg = {**config_for(cdiv(m, n_groups)), **(config or {})}
-    group, pack = FORMATS[fmt]
+    rows = cdiv(m, n_groups)
+    if config is None and split_k is None and _TUNE and x.is_cuda and not torch.cuda.is_current_stream_capturing():
+        key = (fmt, rows if rows <= 16 else triton.next_power_of_2(rows), n, k, n_groups, grouped, x.device)
+        config, split_k = _tuned(key, x, lambda c, s: weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, c, s))
+    cfg = {**config_for(rows, fmt), **(config or {})}
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if block_k % 64 or block_m < 16 or block_n < 16:
         raise ValueError(f"{op}: BLOCK_K must be a multiple of 64, BLOCK_M and BLOCK_N at least 16; got {cfg}")
@@ -308,7 +373,7 @@ def weight_only_mm(
             cnt_ptr=counters, M=m, N=n, K=k, E=n_groups, K_SPLIT=k_split, stride_xm=x.stride(0), stride_xk=x.stride(1),
             stride_we=w.stride(0), stride_wn=w.stride(1), stride_wk=w.stride(2), stride_se=s.stride(0),
             stride_sn=s.stride(1), stride_sk=s.stride(2), stride_om=out.stride(0), stride_on=out.stride(1), FMT=fmt,
-            GROUPED=grouped, E_POW2=triton.next_power_of_2(n_groups), SPLIT_K=split_k,
+            GROUPED=grouped, E_POW2=max(2, triton.next_power_of_2(n_groups)), SPLIT_K=split_k,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
             DOT_BF16=not interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         ),

@@ -40,6 +40,14 @@ define(
 )
 
 
+def set_tuning(enabled: bool) -> None:
+    """Time the kernel's candidate configs once per new GEMM shape and keep the fastest (off, the default: its
+    configs by M). The timing runs on the first call of a shape outside CUDA-graph capture."""
+    from mx_kernels.mx.weight_only import set_tuning as set_kernel_tuning
+
+    set_kernel_tuning(enabled)
+
+
 def use_kernel(x: Tensor) -> bool:
     """Whether a GEMM of activations ``x`` runs the weight-only kernel (module doc)."""
     cap = capability(x.device)
