@@ -191,6 +191,22 @@ def test_interp_grouped_ragged_and_empty(fmt):
         assert_within_bound(y, x, p, offs)
 
 
+@interp_only
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_interp_dequantize_is_the_references_bits(fmt):
+    """The large-M path's dequantize kernel gives ``dequantize``'s values bit for bit (fp32 here: the interpreter's
+    bf16 cast truncates), 2D and 3D, with a K tail past its 128-element tiles."""
+    from mx_kernels.mx.weight_only import dequantize
+
+    torch.manual_seed(3)
+    for shape in [(40, 96), (3, 17, 160), *([(5, 48)] if fmt == "nvfp4" else [])]:
+        p = packed(weights(shape[-2], shape[-1], lead=shape[:-2]), fmt)
+        p.scale.view(torch.uint8)[..., 0, 0] = 0x7F if fmt == "nvfp4" else 0xFF
+        got = dequantize(p.qdata, p.scale, p.tensor_scale, fmt, torch.float32)
+        assert torch.equal(got.isnan(), p.dequantize(torch.float32).isnan())
+        assert torch.equal(got.nan_to_num(), p.dequantize(torch.float32).nan_to_num())
+
+
 # ---------------------------------------------------------------------------------------
 # GPU
 
@@ -221,6 +237,22 @@ def test_gpu_grouped_ragged(fmt):
     assert_within_bound(run(x, p, offs), x, p, offs)
     decode = torch.tensor([0, 0, 1, 1, 1, 2, 2, 2], device=CUDA, dtype=torch.int32)  # top-2 of one token
     assert_within_bound(run(x[:2], p, decode), x[:2], p, decode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_large_m_dequantizes_then_cublas(fmt):
+    """Past LARGE_M rows QuantizedLinear writes the bf16 weight (the reference's bits) and multiplies with cuBLAS."""
+    from mx_kernels.mx.weight_only import dequantize
+
+    from mx_recipe.infer.weight_only import LARGE_M
+
+    torch.manual_seed(4)
+    lin = QuantizedLinear(torch.nn.Linear(4096, 1024, bias=False, device=CUDA), fmt)
+    w = lin.weight_packed
+    assert torch.equal(dequantize(w.qdata, w.scale, w.tensor_scale, fmt), w.dequantize(torch.bfloat16))
+    x = torch.randn(2, (LARGE_M + 64) // 2, 4096, device=CUDA).bfloat16()
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, w.dequantize(torch.bfloat16)))
 
 
 @pytest.mark.gpu

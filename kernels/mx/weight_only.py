@@ -61,32 +61,36 @@ FORMATS = {"mxfp8": (32, 1), "mxfp4": (32, 2), "nvfp4": (16, 2)}
 # Hopper configs by M bucket: the first whose max_m >= M (per group, for the grouped GEMM); the last takes the
 # rest. BLOCK_K counts the elements of fp8 weights; e2m1 tiles take twice as many elements, the same bytes. The
 # first candidate of a bucket is its default; ``set_tuning(True)`` times them all once per shape and keeps the
-# fastest (with split K off and as the SM count asks).
+# fastest (with split K off and as the SM count asks). The tiles are small because the upcast weights take
+# registers (fp32 values, then bf16 in the dot's layout): compiled for sm_90a, 16 x 32 x 64 fp8 tiles take about 60
+# registers a thread and 64 x 64 x 64 about 125, so that several programs share an SM and hide the loads' latency;
+# larger tiles spill. Past M = 128 a GEMM is compute-bound and ``dequantize_bf16`` + cuBLAS serves it better
+# (mx_recipe.infer.weight_only).
 CANDIDATES = (
+    (16, [
+        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, PREFETCH=False),
+        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, PREFETCH=True),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, PREFETCH=False),
+        dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, PREFETCH=False),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=8, PREFETCH=False),
+    ]),
     (32, [
-        dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
-        dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4),
-        dict(BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=3),
-        dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
-        dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5),
+        dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=8, PREFETCH=False),
+        dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, PREFETCH=False),
+        dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, PREFETCH=True),
     ]),
     (64, [
-        dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
-        dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
-        dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
-    ]),
-    (128, [
-        dict(BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3),
-        dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
-        dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=8, PREFETCH=False),
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=8, PREFETCH=False),
+        dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, num_warps=4, PREFETCH=False),
     ]),
     (None, [
-        dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
-        dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
-        dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=8, PREFETCH=False),
+        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, PREFETCH=False),
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=8, PREFETCH=False),
     ]),
 )  # fmt: skip
-PROGRAMS_PER_SM = 2  # split K until a GEMM has this many programs per SM
+PROGRAMS_PER_SM = 8  # split K until a GEMM has this many programs per SM: small tiles, several programs an SM
 MAX_SPLIT_K = 16
 COUNTERS = 1 << 16  # split-K tiles a launch may have
 
@@ -121,13 +125,36 @@ def _scaled(v, factor, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(w_ptrs, s_ptrs, x_ptrs, stride_xk, left, kb, ks, PACK: tl.constexpr, GROUP: tl.constexpr,
+               EVEN_K: tl.constexpr):  # fmt: skip
+    """The code bytes, scale bytes and x columns (even and odd ones for e2m1) of the tile with ``left`` elements of
+    K still to go: the whole tile, its head (a K tail: codes and scales 0, x 0 past it), or nothing (left <= 0)."""
+    if EVEN_K:
+        ok = left > 0
+        w = tl.load(w_ptrs, mask=ok, other=0)
+        s = tl.load(s_ptrs, mask=ok, other=0)
+        x0 = tl.load(x_ptrs, mask=ok, other=0.0)
+        x1 = x0
+        if PACK == 2:
+            x1 = tl.load(x_ptrs + stride_xk, mask=ok, other=0.0)
+    else:
+        w = tl.load(w_ptrs, mask=kb[None, :] < left // PACK, other=0)
+        s = tl.load(s_ptrs, mask=ks[None, :] < left // GROUP, other=0)
+        x0 = tl.load(x_ptrs, mask=PACK * kb[None, :] < left, other=0.0)
+        x1 = x0
+        if PACK == 2:
+            x1 = tl.load(x_ptrs + stride_xk, mask=PACK * kb[None, :] + 1 < left, other=0.0)
+    return w, s, x0, x1
+
+
+@triton.jit
 def _weight_only_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, E, K_SPLIT,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om, stride_on,
     FMT: tl.constexpr, GROUPED: tl.constexpr, E_POW2: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_BF16: tl.constexpr,
+    PREFETCH: tl.constexpr, DOT_BF16: tl.constexpr,
 ):  # fmt: skip
     GROUP: tl.constexpr = 16 if FMT == "nvfp4" else 32
     PACK: tl.constexpr = 1 if FMT == "mxfp8" else 2
@@ -169,22 +196,25 @@ def _weight_only_kernel(
     w_ptrs = w_ptr + rn_in[:, None] * stride_wn + (k_start // PACK + kb[None, :]) * stride_wk
     s_ptrs = s_ptr + rn_in[:, None] * stride_sn + (k_start // GROUP + ks[None, :]) * stride_sk
 
+    # PREFETCH: one tile ahead, the next tile's bytes in flight while this one is upcast and multiplied (more
+    # registers a program: fewer programs an SM); else the SM's other programs hide the loads' latency.
+    if PREFETCH:
+        w, s, x0, x1 = _load_tile(w_ptrs, s_ptrs, x_ptrs, stride_xk, k_end - k_start, kb, ks, PACK, GROUP, EVEN_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs).to(tl.int32)
-            s = tl.load(s_ptrs).to(tl.int32)
-            x0 = tl.load(x_ptrs)
-            if PACK == 2:
-                x1 = tl.load(x_ptrs + stride_xk)
+        if PREFETCH:
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BKB * stride_wk
+            s_ptrs += (BLOCK_K // GROUP) * stride_sk
+            left = k_end - k0 - BLOCK_K
+            w_next, s_next, x0_next, x1_next = _load_tile(w_ptrs, s_ptrs, x_ptrs, stride_xk, left, kb, ks, PACK,
+                                                          GROUP, EVEN_K)  # fmt: skip
         else:
-            # a K tail: missing codes and scales load as 0 (weight 0) and missing x as 0
-            left = k_end - k0
-            w = tl.load(w_ptrs, mask=kb[None, :] < left // PACK, other=0).to(tl.int32)
-            s = tl.load(s_ptrs, mask=ks[None, :] < left // GROUP, other=0).to(tl.int32)
-            x0 = tl.load(x_ptrs, mask=PACK * kb[None, :] < left, other=0.0)
-            if PACK == 2:
-                x1 = tl.load(x_ptrs + stride_xk, mask=PACK * kb[None, :] + 1 < left, other=0.0)
+            w, s, x0, x1 = _load_tile(w_ptrs, s_ptrs, x_ptrs, stride_xk, k_end - k0, kb, ks, PACK, GROUP, EVEN_K)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BKB * stride_wk
+            s_ptrs += (BLOCK_K // GROUP) * stride_sk
+        w, s = w.to(tl.int32), s.to(tl.int32)
         if FMT == "nvfp4":
             factor = _e4m3(s) * 1.329227995784916e36  # 2**120: the e4m3 scale's value
         else:
@@ -202,9 +232,8 @@ def _weight_only_kernel(
             acc = tl.dot(x0.to(tl.float32), tl.trans(w0), acc, input_precision="ieee")
             if PACK == 2:
                 acc = tl.dot(x1.to(tl.float32), tl.trans(w1), acc, input_precision="ieee")
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BKB * stride_wk
-        s_ptrs += (BLOCK_K // GROUP) * stride_sk
+        if PREFETCH:
+            w, s, x0, x1 = w_next, s_next, x0_next, x1_next
 
     row_ok = rm < row_end
     col_ok = rn < N
@@ -227,7 +256,38 @@ def _weight_only_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, ts_ptr, out_ptr, R, K, FMT: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_K: tl.constexpr):  # fmt: skip
+    """Rows [R, K] of packed codes (contiguous) to values in out's dtype: the reference's products, one rounding."""
+    GROUP: tl.constexpr = 16 if FMT == "nvfp4" else 32
+    PACK: tl.constexpr = 1 if FMT == "mxfp8" else 2
+    BKB: tl.constexpr = BLOCK_K // PACK
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    kb = tl.program_id(1) * BKB + tl.arange(0, BKB)
+    ks = tl.program_id(1) * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
+    ok = (r[:, None] < R) & (kb[None, :] < K // PACK)
+    w = tl.load(w_ptr + r[:, None] * (K // PACK) + kb[None, :], mask=ok, other=0).to(tl.int32)
+    s_ok = (r[:, None] < R) & (ks[None, :] < K // GROUP)
+    s = tl.load(s_ptr + r[:, None] * (K // GROUP) + ks[None, :], mask=s_ok, other=0).to(tl.int32)
+    if FMT == "nvfp4":
+        factor = _e4m3(s) * 1.329227995784916e36
+    else:
+        factor = _e8m0(s)
+    out = out_ptr + r[:, None] * K + PACK * kb[None, :]
+    if PACK == 1:
+        tl.store(out, _scaled(_e4m3(w) * 1.329227995784916e36, factor, GROUP).to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        w0 = _scaled(_e2m1(w & 0xF) * 8.507059173023462e37, factor, GROUP // 2)
+        w1 = _scaled(_e2m1(w >> 4) * 8.507059173023462e37, factor, GROUP // 2)
+        if FMT == "nvfp4":
+            w0, w1 = w0 * tl.load(ts_ptr), w1 * tl.load(ts_ptr)
+        tl.store(out, w0.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out + 1, w1.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 _LAUNCHES = LaunchCache(_weight_only_kernel)
+_DEQUANTIZE = LaunchCache(_dequantize_kernel)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -239,11 +299,10 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 def candidates(m: int, fmt: str) -> list[dict]:
     """The configs for M rows (per group) of ``fmt`` weights, the default first (see CANDIDATES)."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     for max_m, configs in CANDIDATES:
         if max_m is None or m <= max_m:
             pack = FORMATS[fmt][1]
-            return [dict(cfg, BLOCK_M=block_m, BLOCK_K=cfg["BLOCK_K"] * pack) for cfg in configs]
+            return [dict(cfg, num_stages=1, BLOCK_K=cfg["BLOCK_K"] * pack) for cfg in configs]
     raise AssertionError("unreachable")
 
 
@@ -348,8 +407,8 @@ def weight_only_mm(
         config, split_k = _tuned(key, x, lambda c, s: weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, c, s))
     cfg = {**config_for(rows, fmt), **(config or {})}
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    if block_k % 64 or block_m < 16 or block_n < 16:
-        raise ValueError(f"{op}: BLOCK_K must be a multiple of 64, BLOCK_M and BLOCK_N at least 16; got {cfg}")
+    if block_k % 32 or block_m < 16 or block_n < 16:
+        raise ValueError(f"{op}: BLOCK_K must be a multiple of 32, BLOCK_M and BLOCK_N at least 16; got {cfg}")
     slots = cdiv(m, block_m) + (n_groups if grouped else 0)
     tiles = cdiv(n, block_n) * slots
     k_tiles = cdiv(k, block_k)
@@ -375,7 +434,35 @@ def weight_only_mm(
             stride_sn=s.stride(1), stride_sk=s.stride(2), stride_om=out.stride(0), stride_on=out.stride(1), FMT=fmt,
             GROUPED=grouped, E_POW2=max(2, triton.next_power_of_2(n_groups)), SPLIT_K=split_k,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-            DOT_BF16=not interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            PREFETCH=cfg.get("PREFETCH", False), DOT_BF16=not interpreting(), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         ),
+    )  # fmt: skip
+    return out
+
+
+def dequantize(qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: str,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:  # fmt: skip
+    """The packed weight [..., N, K] in ``dtype`` (bf16 or fp32), bit for bit the reference's ``dequantize``
+    (elements times scales in fp32, times the tensor scale for nvfp4, one rounding to ``dtype``): what a GEMM too
+    large for the weight-only kernel hands to cuBLAS."""
+    group, pack = FORMATS[fmt]
+    k = qdata.shape[-1] * pack
+    if qdata.element_size() != 1 or tuple(scale.shape) != (*qdata.shape[:-1], k // group):
+        raise ValueError(f"dequantize: {fmt} needs qdata [..., N, K/{pack}] bytes and scale [..., N, K/{group}]; got "
+                         f"{qdata.dtype} {tuple(qdata.shape)} and {tuple(scale.shape)}")  # fmt: skip
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"dequantize: dtype must be bf16 or fp32, got {dtype}")
+    out = torch.empty((*qdata.shape[:-1], k), dtype=dtype, device=qdata.device)
+    rows = out.numel() // k if k else 0
+    if rows == 0 or k == 0:
+        return out
+    w, s = qdata.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8)
+    ts = tensor_scale.reshape(1).to(torch.float32) if tensor_scale is not None else out
+    block_r, block_k = 32, 128
+    _DEQUANTIZE.launch(
+        (cdiv(rows, block_r), cdiv(k, block_k)),
+        dict(w_ptr=w, s_ptr=s, ts_ptr=ts, out_ptr=out, R=rows, K=k, FMT=fmt, BLOCK_R=block_r, BLOCK_K=block_k,
+             num_warps=4),
     )  # fmt: skip
     return out
