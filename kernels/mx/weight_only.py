@@ -150,9 +150,9 @@ def _load_tile(w_ptrs, s_ptrs, x_ptrs, stride_xk, left, kb, ks, PACK: tl.constex
 @triton.jit
 def _weight_only_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K, E, K_SPLIT,
+    M, N, K, E, K_SPLIT, SPLIT_K,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om, stride_on,
-    FMT: tl.constexpr, GROUPED: tl.constexpr, E_POW2: tl.constexpr, SPLIT_K: tl.constexpr,
+    FMT: tl.constexpr, GROUPED: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     PREFETCH: tl.constexpr, DOT_BF16: tl.constexpr,
 ):  # fmt: skip
@@ -237,7 +237,7 @@ def _weight_only_kernel(
 
     row_ok = rm < row_end
     col_ok = rn < N
-    if SPLIT_K > 1:
+    if SPLIT:  # SPLIT_K > 1, a runtime value: one compiled kernel for every split
         # Store this split's partial; the last split of the tile to arrive sums them all in split order.
         tile = pid_n * tl.num_programs(1) + slot
         ws_tile = ws_ptr + rm_in[:, None] * N + rn_in[None, :]
@@ -429,10 +429,11 @@ def weight_only_mm(
         (cdiv(n, block_n), slots, split_k),
         dict(
             x_ptr=x, w_ptr=w, s_ptr=s, ts_ptr=ts, offs_ptr=offs if grouped else out, out_ptr=out, ws_ptr=ws,
-            cnt_ptr=counters, M=m, N=n, K=k, E=n_groups, K_SPLIT=k_split, stride_xm=x.stride(0), stride_xk=x.stride(1),
-            stride_we=w.stride(0), stride_wn=w.stride(1), stride_wk=w.stride(2), stride_se=s.stride(0),
-            stride_sn=s.stride(1), stride_sk=s.stride(2), stride_om=out.stride(0), stride_on=out.stride(1), FMT=fmt,
-            GROUPED=grouped, E_POW2=max(2, triton.next_power_of_2(n_groups)), SPLIT_K=split_k,
+            cnt_ptr=counters, M=m, N=n, K=k, E=n_groups, K_SPLIT=k_split, SPLIT_K=split_k, stride_xm=x.stride(0),
+            stride_xk=x.stride(1), stride_we=w.stride(0), stride_wn=w.stride(1), stride_wk=w.stride(2),
+            stride_se=s.stride(0), stride_sn=s.stride(1), stride_sk=s.stride(2), stride_om=out.stride(0),
+            stride_on=out.stride(1), FMT=fmt,
+            GROUPED=grouped, E_POW2=max(2, triton.next_power_of_2(n_groups)), SPLIT=split_k > 1,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
             PREFETCH=cfg.get("PREFETCH", False), DOT_BF16=not interpreting(), num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
