@@ -8,10 +8,11 @@ Formats (``fmt``) and the bytes the kernel reads, all in the formats' natural la
 * ``nvfp4``: codes as mxfp4, scales [N, K/16] e4m3 bytes, and a fp32 tensor scale applied to the accumulator.
 
 Why the natural layout: a program reads a [BLOCK_N, BLOCK_K] tile of codes as BLOCK_N contiguous runs of
-BLOCK_K bytes (or BLOCK_K/2) and its scales as BLOCK_N runs of BLOCK_K/32 bytes; every run is at least 8 bytes
-at the configs below, so both arrive in full 32-byte sectors and the scales add 1/32 (1/16) of the code bytes.
-Interleaving the scales with the codes or pre-tiling K-major saves no bytes: it could only trade address
-arithmetic, and it would make the packed weight differ from the formats' (checkpoints, ``dequantize``).
+BLOCK_K bytes (BLOCK_K/2 for e2m1), at least 32 at the configs below: whole 32-byte sectors. Its scales are
+BLOCK_N runs of BLOCK_K/32 (/16) bytes, 1/32 (1/16) of the code bytes, whose sectors the program's next K tiles
+read again from cache. Interleaving the scales with the codes or pre-tiling K-major saves no bytes: it could
+only trade address arithmetic, and it would make the packed weight differ from the formats' (checkpoints,
+``dequantize``). So the kernel reads the weights as they are stored.
 
 The upcast is integer bit operations, exact, with no fp8 conversion instruction (so Triton's CPU interpreter,
 whose fp8 conversions are wrong, checks the kernel too):
@@ -32,15 +33,18 @@ e2m1 weights stay in their packed order: the low nibbles (even k) and high nibbl
 the weight in registers).
 
 Small M (decode): BLOCK_M is 16 (the smallest ``tl.dot``) and, when the N and M tiles alone are too few to
-keep every SM reading, K is split over programs. Each split stores its fp32 partial; the last split of a tile
-to finish (an atomic counter per tile) sums the partials in split order, so the result does not depend on
-timing, writes bf16 and resets the counter. The counters are one zeroed buffer per device, shared: two split
-GEMMs must not run at once on different streams.
+keep every SM reading (PROGRAMS_PER_SM), K is split over programs. Each split stores its fp32 partial; the
+last split of a tile to finish (an atomic counter per tile) sums the partials in split order, so the result
+does not depend on timing, writes bf16 and resets the counter. The counters are one zeroed buffer per device,
+shared: two split GEMMs must not run at once on different streams.
 
 Grouped (MoE): x [M_total, K] sorted by expert, ``offs`` [E] int32 cumulative row ends, w [E, N, K]. The grid
 has cdiv(M_total, BLOCK_M) + E row-tile slots, as many as any ``offs`` can need; each program finds its
 expert and rows from ``offs`` and a program without rows returns at once, so an expert without tokens costs
 no weight bytes (decode: only the top-k experts' weights are read).
+
+Large M (prefill) is compute-bound: ``dequantize`` writes the bf16 weight in one pass, bit for bit the
+reference's, for cuBLAS (mx_recipe.infer.weight_only decides).
 
 Under the interpreter (TRITON_INTERPRET=1) the dot runs in fp32 on the same exact values (the interpreter's
 bf16 is raw uint16), and its fp32 -> bf16 output cast truncates.
