@@ -6,13 +6,14 @@
 
 --checkpoint: a train.py job.output_dir; its newest committed checkpoint is loaded whatever world size wrote
 it, with the run's tokenizer. Without it, --model and --flavor build a model at random for speed runs (byte
-tokenizer). The weights are quantized along K and kept packed (mx_recipe.infer.weights); each GEMM dequantizes
-its weight and runs in bf16 (the reference weight-only path); --activations mx quantizes each GEMM's input too,
-as a B200's MX GEMM reads it. Decoding keeps a static KV cache; --compile compiles the decode step. Greedy at
---temperature 0 (the default), else sampling over the --top-k most likely tokens. Several --prompt give a batch
-(each padded on the left to the longest with the tokenizer's BOS); --batch N repeats one prompt N times.
-Prints the continuations and one line with prefill time and decode tokens/s (from the second decode step on:
-the first compiles). Exit 2 for bad arguments.
+tokenizer). The weights are quantized along K and kept packed (mx_recipe.infer.weights); on a GPU each GEMM
+reads them packed and upcasts them in registers (the weight-only kernel), on the CPU it dequantizes them first;
+--activations mx quantizes each GEMM's input too, as a B200's MX GEMM reads it. Decoding keeps a static KV
+cache; --compile compiles the decode step; on CUDA each decode step replays a CUDA graph (--no-cuda-graph: each
+step launches its kernels). Greedy at --temperature 0 (the default), else sampling over the --top-k most likely
+tokens. Several --prompt give a batch (each padded on the left to the longest with the tokenizer's BOS); --batch
+N repeats one prompt N times. Prints the continuations and one line with prefill time and decode tokens/s (from
+the second decode step on: the first compiles or captures). Exit 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, help="with --temperature: sample among the k most likely tokens")
     p.add_argument("--seed", type=int, default=0, help="the random weights and the sampling")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--no-cuda-graph", action="store_true", help="on CUDA: launch each decode step's kernels")
     p.add_argument("--device", help="default: cuda if available, else cpu")
     args = p.parse_args(argv)
     if (args.checkpoint is None) == (args.model is None):
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     tokens = torch.tensor([[tokenizer.bos_id] * (width - len(x)) + x for x in ids], device=device)
     step = torch.compile(forward) if args.compile else forward
     generator = torch.Generator(device).manual_seed(args.seed)
-    new, timing = generate(model, tokens, args.max_new_tokens, args.temperature, args.top_k, generator, step)
+    graph = device.type == "cuda" and not args.no_cuda_graph
+    new, timing = generate(model, tokens, args.max_new_tokens, args.temperature, args.top_k, generator, step, graph)
     for prompt, row in zip(prompts * args.batch, new.tolist(), strict=True):
         print(f"{prompt}{tokenizer.decode(row)}")
     print(

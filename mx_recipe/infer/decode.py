@@ -2,9 +2,16 @@
 
 The cache holds every layer's keys and values for ``max_len`` positions, allocated once; each step writes its
 positions and attends over the whole cache with a mask that hides the positions not yet written, so every step
-after the prefill has the same shapes (one compiled graph). The block's computation is the model's own modules,
-called in the order of ``TransformerBlock.forward`` and ``MoEBlock.forward``: attention with the cache in place of
-SDPA's causal mask, then the feed-forward or MoE.
+after the prefill has the same shapes (one compiled graph, one CUDA graph). The block's computation is the
+model's own modules, called in the order of ``TransformerBlock.forward`` and ``MoEBlock.forward``: attention with
+the cache in place of SDPA's causal mask, then the feed-forward or MoE.
+
+The cache is laid out per KV head, [batch, kv heads, max_len, head dim], and the query heads that share a KV head
+attend as one head with their queries stacked (grouped-query attention): SDPA reads each layer's cache once, in
+place, where repeating it per query head would copy it n_heads / n_kv_heads times a step.
+
+``DecodeGraph`` captures one decode step in a CUDA graph and replays it: a step launches a few hundred small
+kernels, whose launch time would otherwise exceed their run time at small batch.
 """
 
 from __future__ import annotations
@@ -21,14 +28,14 @@ from mx_recipe.models.llama import Attention, Transformer, apply_rope, project
 
 
 class KVCache(nn.Module):
-    """Keys and values [layers, batch, max_len, kv heads, head dim] in ``dtype``."""
+    """Keys and values [layers, batch, kv heads, max_len, head dim] in ``dtype``."""
 
     def __init__(self, model: Transformer, batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         args = model.args
         if max_len > args.max_seq_len:
             raise ValueError(f"KVCache: {max_len} positions, past the model's RoPE tables ({args.max_seq_len})")
-        shape = (args.n_layers, batch, max_len, args.n_kv_heads, args.head_dim)
+        shape = (args.n_layers, batch, args.n_kv_heads, max_len, args.head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device))
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device))
         self.max_len = max_len
@@ -41,13 +48,18 @@ def _attend(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     q, k, v = project(x, attn.wq, attn.wk, attn.wv)
     q = apply_rope(q.view(bs, seq_len, attn.n_heads, attn.head_dim), cos, sin)
     k = apply_rope(k.view(bs, seq_len, attn.n_kv_heads, attn.head_dim), cos, sin)
-    k_cache[:, positions] = k.to(k_cache.dtype)
-    v_cache[:, positions] = v.view(bs, seq_len, attn.n_kv_heads, attn.head_dim).to(v_cache.dtype)
+    k_cache[:, :, positions] = k.transpose(1, 2).to(k_cache.dtype)
+    v_cache[:, :, positions] = v.view(bs, seq_len, attn.n_kv_heads, attn.head_dim).transpose(1, 2).to(v_cache.dtype)
+    # query head h uses KV head h // repeats: each KV head's queries, [repeats * S] of them, as one head
     repeats = attn.n_heads // attn.n_kv_heads
-    keys, values = (c.repeat_interleave(repeats, dim=2).transpose(1, 2) for c in (k_cache, v_cache))
-    visible = torch.arange(k_cache.shape[1], device=x.device)[None, :] <= positions[:, None]  # [S, max_len]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=visible)
-    return attn.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
+    q = q.view(bs, seq_len, attn.n_kv_heads, repeats, attn.head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(bs, attn.n_kv_heads, repeats * seq_len, attn.head_dim)
+    visible = torch.arange(k_cache.shape[2], device=x.device)[None, :] <= positions[:, None]  # [S, max_len]
+    out = F.scaled_dot_product_attention(
+        q, k_cache.to(q.dtype), v_cache.to(q.dtype), attn_mask=visible.repeat(repeats, 1)
+    )
+    out = out.view(bs, attn.n_kv_heads, repeats, seq_len, attn.head_dim).permute(0, 3, 1, 2, 4)
+    return attn.wo(out.reshape(bs, seq_len, -1))
 
 
 def forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -75,6 +87,38 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None, generato
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+class DecodeGraph:
+    """One decode step of ``step_fn`` (``forward`` or its compiled form) for ``batch`` sequences, captured in a
+    CUDA graph; calling it copies the tokens [B, 1] and position [1] in and replays the graph. Its logits are one
+    tensor, overwritten by each replay.
+
+    Building it runs the step on (tokens, position) a few times on a side stream (compiling kernels, allocating
+    their buffers, which capture must not do), then captures it: the captured step only rewrites what those runs
+    wrote (the cache at ``position``), so calling it on the same inputs next gives that step's logits."""
+
+    def __init__(self, model: Transformer, cache: KVCache, tokens: torch.Tensor, position: torch.Tensor,
+                 step_fn: Callable | None = None, warmup: int = 2):  # fmt: skip
+        if tokens.device.type != "cuda":
+            raise ValueError(f"DecodeGraph: CUDA graphs need CUDA tensors, got {tokens.device}")
+        step_fn = step_fn or forward
+        self.tokens, self.position = tokens.clone(), position.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                step_fn(model, self.tokens, self.position, cache)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = step_fn(model, self.tokens, self.position, cache)
+
+    def __call__(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.position.copy_(position)
+        self.graph.replay()
+        return self.logits
+
+
 @dataclass
 class Timing:
     prefill_s: float
@@ -95,9 +139,11 @@ def generate(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
     step_fn: Callable | None = None,
+    cuda_graph: bool = False,
 ) -> tuple[torch.Tensor, Timing]:
     """Continue ``prompts`` [B, P] (one length for all) by ``max_new_tokens``; returns the new tokens [B, N] and the
-    timing. ``step_fn``: the decode step (``forward`` by default; e.g. its compiled form)."""
+    timing. ``step_fn``: the decode step (``forward`` by default; e.g. its compiled form); ``cuda_graph``: replay
+    it from a CUDA graph (``DecodeGraph``, captured at the first decode step; CUDA only)."""
     batch, prompt_len = prompts.shape
     device = prompts.device
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -111,11 +157,16 @@ def generate(
     prefill = time.perf_counter() - start
     start = time.perf_counter()
     for n in range(1, max_new_tokens):
-        if n == 2:  # the first decode step compiled the step function, if compiled: the timing starts after it
+        if n == 2:  # the first decode step compiled the step function or captured the graph: timed after it
             sync()
             start = time.perf_counter()
         position = torch.tensor([prompt_len + n - 1], device=device)
-        logits = step_fn(model, out[-1][:, None], position, cache)
+        if cuda_graph:
+            if n == 1:
+                graph = DecodeGraph(model, cache, out[-1][:, None], position, step_fn)
+            logits = graph(out[-1][:, None], position)
+        else:
+            logits = step_fn(model, out[-1][:, None], position, cache)
         out.append(sample(logits[:, -1], temperature, top_k, generator))
     sync()
     timed = max(max_new_tokens - 2, 0)

@@ -2,9 +2,11 @@
 fp32 tensor scale), packed as the formats define them (mx_recipe.formats), along K, the dim a GEMM reduces over.
 
 ``quantize_model`` swaps each ``nn.Linear`` (but the skipped ones: the output layer and the router gates, as the
-training converter) for a ``QuantizedLinear`` and each ``GroupedExperts`` for ``QuantizedExperts``. Their GEMM is
-the weight-only reference: dequantize the packed weight to the activations' dtype, then the bf16 GEMM, which is
-what a kernel that upcasts in registers computes up to summation order. It saves the memory, not the bandwidth.
+training converter) for a ``QuantizedLinear`` and each ``GroupedExperts`` for ``QuantizedExperts``. On an NVIDIA
+GPU with bf16 activations their GEMM is the weight-only kernel (``mx_recipe.infer.weight_only``): it reads the
+packed bytes and upcasts them in registers, so it saves the bandwidth as well as the memory. Elsewhere, or with
+``kernel=False``, it is the reference: dequantize the packed weight to the activations' dtype, then the GEMM,
+which the kernel equals up to summation order (and, for NVFP4, one bf16 rounding per weight).
 ``activations=True`` also quantizes each GEMM's input along K to the same format, as a B200's MX GEMM would read it.
 """
 
@@ -16,6 +18,7 @@ from torch import nn
 
 from mx_recipe.formats.mx import BLOCK_SIZE, MXTensor, fake_quant, to_mx
 from mx_recipe.formats.nvfp4 import NVFP4Tensor, to_nvfp4
+from mx_recipe.infer.weight_only import use_kernel, weight_only_grouped_mm, weight_only_mm
 from mx_recipe.models.moe import GroupedExperts
 from mx_recipe.nn.convert import DEFAULT_SKIP, skip_reason
 
@@ -54,40 +57,54 @@ class _Packed(nn.Module):
             return NVFP4Tensor(self.qdata, self.scale, self.tensor_scale, self.qdata.dim() - 1).dequantize(dtype)
         return MXTensor(self.qdata, self.scale, FORMATS[self.fmt], self.qdata.dim() - 1).dequantize(dtype)
 
+    def mm(self, x: torch.Tensor, kernel: bool) -> torch.Tensor:
+        """x [..., K] @ w.T: the weight-only kernel where ``use_kernel(x)`` (and ``kernel``), else the reference."""
+        if kernel and use_kernel(x):
+            return weight_only_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt)
+        return F.linear(x, self.dequantize(x.dtype))
+
+    def grouped_mm(self, x: torch.Tensor, offs: torch.Tensor, kernel: bool) -> torch.Tensor:
+        """x [M, K] sorted by group (int32 cumulative ends ``offs``) by each group's w [N, K]: [M, N]."""
+        if kernel and use_kernel(x):
+            return weight_only_grouped_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, offs)
+        return torch._grouped_mm(x, self.dequantize(x.dtype).transpose(-2, -1), offs=offs)
+
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
 
 class QuantizedLinear(nn.Module):
-    """y = x @ dequantize(w).T with w kept in ``fmt``; ``activations``: x quantized along K first."""
+    """y = x @ dequantize(w).T with w kept in ``fmt``; ``activations``: x quantized along K first; ``kernel``:
+    the weight-only kernel where it runs (False: always the reference)."""
 
-    def __init__(self, linear: nn.Linear, fmt: str, activations: bool = False):
+    def __init__(self, linear: nn.Linear, fmt: str, activations: bool = False, kernel: bool = True):
         super().__init__()
         if linear.bias is not None:
             raise ValueError("QuantizedLinear: a linear with a bias is not supported")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight_packed = _Packed(quantize(linear.weight.detach(), fmt), fmt)
-        self.fmt, self.activations = fmt, activations
+        self.fmt, self.activations, self.kernel = fmt, activations, kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations:
             x = quantize_activation(x, self.fmt)
-        return F.linear(x, self.weight_packed.dequantize(x.dtype))
+        return self.weight_packed.mm(x, self.kernel)
 
 
 class QuantizedExperts(nn.Module):
-    """``GroupedExperts`` with w1, w2, w3 [E, N, K] kept in ``fmt`` (each expert along its K)."""
+    """``GroupedExperts`` with w1, w2, w3 [E, N, K] kept in ``fmt`` (each expert along its K); ``kernel`` as
+    ``QuantizedLinear``'s."""
 
-    def __init__(self, experts: GroupedExperts, fmt: str, activations: bool = False):
+    def __init__(self, experts: GroupedExperts, fmt: str, activations: bool = False, kernel: bool = True):
         super().__init__()
         for name in ("w1", "w2", "w3"):
             setattr(self, f"{name}_packed", _Packed(quantize(getattr(experts, name).detach(), fmt), fmt))
-        self.fmt, self.activations = fmt, activations
+        self.fmt, self.activations, self.kernel = fmt, activations, kernel
 
     def _mm(self, x: torch.Tensor, packed: _Packed, offs: torch.Tensor) -> torch.Tensor:
         if self.activations:
             x = quantize_activation(x, self.fmt)
-        return torch._grouped_mm(x, packed.dequantize(x.dtype).transpose(-2, -1), offs=offs)
+        return packed.grouped_mm(x, offs, self.kernel)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         h = F.silu(self._mm(x, self.w1_packed, offs)) * self._mm(x, self.w3_packed, offs)
@@ -95,11 +112,15 @@ class QuantizedExperts(nn.Module):
 
 
 def quantize_model(
-    model: nn.Module, fmt: str, activations: bool = False, skip: tuple[str, ...] | list[str] = DEFAULT_SKIP
+    model: nn.Module,
+    fmt: str,
+    activations: bool = False,
+    skip: tuple[str, ...] | list[str] = DEFAULT_SKIP,
+    kernel: bool = True,
 ) -> nn.Module:
     """Swap ``model``'s linears and expert groups for quantized ones in place (``fmt`` "bf16": nothing). What stays
     as it is follows the training converter's rule (``skip_reason``): the ``skip`` patterns, and layers whose
-    features are not multiples of 32."""
+    features are not multiples of 32. ``kernel=False``: the reference GEMM even where the kernel runs."""
     if fmt == "bf16":
         return model
     if fmt not in FORMATS:
@@ -113,7 +134,7 @@ def quantize_model(
             continue
         if skip_reason(name, features, skip, BLOCK_SIZE) is None:
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, quantized(module, fmt, activations))
+            setattr(model.get_submodule(parent), child, quantized(module, fmt, activations, kernel))
     return model
 
 

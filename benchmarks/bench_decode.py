@@ -1,0 +1,297 @@
+"""Decode and prefill speed with the weights in bf16, MXFP8, MXFP4 and NVFP4, all in one run: Llama 3 8B dims
+(or --model moe: DeepSeek-MoE 16B dims) built at random (mx_recipe.infer.load), quantized by
+mx_recipe.infer.weights, whose GEMMs run the weight-only kernel on the GPU.
+
+    python benchmarks/bench_decode.py [--batch 1,8,32,128] [--weights bf16,mxfp8,mxfp4,nvfp4] [--out FILE]
+    python benchmarks/bench_decode.py --model moe --layers 12 --batch 1
+    python benchmarks/bench_decode.py --gemms-only                 # the linear layers' GEMMs of one step
+    python benchmarks/bench_decode.py --flavor debug --device cpu  # a smoke run
+
+Decode: one step of every sequence of --batch at the last of --context KV positions (the whole cache is read),
+replayed from a CUDA graph (mx_recipe.infer.decode.DecodeGraph) --steps times per timing, the formats
+interleaved in --rounds rounds; tokens/s = batch / median step time. --gemms-only replays only the GEMMs of the
+linear layers and experts of one step (inputs at random; the MoE's tokens go to the first experts, as many as
+a decode step of that batch reaches on average). Prefill: one --prefill-token prompt through the cache,
+eager (its kernels are long), median of --rounds.
+
+Each row gives tokens/s, the ratio to bf16, and the HBM bound: the bytes a step must read (the weights it
+uses, the MoE's routed experts in the expected share a batch reaches, E * (1 - (1 - k / E) ** batch) of E, and
+the whole KV cache) over the device's copy bandwidth, measured here (a device-to-device copy, read + write
+bytes). The targets on one H200: bf16 batch-1 decode >= 80% of the bound; MXFP8 >= 1.7x bf16 at batch 1,
+MXFP4 and NVFP4 >= 2.8x, 4-bit >= 1.5x at batch 32; MoE 16B dims, MXFP4 experts >= 2x bf16 at batch 1.
+
+The kernel's configs are timed once per GEMM shape, before the graphs are captured, and the fastest kept
+(mx_recipe.infer.weight_only.set_tuning; --no-tune: its defaults by M).
+--reference: the quantized GEMMs dequantize to bf16 first (what they did before the kernel), for comparison.
+On the CPU (fp32, no graphs, the reference GEMMs) the numbers only show that the script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from timing import run_meta
+
+from mx_recipe.cli import ArgumentParser, int_list, names, output_file
+from mx_recipe.infer.decode import DecodeGraph, KVCache, forward
+from mx_recipe.infer.load import to_compute_dtype
+from mx_recipe.infer.weight_only import set_tuning
+from mx_recipe.infer.weights import WEIGHT_FORMATS, QuantizedExperts, QuantizedLinear, quantize_model, weight_bytes
+from mx_recipe.models import MODEL_FLAVORS, build_model, model_args
+from mx_recipe.models.llama import Transformer
+from mx_recipe.models.moe import GroupedExperts
+
+DEFAULT_FLAVOR = {"llama": "8B", "moe": "moe_16B"}
+VOCAB = {"llama": 128256, "moe": 102400}  # Llama 3's tokenizer, DeepSeek-MoE's
+SMALL_VOCAB = 512  # the debug flavors
+DEFAULT_BATCH = {"llama": (1, 8, 32, 128), "moe": (1,)}
+# (model, weights, batch, minimum ratio to bf16 tokens/s)
+TARGETS = [
+    ("llama", "mxfp8", 1, 1.7),
+    ("llama", "mxfp4", 1, 2.8),
+    ("llama", "nvfp4", 1, 2.8),
+    ("llama", "mxfp4", 32, 1.5),
+    ("llama", "nvfp4", 32, 1.5),
+    ("moe", "mxfp4", 1, 2.0),
+]
+BF16_BOUND_TARGET = 0.8
+
+
+def build(name: str, flavor: str, layers: int | None, fmt: str, max_len: int, device: torch.device,
+          reference: bool) -> Transformer:  # fmt: skip
+    """The model at random (seed 0), in the compute dtype (bf16 on CUDA, fp32 on the CPU), weights in ``fmt``."""
+    dims = model_args(name, flavor, SMALL_VOCAB if flavor.startswith("debug") else VOCAB[name], max_len)
+    if layers is not None:
+        if not 0 < layers <= dims.n_layers:
+            raise ValueError(f"--layers {layers}: the flavor has {dims.n_layers} blocks")
+        dims = dataclasses.replace(dims, n_layers=layers)
+    with torch.device("meta"):
+        model = build_model(dims)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    model.init_weights()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return quantize_model(to_compute_dtype(model.eval(), dtype), fmt, kernel=not reference)
+
+
+def active_experts(n_experts: int, top_k: int, batch: int) -> float:
+    """Experts a decode step of ``batch`` tokens reaches on average, each choosing top_k of n_experts at random."""
+    return n_experts * (1 - (1 - top_k / n_experts) ** batch)
+
+
+def step_bytes(model: Transformer, batch: int, cache: KVCache | None) -> float:
+    """Bytes one decode step must read: the weights it uses (the embedding's ``batch`` rows, the routed experts
+    in their expected share) and the whole KV cache."""
+    total = weight_bytes(model) - model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size()
+    total += batch * model.tok_embeddings.weight.shape[1] * model.tok_embeddings.weight.element_size()
+    args = model.args
+    for module in model.modules():
+        if isinstance(module, GroupedExperts | QuantizedExperts):
+            n = args.n_routed_experts
+            experts = sum(p.numel() * p.element_size() for p in module.parameters())
+            experts += sum(b.numel() * b.element_size() for b in module.buffers())
+            total -= experts * (1 - active_experts(n, args.top_k, batch) / n)
+    if cache is not None:
+        total += 2 * cache.k.numel() * cache.k.element_size()
+    return total
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a device-to-device copy (read + write), median of 10."""
+    size = 2**30 if device.type == "cuda" else 2**26
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * size / statistics.median(timed(lambda: dst.copy_(src), device, 1) for _ in range(10))
+
+
+def timed(fn: Callable[[], object], device: torch.device, calls: int) -> float:
+    """Seconds per call of ``fn`` over ``calls`` back-to-back calls (CUDA events on the GPU)."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - start) / calls
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3 / calls
+
+
+def replayable(step: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """``step`` captured in a CUDA graph (after two warm-up runs on a side stream) on CUDA; ``step`` elsewhere."""
+    if device.type != "cuda":
+        return step
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def decode_step(model: Transformer, cache: KVCache, batch: int, step_fn: Callable, device: torch.device
+                ) -> Callable[[], object]:  # fmt: skip
+    tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    position = torch.tensor([cache.max_len - 1], device=device)
+    if device.type != "cuda":
+        return lambda: step_fn(model, tokens, position, cache)
+    graph = DecodeGraph(model, cache, tokens, position, step_fn)
+    return graph.graph.replay
+
+
+def gemms_step(model: Transformer, batch: int, device: torch.device) -> Callable[[], object]:
+    """The GEMMs of one decode step: every linear (the output layer and router gates included) on a [batch, K]
+    input, and every expert group on batch * top_k rows sent to the first experts it reaches on average."""
+    dtype = model.output.weight.dtype
+    calls = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear | QuantizedLinear):
+            x = torch.randn(batch, module.in_features, device=device, dtype=dtype)
+            calls.append(lambda module=module, x=x: module(x))
+        elif isinstance(module, GroupedExperts | QuantizedExperts):
+            args = model.args
+            rows, reached = batch * args.top_k, round(active_experts(args.n_routed_experts, args.top_k, batch))
+            sizes = [rows // reached + (e < rows % reached) for e in range(reached)] + [0] * (
+                args.n_routed_experts - reached
+            )
+            offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+            x = torch.randn(rows, args.dim, device=device, dtype=dtype)
+            calls.append(lambda module=module, x=x, offs=offs: module(x, offs))
+
+    def step() -> None:
+        for call in calls:
+            call()
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODEL_FLAVORS), default="llama")
+    p.add_argument("--flavor", help="default: 8B (llama), moe_16B (moe)")
+    p.add_argument("--layers", type=int, help="keep the first N blocks (default: all the flavor has)")
+    p.add_argument("--weights", type=names(WEIGHT_FORMATS), default=WEIGHT_FORMATS, help="comma-separated")
+    p.add_argument("--batch", type=int_list(), help="decode batches (default: 1,8,32,128; moe: 1)")
+    p.add_argument("--context", type=int, default=1024, help="KV positions each sequence holds")
+    p.add_argument("--prefill", type=int, default=2048, help="prompt tokens for prefill (0: none)")
+    p.add_argument("--gemms-only", action="store_true", help="time only the GEMMs of one decode step")
+    p.add_argument("--reference", action="store_true", help="quantized GEMMs dequantize first (no kernel)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step before capture")
+    p.add_argument("--no-tune", action="store_true", help="the kernel's default configs, not the fastest timed")
+    p.add_argument("--steps", type=int, default=20, help="decode steps per timing")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    p.add_argument("--device", help="default: cuda if available, else cpu")
+    p.add_argument("--out", type=output_file, help="write the rows as JSON here, with provenance")
+    args = p.parse_args(argv)
+    torch.set_grad_enabled(False)
+    flavor = args.flavor or DEFAULT_FLAVOR[args.model]
+    if flavor not in MODEL_FLAVORS[args.model]:
+        p.error(f"--flavor: unknown {args.model} flavor {flavor!r}; known: {', '.join(MODEL_FLAVORS[args.model])}")
+    if args.context < 1 or args.prefill < 0 or args.steps < 1 or args.rounds < 1:
+        p.error("--context, --steps and --rounds must be >= 1 and --prefill >= 0")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.compile and device.type == "cpu":
+        p.error("--compile: Inductor's CPU code has no float8_e8m0fnu, the MX scales' type: time the CPU eagerly")
+    batches = args.batch or DEFAULT_BATCH[args.model]
+    if device.type == "cuda" and not args.no_tune:
+        set_tuning(True)
+    weights = ("bf16", *[w for w in args.weights if w != "bf16"])  # bf16 first: the ratios' base
+    max_len = max(args.context, args.prefill)
+
+    try:
+        models = {fmt: build(args.model, flavor, args.layers, fmt, max_len, device, args.reference) for fmt in weights}
+    except ValueError as e:
+        p.error(str(e))
+    dims, dtype = models["bf16"].args, models["bf16"].output.weight.dtype
+    bandwidth = copy_bandwidth(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(
+        f"device: {name}, torch {torch.__version__}, {args.model} {flavor} dims, {dims.n_layers} layers, "
+        f"vocab {dims.vocab_size}; copy bandwidth {bandwidth / 1e9:,.0f} GB/s; "
+        f"{'reference GEMMs' if args.reference else 'weight-only kernel'}"
+        f"{', default configs' if args.no_tune or args.reference else ', tuned configs'}"
+        f"{', torch.compile' if args.compile else ''}; weights "
+        + ", ".join(f"{fmt} {weight_bytes(m) / 1e9:.2f} GB" for fmt, m in models.items())
+    )
+    step_fn = torch.compile(forward) if args.compile else forward
+    rows = []
+
+    def add_rows(mode: str, batch: int, tokens: int, seconds: dict[str, float], nbytes: dict[str, float]) -> None:
+        for fmt in weights:
+            bound = tokens / (nbytes[fmt] / bandwidth) if nbytes[fmt] else None
+            row = dict(mode=mode, weights=fmt, batch=batch, tokens=tokens, ms=seconds[fmt] * 1e3,
+                       tokens_per_s=tokens / seconds[fmt], vs_bf16=seconds["bf16"] / seconds[fmt],
+                       bytes=nbytes[fmt], bound_tokens_per_s=bound,
+                       pct_of_bound=100 * tokens / seconds[fmt] / bound if bound else None)  # fmt: skip
+            rows.append(row)
+            pct = f"{row['pct_of_bound']:5.1f}% of bound" if bound else ""
+            print(
+                f"{mode:>7} batch {batch:>4} {fmt:>6}: {row['ms']:9.3f} ms  {row['tokens_per_s']:>11,.1f} tok/s  "
+                f"{row['vs_bf16']:5.2f}x bf16  {pct}"
+            )
+
+    mode = "gemms" if args.gemms_only else "decode"
+    for batch in batches:
+        cache = None if args.gemms_only else KVCache(models["bf16"], batch, args.context, dtype, device)
+        if args.gemms_only:
+            steps = {fmt: replayable(gemms_step(m, batch, device), device) for fmt, m in models.items()}
+        else:
+            steps = {fmt: decode_step(m, cache, batch, step_fn, device) for fmt, m in models.items()}
+        samples = {fmt: [] for fmt in weights}
+        for _ in range(args.rounds):
+            for fmt in weights:
+                samples[fmt].append(timed(steps[fmt], device, args.steps))
+        seconds = {fmt: statistics.median(s) for fmt, s in samples.items()}
+        add_rows(mode, batch, batch, seconds, {fmt: step_bytes(m, batch, cache) for fmt, m in models.items()})
+        del steps, cache
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    if args.prefill and not args.gemms_only:
+        cache = KVCache(models["bf16"], 1, args.prefill, dtype, device)
+        tokens = torch.zeros(1, args.prefill, dtype=torch.long, device=device)
+        positions = torch.arange(args.prefill, device=device)
+        seconds = {}
+        for fmt, m in models.items():
+            forward(m, tokens, positions, cache)  # warm-up: kernels compile
+            seconds[fmt] = statistics.median(
+                timed(lambda m=m: forward(m, tokens, positions, cache), device, 1) for _ in range(args.rounds)
+            )
+        add_rows("prefill", 1, args.prefill, seconds, {fmt: 0.0 for fmt in weights})
+
+    verdicts = []
+    decode = {(r["weights"], r["batch"]): r for r in rows if r["mode"] == mode}
+    if ("bf16", 1) in decode and args.model == "llama" and not args.gemms_only:
+        pct = decode[("bf16", 1)]["pct_of_bound"]
+        verdicts.append(f"bf16 batch-1 decode at {pct:.1f}% of the HBM bound (target >= {BF16_BOUND_TARGET:.0%})")
+    for model, fmt, batch, target in TARGETS:
+        if model == args.model and (fmt, batch) in decode:
+            ratio = decode[(fmt, batch)]["vs_bf16"]
+            verdict = "meets" if ratio >= target else "misses"
+            verdicts.append(f"{fmt} batch {batch}: {ratio:.2f}x bf16 tokens/s ({verdict} the target >= {target}x)")
+    for line in verdicts:
+        print(line)
+    if args.out:
+        meta = run_meta(model=args.model, flavor=flavor, layers=dims.n_layers, vocab=dims.vocab_size,
+                        context=args.context, copy_bytes_per_s=bandwidth, reference=args.reference,
+                        compiled=args.compile, tuned=not args.no_tune and device.type == "cuda", mode=mode)  # fmt: skip
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows, "verdicts": verdicts}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

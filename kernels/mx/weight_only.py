@@ -1,0 +1,473 @@
+"""Weight-only GEMM for Hopper: out [M, N] = x [M, K] (bf16) @ dequantize(w) [N, K].T, bf16 out, fp32
+accumulation, with w packed as mx_recipe.formats packs it and upcast in registers. Also grouped, for MoE experts.
+
+Formats (``fmt``) and the bytes the kernel reads, all in the formats' natural layout, along K:
+
+* ``mxfp8``: codes [N, K] e4m3 bytes, scales [N, K/32] e8m0 bytes;
+* ``mxfp4``: codes [N, K/2] bytes, two e2m1 codes each (element 2j in the low nibble), scales [N, K/32] e8m0;
+* ``nvfp4``: codes as mxfp4, scales [N, K/16] e4m3 bytes, and a fp32 tensor scale applied to the accumulator.
+
+Why the natural layout: a program reads a [BLOCK_N, BLOCK_K] tile of codes as BLOCK_N contiguous runs of
+BLOCK_K bytes (BLOCK_K/2 for e2m1), at least 32 at the configs below: whole 32-byte sectors. Its scales are
+BLOCK_N runs of BLOCK_K/32 (/16) bytes, 1/32 (1/16) of the code bytes, whose sectors the program's next K tiles
+read again from cache. Interleaving the scales with the codes or pre-tiling K-major saves no bytes: it could
+only trade address arithmetic, and it would make the packed weight differ from the formats' (checkpoints,
+``dequantize``). So the kernel reads the weights as they are stored.
+
+The upcast is integer bit operations, exact, with no fp8 conversion instruction (so Triton's CPU interpreter,
+whose fp8 conversions are wrong, checks the kernel too):
+
+* an e4m3 code c as fp32 bits ``(c & 0x7F) << 20 | (c & 0x80) << 24`` is its value times 2**-120 (subnormal
+  codes land on fp32 subnormals, which fp32 multiplies keep: Triton flushes none); 0x7F / 0xFF give NaN;
+* an e2m1 code c as fp32 bits ``(c & 7) << 22 | (c & 8) << 28`` is its value times 2**-126;
+* an e8m0 scale byte e is 2**(e - 127) as fp32 bits ``e << 23`` (e = 0: 2**-127, a subnormal), NaN for 0xFF.
+
+Each weight is then ``(bits * 2**120 or 2**126) * scale`` in fp32, exact while it stays in bf16's normal range,
+as ``dequantize`` computes it, cast to bf16 (exact: at most 6 significant bits) for a bf16 ``tl.dot``. For
+nvfp4, ``e2m1 * e4m3`` is exact and the tensor scale multiplies the fp32 sum once, as the hardware's NVFP4
+GEMM does; ``dequantize(bf16)`` rounds every weight after that product instead, so the two differ by one bf16
+rounding per weight on top of the summation order.
+
+e2m1 weights stay in their packed order: the low nibbles (even k) and high nibbles (odd k) of a tile are two
+[BLOCK_N, BLOCK_K/2] operands, and x is read as its even and odd columns to match (two dots, no interleave of
+the weight in registers).
+
+Small M (decode): BLOCK_M is 16 (the smallest ``tl.dot``) and, when the N and M tiles alone are too few to
+keep every SM reading (PROGRAMS_PER_SM), K is split over programs. Each split stores its fp32 partial; the
+last split of a tile to finish (an atomic counter per tile) sums the partials in split order, so the result
+does not depend on timing, writes bf16 and resets the counter. The counters are one zeroed buffer per device,
+shared: two split GEMMs must not run at once on different streams.
+
+Grouped (MoE): x [M_total, K] sorted by expert, ``offs`` [E] int32 cumulative row ends, w [E, N, K]. The grid
+has cdiv(M_total, BLOCK_M) + E row-tile slots, as many as any ``offs`` can need; each program finds its
+expert and rows from ``offs`` and a program without rows returns at once, so an expert without tokens costs
+no weight bytes (decode: only the top-k experts' weights are read).
+
+Large M (prefill) is compute-bound: ``dequantize`` writes the bf16 weight in one pass, bit for bit the
+reference's, for cuBLAS (mx_recipe.infer.weight_only decides).
+
+Under the interpreter (TRITON_INTERPRET=1) the dot runs in fp32 on the same exact values (the interpreter's
+bf16 is raw uint16), and its fp32 -> bf16 output cast truncates.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from mx_kernels.common import interpreting
+from mx_kernels.launch_cache import LaunchCache
+from mx_kernels.spec import cdiv
+
+# fmt -> (elements per scale, elements per code byte)
+FORMATS = {"mxfp8": (32, 1), "mxfp4": (32, 2), "nvfp4": (16, 2)}
+
+# Hopper configs by M bucket: the first whose max_m >= M (per group, for the grouped GEMM); the last takes the
+# rest. BLOCK_K counts the elements of fp8 weights; e2m1 tiles take twice as many elements, the same bytes. The
+# first candidate of a bucket is its default; ``set_tuning(True)`` times them all once per shape and keeps the
+# fastest (with split K off and as the SM count asks). The tiles are small because the upcast weights take
+# registers (fp32 values, then bf16 in the dot's layout): compiled for sm_90a, 16 x 32 x 64 fp8 tiles take about 60
+# registers a thread and 64 x 64 x 64 about 125, so that several programs share an SM and hide the loads' latency;
+# larger tiles spill. Past M = 128 a GEMM is compute-bound and ``dequantize_bf16`` + cuBLAS serves it better
+# (mx_recipe.infer.weight_only).
+CANDIDATES = (
+    (16, [
+        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, PREFETCH=False),
+        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, PREFETCH=True),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, PREFETCH=False),
+        dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, PREFETCH=False),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=8, PREFETCH=False),
+    ]),
+    (32, [
+        dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=8, PREFETCH=False),
+        dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, PREFETCH=False),
+        dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, PREFETCH=True),
+    ]),
+    (64, [
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=8, PREFETCH=False),
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=8, PREFETCH=False),
+        dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, num_warps=4, PREFETCH=False),
+    ]),
+    (None, [
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=8, PREFETCH=False),
+        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, PREFETCH=False),
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=8, PREFETCH=False),
+    ]),
+)  # fmt: skip
+PROGRAMS_PER_SM = 8  # split K until a GEMM has this many programs per SM: small tiles, several programs an SM
+MAX_SPLIT_K = 16
+COUNTERS = 1 << 16  # split-K tiles a launch may have
+
+
+@triton.jit
+def _e8m0(e):
+    """e8m0 bytes (int32) -> 2**(e - 127) in fp32; NaN for 0xFF."""
+    bits = tl.where(e == 0, 0x400000, e << 23)
+    return tl.where(e == 0xFF, float("nan"), bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _e4m3(c):
+    """e4m3 bytes (int32) -> value * 2**-120 in fp32 (exact); NaN for 0x7F and 0xFF."""
+    v = (((c & 0x7F) << 20) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
+    return tl.where((c & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def _e2m1(c):
+    """e2m1 codes (int32, 0..15) -> value * 2**-126 in fp32 (exact)."""
+    return (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scaled(v, factor, GROUP: tl.constexpr):
+    """v [BN, BK'] times its block's factor [BN, BK' / GROUP]."""
+    BN: tl.constexpr = v.shape[0]
+    BK: tl.constexpr = v.shape[1]
+    v3 = tl.reshape(v, (BN, BK // GROUP, GROUP)) * factor[:, :, None]
+    return tl.reshape(v3, (BN, BK))
+
+
+@triton.jit
+def _load_tile(w_ptrs, s_ptrs, x_ptrs, stride_xk, left, kb, ks, PACK: tl.constexpr, GROUP: tl.constexpr,
+               EVEN_K: tl.constexpr):  # fmt: skip
+    """The code bytes, scale bytes and x columns (even and odd ones for e2m1) of the tile with ``left`` elements of
+    K still to go: the whole tile, its head (a K tail: codes and scales 0, x 0 past it), or nothing (left <= 0)."""
+    if EVEN_K:
+        ok = left > 0
+        w = tl.load(w_ptrs, mask=ok, other=0)
+        s = tl.load(s_ptrs, mask=ok, other=0)
+        x0 = tl.load(x_ptrs, mask=ok, other=0.0)
+        x1 = x0
+        if PACK == 2:
+            x1 = tl.load(x_ptrs + stride_xk, mask=ok, other=0.0)
+    else:
+        w = tl.load(w_ptrs, mask=kb[None, :] < left // PACK, other=0)
+        s = tl.load(s_ptrs, mask=ks[None, :] < left // GROUP, other=0)
+        x0 = tl.load(x_ptrs, mask=PACK * kb[None, :] < left, other=0.0)
+        x1 = x0
+        if PACK == 2:
+            x1 = tl.load(x_ptrs + stride_xk, mask=PACK * kb[None, :] + 1 < left, other=0.0)
+    return w, s, x0, x1
+
+
+@triton.jit
+def _weight_only_kernel(
+    x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, E, K_SPLIT, SPLIT_K,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om, stride_on,
+    FMT: tl.constexpr, GROUPED: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PREFETCH: tl.constexpr, DOT_BF16: tl.constexpr,
+):  # fmt: skip
+    GROUP: tl.constexpr = 16 if FMT == "nvfp4" else 32
+    PACK: tl.constexpr = 1 if FMT == "mxfp8" else 2
+    BKB: tl.constexpr = BLOCK_K // PACK  # code bytes per row of a tile
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    pid_k = tl.program_id(2)
+
+    if GROUPED:
+        # The slot-th row tile over the groups in order, each group cut in BLOCK_M rows.
+        e_idx = tl.arange(0, E_POW2)
+        ends = tl.load(offs_ptr + e_idx, mask=e_idx < E, other=0)
+        starts = tl.load(offs_ptr + e_idx - 1, mask=(e_idx > 0) & (e_idx < E), other=0)
+        tiles = tl.where(e_idx < E, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+        after = tl.cumsum(tiles, 0)
+        hit = (slot >= after - tiles) & (slot < after)
+        expert = tl.max(tl.where(hit, e_idx, -1), 0)
+        row0 = tl.sum(tl.where(hit, starts + (slot - (after - tiles)) * BLOCK_M, 0), 0)
+        row_end = tl.sum(tl.where(hit, ends, 0), 0)
+        if expert < 0:
+            return
+        w_ptr += expert.to(tl.int64) * stride_we
+        s_ptr += expert.to(tl.int64) * stride_se
+    else:
+        row0 = slot * BLOCK_M
+        row_end = M
+
+    rm = row0 + tl.arange(0, BLOCK_M)
+    rm_in = tl.where(rm < row_end, rm, row0).to(tl.int64)  # rows past the tile's end repeat its first: no masks
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_in = (rn % N).to(tl.int64)
+    kb = tl.arange(0, BKB)
+    ks = tl.arange(0, BLOCK_K // GROUP)
+    k_start = pid_k * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+
+    # x: whole columns (fp8 weights), or even and odd columns (e2m1 weights, in their packed order)
+    x_ptrs = x_ptr + rm_in[:, None] * stride_xm + (k_start + PACK * kb[None, :]) * stride_xk
+    w_ptrs = w_ptr + rn_in[:, None] * stride_wn + (k_start // PACK + kb[None, :]) * stride_wk
+    s_ptrs = s_ptr + rn_in[:, None] * stride_sn + (k_start // GROUP + ks[None, :]) * stride_sk
+
+    # PREFETCH: one tile ahead, the next tile's bytes in flight while this one is upcast and multiplied (more
+    # registers a program: fewer programs an SM); else the SM's other programs hide the loads' latency.
+    if PREFETCH:
+        w, s, x0, x1 = _load_tile(w_ptrs, s_ptrs, x_ptrs, stride_xk, k_end - k_start, kb, ks, PACK, GROUP, EVEN_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if PREFETCH:
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BKB * stride_wk
+            s_ptrs += (BLOCK_K // GROUP) * stride_sk
+            left = k_end - k0 - BLOCK_K
+            w_next, s_next, x0_next, x1_next = _load_tile(w_ptrs, s_ptrs, x_ptrs, stride_xk, left, kb, ks, PACK,
+                                                          GROUP, EVEN_K)  # fmt: skip
+        else:
+            w, s, x0, x1 = _load_tile(w_ptrs, s_ptrs, x_ptrs, stride_xk, k_end - k0, kb, ks, PACK, GROUP, EVEN_K)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BKB * stride_wk
+            s_ptrs += (BLOCK_K // GROUP) * stride_sk
+        w, s = w.to(tl.int32), s.to(tl.int32)
+        if FMT == "nvfp4":
+            factor = _e4m3(s) * 1.329227995784916e36  # 2**120: the e4m3 scale's value
+        else:
+            factor = _e8m0(s)
+        if PACK == 1:
+            w0 = _scaled(_e4m3(w) * 1.329227995784916e36, factor, GROUP)
+        else:
+            w0 = _scaled(_e2m1(w & 0xF) * 8.507059173023462e37, factor, GROUP // 2)  # 2**126
+            w1 = _scaled(_e2m1(w >> 4) * 8.507059173023462e37, factor, GROUP // 2)
+        if DOT_BF16:
+            acc = tl.dot(x0, tl.trans(w0.to(tl.bfloat16)), acc)
+            if PACK == 2:
+                acc = tl.dot(x1, tl.trans(w1.to(tl.bfloat16)), acc)
+        else:
+            acc = tl.dot(x0.to(tl.float32), tl.trans(w0), acc, input_precision="ieee")
+            if PACK == 2:
+                acc = tl.dot(x1.to(tl.float32), tl.trans(w1), acc, input_precision="ieee")
+        if PREFETCH:
+            w, s, x0, x1 = w_next, s_next, x0_next, x1_next
+
+    row_ok = rm < row_end
+    col_ok = rn < N
+    if SPLIT:  # SPLIT_K > 1, a runtime value: one compiled kernel for every split
+        # Store this split's partial; the last split of the tile to arrive sums them all in split order.
+        tile = pid_n * tl.num_programs(1) + slot
+        ws_tile = ws_ptr + rm_in[:, None] * N + rn_in[None, :]
+        tl.store(ws_tile + pid_k * M * N, acc, mask=row_ok[:, None] & col_ok[None, :])
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived != SPLIT_K - 1:
+            return
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(SPLIT_K):
+            acc += tl.load(ws_tile + k * M * N, cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
+    if FMT == "nvfp4":
+        acc = acc * tl.load(ts_ptr)
+    out_ptrs = out_ptr + rm_in[:, None] * stride_om + rn[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, ts_ptr, out_ptr, R, K, FMT: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_K: tl.constexpr):  # fmt: skip
+    """Rows [R, K] of packed codes (contiguous) to values in out's dtype: the reference's products, one rounding."""
+    GROUP: tl.constexpr = 16 if FMT == "nvfp4" else 32
+    PACK: tl.constexpr = 1 if FMT == "mxfp8" else 2
+    BKB: tl.constexpr = BLOCK_K // PACK
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    kb = tl.program_id(1) * BKB + tl.arange(0, BKB)
+    ks = tl.program_id(1) * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
+    ok = (r[:, None] < R) & (kb[None, :] < K // PACK)
+    w = tl.load(w_ptr + r[:, None] * (K // PACK) + kb[None, :], mask=ok, other=0).to(tl.int32)
+    s_ok = (r[:, None] < R) & (ks[None, :] < K // GROUP)
+    s = tl.load(s_ptr + r[:, None] * (K // GROUP) + ks[None, :], mask=s_ok, other=0).to(tl.int32)
+    if FMT == "nvfp4":
+        factor = _e4m3(s) * 1.329227995784916e36
+    else:
+        factor = _e8m0(s)
+    out = out_ptr + r[:, None] * K + PACK * kb[None, :]
+    if PACK == 1:
+        tl.store(out, _scaled(_e4m3(w) * 1.329227995784916e36, factor, GROUP).to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        w0 = _scaled(_e2m1(w & 0xF) * 8.507059173023462e37, factor, GROUP // 2)
+        w1 = _scaled(_e2m1(w >> 4) * 8.507059173023462e37, factor, GROUP // 2)
+        if FMT == "nvfp4":
+            w0, w1 = w0 * tl.load(ts_ptr), w1 * tl.load(ts_ptr)
+        tl.store(out, w0.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out + 1, w1.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+_LAUNCHES = LaunchCache(_weight_only_kernel)
+_DEQUANTIZE = LaunchCache(_dequantize_kernel)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+def candidates(m: int, fmt: str) -> list[dict]:
+    """The configs for M rows (per group) of ``fmt`` weights, the default first (see CANDIDATES)."""
+    for max_m, configs in CANDIDATES:
+        if max_m is None or m <= max_m:
+            pack = FORMATS[fmt][1]
+            return [dict(cfg, num_stages=1, BLOCK_K=cfg["BLOCK_K"] * pack) for cfg in configs]
+    raise AssertionError("unreachable")
+
+
+def config_for(m: int, fmt: str) -> dict:
+    """The default config for M rows (per group) of ``fmt`` weights."""
+    return candidates(m, fmt)[0]
+
+
+_TUNE = False
+_TUNED: dict[tuple, tuple[dict, int | None]] = {}
+
+
+def set_tuning(enabled: bool) -> None:
+    """Time every candidate config of each new GEMM shape on its first call and keep the fastest (off: the
+    defaults). A call inside CUDA-graph capture never tunes: the shapes are tuned by the runs before capture."""
+    global _TUNE
+    _TUNE = enabled
+
+
+def _tuned(key: tuple, x: torch.Tensor, run) -> tuple[dict, int | None]:
+    """The fastest (config, split_k) of ``run(config, split_k)`` for ``key``, timed once and kept."""
+    if key in _TUNED:
+        return _TUNED[key]
+    m, fmt = key[1], key[0]
+    best, best_ms = None, float("inf")
+    for cfg in candidates(m, fmt):
+        for split in (None, 1):
+            try:
+                run(cfg, split)  # compiles
+            except triton.runtime.errors.OutOfResources:  # too much shared memory or too many registers
+                continue
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(10):
+                run(cfg, split)
+            end.record()
+            end.synchronize()
+            if begin.elapsed_time(end) < best_ms:
+                best, best_ms = (cfg, split), begin.elapsed_time(end)
+    _TUNED[key] = best
+    return best
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, so that tests exercise split K
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def check(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: str,
+          grouped: bool, op: str) -> tuple[int, int]:  # fmt: skip
+    """Raise on malformed operands; return (N, K)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"{op}: unknown format {fmt!r}; expected one of {sorted(FORMATS)}")
+    group, pack = FORMATS[fmt]
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise ValueError(f"{op}: x must be a 2D bf16 tensor, got {x.dtype} {tuple(x.shape)}")
+    dims = 3 if grouped else 2
+    if qdata.dim() != dims or scale.dim() != dims or qdata.element_size() != 1 or scale.element_size() != 1:
+        raise ValueError(f"{op}: qdata and scale must be {dims}D tensors of bytes, got {qdata.dtype} "
+                         f"{tuple(qdata.shape)} and {scale.dtype} {tuple(scale.shape)}")  # fmt: skip
+    n, k = qdata.shape[-2], qdata.shape[-1] * pack
+    if k != x.shape[1] or k % group or tuple(scale.shape) != (*qdata.shape[:-1], k // group):
+        raise ValueError(f"{op}: {fmt} needs x [M, K], qdata [..., N, K/{pack}] and scale [..., N, K/{group}] with "
+                         f"K a multiple of {group}; got x {tuple(x.shape)}, qdata {tuple(qdata.shape)}, "
+                         f"scale {tuple(scale.shape)}")  # fmt: skip
+    if (fmt == "nvfp4") != (tensor_scale is not None) or (tensor_scale is not None and tensor_scale.numel() != 1):
+        raise ValueError(f"{op}: nvfp4 takes a one-element fp32 tensor_scale, the MX formats none")
+    return n, k
+
+
+def weight_only_mm(
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    tensor_scale: torch.Tensor | None,
+    fmt: str,
+    offs: torch.Tensor | None = None,
+    config: dict | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """x [M, K] bf16 @ dequantize(qdata, scale, tensor_scale).T -> [M, N] bf16 (module doc). ``offs``: the
+    grouped GEMM (qdata [E, N, K/pack], scale [E, N, K/group], x sorted by group, int32 cumulative row ends).
+    ``config`` overrides the tiles and ``split_k`` the split (None: from the SM count)."""
+    grouped = offs is not None
+    op = "weight_only_grouped_mm" if grouped else "weight_only_mm"
+    n, k = check(x, qdata, scale, tensor_scale, fmt, grouped, op)
+    if not x.is_cuda and not interpreting():
+        raise RuntimeError(f"{op}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
+    if grouped and (offs.dim() != 1 or offs.dtype != torch.int32 or offs.shape[0] != qdata.shape[0]):
+        raise ValueError(f"{op}: offs must be int32 [E] for E = {qdata.shape[0]} groups")
+    m = x.shape[0]
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    n_groups = qdata.shape[0] if grouped else 1
+    rows = cdiv(m, n_groups)
+    if config is None and split_k is None and _TUNE and x.is_cuda and not torch.cuda.is_current_stream_capturing():
+        key = (fmt, rows if rows <= 16 else triton.next_power_of_2(rows), n, k, n_groups, grouped, x.device)
+        config, split_k = _tuned(key, x, lambda c, s: weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, c, s))
+    cfg = {**config_for(rows, fmt), **(config or {})}
+    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if block_k % 32 or block_m < 16 or block_n < 16:
+        raise ValueError(f"{op}: BLOCK_K must be a multiple of 32, BLOCK_M and BLOCK_N at least 16; got {cfg}")
+    slots = cdiv(m, block_m) + (n_groups if grouped else 0)
+    tiles = cdiv(n, block_n) * slots
+    k_tiles = cdiv(k, block_k)
+    if split_k is None:
+        busy = cdiv(n, block_n) * (min(cdiv(m, block_m), n_groups) if grouped else slots)  # tiles with rows
+        split_k = max(1, min(MAX_SPLIT_K, k_tiles // 2, cdiv(PROGRAMS_PER_SM * _sm_count(x.device), busy)))
+    split_k = cdiv(k_tiles, cdiv(k_tiles, max(1, min(split_k, k_tiles))))  # no empty split
+    if tiles > COUNTERS:
+        split_k = 1
+    k_split = cdiv(k_tiles, split_k) * block_k
+    ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    counters = _counters(x.device) if split_k > 1 else out
+    ts = tensor_scale.reshape(1).to(torch.float32) if tensor_scale is not None else out
+    w, s = qdata.view(torch.uint8), scale.view(torch.uint8)
+    if not grouped:
+        w, s = w[None], s[None]
+    _LAUNCHES.launch(
+        (cdiv(n, block_n), slots, split_k),
+        dict(
+            x_ptr=x, w_ptr=w, s_ptr=s, ts_ptr=ts, offs_ptr=offs if grouped else out, out_ptr=out, ws_ptr=ws,
+            cnt_ptr=counters, M=m, N=n, K=k, E=n_groups, K_SPLIT=k_split, SPLIT_K=split_k, stride_xm=x.stride(0),
+            stride_xk=x.stride(1), stride_we=w.stride(0), stride_wn=w.stride(1), stride_wk=w.stride(2),
+            stride_se=s.stride(0), stride_sn=s.stride(1), stride_sk=s.stride(2), stride_om=out.stride(0),
+            stride_on=out.stride(1), FMT=fmt,
+            GROUPED=grouped, E_POW2=max(2, triton.next_power_of_2(n_groups)), SPLIT=split_k > 1,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+            PREFETCH=cfg.get("PREFETCH", False), DOT_BF16=not interpreting(), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        ),
+    )  # fmt: skip
+    return out
+
+
+def dequantize(qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: str,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:  # fmt: skip
+    """The packed weight [..., N, K] in ``dtype`` (bf16 or fp32), bit for bit the reference's ``dequantize``
+    (elements times scales in fp32, times the tensor scale for nvfp4, one rounding to ``dtype``): what a GEMM too
+    large for the weight-only kernel hands to cuBLAS."""
+    group, pack = FORMATS[fmt]
+    k = qdata.shape[-1] * pack
+    if qdata.element_size() != 1 or tuple(scale.shape) != (*qdata.shape[:-1], k // group):
+        raise ValueError(f"dequantize: {fmt} needs qdata [..., N, K/{pack}] bytes and scale [..., N, K/{group}]; got "
+                         f"{qdata.dtype} {tuple(qdata.shape)} and {tuple(scale.shape)}")  # fmt: skip
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"dequantize: dtype must be bf16 or fp32, got {dtype}")
+    out = torch.empty((*qdata.shape[:-1], k), dtype=dtype, device=qdata.device)
+    rows = out.numel() // k if k else 0
+    if rows == 0 or k == 0:
+        return out
+    w, s = qdata.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8)
+    ts = tensor_scale.reshape(1).to(torch.float32) if tensor_scale is not None else out
+    block_r, block_k = 32, 128
+    _DEQUANTIZE.launch(
+        (cdiv(rows, block_r), cdiv(k, block_k)),
+        dict(w_ptr=w, s_ptr=s, ts_ptr=ts, out_ptr=out, R=rows, K=k, FMT=fmt, BLOCK_R=block_r, BLOCK_K=block_k,
+             num_warps=4),
+    )  # fmt: skip
+    return out

@@ -1,0 +1,92 @@
+"""The weight-only GEMM as custom ops: ``torch.ops.mx_recipe.weight_only_mm`` and ``weight_only_grouped_mm``,
+x (bf16) times a weight kept packed in MXFP8, MXFP4 or NVFP4, upcast in registers (mx_kernels.mx.weight_only,
+whose docstring gives the layout and the numerics). Fake implementations give the shapes, so torch.compile and
+CUDA-graph capture take the kernel as one opaque node; Triton is imported on the first call only.
+
+``use_kernel`` is the rule ``QuantizedLinear`` and ``QuantizedExperts`` follow: the kernel for bf16 activations
+on an NVIDIA GPU of compute capability 8.0 or newer (a bf16 ``tl.dot``; its configs are Hopper's), else the
+reference (dequantize, then the GEMM in the activations' dtype). Past ``LARGE_M`` rows (per group) a GEMM is
+compute-bound (prefill): there ``torch.ops.mx_recipe.dequantize_packed`` writes the bf16 weight in one kernel,
+bit for bit the reference's, and cuBLAS multiplies, which beats a tile that also upcasts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mx_recipe.library import define
+from mx_recipe.ops.device import capability
+
+PACK = {"mxfp8": 1, "mxfp4": 2, "nvfp4": 2}  # elements per code byte along K
+LARGE_M = 128  # rows (per group) past which dequantize_packed + cuBLAS runs instead of the weight-only kernel
+
+
+def _launch(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
+            offs: Tensor | None = None) -> Tensor:  # fmt: skip
+    from mx_kernels.mx.weight_only import weight_only_mm as launch
+
+    return launch(x, qdata, scale, tensor_scale, fmt, offs)
+
+
+def _fake(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
+          offs: Tensor | None = None) -> Tensor:  # fmt: skip
+    return x.new_empty((x.shape[0], qdata.shape[-2]), dtype=torch.bfloat16)
+
+
+define("weight_only_mm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt) -> Tensor", _launch, _fake)
+define(
+    "weight_only_grouped_mm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt, Tensor offs)"
+    " -> Tensor",
+    _launch,
+    _fake,
+)
+
+
+def _dequantize(qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str) -> Tensor:
+    from mx_kernels.mx.weight_only import dequantize
+
+    return dequantize(qdata, scale, tensor_scale, fmt)
+
+
+def _dequantize_fake(qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str) -> Tensor:
+    return qdata.new_empty((*qdata.shape[:-1], qdata.shape[-1] * PACK[fmt]), dtype=torch.bfloat16)
+
+
+define("dequantize_packed(Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt) -> Tensor", _dequantize,
+       _dequantize_fake)  # fmt: skip
+
+
+def set_tuning(enabled: bool) -> None:
+    """Time the kernel's candidate configs once per new GEMM shape and keep the fastest (off, the default: its
+    configs by M). The timing runs on the first call of a shape outside CUDA-graph capture."""
+    from mx_kernels.mx.weight_only import set_tuning as set_kernel_tuning
+
+    set_kernel_tuning(enabled)
+
+
+def use_kernel(x: Tensor) -> bool:
+    """Whether a GEMM of activations ``x`` runs the weight-only kernel (module doc)."""
+    cap = capability(x.device)
+    return x.dtype == torch.bfloat16 and cap is not None and cap >= (8, 0)
+
+
+def weight_only_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str) -> Tensor:
+    """x [..., K] bf16 @ dequantize(w).T for w packed along K (qdata [N, K / pack], scale [N, K / block]) ->
+    [..., N] bf16."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] > LARGE_M:
+        return F.linear(x, torch.ops.mx_recipe.dequantize_packed(qdata, scale, tensor_scale, fmt))
+    out = torch.ops.mx_recipe.weight_only_mm(x2, qdata, scale, tensor_scale, fmt)
+    return out.reshape(*x.shape[:-1], qdata.shape[-2])
+
+
+def weight_only_grouped_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
+                           offs: Tensor) -> Tensor:  # fmt: skip
+    """x [M, K] bf16, sorted by group with int32 cumulative row ends ``offs`` [E], by w [E, N, K] packed along K:
+    group e's rows @ dequantize(w[e]).T -> [M, N] bf16. Only the groups with rows read their weights."""
+    if x.shape[0] > LARGE_M * qdata.shape[0]:
+        w = torch.ops.mx_recipe.dequantize_packed(qdata, scale, tensor_scale, fmt)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    return torch.ops.mx_recipe.weight_only_grouped_mm(x, qdata, scale, tensor_scale, fmt, offs)

@@ -1,0 +1,58 @@
+"""benchmarks/bench_decode.py on the CPU: a debug model end to end, bf16 and the three formats in one run, and the
+bytes a step reads (its timings only mean something on a GPU)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from script_module import BENCHMARKS, REPO, load_benchmark
+
+SMOKE = ["--flavor", "debug", "--device", "cpu", "--context", "32", "--prefill", "16", "--steps", "1", "--rounds", "1"]
+
+
+def test_decode_and_prefill_rows_from_one_run(tmp_path):
+    out = tmp_path / "decode.json"
+    cmd = [sys.executable, str(BENCHMARKS / "bench_decode.py"), *SMOKE, "--batch", "1,2", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "device: cpu" in done.stdout and "mxfp4 batch 1:" in done.stdout
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert [(r["mode"], r["batch"], r["weights"]) for r in rows[:4]] == [
+        ("decode", 1, w) for w in ("bf16", "mxfp8", "mxfp4", "nvfp4")
+    ]
+    assert len(rows) == 12 and rows[-1]["mode"] == "prefill" and rows[-1]["tokens"] == 16
+    assert rows[0]["vs_bf16"] == 1.0 and all(r["tokens_per_s"] > 0 for r in rows)
+    assert rows[2]["bytes"] < rows[0]["bytes"] and rows[0]["pct_of_bound"] > 0
+    assert data["meta"]["command"].startswith("python benchmarks/bench_decode.py --flavor debug")
+
+
+def test_moe_gemms_only_with_fewer_layers():
+    cmd = [sys.executable, str(BENCHMARKS / "bench_decode.py"), *SMOKE, "--model", "moe", "--flavor", "debug_moe"]
+    cmd += ["--layers", "2", "--gemms-only", "--weights", "mxfp4"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "2 layers" in done.stdout and "gemms batch    1  mxfp4" in done.stdout
+
+
+def test_step_bytes_count_the_experts_a_batch_reaches():
+    bench = load_benchmark("bench_decode")
+    import torch
+
+    assert bench.active_experts(64, 6, 1) == pytest.approx(6)
+    assert bench.active_experts(64, 6, 1000) == pytest.approx(64)
+    model = bench.build("moe", "debug_moe", 2, "bf16", 32, torch.device("cpu"), reference=False)
+    experts = sum(p.numel() * 4 for p in model.layers["1"].moe.experts.parameters())
+    one, many = bench.step_bytes(model, 1, None), bench.step_bytes(model, 1000, None)
+    assert many - one == pytest.approx(experts * (1 - 2 / 8) + 999 * model.args.dim * 4, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--layers", "9"], "--layers 9: the flavor has 4 blocks"), (["--flavor", "70"], "unknown llama flavor")],
+)
+def test_bad_arguments_are_one_line(args, message):
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_decode.py"), *SMOKE, *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -1,0 +1,290 @@
+"""The weight-only GEMM (kernels/mx/weight_only.py through mx_recipe.infer.weight_only) against the reference:
+dequantize the packed weight, then the GEMM.
+
+* CPU, in this process: argument errors, and the reference path of ``QuantizedLinear`` off the GPU.
+* CPU, Triton interpreter (``test_interp_*``), in a child pytest with TRITON_INTERPRET=1 as in
+  tests/test_gemm_triton.py (with its shim for the interpreter's int() of a scalar): every format, M in
+  {1, 3, 17}, N and K not powers of two, K tails, split K, NaN scales and elements, zeros, grouped with ragged
+  and empty groups. Run them directly with ``TRITON_INTERPRET=1 pytest tests/test_weight_only_gemm.py -k interp_``.
+* GPU (``gpu``): every format at M = 1 to 256 on 4128 x 4128 weights (K = 4112 for nvfp4), grouped with ragged
+  groups, split-K determinism, CUDA-graph capture, and ``QuantizedLinear`` taking the kernel.
+
+Bound. The reference r = sum_k x_k w_k is computed exactly (fp64) from w = ``dequantize(bf16)``. For MXFP8 and
+MXFP4 the kernel's upcast weights are those same values (exact in bf16); its products are exact in fp32 and its
+fp32 sum, in any order and over any split of K, is within (K - 1) 2**-24 S of the exact one, S = sum_k |x_k w_k|;
+2**-23 a step covers an accumulator that truncates. For NVFP4 the kernel sums x_k (e2m1 * e4m3)_k and multiplies
+by the tensor scale t once (one more fp32 rounding), while ``dequantize`` rounds each w_k = (e2m1 * e4m3)_k * t to
+bf16: |sum_k x_k w_k - t sum_k x_k (e2m1 * e4m3)_k| <= (2**-8 + 2**-23) S. Last, the bf16 output rounds by at most
+rho |y| with rho = 2**-8 (nearest), or 2**-7 in the interpreter, whose fp32 -> bf16 cast truncates. With the
+second-order terms folded into the constants:
+
+    |y - r| <= rho |r| + (1.05 K 2**-23 + [nvfp4] 2**-7) S
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mx_recipe.infer.weights import QuantizedLinear, _Packed, quantize
+
+ROOT = Path(__file__).resolve().parents[1]
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+FORMATS = ("mxfp8", "mxfp4", "nvfp4")
+
+interp_only = pytest.mark.skipif(not (INTERP and HAS_TRITON), reason="runs in the Triton interpreter child process")
+
+if INTERP and HAS_TRITON:
+    from test_gemm_triton import _install_interpreter_shims  # noqa: F401  (installed on import)
+
+
+def packed(w: torch.Tensor, fmt: str) -> _Packed:
+    return _Packed(quantize(w, fmt), fmt)
+
+
+def run(x: torch.Tensor, p: _Packed, offs: torch.Tensor | None = None, **kw) -> torch.Tensor:
+    from mx_kernels.mx.weight_only import weight_only_mm
+
+    return weight_only_mm(x, p.qdata, p.scale, p.tensor_scale, p.fmt, offs, **kw)
+
+
+def reference(x: torch.Tensor, p: _Packed, offs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r, S) of the module doc in fp64: each group's rows by its dequantized weight."""
+    w = p.dequantize(torch.bfloat16).double()
+    xd = x.double()
+    if offs is None:
+        return xd @ w.T, xd.abs() @ w.abs().T
+    r, s, start = [], [], 0
+    for e, end in enumerate(offs.tolist()):
+        r.append(xd[start:end] @ w[e].T)
+        s.append(xd[start:end].abs() @ w[e].abs().T)
+        start = end
+    return torch.cat(r), torch.cat(s)
+
+
+def assert_within_bound(y: torch.Tensor, x: torch.Tensor, p: _Packed, offs: torch.Tensor | None = None) -> None:
+    r, s = reference(x, p, offs)
+    assert y.dtype == torch.bfloat16 and y.shape == r.shape
+    rho = 2.0**-7 if INTERP else 2.0**-8
+    bound = rho * r.abs() + (1.05 * x.shape[1] * 2.0**-23 + (2.0**-7 if p.fmt == "nvfp4" else 0.0)) * s
+    yd = y.double()
+    assert torch.equal(yd.isnan(), r.isnan()), "NaN where the reference has none, or the other way"
+    excess = ((yd - r).abs() - bound).nan_to_num(0.0)
+    assert excess.max() <= 0, f"{p.fmt} {tuple(x.shape)}: past the bound by {excess.max().item():.3g}"
+
+
+def weights(n: int, k: int, device: str = "cpu", lead: tuple[int, ...] = ()) -> torch.Tensor:
+    """Normal weights with a spread of block magnitudes (2**-12 to 2**6), so the scales differ along K and N."""
+    w = torch.randn(*lead, n, k, device=device)
+    spread = 2.0 ** torch.randint(-12, 7, (*lead, n, k // 16), device=device).float()
+    return w * spread.repeat_interleave(16, dim=-1)
+
+
+# ---------------------------------------------------------------------------------------
+# CPU, in this process
+
+
+def test_bad_operands_are_one_line_errors():
+    from mx_kernels.mx.weight_only import check
+
+    p = packed(torch.randn(32, 64), "mxfp8")
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    cases = [
+        (dict(fmt="fp8"), "unknown format"),
+        (dict(x=x.float()), "2D bf16"),
+        (dict(x=x[:, :32]), "K a multiple of 32"),
+        (dict(tensor_scale=torch.ones(())), "tensor_scale"),
+        (dict(qdata=p.qdata[None]), "2D tensors of bytes"),
+    ]
+    for change, message in cases:
+        args = dict(x=x, qdata=p.qdata, scale=p.scale, tensor_scale=None, fmt="mxfp8", grouped=False, op="op")
+        with pytest.raises(ValueError, match=message) as info:
+            check(**{**args, **change})
+        assert "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(INTERP, reason="the parent process")
+def test_off_the_gpu_quantized_linear_is_the_reference():
+    lin = torch.nn.Linear(64, 32, bias=False)
+    q = QuantizedLinear(lin, "mxfp4")
+    x = torch.randn(3, 64)
+    assert torch.equal(q(x), torch.nn.functional.linear(x, q.weight_packed.dequantize(torch.float32)))
+
+
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
+def test_kernel_in_triton_interpreter():
+    """Run the test_interp_* tests in a child pytest with TRITON_INTERPRET=1 (see module doc)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interp_"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-3000:]
+
+
+# ---------------------------------------------------------------------------------------
+# CPU, Triton interpreter (child process)
+
+SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=1)
+
+
+@interp_only
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_interp_shapes_tails_and_split_k(fmt):
+    """M in {1, 3, 17}; N = 40, 96; K = 96 and 160 (tails of 32 at BLOCK_K 64), K = 80 for nvfp4 (a tail of 16);
+    the default tiles, and small ones split 1, 2 and 3 ways over K."""
+    torch.manual_seed(0)
+    ks = (96, 160, 80) if fmt == "nvfp4" else (96, 160)
+    for n, k in [(96, ks[0]), (40, ks[1]), *([(48, 80)] if fmt == "nvfp4" else [])]:
+        p = packed(weights(n, k), fmt)
+        for m in (1, 3, 17):
+            x = torch.randn(m, k).bfloat16()
+            assert_within_bound(run(x, p), x, p)
+            for split in (1, 2, 3):
+                assert_within_bound(run(x, p, config=SMALL, split_k=split), x, p)
+
+
+@interp_only
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_interp_nan_and_zeros(fmt):
+    """A NaN scale (e8m0 0xFF, e4m3 0x7F) makes its row's outputs NaN, and nothing else; an fp8 NaN element
+    with a finite scale too; all-zero weights (the smallest scale) and zero activations give exact zeros."""
+    torch.manual_seed(1)
+    n, k = 48, 96
+    p = packed(weights(n, k), fmt)
+    p.scale.view(torch.uint8)[5, 1] = 0x7F if fmt == "nvfp4" else 0xFF
+    if fmt == "mxfp8":
+        p.qdata.view(torch.uint8)[9, 40] = 0xFF
+    x = torch.randn(3, k).bfloat16()
+    y = run(x, p, config=SMALL, split_k=2)
+    assert_within_bound(y, x, p)
+    nan_rows = {5, 9} if fmt == "mxfp8" else {5}
+    assert set(y.isnan().all(dim=0).nonzero().flatten().tolist()) == nan_rows
+    zero = packed(torch.zeros(n, k), fmt)
+    assert torch.equal(run(x, zero), torch.zeros(3, n, dtype=torch.bfloat16))
+    assert torch.equal(run(torch.zeros(1, k, dtype=torch.bfloat16), zero), torch.zeros(1, n, dtype=torch.bfloat16))
+    assert run(x[:0], p).shape == (0, n)
+
+
+@interp_only
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_interp_grouped_ragged_and_empty(fmt):
+    """Groups of 0, 3, 0, 20 and 1 rows (empty first, middle and several tiles), split K, and groups all empty
+    but one; an expert without rows is never read (NaN weights there change nothing)."""
+    torch.manual_seed(2)
+    n, k = 48, 96
+    for sizes, config, split in [([0, 3, 0, 20, 1], SMALL, 2), ([2, 0, 0, 1], None, None), ([0, 0, 5], SMALL, 1)]:
+        p = packed(weights(n, k, lead=(len(sizes),)), fmt)
+        for e, size in enumerate(sizes):
+            if size == 0:
+                p.scale.view(torch.uint8)[e] = 0x7F if fmt == "nvfp4" else 0xFF
+        offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+        x = torch.randn(sum(sizes), k).bfloat16()
+        y = run(x, p, offs, config=config, split_k=split)
+        assert not y.isnan().any()
+        assert_within_bound(y, x, p, offs)
+
+
+@interp_only
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_interp_dequantize_is_the_references_bits(fmt):
+    """The large-M path's dequantize kernel gives ``dequantize``'s values bit for bit (fp32 here: the interpreter's
+    bf16 cast truncates), 2D and 3D, with a K tail past its 128-element tiles."""
+    from mx_kernels.mx.weight_only import dequantize
+
+    torch.manual_seed(3)
+    for shape in [(40, 96), (3, 17, 160), *([(5, 48)] if fmt == "nvfp4" else [])]:
+        p = packed(weights(shape[-2], shape[-1], lead=shape[:-2]), fmt)
+        p.scale.view(torch.uint8)[..., 0, 0] = 0x7F if fmt == "nvfp4" else 0xFF
+        got = dequantize(p.qdata, p.scale, p.tensor_scale, fmt, torch.float32)
+        assert torch.equal(got.isnan(), p.dequantize(torch.float32).isnan())
+        assert torch.equal(got.nan_to_num(), p.dequantize(torch.float32).nan_to_num())
+
+
+# ---------------------------------------------------------------------------------------
+# GPU
+
+CUDA = "cuda"
+GPU_MS = (1, 2, 7, 16, 33, 64, 128, 256)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_every_m(fmt):
+    """4128 x 4128 weights (K = 4112 for nvfp4: a multiple of 16, not 32), M = 1 to 256, default configs."""
+    torch.manual_seed(0)
+    n, k = 4128, 4112 if fmt == "nvfp4" else 4128
+    p = packed(weights(n, k, CUDA) * 0.02, fmt)
+    for m in GPU_MS:
+        x = torch.randn(m, k, device=CUDA).bfloat16()
+        assert_within_bound(run(x, p), x, p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_grouped_ragged(fmt):
+    torch.manual_seed(1)
+    sizes = [0, 1, 7, 0, 33, 130, 2, 0]
+    p = packed(weights(1408, 2048, CUDA, lead=(len(sizes),)) * 0.02, fmt)
+    offs = torch.tensor(sizes, device=CUDA).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(sizes), 2048, device=CUDA).bfloat16()
+    assert_within_bound(run(x, p, offs), x, p, offs)
+    decode = torch.tensor([0, 0, 1, 1, 1, 2, 2, 2], device=CUDA, dtype=torch.int32)  # top-2 of one token
+    assert_within_bound(run(x[:2], p, decode), x[:2], p, decode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_large_m_dequantizes_then_cublas(fmt):
+    """Past LARGE_M rows QuantizedLinear writes the bf16 weight (the reference's bits) and multiplies with cuBLAS."""
+    from mx_kernels.mx.weight_only import dequantize
+
+    from mx_recipe.infer.weight_only import LARGE_M
+
+    torch.manual_seed(4)
+    lin = QuantizedLinear(torch.nn.Linear(4096, 1024, bias=False, device=CUDA), fmt)
+    w = lin.weight_packed
+    assert torch.equal(dequantize(w.qdata, w.scale, w.tensor_scale, fmt), w.dequantize(torch.bfloat16))
+    x = torch.randn(2, (LARGE_M + 64) // 2, 4096, device=CUDA).bfloat16()
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, w.dequantize(torch.bfloat16)))
+
+
+@pytest.mark.gpu
+def test_gpu_split_k_deterministic_and_graph_capture():
+    """Split K sums its partials in split order: bit-identical results, also replayed from a CUDA graph."""
+    torch.manual_seed(2)
+    p = packed(weights(4096, 4096, CUDA) * 0.02, "mxfp4")
+    x = torch.randn(1, 4096, device=CUDA).bfloat16()
+    first = run(x, p)
+    assert all(torch.equal(run(x, p), first) for _ in range(20))
+    lin = QuantizedLinear(torch.nn.Linear(4096, 4096, bias=False, device=CUDA), "mxfp4")
+    lin.weight_packed = p
+    assert torch.equal(lin(x), first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = lin(x)
+    graph.replay()
+    assert torch.equal(out, first)
+
+
+@pytest.mark.gpu
+def test_gpu_tuned_configs_stay_within_the_bound():
+    """set_tuning times the candidates once per shape; whichever it keeps computes the same GEMM."""
+    from mx_kernels.mx import weight_only
+
+    torch.manual_seed(3)
+    p = packed(weights(1024, 4096, CUDA) * 0.02, "mxfp4")
+    x = torch.randn(1, 4096, device=CUDA).bfloat16()
+    weight_only.set_tuning(True)
+    try:
+        assert_within_bound(run(x, p), x, p)
+        assert any(key[:4] == ("mxfp4", 1, 1024, 4096) for key in weight_only._TUNED)
+        assert_within_bound(run(x, p), x, p)
+    finally:
+        weight_only.set_tuning(False)
