@@ -191,7 +191,9 @@ def _weight_problem(fsdp_param, group, root: bool, recipe: MXRecipe) -> str | No
     mx_experts = isinstance(module, MXGroupedExperts) and name in EXPERT_WEIGHTS
     if not (mx_linear or mx_experts):
         return "not an MX weight"
-    if module.recipe != recipe or getattr(module.backend, "name", "") != "emulated":
+    # the run's recipe, but for fuse_expert_casts, which apply_mx_all_gather turns off on experts it gathers
+    same_recipe = dataclasses.replace(module.recipe, fuse_expert_casts=recipe.fuse_expert_casts) == recipe
+    if not same_recipe or getattr(module.backend, "name", "") != "emulated":
         return "not on the emulated backend with the run's recipe"
     if root:
         return "the root module"
