@@ -169,7 +169,9 @@ def command_line() -> str:
     script = Path(sys.argv[0]).resolve()
     root = Path(__file__).resolve().parents[1]
     name = script.relative_to(root) if script.is_relative_to(root) else script.name
-    return " ".join(["python", str(name), *args])
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun
+    launcher = ["torchrun", "--standalone", f"--nproc_per_node={world}"] if world > 1 else ["python"]
+    return " ".join([*launcher, str(name), *args])
 
 
 def run_meta(**extra: object) -> dict:

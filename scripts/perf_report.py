@@ -371,8 +371,9 @@ def bench_train_section(paths: list[Path]) -> list[str]:
         for r in data["rows"]:
             profile = r.get("profile_ms_per_step")
             step = f"{sum(profile.values()):.1f}" if profile else ""
+            ranks = f", {meta['world_size']} GPUs" if meta.get("world_size", 1) > 1 else ""
             rows.append([
-                f"{meta['config']} ({meta['layers']} blocks)", r["recipe"], f"{r['tokens_per_sec']:,.0f}",
+                f"{meta['config']} ({meta['layers']} blocks{ranks})", r["recipe"], f"{r['tokens_per_sec']:,.0f}",
                 f"{r['ratio']:.3f}x", "n/a" if r["mfu"] is None else f"{r['mfu']:.1f}%",
                 "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}", f"{r['rounds_spread']:.1%}",
                 f"{profile['MX cast']:.1f}" if profile else "", f"{profile['GPU idle']:.1f}" if profile else "", step,
@@ -385,13 +386,16 @@ def bench_train_section(paths: list[Path]) -> list[str]:
         "waits on the host, and the whole step (ms).",
         "",
     ]
-    header = ["config", "recipe", "tokens/s", "to bf16", "MFU", "peak GiB", "rounds spread"]
+    header = ["config", "recipe", "tokens/s", "to first row", "MFU", "peak GiB", "rounds spread"]
     lines += table(header + ["MX cast", "GPU idle", "step"], rows)
     return lines + sources([(load(p)["meta"], p.name) for p in paths])
 
 
 def bench_train_targets(path: Path) -> str:
+    """The MX rows' ratios to bf16 (a run timed against another baseline, --skip-bf16, has none)."""
     data = load(path)
+    if data["rows"][0]["recipe"] != "bf16":
+        return ""
     name = f"{data['meta']['config']} ({data['meta']['layers']} blocks)"
     return ", ".join(f"{name} {r['recipe']} {r['ratio']:.3f}x" for r in data["rows"][1:])
 
