@@ -33,13 +33,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_cast_kernels import traced_ops
+from test_cast_kernels import run_interpreter_tests, traced_ops
 
 from mx_recipe.formats.mx import E2M1_VALUES, MXTensor, to_mx, unpack_fp4
 from mx_recipe.formats.recipe import MXRecipe
@@ -410,11 +408,7 @@ def test_bench_gemm_rows_render(tmp_path):
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
 def test_kernel_in_triton_interpreter():
     """Run the test_interp_* tests in a child pytest with TRITON_INTERPRET=1 (see module doc)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interp_"]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-3000:]
+    run_interpreter_tests(__file__)
 
 
 # ---------------------------------------------------------------------------------------

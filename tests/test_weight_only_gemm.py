@@ -25,16 +25,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from test_cast_kernels import run_interpreter_tests
 
-from mx_recipe.infer.weights import QuantizedLinear, _Packed, quantize
+from mx_recipe.infer.weights import PackedWeight, QuantizedLinear, quantize
 
-ROOT = Path(__file__).resolve().parents[1]
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 FORMATS = ("mxfp8", "mxfp4", "nvfp4")
@@ -45,17 +42,17 @@ if INTERP and HAS_TRITON:
     from test_gemm_triton import _install_interpreter_shims  # noqa: F401  (installed on import)
 
 
-def packed(w: torch.Tensor, fmt: str) -> _Packed:
-    return _Packed(quantize(w, fmt), fmt)
+def packed(w: torch.Tensor, fmt: str) -> PackedWeight:
+    return PackedWeight(quantize(w, fmt), fmt)
 
 
-def run(x: torch.Tensor, p: _Packed, offs: torch.Tensor | None = None, **kw) -> torch.Tensor:
+def run(x: torch.Tensor, p: PackedWeight, offs: torch.Tensor | None = None, **kw) -> torch.Tensor:
     from mx_kernels.mx.weight_only import weight_only_mm
 
     return weight_only_mm(x, p.qdata, p.scale, p.tensor_scale, p.fmt, offs, **kw)
 
 
-def reference(x: torch.Tensor, p: _Packed, offs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(x: torch.Tensor, p: PackedWeight, offs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(r, S) of the module doc in fp64: each group's rows by its dequantized weight."""
     w = p.dequantize(torch.bfloat16).double()
     xd = x.double()
@@ -69,7 +66,7 @@ def reference(x: torch.Tensor, p: _Packed, offs: torch.Tensor | None = None) -> 
     return torch.cat(r), torch.cat(s)
 
 
-def assert_within_bound(y: torch.Tensor, x: torch.Tensor, p: _Packed, offs: torch.Tensor | None = None) -> None:
+def assert_within_bound(y: torch.Tensor, x: torch.Tensor, p: PackedWeight, offs: torch.Tensor | None = None) -> None:
     r, s = reference(x, p, offs)
     assert y.dtype == torch.bfloat16 and y.shape == r.shape
     rho = 2.0**-7 if INTERP else 2.0**-8
@@ -121,11 +118,7 @@ def test_off_the_gpu_quantized_linear_is_the_reference():
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
 def test_kernel_in_triton_interpreter():
     """Run the test_interp_* tests in a child pytest with TRITON_INTERPRET=1 (see module doc)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interp_"]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-3000:]
+    run_interpreter_tests(__file__)
 
 
 # ---------------------------------------------------------------------------------------

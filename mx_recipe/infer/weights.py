@@ -41,7 +41,7 @@ def quantize_activation(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return to_nvfp4(x, dim=-1).dequantize(x.dtype) if elem is None else fake_quant(x, elem, "floor", dim=-1)
 
 
-class _Packed(nn.Module):
+class PackedWeight(nn.Module):
     """A quantized weight as buffers (qdata, scale and, for NVFP4, the tensor scale), dequantized on use."""
 
     def __init__(self, q: MXTensor | NVFP4Tensor, fmt: str):
@@ -82,7 +82,7 @@ class QuantizedLinear(nn.Module):
         if linear.bias is not None:
             raise ValueError("QuantizedLinear: a linear with a bias is not supported")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight_packed = _Packed(quantize(linear.weight.detach(), fmt), fmt)
+        self.weight_packed = PackedWeight(quantize(linear.weight.detach(), fmt), fmt)
         self.fmt, self.activations, self.kernel = fmt, activations, kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,10 +98,10 @@ class QuantizedExperts(nn.Module):
     def __init__(self, experts: GroupedExperts, fmt: str, activations: bool = False, kernel: bool = True):
         super().__init__()
         for name in ("w1", "w2", "w3"):
-            setattr(self, f"{name}_packed", _Packed(quantize(getattr(experts, name).detach(), fmt), fmt))
+            setattr(self, f"{name}_packed", PackedWeight(quantize(getattr(experts, name).detach(), fmt), fmt))
         self.fmt, self.activations, self.kernel = fmt, activations, kernel
 
-    def _mm(self, x: torch.Tensor, packed: _Packed, offs: torch.Tensor) -> torch.Tensor:
+    def _mm(self, x: torch.Tensor, packed: PackedWeight, offs: torch.Tensor) -> torch.Tensor:
         if self.activations:
             x = quantize_activation(x, self.fmt)
         return packed.grouped_mm(x, offs, self.kernel)
@@ -141,4 +141,4 @@ def quantize_model(
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and packed weight of ``model`` (buffers such as RoPE tables left out)."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return params + sum(m.nbytes() for m in model.modules() if isinstance(m, _Packed))
+    return params + sum(m.nbytes() for m in model.modules() if isinstance(m, PackedWeight))
