@@ -198,6 +198,7 @@ def main() -> int:
     log = print if info.is_main else (lambda *a, **k: None)
     if args.profile and info.device.type != "cuda":
         raise SystemExit("--profile breaks GPU kernel time down: it needs a CUDA device")
+    finished = False
     try:
         t = config.training
         data = build_datasets(config, info.rank, info.world_size)
@@ -244,8 +245,10 @@ def main() -> int:
                 v.profile = row["profile_ms_per_step"] = profile_steps(v, batches[:2], info.device)
             if info.is_main:
                 print_profiles(variants)
+        finished = True
     finally:
-        destroy_distributed(barrier=False)
+        # a normal end waits for every rank (a rank exiting while a peer tears gloo down aborts the peer)
+        destroy_distributed(barrier=finished)
     if args.out and info.is_main:
         meta = run_meta(
             config=args.config, layers=dims.n_layers, steps=args.steps, rounds=args.rounds, world_size=info.world_size
