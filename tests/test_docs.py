@@ -46,8 +46,10 @@ def readme_ci_command() -> str:
 
 
 def ci_run_command() -> str:
-    """The pytest line of .ci/run, its interpreter spelled as the README spells it."""
-    line = [line for line in text(ROOT / ".ci" / "run").splitlines() if "-m pytest" in line][-1].strip()
+    """The pytest line of .ci/run (the main environment's; the torchtitan 0.2 tests run in another), its
+    interpreter spelled as the README spells it."""
+    lines = text(ROOT / ".ci" / "run").splitlines()
+    line = [line for line in lines if line.strip().startswith("python3 -m pytest")][-1].strip()
     return re.sub(r"^python3 ", "python ", line)
 
 
