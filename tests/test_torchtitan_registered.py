@@ -1,8 +1,9 @@
 """mx_recipe inside torchtitan 0.2.x (the installed package, CPU): the ``mx`` converter registered by name and the
 ``[mx]`` job-config section through torchtitan's own config manager, torchtitan's Llama 3 and DeepSeek-V3 debug
 models converted (every linear and the experts; the router gates and the output layer left in bf16), the converted
-layers bit-identical in forward and backward to ours on the same weights, state-dict keys unchanged, and the
-errors for a config the converter cannot serve.
+layers bit-identical in forward and backward to ours on the same weights, state-dict keys unchanged, the
+errors for a config the converter cannot serve, and the offline tokenizer and dataset of
+scripts/torchtitan_assets.py read by torchtitan's own tokenizer and dataset classes.
 
 CI runs this file in a second environment with torchtitan 0.2.2 (``.ci/run``); where torchtitan 0.3 is installed
 it skips (``tests/test_torchtitan.py`` covers 0.3).
@@ -131,3 +132,30 @@ def test_state_dict_keys_are_unchanged_and_a_second_conversion_changes_nothing()
 def test_a_config_the_converter_cannot_serve_is_an_error(make, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         make()
+
+
+def test_offline_assets_feed_torchtitans_own_tokenizer_and_dataset(tmp_path):
+    """scripts/torchtitan_assets.py: torchtitan's HuggingFaceTokenizer loads the tokenizer (BOS added, EOS known)
+    and its c4_test loader reads the corpus from the local path, as a run with no network does."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "scripts/torchtitan_assets.py", "--out", str(tmp_path), "--vocab-size", "600",
+           "--max-mib", "0.25"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    tokenizer = HuggingFaceTokenizer(str(tmp_path / "tokenizer"))
+    assert tokenizer.get_vocab_size() == 600 and tokenizer.eos_id == tokenizer.tokenizer.token_to_id("<|end_of_text|>")
+    ids = tokenizer.encode("def main():\n    pass\n", add_bos=True, add_eos=True)
+    assert ids[0] == tokenizer.bos_id and ids[-1] == tokenizer.eos_id
+    assert tokenizer.decode(ids[1:-1]) == "def main():\n    pass\n"  # bytes round-trip
+    dataset = HuggingFaceTextDataset("c4_test", str(tmp_path / "data"), tokenizer, seq_len=64)
+    inputs, labels = next(iter(dataset))
+    assert inputs["input"].shape == labels.shape == (64,) and int(inputs["input"][0]) == tokenizer.bos_id
+    bad = subprocess.run([*cmd[:-4], "--vocab-size", "100"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--vocab-size must be at least 258" in bad.stderr
