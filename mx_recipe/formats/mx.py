@@ -217,6 +217,30 @@ class MXTensor:
         return (elems * factor).to(dtype)
 
 
+def dequantize_along_last(
+    qdata: torch.Tensor, scale: torch.Tensor, elem: str, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """MX data quantized in blocks of 32 along its last dim -> its values in ``dtype`` (written into ``out``, any
+    strides, where given), bit for bit ``MXTensor.dequantize(dtype)``, with the block factors broadcast rather than
+    repeated and no fp32 copy of the elements (the emulated backward and the MX all-gather run it at peak memory).
+    Elements and 2**e (e in [-127, 127]) are exact in bf16, and PyTorch multiplies bf16 in fp32: one rounding to
+    ``dtype``, as ``dequantize`` does."""
+    if elem == "e2m1":
+        codes = unpack_fp4(qdata)
+        table = torch.tensor(E2M1_VALUES, dtype=dtype, device=codes.device)
+        mag = table[(codes & 0x7).long()]
+        elems = torch.where((codes & 0x8) != 0, -mag, mag)
+    else:
+        elems = qdata.to(dtype)
+    biased = scale.view(torch.uint8).to(torch.int32)
+    factor = torch.where(biased == E8M0_NAN, torch.nan, exp2_fp32(biased - E8M0_BIAS)).to(dtype)
+    blocks = (-1, BLOCK_SIZE)
+    if out is None:
+        return (elems.unflatten(-1, blocks) * factor.unsqueeze(-1)).flatten(-2)
+    torch.mul(elems.unflatten(-1, blocks), factor.unsqueeze(-1), out=out.unflatten(-1, blocks))
+    return out
+
+
 def _uniform_like(x: torch.Tensor) -> torch.Tensor:
     return torch.rand(x.shape, dtype=torch.float32, device=x.device)
 

@@ -23,7 +23,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from mx_recipe.formats.mx import BLOCK_SIZE, E2M1_VALUES, E8M0_BIAS, E8M0_NAN, MXTensor, exp2_fp32, unpack_fp4
+from mx_recipe.formats.mx import BLOCK_SIZE, MXTensor, dequantize_along_last
 from mx_recipe.formats.recipe import HIGH_PRECISION, MXRecipe
 from mx_recipe.formats.scale_layout import (
     group_row_sources,
@@ -276,26 +276,6 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, pad)) if pad else t
 
 
-def _dequantize(t: MXTensor, dtype: torch.dtype) -> torch.Tensor:
-    """A 2D MXTensor quantized along its last dim -> values in ``dtype``, bit for bit
-    ``t.dequantize(dtype)``, with per-block scales broadcast rather than repeated and no full-size
-    fp32 temporaries for fp8 (this runs in backward, where memory peaks).
-
-    Elements and 2**e (e in [-127, 127]) are exact in bf16, and their product is exact in fp32,
-    which is how PyTorch multiplies bf16: one rounding to dtype, as ``dequantize`` does."""
-    rows, cols = t.shape
-    if t.elem == "e2m1":
-        codes = unpack_fp4(t.qdata)
-        table = torch.tensor(E2M1_VALUES, dtype=dtype, device=codes.device)
-        mag = table[(codes & 0x7).long()]
-        elems = torch.where((codes & 0x8) != 0, -mag, mag)
-    else:
-        elems = t.qdata.to(dtype)
-    biased = t.scale.view(torch.uint8).to(torch.int32)
-    factor = torch.where(biased == E8M0_NAN, torch.nan, exp2_fp32(biased - E8M0_BIAS)).to(dtype)
-    return (elems.view(rows, cols // t.block_size, t.block_size) * factor[..., None]).view(rows, cols)
-
-
 def plain_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``torch._grouped_mm`` in ``dtype``: a GEMM the recipe keeps in high precision, or an emulated one."""
     return torch._grouped_mm(a.to(dtype), b.to(dtype), offs=offs)
@@ -328,7 +308,7 @@ class EmulatedBackend(MXBackend):
 
     def load_saved(self, qdata: torch.Tensor, scale: torch.Tensor, elem: str, dtype: torch.dtype) -> torch.Tensor:
         # made contiguous in the input's layout, [ceil32(R), C], as fake_quant_along_m writes it
-        return _dequantize(MXTensor(qdata, scale, elem, 1), dtype).t().contiguous().t()
+        return dequantize_along_last(qdata, scale, elem, dtype).t().contiguous().t()
 
     def mm(self, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         return torch.mm(a, b.t())  # both operands already in out_dtype

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from mx_recipe.formats.mx import BLOCK_SIZE, E2M1_VALUES, E8M0_BIAS, E8M0_NAN, exp2_fp32, unpack_fp4
+from mx_recipe.formats.mx import BLOCK_SIZE, dequantize_along_last
 from mx_recipe.formats.recipe import HIGH_PRECISION, MXRecipe
 from mx_recipe.nn.convert import MXGroupedExperts
 from mx_recipe.nn.linear import MXLinear
@@ -99,22 +99,6 @@ def _pre_backward(group: object) -> bool:
     return state.name == "PRE_BACKWARD"
 
 
-def _dequantize_into(dst: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, elem: str) -> None:
-    """dst[..., C] (any strides) = MX data quantized along its last dim, dequantized: elements and 2**e are exact
-    in bf16 and fp32 and their product is formed in fp32 and rounded once, as ``MXTensor.dequantize`` does."""
-    if elem == "e2m1":
-        codes = unpack_fp4(qdata)
-        table = torch.tensor(E2M1_VALUES, dtype=dst.dtype, device=codes.device)
-        mag = table[(codes & 0x7).long()]
-        elems = torch.where((codes & 0x8) != 0, -mag, mag)
-    else:
-        elems = qdata.to(dst.dtype)
-    biased = scale.view(torch.uint8).to(torch.int32)
-    factor = torch.where(biased == E8M0_NAN, torch.nan, exp2_fp32(biased - E8M0_BIAS)).to(dst.dtype)
-    blocks = (-1, BLOCK_SIZE)
-    torch.mul(elems.unflatten(-1, blocks), factor.unsqueeze(-1), out=dst.unflatten(-1, blocks))
-
-
 @dataclass
 class MXGather:
     """FSDP2's all-gather extension for one sharded MX weight: 2D [N, K] sharded along N, or experts [E, N, K]
@@ -151,7 +135,7 @@ class MXGather:
             dst = target.view(qdata.shape[0], -1, k).transpose(1, 2)
         # In place in the unsharded parameter, which forward saved for backward: keep its version.
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(target):
-            _dequantize_into(dst, qdata, scale, self.elem)
+            dequantize_along_last(qdata, scale, self.elem, dst.dtype, out=dst)
         for t in outputs:  # FSDP2 allocates them again before its next copy-out: hold only the weight
             t.untyped_storage().resize_(0)
         return (target, (target,)) if out is None else None
