@@ -175,9 +175,7 @@ def _weight_problem(fsdp_param, group, root: bool, recipe: MXRecipe) -> str | No
     mx_experts = isinstance(module, MXGroupedExperts) and name in EXPERT_WEIGHTS
     if not (mx_linear or mx_experts):
         return "not an MX weight"
-    # the run's recipe, but for fuse_expert_casts, which apply_mx_all_gather turns off on experts it gathers
-    same_recipe = dataclasses.replace(module.recipe, fuse_expert_casts=recipe.fuse_expert_casts) == recipe
-    if not same_recipe or getattr(module.backend, "name", "") != "emulated":
+    if module.recipe != recipe or getattr(module.backend, "name", "") != "emulated":
         return "not on the emulated backend with the run's recipe"
     if root:
         return "the root module"
@@ -201,7 +199,7 @@ def apply_mx_all_gather(model: nn.Module, recipe: MXRecipe | None, on: bool) -> 
     after ``fully_shard`` and before the first forward; return what each parameter gathers."""
     names = {id(p): fqn for fqn, p in model.named_parameters()}
     blocks = {id(m): fqn for fqn, m in model.named_modules()}
-    records = []
+    records, gathered_experts = [], []
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -218,12 +216,13 @@ def apply_mx_all_gather(model: nn.Module, recipe: MXRecipe | None, on: bool) -> 
                     local.fsdp_pre_all_gather = gather.fsdp_pre_all_gather
                     local.fsdp_post_all_gather = gather.fsdp_post_all_gather
                     fsdp_param._init_extensions()  # FSDP2 looks for the extension once, in fully_shard
-                    owner = fsdp_param._module_info.module
-                    if isinstance(owner, MXGroupedExperts) and owner.recipe.fuse_expert_casts:
-                        owner.recipe = dataclasses.replace(owner.recipe, fuse_expert_casts=False)
+                    if isinstance(fsdp_param._module_info.module, MXGroupedExperts):
+                        gathered_experts.append(fsdp_param._module_info.module)
                     gathered = numel * (4 if recipe.forward == "e2m1" else 8) // 8 + numel // BLOCK_SIZE
                 fqn = names.get(id(param), fsdp_param._module_info.param_name)
                 records.append(GatherRecord(fqn, blocks[id(module)], problem is None, problem or "", gathered, plain))
+    for experts in gathered_experts:  # their w along N comes from backward's gather (module docstring)
+        experts.recipe = dataclasses.replace(experts.recipe, fuse_expert_casts=False)
     return records
 
 
