@@ -236,10 +236,12 @@ def uses_fsdp(config: Config, info: DistInfo) -> bool:
 
 
 def uses_cast_weights_once(config: Config, info: DistInfo) -> bool:
-    """training.cast_weights_once: "on" (a SetupError under FSDP2 sharding, naming why), "off", or "auto": on for
-    an MX run whose step reuses its weights' casts (gradient accumulation, activation checkpointing) and whose
-    ranks hold the whole model (``mx_recipe.nn.weight_casts``)."""
+    """training.cast_weights_once for an MX run (a bf16 run has no casts): "on" (a SetupError under FSDP2 sharding,
+    naming why), "off", or "auto": on where the step reuses its weights' casts (gradient accumulation, activation
+    checkpointing) and the ranks hold the whole model (``mx_recipe.nn.weight_casts``)."""
     mode = config.training.cast_weights_once
+    if config.mx.recipe == "none":
+        return False
     if mode == "on" and uses_fsdp(config, info):
         raise SetupError(
             "training.cast_weights_once is on, but the run shards the model through FSDP2: its unsharded weights "
@@ -247,8 +249,7 @@ def uses_cast_weights_once(config: Config, info: DistInfo) -> bool:
             "every layer unsharded; set it to auto or off"
         )
     reuse = config.training.gradient_accumulation_steps > 1 or config.activation_checkpoint.mode != "none"
-    mx = config.mx.recipe != "none"
-    return mode == "on" or (mode == "auto" and mx and reuse and not uses_fsdp(config, info))
+    return mode == "on" or (mode == "auto" and reuse and not uses_fsdp(config, info))
 
 
 def step_setup(config: Config, info: DistInfo, mesh, cuda_graph: bool, model: torch.nn.Module | None = None) -> str:
@@ -263,9 +264,7 @@ def step_setup(config: Config, info: DistInfo, mesh, cuda_graph: bool, model: to
     else:
         sharding = "unsharded" if info.world_size == 1 else f"replicated on {info.world_size} ranks (all-reduce)"
     compiled = f"on ({config.compile.mode})" if config.compile.enable else "off"
-    once = (
-        ", MX weights cast once a step" if config.mx.recipe != "none" and uses_cast_weights_once(config, info) else ""
-    )
+    once = ", MX weights cast once a step" if uses_cast_weights_once(config, info) else ""
     return (
         f"{sharding}, AdamW {'fused' if config.training.fused_adamw else 'foreach'}, CUDA graph {graph}, "
         f"activation checkpointing {config.activation_checkpoint.mode}, compile {compiled}{once}"
@@ -289,8 +288,8 @@ def build_training_model(config: Config, args, info: DistInfo, mesh, log) -> tor
     seed_everything(config.job.seed)
     with torch.device("meta"):
         model = build_model(args)
-    if config.mx.recipe != "none":
-        recipe = build_mx_recipe(config.mx, seed=config.job.seed)
+    recipe = build_mx_recipe(config.mx, seed=config.job.seed)  # None for a bf16 run
+    if recipe is not None:
         _check_skip_patterns(model, config)
         # The GEMM backend is resolved once, here: one this device or recipe cannot run stops the run.
         try:
@@ -305,7 +304,6 @@ def build_training_model(config: Config, args, info: DistInfo, mesh, log) -> tor
         apply_compile(model, config.compile.mode)
     seed_everything(config.job.seed)  # the same initial weights on every world size
     dtype = COMPUTE_DTYPES[resolve_compute_dtype(config.training.compute_dtype, info.device)]
-    recipe = build_mx_recipe(config.mx, seed=config.job.seed)
     mx_all_gather = _mx_all_gather_on(config, recipe, model, info, mesh)
     if not uses_fsdp(config, info):
         return materialize_unsharded(model, info, dtype)
