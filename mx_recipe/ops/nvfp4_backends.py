@@ -128,6 +128,13 @@ class NVFP4EmulatedBackend(NVFP4Backend):
             values, s_dec = q.along_m.view(w.shape), q.s_dec_m
         return ScaledOperand(values if along_k else values.transpose(-2, -1), s_dec)
 
+    def weight_casts(self, w: torch.Tensor, recipe: NVFP4Recipe, dtype: torch.dtype) -> tuple:
+        """With 16x16 tiles w along N is w along K transposed (one cast for both); else the two casts."""
+        if not recipe.weight_tiles:
+            return super().weight_casts(w, recipe, dtype)
+        w_k = self.weight(w, True, recipe, dtype)
+        return w_k, w_k._replace(values=w_k.values.transpose(-2, -1))
+
     def save_input(self, x: torch.Tensor, x_m: ScaledOperand | None) -> tuple[tuple[torch.Tensor, ...], str]:
         return (() if x_m is None else tuple(x_m)), "operand"
 
