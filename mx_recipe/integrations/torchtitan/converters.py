@@ -33,23 +33,15 @@ from torchtitan.tools.logging import logger
 
 from mx_recipe.formats.options import RECIPE_OPTIONS, RecipeOptionError, recipe_from_options, recipe_option_fields
 from mx_recipe.formats.recipe import MXRecipe
-from mx_recipe.nn.convert import ConversionRecord, format_conversion_table, skip_reason
+from mx_recipe.integrations.torchtitan.common import TORCHTITAN_SKIP, training_device, why_skipped
+from mx_recipe.nn.convert import ConversionRecord, format_conversion_table
 from mx_recipe.nn.grouped import mx_grouped_mm
 from mx_recipe.nn.linear import MXLinear
 from mx_recipe.ops.backends import resolve_backend
 
-# convert_to_mx's default skips under torchtitan's names: the output projection (``lm_head`` in torchtitan
-# 0.3, ``output`` before) and MoE router gates stay in bf16.
-TORCHTITAN_SKIP = ("lm_head", "output", "*router.gate")
-
 
 def _default_recipe() -> MXRecipe:
     return MXRecipe.from_name("mxfp8")
-
-
-def _device() -> torch.device:
-    """The device the model will train on, for resolving the backend (every GPU of a node is alike)."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _replace(model_config, parent, attr, new_config):
@@ -73,7 +65,7 @@ class TorchTitanMXLinear(MXLinear, Linear):
 
     def __init__(self, config: Config):
         nn.Linear.__init__(self, config.in_features, config.out_features, bias=config.bias)
-        self.recipe, self.backend = config.recipe, resolve_backend(config.recipe, _device())
+        self.recipe, self.backend = config.recipe, resolve_backend(config.recipe, training_device())
 
 
 @functools.cache
@@ -88,7 +80,7 @@ def _mx_experts_class(experts_cls: type) -> type:
         def __init__(self, config):
             super().__init__(config)
             self.recipe = config.recipe
-            self.backend = resolve_backend(config.recipe, _device(), grouped=True)
+            self.backend = resolve_backend(config.recipe, training_device(), grouped=True)
 
         def _grouped_mm(self, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
             # torchtitan passes w[E, N, K] transposed; ours takes w itself
@@ -150,14 +142,11 @@ class _MXConverter(QuantizationConverter):
             where = f"{type(self).__name__}.Config" + (f".{e.key}" if e.key else "")
             raise ValueError(f"{where}: {e}") from None
         # a backend the device cannot run fails here, before the model is built
-        self.backend_name = resolve_backend(self.recipe, _device(), grouped=self.grouped).name
+        self.backend_name = resolve_backend(self.recipe, training_device(), grouped=self.grouped).name
         self.records: list[ConversionRecord] = []
 
     def _why_skipped(self, fqn: str, features: tuple[int, ...]) -> str | None:
-        fqns = self.config.fqns
-        if fqns and not any(target in fqn for target in fqns):
-            return "skipped: not in fqns"
-        return skip_reason(fqn, features, self.config.skip, self.recipe.block_size)
+        return why_skipped(fqn, features, self.config.skip, self.config.fqns, self.recipe.block_size)
 
     def _log(self) -> None:
         table = format_conversion_table(self.records)

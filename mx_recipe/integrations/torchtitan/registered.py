@@ -41,13 +41,11 @@ except ImportError as e:  # torchtitan 0.3 converts configs instead: mx_recipe.i
 
 from mx_recipe.formats.options import RECIPE_OPTIONS, RecipeOptionError, recipe_from_options, recipe_option_fields
 from mx_recipe.formats.recipe import MXRecipe
-from mx_recipe.nn.convert import ConversionRecord, format_conversion_table, skip_reason
+from mx_recipe.integrations.torchtitan.common import TORCHTITAN_SKIP, training_device, why_skipped
+from mx_recipe.nn.convert import ConversionRecord, format_conversion_table
 from mx_recipe.nn.grouped import grouped_mm_on_one_input, mx_grouped_mm
 from mx_recipe.nn.linear import MXLinear
 from mx_recipe.ops.backends import Backend, resolve_backend
-
-# convert_to_mx's default skips under torchtitan's names: the output projection and MoE router gates stay in bf16
-TORCHTITAN_SKIP = ("output", "lm_head", "*router.gate")
 
 # [mx]: the recipe, the layers to convert, and one field per recipe option, with the recipes' defaults
 MX = make_dataclass(
@@ -69,11 +67,6 @@ class JobConfig:
     """What ``--job.custom_config_module`` merges into torchtitan's job config: the ``[mx]`` section."""
 
     mx: MX = field(default_factory=MX)  # type: ignore[valid-type]
-
-
-def _device() -> torch.device:
-    """The device the model will train on, for resolving the backend (every GPU of a node is alike)."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class MXExpertsMixin:
@@ -129,14 +122,12 @@ class MXModelConverter:
         self.records: list[ConversionRecord] = []
 
     def _why_skipped(self, fqn: str, features: tuple[int, ...]) -> str | None:
-        if self.fqns and not any(target in fqn for target in self.fqns):
-            return "skipped: not in fqns"
-        return skip_reason(fqn, features, self.skip, self.recipe.block_size)
+        return why_skipped(fqn, features, self.skip, self.fqns, self.recipe.block_size)
 
     def convert(self, model: nn.Module) -> None:
         """Swap the model's linears and experts in place (the backends are resolved once, here)."""
         self.records = []
-        linear_backend = resolve_backend(self.recipe, _device())
+        linear_backend = resolve_backend(self.recipe, training_device())
         grouped_backend = None
         for fqn, module in list(model.named_modules()):
             if isinstance(module, MXLinear | MXExpertsMixin):  # converted already
@@ -155,7 +146,7 @@ class MXModelConverter:
                 shape = tuple(module.w1.shape)
                 skipped = self._why_skipped(fqn, shape[1:])
                 if skipped is None:
-                    grouped_backend = grouped_backend or resolve_backend(self.recipe, _device(), grouped=True)
+                    grouped_backend = grouped_backend or resolve_backend(self.recipe, training_device(), grouped=True)
                     module.__class__ = _mx_experts_class(type(module))
                     module.recipe, module.backend = self.recipe, grouped_backend
                 self.records.append(self._record(fqn, shape, skipped, grouped_backend))
