@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from timing import run_meta
+from timing import copy_gbs, run_meta
 
 from mx_recipe.cli import ArgumentParser, int_list, names, output_file
 from mx_recipe.infer.decode import DecodeGraph, KVCache, forward
@@ -100,14 +100,6 @@ def step_bytes(model: Transformer, batch: int, cache: KVCache | None) -> float:
     if cache is not None:
         total += 2 * cache.k.numel() * cache.k.element_size()
     return total
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes/s of a device-to-device copy (read + write), median of 10."""
-    size = 2**30 if device.type == "cuda" else 2**26
-    src = torch.empty(size, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * size / statistics.median(timed(lambda: dst.copy_(src), device, 1) for _ in range(10))
 
 
 def timed(fn: Callable[[], object], device: torch.device, calls: int) -> float:
@@ -216,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     dims, dtype = models["bf16"].args, models["bf16"].output.weight.dtype
-    bandwidth = copy_bandwidth(device)
+    bandwidth = copy_gbs(device) * 1e9  # bytes/s
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"device: {name}, torch {torch.__version__}, {args.model} {flavor} dims, {dims.n_layers} layers, "

@@ -30,7 +30,7 @@ import argparse
 import json
 
 import torch
-from timing import kernel_us_by_name, require_cuda, run_meta
+from timing import copy_gbs, kernel_us_by_name, require_cuda, run_meta
 
 from mx_recipe.cli import ArgumentParser, output_file
 from mx_recipe.formats.nvfp4 import random_signs
@@ -50,13 +50,6 @@ TARGET = 0.85
 
 def kernel_ms(fn) -> dict[str, float]:
     return {name: us / 1e3 for name, us in kernel_us_by_name(fn, calls=10, flush_l2=True).items()}
-
-
-def copy_bandwidth_gbs() -> float:
-    """A device-to-device copy of 1 GiB, bytes read + written over its kernel time."""
-    src = torch.randn(2**28, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / sum(kernel_ms(lambda: dst.copy_(src)).values()) / 1e6
 
 
 def outputs_bytes(result) -> int:
@@ -85,9 +78,9 @@ def main() -> None:
     parser.add_argument("--out", type=output_file)
     args = parser.parse_args()
     require_cuda("bench_fp4_cast.py")
-    copy_gbs = copy_bandwidth_gbs()
+    copy = copy_gbs()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, x [{args.m}, {args.k}] bf16")
-    print(f"copy: {copy_gbs:.0f} GB/s (read + write, kernel time)")
+    print(f"copy: {copy:.0f} GB/s (read + write, kernel time)")
     x = torch.randn(args.m, args.k, device="cuda", dtype=torch.bfloat16)
     signs = random_signs(0, "cuda")
     calls = {
@@ -121,7 +114,7 @@ def main() -> None:
         out_bytes = outputs_bytes(result)
         kernels = kernel_ms(call)
         total_ms = sum(kernels.values())
-        call_share = (x_bytes + out_bytes) / total_ms / 1e6 / copy_gbs
+        call_share = (x_bytes + out_bytes) / total_ms / 1e6 / copy
         # the call's own kernels: the stochastic calls' seed draw is in the call's time only
         own = sorted(((k, ms) for k, ms in kernels.items() if ms > 0.02 * total_ms), key=lambda kv: "amax" not in kv[0])
         for i, (kernel, ms) in enumerate(own):
@@ -131,15 +124,15 @@ def main() -> None:
             elif "unblock" in kernel:  # plain scales from the blocked ones the cast wrote
                 moved = 2 * scale_bytes(result)
             gbs = moved / ms / 1e6
-            verdict = "meets" if gbs / copy_gbs >= TARGET else "misses"
+            verdict = "meets" if gbs / copy >= TARGET else "misses"
             share = f"{call_share:>12.1%}" if i == len(own) - 1 else ""
             label = name if i == 0 else ""
-            print(f"{label:<38} {kernel[:26]:<26} {ms:>7.3f} {gbs:>6.0f} {gbs / copy_gbs:>7.1%} {verdict:<6} {share}")
-            rows.append(dict(name=name, kernel=kernel, M=args.m, K=args.k, gpu_ms=ms, gbs=gbs, of_copy=gbs / copy_gbs,
+            print(f"{label:<38} {kernel[:26]:<26} {ms:>7.3f} {gbs:>6.0f} {gbs / copy:>7.1%} {verdict:<6} {share}")
+            rows.append(dict(name=name, kernel=kernel, M=args.m, K=args.k, gpu_ms=ms, gbs=gbs, of_copy=gbs / copy,
                              call_ms=total_ms, call_of_copy_x_once=call_share))  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"meta": run_meta(copy_gbs=copy_gbs), "rows": rows}, f, indent=1)
+            json.dump({"meta": run_meta(copy_gbs=copy), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,22 @@ def kernel_us(
     return sum(kernel_us_by_name(step, calls, grad_to_none, flush_l2).values())
 
 
+def copy_gbs(device: torch.device | str = "cuda") -> float:
+    """GB/s of a device-to-device copy, bytes read + written: 1 GiB over the copy kernel's time on a GPU (L2 flushed),
+    64 MiB over the wall time on a CPU. What the memory-bound benchmarks measure their kernels against."""
+    device = torch.device(device)
+    size = 2**30 if device.type == "cuda" else 2**26
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    if device.type == "cuda":
+        return 2 * size / kernel_us(lambda: dst.copy_(src), calls=10, flush_l2=True) / 1e3
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    return 2 * size * 10 / (time.perf_counter() - start) / 1e9
+
+
 def host_us(fn: Callable[[], object], calls: int = 500) -> float:
     """Host time of one call (median of 5 rounds after a warm-up round), the GPU idle enough that it
     never holds the host back."""
