@@ -71,6 +71,7 @@ class Variant:
     peak_gib: float | None = None  # CUDA only
     losses: list[float] = dataclasses.field(default_factory=list)
     profile: dict[str, float] | None = None  # ms per step by kernel kind, and "GPU idle"
+    top_kernels: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)  # (name, calls, ms)
 
 
 def with_layers(dims, layers: int | None):
@@ -145,16 +146,21 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
 
 
-def profile_steps(v: Variant, batches: list, device: torch.device) -> dict[str, float]:
+def profile_steps(v: Variant, batches: list, device: torch.device, top: int = 0) -> dict[str, float]:
     """ms per step of each kernel kind over ``batches`` (profiled), and "GPU idle": the wall time no
-    kernel covers (the GPU waiting on the host; a lower bound when kernels overlap)."""
+    kernel covers (the GPU waiting on the host; a lower bound when kernels overlap). ``top``: also keep
+    the ``top`` costliest kernels, (name, calls per step, ms per step), in ``v.top_kernels``."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:  # no CPU events: they slow the host
         wall = run_steps(v, batches, device)
     by_kind = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
+    kernels = []
     for event in prof.key_averages():
         if event.device_type.name == "CUDA":
-            by_kind[kernel_kind(event.key)] += event.device_time_total / 1e3 / len(batches)
+            ms = event.device_time_total / 1e3 / len(batches)
+            by_kind[kernel_kind(event.key)] += ms
+            kernels.append((event.key, event.count / len(batches), ms))
     by_kind["GPU idle"] = max(0.0, 1e3 * wall / len(batches) - sum(by_kind.values()))
+    v.top_kernels = sorted(kernels, key=lambda k: -k[2])[:top]
     return by_kind
 
 
@@ -165,6 +171,11 @@ def print_profiles(variants: list[Variant]) -> None:
     for kind in kinds:
         print(f"{kind:>18}" + "".join(f"{v.profile[kind]:>12.1f}" for v in variants))
     print(f"{'step':>18}" + "".join(f"{sum(v.profile.values()):>12.1f}" for v in variants))
+    for v in variants:
+        if v.top_kernels:
+            print(f"\n{v.name}: costliest kernels, ms per step (calls per step)")
+            for name, calls, ms in v.top_kernels:
+                print(f"{ms:>8.2f} ({calls:>5.0f})  {kernel_kind(name):<17} {name[:110]}")
 
 
 def main() -> int:
@@ -177,6 +188,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=output_file, help="write the rows as JSON here, with provenance")
     parser.add_argument("--profile", action="store_true", help="then profile 2 steps of each variant")
+    parser.add_argument(
+        "--profile-top", type=int, default=0, metavar="N", help="with --profile: list the N costliest kernels"
+    )
     parser.add_argument(
         "--all-gather", choices=["config", "both"], default="config",
         help="both: each MX recipe with the bf16 and with the MX all-gather (FSDP2, under torchrun)",
@@ -242,7 +256,7 @@ def main() -> int:
         rows = report(variants, None if peak is None else peak * info.world_size, log)
         if args.profile:
             for v, row in zip(variants, rows, strict=True):
-                v.profile = row["profile_ms_per_step"] = profile_steps(v, batches[:2], info.device)
+                v.profile = row["profile_ms_per_step"] = profile_steps(v, batches[:2], info.device, args.profile_top)
             if info.is_main:
                 print_profiles(variants)
         finished = True
