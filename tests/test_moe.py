@@ -185,38 +185,31 @@ def test_shared_expert_casts_with_a_frozen_weight_and_no_grad():
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-@pytest.mark.parametrize("fuse_swiglu", [False, True])
-def test_experts_cast_x_once_per_orientation(monkeypatch, fuse_swiglu):
+def test_experts_cast_x_once_per_orientation(monkeypatch):
     """MX experts (w1 and w3 on x, w2 on h): forward makes x's and h's casts, each from one read (along K and
-    along M in groups); backward casts each upstream gradient once, for both of its GEMMs, and nothing of x or h.
-    With fuse_swiglu_casts, h's casts come from the SwiGLU's op, and so do those of w1's and w3's gradients."""
-    import mx_recipe.nn.grouped as grouped
+    along M in groups); backward casts each upstream gradient once, for both of its GEMMs, and nothing of x or h."""
     import mx_recipe.ops.mx_backends as gemm
 
     calls = []
-    for module, fname in (
-        (gemm, "fake_quant_dim0"),
-        (gemm, "fake_quant_dim0_dim1"),
-        (gemm, "fake_quant_groups_along_m"),
-        (gemm, "fake_quant_dim0_groups_along_m"),
-        (grouped, "swiglu_fake_quant_groups"),
-        (grouped, "swiglu_grad_fake_quant_groups"),
+    for fname in (
+        "fake_quant_dim0",
+        "fake_quant_dim0_dim1",
+        "fake_quant_groups_along_m",
+        "fake_quant_dim0_groups_along_m",
     ):
-        fn = getattr(module, fname)
+        fn = getattr(gemm, fname)
         monkeypatch.setattr(
-            module, fname, lambda t, *a, _n=fname, _f=fn, **kw: calls.append((_n, t.shape)) or _f(t, *a, **kw)
+            gemm, fname, lambda t, *a, _n=fname, _f=fn, **kw: calls.append((_n, t.shape)) or _f(t, *a, **kw)
         )
     moe = MoE(_small_moe_args(n_shared_experts=0))
-    convert_to_mx(moe, MXRecipe.from_name("mxfp8", fuse_swiglu_casts=fuse_swiglu))
+    convert_to_mx(moe, MXRecipe.from_name("mxfp8"))
     x = torch.randn(20, 64, requires_grad=True)
     y = moe.experts(x, torch.tensor([5, 5, 12, 20], dtype=torch.int32))
-    h_casts = "swiglu_fake_quant_groups" if fuse_swiglu else "fake_quant_dim0_groups_along_m"
-    assert [c[0] for c in calls if len(c[1]) == 2] == ["fake_quant_dim0_groups_along_m", h_casts], calls  # x, h
+    assert [c[0] for c in calls if len(c[1]) == 2] == ["fake_quant_dim0_groups_along_m"] * 2, calls  # x, then h
     assert [c[0] for c in calls if len(c[1]) == 3] == ["fake_quant_dim0_dim1"] * 3, calls  # w1, w3, w2: both ways
     calls.clear()
     y.sum().backward()
-    g_casts = ["swiglu_grad_fake_quant_groups"] if fuse_swiglu else ["fake_quant_dim0_groups_along_m"] * 2
-    assert [c[0] for c in calls] == ["fake_quant_dim0_groups_along_m", *g_casts], calls  # g2; g1 and g3
+    assert [c[0] for c in calls] == ["fake_quant_dim0_groups_along_m"] * 3, calls  # g2, g1, g3; nothing of x, h, w
 
 
 @pytest.mark.gpu

@@ -217,7 +217,6 @@ def test_options_are_the_option_fields_of_the_recipe_classes():
         "fuse_x_casts": True,
         "fuse_expert_casts": True,
         "share_input_casts": True,
-        "fuse_swiglu_casts": True,
     }
 
 

@@ -64,12 +64,6 @@ class MXRecipe:
     share_input_casts: an input read by several linears (wq, wk and wv; w1 and w3) is cast once for all of
         them (``linears_on_one_input``), and so is the routed x of the experts' w1 and w3
         (``grouped_mm_on_one_input``). Bit-identical outputs and gradients. On by default.
-    fuse_swiglu_casts: MoE experts, emulated backend, where every GEMM is MX, grad_weight == forward and
-        gradients round to nearest (elsewhere it changes nothing): the SwiGLU between the experts' GEMMs emits
-        the fake-quants of its result, and its backward those of its gradients, from one kernel each
-        (``ops.swiglu_cast``), so h = silu(y1) * y3 and the gradients of y1 and y3 are never written in bf16.
-        Bit-identical to eager F.silu(y1) * y3 followed by the casts (a compiled SwiGLU rounds differently
-        from eager's anyway). On by default.
 
     The fields made with ``option`` are the options a run sets on top of a named recipe (train.py's [mx]
     keys, the torchtitan converters' fields; mx_recipe.formats.options); the others define the recipe.
@@ -88,7 +82,6 @@ class MXRecipe:
     fuse_x_casts: bool = option(True, "emulated: both fake-quants of x in forward, where it applies")
     fuse_expert_casts: bool = option(True, "emulated MoE: both fake-quants of the expert weights in forward")
     share_input_casts: bool = option(True, "one cast of an input read by several linears (wq/wk/wv, w1/w3)")
-    fuse_swiglu_casts: bool = option(True, "emulated MoE: the experts' SwiGLU emits its casts, fwd and bwd")
 
     def __post_init__(self) -> None:
         for field in ("forward", "grad_input", "grad_weight"):
@@ -121,9 +114,8 @@ class MXRecipe:
             raise ValueError(f"MXRecipe.fuse_x_casts={self.fuse_x_casts!r}: expected True or False")
         if not isinstance(self.fuse_expert_casts, bool):
             raise ValueError(f"MXRecipe.fuse_expert_casts={self.fuse_expert_casts!r}: expected True or False")
-        for flag in ("share_input_casts", "fuse_swiglu_casts"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"MXRecipe.{flag}={getattr(self, flag)!r}: expected True or False")
+        if not isinstance(self.share_input_casts, bool):
+            raise ValueError(f"MXRecipe.share_input_casts={self.share_input_casts!r}: expected True or False")
 
     @staticmethod
     def from_name(name: str, **overrides: str | bool) -> MXRecipe:

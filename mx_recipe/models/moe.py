@@ -75,11 +75,8 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
 
-    def grouped_mm(
-        self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, x_casts: tuple | None = None
-    ) -> torch.Tensor:
-        """x [M_total, K] by w [E, N, K] per group -> [M_total, N]. MX experts override this (``x_casts``: x's casts
-        as ``hidden`` made them, for theirs)."""
+    def grouped_mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """x [M_total, K] by w [E, N, K] per group -> [M_total, N]. MX experts override this."""
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
     def grouped_mm_on_one_input(
@@ -88,15 +85,9 @@ class GroupedExperts(nn.Module):
         """``[grouped_mm(x, w, offs) for w in ws]``: MX experts override it to cast x once for all."""
         return [self.grouped_mm(x, w, offs) for w in ws]
 
-    def hidden(self, x: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
-        """(h = silu(x @ w1.T) * (x @ w3.T) per group, None). MX experts override it to hand out h's casts for w2
-        from the SwiGLU's own kernel instead."""
-        y1, y3 = self.grouped_mm_on_one_input(x, (self.w1, self.w3), offs)
-        return F.silu(y1) * y3, None
-
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        h, h_casts = self.hidden(x, offs)
-        return self.grouped_mm(h, self.w2, offs, h_casts)
+        y1, y3 = self.grouped_mm_on_one_input(x, (self.w1, self.w3), offs)
+        return self.grouped_mm(F.silu(y1) * y3, self.w2, offs)
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)

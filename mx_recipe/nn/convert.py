@@ -11,7 +11,7 @@ from torch import nn
 
 from mx_recipe.formats.options import recipe_from_options
 from mx_recipe.formats.recipe import MXRecipe, NVFP4Recipe
-from mx_recipe.nn.grouped import grouped_mm_on_one_input, grouped_swiglu, mx_grouped_mm
+from mx_recipe.nn.grouped import grouped_mm_on_one_input, mx_grouped_mm
 from mx_recipe.nn.linear import MXLinear
 from mx_recipe.ops.backends import Backend, resolve_backend
 
@@ -40,15 +40,8 @@ class MXGroupedExperts(nn.Module):
                 return casts.operands if casts.dtype == x.dtype else None
         return None
 
-    def grouped_mm(
-        self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, x_casts: tuple | None = None
-    ) -> torch.Tensor:
-        return mx_grouped_mm(x, w, offs, self.recipe, self.backend, self.step_weight_casts(x, w), x_casts)
-
-    def hidden(self, x: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
-        """The SwiGLU of w1 and w3 (``grouped_swiglu``: fused with w2's casts of h where the recipe allows)."""
-        casts = [self.step_weight_casts(x, w) for w in (self.w1, self.w3)]
-        return grouped_swiglu(x, self.w1, self.w3, offs, self.recipe, self.backend, casts)
+    def grouped_mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return mx_grouped_mm(x, w, offs, self.recipe, self.backend, self.step_weight_casts(x, w))
 
     def grouped_mm_on_one_input(
         self, x: torch.Tensor, ws: tuple[torch.Tensor, ...], offs: torch.Tensor

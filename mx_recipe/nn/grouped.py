@@ -24,10 +24,7 @@ The padding happens on the device, into a buffer of static size ceil32(M_total) 
 
 On the emulated backend x is cast in forward for both of its GEMMs (``grouped_input_casts``: along K, and
 along M inside the groups for grad weight, one read) and ``grouped_mm_on_one_input`` shares those casts between
-the experts' w1 and w3; backward reads g once for its two casts. ``grouped_swiglu`` runs w1, w3 and the SwiGLU
-between them and w2 as one Function whose SwiGLU kernel emits h's casts for w2 (forward) and the casts of the
-gradients of w1's and w3's outputs (backward), so that neither h nor those gradients is written in bf16
-(``fuse_swiglu_casts``).
+the experts' w1 and w3; backward reads g once for its two casts.
 
 NVFP4 recipes run on the emulated NVFP4 backend (``nvfp4_backends``): along M every group is padded with zero
 rows to a multiple of 16, so that no block of 16, and no block of the Hadamard transform, straddles two experts.
@@ -38,14 +35,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
-from mx_recipe.formats.mx import BLOCK_SIZE
-from mx_recipe.formats.recipe import HIGH_PRECISION, MXRecipe
-from mx_recipe.formats.scale_layout import group_row_sources, padded_group_layout
 from mx_recipe.ops.backends import Backend, Recipe, default_backend
 from mx_recipe.ops.settings import get_kernel_settings
-from mx_recipe.ops.swiglu_cast import swiglu_fake_quant_groups, swiglu_grad_fake_quant_groups
 
 
 def check_group_ends(offs: torch.Tensor, m: int) -> None:
@@ -125,7 +117,7 @@ def _check_offs(x: torch.Tensor, offs: torch.Tensor) -> None:
 
 def mx_grouped_mm(
     x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Recipe, backend: Backend | None = None,
-    w_casts: tuple | None = None, x_casts: tuple | None = None,
+    w_casts: tuple | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Differentiable grouped GEMM, MX or NVFP4 as ``recipe`` says: x [M_total, K], w [E, N, K], offs int32 [E]
     -> [M_total, N]. ``backend``: from ``resolve_backend(..., grouped=True)``; None resolves it for x's device
@@ -134,11 +126,10 @@ def mx_grouped_mm(
     offs: non-decreasing group ends in [0, M_total]; rows at and past offs[-1] belong to no group and come
     back as zeros, with zero gradients. The values are checked on the host for CPU tensors, and on a GPU
     only with the kernel setting ``check_offs=True`` (a device sync per call); unchecked, bad offs give unspecified
-    values. ``w_casts``: w's casts made for the whole step (``mx_recipe.nn.weight_casts``), None to cast here.
-    ``x_casts``: x's casts as ``grouped_input_casts`` makes them (``grouped_swiglu``'s), None to cast here."""
+    values. ``w_casts``: w's casts made for the whole step (``mx_recipe.nn.weight_casts``), None to cast here."""
     backend = _check(x, w, offs, recipe, backend)
     _check_offs(x, offs)
-    return _GroupedMMFunction.apply(x, w, offs, recipe, backend, torch.is_grad_enabled(), x_casts, w_casts)
+    return _GroupedMMFunction.apply(x, w, offs, recipe, backend, torch.is_grad_enabled(), None, w_casts)
 
 
 def grouped_mm_on_one_input(
@@ -164,71 +155,3 @@ def grouped_mm_on_one_input(
         _GroupedMMFunction.apply(x, w, offs, recipe, backend, grad_enabled, x_casts, casts)
         for w, casts in zip(ws, w_casts, strict=True)
     ]
-
-
-def fuses_swiglu_casts(recipe: Recipe, backend: Backend, x: torch.Tensor, ws: Sequence[torch.Tensor]) -> bool:
-    """Whether ``grouped_swiglu`` fuses the SwiGLU with its casts for these operands: the option on, the emulated
-    backend, every GEMM MX with grad_weight == forward (h's two casts from one read), gradients rounded to nearest
-    (the kernel's), and a backward that will run for every weight."""
-    return (
-        isinstance(recipe, MXRecipe)
-        and recipe.fuse_swiglu_casts
-        and recipe.fuse_x_casts
-        and backend.name == "emulated"
-        and HIGH_PRECISION not in (recipe.forward, recipe.grad_input, recipe.grad_weight)
-        and recipe.grad_weight == recipe.forward
-        and recipe.grad_rounding == "nearest"
-        and x.shape[0] > 0
-        and torch.is_grad_enabled()
-        and all(w.requires_grad for w in ws)
-    )
-
-
-class _GroupedSwiGLUFunction(torch.autograd.Function):
-    """silu(x @ w1.T) * (x @ w3.T) per token group, handed out as its two casts for the w2 GEMM (along K; along M
-    in the groups, not differentiable). x's casts are shared by w1 and w3 as in ``grouped_mm_on_one_input``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offs: torch.Tensor, recipe: MXRecipe,
-                backend: Backend, w1_casts: tuple | None, w3_casts: tuple | None):  # fmt: skip
-        need_gx, need_gw1, need_gw3 = ctx.needs_input_grad[:3]
-        x_casts = backend.grouped_input_casts(x, offs, recipe, need_gw1 or need_gw3)
-        y1, saved1 = backend.grouped_forward(x, w1, offs, recipe, need_gx, need_gw1, x_casts, w1_casts)
-        y3, saved3 = backend.grouped_forward(x, w3, offs, recipe, need_gx, need_gw3, x_casts, w3_casts)
-        layout = padded_group_layout(offs, x.shape[0], BLOCK_SIZE)
-        src = group_row_sources(layout[0], layout[2])
-        h_k, h_m = swiglu_fake_quant_groups(y1, y3, src, recipe.forward, recipe.scale_rule)
-        ctx.recipe, ctx.backend, ctx.n_saved = recipe, backend, len(saved1)
-        ctx.save_for_backward(y1, y3, src, *saved1, *saved3)
-        ctx.mark_non_differentiable(h_m)
-        return h_k, h_m
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor, _: torch.Tensor | None):
-        y1, y3, src, *saved = ctx.saved_tensors
-        saved1, saved3 = tuple(saved[: ctx.n_saved]), tuple(saved[ctx.n_saved :])
-        recipe, backend = ctx.recipe, ctx.backend
-        need_gx, need_gw1, need_gw3 = ctx.needs_input_grad[:3]
-        g1_n, g1_m, g3_n, g3_m = swiglu_grad_fake_quant_groups(g, y1, y3, src, recipe.grad, recipe.scale_rule)
-        gx1, gw1 = backend.grouped_backward(g1_n, saved1, recipe, need_gx, need_gw1, g_casts=(g1_n, g1_m))
-        gx3, gw3 = backend.grouped_backward(g3_n, saved3, recipe, need_gx, need_gw3, g_casts=(g3_n, g3_m))
-        gx = gx1 + gx3 if need_gx else None  # as autograd sums the two GEMMs' gradients of x
-        return gx, gw1, gw3, *(None,) * 5
-
-
-def grouped_swiglu(
-    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offs: torch.Tensor, recipe: Recipe,
-    backend: Backend | None = None, w_casts: Sequence[tuple | None] = (None, None),
-) -> tuple[torch.Tensor, tuple | None]:  # fmt: skip
-    """The experts' hidden activation h = silu(x @ w1.T) * (x @ w3.T) per token group, for the w2 GEMM: (its
-    input, its casts for ``mx_grouped_mm(..., x_casts=)``). Where ``fuses_swiglu_casts``, the input is h's cast
-    along K and the casts come from the SwiGLU kernel (h is never written); elsewhere h and None. The same bits
-    as eager ``F.silu(y1) * y3`` and w2's own casts, in forward and backward."""
-    backend = _check(x, w1, offs, recipe, backend)
-    _check(x, w3, offs, recipe, backend)
-    if not fuses_swiglu_casts(recipe, backend, x, (w1, w3)):
-        y1, y3 = grouped_mm_on_one_input(x, (w1, w3), offs, recipe, backend, w_casts)
-        return F.silu(y1) * y3, None
-    _check_offs(x, offs)
-    h_k, h_m = _GroupedSwiGLUFunction.apply(x, w1, w3, offs, recipe, backend, *w_casts)
-    return h_k, (h_k, h_m)

@@ -235,22 +235,17 @@ class MXBackend:
         return None, None
 
     def grouped_backward(
-        self, g: torch.Tensor, saved: tuple[torch.Tensor | None, ...], recipe: MXRecipe, need_gx: bool, need_gw: bool,
-        g_casts: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+        self, g: torch.Tensor, saved: tuple[torch.Tensor | None, ...], recipe: MXRecipe, need_gx: bool, need_gw: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """gx = g_e @ w[e] (g along N, each w[e] along N) and gw[e] = g_e.T @ x_e (g and x along M inside each
-        group), in the dtype of g; rows of gx past the groups are zero. ``g_casts``: g along N and along M in the
-        groups (``grouped_grad_casts``'), made already (by the SwiGLU's backward): g's values are then not read."""
+        group), in the dtype of g; rows of gx past the groups are zero."""
         x, x_m, w, offs, w_n = saved
         layout = None  # token rows in groups padded to 32: the MX grad-weight GEMM's, shared with grad input
         mx_gx = need_gx and recipe.grad_input != HIGH_PRECISION
         mx_gw = need_gw and recipe.grad_weight != HIGH_PRECISION
         if mx_gw:
             layout = padded_group_layout(offs, g.shape[0], BLOCK_SIZE)
-        if g_casts is not None:
-            g_n, g_m = g_casts
-        else:
-            g_n, g_m = self.grouped_grad_casts(g, recipe, layout) if mx_gx and mx_gw else (None, None)
+        g_n, g_m = self.grouped_grad_casts(g, recipe, layout) if mx_gx and mx_gw else (None, None)
         gx = gw = None
         rule = recipe.scale_rule
         if need_gx:
