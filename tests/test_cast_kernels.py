@@ -278,7 +278,17 @@ def check_fake_quant_groups_along_m(sizes, dtype, elem, mode, device, flip_first
     # fake_quant_groups: along K too, from the same read (each row to its own row, like along M)
     along_k, along_m = dispatch.launcher("fake_quant_groups", impl)(x, src, elem, mode)
     assert_values_equal(along_m, want, what + " (with along K)")
-    assert_values_equal(along_k, to_mx(x.cpu(), elem, mode, dim=-1).dequantize(dtype), what + " along K")
+    want_k = to_mx(x.cpu(), elem, mode, dim=-1).dequantize(dtype)
+    assert_values_equal(along_k, want_k, what + " along K")
+    if impl == "triton" and x.shape[0]:  # the routed rows read from tokens through their indices (Triton's kernel)
+        from mx_kernels.mx.fake_quant_2d import fake_quant_routed_groups
+
+        perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(1)).to(x.device)
+        tokens = torch.cat([x[perm], x[:3]])  # shuffled, and rows no group reads
+        routed = torch.argsort(perm)  # tokens[routed] == x
+        along_k, along_m = fake_quant_routed_groups(tokens, routed, src, elem, mode)
+        assert_values_equal(along_m, want, what + " routed")
+        assert_values_equal(along_k, want_k, what + " routed, along K")
 
 
 # ---------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from test_moe import GROUP_SIZES, reference
+from test_moe import GROUP_SIZES, check_routed_experts, reference
 
 from mx_recipe import MXRecipe
 from mx_recipe.nn.grouped import mx_grouped_mm
@@ -49,3 +49,9 @@ def test_fuse_expert_casts_is_bit_identical_cuda(name):
         results.append((y.detach(), x.grad, w.grad))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp8_rceil", "mxfp4", "mxfp8_wgrad_bf16"])
+def test_routed_experts_are_bit_identical_to_the_routed_copy_cuda(name):
+    for sizes in ([5, 0, 40, 1], [0, 0, 64, 0], [300, 1, 0, 211]):
+        check_routed_experts(name, sizes, "cuda")

@@ -24,7 +24,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from mx_kernels.common import fake_quant_2d_outputs, fake_quant_groups_outputs, interpreting, software_round
+from mx_kernels.common import (
+    check_cast,
+    fake_quant_2d_outputs,
+    fake_quant_groups_outputs,
+    groups_along_m_rows,
+    interpreting,
+    software_round,
+)
 from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.quantize import column_blocks, draws_tile, fake_quant_blocks, tile_rows, to_fp32
 from mx_kernels.spec import cdiv
@@ -39,10 +46,10 @@ STOCHASTIC_ALONG_M_TILE = (32, 64, 2)
 
 @triton.jit
 def _fake_quant_2d_kernel(
-    x_ptr, src_ptr, k_ptr, m_ptr, seed_ptr, M, M_PAD, K, stride_xb, stride_xm, stride_xk,
+    x_ptr, src_ptr, routed_ptr, k_ptr, m_ptr, seed_ptr, M, M_PAD, K, stride_xb, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ALONG_K: tl.constexpr, ALONG_M: tl.constexpr, ELEM: tl.constexpr,
     RCEIL: tl.constexpr, SOFTWARE_ROUND: tl.constexpr, OUT_BF16_BITS: tl.constexpr, GATHER: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
+    STOCHASTIC: tl.constexpr, ROUTED: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -51,7 +58,10 @@ def _fake_quant_2d_kernel(
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     x_rows, has_data = tile_rows(rows, src_ptr, M, GATHER)  # GATHER: 2D x, M laid-out rows
     in_x = has_data[:, None] & (cols < K)[None, :]
-    x_offs = pid_b * stride_xb + x_rows[:, None] * stride_xm + cols[None, :] * stride_xk
+    read_rows = x_rows
+    if ROUTED:  # the routed row p holds x's row routed[p] (the gather x[routed], never written)
+        read_rows = tl.load(routed_ptr + x_rows, mask=has_data, other=0)
+    x_offs = pid_b * stride_xb + read_rows[:, None] * stride_xm + cols[None, :] * stride_xk
     x = to_fp32(tl.load(x_ptr + x_offs, mask=in_x, other=0.0), SOFTWARE_ROUND)
     seed = tl.load(seed_ptr) if STOCHASTIC else 0
     if ALONG_K:  # blocks of 32 along K: [BLOCK_M * BLOCK_K / 32, 32]
@@ -132,6 +142,23 @@ def fake_quant_groups(
     return fake_quant_groups_outputs(x, row_src, elem, mode, _launch, "fake_quant_groups", fp4=True, along_k=True)
 
 
+def fake_quant_routed_groups(
+    x: torch.Tensor, routed: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fake_quant_groups(x[routed], row_src, ...)`` without writing x[routed]: x [T, K] bf16, routed int64 [M] (rows
+    of x, e.g. each token once per expert it is routed to, sorted by expert), row_src int32 [R] laying out the M
+    routed rows in padded groups -> (along K, groups along M), each [M, K]. ``routed`` is not checked on the GPU."""
+    _require_bf16(x, "fake_quant_routed_groups")
+    if routed.dtype != torch.int64 or routed.dim() != 1:
+        raise ValueError(f"fake_quant_routed_groups: routed must be 1D int64, got {routed.dtype} {tuple(routed.shape)}")
+    check_cast(x, elem, mode, ndims=(2,), qdim=-1, op="fake_quant_routed_groups", fp4=True)
+    rows = groups_along_m_rows(row_src)
+    out_k, out_m = (x.new_empty(routed.shape[0], x.shape[1]) for _ in range(2))
+    if out_k.numel():
+        _launch(x, row_src, out_k, out_m, elem, mode, True, True, rows, rows, routed=routed)
+    return out_k, out_m
+
+
 def _require_bf16(x: torch.Tensor, op: str) -> None:
     # On an H200 the kernel gave wrong values for fp32 input (exact in the interpreter and for bf16 on the
     # GPU): refuse rather than return wrong numbers; the dispatch takes the reference for fp32.
@@ -145,22 +172,27 @@ _LAUNCHES = LaunchCache(_fake_quant_2d_kernel)
 def _launch(
     x: torch.Tensor, row_src: torch.Tensor | None, out_k: torch.Tensor, out_m: torch.Tensor, elem: str, mode: str,
     along_k: bool, along_m: bool, m: int, m_pad: int, seed: torch.Tensor | None = None,
+    routed: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """``m``: the rows the kernel walks (x's, or row_src's with row_src); ``m_pad``: along M's rows."""
     software = software_round(x, "fake_quant_2d")
     stochastic = seed is not None
-    key = (x.shape, x.stride(), x.dtype, row_src is None, elem, mode, along_k, along_m, m, m_pad, software, stochastic)
+    key = (x.shape, x.stride(), x.dtype, row_src is None, elem, mode, along_k, along_m, m, m_pad, software, stochastic,
+           None if routed is None else routed.shape)  # fmt: skip
     _LAUNCHES.launch_keyed(
         key,
-        lambda: _kernel_launch(x, row_src, out_k, out_m, elem, mode, along_k, along_m, m, m_pad, software, seed),
-        x_ptr=x, src_ptr=x if row_src is None else row_src, k_ptr=out_k, m_ptr=out_m,
-        seed_ptr=x if seed is None else seed,
+        lambda: _kernel_launch(
+            x, row_src, out_k, out_m, elem, mode, along_k, along_m, m, m_pad, software, seed, routed
+        ),
+        x_ptr=x, src_ptr=x if row_src is None else row_src, routed_ptr=x if routed is None else routed, k_ptr=out_k,
+        m_ptr=out_m, seed_ptr=x if seed is None else seed,
     )  # fmt: skip
 
 
 def _kernel_launch(
     x: torch.Tensor, row_src: torch.Tensor | None, out_k: torch.Tensor, out_m: torch.Tensor, elem: str, mode: str,
     along_k: bool, along_m: bool, m: int, m_pad: int, software: bool, seed: torch.Tensor | None,
+    routed: torch.Tensor | None = None,
 ) -> tuple[tuple[int, int, int], dict]:  # fmt: skip
     """(grid, keyword arguments) of one launch."""
     x3 = x if x.dim() == 3 else x.unsqueeze(0)
@@ -169,11 +201,11 @@ def _kernel_launch(
     bits = software and x.dtype == torch.bfloat16  # the interpreter: bf16 bits rounded by hand
     grid = (cdiv(m_pad if along_m else m, block_m), cdiv(k, block_k), num_batch)
     return grid, dict(
-        x_ptr=x3, src_ptr=x3 if row_src is None else row_src,
+        x_ptr=x3, src_ptr=x3 if row_src is None else row_src, routed_ptr=x3 if routed is None else routed,
         k_ptr=out_k.view(torch.int16) if bits and along_k else out_k,
         m_ptr=out_m.view(torch.int16) if bits and along_m else out_m, seed_ptr=x3 if seed is None else seed,
         M=m, M_PAD=m_pad, K=k, stride_xb=x3.stride(0), stride_xm=x3.stride(1), stride_xk=x3.stride(2),
         BLOCK_M=block_m, BLOCK_K=block_k, ALONG_K=along_k, ALONG_M=along_m, ELEM=elem, RCEIL=mode == "rceil",
         SOFTWARE_ROUND=software, OUT_BF16_BITS=bits, GATHER=row_src is not None, STOCHASTIC=seed is not None,
-        num_warps=num_warps,
+        ROUTED=routed is not None, num_warps=num_warps,
     )  # fmt: skip

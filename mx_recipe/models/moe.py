@@ -80,13 +80,18 @@ class GroupedExperts(nn.Module):
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
     def grouped_mm_on_one_input(
-        self, x: torch.Tensor, ws: tuple[torch.Tensor, ...], offs: torch.Tensor
+        self, x: torch.Tensor, ws: tuple[torch.Tensor, ...], offs: torch.Tensor, routed: torch.Tensor | None = None
     ) -> list[torch.Tensor]:
-        """``[grouped_mm(x, w, offs) for w in ws]``: MX experts override it to cast x once for all."""
+        """``[grouped_mm(x[routed], w, offs) for w in ws]`` (x itself where ``routed`` is None): MX experts override it
+        to cast the routed rows once for all, from x."""
+        if routed is not None:
+            x = x[routed]
         return [self.grouped_mm(x, w, offs) for w in ws]
 
-    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        y1, y3 = self.grouped_mm_on_one_input(x, (self.w1, self.w3), offs)
+    def forward(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M_total, dim] sorted by expert; or the tokens [T, dim] and ``routed`` [M_total], the token of each row
+        of the groups (the groups are x[routed])."""
+        y1, y3 = self.grouped_mm_on_one_input(x, (self.w1, self.w3), offs, routed)
         return self.grouped_mm(F.silu(y1) * y3, self.w2, offs)
 
     def init_weights(self, init_std: float) -> None:
@@ -146,7 +151,7 @@ class MoE(nn.Module):
         order = flat_idx.argsort(stable=True)
         token_ids = order // self.top_k
         offs = counts.cumsum(0).to(torch.int32)
-        routed = self.experts(x[token_ids], offs)
+        routed = self.experts(x, offs, token_ids)  # the groups are x[token_ids]
         routed = routed * scores.flatten()[order].unsqueeze(-1).to(routed.dtype)
         out = torch.zeros_like(x).index_add_(0, token_ids, routed)
         if self.shared_experts is not None:

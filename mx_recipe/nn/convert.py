@@ -44,10 +44,10 @@ class MXGroupedExperts(nn.Module):
         return mx_grouped_mm(x, w, offs, self.recipe, self.backend, self.step_weight_casts(x, w))
 
     def grouped_mm_on_one_input(
-        self, x: torch.Tensor, ws: tuple[torch.Tensor, ...], offs: torch.Tensor
+        self, x: torch.Tensor, ws: tuple[torch.Tensor, ...], offs: torch.Tensor, routed: torch.Tensor | None = None
     ) -> list[torch.Tensor]:
         casts = [self.step_weight_casts(x, w) for w in ws]
-        return grouped_mm_on_one_input(x, ws, offs, self.recipe, self.backend, casts)
+        return grouped_mm_on_one_input(x, ws, offs, self.recipe, self.backend, casts, routed)
 
     def extra_repr(self) -> str:
         return f"experts={self.w1.shape[0]}, recipe={self.recipe.name}, backend={self.backend.name}"

@@ -24,7 +24,8 @@ The padding happens on the device, into a buffer of static size ceil32(M_total) 
 
 On the emulated backend x is cast in forward for both of its GEMMs (``grouped_input_casts``: along K, and
 along M inside the groups for grad weight, one read) and ``grouped_mm_on_one_input`` shares those casts between
-the experts' w1 and w3; backward reads g once for its two casts.
+the experts' w1 and w3, reading the routed tokens through their indices (``routed``: the copy x[routed] that
+routing would write is never made); backward reads g once for its two casts.
 
 NVFP4 recipes run on the emulated NVFP4 backend (``nvfp4_backends``): along M every group is padded with zero
 rows to a multiple of 16, so that no block of 16, and no block of the Hadamard transform, straddles two experts.
@@ -132,25 +133,57 @@ def mx_grouped_mm(
     return _GroupedMMFunction.apply(x, w, offs, recipe, backend, torch.is_grad_enabled(), None, w_casts)
 
 
+class _RoutedInputFunction(torch.autograd.Function):
+    """x[routed] handed out as its two casts (along K, as differentiable as x[routed]; along M in token groups),
+    made from x without the routed copy; backward gives x the gradient that indexing would (an accumulating
+    index_put of the routed rows' gradient, the op autograd runs for x[routed])."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, routed: torch.Tensor, offs: torch.Tensor, recipe: Recipe, backend: Backend):
+        x_k, x_m = backend.routed_input_casts(x, routed, offs, recipe)
+        ctx.save_for_backward(routed)
+        ctx.x_shape = x.shape
+        ctx.mark_non_differentiable(x_m)
+        return x_k, x_m
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor, _: torch.Tensor | None):
+        (routed,) = ctx.saved_tensors
+        return g.new_zeros(ctx.x_shape).index_put_((routed,), g, accumulate=True), None, None, None, None
+
+
 def grouped_mm_on_one_input(
     x: torch.Tensor, ws: Sequence[torch.Tensor], offs: torch.Tensor, recipe: Recipe, backend: Backend | None = None,
-    w_casts: Sequence[tuple | None] | None = None,
+    w_casts: Sequence[tuple | None] | None = None, routed: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:  # fmt: skip
     """``[mx_grouped_mm(x, w, offs, recipe, backend) for w in ws]`` (the experts' w1 and w3) with x cast once for
     all of them where the backend makes x's casts in forward (``grouped_input_casts``: x along K and, for the
     grad-weight GEMMs, along M in token groups, saved once for all). The same casts each GEMM makes on its own, so
-    outputs and gradients are bit for bit those of the separate calls."""
+    outputs and gradients are bit for bit those of the separate calls.
+
+    ``routed`` (int64 [M_total]): the GEMMs' input is x[routed] (the tokens each expert group receives); where the
+    backend can (``casts_routed_input``) its casts are made from x and the routed copy is never written."""
     backend = _check(x, ws[0], offs, recipe, backend)
     for w in ws[1:]:
         _check(x, w, offs, recipe, backend)
-    _check_offs(x, offs)
-    x_casts = None
-    if getattr(recipe, "share_input_casts", False):  # an MX recipe's option; NVFP4 casts in each GEMM
-        any_grad_weight = torch.is_grad_enabled() and any(w.requires_grad for w in ws)
-        with torch.no_grad():  # the casts carry no gradient: each GEMM's backward gives x its own
-            x_casts = backend.grouped_input_casts(x, offs, recipe, any_grad_weight)
+    share = getattr(recipe, "share_input_casts", False)  # an MX recipe's option; NVFP4 casts in each GEMM
+    any_grad_weight = torch.is_grad_enabled() and any(w.requires_grad for w in ws)
     grad_enabled = torch.is_grad_enabled()
     w_casts = w_casts or [None] * len(ws)
+    if routed is not None:
+        if share and any_grad_weight and routed.shape[0] and backend.casts_routed_input(recipe):
+            _check_offs(routed, offs)
+            x_casts = _RoutedInputFunction.apply(x, routed, offs, recipe, backend)
+            return [
+                _GroupedMMFunction.apply(x_casts[0], w, offs, recipe, backend, grad_enabled, x_casts, casts)
+                for w, casts in zip(ws, w_casts, strict=True)
+            ]
+        x = x[routed]
+    _check_offs(x, offs)
+    x_casts = None
+    if share:
+        with torch.no_grad():  # the casts carry no gradient: each GEMM's backward gives x its own
+            x_casts = backend.grouped_input_casts(x, offs, recipe, any_grad_weight)
     return [
         _GroupedMMFunction.apply(x, w, offs, recipe, backend, grad_enabled, x_casts, casts)
         for w, casts in zip(ws, w_casts, strict=True)

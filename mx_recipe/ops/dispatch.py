@@ -359,6 +359,31 @@ define(
 )
 
 
+def reference_fake_quant_routed_groups(
+    x: Tensor, elem: str, mode: str, routed: Tensor, row_src: Tensor
+) -> tuple[Tensor, Tensor]:
+    return reference_fake_quant_groups(x[routed], elem, mode, row_src)
+
+
+def _fake_quant_routed_groups_op(x: Tensor, elem: str, mode: str, routed: Tensor, row_src: Tensor):
+    from mx_kernels.mx.fake_quant_2d import fake_quant_routed_groups as launch  # Triton's only
+
+    return launch(x, routed, row_src, elem, mode)
+
+
+def _fake_quant_routed_groups_fake(x: Tensor, elem: str, mode: str, routed: Tensor, row_src: Tensor):
+    check_cast(x, elem, mode, ndims=(2,), qdim=-1, op="fake_quant_routed_groups", fp4=True)
+    groups_along_m_rows(row_src)
+    return x.new_empty(routed.shape[0], x.shape[1]), x.new_empty(routed.shape[0], x.shape[1])
+
+
+define(
+    "fake_quant_routed_groups(Tensor x, str elem, str mode, Tensor routed, Tensor row_src) -> (Tensor, Tensor)",
+    _fake_quant_routed_groups_op,
+    _fake_quant_routed_groups_fake,
+)
+
+
 def _mx_gemm(
     a_q: Tensor, a_scale: Tensor, a_elem: str, b_q: Tensor, b_scale: Tensor, b_elem: str, out_dtype: torch.dtype
 ) -> Tensor:

@@ -53,6 +53,7 @@ from mx_recipe.ops.mx_cast import (
     fake_quant_dim0_dim1,
     fake_quant_dim0_groups_along_m,
     fake_quant_groups_along_m,
+    fake_quant_routed_groups,
 )
 
 MXOperand = MXTensor | BlockedMXTensor
@@ -227,6 +228,11 @@ class MXBackend:
         saved_x = x if for_grad_weight and x_m is None else None  # the grad-weight GEMM's; grad input needs none
         return zero_rows_past_groups(y, offs), (saved_x, x_m, w, offs, w_n)
 
+    def casts_routed_input(self, recipe: MXRecipe) -> bool:
+        """Whether the experts' routed input x[routed] is cast from the tokens x without the routed copy
+        (``routed_input_casts``); elsewhere the copy is made and cast as any input."""
+        return False
+
     def grouped_grad_casts(
         self, g: torch.Tensor, recipe: MXRecipe, layout: GroupLayout
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -329,6 +335,20 @@ class EmulatedBackend(MXBackend):
             x_k, x_m = fake_quant_dim0_groups_along_m(x, src, elem, rule)
             return x_k.to(dtype), x_m.to(dtype)
         return self.cast(x, elem, rule, dtype), fake_quant_groups_along_m(x, src, recipe.grad_weight, rule).to(dtype)
+
+    def casts_routed_input(self, recipe: MXRecipe) -> bool:
+        """Whether ``routed_input_casts`` makes x[routed]'s casts from x (x's both casts from one read apply)."""
+        return recipe.forward != HIGH_PRECISION and recipe.grad_weight == recipe.forward and recipe.fuse_x_casts
+
+    def routed_input_casts(
+        self, x: torch.Tensor, routed: torch.Tensor, offs: torch.Tensor, recipe: MXRecipe
+    ) -> GroupedInputCasts:
+        """``grouped_input_casts(x[routed], offs, recipe, for_grad_weight=True)``, bit for bit, reading the tokens x
+        where the routed rows need them: the routed copy x[routed] is never written."""
+        layout = padded_group_layout(offs, routed.shape[0], BLOCK_SIZE)
+        src = group_row_sources(layout[0], layout[2])
+        x_k, x_m = fake_quant_routed_groups(x, routed, src, recipe.forward, recipe.scale_rule)
+        return x_k.to(x.dtype), x_m.to(x.dtype)
 
     def grouped_grad_casts(
         self, g: torch.Tensor, recipe: MXRecipe, layout: GroupLayout

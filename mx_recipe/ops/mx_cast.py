@@ -33,7 +33,8 @@ from mx_kernels.common import check_offs
 
 from mx_recipe.formats.mx import BLOCK_SIZE, MXTensor
 from mx_recipe.formats.scale_layout import from_blocked, from_blocked_3d, from_blocked_groups, group_scale_starts
-from mx_recipe.ops.dispatch import run
+from mx_recipe.ops.device import capability
+from mx_recipe.ops.dispatch import reference_fake_quant_routed_groups, run
 
 __all__ = [
     "BlockedMXTensor",
@@ -238,6 +239,19 @@ def fake_quant_dim0_groups_along_m(
     MoE grouped GEMM's x (forward and grad-weight operands) and g (grad-input and grad-weight). Rounds to nearest."""
     _check_ndim(x, (2,), "fake_quant_dim0_groups_along_m")
     return run("fake_quant_groups", x, elem, mode, row_src)
+
+
+def fake_quant_routed_groups(
+    x: torch.Tensor, routed: torch.Tensor, row_src: torch.Tensor, elem: str = "e4m3", mode: str = "floor"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fake_quant_dim0_groups_along_m(x[routed], row_src)`` without x[routed]: x [T, K] the tokens, routed int64 [M]
+    the token of each routed row (sorted by expert), row_src their layout in padded groups -> (along K, groups along
+    M), each [M, K]. The MoE experts' input casts: on CUDA (bf16, to nearest) one Triton kernel that reads the
+    tokens' rows where the routed rows need them and never writes the routed copy."""
+    _check_ndim(x, (2,), "fake_quant_routed_groups")
+    if capability(x.device) is None or x.dtype != torch.bfloat16:
+        return reference_fake_quant_routed_groups(x, elem, mode, routed, row_src)
+    return torch.ops.mx_recipe.fake_quant_routed_groups(x, elem, mode, routed, row_src)
 
 
 def fake_quant_dim0_dim1(
