@@ -3,8 +3,8 @@
 models converted (every linear and the experts; the router gates and the output layer left in bf16), the converted
 layers bit-identical in forward and backward to ours on the same weights, state-dict keys unchanged, the
 errors for a config the converter cannot serve, the offline tokenizer and dataset of scripts/torchtitan_assets.py
-read by torchtitan's own tokenizer and dataset classes, and the launcher (mx_recipe.integrations.torchtitan.train):
-the flavor cut to --layers as torchtitan's trainer builds it (on the meta device: the
+read by torchtitan's own tokenizer and dataset classes, and the launcher (mx_recipe.integrations.torchtitan.train)
+with configs/torchtitan/: the flavor cut to --layers as torchtitan's trainer builds it (on the meta device: the
 trainer itself needs CUDA), the rest of the command line torchtitan's, and its errors.
 
 CI runs this file in a second environment with torchtitan 0.2.2 (``.ci/run``); where torchtitan 0.3 is installed
@@ -168,6 +168,7 @@ def test_offline_assets_feed_torchtitans_own_tokenizer_and_dataset(tmp_path):
 # --- the launcher: torchtitan's own trainer on a flavor with its layers cut ---
 
 LAUNCHER = "mx_recipe.integrations.torchtitan.train"
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs" / "torchtitan").glob("*.toml"))
 
 
 class MetaTrainer:
@@ -244,6 +245,35 @@ def test_layers_keep_deepseek_v3s_dense_first_layer(launch):
 def test_without_layers_the_launcher_is_torchtitans_train(launch):
     _, model, _ = launch("--model.flavor", "debugmodel")
     assert len(model.layers) == llama3_args["debugmodel"].n_layers == 6
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_the_torchtitan_configs_build_their_cut_models(launch, config):
+    job, model, _ = launch("--layers", "4", "--job.config_file", str(config))
+    assert len(model.layers) == 4 and job.training.steps >= 100 and job.debug.seed is not None
+    assert job.metrics.enable_tensorboard and not job.checkpoint.enable and job.activation_checkpoint.mode == "none"
+    converted = any(isinstance(m, MXLinear) for m in model.modules())
+    assert converted == config.stem.endswith("_mxfp8") == (job.model.converters == ["mx"])
+
+
+def test_the_bf16_and_mxfp8_configs_of_a_model_differ_only_in_the_converter():
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    by_model: dict[str, dict] = {}
+    for path in CONFIGS:
+        model, _, recipe = path.stem.rpartition("_")
+        config = tomllib.loads(path.read_text())
+        config["model"].pop("converters", None)
+        config.pop("mx", None)
+        job = config.pop("job")
+        assert job["dump_folder"] == f"outputs/torchtitan/{path.stem}", path
+        by_model.setdefault(model, {})[recipe] = config
+    assert set(by_model) == {"llama3_8b", "deepseek_v3_16b"}
+    for model, configs in by_model.items():
+        assert configs["bf16"] == configs["mxfp8"], model
 
 
 @pytest.mark.parametrize(
