@@ -6,7 +6,14 @@
 
 Each DIR is a train.py output directory (metrics.jsonl: training records with "loss", validation records
 with "val_loss", the last record of a step winning, so resumed runs read right; config.toml), or a folder
-of them, such as a sweep's output (<recipe>/seed<k>/ from scripts/parity_sweep.py, or <recipe>/).
+of them, such as a sweep's output (<recipe>/seed<k>/ from scripts/parity_sweep.py, or <recipe>/), or a
+torchtitan run, one reader per source:
+- its log file (what torchtitan prints; under torchrun rank 0's lines): the "step: N  loss: X  ...  tps: T  ...
+  mfu: M%" lines, "validate step:" lines, and the job config it prints with job.print_config;
+- its dump folder: the scalars of its tensorboard event files (<save_tb_folder>/<date-time>/) and the job
+  config it saves with job.save_config_file (a JSON file in the dump folder).
+A torchtitan run's recipe is the mx converter's (model.converters "mx", mx.recipe), bf16 without converters;
+its seed debug.seed, its warm-up lr_scheduler.warmup_steps, and its label "<model> <flavor> <recipe>".
 
 Arms and pairs. Runs whose config.toml agree in everything but [job], [checkpoint] and [metrics] form
 an arm (one recipe, label "<model flavor> <recipe>", bf16 for recipe "none"); within an arm each run has
@@ -101,7 +108,10 @@ class Arm:
 def read_metrics(path: Path) -> tuple[dict[int, dict[str, Any]], dict[int, float], set[int]]:
     """Training records, validation losses and launch-start steps of one metrics.jsonl."""
     if not path.is_file():
-        raise CompareError(f"{path}: no such file (is {path.parent} a train.py output directory?)")
+        raise CompareError(
+            f"{path}: no such file (is {path.parent} a train.py output directory? A torchtitan run is its log file "
+            "or its dump folder with tensorboard event files)"
+        )
     train: dict[int, dict[str, Any]] = {}
     val: dict[int, float] = {}
     launch_starts: set[int] = set()
@@ -132,7 +142,7 @@ def read_metrics(path: Path) -> tuple[dict[int, dict[str, Any]], dict[int, float
     return dict(sorted(train.items())), dict(sorted(val.items())), launch_starts
 
 
-def read_run(run_dir: Path) -> Run:
+def read_train_py_run(run_dir: Path) -> Run:
     train, val, launch_starts = read_metrics(run_dir / "metrics.jsonl")
     seed_dir = SEED_DIR.fullmatch(run_dir.name)
     arm_dir = run_dir.parent if seed_dir else run_dir
@@ -155,14 +165,165 @@ def read_run(run_dir: Path) -> Run:
     return Run(run_dir, label, recipe, warmup, steps, seed, arm_key, arm_dir, train, val, launch_starts)
 
 
+def read_run(path: Path) -> Run:
+    """A train.py output directory, a torchtitan dump folder (its tensorboard events) or a torchtitan log file."""
+    if path.is_file():
+        return read_torchtitan_log(path)
+    if not (path / "metrics.jsonl").is_file() and torchtitan_event_files(path):
+        return read_torchtitan_tensorboard(path)
+    return read_train_py_run(path)
+
+
 def run_dirs(path: Path) -> list[Path]:
     """``path`` if it is a run (or missing: reading it says so), else the runs one or two folders below it."""
-    if (path / "metrics.jsonl").is_file() or not path.is_dir():
+    if (path / "metrics.jsonl").is_file() or not path.is_dir() or torchtitan_event_files(path):
         return [path]
     found = sorted({p.parent for pattern in ("*/metrics.jsonl", "*/*/metrics.jsonl") for p in path.glob(pattern)})
     if not found:
         raise CompareError(f"{path}: no metrics.jsonl in it or in its subfolders (not a run or a sweep's output)")
     return found
+
+
+# ----------------------------------------------------------------------------- reading torchtitan runs
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+RANK_PREFIX = re.compile(r"\[[a-z]*(\d+)\]:")  # torchrun's "[rank0]:" or "[default0]:" before each line
+NUMBER = r"([-+]?(?:\d[\d,]*(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf))"
+TORCHTITAN_STEP = re.compile(rf"(?<!validate )step:\s*(\d+)\s+loss:\s*{NUMBER}")
+TORCHTITAN_VAL = re.compile(rf"validate step:\s*(\d+)\s+loss:\s*{NUMBER}")
+TORCHTITAN_FIELDS = {  # a training record's key: its figure in torchtitan's log line
+    "memory_gib": re.compile(rf"memory:\s*{NUMBER}GiB"),
+    "tokens_per_sec": re.compile(rf"tps:\s*{NUMBER}"),
+    "tflops": re.compile(rf"tflops:\s*{NUMBER}"),
+    "mfu": re.compile(rf"mfu:\s*{NUMBER}%"),
+}
+TORCHTITAN_TAGS = {  # a training record's key: its torchtitan tensorboard tag
+    "loss": "loss_metrics/global_avg_loss",
+    "memory_gib": "memory/max_reserved(GiB)",
+    "tokens_per_sec": "throughput(tps)",
+    "tflops": "tflops",
+    "mfu": "mfu(%)",
+}
+TORCHTITAN_VAL_TAG = "validation_metrics/loss"
+TB_SUBFOLDER = re.compile(r"(replica|rank)_\d+")
+
+
+def number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def torchtitan_event_files(folder: Path) -> list[Path]:
+    """The tensorboard event files of a torchtitan dump folder, oldest first: in
+    ``<save_tb_folder>/<date-time>/[replica_<i>/][rank_<k>/]`` (rank 0's where each rank saved its own)."""
+    files = []
+    for path in folder.glob("*/*/**/events.out.tfevents.*"):
+        below = path.relative_to(folder).parts[2:-1]
+        ranks = [part for part in below if part.startswith("rank_")]
+        if all(TB_SUBFOLDER.fullmatch(part) for part in below) and ranks in ([], ["rank_0"]):
+            files.append(path)
+    return sorted(files, key=lambda p: (p.parent.relative_to(folder).parts, p.name))
+
+
+def torchtitan_run(path: Path, config: dict[str, Any] | None, train: dict[int, dict[str, Any]], val: dict[int, float],
+                   launch_starts: set[int]) -> Run:  # fmt: skip
+    """A torchtitan run from its records and its job config (torchtitan's JobConfig as a dict, when known)."""
+    if not train:
+        raise CompareError(f"{path}: no torchtitan training records (log lines 'step: N  loss: X ...' or the "
+                           f"{TORCHTITAN_TAGS['loss']} scalars)")  # fmt: skip
+    label, recipe, warmup, steps, seed = path.name, None, None, None, None
+    arm_key = f"torchtitan {path.resolve()}"
+    if config:
+        model = config.get("model", {})
+        converters = model.get("converters") or []
+        # the mx converter's recipe (mx_recipe.integrations.torchtitan.registered), another converter by its name
+        recipe = config.get("mx", {}).get("recipe") if "mx" in converters else "+".join(converters) or "none"
+        label = f"{model.get('name')} {model.get('flavor')} {'bf16' if recipe == 'none' else recipe}"
+        warmup = config.get("lr_scheduler", {}).get("warmup_steps")
+        steps = config.get("training", {}).get("steps")
+        seed = config.get("debug", {}).get("seed")
+        arm_key = json.dumps({k: v for k, v in config.items() if k not in NOT_THE_ARM}, sort_keys=True, default=str)
+    train, val = dict(sorted(train.items())), dict(sorted(val.items()))
+    return Run(path, label, recipe, warmup, steps, seed, arm_key, path, train, val, launch_starts)
+
+
+def read_torchtitan_log(path: Path) -> Run:
+    """A torchtitan run from its log (what it prints; under torchrun, rank 0's lines): the training records of its
+    'step:' lines, the validation losses of its 'validate step:' lines, and the job config where it printed it
+    (job.print_config). A record after 'Starting job:' is a launch's first, its figures include start-up."""
+    lines = []
+    for raw in path.read_text(errors="replace").splitlines():
+        line = ANSI.sub("", raw)
+        rank = RANK_PREFIX.match(line)
+        if rank:
+            if rank[1] != "0":
+                continue
+            line = line[rank.end() :]
+        lines.append(line)
+    text = "\n".join(lines)
+    config = None
+    if (at := text.find("Running with configs: {")) >= 0:
+        try:
+            config, _ = json.JSONDecoder().raw_decode(text, text.index("{", at))
+        except ValueError:
+            print(f"warning: {path}: its job config did not parse; reading it without", file=sys.stderr)
+    train: dict[int, dict[str, Any]] = {}
+    val: dict[int, float] = {}
+    launch_starts: set[int] = set()
+    new_launch = True
+    for line in lines:
+        if "Starting job:" in line:
+            new_launch = True
+        elif m := TORCHTITAN_VAL.search(line):
+            val[int(m[1])] = number(m[2])
+        elif m := TORCHTITAN_STEP.search(line):
+            step = int(m[1])
+            record: dict[str, Any] = {"step": step, "loss": number(m[2])}
+            record |= {key: number(f[1]) for key, regex in TORCHTITAN_FIELDS.items() if (f := regex.search(line))}
+            train[step] = record
+            if new_launch:
+                launch_starts.add(step)
+            else:
+                launch_starts.discard(step)  # a later record of this step replaces the earlier one
+            new_launch = False
+    return torchtitan_run(path, config, train, val, launch_starts)
+
+
+def read_torchtitan_tensorboard(folder: Path) -> Run:
+    """A torchtitan run from its dump folder: the scalars of its tensorboard event files (metrics.enable_tensorboard;
+    each launch writes a file, whose first record includes start-up) and the job config torchtitan saved there
+    (job.save_config_file, a JSON file)."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        raise CompareError(f"{folder}: reading tensorboard event files needs the tensorboard package (or give the "
+                           "run's log file)") from None  # fmt: skip
+    train: dict[int, dict[str, Any]] = {}
+    val: dict[int, float] = {}
+    launch_starts: set[int] = set()
+    for path in torchtitan_event_files(folder):
+        events = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        events.Reload()
+        tags = set(events.Tags()["scalars"])
+        file_steps: dict[int, dict[str, Any]] = {}
+        for key, tag in TORCHTITAN_TAGS.items():
+            for event in events.Scalars(tag) if tag in tags else []:
+                file_steps.setdefault(event.step, {"step": event.step})[key] = event.value
+        for event in events.Scalars(TORCHTITAN_VAL_TAG) if TORCHTITAN_VAL_TAG in tags else []:
+            val[event.step] = event.value
+        records = {step: r for step, r in sorted(file_steps.items()) if "loss" in r}
+        launch_starts -= set(records)
+        launch_starts |= {next(iter(records))} if records else set()
+        train.update(records)
+    config = None
+    for path in sorted(folder.glob("*.json")):
+        try:
+            candidate = json.loads(path.read_text())
+        except ValueError:
+            continue
+        if isinstance(candidate, dict) and {"job", "model", "training"} <= set(candidate):
+            config = candidate
+            break
+    return torchtitan_run(folder, config, train, val, launch_starts)
 
 
 def group_arms(runs: list[Run]) -> list[Arm]:
@@ -278,11 +439,16 @@ def band(curves: list[dict[int, float]]) -> dict[int, tuple[float, float, float]
     return {s: (statistics.fmean(v), min(v), max(v)) for s in common_steps(curves) for v in [[c[s] for c in curves]]}
 
 
-def median_tokens_per_sec(run: Run) -> float | None:
-    records = {s: r["tokens_per_sec"] for s, r in run.train.items() if r.get("tokens_per_sec") is not None}
+def median_of(run: Run, key: str) -> float | None:
+    """The median of a training record's ``key`` over the run, leaving out the records of a launch's start-up."""
+    records = {s: r[key] for s, r in run.train.items() if r.get(key) is not None}
     steady = [v for s, v in records.items() if s not in run.launch_starts]
     values = steady or list(records.values())  # a run with one record per launch has nothing else
     return statistics.median(values) if values else None
+
+
+def median_tokens_per_sec(run: Run) -> float | None:
+    return median_of(run, "tokens_per_sec")
 
 
 def peak_memory_gib(run: Run) -> float | None:
@@ -635,7 +801,8 @@ def choose_baseline(arms: list[Arm], baseline_runs: list[Run]) -> Arm:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path, metavar="DIR", help="run directories or folders of them")
+    parser.add_argument("runs", nargs="+", type=Path, metavar="DIR",
+                        help="run directories or folders of them; torchtitan dump folders or log files")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="directory for loss.png, summary.md, summary.json")
     parser.add_argument("--baseline", type=Path, help="the baseline's run(s) (default: the bf16 arm)")
     parser.add_argument("--threshold", type=float, default=0.005, help="parity: max |relative delta| (0.005)")

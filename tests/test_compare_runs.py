@@ -436,3 +436,147 @@ def test_parity_sh_on_cpu_writes_a_summary(tmp_path):
     first = [json.loads((Path(r["run_dir"]) / "metrics.jsonl").read_text().splitlines()[0]) for r in runs]
     assert first[0]["step"] == first[1]["step"] == 1
     assert first[0]["loss"] == pytest.approx(first[1]["loss"], rel=0.01)  # one init, one batch; MX rounding only
+
+
+# --- torchtitan runs: its log lines and its tensorboard scalars ---
+
+
+def torchtitan_config(recipe: str, steps: int = 100) -> dict:
+    """The part of torchtitan 0.2's job config (JobConfig.to_dict()) compare_runs reads, and a few more fields."""
+    config = {
+        "job": {"dump_folder": f"outputs/torchtitan/llama3_8b_{recipe}", "print_config": True},
+        "metrics": {"log_freq": 10, "enable_tensorboard": True, "save_tb_folder": "tb"},
+        "model": {"name": "llama3", "flavor": "8B", "converters": [] if recipe == "bf16" else ["mx"]},
+        "lr_scheduler": {"warmup_steps": 20},
+        "training": {"steps": steps, "seq_len": 8192, "local_batch_size": 2},
+        "debug": {"seed": 0},
+        "checkpoint": {"enable": False},
+    }
+    if recipe != "bf16":
+        config["mx"] = {"recipe": recipe, "skip": ["lm_head", "output", "*router.gate"]}
+    return config
+
+
+def torchtitan_records(scale: float, tps: float, mfu: float, steps: int = 100) -> list[dict]:
+    """Records as torchtitan logs them with metrics.log_freq 10: step 1 (start-up, compile) and every tenth step."""
+    records = []
+    for step in [1, *range(10, steps + 1, 10)]:
+        slow = 20 if step == 1 else 1 + 0.01 * (step % 3)
+        records.append({"step": step, "loss": loss_curve(step, scale), "tps": tps / slow, "mfu": mfu / slow,
+                        "memory": 60.5, "grad_norm": 1.5})  # fmt: skip
+    return records
+
+
+def torchtitan_log_line(r: dict, rank: int | None = None, color: bool = False) -> str:
+    """torchtitan 0.2.2's step line (MetricsProcessor.log), as its logger prints it; under torchrun "[rankN]:" first."""
+    red, reset = ("\x1b[31m", "\x1b[39m") if color else ("", "")
+    tflops = r["mfu"] * 9.89
+    line = (
+        f"[titan] 2026-11-27 10:00:00,000 - root - INFO - {red}step: {r['step']:2}  loss: {r['loss']:8.5f}  "
+        f"grad_norm: {r['grad_norm']:7.4f}  memory: {r['memory']:5.2f}GiB({r['memory'] / 1.4:.2f}%)  "
+        f"tps: {round(r['tps']):,}  tflops: {tflops:,.2f}  mfu: {r['mfu']:.2f}%{reset}"
+    )
+    return line if rank is None else f"[rank{rank}]:{line}"
+
+
+def write_torchtitan_log(path: Path, recipe: str, records: list[dict], ranks: int = 1, color: bool = False) -> Path:
+    """A torchtitan log as torchrun --local-ranks-filter 0 (ranks 1) or all ranks (ranks > 1) writes it."""
+    prefix = [None] if ranks == 1 else list(range(ranks))
+    lines = []
+    for rank in prefix:
+        tag = "" if rank is None else f"[rank{rank}]:"
+        lines.append(f"{tag}[titan] 2026-11-27 10:00:00,000 - root - INFO - Starting job: Llama 3 8B dims, {recipe}")
+        body = "Running with configs: " + json.dumps(torchtitan_config(recipe), indent=2)
+        lines += [f"{tag}[titan] 2026-11-27 10:00:00,000 - root - INFO - {x}" if i == 0 else f"{tag}{x}"
+                  for i, x in enumerate(body.splitlines())]  # fmt: skip
+    for r in records:
+        for rank in prefix:
+            other = dict(r, tps=r["tps"] * (1 if not rank else 0.5))  # other ranks' figures differ
+            lines.append(torchtitan_log_line(other, rank, color))
+    lines.append("[titan] 2026-11-27 10:01:00,000 - root - INFO - Training completed")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_torchtitan_events(dump_folder: Path, recipe: str, records: list[dict], launches: int = 1) -> Path:
+    """A torchtitan dump folder: the scalars its TensorBoardLogger writes, <dump>/tb/<date-time>/ for each launch,
+    and the job config of job.save_config_file."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    dump_folder.mkdir(parents=True)
+    (dump_folder / "config.json").write_text(json.dumps(torchtitan_config(recipe), indent=2))
+    cut = len(records) // launches
+    for i in range(launches):
+        writer = SummaryWriter(str(dump_folder / "tb" / f"20261127-10{i:02d}"))
+        for r in records[i * cut : None if i == launches - 1 else (i + 1) * cut]:
+            scalars = {"loss_metrics/global_avg_loss": r["loss"], "loss_metrics/global_max_loss": r["loss"] + 0.1,
+                       "grad_norm": r["grad_norm"], "throughput(tps)": r["tps"], "tflops": r["mfu"] * 9.89,
+                       "mfu(%)": r["mfu"], "memory/max_reserved(GiB)": r["memory"]}  # fmt: skip
+            for tag, value in scalars.items():
+                writer.add_scalar(tag, value, r["step"])
+        writer.close()
+    return dump_folder
+
+
+TORCHTITAN_VERDICT = (
+    "PARITY INCONCLUSIVE: llama3 8B mxfp8 vs llama3 8B bf16: no verdict: no validation loss at a step every run "
+    "logged (set validation.enable true); one run per arm: a confidence interval needs two or more seeds of each"
+)
+
+
+def test_torchtitan_logs_compare_as_our_runs(tmp_path, capsys):
+    bf16 = write_torchtitan_log(tmp_path / "llama3_8b_bf16.log", "bf16", torchtitan_records(1.0, 9000, 40.0))
+    mx = write_torchtitan_log(tmp_path / "llama3_8b_mxfp8.log", "mxfp8", torchtitan_records(1.002, 6000, 27.0))
+    rc, lines, err = run_main(capsys, mx, bf16, "--out", tmp_path / "cmp")  # the bf16 run is the baseline
+    assert rc == 0, err
+    assert lines[-1] == TORCHTITAN_VERDICT and verdict_lines(lines) == [lines[-1]]
+    result = summary(tmp_path / "cmp")
+    base, arm = sorted(result["arms"], key=lambda a: not a["is_baseline"])
+    assert base["label"] == "llama3 8B bf16" and arm["label"] == "llama3 8B mxfp8" and arm["mx_recipe"] == "mxfp8"
+    # medians over steps 10..100: step 1's record, start-up and compile, is left out
+    tps = [round(9000 / (1 + 0.01 * (s % 3))) for s in range(10, 101, 10)]
+    assert base["median_tokens_per_sec"] == statistics.median(tps)
+    mfu = [round(40 / (1 + 0.01 * (s % 3)), 2) for s in range(10, 101, 10)]
+    assert compare_runs.median_of(compare_runs.read_run(bf16), "mfu") == pytest.approx(statistics.median(mfu))
+    assert arm["max_rel_deviation_after_warmup"] == pytest.approx(0.002, rel=1e-3)
+    assert arm["peak_memory_gib"] == 60.5
+    assert any(line.startswith("| llama3 8B mxfp8 |") and "| 5,941 | 0.667x | 60.50 |" in line for line in lines)
+
+
+def test_a_torchtitan_log_of_every_rank_with_colors_reads_rank_0(tmp_path, capsys):
+    records = torchtitan_records(1.0, 9000, 40.0)
+    one = compare_runs.read_run(write_torchtitan_log(tmp_path / "a.log", "bf16", records))
+    every = compare_runs.read_run(write_torchtitan_log(tmp_path / "b.log", "bf16", records, ranks=2, color=True))
+    assert every.train == one.train and list(one.train) == [1, *range(10, 101, 10)]
+    mfu = 40 / 1.02
+    assert one.train[20] == {"step": 20, "loss": round(loss_curve(20), 5), "tokens_per_sec": round(9000 / 1.02),
+                             "memory_gib": 60.5, "tflops": round(mfu * 9.89, 2), "mfu": round(mfu, 2)}  # fmt: skip
+    assert one.launch_starts == {1} and one.seed == 0 and one.warmup_steps == 20 and one.steps == 100
+
+
+def test_torchtitan_tensorboard_events_read_as_its_log(tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    bf16, mx = torchtitan_records(1.0, 9000, 40.0), torchtitan_records(1.002, 6000, 27.0)
+    dumps = [write_torchtitan_events(tmp_path / "llama3_8b_bf16", "bf16", bf16),
+             write_torchtitan_events(tmp_path / "llama3_8b_mxfp8", "mxfp8", mx, launches=2)]  # fmt: skip
+    logs = [write_torchtitan_log(tmp_path / "bf16.log", "bf16", bf16),
+            write_torchtitan_log(tmp_path / "mx.log", "mxfp8", mx)]  # fmt: skip
+    from_tb = compare_runs.read_run(dumps[0])
+    assert from_tb.label == "llama3 8B bf16" and from_tb.recipe == "none" and from_tb.launch_starts == {1}
+    assert compare_runs.read_run(dumps[1]).launch_starts == {1, 50}  # a second launch: its first record's start-up
+    from_log = compare_runs.read_run(logs[0])
+    assert list(from_tb.train) == list(from_log.train)
+    for step, record in from_tb.train.items():  # the log rounds what the events hold
+        assert record == pytest.approx(from_log.train[step], rel=1e-3)
+    rc, lines, err = run_main(capsys, *dumps, "--out", tmp_path / "cmp")
+    assert rc == 0 and lines[-1] == TORCHTITAN_VERDICT, err
+    rc, lines, err = run_main(capsys, dumps[0], logs[1], "--out", tmp_path / "cmp2")  # a folder and a log
+    assert rc == 0 and lines[-1] == TORCHTITAN_VERDICT, err
+
+
+def test_a_torchtitan_log_without_step_lines_is_an_error(tmp_path, capsys):
+    bf16 = write_torchtitan_log(tmp_path / "bf16.log", "bf16", torchtitan_records(1.0, 9000, 40.0))
+    empty = tmp_path / "crashed.log"
+    empty.write_text("[titan] 2026-11-27 10:00:00,000 - root - INFO - Starting job: x\nTraceback (most recent ...\n")
+    rc, _, err = run_main(capsys, bf16, empty, "--out", tmp_path / "cmp")
+    assert rc == 2 and "crashed.log: no torchtitan training records" in err

@@ -2,8 +2,10 @@
 ``[mx]`` job-config section through torchtitan's own config manager, torchtitan's Llama 3 and DeepSeek-V3 debug
 models converted (every linear and the experts; the router gates and the output layer left in bf16), the converted
 layers bit-identical in forward and backward to ours on the same weights, state-dict keys unchanged, the
-errors for a config the converter cannot serve, and the offline tokenizer and dataset of
-scripts/torchtitan_assets.py read by torchtitan's own tokenizer and dataset classes.
+errors for a config the converter cannot serve, the offline tokenizer and dataset of scripts/torchtitan_assets.py
+read by torchtitan's own tokenizer and dataset classes, and the launcher (mx_recipe.integrations.torchtitan.train)
+with configs/torchtitan/: the flavor cut to --layers as torchtitan's trainer builds it (on the meta device: the
+trainer itself needs CUDA), the rest of the command line torchtitan's, and its errors.
 
 CI runs this file in a second environment with torchtitan 0.2.2 (``.ci/run``); where torchtitan 0.3 is installed
 it skips (``tests/test_torchtitan.py`` covers 0.3).
@@ -12,6 +14,8 @@ it skips (``tests/test_torchtitan.py`` covers 0.3).
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +25,7 @@ torchtitan = pytest.importorskip("torchtitan", reason="torchtitan is a dev extra
 if not torchtitan.__version__.startswith("0.2"):  # noqa: SIM108
     pytest.skip(f"torchtitan {torchtitan.__version__}: this file tests the 0.2 line", allow_module_level=True)
 
-from torchtitan.config import ConfigManager  # noqa: E402
+from torchtitan.config import ConfigManager, JobConfig  # noqa: E402
 from torchtitan.distributed import ParallelDims  # noqa: E402
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_args  # noqa: E402
 from torchtitan.models.llama3 import Transformer, llama3_args  # noqa: E402
@@ -159,3 +163,146 @@ def test_offline_assets_feed_torchtitans_own_tokenizer_and_dataset(tmp_path):
     assert inputs["input"].shape == labels.shape == (64,) and int(inputs["input"][0]) == tokenizer.bos_id
     bad = subprocess.run([*cmd[:-4], "--vocab-size", "100"], cwd=root, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--vocab-size must be at least 258" in bad.stderr
+
+
+# --- the launcher: torchtitan's own trainer on a flavor with its layers cut ---
+
+LAUNCHER = "mx_recipe.integrations.torchtitan.train"
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs" / "torchtitan").glob("*.toml"))
+
+
+class MetaTrainer:
+    """Stands in for torchtitan's Trainer (which needs CUDA): builds the model as it does, on the meta device, from
+    the train spec and flavor it looks up, and converts it."""
+
+    built: list[tuple[JobConfig, nn.Module, int]] = []
+
+    def __init__(self, job_config):
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        spec = get_train_spec(job_config.model.name)
+        args = spec.model_args[job_config.model.flavor]
+        args.update_from_config(job_config)
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        build_model_converters(job_config, parallel_dims()).convert(model)
+        _, flops = args.get_nparams_and_flops(model, job_config.training.seq_len)
+        MetaTrainer.built.append((job_config, model, flops))
+
+    def train(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def launch(monkeypatch):
+    """The launcher's main on argv, torchtitan's Trainer replaced by MetaTrainer; what it registers and patches is
+    undone after the test. Returns the job config and model built."""
+    import torchtitan.protocols.train_spec as train_spec
+    import torchtitan.train
+
+    from mx_recipe.integrations.torchtitan import train as launcher
+
+    monkeypatch.setattr(train_spec, "_extra_train_specs", {})
+    monkeypatch.setattr(ConfigManager.parse_args, "__defaults__", ConfigManager.parse_args.__defaults__)
+    monkeypatch.setattr(torchtitan.train, "Trainer", MetaTrainer)
+    monkeypatch.setattr(sys, "argv", ["train"])
+    MetaTrainer.built = []
+
+    def run(*argv: str):
+        launcher.main(list(argv))
+        (built,) = MetaTrainer.built
+        return built
+
+    return run
+
+
+def test_layers_cut_llama3_8b_to_its_first_blocks_and_torchtitan_parses_the_rest(launch):
+    config, model, flops = launch("--model.flavor", "8B", "--layers", "4", "--training.seq_len", "4096",
+                                  "--job.custom_config_module", MODULE, "--model.converters", "mx")  # fmt: skip
+    assert config.model.flavor == "8B" and config.training.seq_len == 4096 and sys.argv[1:] == [
+        "--model.flavor", "8B", "--training.seq_len", "4096", "--job.custom_config_module", MODULE,
+        "--model.converters", "mx",
+    ]  # fmt: skip
+    assert list(model.layers) == ["0", "1", "2", "3"] and model.layers["0"].attention.wq.weight.shape == (4096, 4096)
+    assert isinstance(model.layers["3"].feed_forward.w1, MXLinear)  # the converter ran on the cut model
+    assert llama3_args["8B"].n_layers == 32  # torchtitan's flavor itself is left as it is
+    full = copy.deepcopy(llama3_args["8B"])
+    with torch.device("meta"):
+        _, full_flops = full.get_nparams_and_flops(Transformer(full), 4096)
+    assert flops < full_flops / 4  # the cut's FLOPs are what MFU counts
+
+
+def test_layers_keep_deepseek_v3s_dense_first_layer(launch):
+    _, model, _ = launch("--layers", "4", "--model.name", "deepseek_v3", "--model.flavor", "16B")
+    assert [block.moe_enabled for block in model.layers.values()] == [False, True, True, True]
+    assert model.layers["1"].moe.experts.w1.shape == (64, 1408, 2048)
+    assert deepseekv3_args["16B"].n_layers == 27
+
+
+def test_without_layers_the_launcher_is_torchtitans_train(launch):
+    _, model, _ = launch("--model.flavor", "debugmodel")
+    assert len(model.layers) == llama3_args["debugmodel"].n_layers == 6
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_the_torchtitan_configs_build_their_cut_models(launch, config):
+    job, model, _ = launch("--layers", "4", "--job.config_file", str(config))
+    assert len(model.layers) == 4 and job.training.steps >= 100 and job.debug.seed is not None
+    assert job.metrics.enable_tensorboard and not job.checkpoint.enable and job.activation_checkpoint.mode == "none"
+    converted = any(isinstance(m, MXLinear) for m in model.modules())
+    assert converted == config.stem.endswith("_mxfp8") == (job.model.converters == ["mx"])
+
+
+def test_the_bf16_and_mxfp8_configs_of_a_model_differ_only_in_the_converter():
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    by_model: dict[str, dict] = {}
+    for path in CONFIGS:
+        model, _, recipe = path.stem.rpartition("_")
+        config = tomllib.loads(path.read_text())
+        config["model"].pop("converters", None)
+        config.pop("mx", None)
+        job = config.pop("job")
+        assert job["dump_folder"] == f"outputs/torchtitan/{path.stem}", path
+        by_model.setdefault(model, {})[recipe] = config
+    assert set(by_model) == {"llama3_8b", "deepseek_v3_16b"}
+    for model, configs in by_model.items():
+        assert configs["bf16"] == configs["mxfp8"], model
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--layers", "0"], "--layers must be at least 1, got 0"),
+        (["--layers", "33", "--model.flavor", "8B"], "--layers 33: llama3 8B has 32 layers"),
+        (["--layers", "1", "--model.name", "deepseek_v3", "--model.flavor", "16B"], "--layers must be at least 2"),
+        (["--layers", "2", "--model.name", "nosuch"], "model.name 'nosuch'"),
+        (["--layers", "2", "--model.flavor", "9B"], "llama3 has no flavor '9B' (it has debugmodel,"),
+        (["--layers", "two"], "argument --layers: invalid int value: 'two'"),
+    ],
+)
+def test_bad_input_to_the_launcher_is_one_line_and_exit_status_2(launch, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        launch(*argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m mx_recipe.integrations.torchtitan.train: error: ") and message in err
+
+
+def test_the_launcher_runs_as_a_module():
+    """``python -m`` (as torchrun -m runs it): a bad --layers is one line on stderr before any training starts."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", LAUNCHER, "--layers", "7", "--model.flavor", "debugmodel"]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "python -m mx_recipe.integrations.torchtitan.train: error: --layers 7: llama3 debugmodel has 6 layers"
+    ]
