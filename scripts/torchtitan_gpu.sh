@@ -11,13 +11,13 @@ ngpus=${2:-1}
 shift $(($# < 2 ? $# : 2))
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD:$PWD/.pypath${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-python3 -c "import torchtitan, sys; sys.exit(not torchtitan.__version__.startswith('0.2'))" || {
+python -c "import torchtitan, sys; sys.exit(not torchtitan.__version__.startswith('0.2'))" || {
   echo "torchtitan 0.2.x is not installed: pip install --no-deps .whl/*.whl" >&2
   exit 2
 }
 mkdir -p "$out"
 start=$SECONDS
-python3 scripts/torchtitan_assets.py --out "$out/assets" --max-mib 16 || exit 1
+python scripts/torchtitan_assets.py --out "$out/assets" --max-mib 16 || exit 1
 echo "assets: $((SECONDS - start)) s"
 
 runs="llama3_8b_bf16 llama3_8b_mxfp8 deepseek_v3_16b_bf16 deepseek_v3_16b_mxfp8"
@@ -38,10 +38,10 @@ for run in $runs; do
 done
 
 for model in llama3_8b deepseek_v3_16b; do  # their tables in OUT_DIR/compare_<model>/summary.md
-  python3 scripts/compare_runs.py "$out/${model}_bf16.log" "$out/${model}_mxfp8.log" --out "$out/compare_$model" \
+  python scripts/compare_runs.py "$out/${model}_bf16.log" "$out/${model}_mxfp8.log" --out "$out/compare_$model" \
     >/dev/null
 done
-python3 - "$out" $runs <<'PY' | tee "$out/summary.md"
+python - "$out" $runs <<'PY' | tee "$out/summary.md"
 import json, sys
 from pathlib import Path
 
