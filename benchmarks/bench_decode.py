@@ -5,6 +5,7 @@ mx_recipe.infer.weights, whose GEMMs run the weight-only kernel on the GPU.
     python benchmarks/bench_decode.py [--batch 1,8,32,128] [--weights bf16,mxfp8,mxfp4,nvfp4] [--out FILE]
     python benchmarks/bench_decode.py --model moe --layers 12 --batch 1
     python benchmarks/bench_decode.py --gemms-only                 # the linear layers' GEMMs of one step
+    python benchmarks/bench_decode.py --sweep [--batch 1,2,4]      # every small-M kernel config, per shape
     python benchmarks/bench_decode.py --flavor debug --device cpu  # a smoke run
 
 Decode: one step of every sequence of --batch at the last of --context KV positions (the whole cache is read),
@@ -22,6 +23,11 @@ MXFP4 and NVFP4 >= 2.8x, 4-bit >= 1.5x at batch 32; MoE 16B dims, MXFP4 experts 
 
 The kernel's configs are timed once per GEMM shape, before the graphs are captured, and the fastest kept
 (mx_recipe.infer.weight_only.set_tuning; --no-tune: its defaults by M).
+--sweep times each small-M config of the weight-only kernel (mx_kernels.mx.weight_only.FMA_CANDIDATES) on
+each weight shape of its table (Llama 3 8B's projections, alone and fused), for each format of --weights and
+each --batch M (default 1), beside cuBLAS on the bf16 weight and the tl.dot path's default: a row per config
+with microseconds and the bytes read (codes, scales, x) over the copy bandwidth, then the fastest config per
+format and shape as ``FMA_CHOSEN`` entries to paste into the kernel's table.
 --reference: the quantized GEMMs dequantize to bf16 first (what they did before the kernel), for comparison.
 On the CPU (fp32, no graphs, the reference GEMMs) the numbers only show that the script runs.
 """
@@ -170,6 +176,57 @@ def gemms_step(model: Transformer, batch: int, device: torch.device) -> Callable
     return step
 
 
+def sweep(formats: tuple[str, ...], batches: tuple[int, ...], device: torch.device, bandwidth: float,
+          shapes: list[tuple[int, int]] | None = None) -> list[dict]:  # fmt: skip
+    """Time every small-M config of the weight-only kernel per format, shape and M (module doc); the rows."""
+    from mx_kernels.mx import weight_only as kernel
+
+    from mx_recipe.infer.weights import quantize
+
+    shapes = shapes or [shape for shape in kernel.FMA_CANDIDATES if shape is not None]
+    rows, chosen = [], {}
+    print(f"{'N x K':>13} {'format':>6} {'M':>3}  {'config':<58} {'us':>8} {'% copy bw':>9}")
+
+    def add(n: int, k: int, m: int, fmt: str, config: str, us: float, nbytes: int) -> None:
+        pct = 100 * nbytes / (us * 1e-6) / bandwidth
+        rows.append(dict(n=n, k=k, m=m, weights=fmt, config=config, us=us, bytes=nbytes, pct_of_copy=pct))
+        print(f"{n:>6} x {k:<5}{fmt:>6} {m:>3}  {config:<58} {us:8.2f} {pct:8.1f}%")
+
+    for n, k in shapes:
+        torch.manual_seed(0)
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        packed = {fmt: quantize(w, fmt) for fmt in formats if fmt != "bf16"}
+        for m in batches:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            us = kernel.time_us(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+            add(n, k, m, "bf16", "cuBLAS", us, 2 * (n * k + m * k))
+            for fmt, q in packed.items():
+                args = (x, q.qdata, q.scale, getattr(q, "per_tensor_scale", None), fmt)
+                nbytes = q.qdata.numel() + q.scale.numel() + 2 * m * k
+                dot = kernel.config_for(m, fmt, fma=False)
+                us = kernel.time_us(lambda args=args, dot=dot: kernel.weight_only_mm(*args, config=dot))
+                add(n, k, m, fmt, "tl.dot " + _config_name(dot), us, nbytes)
+                for config in kernel.candidates(m, fmt, n, k, fma=True):
+                    try:
+                        us = kernel.time_us(
+                            lambda args=args, config=config: kernel.weight_only_mm(*args, config=config)
+                        )
+                    except Exception as e:  # noqa: BLE001  (out of registers or shared memory: skip the config)
+                        print(f"{n:>6} x {k:<5}{fmt:>6} {m:>3}  {_config_name(config):<58} skipped: {type(e).__name__}")
+                        continue
+                    add(n, k, m, fmt, _config_name(config), us, nbytes)
+                    if m == batches[0] and us < chosen.get((fmt, n, k), (float("inf"),))[0]:
+                        chosen[(fmt, n, k)] = (us, config)
+    print(f"fastest small-M configs at M = {batches[0]} (FMA_CHOSEN in kernels/mx/weight_only.py):")
+    for (fmt, n, k), (us, config) in chosen.items():
+        print(f"    ({fmt!r}, {n}, {k}): {config!r},  # {us:.2f} us")
+    return rows
+
+
+def _config_name(config: dict) -> str:
+    return " ".join(f"{key}={value}" for key, value in config.items())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODEL_FLAVORS), default="llama")
@@ -180,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=1024, help="KV positions each sequence holds")
     p.add_argument("--prefill", type=int, default=2048, help="prompt tokens for prefill (0: none)")
     p.add_argument("--gemms-only", action="store_true", help="time only the GEMMs of one decode step")
+    p.add_argument("--sweep", action="store_true", help="time every small-M kernel config per weight shape")
     p.add_argument("--reference", action="store_true", help="quantized GEMMs dequantize first (no kernel)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step before capture")
     p.add_argument("--no-tune", action="store_true", help="the kernel's default configs, not the fastest timed")
@@ -197,6 +255,17 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.compile and device.type == "cpu":
         p.error("--compile: Inductor's CPU code has no float8_e8m0fnu, the MX scales' type: time the CPU eagerly")
+    if args.sweep:
+        if device.type != "cuda":
+            p.error("--sweep times the weight-only kernel: it needs a CUDA device")
+        bandwidth = copy_gbs(device) * 1e9
+        print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}; copy bandwidth "
+              f"{bandwidth / 1e9:,.0f} GB/s")  # fmt: skip
+        rows = sweep(args.weights, args.batch or (1,), device, bandwidth)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"meta": run_meta(mode="sweep", copy_bytes_per_s=bandwidth), "rows": rows}, f, indent=1)
+        return 0
     batches = args.batch or DEFAULT_BATCH[args.model]
     if device.type == "cuda" and not args.no_tune:
         set_tuning(True)
