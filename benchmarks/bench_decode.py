@@ -48,7 +48,15 @@ from mx_recipe.cli import ArgumentParser, int_list, names, output_file
 from mx_recipe.infer.decode import DecodeGraph, KVCache, forward
 from mx_recipe.infer.load import to_compute_dtype
 from mx_recipe.infer.weight_only import set_tuning
-from mx_recipe.infer.weights import WEIGHT_FORMATS, QuantizedExperts, QuantizedLinear, quantize_model, weight_bytes
+from mx_recipe.infer.weights import (
+    WEIGHT_FORMATS,
+    FusedLinear,
+    QuantizedExperts,
+    QuantizedLinear,
+    fuse_projections,
+    quantize_model,
+    weight_bytes,
+)
 from mx_recipe.models import MODEL_FLAVORS, build_model, model_args
 from mx_recipe.models.llama import Transformer
 from mx_recipe.models.moe import GroupedExperts
@@ -70,8 +78,9 @@ BF16_BOUND_TARGET = 0.8
 
 
 def build(name: str, flavor: str, layers: int | None, fmt: str, max_len: int, device: torch.device,
-          reference: bool) -> Transformer:  # fmt: skip
-    """The model at random (seed 0), in the compute dtype (bf16 on CUDA, fp32 on the CPU), weights in ``fmt``."""
+          reference: bool, fuse: bool = True) -> Transformer:  # fmt: skip
+    """The model at random (seed 0), in the compute dtype (bf16 on CUDA, fp32 on the CPU), weights in ``fmt``;
+    ``fuse``: the projections that read one input as one GEMM (mx_recipe.infer.weights.fuse_projections)."""
     dims = model_args(name, flavor, SMALL_VOCAB if flavor.startswith("debug") else VOCAB[name], max_len)
     if layers is not None:
         if not 0 < layers <= dims.n_layers:
@@ -83,7 +92,8 @@ def build(name: str, flavor: str, layers: int | None, fmt: str, max_len: int, de
     torch.manual_seed(0)
     model.init_weights()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return quantize_model(to_compute_dtype(model.eval(), dtype), fmt, kernel=not reference)
+    model = quantize_model(to_compute_dtype(model.eval(), dtype), fmt, kernel=not reference)
+    return fuse_projections(model) if fuse else model
 
 
 def active_experts(n_experts: int, top_k: int, batch: int) -> float:
@@ -156,7 +166,7 @@ def gemms_step(model: Transformer, batch: int, device: torch.device) -> Callable
     dtype = model.output.weight.dtype
     calls = []
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear | QuantizedLinear):
+        if isinstance(module, torch.nn.Linear | QuantizedLinear | FusedLinear):
             x = torch.randn(batch, module.in_features, device=device, dtype=dtype)
             calls.append(lambda module=module, x=x: module(x))
         elif isinstance(module, GroupedExperts | QuantizedExperts):
@@ -240,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true", help="time every small-M kernel config per weight shape")
     p.add_argument("--reference", action="store_true", help="quantized GEMMs dequantize first (no kernel)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step before capture")
+    p.add_argument("--no-fuse", action="store_true", help="wq/wk/wv and w1/w3 as separate GEMMs")
     p.add_argument("--no-tune", action="store_true", help="the kernel's default configs, not the fastest timed")
     p.add_argument("--steps", type=int, default=20, help="decode steps per timing")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
@@ -273,7 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     max_len = max(args.context, args.prefill)
 
     try:
-        models = {fmt: build(args.model, flavor, args.layers, fmt, max_len, device, args.reference) for fmt in weights}
+        models = {
+            fmt: build(args.model, flavor, args.layers, fmt, max_len, device, args.reference, not args.no_fuse)
+            for fmt in weights
+        }
     except ValueError as e:
         p.error(str(e))
     dims, dtype = models["bf16"].args, models["bf16"].output.weight.dtype
@@ -284,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         f"vocab {dims.vocab_size}; copy bandwidth {bandwidth / 1e9:,.0f} GB/s; "
         f"{'reference GEMMs' if args.reference else 'weight-only kernel'}"
         f"{', default configs' if args.no_tune or args.reference else ', tuned configs'}"
-        f"{', torch.compile' if args.compile else ''}; weights "
+        f"{', torch.compile' if args.compile else ''}{', unfused projections' if args.no_fuse else ''}; weights "
         + ", ".join(f"{fmt} {weight_bytes(m) / 1e9:.2f} GB" for fmt, m in models.items())
     )
     step_fn = torch.compile(forward) if args.compile else forward
@@ -348,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         meta = run_meta(model=args.model, flavor=flavor, layers=dims.n_layers, vocab=dims.vocab_size,
                         context=args.context, copy_bytes_per_s=bandwidth, reference=args.reference,
-                        compiled=args.compile, tuned=not args.no_tune and device.type == "cuda", mode=mode)  # fmt: skip
+                        compiled=args.compile, fused=not args.no_fuse,
+                        tuned=not args.no_tune and device.type == "cuda", mode=mode)  # fmt: skip
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows, "verdicts": verdicts}, f, indent=1)
     return 0
