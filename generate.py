@@ -9,8 +9,9 @@ it, with the run's tokenizer. Without it, --model and --flavor build a model at 
 tokenizer). The weights are quantized along K and kept packed (mx_recipe.infer.weights); on a GPU each GEMM
 reads them packed and upcasts them in registers (the weight-only kernel), on the CPU it dequantizes them first;
 --activations mx quantizes each GEMM's input too, as a B200's MX GEMM reads it. Decoding keeps a static KV
-cache; --compile compiles the decode step; on CUDA each decode step replays a CUDA graph (--no-cuda-graph: each
-step launches its kernels). Greedy at --temperature 0 (the default), else sampling over the --top-k most likely
+cache; the projections that read one input run as one GEMM (wq/wk/wv, w1/w3; --no-fuse: one each); --compile
+compiles the decode step; on CUDA each decode step replays a CUDA graph (--no-cuda-graph: each step launches
+its kernels). Greedy at --temperature 0 (the default), else sampling over the --top-k most likely
 tokens. Several --prompt give a batch (each padded on the left to the longest with the tokenizer's BOS); --batch
 N repeats one prompt N times. Prints the continuations and one line with prefill time and decode tokens/s (from
 the second decode step on: the first compiles or captures). Exit 2 for bad arguments.
@@ -25,7 +26,7 @@ import torch
 from mx_recipe.cli import ArgumentParser
 from mx_recipe.infer.decode import forward, generate
 from mx_recipe.infer.load import load_run, random_model, to_compute_dtype
-from mx_recipe.infer.weights import WEIGHT_FORMATS, quantize_model, weight_bytes
+from mx_recipe.infer.weights import WEIGHT_FORMATS, fuse_projections, quantize_model, weight_bytes
 from mx_recipe.models import MODEL_FLAVORS
 from mx_recipe.train.tokenizer import ByteTokenizer
 from mx_recipe.train.trainer import padded_vocab_size
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="the random weights and the sampling")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--no-cuda-graph", action="store_true", help="on CUDA: launch each decode step's kernels")
+    p.add_argument("--no-fuse", action="store_true", help="wq/wk/wv and w1/w3 as separate GEMMs")
     p.add_argument("--device", help="default: cuda if available, else cpu")
     args = p.parse_args(argv)
     if (args.checkpoint is None) == (args.model is None):
@@ -77,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         model = random_model(args.model, args.flavor, vocab, max_len, device, args.seed)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = quantize_model(to_compute_dtype(model.eval(), dtype), args.weights, activations=args.activations == "mx")
+    if not args.no_fuse:
+        model = fuse_projections(model)
 
     ids = [[tokenizer.bos_id, *tokenizer.encode(text)] for text in prompts] * args.batch
     width = max(len(x) for x in ids)

@@ -5,6 +5,7 @@ mx_recipe.infer.weights, whose GEMMs run the weight-only kernel on the GPU.
     python benchmarks/bench_decode.py [--batch 1,8,32,128] [--weights bf16,mxfp8,mxfp4,nvfp4] [--out FILE]
     python benchmarks/bench_decode.py --model moe --layers 12 --batch 1
     python benchmarks/bench_decode.py --gemms-only                 # the linear layers' GEMMs of one step
+    python benchmarks/bench_decode.py --sweep [--batch 1,2,4]      # every small-M kernel config, per shape
     python benchmarks/bench_decode.py --flavor debug --device cpu  # a smoke run
 
 Decode: one step of every sequence of --batch at the last of --context KV positions (the whole cache is read),
@@ -22,6 +23,11 @@ MXFP4 and NVFP4 >= 2.8x, 4-bit >= 1.5x at batch 32; MoE 16B dims, MXFP4 experts 
 
 The kernel's configs are timed once per GEMM shape, before the graphs are captured, and the fastest kept
 (mx_recipe.infer.weight_only.set_tuning; --no-tune: its defaults by M).
+--sweep times each small-M config of the weight-only kernel (mx_kernels.mx.weight_only.FMA_CANDIDATES) on
+each weight shape of its table (Llama 3 8B's projections, alone and fused), for each format of --weights and
+each --batch M (default 1), beside cuBLAS on the bf16 weight and the tl.dot path's default: a row per config
+with microseconds and the bytes read (codes, scales, x) over the copy bandwidth, then the fastest config per
+format and shape as ``FMA_CHOSEN`` entries to paste into the kernel's table.
 --reference: the quantized GEMMs dequantize to bf16 first (what they did before the kernel), for comparison.
 On the CPU (fp32, no graphs, the reference GEMMs) the numbers only show that the script runs.
 """
@@ -42,7 +48,15 @@ from mx_recipe.cli import ArgumentParser, int_list, names, output_file
 from mx_recipe.infer.decode import DecodeGraph, KVCache, forward
 from mx_recipe.infer.load import to_compute_dtype
 from mx_recipe.infer.weight_only import set_tuning
-from mx_recipe.infer.weights import WEIGHT_FORMATS, QuantizedExperts, QuantizedLinear, quantize_model, weight_bytes
+from mx_recipe.infer.weights import (
+    WEIGHT_FORMATS,
+    FusedLinear,
+    QuantizedExperts,
+    QuantizedLinear,
+    fuse_projections,
+    quantize_model,
+    weight_bytes,
+)
 from mx_recipe.models import MODEL_FLAVORS, build_model, model_args
 from mx_recipe.models.llama import Transformer
 from mx_recipe.models.moe import GroupedExperts
@@ -64,8 +78,9 @@ BF16_BOUND_TARGET = 0.8
 
 
 def build(name: str, flavor: str, layers: int | None, fmt: str, max_len: int, device: torch.device,
-          reference: bool) -> Transformer:  # fmt: skip
-    """The model at random (seed 0), in the compute dtype (bf16 on CUDA, fp32 on the CPU), weights in ``fmt``."""
+          reference: bool, fuse: bool = True) -> Transformer:  # fmt: skip
+    """The model at random (seed 0), in the compute dtype (bf16 on CUDA, fp32 on the CPU), weights in ``fmt``;
+    ``fuse``: the projections that read one input as one GEMM (mx_recipe.infer.weights.fuse_projections)."""
     dims = model_args(name, flavor, SMALL_VOCAB if flavor.startswith("debug") else VOCAB[name], max_len)
     if layers is not None:
         if not 0 < layers <= dims.n_layers:
@@ -77,7 +92,8 @@ def build(name: str, flavor: str, layers: int | None, fmt: str, max_len: int, de
     torch.manual_seed(0)
     model.init_weights()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return quantize_model(to_compute_dtype(model.eval(), dtype), fmt, kernel=not reference)
+    model = quantize_model(to_compute_dtype(model.eval(), dtype), fmt, kernel=not reference)
+    return fuse_projections(model) if fuse else model
 
 
 def active_experts(n_experts: int, top_k: int, batch: int) -> float:
@@ -150,7 +166,7 @@ def gemms_step(model: Transformer, batch: int, device: torch.device) -> Callable
     dtype = model.output.weight.dtype
     calls = []
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear | QuantizedLinear):
+        if isinstance(module, torch.nn.Linear | QuantizedLinear | FusedLinear):
             x = torch.randn(batch, module.in_features, device=device, dtype=dtype)
             calls.append(lambda module=module, x=x: module(x))
         elif isinstance(module, GroupedExperts | QuantizedExperts):
@@ -170,6 +186,57 @@ def gemms_step(model: Transformer, batch: int, device: torch.device) -> Callable
     return step
 
 
+def sweep(formats: tuple[str, ...], batches: tuple[int, ...], device: torch.device, bandwidth: float,
+          shapes: list[tuple[int, int]] | None = None) -> list[dict]:  # fmt: skip
+    """Time every small-M config of the weight-only kernel per format, shape and M (module doc); the rows."""
+    from mx_kernels.mx import weight_only as kernel
+
+    from mx_recipe.infer.weights import quantize
+
+    shapes = shapes or [shape for shape in kernel.FMA_CANDIDATES if shape is not None]
+    rows, chosen = [], {}
+    print(f"{'N x K':>13} {'format':>6} {'M':>3}  {'config':<58} {'us':>8} {'% copy bw':>9}")
+
+    def add(n: int, k: int, m: int, fmt: str, config: str, us: float, nbytes: int) -> None:
+        pct = 100 * nbytes / (us * 1e-6) / bandwidth
+        rows.append(dict(n=n, k=k, m=m, weights=fmt, config=config, us=us, bytes=nbytes, pct_of_copy=pct))
+        print(f"{n:>6} x {k:<5}{fmt:>6} {m:>3}  {config:<58} {us:8.2f} {pct:8.1f}%")
+
+    for n, k in shapes:
+        torch.manual_seed(0)
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        packed = {fmt: quantize(w, fmt) for fmt in formats if fmt != "bf16"}
+        for m in batches:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            us = kernel.time_us(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+            add(n, k, m, "bf16", "cuBLAS", us, 2 * (n * k + m * k))
+            for fmt, q in packed.items():
+                args = (x, q.qdata, q.scale, getattr(q, "per_tensor_scale", None), fmt)
+                nbytes = q.qdata.numel() + q.scale.numel() + 2 * m * k
+                dot = kernel.config_for(m, fmt, fma=False)
+                us = kernel.time_us(lambda args=args, dot=dot: kernel.weight_only_mm(*args, config=dot))
+                add(n, k, m, fmt, "tl.dot " + _config_name(dot), us, nbytes)
+                for config in kernel.candidates(m, fmt, n, k, fma=True):
+                    try:
+                        us = kernel.time_us(
+                            lambda args=args, config=config: kernel.weight_only_mm(*args, config=config)
+                        )
+                    except Exception as e:  # noqa: BLE001  (out of registers or shared memory: skip the config)
+                        print(f"{n:>6} x {k:<5}{fmt:>6} {m:>3}  {_config_name(config):<58} skipped: {type(e).__name__}")
+                        continue
+                    add(n, k, m, fmt, _config_name(config), us, nbytes)
+                    if m == batches[0] and us < chosen.get((fmt, n, k), (float("inf"),))[0]:
+                        chosen[(fmt, n, k)] = (us, config)
+    print(f"fastest small-M configs at M = {batches[0]} (FMA_CHOSEN in kernels/mx/weight_only.py):")
+    for (fmt, n, k), (us, config) in chosen.items():
+        print(f"    ({fmt!r}, {n}, {k}): {config!r},  # {us:.2f} us")
+    return rows
+
+
+def _config_name(config: dict) -> str:
+    return " ".join(f"{key}={value}" for key, value in config.items())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODEL_FLAVORS), default="llama")
@@ -180,8 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=1024, help="KV positions each sequence holds")
     p.add_argument("--prefill", type=int, default=2048, help="prompt tokens for prefill (0: none)")
     p.add_argument("--gemms-only", action="store_true", help="time only the GEMMs of one decode step")
+    p.add_argument("--sweep", action="store_true", help="time every small-M kernel config per weight shape")
     p.add_argument("--reference", action="store_true", help="quantized GEMMs dequantize first (no kernel)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step before capture")
+    p.add_argument("--no-fuse", action="store_true", help="wq/wk/wv and w1/w3 as separate GEMMs")
     p.add_argument("--no-tune", action="store_true", help="the kernel's default configs, not the fastest timed")
     p.add_argument("--steps", type=int, default=20, help="decode steps per timing")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
@@ -197,6 +266,17 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.compile and device.type == "cpu":
         p.error("--compile: Inductor's CPU code has no float8_e8m0fnu, the MX scales' type: time the CPU eagerly")
+    if args.sweep:
+        if device.type != "cuda":
+            p.error("--sweep times the weight-only kernel: it needs a CUDA device")
+        bandwidth = copy_gbs(device) * 1e9
+        print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}; copy bandwidth "
+              f"{bandwidth / 1e9:,.0f} GB/s")  # fmt: skip
+        rows = sweep(args.weights, args.batch or (1,), device, bandwidth)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"meta": run_meta(mode="sweep", copy_bytes_per_s=bandwidth), "rows": rows}, f, indent=1)
+        return 0
     batches = args.batch or DEFAULT_BATCH[args.model]
     if device.type == "cuda" and not args.no_tune:
         set_tuning(True)
@@ -204,7 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     max_len = max(args.context, args.prefill)
 
     try:
-        models = {fmt: build(args.model, flavor, args.layers, fmt, max_len, device, args.reference) for fmt in weights}
+        models = {
+            fmt: build(args.model, flavor, args.layers, fmt, max_len, device, args.reference, not args.no_fuse)
+            for fmt in weights
+        }
     except ValueError as e:
         p.error(str(e))
     dims, dtype = models["bf16"].args, models["bf16"].output.weight.dtype
@@ -215,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         f"vocab {dims.vocab_size}; copy bandwidth {bandwidth / 1e9:,.0f} GB/s; "
         f"{'reference GEMMs' if args.reference else 'weight-only kernel'}"
         f"{', default configs' if args.no_tune or args.reference else ', tuned configs'}"
-        f"{', torch.compile' if args.compile else ''}; weights "
+        f"{', torch.compile' if args.compile else ''}{', unfused projections' if args.no_fuse else ''}; weights "
         + ", ".join(f"{fmt} {weight_bytes(m) / 1e9:.2f} GB" for fmt, m in models.items())
     )
     step_fn = torch.compile(forward) if args.compile else forward
@@ -279,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         meta = run_meta(model=args.model, flavor=flavor, layers=dims.n_layers, vocab=dims.vocab_size,
                         context=args.context, copy_bytes_per_s=bandwidth, reference=args.reference,
-                        compiled=args.compile, tuned=not args.no_tune and device.type == "cuda", mode=mode)  # fmt: skip
+                        compiled=args.compile, fused=not args.no_fuse,
+                        tuned=not args.no_tune and device.type == "cuda", mode=mode)  # fmt: skip
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows, "verdicts": verdicts}, f, indent=1)
     return 0

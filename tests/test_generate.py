@@ -12,7 +12,15 @@ from mx_recipe.formats.mx import fake_quant
 from mx_recipe.formats.nvfp4 import to_nvfp4
 from mx_recipe.infer.decode import KVCache, forward, generate
 from mx_recipe.infer.load import load_run
-from mx_recipe.infer.weights import QuantizedExperts, QuantizedLinear, quantize_model, weight_bytes
+from mx_recipe.infer.weights import (
+    FusedLinear,
+    FusedPart,
+    QuantizedExperts,
+    QuantizedLinear,
+    fuse_projections,
+    quantize_model,
+    weight_bytes,
+)
 from mx_recipe.models import build_model, model_args
 
 CPU = torch.device("cpu")
@@ -62,6 +70,66 @@ def test_quantized_weights_are_the_formats_bits_kept_packed(fmt):
     x = torch.randn(3, wq.shape[1])
     assert torch.equal(linear(x), torch.nn.functional.linear(x, expected))
     assert weight_bytes(model) < before / 2
+
+
+def _decode_logits(model: torch.nn.Module, tokens: torch.Tensor, device: torch.device, dtype: torch.dtype
+                   ) -> list[torch.Tensor]:  # fmt: skip
+    """A prefill of all but the last token, then one decode step."""
+    cache = KVCache(model, tokens.shape[0], tokens.shape[1], dtype, device)
+    n = tokens.shape[1] - 1
+    with torch.no_grad():
+        return [
+            forward(model, tokens[:, :n], torch.arange(n, device=device), cache),
+            forward(model, tokens[:, n:], torch.tensor([n], device=device), cache),
+        ]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize(("name", "flavor"), [("llama", "debug"), ("moe", "debug_moe")])
+def test_fused_projections_give_the_unfused_logits(name, flavor, fmt):
+    """wq/wk/wv and w1/w3 (dense, shared and routed experts) as one GEMM each: the same logits, bit for bit, and
+    the same weight bytes (NVFP4: plus one fp32 tensor scale per fused row)."""
+    import copy
+
+    unfused = quantize_model(_model(name, flavor), fmt)
+    fused = fuse_projections(copy.deepcopy(unfused))
+    attention = fused.layers["0"].attention
+    assert isinstance(attention.wqkv, FusedLinear) and isinstance(attention.wk, FusedPart)
+    assert isinstance(fused.layers["0"].feed_forward.w13, FusedLinear)
+    if fmt != "bf16" and name == "moe":
+        assert hasattr(fused.layers["1"].moe.experts, "w13_packed")
+    extra = 0  # NVFP4: one fp32 tensor scale per fused row in place of one per part
+    if fmt == "nvfp4":
+        extra = sum(4 * (m.out_features - len(m.sizes)) for m in fused.modules() if isinstance(m, FusedLinear))
+        experts = [m for m in fused.modules() if isinstance(m, QuantizedExperts)]
+        extra += sum(4 * (m.w13_packed.qdata.shape[-2] - 2) for m in experts)
+    assert weight_bytes(fused) == weight_bytes(unfused) + extra
+    tokens = torch.randint(0, 320, (2, 7), generator=torch.Generator().manual_seed(2))
+    for a, b in zip(_decode_logits(unfused, tokens, CPU, torch.float32),
+                    _decode_logits(fused, tokens, CPU, torch.float32), strict=True):  # fmt: skip
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8", "mxfp4", "nvfp4"])
+def test_gpu_fused_projections_give_the_unfused_logits(fmt):
+    """On CUDA (the weight-only kernel, bf16): at the debug dims every GEMM reads K in one split, fused or not, so
+    the logits match bit for bit; bf16 (cuBLAS) within rounding."""
+    import copy
+
+    from mx_recipe.infer.load import to_compute_dtype
+
+    cuda = torch.device("cuda")
+    model = to_compute_dtype(_model("moe", "debug_moe").to(cuda), torch.bfloat16)
+    unfused = quantize_model(model, fmt)
+    fused = fuse_projections(copy.deepcopy(unfused))
+    tokens = torch.randint(0, 320, (1, 7), generator=torch.Generator().manual_seed(3)).to(cuda)
+    for a, b in zip(_decode_logits(unfused, tokens, cuda, torch.bfloat16),
+                    _decode_logits(fused, tokens, cuda, torch.bfloat16), strict=True):  # fmt: skip
+        if fmt == "bf16":
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+        else:
+            assert torch.equal(a, b)
 
 
 @pytest.fixture(scope="module")

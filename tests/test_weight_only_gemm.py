@@ -5,9 +5,12 @@ dequantize the packed weight, then the GEMM.
 * CPU, Triton interpreter (``test_interp_*``), in a child pytest with TRITON_INTERPRET=1 as in
   tests/test_gemm_triton.py (with its shim for the interpreter's int() of a scalar): every format, M in
   {1, 3, 17}, N and K not powers of two, K tails, split K, NaN scales and elements, zeros, grouped with ragged
-  and empty groups. Run them directly with ``TRITON_INTERPRET=1 pytest tests/test_weight_only_gemm.py -k interp_``.
+  and empty groups; the small-M (FMA) path at M = 1 to 16 with odd N, tails and splits, and one tensor scale per
+  row (nvfp4 weights concatenated along N). Run them directly with
+  ``TRITON_INTERPRET=1 pytest tests/test_weight_only_gemm.py -k interp_``.
 * GPU (``gpu``): every format at M = 1 to 256 on 4128 x 4128 weights (K = 4112 for nvfp4), grouped with ragged
-  groups, split-K determinism, CUDA-graph capture, and ``QuantizedLinear`` taking the kernel.
+  groups, split-K determinism, CUDA-graph capture, and ``QuantizedLinear`` taking the kernel; the small-M path's
+  every candidate config on Llama 3 8B's wk shape at M = 1 to 16.
 
 Bound. The reference r = sum_k x_k w_k is computed exactly (fp64) from w = ``dequantize(bf16)``. For MXFP8 and
 MXFP4 the kernel's upcast weights are those same values (exact in bf16); its products are exact in fp32 and its
@@ -200,6 +203,50 @@ def test_interp_dequantize_is_the_references_bits(fmt):
         assert torch.equal(got.nan_to_num(), p.dequantize(torch.float32).nan_to_num())
 
 
+FMA_CONFIGS = (dict(BLOCK_N=4, BLOCK_K=32, num_warps=1), dict(BLOCK_N=8, BLOCK_K=64, num_warps=2))
+
+
+@interp_only
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_interp_small_m_path(fmt):
+    """The FMA path (configs without BLOCK_M): M = 1, 2, 5 and 16, N = 37 (odd), K = 96 (a tail at BLOCK_K 64;
+    80 for nvfp4: a tail of 16), split 1 and 3; split K twice gives the same bits; grouped with ragged groups."""
+    torch.manual_seed(5)
+    k = 80 if fmt == "nvfp4" else 96
+    p = packed(weights(37, k), fmt)
+    for m in (1, 2, 5, 16):
+        x = torch.randn(m, k).bfloat16()
+        for config in FMA_CONFIGS:
+            for split in (1, 3):
+                assert_within_bound(run(x, p, config=config, split_k=split), x, p)
+    x = torch.randn(3, k).bfloat16()
+    assert torch.equal(run(x, p, config=FMA_CONFIGS[0], split_k=3), run(x, p, config=FMA_CONFIGS[0], split_k=3))
+    sizes = [0, 2, 1, 0]
+    g = packed(weights(24, k, lead=(len(sizes),)), fmt)
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(sizes), k).bfloat16()
+    assert_within_bound(run(x, g, offs, config=FMA_CONFIGS[1], split_k=2), x, g, offs)
+
+
+@interp_only
+@pytest.mark.parametrize("config", [FMA_CONFIGS[0], SMALL])
+def test_interp_tensor_scale_per_row(config):
+    """nvfp4 weights concatenated along N keep each part's tensor scale, one per row: the GEMM on the concatenation
+    is each part's GEMM (both paths), and ``dequantize`` scales each row by its own."""
+    from mx_kernels.mx.weight_only import dequantize, weight_only_mm
+
+    torch.manual_seed(6)
+    a, b = packed(weights(24, 64) * 8, "nvfp4"), packed(weights(16, 64), "nvfp4")
+    assert a.tensor_scale.item() != b.tensor_scale.item()
+    qdata, scale = torch.cat([a.qdata, b.qdata]), torch.cat([a.scale, b.scale])
+    ts = torch.cat([a.tensor_scale.expand(24), b.tensor_scale.expand(16)])[:, None]
+    x = torch.randn(2, 64).bfloat16()
+    y = weight_only_mm(x, qdata, scale, ts, "nvfp4", config=config, split_k=1)
+    assert torch.equal(y, torch.cat([run(x, a, config=config, split_k=1), run(x, b, config=config, split_k=1)], 1))
+    got = dequantize(qdata, scale, ts, "nvfp4", torch.float32)
+    assert torch.equal(got, torch.cat([a.dequantize(torch.float32), b.dequantize(torch.float32)]))
+
+
 # ---------------------------------------------------------------------------------------
 # GPU
 
@@ -281,3 +328,22 @@ def test_gpu_tuned_configs_stay_within_the_bound():
         assert_within_bound(run(x, p), x, p)
     finally:
         weight_only.set_tuning(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_small_m_every_candidate(fmt):
+    """Every small-M candidate config of the 1024 x 4096 (wk, wv) table entry, M = 1, 3, 8, 16, within the
+    bound; a split config gives the same bits run after run."""
+    from mx_kernels.mx.weight_only import candidates
+
+    torch.manual_seed(7)
+    p = packed(weights(1024, 4096, CUDA) * 0.02, fmt)
+    for m in (1, 3, 8, 16):
+        x = torch.randn(m, 4096, device=CUDA).bfloat16()
+        for config in candidates(m, fmt, 1024, 4096, fma=True):
+            assert_within_bound(run(x, p, config=config), x, p)
+    x = torch.randn(1, 4096, device=CUDA).bfloat16()
+    config = dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4)
+    first = run(x, p, config=config, split_k=4)
+    assert all(torch.equal(run(x, p, config=config, split_k=4), first) for _ in range(10))

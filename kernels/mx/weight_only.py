@@ -22,21 +22,42 @@ whose fp8 conversions are wrong, checks the kernel too):
 * an e2m1 code c as fp32 bits ``(c & 7) << 22 | (c & 8) << 28`` is its value times 2**-126;
 * an e8m0 scale byte e is 2**(e - 127) as fp32 bits ``e << 23`` (e = 0: 2**-127, a subnormal), NaN for 0xFF.
 
-Each weight is then ``(bits * 2**120 or 2**126) * scale`` in fp32, exact while it stays in bf16's normal range,
-as ``dequantize`` computes it, cast to bf16 (exact: at most 6 significant bits) for a bf16 ``tl.dot``. For
-nvfp4, ``e2m1 * e4m3`` is exact and the tensor scale multiplies the fp32 sum once, as the hardware's NVFP4
-GEMM does; ``dequantize(bf16)`` rounds every weight after that product instead, so the two differ by one bf16
-rounding per weight on top of the summation order.
+In the tl.dot path each weight is then ``(bits * 2**120 or 2**126) * scale`` in fp32, exact while it stays in
+bf16's normal range, as ``dequantize`` computes it, cast to bf16 (exact: at most 6 significant bits) for a bf16
+``tl.dot``. For nvfp4, ``e2m1 * e4m3`` is exact and the tensor scale multiplies the fp32 sum once, as the
+hardware's NVFP4 GEMM does; ``dequantize(bf16)`` rounds every weight after that product instead, so the two
+differ by one bf16 rounding per weight on top of the summation order.
 
-e2m1 weights stay in their packed order: the low nibbles (even k) and high nibbles (odd k) of a tile are two
-[BLOCK_N, BLOCK_K/2] operands, and x is read as its even and odd columns to match (two dots, no interleave of
-the weight in registers).
+Both paths keep e2m1 weights in their packed order. In the tl.dot path the low nibbles (even k) and high nibbles
+(odd k) of a tile are two [BLOCK_N, BLOCK_K/2] operands, and x is read as its even and odd columns to match (two
+dots, no interleave of the weight in registers).
 
-Small M (decode): BLOCK_M is 16 (the smallest ``tl.dot``) and, when the N and M tiles alone are too few to
-keep every SM reading (PROGRAMS_PER_SM), K is split over programs. Each split stores its fp32 partial; the
-last split of a tile to finish (an atomic counter per tile) sums the partials in split order, so the result
-does not depend on timing, writes bf16 and resets the counter. The counters are one zeroed buffer per device,
-shared: two split GEMMs must not run at once on different streams.
+Small M (decode, up to FMA_MAX_M rows per group): no tl.dot, whose 16-row tile would be mostly padding and whose
+operand layout would cost the upcast weights a trip through shared memory; CUDA-core FMAs instead. x and w are
+read as pairs of consecutive K elements: x as int32 (two bf16), w as a byte of two e2m1 codes or a uint16 of
+two e4m3 codes, K contiguous in both. A program owns BLOCK_N rows of w (output columns) and its split's range of
+K. Each thread reads 4 pairs of each row of x (16 bytes) and the same 4 pairs of each of its w rows (4 or 8
+bytes a row; a warp reads 128 or 256 contiguous bytes of a row), so that x's and w's tiles take one register
+layout (hence BLOCK_K a multiple of 256 * num_warps) and each upcast x pair serves all the program's w rows.
+Per unit of 4 pairs (8 elements, inside one scale block) a thread sums the products in fp32, multiplies the sum
+by the block's scale and accumulates; the units are summed across threads once, after the K loop. x is
+multiplied by 2**64 first (exact), so that its products with the biased code values above stay normal fp32
+(exact for 2**-63 <= |x| < 2**64); a unit's sum is multiplied back by 2**56 (e4m3) or 2**62 (e2m1), exact, then
+by its scale: exact for e8m0, one fp32 rounding per unit for nvfp4's e4m3 scales. An e4m3 NaN code is found per
+pair with integer operations and makes its unit's sum NaN. Its configs are per weight shape (FMA_CANDIDATES;
+FMA_CHOSEN from ``benchmarks/bench_decode.py --sweep``); K is split over programs until the GEMM has
+FMA_PROGRAMS_PER_SM programs an SM, or as the config says.
+
+Larger M (up to mx_recipe.infer.weight_only's LARGE_M): a tl.dot tile, BLOCK_M at least 16, configs by M
+(CANDIDATES), K split until the tiles keep every SM reading (PROGRAMS_PER_SM).
+
+Split K, both paths: each split stores its fp32 partial; the last split of a tile to finish (an atomic counter
+per tile) sums the partials in split order, so the result does not depend on timing, writes bf16 and resets
+the counter. The counters are one zeroed buffer per device, shared: two split GEMMs must not run at once on
+different streams.
+
+NVFP4's tensor scale is one fp32 value, or one per row of N: weights concatenated along N (fused projections)
+keep each part's own scale, and each output column is multiplied by its row's.
 
 Grouped (MoE): x [M_total, K] sorted by expert, ``offs`` [E] int32 cumulative row ends, w [E, N, K]. The grid
 has cdiv(M_total, BLOCK_M) + E row-tile slots, as many as any ``offs`` can need; each program finds its
@@ -94,6 +115,36 @@ CANDIDATES = (
         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=8, PREFETCH=False),
     ]),
 )  # fmt: skip
+# The small-M (decode) path, for up to FMA_MAX_M rows (per group). Its configs by weight shape (N, K): Llama 3
+# 8B's projections, alone and fused (wq/wo, wk/wv, w1/w3, w2, qkv, w1w3); None: any other shape. BLOCK_K counts
+# elements, a multiple of 256 * num_warps so that x's and w's tiles take one layout (module doc); BLOCK_N is for
+# one row of x and halves as the rows double; SPLIT_K None: from the SM count (FMA_PROGRAMS_PER_SM). The first
+# candidate of a shape is its default; FMA_CHOSEN names the one to use per (format, N, K), from
+# ``python benchmarks/bench_decode.py --sweep`` on the target GPU.
+FMA_MAX_M = 4
+FMA_PROGRAMS_PER_SM = 4
+
+
+def _fma(block_n: int, block_k: int, split_k: int | None, num_warps: int, num_stages: int = 1) -> dict:
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages)
+
+
+def _fma_grid(splits: tuple[int | None, ...]) -> list[dict]:
+    """BLOCK_N 4, 8 and 16 by (warps, BLOCK_K) (4, 1024), (2, 512), (8, 2048), (4, 2048), by ``splits``."""
+    tiles = ((4, 1024), (2, 512), (8, 2048), (4, 2048))
+    return [_fma(bn, bk, split, warps) for warps, bk in tiles for bn in (8, 4, 16) for split in splits]
+
+
+FMA_CANDIDATES: dict[tuple[int, int] | None, list[dict]] = {
+    (4096, 4096): _fma_grid((None, 1, 2)),  # wq, wo
+    (1024, 4096): _fma_grid((None, 2, 4, 8)),  # wk, wv
+    (14336, 4096): _fma_grid((None, 1)),  # w1, w3
+    (4096, 14336): _fma_grid((None, 1, 2, 4)),  # w2
+    (6144, 4096): _fma_grid((None, 1, 2)),  # wq wk wv fused
+    (28672, 4096): _fma_grid((None, 1)),  # w1 w3 fused
+    None: _fma_grid((None,)),
+}
+FMA_CHOSEN: dict[tuple[str, int, int], dict] = {}
 PROGRAMS_PER_SM = 8  # split K until a GEMM has this many programs per SM: small tiles, several programs an SM
 MAX_SPLIT_K = 16
 COUNTERS = 1 << 16  # split-K tiles a launch may have
@@ -129,6 +180,50 @@ def _scaled(v, factor, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _row_tile(offs_ptr, slot, M, E, GROUPED: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The rows of row-tile slot ``slot``: (first row, end of the tile's group, expert; -1: a slot without rows).
+    Grouped, the slot-th tile over the groups in order, each group cut in BLOCK_M rows."""
+    if GROUPED:
+        e_idx = tl.arange(0, E_POW2)
+        ends = tl.load(offs_ptr + e_idx, mask=e_idx < E, other=0)
+        starts = tl.load(offs_ptr + e_idx - 1, mask=(e_idx > 0) & (e_idx < E), other=0)
+        tiles = tl.where(e_idx < E, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+        after = tl.cumsum(tiles, 0)
+        hit = (slot >= after - tiles) & (slot < after)
+        expert = tl.max(tl.where(hit, e_idx, -1), 0)
+        row0 = tl.sum(tl.where(hit, starts + (slot - (after - tiles)) * BLOCK_M, 0), 0)
+        row_end = tl.sum(tl.where(hit, ends, 0), 0)
+        return row0, row_end, expert
+    else:
+        return slot * BLOCK_M, M, 0
+
+
+@triton.jit
+def _finish(acc, rm, rm_in, rn, rn_in, row_end, tile, pid_k, M, N, ts_ptr, stride_tn, out_ptr, stride_om,
+            stride_on, ws_ptr, cnt_ptr, SPLIT_K, FMT: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """Store the fp32 tile ``acc`` [BLOCK_M, BLOCK_N] as bf16, times the tensor scale for nvfp4. Split K: store
+    this split's partial; the last split of the tile to arrive sums them all in split order, so the result does
+    not depend on timing, and resets the tile's counter."""
+    row_ok = rm < row_end
+    col_ok = rn < N
+    if SPLIT:
+        ws_tile = ws_ptr + rm_in[:, None] * N + rn_in[None, :]
+        tl.store(ws_tile + pid_k * M * N, acc, mask=row_ok[:, None] & col_ok[None, :])
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived != SPLIT_K - 1:
+            return
+        acc = tl.zeros(acc.shape, dtype=tl.float32)
+        for k in range(SPLIT_K):
+            acc += tl.load(ws_tile + k * M * N, cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
+    if FMT == "nvfp4":
+        acc = acc * tl.load(ts_ptr + rn_in * stride_tn)[None, :]
+    out_ptrs = out_ptr + rm_in[:, None] * stride_om + rn[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _load_tile(w_ptrs, s_ptrs, x_ptrs, stride_xk, left, kb, ks, PACK: tl.constexpr, GROUP: tl.constexpr,
                EVEN_K: tl.constexpr):  # fmt: skip
     """The code bytes, scale bytes and x columns (even and odd ones for e2m1) of the tile with ``left`` elements of
@@ -155,7 +250,8 @@ def _load_tile(w_ptrs, s_ptrs, x_ptrs, stride_xk, left, kb, ks, PACK: tl.constex
 def _weight_only_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, E, K_SPLIT, SPLIT_K,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om, stride_on,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_tn, stride_om,
+    stride_on,
     FMT: tl.constexpr, GROUPED: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     PREFETCH: tl.constexpr, DOT_BF16: tl.constexpr,
@@ -167,24 +263,12 @@ def _weight_only_kernel(
     slot = tl.program_id(1)
     pid_k = tl.program_id(2)
 
+    row0, row_end, expert = _row_tile(offs_ptr, slot, M, E, GROUPED, E_POW2, BLOCK_M)
     if GROUPED:
-        # The slot-th row tile over the groups in order, each group cut in BLOCK_M rows.
-        e_idx = tl.arange(0, E_POW2)
-        ends = tl.load(offs_ptr + e_idx, mask=e_idx < E, other=0)
-        starts = tl.load(offs_ptr + e_idx - 1, mask=(e_idx > 0) & (e_idx < E), other=0)
-        tiles = tl.where(e_idx < E, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
-        after = tl.cumsum(tiles, 0)
-        hit = (slot >= after - tiles) & (slot < after)
-        expert = tl.max(tl.where(hit, e_idx, -1), 0)
-        row0 = tl.sum(tl.where(hit, starts + (slot - (after - tiles)) * BLOCK_M, 0), 0)
-        row_end = tl.sum(tl.where(hit, ends, 0), 0)
         if expert < 0:
             return
         w_ptr += expert.to(tl.int64) * stride_we
         s_ptr += expert.to(tl.int64) * stride_se
-    else:
-        row0 = slot * BLOCK_M
-        row_end = M
 
     rm = row0 + tl.arange(0, BLOCK_M)
     rm_in = tl.where(rm < row_end, rm, row0).to(tl.int64)  # rows past the tile's end repeat its first: no masks
@@ -239,31 +323,94 @@ def _weight_only_kernel(
         if PREFETCH:
             w, s, x0, x1 = w_next, s_next, x0_next, x1_next
 
-    row_ok = rm < row_end
-    col_ok = rn < N
-    if SPLIT:  # SPLIT_K > 1, a runtime value: one compiled kernel for every split
-        # Store this split's partial; the last split of the tile to arrive sums them all in split order.
-        tile = pid_n * tl.num_programs(1) + slot
-        ws_tile = ws_ptr + rm_in[:, None] * N + rn_in[None, :]
-        tl.store(ws_tile + pid_k * M * N, acc, mask=row_ok[:, None] & col_ok[None, :])
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if arrived != SPLIT_K - 1:
-            return
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(SPLIT_K):
-            acc += tl.load(ws_tile + k * M * N, cache_modifier=".cg")
-        tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
-    if FMT == "nvfp4":
-        acc = acc * tl.load(ts_ptr)
-    out_ptrs = out_ptr + rm_in[:, None] * stride_om + rn[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    # SPLIT: SPLIT_K > 1, a runtime value: one compiled kernel for every split
+    _finish(acc, rm, rm_in, rn, rn_in, row_end, pid_n * tl.num_programs(1) + slot, pid_k, M, N, ts_ptr, stride_tn,
+            out_ptr, stride_om, stride_on, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT)  # fmt: skip
 
 
 @triton.jit
-def _dequantize_kernel(w_ptr, s_ptr, ts_ptr, out_ptr, R, K, FMT: tl.constexpr, BLOCK_R: tl.constexpr,
+def _weight_only_fma_kernel(
+    x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, E, K_SPLIT, SPLIT_K,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_tn, stride_om,
+    FMT: tl.constexpr, GROUPED: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """The small-M path (module doc): x [M, K/2] as int32 pairs of bf16, w [N, K/2] as pairs of codes (a byte of
+    two e2m1 codes, or a uint16 of two e4m3 codes), K contiguous in both."""
+    GROUP: tl.constexpr = 16 if FMT == "nvfp4" else 32
+    PAIRS: tl.constexpr = BLOCK_K // 2
+    UNIT: tl.constexpr = 4  # pairs a thread reads at once (16 bytes of x) and sums before their scale multiplies
+    NU: tl.constexpr = PAIRS // UNIT
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    row0, row_end, expert = _row_tile(offs_ptr, slot, M, E, GROUPED, E_POW2, BLOCK_M)
+    if GROUPED:
+        if expert < 0:
+            return
+        w_ptr += expert.to(tl.int64) * stride_we
+        s_ptr += expert.to(tl.int64) * stride_se
+
+    rm = row0 + tl.arange(0, BLOCK_M)
+    rm_in = tl.where(rm < row_end, rm, row0).to(tl.int64)  # rows past the tile's end repeat its first: no masks
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_in = (rn % N).to(tl.int64)
+    kp = tl.max_contiguous(tl.arange(0, PAIRS), UNIT)  # UNIT-pair runs: x's and w's loads take one layout
+    u = tl.arange(0, NU)
+    k_start = pid_k * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    # [rows of x, rows of w, pairs]: x broadcast over w's rows, w over x's
+    x_ptrs = x_ptr + rm_in[:, None, None] * stride_xm + (pid_k * (K_SPLIT // 2) + kp)[None, None, :]
+    w_ptrs = w_ptr + rn_in[None, :, None] * stride_wn + (pid_k * (K_SPLIT // 2) + kp)[None, None, :]
+    s_ptrs = s_ptr + rn_in[None, :, None] * stride_sn + (k_start // GROUP + (2 * UNIT * u) // GROUP)[None, None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N, NU), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            xw = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+            s = tl.load(s_ptrs)
+        else:  # a K tail: whole units (K is a multiple of 16), loaded as zeros past it
+            left = k_end - k0
+            xw = tl.load(x_ptrs, mask=(2 * kp < left)[None, None, :], other=0)
+            w = tl.load(w_ptrs, mask=(2 * kp < left)[None, None, :], other=0)
+            s = tl.load(s_ptrs, mask=(2 * UNIT * u < left)[None, None, :], other=0)
+        x_ptrs += PAIRS
+        w_ptrs += PAIRS
+        s_ptrs += BLOCK_K // GROUP
+        # x times 2**64 (exact): the products below stay normal fp32 however small the codes' biased values
+        x0 = (xw << 16).to(tl.float32, bitcast=True) * 1.8446744073709552e19
+        x1 = (xw & -65536).to(tl.float32, bitcast=True) * 1.8446744073709552e19
+        w, s = w.to(tl.int32), s.to(tl.int32)
+        if FMT == "mxfp8":
+            # e4m3 bits as fp32: value * 2**-120; NaN codes (x7F, xFF) poison their unit's sum below
+            w0 = ((w & 0x7F) << 20 | (w & 0x80) << 24).to(tl.float32, bitcast=True)
+            w1 = ((w & 0x7F00) << 12 | (w & 0x8000) << 16).to(tl.float32, bitcast=True)
+        else:
+            # e2m1 bits as fp32: value * 2**-126 (bits 0-2 to 22-24, bit 3 to 31, as _e2m1)
+            w0 = ((w << 22 | w << 28) & -2118123520).to(tl.float32, bitcast=True)  # 0x81C00000
+            w1 = ((w << 18 | (w >> 4) << 28) & -2118123520).to(tl.float32, bitcast=True)
+        part = tl.sum(tl.reshape(x0 * w0 + x1 * w1, (BLOCK_M, BLOCK_N, NU, UNIT)), axis=3)
+        # back to the codes' values: times 2**(bias - 64), exact; then the scales (2**120 undoes _e4m3's bias)
+        if FMT == "mxfp8":
+            nan = ((w & 0x7F7F) + 0x0101) & 0x8080  # a byte's low 7 bits all set: e4m3 NaN
+            nan = tl.max(tl.reshape(nan, (1, BLOCK_N, NU, UNIT)), 3)
+            part = tl.where(nan != 0, float("nan"), part * 7.205759403792794e16)  # 2**56
+        else:
+            part = part * 4.611686018427388e18  # 2**62
+        if FMT == "nvfp4":
+            acc += part * (_e4m3(s) * 1.329227995784916e36)
+        else:
+            acc += part * _e8m0(s)
+    _finish(tl.sum(acc, axis=2), rm, rm_in, rn, rn_in, row_end, pid_n * tl.num_programs(1) + slot, pid_k, M, N,
+            ts_ptr, stride_tn, out_ptr, stride_om, 1, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT)  # fmt: skip
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, ts_ptr, out_ptr, R, K, N, stride_tn, FMT: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_K: tl.constexpr):  # fmt: skip
-    """Rows [R, K] of packed codes (contiguous) to values in out's dtype: the reference's products, one rounding."""
+    """Rows [R, K] of packed codes (contiguous) to values in out's dtype: the reference's products, one rounding.
+    Row r takes the tensor scale ``ts_ptr[(r % N) * stride_tn]`` (nvfp4)."""
     GROUP: tl.constexpr = 16 if FMT == "nvfp4" else 32
     PACK: tl.constexpr = 1 if FMT == "mxfp8" else 2
     BKB: tl.constexpr = BLOCK_K // PACK
@@ -285,12 +432,14 @@ def _dequantize_kernel(w_ptr, s_ptr, ts_ptr, out_ptr, R, K, FMT: tl.constexpr, B
         w0 = _scaled(_e2m1(w & 0xF) * 8.507059173023462e37, factor, GROUP // 2)
         w1 = _scaled(_e2m1(w >> 4) * 8.507059173023462e37, factor, GROUP // 2)
         if FMT == "nvfp4":
-            w0, w1 = w0 * tl.load(ts_ptr), w1 * tl.load(ts_ptr)
+            ts = tl.load(ts_ptr + (r % N) * stride_tn)[:, None]
+            w0, w1 = w0 * ts, w1 * ts
         tl.store(out, w0.to(out_ptr.dtype.element_ty), mask=ok)
         tl.store(out + 1, w1.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 _LAUNCHES = LaunchCache(_weight_only_kernel)
+_FMA_LAUNCHES = LaunchCache(_weight_only_fma_kernel)
 _DEQUANTIZE = LaunchCache(_dequantize_kernel)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -301,8 +450,20 @@ def _counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[device]
 
 
-def candidates(m: int, fmt: str) -> list[dict]:
-    """The configs for M rows (per group) of ``fmt`` weights, the default first (see CANDIDATES)."""
+def fma_path(rows: int, config: dict | None = None) -> bool:
+    """Whether a GEMM of ``rows`` rows (per group) takes the small-M path: up to FMA_MAX_M rows, or a config
+    without BLOCK_M (the tl.dot path's configs have one)."""
+    return "BLOCK_M" not in config if config else rows <= FMA_MAX_M
+
+
+def candidates(m: int, fmt: str, n: int | None = None, k: int | None = None, fma: bool | None = None) -> list[dict]:
+    """The configs for M rows (per group) of ``fmt`` weights [N, K], the default first: the small-M path's for
+    the shape (FMA_CANDIDATES, FMA_CHOSEN first where it names one), else the tl.dot path's by M (CANDIDATES).
+    ``fma``: that path whatever M (None: as ``fma_path`` says)."""
+    if fma if fma is not None else fma_path(m):
+        configs = FMA_CANDIDATES.get((n, k), FMA_CANDIDATES[None])
+        chosen = FMA_CHOSEN.get((fmt, n, k))
+        return [chosen, *[c for c in configs if c != chosen]] if chosen else list(configs)
     for max_m, configs in CANDIDATES:
         if max_m is None or m <= max_m:
             pack = FORMATS[fmt][1]
@@ -310,9 +471,9 @@ def candidates(m: int, fmt: str) -> list[dict]:
     raise AssertionError("unreachable")
 
 
-def config_for(m: int, fmt: str) -> dict:
-    """The default config for M rows (per group) of ``fmt`` weights."""
-    return candidates(m, fmt)[0]
+def config_for(m: int, fmt: str, n: int | None = None, k: int | None = None, fma: bool | None = None) -> dict:
+    """The default config for M rows (per group) of ``fmt`` weights [N, K] (``fma`` as ``candidates``')."""
+    return candidates(m, fmt, n, k, fma)[0]
 
 
 _TUNE = False
@@ -326,26 +487,44 @@ def set_tuning(enabled: bool) -> None:
     _TUNE = enabled
 
 
+def time_us(run, calls: int = 20, rounds: int = 5) -> float:
+    """Median microseconds a call of ``run()`` takes on the GPU: ``calls`` calls captured in one CUDA graph (no
+    launch overhead), replayed ``rounds`` times."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # compiles, allocates
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            run()
+    graph.replay()
+    times = []
+    for _ in range(rounds):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def _tuned(key: tuple, x: torch.Tensor, run) -> tuple[dict, int | None]:
     """The fastest (config, split_k) of ``run(config, split_k)`` for ``key``, timed once and kept."""
     if key in _TUNED:
         return _TUNED[key]
-    m, fmt = key[1], key[0]
-    best, best_ms = None, float("inf")
-    for cfg in candidates(m, fmt):
-        for split in (None, 1):
+    fmt, m, n, k = key[:4]
+    best, best_us = None, float("inf")
+    for cfg in candidates(m, fmt, n, k):
+        for split in (None,) if fma_path(m, cfg) else (None, 1):
             try:
-                run(cfg, split)  # compiles
+                us = time_us(lambda cfg=cfg, split=split: run(cfg, split), calls=10, rounds=1)
             except triton.runtime.errors.OutOfResources:  # too much shared memory or too many registers
                 continue
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            for _ in range(10):
-                run(cfg, split)
-            end.record()
-            end.synchronize()
-            if begin.elapsed_time(end) < best_ms:
-                best, best_ms = (cfg, split), begin.elapsed_time(end)
+            if us < best_us:
+                best, best_us = (cfg, split), us
     _TUNED[key] = best
     return best
 
@@ -373,9 +552,27 @@ def check(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_scal
         raise ValueError(f"{op}: {fmt} needs x [M, K], qdata [..., N, K/{pack}] and scale [..., N, K/{group}] with "
                          f"K a multiple of {group}; got x {tuple(x.shape)}, qdata {tuple(qdata.shape)}, "
                          f"scale {tuple(scale.shape)}")  # fmt: skip
-    if (fmt == "nvfp4") != (tensor_scale is not None) or (tensor_scale is not None and tensor_scale.numel() != 1):
-        raise ValueError(f"{op}: nvfp4 takes a one-element fp32 tensor_scale, the MX formats none")
+    if (fmt == "nvfp4") != (tensor_scale is not None) or (
+        tensor_scale is not None and tensor_scale.numel() not in (1, n)
+    ):
+        raise ValueError(f"{op}: nvfp4 takes an fp32 tensor_scale of one element or one per row of N, the MX "
+                         "formats none")  # fmt: skip
     return n, k
+
+
+def _tensor_scale(tensor_scale: torch.Tensor | None, n: int, like: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(fp32 tensor scales, their stride along N): 0 for one scale, 1 for one per row."""
+    if tensor_scale is None:
+        return like, 0
+    ts = tensor_scale.reshape(-1).to(torch.float32).contiguous()
+    return ts, int(ts.numel() > 1)
+
+
+def _split(split_k: int | None, k_tiles: int, busy: int, per_sm: int, device: torch.device) -> int:
+    """The split of K: ``split_k``, or enough that ``busy`` tiles make ``per_sm`` programs an SM; no empty split."""
+    if split_k is None:
+        split_k = max(1, min(MAX_SPLIT_K, k_tiles // 2, cdiv(per_sm * _sm_count(device), busy)))
+    return cdiv(k_tiles, cdiv(k_tiles, max(1, min(split_k, k_tiles))))
 
 
 def weight_only_mm(
@@ -390,7 +587,9 @@ def weight_only_mm(
 ) -> torch.Tensor:
     """x [M, K] bf16 @ dequantize(qdata, scale, tensor_scale).T -> [M, N] bf16 (module doc). ``offs``: the
     grouped GEMM (qdata [E, N, K/pack], scale [E, N, K/group], x sorted by group, int32 cumulative row ends).
-    ``config`` overrides the tiles and ``split_k`` the split (None: from the SM count)."""
+    ``tensor_scale`` (nvfp4): one, or one per row of N (weights concatenated along N). ``config`` overrides the
+    tiles (one with BLOCK_M takes the tl.dot path, one without the small-M path) and ``split_k`` the split
+    (None: the config's SPLIT_K, else from the SM count)."""
     grouped = offs is not None
     op = "weight_only_grouped_mm" if grouped else "weight_only_mm"
     n, k = check(x, qdata, scale, tensor_scale, fmt, grouped, op)
@@ -409,23 +608,24 @@ def weight_only_mm(
     if config is None and split_k is None and _TUNE and x.is_cuda and not torch.cuda.is_current_stream_capturing():
         key = (fmt, rows if rows <= 16 else triton.next_power_of_2(rows), n, k, n_groups, grouped, x.device)
         config, split_k = _tuned(key, x, lambda c, s: weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, c, s))
-    cfg = {**config_for(rows, fmt), **(config or {})}
+    fma = fma_path(rows, config)
+    cfg = {**config_for(rows, fmt, n, k, fma), **(config or {})}
+    if fma and rows > 16:
+        raise ValueError(f"{op}: the small-M path takes at most 16 rows per group, got {rows} (config {config})")
+    if fma:
+        return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, out, cfg, split_k)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if block_k % 32 or block_m < 16 or block_n < 16:
         raise ValueError(f"{op}: BLOCK_K must be a multiple of 32, BLOCK_M and BLOCK_N at least 16; got {cfg}")
     slots = cdiv(m, block_m) + (n_groups if grouped else 0)
     tiles = cdiv(n, block_n) * slots
     k_tiles = cdiv(k, block_k)
-    if split_k is None:
-        busy = cdiv(n, block_n) * (min(cdiv(m, block_m), n_groups) if grouped else slots)  # tiles with rows
-        split_k = max(1, min(MAX_SPLIT_K, k_tiles // 2, cdiv(PROGRAMS_PER_SM * _sm_count(x.device), busy)))
-    split_k = cdiv(k_tiles, cdiv(k_tiles, max(1, min(split_k, k_tiles))))  # no empty split
-    if tiles > COUNTERS:
-        split_k = 1
+    busy = cdiv(n, block_n) * (min(cdiv(m, block_m), n_groups) if grouped else slots)  # tiles with rows
+    split_k = _split(split_k, k_tiles, busy, PROGRAMS_PER_SM, x.device) if tiles <= COUNTERS else 1
     k_split = cdiv(k_tiles, split_k) * block_k
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     counters = _counters(x.device) if split_k > 1 else out
-    ts = tensor_scale.reshape(1).to(torch.float32) if tensor_scale is not None else out
+    ts, stride_tn = _tensor_scale(tensor_scale, n, out)
     w, s = qdata.view(torch.uint8), scale.view(torch.uint8)
     if not grouped:
         w, s = w[None], s[None]
@@ -435,8 +635,8 @@ def weight_only_mm(
             x_ptr=x, w_ptr=w, s_ptr=s, ts_ptr=ts, offs_ptr=offs if grouped else out, out_ptr=out, ws_ptr=ws,
             cnt_ptr=counters, M=m, N=n, K=k, E=n_groups, K_SPLIT=k_split, SPLIT_K=split_k, stride_xm=x.stride(0),
             stride_xk=x.stride(1), stride_we=w.stride(0), stride_wn=w.stride(1), stride_wk=w.stride(2),
-            stride_se=s.stride(0), stride_sn=s.stride(1), stride_sk=s.stride(2), stride_om=out.stride(0),
-            stride_on=out.stride(1), FMT=fmt,
+            stride_se=s.stride(0), stride_sn=s.stride(1), stride_sk=s.stride(2), stride_tn=stride_tn,
+            stride_om=out.stride(0), stride_on=out.stride(1), FMT=fmt,
             GROUPED=grouped, E_POW2=max(2, triton.next_power_of_2(n_groups)), SPLIT=split_k > 1,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
             PREFETCH=cfg.get("PREFETCH", False), DOT_BF16=not interpreting(), num_warps=cfg["num_warps"],
@@ -446,11 +646,56 @@ def weight_only_mm(
     return out
 
 
+def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: str,
+            offs: torch.Tensor | None, out: torch.Tensor, cfg: dict, split_k: int | None) -> torch.Tensor:  # fmt: skip
+    """The small-M path of ``weight_only_mm`` into ``out`` (module doc)."""
+    grouped = offs is not None
+    m, n, k = x.shape[0], out.shape[1], x.shape[1]
+    n_groups = qdata.shape[0] if grouped else 1
+    block_m = triton.next_power_of_2(cdiv(m, n_groups))
+    block_n, block_k, warps = max(1, cfg["BLOCK_N"] // block_m), cfg["BLOCK_K"], cfg["num_warps"]
+    if block_k % 16 or block_k < 16 or block_n & (block_n - 1):
+        raise ValueError(f"weight_only_mm: the small-M path needs BLOCK_K a multiple of 16 and BLOCK_N a power of "
+                         f"two; got {cfg}")  # fmt: skip
+    # x as int32 pairs of bf16; w as pairs of codes (uint16 for e4m3), K contiguous in both
+    if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+        x = x.contiguous()
+    w = qdata.view(torch.uint8)
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    if fmt == "mxfp8":
+        w = w.view(torch.uint16)
+    s = scale.view(torch.uint8)
+    if not grouped:
+        w, s = w[None], s[None]
+    slots = cdiv(m, block_m) + (n_groups if grouped else 0)
+    tiles = cdiv(n, block_n) * slots
+    k_tiles = cdiv(k, block_k)
+    busy = cdiv(n, block_n) * (min(cdiv(m, block_m), n_groups) if grouped else slots)
+    split_k = split_k if split_k is not None else cfg.get("SPLIT_K")
+    split_k = _split(split_k, k_tiles, busy, FMA_PROGRAMS_PER_SM, x.device) if tiles <= COUNTERS else 1
+    k_split = cdiv(k_tiles, split_k) * block_k
+    ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    counters = _counters(x.device) if split_k > 1 else out
+    ts, stride_tn = _tensor_scale(tensor_scale, n, out)
+    _FMA_LAUNCHES.launch(
+        (cdiv(n, block_n), slots, split_k),
+        dict(
+            x_ptr=x.view(torch.int32), w_ptr=w, s_ptr=s, ts_ptr=ts, offs_ptr=offs if grouped else out, out_ptr=out,
+            ws_ptr=ws, cnt_ptr=counters, M=m, N=n, K=k, E=n_groups, K_SPLIT=k_split, SPLIT_K=split_k,
+            stride_xm=x.stride(0) // 2, stride_we=w.stride(0), stride_wn=w.stride(1), stride_se=s.stride(0),
+            stride_sn=s.stride(1), stride_tn=stride_tn, stride_om=out.stride(0), FMT=fmt, GROUPED=grouped,
+            E_POW2=max(2, triton.next_power_of_2(n_groups)), SPLIT=split_k > 1, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=cfg.get("num_stages", 1),
+        ),
+    )  # fmt: skip
+    return out
+
+
 def dequantize(qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: str,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:  # fmt: skip
     """The packed weight [..., N, K] in ``dtype`` (bf16 or fp32), bit for bit the reference's ``dequantize``
-    (elements times scales in fp32, times the tensor scale for nvfp4, one rounding to ``dtype``): what a GEMM too
-    large for the weight-only kernel hands to cuBLAS."""
+    (elements times scales in fp32, times the tensor scale for nvfp4 -- one, or one per row of N -- one rounding
+    to ``dtype``): what a GEMM too large for the weight-only kernel hands to cuBLAS."""
     group, pack = FORMATS[fmt]
     k = qdata.shape[-1] * pack
     if qdata.element_size() != 1 or tuple(scale.shape) != (*qdata.shape[:-1], k // group):
@@ -463,11 +708,12 @@ def dequantize(qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Ten
     if rows == 0 or k == 0:
         return out
     w, s = qdata.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8)
-    ts = tensor_scale.reshape(1).to(torch.float32) if tensor_scale is not None else out
+    n = qdata.shape[-2]
+    ts, stride_tn = _tensor_scale(tensor_scale, n, out)
     block_r, block_k = 32, 128
     _DEQUANTIZE.launch(
         (cdiv(rows, block_r), cdiv(k, block_k)),
-        dict(w_ptr=w, s_ptr=s, ts_ptr=ts, out_ptr=out, R=rows, K=k, FMT=fmt, BLOCK_R=block_r, BLOCK_K=block_k,
-             num_warps=4),
+        dict(w_ptr=w, s_ptr=s, ts_ptr=ts, out_ptr=out, R=rows, K=k, N=n, stride_tn=stride_tn, FMT=fmt,
+             BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4),
     )  # fmt: skip
     return out

@@ -8,6 +8,14 @@ packed bytes and upcasts them in registers, so it saves the bandwidth as well as
 ``kernel=False``, it is the reference: dequantize the packed weight to the activations' dtype, then the GEMM,
 which the kernel equals up to summation order (and, for NVFP4, one bf16 rounding per weight).
 ``activations=True`` also quantizes each GEMM's input along K to the same format, as a B200's MX GEMM would read it.
+
+``fuse_projections`` concatenates the linears that read one input along N -- wq, wk, wv of each attention, w1 and
+w3 of each feed-forward and of each ``QuantizedExperts`` -- in every format, bf16 too: a decode step then runs
+4 GEMMs a layer, not 7, each reading more bytes at once. The linears' places hold ``FusedPart``s, which
+``mx_recipe.models.llama.project`` runs as their ``FusedLinear``'s one GEMM; each output is a view of it. Per
+output row the math is the unfused linear's: packed weights keep their scales, NVFP4 each part's tensor scale
+(one per row). The outputs equal the unfused ones bit for bit where the GEMM takes the same summation order for
+both shapes (the weight-only kernel with the same split of K); otherwise they differ by summation order only.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from torch import nn
 from mx_recipe.formats.mx import BLOCK_SIZE, MXTensor, fake_quant, to_mx
 from mx_recipe.formats.nvfp4 import NVFP4Tensor, to_nvfp4
 from mx_recipe.infer.weight_only import use_kernel, weight_only_grouped_mm, weight_only_mm
+from mx_recipe.models.llama import Attention, FeedForward
 from mx_recipe.models.moe import GroupedExperts
 from mx_recipe.nn.convert import DEFAULT_SKIP, skip_reason
 
@@ -72,6 +81,20 @@ class PackedWeight(nn.Module):
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
+    @classmethod
+    def cat(cls, parts: list[PackedWeight]) -> PackedWeight:
+        """``parts`` (one format, same K) concatenated along N (dim -2); NVFP4 keeps each part's tensor scale, as
+        one per row of N ([N, 1])."""
+        fmt, dim = parts[0].fmt, parts[0].qdata.dim() - 1
+        if any(p.fmt != fmt or p.qdata.shape[:-2] != parts[0].qdata.shape[:-2] for p in parts):
+            raise ValueError("PackedWeight.cat: the parts must share a format and their leading dims")
+        qdata = torch.cat([p.qdata for p in parts], dim=-2)
+        scale = torch.cat([p.scale for p in parts], dim=-2)
+        if fmt != "nvfp4":
+            return cls(MXTensor(qdata, scale, FORMATS[fmt], dim), fmt)
+        rows = [p.tensor_scale.reshape(-1, 1).expand(p.qdata.shape[-2], 1) for p in parts]
+        return cls(NVFP4Tensor(qdata, scale, torch.cat(rows).contiguous(), dim), fmt)
+
 
 class QuantizedLinear(nn.Module):
     """y = x @ dequantize(w).T with w kept in ``fmt``; ``activations``: x quantized along K first; ``kernel``:
@@ -106,9 +129,97 @@ class QuantizedExperts(nn.Module):
             x = quantize_activation(x, self.fmt)
         return packed.grouped_mm(x, offs, self.kernel)
 
+    def fuse(self) -> None:
+        """Keep w1 and w3 as one weight [E, 2 * hidden, K] (``w13_packed``): one grouped GEMM for both."""
+        self.w13_packed = PackedWeight.cat([self.w1_packed, self.w3_packed])
+        del self.w1_packed, self.w3_packed
+
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        h = F.silu(self._mm(x, self.w1_packed, offs)) * self._mm(x, self.w3_packed, offs)
-        return self._mm(h, self.w2_packed, offs)
+        if hasattr(self, "w13_packed"):
+            h1, h3 = self._mm(x, self.w13_packed, offs).chunk(2, dim=-1)
+        else:
+            h1, h3 = self._mm(x, self.w1_packed, offs), self._mm(x, self.w3_packed, offs)
+        return self._mm(F.silu(h1) * h3, self.w2_packed, offs)
+
+
+class FusedLinear(nn.Module):
+    """Linears that read one input, their weights concatenated along N: one GEMM; ``forward`` returns each
+    linear's output, a view of it. All ``nn.Linear`` without bias, or all ``QuantizedLinear`` of one format,
+    ``activations`` and ``kernel``."""
+
+    def __init__(self, linears: list[nn.Module]):
+        super().__init__()
+        first = linears[0]
+        self.sizes = [lin.out_features for lin in linears]
+        self.in_features, self.out_features = first.in_features, sum(self.sizes)
+        if all(type(lin) is nn.Linear and lin.bias is None for lin in linears):
+            weight = torch.cat([lin.weight.detach() for lin in linears])
+            self.weight, self.weight_packed = nn.Parameter(weight, requires_grad=False), None
+        elif (
+            all(type(lin) is QuantizedLinear for lin in linears)
+            and len({(lin.fmt, lin.activations, lin.kernel) for lin in linears}) == 1
+        ):
+            self.weight_packed = PackedWeight.cat([lin.weight_packed for lin in linears])
+            self.fmt, self.activations, self.kernel = first.fmt, first.activations, first.kernel
+        else:
+            raise ValueError("FusedLinear: the linears must all be nn.Linear (no bias) or QuantizedLinear alike")
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.weight_packed is None:
+            y = F.linear(x, self.weight)
+        else:
+            y = self.weight_packed.mm(quantize_activation(x, self.fmt) if self.activations else x, self.kernel)
+        return list(y.split(self.sizes, dim=-1))
+
+
+class FusedPart(nn.Module):
+    """Output ``index`` of a ``FusedLinear``, in the place of the linear it was. ``project``
+    (mx_recipe.models.llama) runs all the parts of one ``FusedLinear``, in order, as its one GEMM; a part called
+    alone runs that GEMM too and keeps its slice."""
+
+    def __init__(self, fused: FusedLinear, index: int):
+        super().__init__()
+        self._fused = (fused,)  # not a submodule: the FusedLinear is registered once, beside its parts
+        self.index = index
+        self.in_features, self.out_features = fused.in_features, fused.sizes[index]
+
+    @property
+    def fused(self) -> FusedLinear:
+        return self._fused[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)[self.index]
+
+    @staticmethod
+    def apply_to_shared_input(x: torch.Tensor, parts: tuple[FusedPart, ...]) -> list[torch.Tensor]:
+        fused = parts[0].fused
+        if len(parts) == len(fused.sizes) and all(p.fused is fused and p.index == i for i, p in enumerate(parts)):
+            return fused(x)
+        return [p(x) for p in parts]
+
+
+def _fuse(parent: nn.Module, names: tuple[str, ...], fused_name: str) -> None:
+    linears = [getattr(parent, name) for name in names]
+    try:
+        fused = FusedLinear(linears)
+    except ValueError:  # e.g. a skipped linear beside quantized ones: left unfused
+        return
+    setattr(parent, fused_name, fused)
+    for i, name in enumerate(names):
+        setattr(parent, name, FusedPart(fused, i))
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """Fuse the linears of ``model`` that read one input, in place (module doc): each attention's wq, wk, wv as
+    ``wqkv``, each feed-forward's w1, w3 as ``w13``, and each ``QuantizedExperts``' w1, w3."""
+    for module in list(model.modules()):
+        if isinstance(module, Attention):
+            _fuse(module, ("wq", "wk", "wv"), "wqkv")
+        elif isinstance(module, FeedForward):
+            _fuse(module, ("w1", "w3"), "w13")
+        elif isinstance(module, QuantizedExperts) and not hasattr(module, "w13_packed"):
+            module.fuse()
+    return model
 
 
 def quantize_model(
