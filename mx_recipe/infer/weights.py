@@ -134,7 +134,10 @@ class QuantizedExperts(nn.Module):
         self.w13_packed = PackedWeight.cat([self.w1_packed, self.w3_packed])
         del self.w1_packed, self.w3_packed
 
-    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
+        """As ``models.moe.GroupedExperts``: the groups are x, or x[routed] where the router hands the tokens over."""
+        if routed is not None:
+            x = x[routed]
         if hasattr(self, "w13_packed"):
             h1, h3 = self._mm(x, self.w13_packed, offs).chunk(2, dim=-1)
         else:
