@@ -4,7 +4,8 @@ Every figure in that document comes from a file a benchmark or a training run wr
 ``*_bench_cast[_e2m1].json``, ``*_bench_fp4_cast.json``, ``*_bench_gemm.json``, ``*_bench_linear[_RECIPE].json``,
 ``*_bench_moe.json``, ``*_bench_host.json``, ``*_bench_train_CONFIG.json`` (benchmarks/),
 ``*_roofline_observe.json`` (scripts/roofline.py --observe), ``*_train_*/`` folders holding a ``meta.json``
-and one ``metrics.jsonl`` per run (train.py) and ``*_parity_*/`` sets (scripts/parity_sweep.py). One file per
+and one ``metrics.jsonl`` per run (train.py), ``*_parity_*/`` sets (scripts/parity_sweep.py) and ``*_torchtitan/``
+folders of torchtitan runs (scripts/torchtitan_gpu.sh: a ``meta.json`` and rank 0's log of each run). One file per
 benchmark, device and variant: the latest (older ones stay in git history).
 
 The document is a summary: one table per benchmark, a row per variant and device, a column per shape (or a
@@ -19,9 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from compare_runs import median_of, read_run  # noqa: E402
+
 RESULTS = ROOT / "docs" / "results"
 DOC = ROOT / "docs" / "PERFORMANCE.md"
 ROOFLINE_DOC = ROOT / "docs" / "ROOFLINE.md"
@@ -460,6 +465,33 @@ def runs_section(folders: list[Path]) -> list[str]:
     return lines + sources([(load(f / "meta.json"), f.name) for f in folders])
 
 
+def torchtitan_section(folders: list[Path]) -> list[str]:
+    """torchtitan's own trainer with the mx converter (scripts/torchtitan_gpu.sh): one row per run, read from
+    rank 0's log as scripts/compare_runs.py reads it (medians after the first step), MXFP8 against bf16."""
+    if not folders:
+        return []
+    rows = []
+    for folder in folders:
+        device = column_name(load(folder / "meta.json"))
+        runs = {log.stem: read_run(log) for log in sorted(folder.glob("*.log"))}
+        for name, run in runs.items():
+            tps, mfu = median_of(run, "tokens_per_sec"), median_of(run, "mfu")
+            base = runs.get(name.rsplit("_", 1)[0] + "_bf16")
+            ratio = f"{tps / median_of(base, 'tokens_per_sec'):.3f}x" if base else ""
+            last = next(reversed(run.train.values()))
+            rows.append([run.label, device, str(last["step"]), f"{tps:,.0f}", ratio, f"{mfu:.1f}%",
+                         f"{last['loss']:.4f}"])  # fmt: skip
+    lines = ["## torchtitan's trainer with the mx converter (`scripts/torchtitan_gpu.sh`)", ""]
+    lines += [
+        "torchtitan 0.2.x's own `torchtitan.train`, the model cut to the layers that fit one GPU; tokens/s per GPU",
+        "and MFU as torchtitan logs them (medians after the first step); our trainer on the same MoE dims is",
+        "bench_train's moe_bf16 above.",
+        "",
+    ]
+    lines += table(["run", "device", "steps", "tokens/s per GPU", "to bf16", "MFU", "last train loss"], rows)
+    return lines + sources([(load(f / "meta.json"), f.name) for f in folders])
+
+
 def observe_section(paths: list[Path]) -> list[str]:
     """scripts/roofline.py --observe: our casts and GEMMs against the roofline of the same device."""
     lines = []
@@ -517,6 +549,7 @@ def latest_results() -> dict[str, list[Path]]:
     found = {kind: sorted(RESULTS.glob(pattern)) for kind, pattern in kinds.items()}
     runs = (p for p in RESULTS.iterdir() if p.is_dir() and ("_train_" in p.name or "_parity_" in p.name))
     found["train"] = sorted(runs)
+    found["torchtitan"] = sorted(p for p in RESULTS.iterdir() if p.is_dir() and p.name.endswith("_torchtitan"))
     return found
 
 
@@ -539,6 +572,7 @@ SECTIONS = dict(
     bench_host=host_section,
     bench_train=bench_train_section,
     train=runs_section,
+    torchtitan=torchtitan_section,
     observe=observe_section,
 )
 
