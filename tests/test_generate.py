@@ -176,3 +176,25 @@ def test_generate_continues_a_prompt_from_a_train_py_checkpoint(trained_run):
 def test_bad_arguments_are_one_line_and_exit_2(args, message):
     done = subprocess.run([sys.executable, "generate.py", *args], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (('name = "moe"', 'flavor = "debug_moe"'), "has layers.1.moe.expert_bias [8], the checkpoint has no such"),
+        (('name = "llama"', 'flavor = "1B"'), "has tok_embeddings.weight [320, 2048], the checkpoint holds it as"),
+    ],
+)
+def test_a_checkpoint_of_another_model_is_one_line_and_exit_2(trained_run, tmp_path, model, message):
+    """config.toml naming another model or size than the checkpoint holds: named before anything is read."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    config = (run / "config.toml").read_text().replace('name = "llama"', model[0]).replace('flavor = "debug"', model[1])
+    (run / "config.toml").write_text(config)
+    cmd = [sys.executable, "generate.py", "--checkpoint", str(run), "--prompt", "def ", "--max-new-tokens", "2"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1 and message in errors[0], done.stderr
+    assert "is not a checkpoint of" in errors[0] and "Traceback" not in done.stderr

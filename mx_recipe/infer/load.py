@@ -23,6 +23,21 @@ def _build(name: str, flavor: str, vocab_size: int, max_len: int, device: torch.
     return model
 
 
+def _check_holds(checkpoint: Path, model_state: dict[str, torch.Tensor], model: str) -> None:
+    """Raise ValueError unless the checkpoint holds every tensor of ``model_state`` at its shape (the metadata
+    only: a checkpoint of another model or size is named before DCP reads anything)."""
+    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    for name, tensor in model_state.items():
+        meta = saved.get(f"model.{name}")
+        size = getattr(meta, "size", None)
+        if meta is None or (size is not None and tuple(size) != tuple(tensor.shape)):
+            found = "has no such tensor" if meta is None else f"holds it as {list(size)}"
+            raise ValueError(
+                f"{checkpoint} is not a checkpoint of {model}, the model its config.toml names: {model} has "
+                f"{name} {list(tensor.shape)}, the checkpoint {found}"
+            )
+
+
 def load_run(output_dir: str | Path, device: torch.device, max_len: int) -> tuple[Transformer, Tokenizer, Config]:
     """The model of the newest committed checkpoint of the train.py run in ``output_dir`` (fp32), its tokenizer and
     its config; RoPE tables for ``max_len`` positions. Raises ValueError naming what is missing."""
@@ -41,6 +56,7 @@ def load_run(output_dir: str | Path, device: torch.device, max_len: int) -> tupl
     vocab = padded_vocab_size(tokenizer.vocab_size)
     model = _build(config.model.name, config.model.flavor, vocab, max_len, device)
     state = {"model": model.state_dict()}
+    _check_holds(checkpoint, state["model"], f"{config.model.name} {config.model.flavor}")
     # the model's tensors only; DCP reshards from any world size
     dcp.load(state, checkpoint_id=checkpoint, no_dist=not torch.distributed.is_initialized())
     model.load_state_dict(state["model"])
