@@ -219,6 +219,24 @@ def _row_tile(offs_ptr, slot, M, E, GROUPED: tl.constexpr, E_POW2: tl.constexpr,
 
 
 @triton.jit
+def _program_tile(
+    offs_ptr, w_ptr, s_ptr, stride_we, stride_se, slot, pid_n, M, N, E, GROUPED: tl.constexpr,
+    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """A program's rows (rm; rm_in: those past its tile repeat its first, so loads need no masks), its tile's
+    end, its expert (-1: a slot without rows, which the kernel returns on), its weight rows (rn; rn_in wrapped
+    into N) and its expert's weight and scale pointers."""
+    row0, row_end, expert = _row_tile(offs_ptr, slot, M, E, GROUPED, E_POW2, BLOCK_M)
+    if GROUPED:
+        w_ptr += tl.maximum(expert, 0).to(tl.int64) * stride_we
+        s_ptr += tl.maximum(expert, 0).to(tl.int64) * stride_se
+    rm = row0 + tl.arange(0, BLOCK_M)
+    rm_in = tl.where(rm < row_end, rm, row0).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rm, rm_in, row_end, expert, rn, (rn % N).to(tl.int64), w_ptr, s_ptr
+
+
+@triton.jit
 def _finish(acc, rm, rm_in, rn, rn_in, row_end, tile, pid_k, M, N, ts_ptr, stride_tn, out_ptr, stride_om,
             stride_on, ws_ptr, cnt_ptr, SPLIT_K, FMT: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
     """Store the fp32 tile ``acc`` [BLOCK_M, BLOCK_N] as bf16, times the tensor scale for nvfp4. Split K: store
@@ -283,17 +301,12 @@ def _weight_only_kernel(
     slot = tl.program_id(1)
     pid_k = tl.program_id(2)
 
-    row0, row_end, expert = _row_tile(offs_ptr, slot, M, E, GROUPED, E_POW2, BLOCK_M)
+    rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr = _program_tile(
+        offs_ptr, w_ptr, s_ptr, stride_we, stride_se, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M, BLOCK_N
+    )
     if GROUPED:
         if expert < 0:
             return
-        w_ptr += expert.to(tl.int64) * stride_we
-        s_ptr += expert.to(tl.int64) * stride_se
-
-    rm = row0 + tl.arange(0, BLOCK_M)
-    rm_in = tl.where(rm < row_end, rm, row0).to(tl.int64)  # rows past the tile's end repeat its first: no masks
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn_in = (rn % N).to(tl.int64)
     kb = tl.arange(0, BKB)
     ks = tl.arange(0, BLOCK_K // GROUP)
     k_start = pid_k * K_SPLIT
@@ -365,17 +378,12 @@ def _weight_only_fma_kernel(
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     pid_k = tl.program_id(2)
-    row0, row_end, expert = _row_tile(offs_ptr, slot, M, E, GROUPED, E_POW2, BLOCK_M)
+    rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr = _program_tile(
+        offs_ptr, w_ptr, s_ptr, stride_we, stride_se, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M, BLOCK_N
+    )
     if GROUPED:
         if expert < 0:
             return
-        w_ptr += expert.to(tl.int64) * stride_we
-        s_ptr += expert.to(tl.int64) * stride_se
-
-    rm = row0 + tl.arange(0, BLOCK_M)
-    rm_in = tl.where(rm < row_end, rm, row0).to(tl.int64)  # rows past the tile's end repeat its first: no masks
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn_in = (rn % N).to(tl.int64)
     kp = tl.max_contiguous(tl.arange(0, PAIRS), UNIT)  # UNIT-pair runs: x's and w's loads take one layout
     u = tl.arange(0, NU)
     k_start = pid_k * K_SPLIT
