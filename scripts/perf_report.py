@@ -2,7 +2,7 @@
 
 Every figure in that document comes from a file a benchmark or a training run wrote:
 ``*_bench_cast[_e2m1].json``, ``*_bench_fp4_cast.json``, ``*_bench_gemm.json``, ``*_bench_linear[_RECIPE].json``,
-``*_bench_moe.json``, ``*_bench_host.json``, ``*_bench_train_CONFIG.json`` (benchmarks/),
+``*_bench_moe.json``, ``*_bench_host.json``, ``*_bench_train_CONFIG.json``, ``*_bench_decode.json`` (benchmarks/),
 ``*_roofline_observe.json`` (scripts/roofline.py --observe), ``*_train_*/`` folders holding a ``meta.json``
 and one ``metrics.jsonl`` per run (train.py), ``*_parity_*/`` sets (scripts/parity_sweep.py) and ``*_torchtitan/``
 folders of torchtitan runs (scripts/torchtitan_gpu.sh: a ``meta.json`` and rank 0's log of each run). One file per
@@ -161,6 +161,9 @@ def targets_section(results: dict[str, list[Path]]) -> list[str]:
         cells.setdefault("host time of one MX cast or fake-quant call <= 20 us", {})[device_of(path)] = host_targets(
             path
         )
+    for path in results["bench_decode"]:
+        for target, cell in decode_targets(path).items():
+            cells.setdefault(target, {})[device_of(path)] = cell
     rows = [[target, *(by_device.get(d, "") for d in devices)] for target, by_device in cells.items()]
     lines = ["## Where each target stands", ""]
     return lines + table(["target", *devices], rows) + [""]
@@ -492,6 +495,45 @@ def torchtitan_section(folders: list[Path]) -> list[str]:
     return lines + sources([(load(f / "meta.json"), f.name) for f in folders])
 
 
+def decode_targets(path: Path) -> dict[str, str]:
+    """The inference targets of the Llama 3 8B decode: bf16 against the HBM bound, the MX weights against bf16."""
+    rows = [r for r in load(path)["rows"] if r["mode"] == "decode"]
+    at = {(r["weights"], r["batch"]): r for r in rows}
+    cells = {}
+    if ("bf16", 1) in at:
+        cells["decode batch 1: bf16 >= 80% of the HBM bound"] = f"{at['bf16', 1]['pct_of_bound']:.1f}%"
+    goals = ((("mxfp8",), 1, "1.7x"), (("mxfp4", "nvfp4"), 1, "2.8x"), (("mxfp4", "nvfp4"), 32, "1.5x"))
+    for fmts, batch, goal in goals:
+        got = [f"{f} {at[f, batch]['vs_bf16']:.2f}x" for f in fmts if (f, batch) in at]
+        if got:
+            cells[f"decode batch {batch}: {' and '.join(fmts)} weights >= {goal} bf16 tokens/s"] = ", ".join(got)
+    return cells
+
+
+def decode_section(paths: list[Path]) -> list[str]:
+    """benchmarks/bench_decode.py: a row per mode, batch and weight format, bf16 and the MX formats in one run."""
+    if not paths:
+        return []
+    rows = []
+    for path in paths:
+        data = load(path)
+        meta = data["meta"]
+        model = f"{meta['model']} {meta['flavor']} ({meta['layers']} layers)"
+        for r in data["rows"]:
+            rows.append([model, r["mode"], str(r["batch"]), r["weights"], f"{r['ms']:.3f}", f"{r['tokens_per_s']:,.1f}",
+                         f"{r['vs_bf16']:.2f}x", f"{r['pct_of_bound']:.1f}%"])  # fmt: skip
+    devices = ", ".join(dict.fromkeys(column_name(load(p)["meta"]) for p in paths))
+    lines = [f"## Decode with MX weights (`benchmarks/bench_decode.py`), {devices}", ""]
+    lines += [
+        "One step of the whole model from a CUDA graph (ms), tokens/s, against bf16 in the same run, and as a share",
+        "of the HBM-bandwidth bound: the bytes a step must read (weights, the whole KV cache) at the copy bandwidth",
+        "measured in the run.",
+        "",
+    ]
+    lines += table(["model", "mode", "batch", "weights", "ms", "tokens/s", "to bf16", "of bound"], rows)
+    return lines + sources([(load(p)["meta"], p.name) for p in paths])
+
+
 def observe_section(paths: list[Path]) -> list[str]:
     """scripts/roofline.py --observe: our casts and GEMMs against the roofline of the same device."""
     lines = []
@@ -545,7 +587,7 @@ def latest_results() -> dict[str, list[Path]]:
     kinds |= {"bench_linear": "*_bench_linear*.json", "bench_moe": "*_bench_moe.json"}
     kinds |= {"bench_fp4_cast": "*_bench_fp4_cast.json"}
     kinds |= {"bench_host": "*_bench_host.json", "bench_train": "*_bench_train_*.json"}
-    kinds |= {"observe": "*_roofline_observe.json"}
+    kinds |= {"observe": "*_roofline_observe.json", "bench_decode": "*_bench_decode.json"}
     found = {kind: sorted(RESULTS.glob(pattern)) for kind, pattern in kinds.items()}
     runs = (p for p in RESULTS.iterdir() if p.is_dir() and ("_train_" in p.name or "_parity_" in p.name))
     found["train"] = sorted(runs)
@@ -573,6 +615,7 @@ SECTIONS = dict(
     bench_train=bench_train_section,
     train=runs_section,
     torchtitan=torchtitan_section,
+    bench_decode=decode_section,
     observe=observe_section,
 )
 

@@ -167,3 +167,24 @@ def test_a_seeded_parity_set_is_one_row_per_recipe_with_its_interval(tmp_path):
         "| llama1b | H200 | 1B mxfp8 (3 seeds) | 1000 | 57,000 | 0.950x | 21.30 | +0.10% [-0.20%, +0.40%] PASS |",
     ]
     assert report.training_targets([folder]) == {"h200": ["llama1b mxfp8 0.950x"]}
+
+
+def test_decode_targets_and_section(tmp_path):
+    import json
+
+    rows = [
+        dict(mode="decode", weights=w, batch=b, tokens=b, ms=ms, tokens_per_s=b / ms * 1e3, vs_bf16=r, pct_of_bound=p)
+        for w, b, ms, r, p in (("bf16", 1, 8.0, 1.0, 45.0), ("mxfp4", 1, 4.0, 2.0, 40.0), ("mxfp4", 32, 8.0, 1.0, 20.0))
+    ]
+    meta = dict(device="GPU", torch="2.11", date="2026-11-27", commit="abc1234", command="python bench_decode.py")
+    meta |= dict(model="llama", flavor="8B", layers=32)
+    path = tmp_path / "2026-11-27_gpu_bench_decode.json"
+    path.write_text(json.dumps(dict(meta=meta, rows=rows)))
+    report = _perf_report()
+    assert report.decode_targets(path) == {
+        "decode batch 1: bf16 >= 80% of the HBM bound": "45.0%",
+        "decode batch 1: mxfp4 and nvfp4 weights >= 2.8x bf16 tokens/s": "mxfp4 2.00x",
+        "decode batch 32: mxfp4 and nvfp4 weights >= 1.5x bf16 tokens/s": "mxfp4 1.00x",
+    }
+    lines = report.decode_section([path])
+    assert "| llama 8B (32 layers) | decode | 1 | mxfp4 | 4.000 | 250.0 | 2.00x | 40.0% |" in lines
