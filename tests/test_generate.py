@@ -198,3 +198,28 @@ def test_a_checkpoint_of_another_model_is_one_line_and_exit_2(trained_run, tmp_p
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode == 2 and len(errors) == 1 and message in errors[0], done.stderr
     assert "is not a checkpoint of" in errors[0] and "Traceback" not in done.stderr
+
+
+def test_weight_quality_reports_the_runs_own_validation_loss_for_bf16(tmp_path):
+    """scripts/weight_quality.py: the bf16 row is the held-out loss the run logged for its last checkpoint; the
+    quantized rows differ from it (and each other) as their weights do; JSON rows with provenance."""
+    import json
+
+    run = tmp_path / "run"
+    args = [*BF16_ARGS, "--checkpoint.enable", "true", "--checkpoint.interval", "4", "--validation.enable", "true"]
+    args += ["--validation.interval", "4", "--validation.steps", "2", "--training.compute_dtype", "fp32"]
+    code, _, err = run_in_process([*args, "--job.output_dir", str(run)])
+    assert code == 0, err
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    val_loss = next(r["val_loss"] for r in logged if r.get("step") == 4 and "val_loss" in r)
+    out = tmp_path / "quality.json"
+    cmd = [sys.executable, "scripts/weight_quality.py", "--checkpoint", str(run), "--weights", "bf16,mxfp8"]
+    done = subprocess.run([*cmd, "--activations", "--out", str(out)], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["weights"], r["activations"]) for r in rows] == [("bf16", "bf16"), ("mxfp8", "bf16"), ("mxfp8", "mx")]
+    assert rows[0]["loss"] == pytest.approx(val_loss, rel=1e-6) and rows[0]["vs_bf16"] == 0
+    assert len({r["loss"] for r in rows}) == 3 and all(abs(r["vs_bf16"]) < 0.05 for r in rows)
+    assert "mxfp8           mx" in done.stdout
+    bad = subprocess.run([*cmd[:3], str(tmp_path / "nothing")], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --checkpoint") and "no config.toml" in bad.stderr
