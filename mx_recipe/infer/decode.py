@@ -42,8 +42,9 @@ class KVCache(nn.Module):
 
 
 def _attend(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-            v_cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """``attn`` on x [B, S, dim] at ``positions`` [S], writing its keys and values into the layer's cache."""
+            v_cache: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """``attn`` on x [B, S, dim] at ``positions`` [S], writing its keys and values into the layer's cache;
+    ``visible`` [repeats * S, max_len]: the cache positions each stacked query sees."""
     bs, seq_len, _ = x.shape
     q, k, v = project(x, attn.wq, attn.wk, attn.wv)
     q = apply_rope(q.view(bs, seq_len, attn.n_heads, attn.head_dim), cos, sin)
@@ -54,10 +55,7 @@ def _attend(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     repeats = attn.n_heads // attn.n_kv_heads
     q = q.view(bs, seq_len, attn.n_kv_heads, repeats, attn.head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(bs, attn.n_kv_heads, repeats * seq_len, attn.head_dim)
-    visible = torch.arange(k_cache.shape[2], device=x.device)[None, :] <= positions[:, None]  # [S, max_len]
-    out = F.scaled_dot_product_attention(
-        q, k_cache.to(q.dtype), v_cache.to(q.dtype), attn_mask=visible.repeat(repeats, 1)
-    )
+    out = F.scaled_dot_product_attention(q, k_cache.to(q.dtype), v_cache.to(q.dtype), attn_mask=visible)
     out = out.view(bs, attn.n_kv_heads, repeats, seq_len, attn.head_dim).permute(0, 3, 1, 2, 4)
     return attn.wo(out.reshape(bs, seq_len, -1))
 
@@ -66,8 +64,12 @@ def forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, c
     """Logits [B, S, vocab] of ``tokens`` [B, S] at ``positions`` [S] (consecutive), reading and filling ``cache``."""
     h = model.tok_embeddings(tokens)
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]
+    # the cache positions each query sees, for the query heads of a KV head stacked: made once for every layer
+    visible = torch.arange(cache.max_len, device=tokens.device)[None, :] <= positions[:, None]
+    visible = visible.repeat(model.args.n_heads // model.args.n_kv_heads, 1)
     for i, layer in enumerate(model.layers.values()):
-        h = h + _attend(layer.attention, layer.attention_norm(h), cos, sin, cache.k[i], cache.v[i], positions)
+        x = layer.attention_norm(h)
+        h = h + _attend(layer.attention, x, cos, sin, cache.k[i], cache.v[i], positions, visible)
         ffn = layer.moe if getattr(layer, "moe_enabled", False) else layer.feed_forward
         h = h + ffn(layer.ffn_norm(h))
     return model.output(model.norm(h))
