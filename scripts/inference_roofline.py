@@ -14,6 +14,9 @@ Hopper, which has no MX MMA), so their FLOPs run at the bf16 rate; on B200, "+ M
 activations too and runs the block-scaled MMA at the fp8 or fp4 rate. Prefill of T tokens reads the weights once
 for all T, so it turns compute-bound within a few hundred tokens.
 
+Under each model's table, the newest measured decode points of that model on an H200 (``*_bench_decode.json`` in
+docs/results, from benchmarks/bench_decode.py) and the share of the H200 weight-only bound each reaches.
+
 MoE: a decode step reads the routed experts that any of its tokens picked; with uniform routing of B tokens to
 top_k of E experts, E (1 - (1 - top_k / E)^B) experts per layer. The shared experts, attention and router are
 read every step.
@@ -154,6 +157,42 @@ def _cases(dev: Device) -> list[tuple[str, bool]]:
     return rows
 
 
+def latest_decode_result(model: str, flavor: str, device: str = "H200") -> tuple[Path, dict] | None:
+    """The newest docs/results/*_bench_decode.json of ``model``/``flavor`` measured on ``device`` (its name)."""
+    import json
+
+    found = None
+    for path in sorted((ROOT / "docs" / "results").glob("*_bench_decode.json")):
+        data = json.loads(path.read_text())
+        meta = data["meta"]
+        if (meta.get("model"), meta.get("flavor")) == (model, flavor) and device in meta.get("device", ""):
+            found = path, data
+    return found
+
+
+def measured_points(m: ModelCounts, model: str, flavor: str, context: int) -> list[str]:
+    """The measured decode points of ``benchmarks/bench_decode.py`` on an H200 against this roofline's H200 rows."""
+    result = latest_decode_result(model, flavor)
+    if result is None:
+        return []
+    path, data = result
+    if data["meta"].get("context", context) != context:
+        return []
+    dev = DEVICES["h200"]
+    rows = []
+    for r in (r for r in data["rows"] if r["mode"] == "decode"):
+        bound = r["batch"] / decode_step(m, r["weights"], dev, r["batch"], context).seconds
+        rows.append([r["weights"], str(r["batch"]), f"{r['tokens_per_s']:,.0f}", f"{bound:,.0f}",
+                     f"{r['tokens_per_s'] / bound:.0%}"])  # fmt: skip
+    meta = data["meta"]
+    lines = [
+        f"Measured on one {meta['device']} (`{meta['command']}`, `docs/results/{path.name}`, commit "
+        f"{str(meta['commit'])[:7]}), against the H200 weight-only rows above:",
+        "",
+    ]
+    return lines + table(["weights", "batch", "measured tok/s", "roofline tok/s", "share"], rows) + [""]
+
+
 def render(context: int = 1024, prefill: int = 2048) -> list[str]:
     lines = [
         BEGIN,
@@ -186,6 +225,7 @@ def render(context: int = 1024, prefill: int = 2048) -> list[str]:
                 cells += [f"{prefill_tokens_per_second(m, fmt, dev, prefill, act):,.0f}"]
                 rows.append(cells)
         lines += table(header, rows) + [""]
+        lines += measured_points(m, model, flavor, context)
         one = decode_step(m, "bf16", DEVICES["h200"], 1, context)
         balance = DEVICES["h200"].bf16_flops / DEVICES["h200"].mem_bw
         kv = m.kv_per_position * context / 1e6
