@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from compare_runs import median_of, read_run  # noqa: E402
+from compare_runs import Run, median_of, peak_memory_gib, read_run  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
 DOC = ROOT / "docs" / "PERFORMANCE.md"
@@ -122,11 +121,9 @@ def training_targets(folders: list[Path]) -> dict[str, list[str]]:
                 if arm["mx_recipe"].startswith("mxfp8"):
                     cells.setdefault(device, []).append(f"{name} {arm['mx_recipe']} {arm['tokens_per_sec_ratio']:.3f}x")
         else:
-            speed = {run.name: median_tokens_per_sec(train_records(run)) for run in runs_of(folder)}
-            for name, tokens in speed.items():
-                if name.endswith("_mxfp8") and name.replace("_mxfp8", "_bf16") in speed:
-                    ratio = tokens / speed[name.replace("_mxfp8", "_bf16")]
-                    cells.setdefault(device, []).append(f"{name.removesuffix('_mxfp8')} {ratio:.3f}x")
+            for name, _, tps, base in run_set(train_py_runs(folder)):
+                if name.endswith("_mxfp8") and base:
+                    cells.setdefault(device, []).append(f"{name.removesuffix('_mxfp8')} {tps / base:.3f}x")
     return cells
 
 
@@ -408,18 +405,16 @@ def bench_train_targets(path: Path) -> str:
     return ", ".join(f"{name} {r['recipe']} {r['ratio']:.3f}x" for r in data["rows"][1:])
 
 
-def train_records(run: Path) -> list[dict]:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r for r in records if "loss" in r]
+def run_set(runs: dict[str, Run]) -> list[tuple[str, Run, float, float | None]]:
+    """Each run of a set by name, with its median tokens/s after start-up (as compare_runs.py reads a run) and
+    that of the set's bf16 run of the same kind (``<kind>_bf16`` for ``<kind>_<recipe>``; None if none)."""
+    speed = {name: median_of(run, "tokens_per_sec") for name, run in runs.items()}
+    return [(name, run, speed[name], speed.get(name.rsplit("_", 1)[0] + "_bf16")) for name, run in runs.items()]
 
 
-def median_tokens_per_sec(train: list[dict]) -> float:
-    """Over the steps after the first (compilation), or the last step where there is only one."""
-    return statistics.median([r["tokens_per_sec"] for r in train if r["step"] > 1] or [train[-1]["tokens_per_sec"]])
-
-
-def runs_of(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if (p / "metrics.jsonl").is_file())
+def train_py_runs(folder: Path) -> dict[str, Run]:
+    """The train.py runs of a set folder, by folder name."""
+    return {p.name: read_run(p) for p in sorted(folder.iterdir()) if (p / "metrics.jsonl").is_file()}
 
 
 def arm_loss(arm: dict) -> str:
@@ -447,14 +442,10 @@ def runs_section(folders: list[Path]) -> list[str]:
                 rows.append([name, device, label, str(arm["final_val_step"]), f"{arm['median_tokens_per_sec']:,.0f}",
                              ratio, f"{arm['peak_memory_gib']:.2f}", arm_loss(arm)])  # fmt: skip
             continue
-        speed = {run.name: median_tokens_per_sec(train_records(run)) for run in runs_of(folder)}
-        for run in runs_of(folder):
-            train = train_records(run)
-            base = speed.get(run.name.rsplit("_", 1)[0] + "_bf16")
-            ratio = f"{speed[run.name] / base:.3f}x" if base else ""
-            peak = max(r["memory_gib"] for r in train)
-            rows.append([name, device, run.name, str(train[-1]["step"]), f"{speed[run.name]:,.0f}", ratio,
-                         f"{peak:.2f}", f"train {train[-1]['loss']:.4f}"])  # fmt: skip
+        for run_name, run, tps, base in run_set(train_py_runs(folder)):
+            last = next(reversed(run.train.values()))
+            rows.append([name, device, run_name, str(last["step"]), f"{tps:,.0f}", f"{tps / base:.3f}x" if base else "",
+                         f"{peak_memory_gib(run):.2f}", f"train {last['loss']:.4f}"])  # fmt: skip
     lines = ["## Training runs (`train.py`; parity sets from `scripts/parity_sweep.py`)", ""]
     lines += [
         "Median tokens/s per GPU after the first step, against the set's bf16 run; a parity set has one row per",
@@ -476,14 +467,10 @@ def torchtitan_section(folders: list[Path]) -> list[str]:
     rows = []
     for folder in folders:
         device = column_name(load(folder / "meta.json"))
-        runs = {log.stem: read_run(log) for log in sorted(folder.glob("*.log"))}
-        for name, run in runs.items():
-            tps, mfu = median_of(run, "tokens_per_sec"), median_of(run, "mfu")
-            base = runs.get(name.rsplit("_", 1)[0] + "_bf16")
-            ratio = f"{tps / median_of(base, 'tokens_per_sec'):.3f}x" if base else ""
+        for _, run, tps, base in run_set({log.stem: read_run(log) for log in sorted(folder.glob("*.log"))}):
             last = next(reversed(run.train.values()))
-            rows.append([run.label, device, str(last["step"]), f"{tps:,.0f}", ratio, f"{mfu:.1f}%",
-                         f"{last['loss']:.4f}"])  # fmt: skip
+            rows.append([run.label, device, str(last["step"]), f"{tps:,.0f}", f"{tps / base:.3f}x" if base else "",
+                         f"{median_of(run, 'mfu'):.1f}%", f"{last['loss']:.4f}"])  # fmt: skip
     lines = ["## torchtitan's trainer with the mx converter (`scripts/torchtitan_gpu.sh`)", ""]
     lines += [
         "torchtitan 0.2.x's own `torchtitan.train`, the model cut to the layers that fit one GPU; tokens/s per GPU",
