@@ -17,6 +17,7 @@ JSON with provenance for docs/results/.
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -75,14 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     dtype = COMPUTE_DTYPES[resolve_compute_dtype(config.training.compute_dtype, device)]
     variants = [(fmt, False) for fmt in args.weights]
     variants += [(fmt, True) for fmt in args.weights if args.activations and fmt != "bf16"]
+    try:
+        trained, _, _ = load_run(args.checkpoint, device, max_len=config.training.seq_len)
+    except ValueError as e:
+        print(f"error: --checkpoint {e}", file=sys.stderr)
+        return 2
     rows, base = [], None
-    for fmt, activations in variants:
-        try:
-            model, _, _ = load_run(args.checkpoint, device, max_len=config.training.seq_len)
-        except ValueError as e:
-            print(f"error: --checkpoint {e}", file=sys.stderr)
-            return 2
-        model = quantize_model(to_compute_dtype(model.eval(), dtype), fmt, activations=activations)
+    for fmt, activations in variants:  # each from a copy of the fp32 weights: read from disk once
+        model = quantize_model(to_compute_dtype(copy.deepcopy(trained).eval(), dtype), fmt, activations=activations)
         loss = held_out_loss(model, batches, device)
         base = loss if fmt == "bf16" else base
         rows.append(dict(weights=fmt, activations="mx" if activations else "bf16", loss=loss))
