@@ -109,17 +109,22 @@ def fake_quant_2d_outputs(
 
 def fake_quant_groups_outputs(
     x: torch.Tensor, row_src: torch.Tensor, elem: str, mode: str, launch, op: str, fp4: bool = False,
-    seed: torch.Tensor | None = None, along_k: bool = False,
+    seed: torch.Tensor | None = None, along_k: bool = False, routed: torch.Tensor | None = None,
 ):  # fmt: skip
     """The host side of a fake_quant_groups_along_m launcher, as ``fake_quant_2d_outputs``: the along-M result,
-    or with ``along_k`` (fake_quant_groups, to nearest) the pair (along K, along M)."""
+    or with ``along_k`` (fake_quant_groups, to nearest) the pair (along K, along M). ``routed`` (int64 [M]): the
+    rows are x[routed], read through it (the launch takes it by name)."""
     check_cast(x, elem, mode, ndims=(2,), qdim=-1 if along_k else None, op=op, fp4=fp4)
     random = check_stochastic(x, elem, seed, op, fp4)
     rows = groups_along_m_rows(row_src)
-    out = x.new_empty(x.shape[0], x.shape[1])
-    out_k = x.new_empty(x.shape[0], x.shape[1]) if along_k else out
+    if routed is not None and (routed.dtype != torch.int64 or routed.dim() != 1):
+        raise ValueError(f"{op}: routed must be 1D int64, got {routed.dtype} {tuple(routed.shape)}")
+    m = x.shape[0] if routed is None else routed.shape[0]
+    out = x.new_empty(m, x.shape[1])
+    out_k = x.new_empty(m, x.shape[1]) if along_k else out
     if out.numel():
-        launch(x, row_src, out_k, out, elem, mode, along_k, True, rows, rows, *random)
+        launch(x, row_src, out_k, out, elem, mode, along_k, True, rows, rows, *random,
+               **({} if routed is None else {"routed": routed}))  # fmt: skip
     return (out_k, out) if along_k else out
 
 

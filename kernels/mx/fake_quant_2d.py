@@ -24,14 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from mx_kernels.common import (
-    check_cast,
-    fake_quant_2d_outputs,
-    fake_quant_groups_outputs,
-    groups_along_m_rows,
-    interpreting,
-    software_round,
-)
+from mx_kernels.common import fake_quant_2d_outputs, fake_quant_groups_outputs, interpreting, software_round
 from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.quantize import column_blocks, draws_tile, fake_quant_blocks, tile_rows, to_fp32
 from mx_kernels.spec import cdiv
@@ -149,14 +142,9 @@ def fake_quant_routed_groups(
     of x, e.g. each token once per expert it is routed to, sorted by expert), row_src int32 [R] laying out the M
     routed rows in padded groups -> (along K, groups along M), each [M, K]. ``routed`` is not checked on the GPU."""
     _require_bf16(x, "fake_quant_routed_groups")
-    if routed.dtype != torch.int64 or routed.dim() != 1:
-        raise ValueError(f"fake_quant_routed_groups: routed must be 1D int64, got {routed.dtype} {tuple(routed.shape)}")
-    check_cast(x, elem, mode, ndims=(2,), qdim=-1, op="fake_quant_routed_groups", fp4=True)
-    rows = groups_along_m_rows(row_src)
-    out_k, out_m = (x.new_empty(routed.shape[0], x.shape[1]) for _ in range(2))
-    if out_k.numel():
-        _launch(x, row_src, out_k, out_m, elem, mode, True, True, rows, rows, routed=routed)
-    return out_k, out_m
+    return fake_quant_groups_outputs(
+        x, row_src, elem, mode, _launch, "fake_quant_routed_groups", fp4=True, along_k=True, routed=routed
+    )
 
 
 def _require_bf16(x: torch.Tensor, op: str) -> None:

@@ -167,8 +167,8 @@ def grouped_mm_on_one_input(
     for w in ws[1:]:
         _check(x, w, offs, recipe, backend)
     share = getattr(recipe, "share_input_casts", False)  # an MX recipe's option; NVFP4 casts in each GEMM
-    any_grad_weight = torch.is_grad_enabled() and any(w.requires_grad for w in ws)
     grad_enabled = torch.is_grad_enabled()
+    any_grad_weight = grad_enabled and any(w.requires_grad for w in ws)
     w_casts = w_casts or [None] * len(ws)
     if routed is not None:
         if share and any_grad_weight and routed.shape[0] and backend.casts_routed_input(recipe):
