@@ -539,7 +539,7 @@ def time_us(run, calls: int = 20, rounds: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _tuned(key: tuple, x: torch.Tensor, run) -> tuple[dict, int | None]:
+def _tuned(key: tuple, run) -> tuple[dict, int | None]:
     """The fastest (config, split_k) of ``run(config, split_k)`` for ``key``, timed once and kept."""
     if key in _TUNED:
         return _TUNED[key]
@@ -635,7 +635,7 @@ def weight_only_mm(
     rows = cdiv(m, n_groups)
     if config is None and split_k is None and _TUNE and x.is_cuda and not torch.cuda.is_current_stream_capturing():
         key = (fmt, rows if rows <= 16 else triton.next_power_of_2(rows), n, k, n_groups, grouped, x.device)
-        config, split_k = _tuned(key, x, lambda c, s: weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, c, s))
+        config, split_k = _tuned(key, lambda c, s: weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, c, s))
     fma = fma_path(rows, config)
     cfg = {**config_for(rows, fmt, n, k, fma), **(config or {})}
     if fma and rows > 16:
