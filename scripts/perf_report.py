@@ -466,16 +466,18 @@ def torchtitan_section(folders: list[Path]) -> list[str]:
         return []
     rows = []
     for folder in folders:
-        device = column_name(load(folder / "meta.json"))
+        meta = load(folder / "meta.json")
+        gpus = meta.get("gpus", 1)  # torchrun's --nproc_per_node; the note on the machine stays in Sources
+        device = (f"{gpus} x " if gpus > 1 else "") + column_name(meta).split(" (")[0]
         for _, run, tps, base in run_set({log.stem: read_run(log) for log in sorted(folder.glob("*.log"))}):
             last = next(reversed(run.train.values()))
             rows.append([run.label, device, str(last["step"]), f"{tps:,.0f}", f"{tps / base:.3f}x" if base else "",
                          f"{median_of(run, 'mfu'):.1f}%", f"{last['loss']:.4f}"])  # fmt: skip
     lines = ["## torchtitan's trainer with the mx converter (`scripts/torchtitan_gpu.sh`)", ""]
     lines += [
-        "torchtitan 0.2.x's own `torchtitan.train`, the model cut to the layers that fit one GPU; tokens/s per GPU",
-        "and MFU as torchtitan logs them (medians after the first step); our trainer on the same MoE dims is",
-        "bench_train's moe_bf16 above.",
+        "torchtitan 0.2.x's own `torchtitan.train` (FSDP2 over the GPUs), the model cut to the layers that fit one",
+        "GPU; tokens/s per GPU and MFU as torchtitan logs them (medians after the first step). Our trainer on the",
+        "same dims is bench_train's llama_bf16 (Llama 3 8B) and moe_bf16 (the 16B MoE) above.",
         "",
     ]
     lines += table(["run", "device", "steps", "tokens/s per GPU", "to bf16", "MFU", "last train loss"], rows)
