@@ -1,0 +1,107 @@
+"""Instructions per weight element in the K loop of the weight-only GEMM's small-M (decode) kernel, offline.
+
+Compiles ``_weight_only_fma_kernel`` (kernels/mx/weight_only.py) for a CUDA arch without a GPU, disassembles the
+cubin with Triton's nvdisasm and counts the SASS instructions of the kernel's K loop (the longest backward
+branch), divided by the weight elements a thread upcasts an iteration (BLOCK_N * BLOCK_K / threads). The loop is
+ALU-bound at decode, so this count is what a change to the upcast should lower. Also prints registers and local
+memory (spills) from cuobjdump, and with ``--show`` the loop's instructions.
+
+    PYTHONPATH=$PWD:$PWD/.pypath python scripts/sass_loop_count.py [mxfp8 mxfp4 nvfp4] [--show] [--arch 90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+
+import torch
+import triton
+from mx_kernels.gluon.common import compile_for_arch
+from mx_kernels.mx import weight_only as wo
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+# (BLOCK_N, BLOCK_K, num_warps) of FMA_CHOSEN's configs, at M = 1 and 4 rows
+CONFIGS = ((4, 1024, 4), (8, 512, 2), (8, 2048, 4))
+
+
+def launch_kwargs(fmt: str, m: int, n: int, k: int, cfg: dict, split_k: int | None = 1) -> dict:
+    """The kernel's keyword arguments for a GEMM of these sizes, as ``_fma_mm`` builds them (meta tensors)."""
+    group, pack = wo.FORMATS[fmt]
+    x = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
+    q = torch.empty(n, k // pack, dtype=torch.uint8, device="meta")
+    s = torch.empty(n, k // group, dtype=torch.uint8, device="meta")
+    ts = torch.empty(1, dtype=torch.float32, device="meta") if fmt == "nvfp4" else None
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="meta")
+    got = {}
+    launch = wo._FMA_LAUNCHES.launch
+    wo._FMA_LAUNCHES.launch = lambda grid, kwargs: got.update(kwargs)
+    try:
+        wo._fma_mm(x, q, s, ts, fmt, None, out, cfg, split_k)
+    finally:
+        wo._FMA_LAUNCHES.launch = launch
+    return got
+
+
+def _tool(name: str, cubin: bytes, *args: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([os.path.join(BIN, name), *args, f.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+
+
+def loop_body(sass: str) -> list[str]:
+    """The instructions of the longest backward branch's loop."""
+    instrs, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        label = re.match(r"^\s*(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+        found = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if found:
+            addr = int(found.group(1), 16)
+            labels.update({p: len(instrs) for p in pending})
+            pending = []
+            instrs.append((addr, found.group(2).strip()))
+    best: list[str] = []
+    for i, (_, op) in enumerate(instrs):
+        target = re.search(r"BRA\s.*\((\.L_x_\d+)\)", op)
+        if target and labels.get(target.group(1), i + 1) <= i and i + 1 - labels[target.group(1)] > len(best):
+            best = [o for _, o in instrs[labels[target.group(1)] : i + 1]]
+    return best
+
+
+def report(fmt: str, block_n: int, block_k: int, warps: int, m: int, arch: int, show: bool) -> None:
+    kwargs = launch_kwargs(fmt, m, 14336, 4096, wo._fma(block_n, block_k, None, warps))
+    cubin = compile_for_arch(wo._weight_only_fma_kernel, kwargs, arch).asm["cubin"]
+    body = loop_body(_tool("nvdisasm", cubin, "-c"))
+    res = dict(re.findall(r"\b(REG|LOCAL):(\d+)", _tool("cuobjdump", cubin, "-res-usage")))
+    elems = kwargs["BLOCK_N"] * kwargs["BLOCK_K"] / (32 * warps)  # weight elements a thread upcasts an iteration
+    ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", op).split()[0] for op in body)
+    print(f"{fmt} M={m} BLOCK_N={kwargs['BLOCK_N']} BLOCK_K={block_k} warps={warps}: {len(body)} instructions, "
+          f"{elems:.0f} weight elements -> {len(body) / elems:.2f} an element; REG {res.get('REG')} LOCAL "
+          f"{res.get('LOCAL')}")  # fmt: skip
+    print("   ", " ".join(f"{op}:{count}" for op, count in ops.most_common()))
+    if show:
+        print("\n".join(f"      {op}" for op in body))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("formats", nargs="*", default=list(wo.FORMATS))
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--rows", default="1,4", help="rows of x (M), comma-separated")
+    parser.add_argument("--show", action="store_true", help="print the loop's instructions")
+    args = parser.parse_args()
+    for fmt in args.formats:
+        for block_n, block_k, warps in CONFIGS:
+            for m in map(int, args.rows.split(",")):
+                report(fmt, block_n, block_k, warps, m, args.arch, args.show)
+
+
+if __name__ == "__main__":
+    main()
