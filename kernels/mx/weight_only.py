@@ -14,8 +14,8 @@ read again from cache. Interleaving the scales with the codes or pre-tiling K-ma
 only trade address arithmetic, and it would make the packed weight differ from the formats' (checkpoints,
 ``dequantize``). So the kernel reads the weights as they are stored.
 
-The upcast is integer bit operations, exact, with no fp8 conversion instruction (so Triton's CPU interpreter,
-whose fp8 conversions are wrong, checks the kernel too):
+In the tl.dot path the upcast is integer bit operations, exact, with no fp8 conversion instruction (so Triton's
+CPU interpreter, whose fp8 conversions are wrong, checks the kernel too):
 
 * an e4m3 code c as fp32 bits ``(c & 0x7F) << 20 | (c & 0x80) << 24`` is its value times 2**-120 (subnormal
   codes land on fp32 subnormals, which fp32 multiplies keep: Triton flushes none); 0x7F / 0xFF give NaN;
@@ -39,12 +39,18 @@ two e4m3 codes, K contiguous in both. A program owns BLOCK_N rows of w (output c
 K. Each thread reads 4 pairs of each row of x (16 bytes) and the same 4 pairs of each of its w rows (4 or 8
 bytes a row; a warp reads 128 or 256 contiguous bytes of a row), so that x's and w's tiles take one register
 layout (hence BLOCK_K a multiple of 256 * num_warps) and each upcast x pair serves all the program's w rows.
-Per unit of 4 pairs (8 elements, inside one scale block) a thread sums the products in fp32, multiplies the sum
-by the block's scale and accumulates; the units are summed across threads once, after the K loop. x is
-multiplied by 2**64 first (exact), so that its products with the biased code values above stay normal fp32
-(exact for 2**-63 <= |x| < 2**64); a unit's sum is multiplied back by 2**56 (e4m3) or 2**62 (e2m1), exact, then
-by its scale: exact for e8m0, one fp32 rounding per unit for nvfp4's e4m3 scales. An e4m3 NaN code is found per
-pair with integer operations and makes its unit's sum NaN. Its configs are per weight shape (FMA_CANDIDATES;
+The loop is ALU-bound, so each pair takes few instructions to two exact fp32 values: an e4m3 pair by the
+hardware conversion to f16x2 (``cvt.rn.f16x2.e4m3x2``, sm_89+; every e4m3 value, NaN included, is an f16), then
+each f16 to fp32; e2m1 by inline PTX on a word of 4 pairs, as f16 bits ``(c & 7) << 9 | (c & 8) << 12`` (the
+value times 2**-14, all in the f16's top byte: masks and shifts build 4 such bytes at once, a byte permute
+moves each into an f16), then fp32. Under the interpreter the integer bit operations above give the same values.
+x's bf16 -> fp32 is done once per x element, for all the program's w rows. Per unit of 4 pairs (8 elements,
+inside one scale block) a thread sums the products in fp32 (each exact: 8 by at most 4 significant bits, none
+below 2**-149), multiplies the sum by 2**14 for e2m1, then by the block's scale, and accumulates; the units are
+summed across threads once, after the K loop. The scale multiply is exact for e8m0 (fp32 bits
+``max(e << 23, 0x400000)``, bit 22 set for 0xFF: NaN), one fp32 rounding per unit for nvfp4's e4m3 scales. The
+scale bytes are read by inline PTX, in the unit sums' register layout: a tl.load takes Triton's coalesced layout,
+and converting it cost a trip through shared memory every K step. Its configs are per weight shape (FMA_CANDIDATES;
 FMA_CHOSEN from ``benchmarks/bench_decode.py --sweep``); K is split over programs until the GEMM has
 FMA_PROGRAMS_PER_SM programs an SM, or as the config says.
 
@@ -361,16 +367,67 @@ def _weight_only_kernel(
             out_ptr, stride_om, stride_on, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT)  # fmt: skip
 
 
+# e4m3 pair (uint16, element 2j in the low byte) -> its two values in fp32, exact: the hardware conversion to f16x2
+# (sm_89+: every e4m3 value, subnormals and NaN included, is an f16), then each f16 to fp32
+_E4M3X2_PTX = tl.constexpr("""{ .reg .b32 h; .reg .b16 lo, hi;
+cvt.rn.f16x2.e4m3x2 h, $2; mov.b32 {lo, hi}, h; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }""")
+# 4 bytes of two e2m1 codes ($8: pairs j = 0..3, element 2j in the low nibble) -> their values * 2**-14 in fp32:
+# $0-$3 the low nibbles', $4-$7 the high ones'. f16 bits (c & 7) << 9 | (c & 8) << 12 are code c's value * 2**-14
+# (0.5: an f16 subnormal), all in the f16's top byte: built for 4 codes a word, moved into f16x2 halves, each to fp32.
+_E2M1X8_PTX = tl.constexpr("""{ .reg .b32 t, m, s, lo, hi, p; .reg .b16 a, b;
+and.b32 m, $8, 0x70707070; shr.b32 m, m, 3; and.b32 s, $8, 0x80808080; or.b32 hi, m, s;
+shl.b32 t, $8, 4; and.b32 m, t, 0x70707070; shr.b32 m, m, 3; and.b32 s, t, 0x80808080; or.b32 lo, m, s;
+prmt.b32 p, lo, 0, 0x1404; mov.b32 {a, b}, p; cvt.f32.f16 $0, a; cvt.f32.f16 $1, b;
+prmt.b32 p, lo, 0, 0x3424; mov.b32 {a, b}, p; cvt.f32.f16 $2, a; cvt.f32.f16 $3, b;
+prmt.b32 p, hi, 0, 0x1404; mov.b32 {a, b}, p; cvt.f32.f16 $4, a; cvt.f32.f16 $5, b;
+prmt.b32 p, hi, 0, 0x3424; mov.b32 {a, b}, p; cvt.f32.f16 $6, a; cvt.f32.f16 $7, b; }""")
+
+
+@triton.jit
+def _pair_values(w, FMT: tl.constexpr, HW: tl.constexpr):
+    """Pairs of codes (uint16 of two e4m3, or a byte of two e2m1; a thread's UNIT pairs consecutive) -> the values
+    of their even and odd elements in fp32, exact: e4m3 values, e2m1 values * 2**-14. HW: the GPU's conversions
+    (inline PTX); else integer bit operations (the interpreter, whose fp8 conversions are wrong)."""
+    if HW:
+        if FMT == "mxfp8":
+            return tl.inline_asm_elementwise(_E4M3X2_PTX, "=r,=r,h", [w], dtype=(tl.float32, tl.float32),
+                                             is_pure=True, pack=1)  # fmt: skip
+        else:
+            return tl.inline_asm_elementwise(_E2M1X8_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w],
+                                             dtype=(tl.float32, tl.float32), is_pure=True, pack=4)  # fmt: skip
+    w = w.to(tl.int32)
+    if FMT == "mxfp8":
+        return _e4m3(w & 0xFF) * 1.329227995784916e36, _e4m3(w >> 8) * 1.329227995784916e36  # 2**120
+    else:
+        return _e2m1(w & 0xF) * 5.192296858534828e33, _e2m1(w >> 4) * 5.192296858534828e33  # 2**112
+
+
+@triton.jit
+def _load_scales(ptrs, mask, HW: tl.constexpr, MASKED: tl.constexpr):
+    """Scale bytes as int32 (0 where ``mask`` is off, if MASKED) in the layout of ``ptrs``. HW: by inline PTX,
+    which Triton leaves in that layout (a tl.load takes its own coalesced layout, and the unit sums' would then
+    pass through shared memory every K step)."""
+    if HW:
+        if MASKED:
+            return tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.u32 $0, 0; @p ld.global.nc.u8 $0, [$1]; }", "=r,l,r",
+                [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+        return tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=True,
+                                         pack=1)  # fmt: skip
+    return tl.load(ptrs, mask=mask if MASKED else None, other=0 if MASKED else None).to(tl.int32)
+
+
 @triton.jit
 def _weight_only_fma_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, E, K_SPLIT, SPLIT_K,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_tn, stride_om,
     FMT: tl.constexpr, GROUPED: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HW: tl.constexpr,
 ):  # fmt: skip
     """The small-M path (module doc): x [M, K/2] as int32 pairs of bf16, w [N, K/2] as pairs of codes (a byte of
-    two e2m1 codes, or a uint16 of two e4m3 codes), K contiguous in both."""
+    two e2m1 codes, or a uint16 of two e4m3 codes), K contiguous in both. HW: upcast w with the GPU's conversions
+    (else integer bit operations, for the interpreter)."""
     GROUP: tl.constexpr = 16 if FMT == "nvfp4" else 32
     PAIRS: tl.constexpr = BLOCK_K // 2
     UNIT: tl.constexpr = 4  # pairs a thread reads at once (16 bytes of x) and sums before their scale multiplies
@@ -385,51 +442,45 @@ def _weight_only_fma_kernel(
         if expert < 0:
             return
     kp = tl.max_contiguous(tl.arange(0, PAIRS), UNIT)  # UNIT-pair runs: x's and w's loads take one layout
-    u = tl.arange(0, NU)
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
     # [rows of x, rows of w, pairs]: x broadcast over w's rows, w over x's
     x_ptrs = x_ptr + rm_in[:, None, None] * stride_xm + (pid_k * (K_SPLIT // 2) + kp)[None, None, :]
     w_ptrs = w_ptr + rn_in[None, :, None] * stride_wn + (pid_k * (K_SPLIT // 2) + kp)[None, None, :]
-    s_ptrs = s_ptr + rn_in[None, :, None] * stride_sn + (k_start // GROUP + (2 * UNIT * u) // GROUP)[None, None, :]
+    # each unit's scale [rows of x, rows of w, units], indexed by a reduction over its pairs as the unit sums are,
+    # so both take one register layout (_load_scales keeps it)
+    k_pairs = tl.broadcast_to((2 * kp)[None, None, :], (BLOCK_M, BLOCK_N, PAIRS))
+    k_unit = tl.min(tl.reshape(k_pairs, (BLOCK_M, BLOCK_N, NU, UNIT)), axis=3)  # a unit's first k in the tile
+    s_ptrs = s_ptr + rn_in[None, :, None] * stride_sn + (k_start + k_unit) // GROUP
     acc = tl.zeros((BLOCK_M, BLOCK_N, NU), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
+        # the tile's pointers: loop-invariant ones plus a scalar step (fewer 64-bit adds than advancing them)
+        dk = (k0 - k_start) // 2
         if EVEN_K:
-            xw = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
-            s = tl.load(s_ptrs)
+            xw = tl.load(x_ptrs + dk)
+            w = tl.load(w_ptrs + dk)
+            s = _load_scales(s_ptrs + dk // (GROUP // 2), None, HW, False)
         else:  # a K tail: whole units (K is a multiple of 16), loaded as zeros past it
             left = k_end - k0
-            xw = tl.load(x_ptrs, mask=(2 * kp < left)[None, None, :], other=0)
-            w = tl.load(w_ptrs, mask=(2 * kp < left)[None, None, :], other=0)
-            s = tl.load(s_ptrs, mask=(2 * UNIT * u < left)[None, None, :], other=0)
-        x_ptrs += PAIRS
-        w_ptrs += PAIRS
-        s_ptrs += BLOCK_K // GROUP
-        # x times 2**64 (exact): the products below stay normal fp32 however small the codes' biased values
-        x0 = (xw << 16).to(tl.float32, bitcast=True) * 1.8446744073709552e19
-        x1 = (xw & -65536).to(tl.float32, bitcast=True) * 1.8446744073709552e19
-        w, s = w.to(tl.int32), s.to(tl.int32)
-        if FMT == "mxfp8":
-            # e4m3 bits as fp32: value * 2**-120; NaN codes (x7F, xFF) poison their unit's sum below
-            w0 = ((w & 0x7F) << 20 | (w & 0x80) << 24).to(tl.float32, bitcast=True)
-            w1 = ((w & 0x7F00) << 12 | (w & 0x8000) << 16).to(tl.float32, bitcast=True)
-        else:
-            # e2m1 bits as fp32: value * 2**-126 (bits 0-2 to 22-24, bit 3 to 31, as _e2m1)
-            w0 = ((w << 22 | w << 28) & -2118123520).to(tl.float32, bitcast=True)  # 0x81C00000
-            w1 = ((w << 18 | (w >> 4) << 28) & -2118123520).to(tl.float32, bitcast=True)
+            xw = tl.load(x_ptrs + dk, mask=(2 * kp < left)[None, None, :], other=0)
+            w = tl.load(w_ptrs + dk, mask=(2 * kp < left)[None, None, :], other=0)
+            s = _load_scales(s_ptrs + dk // (GROUP // 2), k_unit < left, HW, True)
+        # bf16 -> fp32 once per element of x, shared by the program's w rows; products exact (module doc)
+        x0 = (xw << 16).to(tl.float32, bitcast=True)
+        x1 = (xw & -65536).to(tl.float32, bitcast=True)
+        w0, w1 = _pair_values(w, FMT, HW)
         part = tl.sum(tl.reshape(x0 * w0 + x1 * w1, (BLOCK_M, BLOCK_N, NU, UNIT)), axis=3)
-        # back to the codes' values: times 2**(bias - 64), exact; then the scales (2**120 undoes _e4m3's bias)
-        if FMT == "mxfp8":
-            nan = ((w & 0x7F7F) + 0x0101) & 0x8080  # a byte's low 7 bits all set: e4m3 NaN
-            nan = tl.max(tl.reshape(nan, (1, BLOCK_N, NU, UNIT)), 3)
-            part = tl.where(nan != 0, float("nan"), part * 7.205759403792794e16)  # 2**56
-        else:
-            part = part * 4.611686018427388e18  # 2**62
+        if FMT != "mxfp8":
+            part = part * 16384.0  # 2**14: back to the e2m1 values, exact
         if FMT == "nvfp4":
-            acc += part * (_e4m3(s) * 1.329227995784916e36)
+            if HW:
+                factor = s.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)  # exact, NaN included
+            else:
+                factor = _e4m3(s) * 1.329227995784916e36  # 2**120: the e4m3 scale's value
         else:
-            acc += part * _e8m0(s)
+            # 2**(s - 127) as fp32 bits (s = 0: 2**-127, a subnormal); 0xFF: bit 22 set on inf's bits, NaN
+            factor = (tl.maximum(s << 23, 0x400000) | (((s + 1) << 14) & 0x400000)).to(tl.float32, bitcast=True)
+        acc += part * factor
     _finish(tl.sum(acc, axis=2), rm, rm_in, rn, rn_in, row_end, pid_n * tl.num_programs(1) + slot, pid_k, M, N,
             ts_ptr, stride_tn, out_ptr, stride_om, 1, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT)  # fmt: skip
 
@@ -713,7 +764,8 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
             stride_xm=x.stride(0) // 2, stride_we=w.stride(0), stride_wn=w.stride(1), stride_se=s.stride(0),
             stride_sn=s.stride(1), stride_tn=stride_tn, stride_om=out.stride(0), FMT=fmt, GROUPED=grouped,
             E_POW2=max(2, triton.next_power_of_2(n_groups)), SPLIT=split_k > 1, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=cfg.get("num_stages", 1),
+            BLOCK_K=block_k, EVEN_K=k % block_k == 0, HW=not interpreting(), num_warps=warps,
+            num_stages=cfg.get("num_stages", 1),
         ),
     )  # fmt: skip
     return out
