@@ -152,24 +152,24 @@ FMA_CANDIDATES: dict[tuple[int, int] | None, list[dict]] = {
 }
 # chosen on one NVIDIA H200 (torch 2.11.0+cu130, 2026-11-27): the fastest candidate at M = 1, its time in the comment
 FMA_CHOSEN: dict[tuple[str, int, int], dict] = {
-    ("mxfp8", 4096, 4096): _fma(4, 512, None, 2),  # 9.81 us
-    ("mxfp4", 4096, 4096): _fma(4, 512, None, 2),  # 7.76 us
-    ("nvfp4", 4096, 4096): _fma(8, 2048, 1, 4),  # 8.65 us
-    ("mxfp8", 1024, 4096): _fma(4, 2048, None, 8),  # 4.72 us
-    ("mxfp4", 1024, 4096): _fma(4, 2048, None, 8),  # 4.27 us
-    ("nvfp4", 1024, 4096): _fma(4, 2048, None, 8),  # 4.25 us
-    ("mxfp8", 14336, 4096): _fma(4, 1024, None, 4),  # 29.00 us
-    ("mxfp4", 14336, 4096): _fma(8, 512, 1, 2),  # 20.47 us
-    ("nvfp4", 14336, 4096): _fma(8, 512, 1, 2),  # 21.32 us
-    ("mxfp8", 4096, 14336): _fma(8, 2048, 1, 4),  # 30.51 us
-    ("mxfp4", 4096, 14336): _fma(8, 2048, 1, 4),  # 21.00 us
-    ("nvfp4", 4096, 14336): _fma(4, 1024, 1, 4),  # 23.15 us
-    ("mxfp8", 6144, 4096): _fma(8, 2048, None, 4),  # 13.19 us
-    ("mxfp4", 6144, 4096): _fma(4, 512, 1, 2),  # 10.92 us
-    ("nvfp4", 6144, 4096): _fma(8, 512, 1, 2),  # 11.20 us
-    ("mxfp8", 28672, 4096): _fma(4, 512, None, 2),  # 52.75 us
-    ("mxfp4", 28672, 4096): _fma(8, 512, None, 2),  # 39.45 us
-    ("nvfp4", 28672, 4096): _fma(8, 512, None, 2),  # 40.60 us
+    ("mxfp8", 4096, 4096): _fma(8, 1024, 1, 4),  # 6.93 us
+    ("mxfp4", 4096, 4096): _fma(8, 1024, 1, 4),  # 6.59 us
+    ("nvfp4", 4096, 4096): _fma(16, 1024, 1, 4),  # 6.71 us
+    ("mxfp8", 1024, 4096): _fma(4, 2048, None, 8),  # 4.45 us
+    ("mxfp4", 1024, 4096): _fma(8, 2048, None, 4),  # 4.08 us
+    ("nvfp4", 1024, 4096): _fma(4, 2048, None, 4),  # 4.01 us
+    ("mxfp8", 14336, 4096): _fma(16, 512, None, 2),  # 23.07 us
+    ("mxfp4", 14336, 4096): _fma(8, 1024, None, 4),  # 17.93 us
+    ("nvfp4", 14336, 4096): _fma(8, 1024, None, 4),  # 18.77 us
+    ("mxfp8", 4096, 14336): _fma(4, 512, 2, 2),  # 21.55 us
+    ("mxfp4", 4096, 14336): _fma(16, 1024, 1, 4),  # 16.26 us
+    ("nvfp4", 4096, 14336): _fma(8, 1024, 1, 4),  # 16.02 us
+    ("mxfp8", 6144, 4096): _fma(16, 1024, 1, 4),  # 9.05 us
+    ("mxfp4", 6144, 4096): _fma(8, 512, None, 2),  # 8.89 us
+    ("nvfp4", 6144, 4096): _fma(8, 512, None, 2),  # 9.12 us
+    ("mxfp8", 28672, 4096): _fma(4, 512, None, 2),  # 39.19 us
+    ("mxfp4", 28672, 4096): _fma(8, 512, 1, 2),  # 33.32 us
+    ("nvfp4", 28672, 4096): _fma(8, 1024, None, 4),  # 35.92 us
 }
 PROGRAMS_PER_SM = 8  # split K until a GEMM has this many programs per SM: small tiles, several programs an SM
 MAX_SPLIT_K = 16
