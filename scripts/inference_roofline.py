@@ -14,7 +14,7 @@ Hopper, which has no MX MMA), so their FLOPs run at the bf16 rate; on B200, "+ M
 activations too and runs the block-scaled MMA at the fp8 or fp4 rate. Prefill of T tokens reads the weights once
 for all T, so it turns compute-bound within a few hundred tokens.
 
-Under each model's table, the newest measured decode points of that model on an H200 (``*_bench_decode.json`` in
+Under each model's table, the newest measured decode points of that model on an H200 (``*_bench_decode*.json`` in
 docs/results, from benchmarks/bench_decode.py) and the share of the H200 weight-only bound each reaches.
 
 MoE: a decode step reads the routed experts that any of its tokens picked; with uniform routing of B tokens to
@@ -67,8 +67,11 @@ class ModelCounts:
         return self.n_experts * (1 - (1 - self.top_k / self.n_experts) ** batch)
 
 
-def model_counts(name: str, flavor: str, vocab_size: int, label: str) -> ModelCounts:
-    """Count a flavor built on the meta device (no memory); ``convert_to_mx``'s default skip decides what stays bf16."""
+def model_counts(name: str, flavor: str, vocab_size: int, label: str, layers: int | None = None) -> ModelCounts:
+    """Count a flavor built on the meta device (no memory), or its first ``layers`` blocks; ``convert_to_mx``'s
+    default skip decides what stays bf16."""
+    import dataclasses
+
     import torch
     from torch import nn
 
@@ -77,6 +80,8 @@ def model_counts(name: str, flavor: str, vocab_size: int, label: str) -> ModelCo
     from mx_recipe.nn.convert import DEFAULT_SKIP, skip_reason
 
     args = model_args(name, flavor, vocab_size, 2048)
+    if layers is not None:
+        args = dataclasses.replace(args, n_layers=layers)
     with torch.device("meta"):
         model = build_model(args)
     dense = kept = expert = 0.0
@@ -162,7 +167,7 @@ def latest_decode_result(model: str, flavor: str, device: str = "H200") -> tuple
     import json
 
     found = None
-    for path in sorted((ROOT / "docs" / "results").glob("*_bench_decode.json")):
+    for path in sorted((ROOT / "docs" / "results").glob("*_bench_decode*.json")):
         data = json.loads(path.read_text())
         meta = data["meta"]
         if (meta.get("model"), meta.get("flavor")) == (model, flavor) and device in meta.get("device", ""):
@@ -170,24 +175,29 @@ def latest_decode_result(model: str, flavor: str, device: str = "H200") -> tuple
     return found
 
 
-def measured_points(m: ModelCounts, model: str, flavor: str, context: int) -> list[str]:
-    """The measured decode points of ``benchmarks/bench_decode.py`` on an H200 against this roofline's H200 rows."""
+def measured_points(m: ModelCounts, model: str, flavor: str, vocab: int, context: int) -> list[str]:
+    """The measured decode points of ``benchmarks/bench_decode.py`` on an H200 against this roofline's H200 rows;
+    against the bound of the blocks it kept where it ran fewer (``--layers``)."""
     result = latest_decode_result(model, flavor)
     if result is None:
         return []
     path, data = result
-    if data["meta"].get("context", context) != context:
+    meta = data["meta"]
+    if meta.get("context", context) != context or meta.get("vocab", vocab) != vocab:
         return []
+    layers = meta.get("layers")
+    kept = m if layers is None else model_counts(model, flavor, vocab, m.name, layers)
+    rows_of = "the H200 weight-only rows above" if kept == m else f"the bound of its first {layers} blocks"
+    m = kept
     dev = DEVICES["h200"]
     rows = []
     for r in (r for r in data["rows"] if r["mode"] == "decode"):
         bound = r["batch"] / decode_step(m, r["weights"], dev, r["batch"], context).seconds
         rows.append([r["weights"], str(r["batch"]), f"{r['tokens_per_s']:,.0f}", f"{bound:,.0f}",
                      f"{r['tokens_per_s'] / bound:.0%}"])  # fmt: skip
-    meta = data["meta"]
     lines = [
         f"Measured on one {meta['device']} (`{meta['command']}`, `docs/results/{path.name}`, commit "
-        f"{str(meta['commit'])[:7]}), against the H200 weight-only rows above:",
+        f"{str(meta['commit'])[:7]}), against {rows_of}:",
         "",
     ]
     return lines + table(["weights", "batch", "measured tok/s", "roofline tok/s", "share"], rows) + [""]
@@ -225,7 +235,7 @@ def render(context: int = 1024, prefill: int = 2048) -> list[str]:
                 cells += [f"{prefill_tokens_per_second(m, fmt, dev, prefill, act):,.0f}"]
                 rows.append(cells)
         lines += table(header, rows) + [""]
-        lines += measured_points(m, model, flavor, context)
+        lines += measured_points(m, model, flavor, vocab, context)
         one = decode_step(m, "bf16", DEVICES["h200"], 1, context)
         balance = DEVICES["h200"].bf16_flops / DEVICES["h200"].mem_bw
         kv = m.kv_per_position * context / 1e6

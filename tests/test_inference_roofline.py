@@ -65,6 +65,13 @@ def test_llama3_8b_counts_match_its_published_sizes():
     assert bf16.bytes / mx.bytes == pytest.approx(1.82, abs=0.01)
 
 
+def test_a_model_cut_to_its_first_blocks_counts_only_those_blocks():
+    """bench_decode --layers N keeps the first N blocks; its measured points are compared with their bound."""
+    full, cut = (roofline.model_counts("llama", "8B", 128256, "Llama 3 8B", layers) for layers in (None, 8))
+    assert cut.dense == full.dense / 4 and cut.kv_per_position == full.kv_per_position / 4
+    assert cut.kept == full.kept  # the output layer stays whole
+
+
 def test_rooflines_doc_holds_what_the_script_renders():
     text = (REPO / "docs" / "ROOFLINE.md").read_text()
     block = "\n".join(roofline.render())
