@@ -29,6 +29,9 @@ each --batch M (default 1), beside cuBLAS on the bf16 weight and the tl.dot path
 with microseconds and the bytes read (codes, scales, x) over the copy bandwidth, then the fastest config per
 format and shape as ``FMA_CHOSEN`` entries to paste into the kernel's table.
 --reference: the quantized GEMMs dequantize to bf16 first (what they did before the kernel), for comparison.
+--profile-top N: after each batch's timing, one replayed step of each format under torch.profiler: the N
+costliest kernels (ms per step) and the step's kernel time against its wall time (the rest is the
+gaps between a graph's kernels).
 On the CPU (fp32, no graphs, the reference GEMMs) the numbers only show that the script runs.
 """
 
@@ -42,7 +45,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from timing import copy_gbs, run_meta
+from timing import copy_gbs, kernel_us_by_name, run_meta
 
 from mx_recipe.cli import ArgumentParser, int_list, names, output_file
 from mx_recipe.infer.decode import DecodeGraph, KVCache, forward
@@ -233,6 +236,17 @@ def sweep(formats: tuple[str, ...], batches: tuple[int, ...], device: torch.devi
     return rows
 
 
+def print_top_kernels(label: str, step: Callable[[], object], seconds: float, top: int) -> None:
+    """The ``top`` costliest kernels of one replayed ``step`` (torch.profiler), and its kernel time against
+    ``seconds``, the step's timed wall time."""
+    calls = 3
+    kernels = kernel_us_by_name(step, calls=calls)
+    total_ms = sum(kernels.values()) / 1e3
+    print(f"{label}: kernels {total_ms:.3f} ms of a {seconds * 1e3:.3f} ms step; costliest, ms per step:")
+    for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {us / 1e3:8.3f}  {name[:110]}")
+
+
 def _config_name(config: dict) -> str:
     return " ".join(f"{key}={value}" for key, value in config.items())
 
@@ -254,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-tune", action="store_true", help="the kernel's default configs, not the fastest timed")
     p.add_argument("--steps", type=int, default=20, help="decode steps per timing")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    p.add_argument("--profile-top", type=int, default=0, metavar="N", help="the N costliest kernels of a step")
     p.add_argument("--device", help="default: cuda if available, else cpu")
     p.add_argument("--out", type=output_file, help="write the rows as JSON here, with provenance")
     args = p.parse_args(argv)
@@ -264,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.context < 1 or args.prefill < 0 or args.steps < 1 or args.rounds < 1:
         p.error("--context, --steps and --rounds must be >= 1 and --prefill >= 0")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.profile_top and (device.type != "cuda" or args.sweep):
+        p.error("--profile-top lists a decode step's GPU kernels: it needs a CUDA device and no --sweep")
     if args.compile and device.type == "cpu":
         p.error("--compile: Inductor's CPU code has no float8_e8m0fnu, the MX scales' type: time the CPU eagerly")
     if args.sweep:
@@ -331,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
                 samples[fmt].append(timed(steps[fmt], device, args.steps))
         seconds = {fmt: statistics.median(s) for fmt, s in samples.items()}
         add_rows(mode, batch, batch, seconds, {fmt: step_bytes(m, batch, cache) for fmt, m in models.items()})
+        if args.profile_top:
+            for fmt in weights:
+                print_top_kernels(f"{mode} batch {batch} {fmt}", steps[fmt], seconds[fmt], args.profile_top)
         del steps, cache
         if device.type == "cuda":
             torch.cuda.empty_cache()

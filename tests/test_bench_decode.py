@@ -50,7 +50,11 @@ def test_step_bytes_count_the_experts_a_batch_reaches():
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["--layers", "9"], "--layers 9: the flavor has 4 blocks"), (["--flavor", "70"], "unknown llama flavor")],
+    [
+        (["--layers", "9"], "--layers 9: the flavor has 4 blocks"),
+        (["--flavor", "70"], "unknown llama flavor"),
+        (["--profile-top", "3"], "--profile-top lists a decode step's GPU kernels"),
+    ],
 )
 def test_bad_arguments_are_one_line(args, message):
     done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_decode.py"), *SMOKE, *args], cwd=REPO,
