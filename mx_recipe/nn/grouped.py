@@ -170,20 +170,17 @@ def grouped_mm_on_one_input(
     grad_enabled = torch.is_grad_enabled()
     any_grad_weight = grad_enabled and any(w.requires_grad for w in ws)
     w_casts = w_casts or [None] * len(ws)
-    if routed is not None:
-        if share and any_grad_weight and routed.shape[0] and backend.casts_routed_input(recipe):
-            _check_offs(routed, offs)
-            x_casts = _RoutedInputFunction.apply(x, routed, offs, recipe, backend)
-            return [
-                _GroupedMMFunction.apply(x_casts[0], w, offs, recipe, backend, grad_enabled, x_casts, casts)
-                for w, casts in zip(ws, w_casts, strict=True)
-            ]
-        x = x[routed]
-    _check_offs(x, offs)
     x_casts = None
-    if share:
-        with torch.no_grad():  # the casts carry no gradient: each GEMM's backward gives x its own
-            x_casts = backend.grouped_input_casts(x, offs, recipe, any_grad_weight)
+    if routed is not None and share and any_grad_weight and routed.shape[0] and backend.casts_routed_input(recipe):
+        _check_offs(routed, offs)
+        x_casts = _RoutedInputFunction.apply(x, routed, offs, recipe, backend)
+        x = x_casts[0]  # x[routed] cast along K: the GEMMs' input, through which x gets its gradient
+    else:
+        x = x if routed is None else x[routed]
+        _check_offs(x, offs)
+        if share:
+            with torch.no_grad():  # the casts carry no gradient: each GEMM's backward gives x its own
+                x_casts = backend.grouped_input_casts(x, offs, recipe, any_grad_weight)
     return [
         _GroupedMMFunction.apply(x, w, offs, recipe, backend, grad_enabled, x_casts, casts)
         for w, casts in zip(ws, w_casts, strict=True)
