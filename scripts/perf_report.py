@@ -174,6 +174,11 @@ def column_name(meta: dict, *extra: str) -> str:
     return ", ".join([device, *filter(None, extra)])
 
 
+def device_name(meta: dict) -> str:
+    """The GPU alone (H200), without the note on the machine in parentheses, which the Sources lines keep."""
+    return column_name(meta).split(" (")[0]
+
+
 def cast_section(paths: list[Path]) -> list[str]:
     """One row per cast (plain or blocked scales), one column per run: the kernel time's share of the copy
     bandwidth of the same run, over the run's shapes and both scale rules."""
@@ -434,7 +439,7 @@ def runs_section(folders: list[Path]) -> list[str]:
     rows = []
     for folder in folders:
         name = folder.name.split("_", 2)[2].removeprefix("parity_").removeprefix("train_")
-        device = column_name(load(folder / "meta.json")).split(" (")[0]
+        device = device_name(load(folder / "meta.json"))
         if "_parity_" in folder.name:
             for arm in load(folder / "summary.json")["arms"]:  # one row per recipe, its seeds together
                 ratio = "1.000x" if arm["is_baseline"] else f"{arm['tokens_per_sec_ratio']:.3f}x"
@@ -467,8 +472,8 @@ def torchtitan_section(folders: list[Path]) -> list[str]:
     rows = []
     for folder in folders:
         meta = load(folder / "meta.json")
-        gpus = meta.get("gpus", 1)  # torchrun's --nproc_per_node; the note on the machine stays in Sources
-        device = (f"{gpus} x " if gpus > 1 else "") + column_name(meta).split(" (")[0]
+        gpus = meta.get("gpus", 1)  # torchrun's --nproc_per_node
+        device = (f"{gpus} x " if gpus > 1 else "") + device_name(meta)
         for _, run, tps, base in run_set({log.stem: read_run(log) for log in sorted(folder.glob("*.log"))}):
             last = next(reversed(run.train.values()))
             rows.append([run.label, device, str(last["step"]), f"{tps:,.0f}", f"{tps / base:.3f}x" if base else "",
