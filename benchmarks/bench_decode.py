@@ -237,10 +237,9 @@ def sweep(formats: tuple[str, ...], batches: tuple[int, ...], device: torch.devi
 
 
 def print_top_kernels(label: str, step: Callable[[], object], seconds: float, top: int) -> None:
-    """The ``top`` costliest kernels of one replayed ``step`` (torch.profiler), and its kernel time against
-    ``seconds``, the step's timed wall time."""
-    calls = 3
-    kernels = kernel_us_by_name(step, calls=calls)
+    """The ``top`` costliest kernels of a replayed ``step`` (torch.profiler, mean of 3 replays), and its kernel time
+    against ``seconds``, the step's timed wall time."""
+    kernels = kernel_us_by_name(step, calls=3)
     total_ms = sum(kernels.values()) / 1e3
     print(f"{label}: kernels {total_ms:.3f} ms of a {seconds * 1e3:.3f} ms step; costliest, ms per step:")
     for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:

@@ -24,8 +24,8 @@ from mx_kernels.gluon.common import compile_for_arch
 from mx_kernels.mx import weight_only as wo
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-# (BLOCK_N, BLOCK_K, num_warps) of FMA_CHOSEN's configs, at M = 1 and 4 rows
-CONFIGS = ((4, 1024, 4), (8, 512, 2), (8, 2048, 4))
+# the distinct (BLOCK_N, BLOCK_K, num_warps) of the kernel's chosen configs
+CONFIGS = sorted({(c["BLOCK_N"], c["BLOCK_K"], c["num_warps"]) for c in wo.FMA_CHOSEN.values()})
 
 
 def launch_kwargs(fmt: str, m: int, n: int, k: int, cfg: dict, split_k: int | None = 1) -> dict:
