@@ -127,7 +127,7 @@ def test_kernel_in_triton_interpreter():
 # ---------------------------------------------------------------------------------------
 # CPU, Triton interpreter (child process)
 
-SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=1)
+SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=1, STAGES=2)
 
 
 @interp_only
@@ -158,9 +158,9 @@ def test_interp_nan_and_zeros(fmt):
     if fmt == "mxfp8":
         p.qdata.view(torch.uint8)[9, 40] = 0xFF
     x = torch.randn(3, k).bfloat16()
+    nan_rows = {5, 9} if fmt == "mxfp8" else {5}
     y = run(x, p, config=SMALL, split_k=2)
     assert_within_bound(y, x, p)
-    nan_rows = {5, 9} if fmt == "mxfp8" else {5}
     assert set(y.isnan().all(dim=0).nonzero().flatten().tolist()) == nan_rows
     zero = packed(torch.zeros(n, k), fmt)
     assert torch.equal(run(x, zero), torch.zeros(3, n, dtype=torch.bfloat16))
@@ -291,7 +291,7 @@ def test_gpu_large_m_dequantizes_then_cublas(fmt):
     lin = QuantizedLinear(torch.nn.Linear(4096, 1024, bias=False, device=CUDA), fmt)
     w = lin.weight_packed
     assert torch.equal(dequantize(w.qdata, w.scale, w.tensor_scale, fmt), w.dequantize(torch.bfloat16))
-    x = torch.randn(2, (LARGE_M + 64) // 2, 4096, device=CUDA).bfloat16()
+    x = torch.randn(2, (LARGE_M[fmt] + 64) // 2, 4096, device=CUDA).bfloat16()
     assert torch.equal(lin(x), torch.nn.functional.linear(x, w.dequantize(torch.bfloat16)))
 
 
@@ -347,3 +347,25 @@ def test_gpu_small_m_every_candidate(fmt):
     config = dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4)
     first = run(x, p, config=config, split_k=4)
     assert all(torch.equal(run(x, p, config=config, split_k=4), first) for _ in range(10))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_dot_path_every_candidate(fmt):
+    """Every tl.dot candidate config of each M bucket, M = 5 to 128, on a
+    1056 x 4128 weight (K = 4112 for nvfp4: a K tail), the default split (the first config split 1 and 3 ways),
+    within the bound; a NaN scale makes its column NaN and no other."""
+    from mx_kernels.mx.weight_only import candidates
+
+    torch.manual_seed(8)
+    k = 4112 if fmt == "nvfp4" else 4128
+    p = packed(weights(1056, k, CUDA) * 0.02, fmt)
+    p.scale.view(torch.uint8)[7, 3] = 0x7F if fmt == "nvfp4" else 0xFF
+    for m in (5, 32, 33, 128):
+        x = torch.randn(m, k, device=CUDA).bfloat16()
+        for i, config in enumerate(candidates(m, fmt, fma=False)):
+            for split in (1, 3) if i == 0 else (None,):
+                y = run(x, p, config=config, split_k=split)
+                assert_within_bound(y, x, p)
+                assert y.isnan().sum().item() == m, config
