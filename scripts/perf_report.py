@@ -4,9 +4,11 @@ Every figure in that document comes from a file a benchmark or a training run wr
 ``*_bench_cast[_e2m1].json``, ``*_bench_fp4_cast.json``, ``*_bench_gemm.json``, ``*_bench_linear[_RECIPE].json``,
 ``*_bench_moe.json``, ``*_bench_host.json``, ``*_bench_train_CONFIG.json``, ``*_bench_decode*.json`` (benchmarks/),
 ``*_roofline_observe.json`` (scripts/roofline.py --observe), ``*_train_*/`` folders holding a ``meta.json``
-and one ``metrics.jsonl`` per run (train.py), ``*_parity_*/`` sets (scripts/parity_sweep.py) and ``*_torchtitan/``
-folders of torchtitan runs (scripts/torchtitan_gpu.sh: a ``meta.json`` and rank 0's log of each run). One file per
-benchmark, device and variant: the latest (older ones stay in git history).
+and one ``metrics.jsonl`` per run (train.py), ``*_parity_*/`` sets (scripts/parity_sweep.py), ``*_torchtitan/``
+folders of torchtitan runs (scripts/torchtitan_gpu.sh: a ``meta.json`` and rank 0's log of each run) and
+``*_weight_quality/`` sets (scripts/weight_quality.py, a JSON per trained checkpoint: their table is in RESULTS.md,
+their source line here under the decode table). One file per benchmark, device and variant: the latest (older ones
+stay in git history).
 
 The document is a summary: one table per benchmark, a row per variant and device, a column per shape (or a
 range over the shapes). The per-shape detail (times, bandwidths, memory) stays in the JSON files.
@@ -18,6 +20,7 @@ range over the shapes). The per-shape detail (times, bandwidths, memory) stays i
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -25,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from compare_runs import Run, median_of, peak_memory_gib, read_run  # noqa: E402
+from results_report import quality_folders, quality_meta  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
 DOC = ROOT / "docs" / "PERFORMANCE.md"
@@ -129,7 +133,7 @@ def training_targets(folders: list[Path]) -> dict[str, list[str]]:
 
 def targets_section(results: dict[str, list[Path]]) -> list[str]:
     """Where each Hopper target stands, per device, computed from the latest result files below."""
-    devices = sorted({device_of(p) for paths in results.values() for p in paths})
+    devices = sorted({device_of(p) for kind, paths in results.items() if kind != "weight_quality" for p in paths})
     cells: dict[str, dict[str, str]] = {}
     for path in results["bench_cast"]:
         for target, cell in cast_targets(path).items():
@@ -509,10 +513,18 @@ def decode_targets(path: Path) -> dict[str, str]:
     return cells
 
 
-def decode_section(paths: list[Path]) -> list[str]:
-    """benchmarks/bench_decode.py: a row per mode, batch and weight format, bf16 and the MX formats in one run."""
+def quality_source(folder: Path) -> str:
+    """A serving-quality set's source line: what the weights cost trained checkpoints in held-out loss."""
+    where = "RESULTS.md, Serving a trained model with MX weights"
+    return f"{source_line(quality_meta(folder), folder.name)}: what these weights cost in held-out loss ({where})."
+
+
+def decode_section(paths: list[Path], quality: list[Path] = ()) -> list[str]:
+    """benchmarks/bench_decode.py: a row per mode, batch and weight format, bf16 and the MX formats in one run;
+    the serving-quality sets' (``quality``) source lines under it."""
+    serving = [quality_source(folder) for folder in quality]
     if not paths:
-        return []
+        return ["## Held-out loss with MX weights (`scripts/weight_quality.py`)", "", *serving, ""] if serving else []
     rows = []
     for path in paths:
         data = load(path)
@@ -530,7 +542,7 @@ def decode_section(paths: list[Path]) -> list[str]:
         "",
     ]
     lines += table(["model", "mode", "batch", "weights", "ms", "tokens/s", "to bf16", "of bound"], rows)
-    return lines + sources([(load(p)["meta"], p.name) for p in paths])
+    return lines + sources([(load(p)["meta"], p.name) for p in paths])[:-1] + serving + [""]
 
 
 def observe_section(paths: list[Path]) -> list[str]:
@@ -591,6 +603,7 @@ def latest_results() -> dict[str, list[Path]]:
     runs = (p for p in RESULTS.iterdir() if p.is_dir() and ("_train_" in p.name or "_parity_" in p.name))
     found["train"] = sorted(runs)
     found["torchtitan"] = sorted(p for p in RESULTS.iterdir() if p.is_dir() and p.name.endswith("_torchtitan"))
+    found["weight_quality"] = quality_folders(RESULTS)
     return found
 
 
@@ -623,7 +636,8 @@ def render() -> str:
     results = latest_results()
     check_one_per_kind(results)
     lines: list[str] = targets_section(results) + projection_section()
-    for kind, section in SECTIONS.items():
+    sections = SECTIONS | {"bench_decode": functools.partial(decode_section, quality=results["weight_quality"])}
+    for kind, section in sections.items():
         lines += section(results[kind])
     return "\n".join(lines).rstrip() + "\n"
 

@@ -188,3 +188,27 @@ def test_decode_targets_and_section(tmp_path):
     }
     lines = report.decode_section([path])
     assert "| llama 8B (32 layers) | decode | 1 | mxfp4 | 4.000 | 250.0 | 2.00x | 40.0% |" in lines
+
+
+def test_a_serving_quality_set_is_a_source_line_under_the_decode_table(tmp_path):
+    import json
+
+    folder = tmp_path / "2026-11-28_h100_weight_quality"
+    folder.mkdir()
+    for name, recipe in (("bf16_trained", "none"), ("mxfp8_trained", "mxfp8")):
+        meta = dict(device="GPU", torch="2.11", date="2026-11-28T00:00:00+00:00", commit="abc1234def", recipe=recipe)
+        command = f"python scripts/weight_quality.py --checkpoint /tmp/q_{recipe}"
+        meta |= dict(checkpoint=f"/tmp/q_{recipe}", command=command)
+        (folder / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=[])))
+    report = _perf_report()
+    line = report.quality_source(folder)
+    assert line.startswith("- Source: `docs/results/2026-11-28_h100_weight_quality`: GPU, torch 2.11, 2026-11-28, "
+                           "commit abc1234. `python scripts/weight_quality.py --checkpoint RUN`: what")  # fmt: skip
+    assert line.endswith("(RESULTS.md, Serving a trained model with MX weights).")
+    decode = tmp_path / "2026-11-27_gpu_bench_decode.json"
+    meta = dict(device="GPU", torch="2.11", date="2026-11-27", commit="abc1234", model="llama", flavor="8B", layers=1)
+    decode.write_text(json.dumps(dict(meta=meta, rows=[])))
+    lines = report.decode_section([decode], [folder])
+    assert lines[-4:] == ["", report.source_line(meta, decode.name), line, ""]
+    # without a decode run, the line keeps a heading of its own
+    assert report.decode_section([], [folder])[2:] == [line, ""] and report.decode_section([], []) == []

@@ -1,5 +1,6 @@
 """docs/RESULTS.md and the parity summaries are exactly what scripts/results_report.py renders from
-the committed run metrics (docs/results/*_parity_*/); a sweep's output becomes a set and its section."""
+the committed run metrics (docs/results/*_parity_*/) and serving-quality outputs (*_weight_quality/); a
+sweep's output becomes a set and its section."""
 
 import importlib.util
 import json
@@ -90,3 +91,56 @@ def test_a_sweep_of_uncommitted_code_is_refused(tmp_path):
     sweep = _synthetic_sweep(tmp_path, commit="abc1234 (with uncommitted changes)")
     with pytest.raises(SystemExit, match="results need a committed tree"):
         report.add_set(sweep, "llama1b", None, False, tmp_path)
+
+
+def test_results_doc_serving_quality_matches_its_sets():
+    report = _results_report()
+    folders = report.quality_folders()
+    assert folders, "no serving-quality folders under docs/results"
+    text = report.DOC.read_text()
+    generated = text.split(report.QUALITY_BEGIN, 1)[1].split(report.QUALITY_END, 1)[0]
+    assert generated == "\n" + report.render_quality(), "run: python scripts/results_report.py --write"
+    for folder in folders:
+        meta = report.quality_meta(folder)  # one device, torch, date and commit per set
+        assert ";" not in meta["device"] + meta["torch"] + meta["date"] + meta["commit"], folder.name
+        assert meta["command"].startswith("python scripts/weight_quality.py --checkpoint RUN")
+        assert [report.trained_as(run) for run in report.quality_runs(folder)][0] == "bf16"
+
+
+def _quality_output(path: Path, recipe: str, losses: dict, commit: str = "abc1234") -> None:
+    """A scripts/weight_quality.py --out file of made-up losses, keyed (weights, activations)."""
+    checkpoint = f"/tmp/q_{recipe}"
+    meta = dict(device="NVIDIA H100", torch="2.11.0", date="2026-12-01T10:00:00+00:00", commit=commit)
+    meta |= dict(command=f"python scripts/weight_quality.py --checkpoint {checkpoint} --activations --steps 5")
+    meta |= dict(checkpoint=checkpoint, recipe=recipe, steps=5)
+    base = losses["bf16", "bf16"]
+    rows = [dict(weights=w, activations=a, loss=loss, vs_bf16=loss / base - 1) for (w, a), loss in losses.items()]
+    path.write_text(json.dumps(dict(meta=meta, rows=rows)))
+
+
+def test_a_serving_quality_set_is_one_table_a_column_pair_per_checkpoint(tmp_path):
+    report = _results_report()
+    folder = tmp_path / "repo" / "docs" / "results" / "2026-12-01_h100_weight_quality"
+    folder.mkdir(parents=True)
+    losses = {("bf16", "bf16"): 2.0, ("mxfp4", "bf16"): 2.002, ("mxfp4", "mx"): 2.01}
+    _quality_output(folder / "mxfp8_trained.json", "mxfp8", losses | {("bf16", "bf16"): 2.1})
+    _quality_output(folder / "bf16_trained.json", "none", losses)
+    assert report.quality_folders(folder.parent) == [folder]
+    text = report.render_quality(folder.parent)
+    rendered = text.splitlines()
+    assert text.endswith(" |\n")  # the end marker on a line of its own
+    assert rendered[0].startswith("Source: `docs/results/2026-12-01_h100_weight_quality/`: NVIDIA H100, torch 2.11.0")
+    assert "torch 2.11.0, 2026-12-01, commit abc1234." in rendered[0]
+    command = "`python scripts/weight_quality.py --checkpoint RUN --activations --steps 5`"
+    assert rendered[0].endswith(f"Command on each checkpoint (RUN: its run's output folder): {command}.")
+    assert rendered[2:] == [
+        "| weights | GEMM inputs | bf16-trained loss | to bf16 weights | mxfp8-trained loss | to bf16 weights |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| bf16 (baseline) | bf16 | 2.0000 |  | 2.1000 |  |",
+        "| mxfp4 | bf16 | 2.0020 | +0.100% | 2.0020 | -4.667% |",
+        "| mxfp4 | mxfp4 | 2.0100 | +0.500% | 2.0100 | -4.286% |",
+    ]
+    doc = tmp_path / "RESULTS.md"
+    doc.write_text(f"{report.QUALITY_BEGIN}\nold\n{report.QUALITY_END}\n{report.BEGIN}\nkept\n{report.END}\n")
+    report.write_doc(text, doc, report.QUALITY_BEGIN, report.QUALITY_END)
+    assert doc.read_text().startswith(f"{report.QUALITY_BEGIN}\n{rendered[0]}\n") and "\nkept\n" in doc.read_text()
