@@ -7,10 +7,11 @@ softmax attention over the visible cache positions, computed in fp64 with plain 
   B in {1, 2}, Hkv in {1, 8}, R in {1, 4}, D in {64, 128}, L in {1, 17, 300}, lengths 1, L and one inside a
   later split ([1] and per-sequence [B] lengths), fp32 and bf16, the splits of one tile, of several and one
   split; strided caches and q; positions at or past ``length`` never read (NaN there changes no bit); the op
-  under opcheck and torch.compile. Run them directly with
-  ``TRITON_INTERPRET=1 pytest tests/test_decode_attention.py -k interp_``.
+  under opcheck and torch.compile; decode steps through the kernel give the full forward's logits. Run them
+  directly with ``TRITON_INTERPRET=1 pytest tests/test_decode_attention.py -k interp_``.
 * GPU (``gpu``): bf16 and fp32 at Llama 3 8B's head shapes against the reference and against SDPA with the mask
-  decode.py builds; the op in a captured CUDA graph replayed at new lengths.
+  decode.py builds; the op in a captured CUDA graph replayed at new lengths; decode steps on CUDA (eager,
+  compiled, CUDA graph) take the kernel and give the full forward's logits.
 
 Bound. The kernel computes in fp32 from the inputs' values (fp32 dots, no TF32): against the fp64 reference it
 is off by a few fp32 roundings of the scores, weights and sums, well inside ATOL = 1e-5 at these sizes
@@ -239,6 +240,35 @@ def test_interp_op_opcheck_and_compile():
     assert_within_bound(step(q, k, v, length - 1), q, k, v, length)
 
 
+@interp_only
+def test_interp_decode_steps_through_the_kernel_give_the_full_forward_logits(monkeypatch):
+    """decode.forward with the kernel's rule forced on (the op's CPU key runs the kernel here): the mask is not
+    built, and prefill then decode steps give the full forward's logits."""
+    from mx_recipe.infer import decode
+    from mx_recipe.models import build_model, model_args
+
+    calls = []
+
+    def counted(*args):
+        calls.append(args[3].item())
+        return torch.ops.mx_recipe.decode_attention(*args)
+
+    monkeypatch.setattr(decode, "use_kernel", lambda device, head_dim: True)
+    monkeypatch.setattr(decode, "decode_attention", counted)
+    torch.manual_seed(0)
+    model = build_model(model_args("llama", "debug", 320, 64))
+    model.init_weights()
+    model.eval()
+    tokens = torch.randint(0, 320, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = decode.KVCache(model, 2, 16, torch.float32, torch.device("cpu"))
+        steps = [decode.forward(model, tokens[:, :8], torch.arange(8), cache)]
+        steps += [decode.forward(model, tokens[:, i : i + 1], torch.tensor([i]), cache) for i in range(8, 11)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    assert calls == [n for n in (9, 10, 11) for _ in range(len(model.layers))]
+
+
 # ---------------------------------------------------------------------------------------
 # GPU
 
@@ -289,3 +319,33 @@ def test_gpu_op_in_a_cuda_graph_replays_at_new_lengths():
         length.fill_(n)
         graph.replay()
         assert_within_bound(out, q, k, v, length)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_steps_take_the_kernel(monkeypatch):
+    """On CUDA every decode step's attention is the kernel; eager and compiled steps give the full forward's logits
+    (fp32), and replaying the step from a CUDA graph gives the eager steps' greedy tokens."""
+    from mx_recipe.infer import decode
+    from mx_recipe.models import build_model, model_args
+
+    torch.manual_seed(0)
+    model = build_model(model_args("llama", "debug", 320, 64)).to(CUDA)
+    model.init_weights()
+    model.eval()
+    tokens = torch.randint(0, 320, (2, 40), device=CUDA)
+    kernel, calls = decode.decode_attention, []
+    monkeypatch.setattr(decode, "decode_attention", lambda *args: calls.append(1) or kernel(*args))
+    with torch.no_grad():
+        full = model(tokens)
+        for step_fn in (decode.forward, torch.compile(decode.forward)):
+            cache = decode.KVCache(model, 2, 48, torch.float32, torch.device(CUDA))
+            steps = [decode.forward(model, tokens[:, :33], torch.arange(33, device=CUDA), cache)]
+            for i in range(33, 40):
+                steps.append(step_fn(model, tokens[:, i : i + 1], torch.tensor([i], device=CUDA), cache))
+            torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+            if step_fn is decode.forward:
+                assert len(calls) == 7 * len(model.layers)
+    monkeypatch.setattr(decode, "decode_attention", kernel)
+    eager, _ = decode.generate(model, tokens[:, :9], 12)
+    graphed, _ = decode.generate(model, tokens[:, :9], 12, cuda_graph=True)
+    assert torch.equal(eager, graphed)
