@@ -1,0 +1,248 @@
+"""Split-KV decode attention ("flash-decoding"): one query position per sequence (a decode step) over a KV cache,
+the query heads that share a KV head (grouped-query attention) reading its keys and values once.
+
+q [B, Hkv, R, D] (R query heads per KV head), k_cache and v_cache [B, Hkv, L, D] with the last dim contiguous
+(read in place through their strides), and ``length``, an int tensor [1] or [B] on the device: positions
+0 .. length - 1 are visible. Out [B, Hkv, R, D] in q's dtype: softmax(q k^T * scale) v over those positions.
+
+Why split: a decode step's attention is B * Hkv heads (8 for Llama 3 8B at batch 1), too few programs to keep a
+GPU's loads in flight; one program per head is latency-bound (SDPA takes about 24 us a layer on an H200, where
+the cache's bytes take about 1). The cache is cut into SPLITS contiguous chunks instead, one program each, grid
+(B * Hkv, SPLITS), and a second small kernel combines the chunks' partial softmaxes.
+
+Why ``length`` is a tensor: the step is captured in a CUDA graph and replayed at every position. The launches
+(grid, SPLITS, every argument but the addresses) depend only on the static shapes, so one capture serves every
+length: a chunk wholly past ``length`` runs its loop zero times and writes an empty partial (m = -inf, l = 0,
+acc = 0), which the combine weighs by zero. Positions at or past ``length`` are never read (masked loads).
+
+The split kernel: a program loads q [R, D], padded with zero rows to BLOCK_R = max(16, next power of 2) for
+``tl.dot``, and walks its chunk in tiles of BLOCK_L positions up to min(chunk end, length): scores q k^T, an
+online softmax (running max m, sum l, accumulator acc [R, D] rescaled as m grows) and acc += p v. It is all
+fp32: the tiles are upcast on load and both dots take fp32 operands with ``input_precision="ieee"`` (no TF32),
+so fp32 inputs get fp32 attention and bf16 inputs lose nothing past their own rounding; the padding rows cost
+FMAs, not bytes. BLOCK_L is 16 (tl.dot's least): compiled for sm_90 at 4 warps the FMA dots of a 16-position
+tile take 72 registers a thread at D = 128 and at most 143 (fp32, D = 256), where 32 positions take 247 at
+D = 128 and some shapes spill. The partial (acc, m, l) goes to an fp32 workspace allocated per call (torch's
+caching allocator: cheap, and graph-safe). With one split (many heads, or a cache of one tile) the program
+writes acc / l as the output itself, and there is no workspace and no combine.
+
+The combine kernel, one program per (b, head, r): the splits in order, BLOCK_S at a time, as an online softmax
+over their partials: sum_s acc_s 2**(m_s - M) / sum_s l_s 2**(m_s - M), M the largest m. A fixed order and
+fixed reduction trees: the result does not depend on timing. Scores are in base 2 (q is scaled by
+scale * log2(e) once).
+
+SPLITS: enough chunks that B * Hkv * SPLITS makes PROGRAMS_PER_SM programs an SM, at most one a tile; a chunk
+is a whole number of tiles. ``length`` must be at least 1 (0 gives NaN); past L it reads as L.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from mx_kernels.common import interpreting
+from mx_kernels.launch_cache import LaunchCache
+from mx_kernels.spec import cdiv
+
+PROGRAMS_PER_SM = 2  # split programs an SM: the loads of several programs in flight hide each other's latency
+BLOCK_L = 16  # cache positions a tile (module doc)
+INTERPRET_BLOCK_L = 64  # under the interpreter, whose time goes by operation: fewer, larger tiles
+BLOCK_S = 16  # splits the combine reads at once: a [16, D] fp32 tile, 72 registers a thread at D = 128
+NUM_WARPS = 4
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, H, R, L, CHUNK, SPLITS, stride_len, qk_scale,
+    stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_ob,
+    stride_oh, stride_or, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, DIRECT: tl.constexpr,
+):  # fmt: skip
+    """One chunk of the cache for the R query heads of one (b, head): its partial (acc [R, D], m [R], l [R]);
+    ``DIRECT`` (one split): the output rows acc / l."""
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    length = tl.minimum(tl.load(len_ptr + b * stride_len).to(tl.int32), L)
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, length)  # <= start: an empty chunk, the loop runs zero times
+    r = tl.arange(0, BLOCK_R)
+    d = tl.arange(0, D)
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh + r[:, None] * stride_qr
+    q = tl.load(q_rows + d[None, :], mask=r[:, None] < R, other=0.0).to(tl.float32) * qk_scale
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, D], tl.float32)
+    for pos0 in range(start, end, BLOCK_L):
+        pos = pos0 + tl.arange(0, BLOCK_L)
+        inside = pos < end  # also keeps the next chunk's positions and those past length unread
+        k = tl.load(k_base + pos[:, None] * stride_kl + d[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        s = tl.where(inside[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a visible position
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        v = tl.load(v_base + pos[:, None] * stride_vl + d[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    if DIRECT:
+        out = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + r[:, None] * stride_or + d[None, :]
+        tl.store(out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=r[:, None] < R)
+    else:
+        row = (bh * SPLITS + split) * R + r  # the workspace [B * H, SPLITS, R, (D)]
+        tl.store(acc_ptr + row[:, None].to(tl.int64) * D + d[None, :], acc, mask=r[:, None] < R)
+        tl.store(m_ptr + row, m_i, mask=r < R)
+        tl.store(l_ptr + row, l_i, mask=r < R)
+
+
+@triton.jit
+def _combine_kernel(
+    acc_ptr, m_ptr, l_ptr, out_ptr, H, R, SPLITS, stride_ob, stride_oh, stride_or, D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """The output row (b, head, r) from the SPLITS partials, in split order."""
+    bh = tl.program_id(0)
+    r = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    first = bh * SPLITS * R + r  # split 0's row of the workspace
+    top = tl.full([], float("-inf"), tl.float32)  # the largest m so far: num and den are relative to it
+    num = tl.zeros([D], tl.float32)
+    den = tl.full([], 0.0, tl.float32)
+    for s0 in range(0, SPLITS, BLOCK_S):
+        ok = s0 + s < SPLITS
+        rows = first + (s0 + s) * R
+        m = tl.load(m_ptr + rows, mask=ok, other=float("-inf"))
+        new_top = tl.maximum(top, tl.max(m, 0))  # finite: split 0 holds position 0
+        alpha = tl.exp2(top - new_top)
+        w = tl.exp2(m - new_top)  # 0 for empty splits
+        acc = tl.load(acc_ptr + rows[:, None].to(tl.int64) * D + d[None, :], mask=ok[:, None], other=0.0)
+        num = num * alpha + tl.sum(acc * w[:, None], 0)
+        den = den * alpha + tl.sum(tl.load(l_ptr + rows, mask=ok, other=0.0) * w, 0)
+        top = new_top
+    b = bh // H
+    h = bh % H
+    out = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + r * stride_or + d
+    tl.store(out, (num / den).to(out_ptr.dtype.element_ty))
+
+
+_SPLIT = LaunchCache(_split_kernel)
+_COMBINE = LaunchCache(_combine_kernel)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: small tests still get a few splits, of one tile and of several
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_count(bh: int, cache_len: int, block_l: int, sms: int, splits: int | None = None) -> tuple[int, int]:
+    """(SPLITS, positions a chunk) for ``bh`` = B * Hkv heads over ``cache_len`` positions in tiles of ``block_l``:
+    ``splits`` chunks (None: PROGRAMS_PER_SM programs on each of ``sms`` SMs), at most one a tile, each a whole
+    number of tiles, none empty at full length."""
+    tiles = cdiv(cache_len, block_l)
+    if splits is None:
+        splits = cdiv(PROGRAMS_PER_SM * sms, bh)
+    chunk = cdiv(tiles, max(1, min(splits, tiles))) * block_l
+    return cdiv(cache_len, chunk), chunk
+
+
+def check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor) -> None:
+    """Raise a ValueError naming the argument on malformed operands."""
+    op = "decode_attention"
+    if q.dim() != 4 or q.dtype not in DTYPES:
+        raise ValueError(f"{op}: q must be a 4D [B, Hkv, R, D] bf16, fp16 or fp32 tensor, got {q.dtype} "
+                         f"{tuple(q.shape)}")  # fmt: skip
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 4 or t.dtype not in DTYPES:
+            raise ValueError(f"{op}: {name} must be a 4D [B, Hkv, L, D] bf16, fp16 or fp32 tensor, got {t.dtype} "
+                             f"{tuple(t.shape)}")  # fmt: skip
+        b, h, _, d = t.shape
+        if (b, h, d) != (q.shape[0], q.shape[1], q.shape[3]):
+            raise ValueError(f"{op}: {name} {tuple(t.shape)} does not match q {tuple(q.shape)}: they need the same "
+                             "B, Hkv and D")  # fmt: skip
+        if t.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} must have its last dim contiguous, got strides {t.stride()}")
+        if t.shape[2] < 1:
+            raise ValueError(f"{op}: {name} holds no positions (L = 0)")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
+    d = q.shape[3]
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"{op}: the head dim D must be a power of 2 from 16 to 256, got {d}")
+    if length.dtype not in (torch.int32, torch.int64) or length.dim() != 1 or length.numel() not in (1, q.shape[0]):
+        raise ValueError(f"{op}: length must be an int32 or int64 tensor [1] or [B] (B = {q.shape[0]}), got "
+                         f"{length.dtype} {tuple(length.shape)}")  # fmt: skip
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("length", length)):
+        if t.device != q.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, q on {q.device}")
+    if not q.is_cuda and not interpreting():
+        raise ValueError(f"{op}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {q.device}")
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    length: torch.Tensor,
+    scale: float | None = None,
+    splits: int | None = None,
+    block_l: int | None = None,
+) -> torch.Tensor:
+    """softmax(q k_cache^T * scale) v_cache over the cache positions below ``length`` -> [B, Hkv, R, D] in q's
+    dtype (module doc). ``scale``: 1 / sqrt(D) by default, as SDPA's. ``splits`` overrides the number of chunks
+    (None: from the SM count; at most one per tile), ``block_l`` the positions a tile (a power of 2, at least 16;
+    None: BLOCK_L, INTERPRET_BLOCK_L under the interpreter)."""
+    check(q, k_cache, v_cache, length)
+    bsz, heads, reps, d = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_l is None:
+        block_l = INTERPRET_BLOCK_L if interpreting() else BLOCK_L
+    if block_l < 16 or block_l & (block_l - 1):
+        raise ValueError(f"decode_attention: block_l must be a power of 2, at least 16; got {block_l}")
+    n_splits, chunk = split_count(bsz * heads, k_cache.shape[2], block_l, _sm_count(q.device), splits)
+    direct = n_splits == 1
+    rows = bsz * heads * n_splits * reps
+    if direct:  # the split kernel writes the output itself: no workspace (``out`` stands in for it), no combine
+        acc = m = lse = out
+    else:
+        acc = torch.empty((rows * d,), dtype=torch.float32, device=q.device)
+        m, lse = torch.empty((2, rows), dtype=torch.float32, device=q.device).unbind(0)
+    qk_scale = (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E
+
+    def build_split() -> tuple[tuple[int, ...], dict]:
+        return (bsz * heads, n_splits), dict(
+            q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, len_ptr=length, acc_ptr=acc, m_ptr=m, l_ptr=lse, out_ptr=out,
+            H=heads, R=reps, L=k_cache.shape[2], CHUNK=chunk, SPLITS=n_splits, stride_len=int(length.numel() > 1),
+            qk_scale=qk_scale, stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qr=q.stride(2),
+            stride_kb=k_cache.stride(0), stride_kh=k_cache.stride(1), stride_kl=k_cache.stride(2),
+            stride_vb=v_cache.stride(0), stride_vh=v_cache.stride(1), stride_vl=v_cache.stride(2),
+            stride_ob=out.stride(0), stride_oh=out.stride(1), stride_or=out.stride(2), D=d,
+            BLOCK_R=max(16, triton.next_power_of_2(reps)), BLOCK_L=block_l, DIRECT=direct, num_warps=NUM_WARPS,
+        )  # fmt: skip
+
+    def build_combine() -> tuple[tuple[int, ...], dict]:
+        return (bsz * heads, reps), dict(
+            acc_ptr=acc, m_ptr=m, l_ptr=lse, out_ptr=out, H=heads, R=reps, SPLITS=n_splits,
+            stride_ob=out.stride(0), stride_oh=out.stride(1), stride_or=out.stride(2), D=d,
+            BLOCK_S=min(BLOCK_S, triton.next_power_of_2(n_splits)), num_warps=NUM_WARPS,
+        )  # fmt: skip
+
+    key = (q.shape, q.stride(), q.dtype, k_cache.stride(), v_cache.stride(), k_cache.shape[2], k_cache.dtype,
+           v_cache.dtype, length.shape, length.dtype, qk_scale, n_splits, chunk, block_l)  # fmt: skip
+    _SPLIT.launch_keyed(key, build_split, q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, len_ptr=length, acc_ptr=acc,
+                        m_ptr=m, l_ptr=lse, out_ptr=out)  # fmt: skip
+    if not direct:
+        _COMBINE.launch_keyed(key, build_combine, acc_ptr=acc, m_ptr=m, l_ptr=lse, out_ptr=out)
+    return out

@@ -1,0 +1,49 @@
+"""Decode attention as a custom op: ``torch.ops.mx_recipe.decode_attention``, the split-KV Triton kernel of
+mx_kernels.decode_attention (its docstring gives the design) for a decode step's one query position over a KV
+cache, grouped-query heads read together. ``length`` is a device tensor, so that a CUDA graph captured once
+replays at every position. A fake implementation gives the shape, so torch.compile and CUDA-graph capture take
+the kernel as one opaque node; Triton is imported on the first call only.
+
+``use_kernel`` is the rule for a decode step's attention (one position a sequence): the kernel on an NVIDIA GPU
+of compute capability 8.0 or newer, for the head dims it takes (powers of 2 from 16 to 256); elsewhere SDPA with
+a mask over the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mx_recipe.library import define
+from mx_recipe.ops.device import capability
+
+
+def _launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, length: Tensor, scale: float | None = None) -> Tensor:
+    from mx_kernels.decode_attention import decode_attention as launch
+
+    return launch(q, k_cache, v_cache, length, scale)
+
+
+def _fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, length: Tensor, scale: float | None = None) -> Tensor:
+    return q.new_empty(q.shape)
+
+
+define(
+    "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor length, float? scale=None) -> Tensor",
+    _launch,
+    _fake,
+)
+
+
+def use_kernel(device: torch.device, head_dim: int) -> bool:
+    """Whether a decode step on ``device`` with heads of ``head_dim`` runs the kernel (module doc)."""
+    cap = capability(device)
+    return cap is not None and cap >= (8, 0) and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, length: Tensor, scale: float | None = None
+                     ) -> Tensor:  # fmt: skip
+    """q [B, Hkv, R, D] (R query heads per KV head) over k_cache, v_cache [B, Hkv, L, D] at the positions below
+    ``length`` (int tensor [1] or [B] on q's device) -> [B, Hkv, R, D] in q's dtype. ``scale``: 1 / sqrt(D) by
+    default, as SDPA's."""
+    return torch.ops.mx_recipe.decode_attention(q, k_cache, v_cache, length, scale)

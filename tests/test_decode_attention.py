@@ -1,0 +1,351 @@
+"""The split-KV decode-attention kernel (kernels/decode_attention.py, through mx_recipe.infer.attention) against
+softmax attention over the visible cache positions, computed in fp64 with plain torch from the same inputs.
+
+* CPU, in this process: argument errors, the op's fake shape and the rule (``use_kernel``).
+* CPU, Triton interpreter (``test_interp_*``), in a child pytest with TRITON_INTERPRET=1 as in
+  tests/test_weight_only_gemm.py (with tests/test_gemm_triton.py's shim for the interpreter's int() of a scalar):
+  B in {1, 2}, Hkv in {1, 8}, R in {1, 4}, D in {64, 128}, L in {1, 17, 300}, lengths 1, L and one inside a
+  later split ([1] and per-sequence [B] lengths), fp32 and bf16, the splits of one tile, of several and one
+  split; strided caches and q; positions at or past ``length`` never read (NaN there changes no bit); the op
+  under opcheck and torch.compile; decode steps through the kernel give the full forward's logits. Run them
+  directly with ``TRITON_INTERPRET=1 pytest tests/test_decode_attention.py -k interp_``.
+* GPU (``gpu``): bf16 and fp32 at Llama 3 8B's head shapes against the reference and against SDPA with the mask
+  decode.py builds; the op in a captured CUDA graph replayed at new lengths; decode steps on CUDA (eager,
+  compiled, CUDA graph) take the kernel and give the full forward's logits.
+
+Bound. The kernel computes in fp32 from the inputs' values (fp32 dots, no TF32): against the fp64 reference it
+is off by a few fp32 roundings of the scores, weights and sums, well inside ATOL = 1e-5 at these sizes
+(outputs of order 1). Its output is then rounded to q's dtype: for bf16 by at most rho |y|, rho = 2**-8 (to
+nearest), 2**-7 in the interpreter (its fp32 -> bf16 cast truncates). So |y - r| <= ATOL + rho |r|.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_cast_kernels import run_interpreter_tests
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+ATOL = 1e-5
+
+interp_only = pytest.mark.skipif(not (INTERP and HAS_TRITON), reason="runs in the Triton interpreter child process")
+
+if INTERP and HAS_TRITON:
+    from test_gemm_triton import _install_interpreter_shims  # noqa: F401  (installed on import)
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor, scale: float | None = None
+              ) -> torch.Tensor:  # fmt: skip
+    """Softmax attention of q [B, Hkv, R, D] over k, v [B, Hkv, L, D] at positions < length ([1] or [B]), fp64."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    lengths = length.expand(q.shape[0]).tolist()
+    out = []
+    for b, n in enumerate(lengths):
+        s = q[b].double() @ k[b, :, :n].double().transpose(-1, -2) * scale
+        out.append(s.softmax(-1) @ v[b, :, :n].double())
+    return torch.stack(out)
+
+
+def assert_within_bound(y: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor,
+                        scale: float | None = None) -> None:  # fmt: skip
+    r = reference(q.cpu(), k.cpu(), v.cpu(), length.cpu(), scale)
+    assert y.dtype == q.dtype and y.shape == q.shape
+    rho = 0.0 if q.dtype == torch.float32 else 2.0**-7 if INTERP else 2.0**-8
+    excess = (y.cpu().double() - r).abs() - (ATOL + rho * r.abs())
+    assert excess.max() <= 0, f"{tuple(q.shape)} {tuple(k.shape)} length {length.tolist()}: {excess.max().item():.3g}"
+
+
+def operands(b: int, hkv: int, reps: int, d: int, cache_len: int, dtype: torch.dtype, device: str = "cpu",
+             seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Normal q [B, Hkv, R, D], k and v [B, Hkv, L, D]."""
+    g = torch.Generator(device).manual_seed(seed)
+    q, k, v = (torch.randn(b, hkv, n, d, generator=g, device=device).to(dtype) for n in (reps, cache_len, cache_len))
+    return q, k, v
+
+
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor, **kw) -> torch.Tensor:
+    from mx_kernels.decode_attention import decode_attention
+
+    return decode_attention(q, k, v, length, **kw)
+
+
+def lengths(b: int, cache_len: int) -> list[list[int]]:
+    """The lengths to test on a cache of ``cache_len`` positions: 1, all of it and, for 300, 200: inside a later
+    split at every D and split count here, past a tile boundary. One sequence: each as [1]; two: [B] and [1]."""
+    inner = [200] if cache_len == 300 else []
+    if b == 1:
+        return [[n] for n in sorted({1, cache_len, *inner})]
+    return [[1, cache_len], *([inner] if inner else [])]
+
+
+# ---------------------------------------------------------------------------------------
+# CPU, in this process
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_bad_operands_are_one_line_errors_naming_the_argument():
+    from mx_kernels.decode_attention import check
+
+    q, k, v = operands(2, 2, 4, 64, 10, torch.bfloat16)
+    n = torch.tensor([5])
+    cases = [
+        (dict(q=q[0]), "q must be a 4D"),
+        (dict(q=q.to(torch.int32)), "q must be a 4D"),
+        (dict(k_cache=k[0]), "k_cache must be a 4D"),
+        (dict(v_cache=v.to(torch.float64)), "v_cache must be a 4D"),
+        (dict(k_cache=k[:1]), r"k_cache \(1, 2, 10, 64\) does not match q"),
+        (dict(v_cache=v[..., :32]), "v_cache .* does not match q"),
+        (dict(k_cache=torch.randn(2, 2, 10, 128)[..., ::2]), "k_cache must have its last dim contiguous"),
+        (dict(k_cache=k[:, :, :0], v_cache=v[:, :, :0]), "k_cache holds no positions"),
+        (dict(v_cache=v[:, :, :7]), "k_cache .* and v_cache .* differ in shape"),
+        (dict(q=q[..., :48], k_cache=k[..., :48], v_cache=v[..., :48]), "head dim D must be a power of 2"),
+        (dict(q=q[..., :8], k_cache=k[..., :8], v_cache=v[..., :8]), "head dim D must be a power of 2"),
+        (dict(length=n.float()), "length must be an int32 or int64 tensor"),
+        (dict(length=torch.tensor(5)), "length must be an int32 or int64 tensor"),
+        (dict(length=torch.tensor([5, 5, 5])), r"length must be .* \[1\] or \[B\] \(B = 2\)"),
+        (dict(length=torch.tensor([5], device="meta")), "length is on meta"),
+    ]
+    for change, message in cases:
+        args = dict(q=q, k_cache=k, v_cache=v, length=n)
+        with pytest.raises(ValueError, match=message) as info:
+            check(**{**args, **change})
+        assert "\n" not in str(info.value)
+    if not INTERP:
+        with pytest.raises(ValueError, match="needs CUDA tensors"):
+            run(q, k, v, n)
+
+
+def test_fake_shape_and_the_rule(pretend_gpu):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mx_recipe.infer.attention import use_kernel
+
+    with FakeTensorMode():
+        q, k = torch.empty(2, 8, 4, 128, dtype=torch.bfloat16), torch.empty(2, 8, 1024, 128, dtype=torch.bfloat16)
+        out = torch.ops.mx_recipe.decode_attention(q, k, k, torch.empty(1, dtype=torch.int64))
+        assert out.shape == (2, 8, 4, 128) and out.dtype == torch.bfloat16
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    pretend_gpu((9, 0))
+    assert use_kernel(cuda, 128) and use_kernel(cuda, 64) and use_kernel(cuda, 16)
+    assert not use_kernel(cpu, 128)
+    assert not use_kernel(cuda, 96) and not use_kernel(cuda, 8) and not use_kernel(cuda, 512)
+    pretend_gpu((7, 5))
+    assert not use_kernel(cuda, 128)
+    pretend_gpu(None)  # not an NVIDIA GPU
+    assert not use_kernel(cuda, 128)
+
+
+def test_split_count_spreads_the_cache_and_leaves_no_empty_chunk():
+    pytest.importorskip("triton")
+    from mx_kernels.decode_attention import BLOCK_L, PROGRAMS_PER_SM, split_count
+
+    h200 = 132
+    for bh in (1, 3, 8, 32, 64, 300):
+        for cache_len in (1, 15, 16, 17, 300, 1024, 4096):
+            for splits in (None, 1, 7, 1000):
+                n, chunk = split_count(bh, cache_len, BLOCK_L, h200, splits)
+                assert chunk % BLOCK_L == 0 and (n - 1) * chunk < cache_len <= n * chunk  # none empty at full length
+                assert n <= min(splits or n, math.ceil(cache_len / BLOCK_L))
+                if splits is None and n < math.ceil(cache_len / BLOCK_L):  # short of a chunk a tile: SMs filled
+                    assert bh * n > (PROGRAMS_PER_SM - 1) * h200
+    assert split_count(8, 1024, BLOCK_L, h200) == (32, 32)  # Llama 3 8B at batch 1: 256 programs of 2 tiles
+    assert split_count(264, 1024, BLOCK_L, h200) == (1, 1024)  # one split: the output straight from the split kernel
+
+
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
+def test_kernel_in_triton_interpreter():
+    """Run the test_interp_* tests in a child pytest with TRITON_INTERPRET=1 (see module doc)."""
+    run_interpreter_tests(__file__)
+
+
+# ---------------------------------------------------------------------------------------
+# CPU, Triton interpreter (child process)
+
+
+@interp_only
+@pytest.mark.parametrize(
+    ("dtype", "d", "reps"),
+    [(torch.float32, d, reps) for d in (64, 128) for reps in (1, 4)] + [(torch.bfloat16, d, 4) for d in (64, 128)],
+    ids=lambda x: {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(x, x),
+)
+def test_interp_matches_the_reference(dtype, d, reps):
+    """Every B, Hkv and L of the grid (module doc) at their lengths, fp32; bf16 at R = 4 and L = 300 (the kernel's
+    math is fp32 either way: bf16 adds only the output's rounding). The interpreter's 8 SMs make 16 programs of
+    64-position tiles: chunks of one tile (Hkv 1), of three (B 1, Hkv 8) and one split (B 2, Hkv 8)."""
+    for b in (1, 2):
+        for hkv in (1, 8):
+            for cache_len in (300,) if dtype == torch.bfloat16 else (1, 17, 300):
+                q, k, v = operands(b, hkv, reps, d, cache_len, dtype, seed=b * hkv + cache_len)
+                for n in lengths(b, cache_len):
+                    length = torch.tensor(n, dtype=torch.int32 if cache_len == 17 else torch.int64)
+                    assert_within_bound(run(q, k, v, length), q, k, v, length)
+
+
+@interp_only
+def test_interp_splits_strides_and_scale():
+    """Split 1 to 10 ways (one chunk per tile at most), also in the GPU's 16-position tiles; caches as decode passes
+    them (one layer of a larger buffer, positions past L), q as decode's permuted view; a scale other than
+    1/sqrt(D); fp16."""
+    q, k, v = operands(1, 2, 3, 128, 300, torch.float32, seed=1)
+    length = torch.tensor([233])
+    for splits in (1, 2, 3, 10):
+        assert_within_bound(run(q, k, v, length, splits=splits), q, k, v, length)
+    for splits in (1, 3, 19):  # the GPU's tiles: 19 of them, 16 positions each
+        assert_within_bound(run(q, k, v, length, splits=splits, block_l=16), q, k, v, length)
+    with pytest.raises(ValueError, match="block_l must be a power of 2, at least 16; got 24"):
+        run(q, k, v, length, block_l=24)
+    buf = torch.randn(3, 2, 2, 320, 64)  # [layers, B, Hkv, max_len, D]
+    k, v = buf[1, :, :, :300], buf[2, :, :, :300]
+    q = torch.randn(2, 1, 2, 4, 64).permute(0, 2, 3, 1, 4).reshape(2, 2, 4, 64)  # decode's [B, Hkv, R * S, D]
+    length = torch.tensor([300, 77])
+    assert_within_bound(run(q, k, v, length), q, k, v, length)
+    assert_within_bound(run(q, k, v, length, scale=0.5), q, k, v, length, scale=0.5)
+    q16, k16, v16 = q.half(), k.half(), v.half()
+    y = run(q16, k16, v16, length)
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y.double(), reference(q16, k16, v16, length), atol=ATOL, rtol=2.0**-10)
+
+
+@interp_only
+def test_interp_positions_at_or_past_length_are_never_read():
+    """NaN keys and values at positions >= length change no bit of the output, whichever split they fall in."""
+    for d, hkv, n, block_l in [(128, 1, [200], None), (64, 8, [1], None), (128, 2, [33, 300], None),
+                               (64, 1, [64], None), (64, 1, [161], 16)]:  # fmt: skip
+        b = len(n)
+        q, k, v = operands(b, hkv, 4, d, 300, torch.bfloat16, seed=d + hkv)
+        length = torch.tensor(n)
+        clean = run(q, k, v, length, block_l=block_l)
+        for i, m in enumerate(n):
+            k[i, :, m:], v[i, :, m:] = float("nan"), float("nan")
+        dirty = run(q, k, v, length, block_l=block_l)
+        assert dirty.isfinite().all() and torch.equal(dirty, clean)
+        assert_within_bound(dirty, q, k.nan_to_num(), v.nan_to_num(), length)
+
+
+@interp_only
+def test_interp_op_opcheck_and_compile():
+    import mx_recipe.infer.attention  # noqa: F401  (defines the op)
+
+    q, k, v = operands(1, 2, 2, 16, 40, torch.float32)
+    length = torch.tensor([25])
+    torch.library.opcheck(torch.ops.mx_recipe.decode_attention.default, (q, k, v, length))
+    step = torch.compile(lambda q, k, v, n: torch.ops.mx_recipe.decode_attention(q, k, v, n + 1), backend="aot_eager",
+                         fullgraph=True)  # fmt: skip
+    assert_within_bound(step(q, k, v, length - 1), q, k, v, length)
+
+
+@interp_only
+def test_interp_decode_steps_through_the_kernel_give_the_full_forward_logits(monkeypatch):
+    """decode.forward with the kernel's rule forced on (the op's CPU key runs the kernel here): the mask is not
+    built, and prefill then decode steps give the full forward's logits."""
+    from mx_recipe.infer import decode
+    from mx_recipe.models import build_model, model_args
+
+    calls = []
+
+    def counted(*args):
+        calls.append(args[3].item())
+        return torch.ops.mx_recipe.decode_attention(*args)
+
+    monkeypatch.setattr(decode, "use_kernel", lambda device, head_dim: True)
+    monkeypatch.setattr(decode, "decode_attention", counted)
+    torch.manual_seed(0)
+    model = build_model(model_args("llama", "debug", 320, 64))
+    model.init_weights()
+    model.eval()
+    tokens = torch.randint(0, 320, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = decode.KVCache(model, 2, 16, torch.float32, torch.device("cpu"))
+        steps = [decode.forward(model, tokens[:, :8], torch.arange(8), cache)]
+        steps += [decode.forward(model, tokens[:, i : i + 1], torch.tensor([i]), cache) for i in range(8, 11)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    assert calls == [n for n in (9, 10, 11) for _ in range(len(model.layers))]
+
+
+# ---------------------------------------------------------------------------------------
+# GPU
+
+CUDA = "cuda"
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> torch.Tensor:
+    """Attention as decode.py runs it on the SDPA path: the whole cache, a mask over positions >= n."""
+    visible = (torch.arange(k.shape[2], device=q.device) < n)[None, :].expand(q.shape[2], -1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+
+
+GPU_SHAPES = [(1, 8, 4, 128, 1024), (4, 8, 4, 128, 1024), (2, 4, 8, 64, 333), (1, 1, 1, 128, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(("b", "hkv", "reps", "d", "cache_len"), GPU_SHAPES)
+def test_gpu_matches_the_reference_and_sdpa(dtype, b, hkv, reps, d, cache_len):
+    """Llama 3 8B's heads (Hkv 8, R 4, D 128) at batch 1 and 4, and other shapes, at lengths 1, 2, a tile and a
+    bit, mid-cache and full; bf16 also against SDPA with decode.py's mask (SDPA rounds P to bf16: looser)."""
+    q, k, v = operands(b, hkv, reps, d, cache_len, dtype, CUDA)
+    for n in sorted({1, 2, 37, cache_len // 2 + 3, cache_len}):
+        length = torch.tensor([n], device=CUDA)
+        y = run(q, k, v, length)
+        assert_within_bound(y, q, k, v, length)
+        if dtype == torch.bfloat16:
+            torch.testing.assert_close(y, sdpa(q, k, v, n), atol=1e-2, rtol=1e-2)
+    per_seq = torch.randint(1, cache_len + 1, (b,), device=CUDA, dtype=torch.int32)
+    assert_within_bound(run(q, k, v, per_seq), q, k, v, per_seq)
+    assert all(torch.equal(run(q, k, v, per_seq), run(q, k, v, per_seq)) for _ in range(5))  # split order: no race
+
+
+@pytest.mark.gpu
+def test_gpu_op_in_a_cuda_graph_replays_at_new_lengths():
+    """Captured once at one length, the op replays at others from the same length tensor: right answers each."""
+    q, k, v = operands(1, 8, 4, 128, 1024, torch.bfloat16, CUDA)
+    length = torch.tensor([1024], device=CUDA)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.ops.mx_recipe.decode_attention(q, k, v, length)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.mx_recipe.decode_attention(q, k, v, length)
+    for n in (5, 700, 1, 1024):
+        length.fill_(n)
+        graph.replay()
+        assert_within_bound(out, q, k, v, length)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_steps_take_the_kernel(monkeypatch):
+    """On CUDA every decode step's attention is the kernel; eager and compiled steps give the full forward's logits
+    (fp32), and replaying the step from a CUDA graph gives the eager steps' greedy tokens."""
+    from mx_recipe.infer import decode
+    from mx_recipe.models import build_model, model_args
+
+    torch.manual_seed(0)
+    model = build_model(model_args("llama", "debug", 320, 64)).to(CUDA)
+    model.init_weights()
+    model.eval()
+    tokens = torch.randint(0, 320, (2, 40), device=CUDA)
+    kernel, calls = decode.decode_attention, []
+    monkeypatch.setattr(decode, "decode_attention", lambda *args: calls.append(1) or kernel(*args))
+    with torch.no_grad():
+        full = model(tokens)
+        for step_fn in (decode.forward, torch.compile(decode.forward)):
+            cache = decode.KVCache(model, 2, 48, torch.float32, torch.device(CUDA))
+            steps = [decode.forward(model, tokens[:, :33], torch.arange(33, device=CUDA), cache)]
+            for i in range(33, 40):
+                steps.append(step_fn(model, tokens[:, i : i + 1], torch.tensor([i], device=CUDA), cache))
+            torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
+            if step_fn is decode.forward:
+                assert len(calls) == 7 * len(model.layers)
+    monkeypatch.setattr(decode, "decode_attention", kernel)
+    eager, _ = decode.generate(model, tokens[:, :9], 12)
+    graphed, _ = decode.generate(model, tokens[:, :9], 12, cuda_graph=True)
+    assert torch.equal(eager, graphed)
