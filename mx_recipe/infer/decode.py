@@ -10,10 +10,12 @@ The cache is laid out per KV head, [batch, kv heads, max_len, head dim], and the
 attend as one head with their queries stacked (grouped-query attention): SDPA reads each layer's cache once, in
 place, where repeating it per query head would copy it n_heads / n_kv_heads times a step.
 
-A decode step (one position) on a GPU attends with the split-KV kernel of ``mx_recipe.infer.attention`` instead,
-reading only the positions written so far (a device tensor: one CUDA graph for every step): at batch 1 SDPA runs
-one program per KV head and waits on its loads, where the kernel spreads the cache over the SMs. The prefill, and
-every step on the CPU, keep SDPA and the mask.
+A decode step (one position) on a GPU runs the same computation in few launches (``_kernel_step``): RoPE with the
+cache write and the residual add with RMSNorm as fused kernels (``mx_recipe.infer.fused``), and attention by the
+split-KV kernel of ``mx_recipe.infer.attention``, which reads only the positions written so far and spreads them
+over the SMs (at batch 1 SDPA runs one program per KV head and waits on its loads). The position is a device
+tensor, so one CUDA graph serves every step. The prefill, and every step on the CPU, run the model's modules with
+SDPA and the mask.
 
 ``DecodeGraph`` captures one decode step in a CUDA graph and replays it: a step launches a few hundred small
 kernels, whose launch time would otherwise exceed their run time at small batch.
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mx_recipe.infer.attention import decode_attention, use_kernel
+from mx_recipe.infer.fused import add_rms_norm, rope_cache_write, use_kernels
 from mx_recipe.models.llama import Attention, Transformer, apply_rope, project
 
 
@@ -48,11 +51,9 @@ class KVCache(nn.Module):
 
 
 def _attend(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-            v_cache: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor | None
-            ) -> torch.Tensor:  # fmt: skip
+            v_cache: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """``attn`` on x [B, S, dim] at ``positions`` [S], writing its keys and values into the layer's cache;
-    ``visible`` [repeats * S, max_len]: the cache positions each stacked query sees (SDPA), or None: a decode
-    step (S = 1) by the decode-attention kernel, over the positions up to positions[-1]."""
+    ``visible`` [repeats * S, max_len]: the cache positions each stacked query sees."""
     bs, seq_len, _ = x.shape
     q, k, v = project(x, attn.wq, attn.wk, attn.wv)
     q = apply_rope(q.view(bs, seq_len, attn.n_heads, attn.head_dim), cos, sin)
@@ -63,29 +64,51 @@ def _attend(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     repeats = attn.n_heads // attn.n_kv_heads
     q = q.view(bs, seq_len, attn.n_kv_heads, repeats, attn.head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(bs, attn.n_kv_heads, repeats * seq_len, attn.head_dim)
-    if visible is None:
-        out = decode_attention(q, k_cache, v_cache, positions[-1:] + 1)
-    else:
-        out = F.scaled_dot_product_attention(q, k_cache.to(q.dtype), v_cache.to(q.dtype), attn_mask=visible)
+    out = F.scaled_dot_product_attention(q, k_cache.to(q.dtype), v_cache.to(q.dtype), attn_mask=visible)
     out = out.view(bs, attn.n_kv_heads, repeats, seq_len, attn.head_dim).permute(0, 3, 1, 2, 4)
     return attn.wo(out.reshape(bs, seq_len, -1))
 
 
+def _ffn(layer: nn.Module) -> nn.Module:
+    return layer.moe if getattr(layer, "moe_enabled", False) else layer.feed_forward
+
+
+def _eps(norm: nn.RMSNorm, dtype: torch.dtype) -> float:
+    return norm.eps if norm.eps is not None else torch.finfo(dtype).eps  # nn.RMSNorm's default
+
+
+def _kernel_step(model: Transformer, tokens: torch.Tensor, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """One decode position [B, 1] on a GPU: the same computation as ``forward``'s, its elementwise work and
+    attention in the fused kernels (module doc)."""
+    batch = tokens.shape[0]
+    h = model.tok_embeddings(tokens).view(batch, -1)
+    length = position + 1
+    delta = None
+    for i, layer in enumerate(model.layers.values()):
+        norm, attn = layer.attention_norm, layer.attention
+        h, x = add_rms_norm(h, delta, norm.weight, _eps(norm, h.dtype))
+        q, k, v = project(x, attn.wq, attn.wk, attn.wv)
+        q = rope_cache_write(q, k, v, model.rope_cos, model.rope_sin, position, cache.k[i], cache.v[i])
+        out = decode_attention(q, cache.k[i], cache.v[i], length)
+        h, x = add_rms_norm(h, attn.wo(out.view(batch, -1)), layer.ffn_norm.weight, _eps(layer.ffn_norm, h.dtype))
+        delta = _ffn(layer)(x.view(batch, 1, -1)).view(batch, -1)
+    _, x = add_rms_norm(h, delta, model.norm.weight, _eps(model.norm, h.dtype))
+    return model.output(x).view(batch, 1, -1)
+
+
 def forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Logits [B, S, vocab] of ``tokens`` [B, S] at ``positions`` [S] (consecutive), reading and filling ``cache``."""
+    if tokens.shape[1] == 1 and use_kernel(tokens.device, model.args.head_dim) and use_kernels(tokens):
+        return _kernel_step(model, tokens, positions, cache)
     h = model.tok_embeddings(tokens)
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]
-    # the cache positions each query sees, for the query heads of a KV head stacked: made once for every layer, and
-    # only for SDPA (the decode-attention kernel reads positions up to the last)
-    visible = None
-    if not (tokens.shape[1] == 1 and use_kernel(tokens.device, model.args.head_dim)):
-        visible = torch.arange(cache.max_len, device=tokens.device)[None, :] <= positions[:, None]
-        visible = visible.repeat(model.args.n_heads // model.args.n_kv_heads, 1)
+    # the cache positions each query sees, for the query heads of a KV head stacked: made once for every layer
+    visible = torch.arange(cache.max_len, device=tokens.device)[None, :] <= positions[:, None]
+    visible = visible.repeat(model.args.n_heads // model.args.n_kv_heads, 1)
     for i, layer in enumerate(model.layers.values()):
         x = layer.attention_norm(h)
         h = h + _attend(layer.attention, x, cos, sin, cache.k[i], cache.v[i], positions, visible)
-        ffn = layer.moe if getattr(layer, "moe_enabled", False) else layer.feed_forward
-        h = h + ffn(layer.ffn_norm(h))
+        h = h + _ffn(layer)(layer.ffn_norm(h))
     return model.output(model.norm(h))
 
 
