@@ -291,7 +291,7 @@ def test_gpu_large_m_dequantizes_then_cublas(fmt):
     lin = QuantizedLinear(torch.nn.Linear(4096, 1024, bias=False, device=CUDA), fmt)
     w = lin.weight_packed
     assert torch.equal(dequantize(w.qdata, w.scale, w.tensor_scale, fmt), w.dequantize(torch.bfloat16))
-    x = torch.randn(2, (LARGE_M[fmt] + 64) // 2, 4096, device=CUDA).bfloat16()
+    x = torch.randn(2, (LARGE_M + 64) // 2, 4096, device=CUDA).bfloat16()
     assert torch.equal(lin(x), torch.nn.functional.linear(x, w.dequantize(torch.bfloat16)))
 
 

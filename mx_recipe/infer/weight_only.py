@@ -7,9 +7,9 @@ CUDA-graph capture take the kernel as one opaque node; Triton is imported on the
 on an NVIDIA GPU of compute capability 8.0 or newer (a bf16 ``tl.dot``; its configs are Hopper's), else the
 reference (dequantize, then the GEMM in the activations' dtype). Up to the kernel's FMA_MAX_M rows (per group:
 decode) the kernel multiplies on CUDA cores with configs per weight shape, else with ``tl.dot``. Past ``LARGE_M``
-rows (per group; for e2m1 weights past the small-M path) ``torch.ops.mx_recipe.dequantize_packed`` writes the
+rows (per group) a GEMM is compute-bound (prefill): there ``torch.ops.mx_recipe.dequantize_packed`` writes the
 bf16 weight in one kernel, bit for bit the reference's, and cuBLAS multiplies, which beats a tile that also
-upcasts there.
+upcasts.
 """
 
 from __future__ import annotations
@@ -22,10 +22,7 @@ from mx_recipe.library import define
 from mx_recipe.ops.device import capability
 
 PACK = {"mxfp8": 1, "mxfp4": 2, "nvfp4": 2}  # elements per code byte along K
-# Rows (per group) past which dequantize_packed + cuBLAS runs instead of the weight-only kernel. For e2m1 weights
-# that is past the small-M path's rows (the kernel's FMA_MAX_M): the tl.dot path upcasts them at 0.12-0.21x
-# cuBLAS's bf16 time at M = 8..128 (H100, 2026-11-28), where writing and reading the bf16 weight costs ~2.3x.
-LARGE_M = {"mxfp8": 128, "mxfp4": 4, "nvfp4": 4}
+LARGE_M = 128  # rows (per group) past which dequantize_packed + cuBLAS runs instead of the weight-only kernel
 
 
 def _launch(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
@@ -81,7 +78,7 @@ def weight_only_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor
     """x [..., K] bf16 @ dequantize(w).T for w packed along K (qdata [N, K / pack], scale [N, K / block]) ->
     [..., N] bf16."""
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] > LARGE_M[fmt]:
+    if x2.shape[0] > LARGE_M:
         return F.linear(x, torch.ops.mx_recipe.dequantize_packed(qdata, scale, tensor_scale, fmt))
     out = torch.ops.mx_recipe.weight_only_mm(x2, qdata, scale, tensor_scale, fmt)
     return out.reshape(*x.shape[:-1], qdata.shape[-2])
@@ -91,7 +88,7 @@ def weight_only_grouped_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale
                            offs: Tensor) -> Tensor:  # fmt: skip
     """x [M, K] bf16, sorted by group with int32 cumulative row ends ``offs`` [E], by w [E, N, K] packed along K:
     group e's rows @ dequantize(w[e]).T -> [M, N] bf16. Only the groups with rows read their weights."""
-    if x.shape[0] > LARGE_M[fmt] * qdata.shape[0]:
+    if x.shape[0] > LARGE_M * qdata.shape[0]:
         w = torch.ops.mx_recipe.dequantize_packed(qdata, scale, tensor_scale, fmt)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     return torch.ops.mx_recipe.weight_only_grouped_mm(x, qdata, scale, tensor_scale, fmt, offs)
