@@ -17,19 +17,22 @@ acc = 0), which the combine weighs by zero. Positions at or past ``length`` are 
 
 The split kernel: a program loads q [R, D], padded with zero rows to BLOCK_R = max(16, next power of 2) for
 ``tl.dot``, and walks its chunk in tiles of BLOCK_L positions up to min(chunk end, length): scores q k^T, an
-online softmax (running max m, sum l, accumulator acc [R, D] rescaled as m grows) and acc += p v. It is all
-fp32: the tiles are upcast on load and both dots take fp32 operands with ``input_precision="ieee"`` (no TF32),
-so fp32 inputs get fp32 attention and bf16 inputs lose nothing past their own rounding; the padding rows cost
-FMAs, not bytes. BLOCK_L is 16 (tl.dot's least): compiled for sm_90 at 4 warps the FMA dots of a 16-position
-tile take 72 registers a thread at D = 128 and at most 143 (fp32, D = 256), where 32 positions take 247 at
-D = 128 and some shapes spill. The partial (acc, m, l) goes to an fp32 workspace allocated per call (torch's
-caching allocator: cheap, and graph-safe). With one split (many heads, or a cache of one tile) the program
+online softmax (running max m, sum l, accumulator acc [R, D] rescaled as m grows) and acc += p v. The softmax
+is fp32. With 16-bit q and caches (bf16, fp16) on a GPU both dots run on tensor cores: q k^T from the 16-bit
+values themselves (exact products, fp32 sums), and p v with p split into two 16-bit parts, p_hi = p rounded and
+p_lo = p - p_hi rounded, two MMAs into one fp32 sum: 16 significant bits of p, where flash attention's one
+16-bit P keeps 8. Otherwise (fp32 inputs, and under the interpreter) both dots take fp32 operands with
+``input_precision="ieee"`` (no TF32), so fp32 inputs get fp32 attention; on CUDA cores, these tiles are 16
+positions (BLOCK_L, tl.dot's least: compiled for sm_90 at 4 warps 72 registers a thread at D = 128 and at most
+143 at D = 256, where 32 positions take 247 and some shapes spill); the 16-bit tiles are 32 (BLOCK_L_MMA16).
+The padding rows of q cost MMA work, not bytes. The partial (acc, m, l) goes to an fp32 workspace allocated per
+call (torch's caching allocator: cheap, and graph-safe). With one split (many heads, or a cache of one tile) the program
 writes acc / l as the output itself, and there is no workspace and no combine.
 
 The combine kernel, one program per (b, head, r): the splits in order, BLOCK_S at a time, as an online softmax
 over their partials: sum_s acc_s 2**(m_s - M) / sum_s l_s 2**(m_s - M), M the largest m. A fixed order and
-fixed reduction trees: the result does not depend on timing. Scores are in base 2 (q is scaled by
-scale * log2(e) once).
+fixed reduction trees: the result does not depend on timing. Scores are in base 2, scaled by scale * log2(e)
+(fp32 q once; the 16-bit path each tile's fp32 scores).
 
 SPLITS: enough chunks that B * Hkv * SPLITS makes PROGRAMS_PER_SM programs an SM, at most one a tile; a chunk
 is a whole number of tiles. ``length`` must be at least 1 (0 gives NaN); past L it reads as L.
@@ -47,7 +50,8 @@ from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.spec import cdiv
 
 PROGRAMS_PER_SM = 2  # split programs an SM: the loads of several programs in flight hide each other's latency
-BLOCK_L = 16  # cache positions a tile (module doc)
+BLOCK_L = 16  # cache positions a tile of the fp32 path (module doc)
+BLOCK_L_MMA16 = 32  # and of the 16-bit path (MMAs): 200 registers a thread at D = 128, 4 warps, sm_90
 INTERPRET_BLOCK_L = 64  # under the interpreter, whose time goes by operation: fewer, larger tiles
 BLOCK_S = 16  # splits the combine reads at once: a [16, D] fp32 tile, 72 registers a thread at D = 128
 NUM_WARPS = 4
@@ -60,6 +64,7 @@ def _split_kernel(
     q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, H, R, L, CHUNK, SPLITS, stride_len, qk_scale,
     stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_ob,
     stride_oh, stride_or, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, DIRECT: tl.constexpr,
+    MMA16: tl.constexpr,
 ):  # fmt: skip
     """One chunk of the cache for the R query heads of one (b, head): its partial (acc [R, D], m [R], l [R]);
     ``DIRECT`` (one split): the output rows acc / l."""
@@ -73,7 +78,9 @@ def _split_kernel(
     r = tl.arange(0, BLOCK_R)
     d = tl.arange(0, D)
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh + r[:, None] * stride_qr
-    q = tl.load(q_rows + d[None, :], mask=r[:, None] < R, other=0.0).to(tl.float32) * qk_scale
+    q = tl.load(q_rows + d[None, :], mask=r[:, None] < R, other=0.0)
+    if not MMA16:
+        q = q.to(tl.float32) * qk_scale
     k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -82,14 +89,22 @@ def _split_kernel(
     for pos0 in range(start, end, BLOCK_L):
         pos = pos0 + tl.arange(0, BLOCK_L)
         inside = pos < end  # also keeps the next chunk's positions and those past length unread
-        k = tl.load(k_base + pos[:, None] * stride_kl + d[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        k = tl.load(k_base + pos[:, None] * stride_kl + d[None, :], mask=inside[:, None], other=0.0)
+        v = tl.load(v_base + pos[:, None] * stride_vl + d[None, :], mask=inside[:, None], other=0.0)
+        if MMA16:  # 16-bit q, k, v on tensor cores: exact products, fp32 sums (module doc)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         s = tl.where(inside[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a visible position
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        v = tl.load(v_base + pos[:, None] * stride_vl + d[None, :], mask=inside[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        if MMA16:  # p as the sum of two 16-bit parts: 16 significant bits, where one part would keep 8
+            p_hi = p.to(v.dtype)
+            p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p_lo, v, tl.dot(p_hi, v))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     if DIRECT:
@@ -207,8 +222,9 @@ def decode_attention(
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
+    mma16 = q.dtype == k_cache.dtype == v_cache.dtype != torch.float32 and not interpreting()
     if block_l is None:
-        block_l = INTERPRET_BLOCK_L if interpreting() else BLOCK_L
+        block_l = INTERPRET_BLOCK_L if interpreting() else BLOCK_L_MMA16 if mma16 else BLOCK_L
     if block_l < 16 or block_l & (block_l - 1):
         raise ValueError(f"decode_attention: block_l must be a power of 2, at least 16; got {block_l}")
     n_splits, chunk = split_count(bsz * heads, k_cache.shape[2], block_l, _sm_count(q.device), splits)
@@ -229,7 +245,8 @@ def decode_attention(
             stride_kb=k_cache.stride(0), stride_kh=k_cache.stride(1), stride_kl=k_cache.stride(2),
             stride_vb=v_cache.stride(0), stride_vh=v_cache.stride(1), stride_vl=v_cache.stride(2),
             stride_ob=out.stride(0), stride_oh=out.stride(1), stride_or=out.stride(2), D=d,
-            BLOCK_R=max(16, triton.next_power_of_2(reps)), BLOCK_L=block_l, DIRECT=direct, num_warps=NUM_WARPS,
+            BLOCK_R=max(16, triton.next_power_of_2(reps)), BLOCK_L=block_l, DIRECT=direct, MMA16=mma16,
+            num_warps=NUM_WARPS,
         )  # fmt: skip
 
     def build_combine() -> tuple[tuple[int, ...], dict]:

@@ -307,16 +307,18 @@ def test_gpu_matches_the_reference_and_sdpa(dtype, b, hkv, reps, d, cache_len):
 @pytest.mark.gpu
 def test_gpu_op_in_a_cuda_graph_replays_at_new_lengths():
     """Captured once at one length, the op replays at others from the same length tensor: right answers each."""
+    from mx_recipe.infer.attention import decode_attention
+
     q, k, v = operands(1, 8, 4, 128, 1024, torch.bfloat16, CUDA)
     length = torch.tensor([1024], device=CUDA)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        torch.ops.mx_recipe.decode_attention(q, k, v, length)  # compiles outside the capture
+        decode_attention(q, k, v, length)  # compiles outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = torch.ops.mx_recipe.decode_attention(q, k, v, length)
+        out = decode_attention(q, k, v, length)
     for n in (5, 700, 1, 1024):
         length.fill_(n)
         graph.replay()
