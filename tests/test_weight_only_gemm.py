@@ -127,7 +127,8 @@ def test_kernel_in_triton_interpreter():
 # ---------------------------------------------------------------------------------------
 # CPU, Triton interpreter (child process)
 
-SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=1, STAGES=2)
+SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=1)
+SMALL_SWAPPED = dict(SMALL, STAGES=2)  # the swapped kernel (the weight as the dot's first operand)
 
 
 @interp_only
@@ -144,6 +145,7 @@ def test_interp_shapes_tails_and_split_k(fmt):
             assert_within_bound(run(x, p), x, p)
             for split in (1, 2, 3):
                 assert_within_bound(run(x, p, config=SMALL, split_k=split), x, p)
+                assert_within_bound(run(x, p, config=SMALL_SWAPPED, split_k=split), x, p)
 
 
 @interp_only
@@ -175,7 +177,8 @@ def test_interp_grouped_ragged_and_empty(fmt):
     but one; an expert without rows is never read (NaN weights there change nothing)."""
     torch.manual_seed(2)
     n, k = 48, 96
-    for sizes, config, split in [([0, 3, 0, 20, 1], SMALL, 2), ([2, 0, 0, 1], None, None), ([0, 0, 5], SMALL, 1)]:
+    for sizes, config, split in [([0, 3, 0, 20, 1], SMALL, 2), ([2, 0, 0, 1], None, None), ([0, 0, 5], SMALL, 1),
+                                 ([0, 3, 0, 20, 1], SMALL_SWAPPED, 2)]:  # fmt: skip
         p = packed(weights(n, k, lead=(len(sizes),)), fmt)
         for e, size in enumerate(sizes):
             if size == 0:
@@ -229,7 +232,7 @@ def test_interp_small_m_path(fmt):
 
 
 @interp_only
-@pytest.mark.parametrize("config", [FMA_CONFIGS[0], SMALL])
+@pytest.mark.parametrize("config", [FMA_CONFIGS[0], SMALL, SMALL_SWAPPED])
 def test_interp_tensor_scale_per_row(config):
     """nvfp4 weights concatenated along N keep each part's tensor scale, one per row: the GEMM on the concatenation
     is each part's GEMM (both paths), and ``dequantize`` scales each row by its own."""

@@ -54,13 +54,15 @@ and converting it cost a trip through shared memory every K step. Its configs ar
 FMA_CHOSEN from ``benchmarks/bench_decode.py --sweep``); K is split over programs until the GEMM has
 FMA_PROGRAMS_PER_SM programs an SM, or as the config says.
 
-Larger M (up to mx_recipe.infer.weight_only's LARGE_M): a tl.dot tile with the weight as the dot's first
-operand, out.T [BLOCK_N, BLOCK_M] = w @ x.T: on Hopper the MMA's first operand spans 64 rows a warp group and may
-come from registers, where the upcast leaves it, while M (8 to 128 rows at decode) is the MMA's narrow side, down
-to 16, instead of a 64-row tile mostly padding. A tile's scales are read one byte per code byte (a block's bytes
-read the same one, from L1), so that every operand of the upcast has the codes' shape and it stays elementwise,
-with no reshape between the load and the dot. Configs by M (CANDIDATES), the loop software-pipelined STAGES deep,
-K split until the tiles make PROGRAMS_PER_SM programs an SM.
+Larger M (up to mx_recipe.infer.weight_only's LARGE_M): a tl.dot tile, configs by M. For e4m3 weights the
+weight is the dot's first operand, out.T [BLOCK_N, BLOCK_M] = w @ x.T (the swapped kernel): on Hopper the MMA's
+first operand spans 64 rows a warp group and may come from registers, where the upcast leaves it, while M (8 to
+128 rows at decode) is the MMA's narrow side, down to 16. Its scales are read one byte per code byte (a block's
+bytes read the same one, from L1), so that the upcast stays elementwise, with no reshape between the load and
+the dot; the loop is software-pipelined STAGES deep (SWAPPED_CANDIDATES), K split to SWAPPED_PROGRAMS_PER_SM
+programs an SM. For e2m1 weights x is the first operand, BLOCK_M at least 16, the tile's scales multiplied in
+by block (CANDIDATES), K split to PROGRAMS_PER_SM: in a Llama 3 8B decode step at batch 32 on an H200 the swapped
+kernel made the 4-bit GEMMs 1.6x slower (2026-11-28), and MXFP8's 1.2x faster.
 
 Split K, both paths: each split stores its fp32 partial; the last split of a tile to finish (an atomic counter
 per tile) sums the partials in split order, so the result does not depend on timing, writes bf16 and resets
@@ -95,17 +97,48 @@ from mx_kernels.spec import cdiv
 FORMATS = {"mxfp8": (32, 1), "mxfp4": (32, 2), "nvfp4": (16, 2)}
 
 
+# The tl.dot path's configs for e2m1 weights, by M bucket: the first whose max_m >= M (per group, for the
+# grouped GEMM); the last takes the rest. BLOCK_K counts the elements of fp8 weights; e2m1 tiles take twice as
+# many elements, the same bytes. The first candidate of a bucket is its default; ``set_tuning(True)`` times them
+# all once per shape and keeps the fastest (with split K off and as the SM count asks). The tiles are small
+# because the upcast weights take registers (fp32 values, then bf16 in the dot's layout): compiled for sm_90a,
+# 16 x 32 x 64 fp8 tiles take about 60 registers a thread and 64 x 64 x 64 about 125, so that several programs
+# share an SM and hide the loads' latency; larger tiles spill. Past M = 128 a GEMM is compute-bound and
+# ``dequantize_bf16`` + cuBLAS serves it better (mx_recipe.infer.weight_only).
+CANDIDATES = (
+    (16, [
+        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, PREFETCH=False),
+        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, PREFETCH=True),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, PREFETCH=False),
+        dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, PREFETCH=False),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=8, PREFETCH=False),
+    ]),
+    (32, [
+        dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=8, PREFETCH=False),
+        dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, PREFETCH=False),
+        dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, PREFETCH=True),
+    ]),
+    (64, [
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=8, PREFETCH=False),
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=8, PREFETCH=False),
+        dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, num_warps=4, PREFETCH=False),
+    ]),
+    (None, [
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=8, PREFETCH=False),
+        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, PREFETCH=False),
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=8, PREFETCH=False),
+    ]),
+)  # fmt: skip
+
+
 def _dot(block_m: int, block_n: int, block_k: int, num_warps: int, stages: int) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, STAGES=stages)
 
 
-# The tl.dot path's configs by M bucket: the first whose max_m >= M (per group, for the grouped GEMM); the last takes
-# the rest. BLOCK_K counts the elements of fp8 weights; e2m1 tiles take twice as many elements, the same bytes. The
-# first candidate of a bucket is its default; ``set_tuning(True)`` times them all once per shape and keeps the
-# fastest (with split K as the SM count asks, and 1, 2, 4). BLOCK_N is the MMA's 64-row (per warp group) side;
-# STAGES the depth of the loop's software pipeline. The default is the fastest for mxfp8 at M = 8..32 on an H100
-# (2026-11-28; e2m1 weights preferred BLOCK_K 128 x 8 warps at M <= 32 and BLOCK_N 64 at M = 128).
-CANDIDATES = tuple(
+# The tl.dot path's configs for e4m3 weights (the swapped kernel), by M bucket as CANDIDATES. BLOCK_N is the MMA's
+# 64-row (per warp group) side; STAGES the depth of the loop's software pipeline; ``set_tuning(True)`` also tries
+# split K 1, 2 and 4. The default is the fastest at M = 8..32 on an H100 (2026-11-28).
+SWAPPED_CANDIDATES = tuple(
     (max_m, [_dot(min(max_m or 128, 128), bn, bk, w, st)
              for bn, bk, w, st in ((128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (64, 128, 4, 3))])
     for max_m in (16, 32, 64, None)
@@ -160,7 +193,8 @@ FMA_CHOSEN: dict[tuple[str, int, int], dict] = {
     ("mxfp4", 28672, 4096): _fma(8, 512, 1, 2),  # 33.32 us
     ("nvfp4", 28672, 4096): _fma(8, 1024, None, 4),  # 35.92 us
 }
-PROGRAMS_PER_SM = 2  # split K until a GEMM has this many programs per SM (deep pipelines, large tiles)
+PROGRAMS_PER_SM = 8  # split K until a GEMM has this many programs per SM: small tiles, several programs an SM
+SWAPPED_PROGRAMS_PER_SM = 2  # the swapped kernel's: deep pipelines, large tiles
 MAX_SPLIT_K = 16
 COUNTERS = 1 << 16  # split-K tiles a launch may have
 
@@ -257,7 +291,107 @@ def _finish(acc, rm, rm_in, rn, rn_in, row_end, tile, pid_k, M, N, ts_ptr, strid
 
 
 @triton.jit
+def _load_tile(w_ptrs, s_ptrs, x_ptrs, stride_xk, left, kb, ks, PACK: tl.constexpr, GROUP: tl.constexpr,
+               EVEN_K: tl.constexpr):  # fmt: skip
+    """The code bytes, scale bytes and x columns (even and odd ones for e2m1) of the tile with ``left`` elements of
+    K still to go: the whole tile, its head (a K tail: codes and scales 0, x 0 past it), or nothing (left <= 0)."""
+    if EVEN_K:
+        ok = left > 0
+        w = tl.load(w_ptrs, mask=ok, other=0)
+        s = tl.load(s_ptrs, mask=ok, other=0)
+        x0 = tl.load(x_ptrs, mask=ok, other=0.0)
+        x1 = x0
+        if PACK == 2:
+            x1 = tl.load(x_ptrs + stride_xk, mask=ok, other=0.0)
+    else:
+        w = tl.load(w_ptrs, mask=kb[None, :] < left // PACK, other=0)
+        s = tl.load(s_ptrs, mask=ks[None, :] < left // GROUP, other=0)
+        x0 = tl.load(x_ptrs, mask=PACK * kb[None, :] < left, other=0.0)
+        x1 = x0
+        if PACK == 2:
+            x1 = tl.load(x_ptrs + stride_xk, mask=PACK * kb[None, :] + 1 < left, other=0.0)
+    return w, s, x0, x1
+
+
+@triton.jit
 def _weight_only_kernel(
+    x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, E, K_SPLIT, SPLIT_K,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_tn, stride_om,
+    stride_on,
+    FMT: tl.constexpr, GROUPED: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PREFETCH: tl.constexpr, DOT_BF16: tl.constexpr,
+):  # fmt: skip
+    GROUP: tl.constexpr = 16 if FMT == "nvfp4" else 32
+    PACK: tl.constexpr = 1 if FMT == "mxfp8" else 2
+    BKB: tl.constexpr = BLOCK_K // PACK  # code bytes per row of a tile
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    pid_k = tl.program_id(2)
+
+    rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr = _program_tile(
+        offs_ptr, w_ptr, s_ptr, stride_we, stride_se, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M, BLOCK_N
+    )
+    if GROUPED:
+        if expert < 0:
+            return
+    kb = tl.arange(0, BKB)
+    ks = tl.arange(0, BLOCK_K // GROUP)
+    k_start = pid_k * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+
+    # x: whole columns (fp8 weights), or even and odd columns (e2m1 weights, in their packed order)
+    x_ptrs = x_ptr + rm_in[:, None] * stride_xm + (k_start + PACK * kb[None, :]) * stride_xk
+    w_ptrs = w_ptr + rn_in[:, None] * stride_wn + (k_start // PACK + kb[None, :]) * stride_wk
+    s_ptrs = s_ptr + rn_in[:, None] * stride_sn + (k_start // GROUP + ks[None, :]) * stride_sk
+
+    # PREFETCH: one tile ahead, the next tile's bytes in flight while this one is upcast and multiplied (more
+    # registers a program: fewer programs an SM); else the SM's other programs hide the loads' latency.
+    if PREFETCH:
+        w, s, x0, x1 = _load_tile(w_ptrs, s_ptrs, x_ptrs, stride_xk, k_end - k_start, kb, ks, PACK, GROUP, EVEN_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if PREFETCH:
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BKB * stride_wk
+            s_ptrs += (BLOCK_K // GROUP) * stride_sk
+            left = k_end - k0 - BLOCK_K
+            w_next, s_next, x0_next, x1_next = _load_tile(w_ptrs, s_ptrs, x_ptrs, stride_xk, left, kb, ks, PACK,
+                                                          GROUP, EVEN_K)  # fmt: skip
+        else:
+            w, s, x0, x1 = _load_tile(w_ptrs, s_ptrs, x_ptrs, stride_xk, k_end - k0, kb, ks, PACK, GROUP, EVEN_K)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BKB * stride_wk
+            s_ptrs += (BLOCK_K // GROUP) * stride_sk
+        w, s = w.to(tl.int32), s.to(tl.int32)
+        if FMT == "nvfp4":
+            factor = _e4m3(s) * 1.329227995784916e36  # 2**120: the e4m3 scale's value
+        else:
+            factor = _e8m0(s)
+        if PACK == 1:
+            w0 = _scaled(_e4m3(w) * 1.329227995784916e36, factor, GROUP)
+        else:
+            w0 = _scaled(_e2m1(w & 0xF) * 8.507059173023462e37, factor, GROUP // 2)  # 2**126
+            w1 = _scaled(_e2m1(w >> 4) * 8.507059173023462e37, factor, GROUP // 2)
+        if DOT_BF16:
+            acc = tl.dot(x0, tl.trans(w0.to(tl.bfloat16)), acc)
+            if PACK == 2:
+                acc = tl.dot(x1, tl.trans(w1.to(tl.bfloat16)), acc)
+        else:
+            acc = tl.dot(x0.to(tl.float32), tl.trans(w0), acc, input_precision="ieee")
+            if PACK == 2:
+                acc = tl.dot(x1.to(tl.float32), tl.trans(w1), acc, input_precision="ieee")
+        if PREFETCH:
+            w, s, x0, x1 = w_next, s_next, x0_next, x1_next
+
+    # SPLIT: SPLIT_K > 1, a runtime value: one compiled kernel for every split
+    _finish(acc, rm, rm_in, rn, rn_in, row_end, pid_n * tl.num_programs(1) + slot, pid_k, M, N, ts_ptr, stride_tn,
+            out_ptr, stride_om, stride_on, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT)  # fmt: skip
+
+
+@triton.jit
+def _weight_only_swapped_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, E, K_SPLIT, SPLIT_K,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_tn, stride_om,
@@ -266,7 +400,8 @@ def _weight_only_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     STAGES: tl.constexpr, DOT_BF16: tl.constexpr,
 ):  # fmt: skip
-    """The tl.dot path: acc [BLOCK_N, BLOCK_M] = w @ x.T, the weight the dot's first operand (module doc)."""
+    """The tl.dot path for e4m3 weights: acc [BLOCK_N, BLOCK_M] = w @ x.T, the weight the dot's first operand
+    (module doc)."""
     GROUP: tl.constexpr = 16 if FMT == "nvfp4" else 32
     PACK: tl.constexpr = 1 if FMT == "mxfp8" else 2
     BKB: tl.constexpr = BLOCK_K // PACK  # code bytes per row of a tile
@@ -484,6 +619,7 @@ def _dequantize_kernel(w_ptr, s_ptr, ts_ptr, out_ptr, R, K, N, stride_tn, FMT: t
 
 
 _LAUNCHES = LaunchCache(_weight_only_kernel)
+_SWAPPED_LAUNCHES = LaunchCache(_weight_only_swapped_kernel)
 _FMA_LAUNCHES = LaunchCache(_weight_only_fma_kernel)
 _DEQUANTIZE = LaunchCache(_dequantize_kernel)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -509,7 +645,7 @@ def candidates(m: int, fmt: str, n: int | None = None, k: int | None = None, fma
         configs = FMA_CANDIDATES.get((n, k), FMA_CANDIDATES[None])
         chosen = FMA_CHOSEN.get((fmt, n, k))
         return [chosen, *[c for c in configs if c != chosen]] if chosen else list(configs)
-    for max_m, configs in CANDIDATES:
+    for max_m, configs in SWAPPED_CANDIDATES if fmt == "mxfp8" else CANDIDATES:
         if max_m is None or m <= max_m:
             pack = FORMATS[fmt][1]
             return [dict(cfg, num_stages=1, BLOCK_K=cfg["BLOCK_K"] * pack) for cfg in configs]
@@ -563,7 +699,7 @@ def _tuned(key: tuple, run) -> tuple[dict, int | None]:
     fmt, m, n, k = key[:4]
     best, best_us = None, float("inf")
     for cfg in candidates(m, fmt, n, k):
-        for split in (None,) if fma_path(m, cfg) else (None, 1, 2, 4):
+        for split in (None,) if fma_path(m, cfg) else (None, 1, 2, 4) if "STAGES" in cfg else (None, 1):
             try:
                 us = time_us(lambda cfg=cfg, split=split: run(cfg, split), calls=10, rounds=1)
             except triton.runtime.errors.OutOfResources:  # too much shared memory or too many registers
@@ -666,7 +802,9 @@ def weight_only_mm(
     tiles = cdiv(n, block_n) * slots
     k_tiles = cdiv(k, block_k)
     busy = cdiv(n, block_n) * (min(cdiv(m, block_m), n_groups) if grouped else slots)  # tiles with rows
-    split_k = _split(split_k, k_tiles, busy, PROGRAMS_PER_SM, x.device) if tiles <= COUNTERS else 1
+    swapped = "STAGES" in cfg
+    per_sm = SWAPPED_PROGRAMS_PER_SM if swapped else PROGRAMS_PER_SM
+    split_k = _split(split_k, k_tiles, busy, per_sm, x.device) if tiles <= COUNTERS else 1
     k_split = cdiv(k_tiles, split_k) * block_k
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     counters = _counters(x.device) if split_k > 1 else out
@@ -684,7 +822,10 @@ def weight_only_mm(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, DOT_BF16=not interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    _LAUNCHES.launch((cdiv(n, block_n), slots, split_k), dict(args, STAGES=cfg["STAGES"]))
+    if swapped:
+        _SWAPPED_LAUNCHES.launch((cdiv(n, block_n), slots, split_k), dict(args, STAGES=cfg["STAGES"]))
+    else:
+        _LAUNCHES.launch((cdiv(n, block_n), slots, split_k), dict(args, PREFETCH=cfg.get("PREFETCH", False)))
     return out
 
 
