@@ -14,8 +14,9 @@ Hopper, which has no MX MMA), so their FLOPs run at the bf16 rate; on B200, "+ M
 activations too and runs the block-scaled MMA at the fp8 or fp4 rate. Prefill of T tokens reads the weights once
 for all T, so it turns compute-bound within a few hundred tokens.
 
-Under each model's table, the newest measured decode points of that model on an H200 (``*_bench_decode*.json`` in
-docs/results, from benchmarks/bench_decode.py) and the share of the H200 weight-only bound each reaches.
+Under each model's table, the newest measured decode points of that model on an H100 and on an H200
+(``*_bench_decode*.json`` in docs/results, from benchmarks/bench_decode.py) and the share of that GPU's
+weight-only bound each reaches.
 
 MoE: a decode step reads the routed experts that any of its tokens picked; with uniform routing of B tokens to
 top_k of E experts, E (1 - (1 - top_k / E)^B) experts per layer. The shared experts, attention and router are
@@ -170,15 +171,17 @@ def latest_decode_result(model: str, flavor: str, device: str = "H200") -> tuple
     for path in sorted((ROOT / "docs" / "results").glob("*_bench_decode*.json")):
         data = json.loads(path.read_text())
         meta = data["meta"]
-        if (meta.get("model"), meta.get("flavor")) == (model, flavor) and device in meta.get("device", ""):
+        gpu = meta.get("device", "").split(" (")[0]  # the GPU, without the note on the run
+        if (meta.get("model"), meta.get("flavor")) == (model, flavor) and device in gpu:
             found = path, data
     return found
 
 
-def measured_points(m: ModelCounts, model: str, flavor: str, vocab: int, context: int) -> list[str]:
-    """The measured decode points of ``benchmarks/bench_decode.py`` on an H200 against this roofline's H200 rows;
-    against the bound of the blocks it kept where it ran fewer (``--layers``)."""
-    result = latest_decode_result(model, flavor)
+def measured_points(m: ModelCounts, model: str, flavor: str, vocab: int, context: int, key: str = "h200"
+                    ) -> list[str]:  # fmt: skip
+    """The measured decode points of ``benchmarks/bench_decode.py`` on the GPU ``key`` (h100, h200) against this
+    roofline's rows of that GPU; against the bound of the blocks it kept where it ran fewer (``--layers``)."""
+    result = latest_decode_result(model, flavor, key.upper())
     if result is None:
         return []
     path, data = result
@@ -187,9 +190,9 @@ def measured_points(m: ModelCounts, model: str, flavor: str, vocab: int, context
         return []
     layers = meta.get("layers")
     kept = m if layers is None else model_counts(model, flavor, vocab, m.name, layers)
-    rows_of = "the H200 weight-only rows above" if kept == m else f"the bound of its first {layers} blocks"
+    dev = DEVICES[key]
+    rows_of = f"the {dev.name} weight-only rows above" if kept == m else f"the bound of its first {layers} blocks"
     m = kept
-    dev = DEVICES["h200"]
     rows = []
     for r in (r for r in data["rows"] if r["mode"] == "decode"):
         bound = r["batch"] / decode_step(m, r["weights"], dev, r["batch"], context).seconds
@@ -235,7 +238,8 @@ def render(context: int = 1024, prefill: int = 2048) -> list[str]:
                 cells += [f"{prefill_tokens_per_second(m, fmt, dev, prefill, act):,.0f}"]
                 rows.append(cells)
         lines += table(header, rows) + [""]
-        lines += measured_points(m, model, flavor, vocab, context)
+        for key in ("h100", "h200"):
+            lines += measured_points(m, model, flavor, vocab, context, key)
         one = decode_step(m, "bf16", DEVICES["h200"], 1, context)
         balance = DEVICES["h200"].bf16_flops / DEVICES["h200"].mem_bw
         kv = m.kv_per_position * context / 1e6

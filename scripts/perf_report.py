@@ -525,23 +525,28 @@ def decode_section(paths: list[Path], quality: list[Path] = ()) -> list[str]:
     serving = [quality_source(folder) for folder in quality]
     if not paths:
         return ["## Held-out loss with MX weights (`scripts/weight_quality.py`)", "", *serving, ""] if serving else []
+    formats = ("mxfp8", "mxfp4", "nvfp4")
     rows = []
     for path in paths:
         data = load(path)
         meta = data["meta"]
         model = f"{meta['model']} {meta['flavor']} ({meta['layers']} layers)"
-        for r in data["rows"]:
-            rows.append([model, r["mode"], str(r["batch"]), r["weights"], f"{r['ms']:.3f}", f"{r['tokens_per_s']:,.1f}",
-                         f"{r['vs_bf16']:.2f}x", f"{r['pct_of_bound']:.1f}%"])  # fmt: skip
-    devices = ", ".join(dict.fromkeys(column_name(load(p)["meta"]) for p in paths))
+        at = {(r["batch"], r["weights"]): r for r in data["rows"] if r["mode"] == "decode"}
+        for batch in sorted({b for b, _ in at}):
+            base = at.get((batch, "bf16"))
+            cells = [f"{base['ms']:.3f} ms, {base['pct_of_bound']:.1f}%" if base else ""]
+            cells += [f"{at[batch, f]['vs_bf16']:.2f}x, {at[batch, f]['pct_of_bound']:.1f}%" if (batch, f) in at else ""
+                      for f in formats]  # fmt: skip
+            rows.append([model, device_name(meta), str(batch), *cells])
+    devices = ", ".join(dict.fromkeys(device_name(load(p)["meta"]) for p in paths))
     lines = [f"## Decode with MX weights (`benchmarks/bench_decode.py`), {devices}", ""]
     lines += [
-        "One step of the whole model from a CUDA graph (ms), tokens/s, against bf16 in the same run, and as a share",
-        "of the HBM-bandwidth bound: the bytes a step must read (weights, the whole KV cache) at the copy bandwidth",
-        "measured in the run.",
+        "One decode step of the whole model from a CUDA graph: bf16's time, and each format's tokens/s against bf16",
+        "in the same run; each with its share of the HBM-bandwidth bound (the bytes a step must read: weights, the",
+        "whole KV cache, at the copy bandwidth measured in the run).",
         "",
     ]
-    lines += table(["model", "mode", "batch", "weights", "ms", "tokens/s", "to bf16", "of bound"], rows)
+    lines += table(["model", "GPU", "batch", "bf16", *formats], rows)
     return lines + sources([(load(p)["meta"], p.name) for p in paths])[:-1] + serving + [""]
 
 

@@ -187,7 +187,8 @@ def test_decode_targets_and_section(tmp_path):
         "decode batch 32: mxfp4 and nvfp4 weights >= 1.5x bf16 tokens/s": "mxfp4 1.00x",
     }
     lines = report.decode_section([path])
-    assert "| llama 8B (32 layers) | decode | 1 | mxfp4 | 4.000 | 250.0 | 2.00x | 40.0% |" in lines
+    assert "| llama 8B (32 layers) | GPU | 1 | 8.000 ms, 45.0% |  | 2.00x, 40.0% |  |" in lines
+    assert "| llama 8B (32 layers) | GPU | 32 |  |  | 1.00x, 20.0% |  |" in lines
 
 
 def test_a_serving_quality_set_is_a_source_line_under_the_decode_table(tmp_path):
