@@ -55,7 +55,7 @@ FMA_CHOSEN from ``benchmarks/bench_decode.py --sweep``); K is split over program
 FMA_PROGRAMS_PER_SM programs an SM, or as the config says.
 
 Larger M (up to mx_recipe.infer.weight_only's LARGE_M): a tl.dot tile, configs by M. For e4m3 weights the
-weight is the dot's first operand, out.T [BLOCK_N, BLOCK_M] = w @ x.T (the swapped kernel): on Hopper the MMA's
+weight is the dot's first operand, out.T [BLOCK_N, BLOCK_M] = w @ x.T (``SWAPPED``): on Hopper the MMA's
 first operand spans 64 rows a warp group and may come from registers, where the upcast leaves it, while M (8 to
 128 rows at decode) is the MMA's narrow side, down to 16. Its scales are read one byte per code byte (a block's
 bytes read the same one, from L1), so that the upcast stays elementwise, with no reshape between the load and
@@ -135,7 +135,7 @@ def _dot(block_m: int, block_n: int, block_k: int, num_warps: int, stages: int) 
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, STAGES=stages)
 
 
-# The tl.dot path's configs for e4m3 weights (the swapped kernel), by M bucket as CANDIDATES. BLOCK_N is the MMA's
+# The tl.dot path's configs for e4m3 weights (SWAPPED: w @ x.T), by M bucket as CANDIDATES. BLOCK_N is the MMA's
 # 64-row (per warp group) side; STAGES the depth of the loop's software pipeline; ``set_tuning(True)`` also tries
 # split K 1, 2 and 4. The default is the fastest at M = 8..32 on an H100 (2026-11-28).
 SWAPPED_CANDIDATES = tuple(
@@ -194,7 +194,7 @@ FMA_CHOSEN: dict[tuple[str, int, int], dict] = {
     ("nvfp4", 28672, 4096): _fma(8, 1024, None, 4),  # 35.92 us
 }
 PROGRAMS_PER_SM = 8  # split K until a GEMM has this many programs per SM: small tiles, several programs an SM
-SWAPPED_PROGRAMS_PER_SM = 2  # the swapped kernel's: deep pipelines, large tiles
+SWAPPED_PROGRAMS_PER_SM = 2  # the swapped tiles': deep pipelines, large tiles
 MAX_SPLIT_K = 16
 COUNTERS = 1 << 16  # split-K tiles a launch may have
 
@@ -314,33 +314,16 @@ def _load_tile(w_ptrs, s_ptrs, x_ptrs, stride_xk, left, kb, ks, PACK: tl.constex
 
 
 @triton.jit
-def _weight_only_kernel(
-    x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K, E, K_SPLIT, SPLIT_K,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_tn, stride_om,
-    stride_on,
-    FMT: tl.constexpr, GROUPED: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PREFETCH: tl.constexpr, DOT_BF16: tl.constexpr,
-):  # fmt: skip
+def _register_tile_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride_xm, stride_xk, stride_wn, stride_wk,
+                       stride_sn, stride_sk, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+                       DOT_BF16: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_M, BLOCK_N] over K in [k_start, k_end), x the dot's first operand (the e2m1 weights' path)."""
     GROUP: tl.constexpr = 16 if FMT == "nvfp4" else 32
     PACK: tl.constexpr = 1 if FMT == "mxfp8" else 2
     BKB: tl.constexpr = BLOCK_K // PACK  # code bytes per row of a tile
-    pid_n = tl.program_id(0)
-    slot = tl.program_id(1)
-    pid_k = tl.program_id(2)
-
-    rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr = _program_tile(
-        offs_ptr, w_ptr, s_ptr, stride_we, stride_se, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M, BLOCK_N
-    )
-    if GROUPED:
-        if expert < 0:
-            return
     kb = tl.arange(0, BKB)
     ks = tl.arange(0, BLOCK_K // GROUP)
-    k_start = pid_k * K_SPLIT
-    k_end = tl.minimum(k_start + K_SPLIT, K)
-
     # x: whole columns (fp8 weights), or even and odd columns (e2m1 weights, in their packed order)
     x_ptrs = x_ptr + rm_in[:, None] * stride_xm + (k_start + PACK * kb[None, :]) * stride_xk
     w_ptrs = w_ptr + rn_in[:, None] * stride_wn + (k_start // PACK + kb[None, :]) * stride_wk
@@ -384,40 +367,18 @@ def _weight_only_kernel(
                 acc = tl.dot(x1.to(tl.float32), tl.trans(w1), acc, input_precision="ieee")
         if PREFETCH:
             w, s, x0, x1 = w_next, s_next, x0_next, x1_next
-
-    # SPLIT: SPLIT_K > 1, a runtime value: one compiled kernel for every split
-    _finish(acc, rm, rm_in, rn, rn_in, row_end, pid_n * tl.num_programs(1) + slot, pid_k, M, N, ts_ptr, stride_tn,
-            out_ptr, stride_om, stride_on, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT)  # fmt: skip
+    return acc
 
 
 @triton.jit
-def _weight_only_swapped_kernel(
-    x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K, E, K_SPLIT, SPLIT_K,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_tn, stride_om,
-    stride_on,
-    FMT: tl.constexpr, GROUPED: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    STAGES: tl.constexpr, DOT_BF16: tl.constexpr,
-):  # fmt: skip
-    """The tl.dot path for e4m3 weights: acc [BLOCK_N, BLOCK_M] = w @ x.T, the weight the dot's first operand
-    (module doc)."""
+def _swapped_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride_xm, stride_xk, stride_wn, stride_wk,
+                 stride_sn, stride_sk, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
+                 DOT_BF16: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_M, BLOCK_N] over K in [k_start, k_end), computed as w @ x.T (the e4m3 weights' path)."""
     GROUP: tl.constexpr = 16 if FMT == "nvfp4" else 32
     PACK: tl.constexpr = 1 if FMT == "mxfp8" else 2
-    BKB: tl.constexpr = BLOCK_K // PACK  # code bytes per row of a tile
-    pid_n = tl.program_id(0)
-    slot = tl.program_id(1)
-    pid_k = tl.program_id(2)
-
-    rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr = _program_tile(
-        offs_ptr, w_ptr, s_ptr, stride_we, stride_se, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M, BLOCK_N
-    )
-    if GROUPED:
-        if expert < 0:
-            return
-    kb = tl.arange(0, BKB)
-    k_start = pid_k * K_SPLIT
-    k_end = tl.minimum(k_start + K_SPLIT, K)
+    kb = tl.arange(0, BLOCK_K // PACK)
     w_rows = w_ptr + rn_in[:, None] * stride_wn
     s_rows = s_ptr + rn_in[:, None] * stride_sn
     x_cols = x_ptr + rm_in[None, :] * stride_xm
@@ -463,9 +424,45 @@ def _weight_only_swapped_kernel(
             acc = tl.dot(w0, x0.to(tl.float32), acc, input_precision="ieee")
             if PACK == 2:
                 acc = tl.dot(w1, x1.to(tl.float32), acc, input_precision="ieee")
+    return tl.trans(acc)
 
-    _finish(tl.trans(acc), rm, rm_in, rn, rn_in, row_end, pid_n * tl.num_programs(1) + slot, pid_k, M, N, ts_ptr,
-            stride_tn, out_ptr, stride_om, stride_on, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT)  # fmt: skip
+
+@triton.jit
+def _weight_only_kernel(
+    x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, E, K_SPLIT, SPLIT_K,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_tn, stride_om,
+    stride_on,
+    FMT: tl.constexpr, GROUPED: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    SWAPPED: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, DOT_BF16: tl.constexpr,
+):  # fmt: skip
+    """The tl.dot path: one program's [BLOCK_M, BLOCK_N] tile over its split of K; ``SWAPPED``: the weight as the
+    dot's first operand (module doc)."""
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    pid_k = tl.program_id(2)
+
+    rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr = _program_tile(
+        offs_ptr, w_ptr, s_ptr, stride_we, stride_se, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M, BLOCK_N
+    )
+    if GROUPED:
+        if expert < 0:
+            return
+    k_start = pid_k * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    if SWAPPED:
+        acc = _swapped_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride_xm, stride_xk, stride_wn,
+                           stride_wk, stride_sn, stride_sk, FMT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES,
+                           DOT_BF16)  # fmt: skip
+    else:
+        acc = _register_tile_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride_xm, stride_xk,
+                                 stride_wn, stride_wk, stride_sn, stride_sk, FMT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                                 PREFETCH, DOT_BF16)  # fmt: skip
+
+    # SPLIT: SPLIT_K > 1, a runtime value: one compiled kernel for every split
+    _finish(acc, rm, rm_in, rn, rn_in, row_end, pid_n * tl.num_programs(1) + slot, pid_k, M, N, ts_ptr, stride_tn,
+            out_ptr, stride_om, stride_on, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT)  # fmt: skip
 
 
 # e4m3 pair (uint16, element 2j in the low byte) -> its two values in fp32, exact: the hardware conversion to f16x2
@@ -619,7 +616,6 @@ def _dequantize_kernel(w_ptr, s_ptr, ts_ptr, out_ptr, R, K, N, stride_tn, FMT: t
 
 
 _LAUNCHES = LaunchCache(_weight_only_kernel)
-_SWAPPED_LAUNCHES = LaunchCache(_weight_only_swapped_kernel)
 _FMA_LAUNCHES = LaunchCache(_weight_only_fma_kernel)
 _DEQUANTIZE = LaunchCache(_dequantize_kernel)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -822,10 +818,10 @@ def weight_only_mm(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, DOT_BF16=not interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    if swapped:
-        _SWAPPED_LAUNCHES.launch((cdiv(n, block_n), slots, split_k), dict(args, STAGES=cfg["STAGES"]))
-    else:
-        _LAUNCHES.launch((cdiv(n, block_n), slots, split_k), dict(args, PREFETCH=cfg.get("PREFETCH", False)))
+    _LAUNCHES.launch(
+        (cdiv(n, block_n), slots, split_k),
+        dict(args, SWAPPED=swapped, PREFETCH=cfg.get("PREFETCH", False), STAGES=cfg.get("STAGES", 1)),
+    )
     return out
 
 
