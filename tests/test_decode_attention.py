@@ -242,7 +242,7 @@ def test_interp_op_opcheck_and_compile():
 
 @interp_only
 def test_interp_decode_steps_through_the_kernel_give_the_full_forward_logits(monkeypatch):
-    """decode.forward with the kernels' rules forced on (the ops' CPU keys run the kernels here): each decode step
+    """decode.forward with the kernels' rule forced on (the ops' CPU keys run the kernels here): each decode step
     takes the fused step, attending over the positions written so far, and prefill then decode steps give the
     full forward's logits."""
     from mx_recipe.infer import decode
@@ -255,7 +255,6 @@ def test_interp_decode_steps_through_the_kernel_give_the_full_forward_logits(mon
         return torch.ops.mx_recipe.decode_attention(*args)
 
     monkeypatch.setattr(decode, "use_kernel", lambda device, head_dim: True)
-    monkeypatch.setattr(decode, "use_kernels", lambda x: True)
     monkeypatch.setattr(decode, "decode_attention", counted)
     torch.manual_seed(0)
     model = build_model(model_args("llama", "debug", 320, 64))

@@ -4,9 +4,9 @@ cache, grouped-query heads read together. ``length`` is a device tensor, so that
 replays at every position. A fake implementation gives the shape, so torch.compile and CUDA-graph capture take
 the kernel as one opaque node; Triton is imported on the first call only.
 
-``use_kernel`` is the rule for a decode step's attention (one position a sequence): the kernel on an NVIDIA GPU
-of compute capability 8.0 or newer, for the head dims it takes (powers of 2 from 16 to 256); elsewhere SDPA with
-a mask over the cache.
+``use_kernel`` is the rule for a decode step (one position a sequence): this kernel, and the fused ones of
+``mx_recipe.infer.fused``, on an NVIDIA GPU of compute capability 8.0 or newer, for the head dims it takes
+(powers of 2 from 16 to 256); elsewhere SDPA with a mask over the cache and the model's modules.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mx_recipe.infer.attention import decode_attention, use_kernel
-from mx_recipe.infer.fused import add_rms_norm, rope_cache_write, use_kernels
+from mx_recipe.infer.fused import add_rms_norm, rope_cache_write
 from mx_recipe.models.llama import Attention, Transformer, apply_rope, project
 
 
@@ -98,7 +98,7 @@ def _kernel_step(model: Transformer, tokens: torch.Tensor, position: torch.Tenso
 
 def forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Logits [B, S, vocab] of ``tokens`` [B, S] at ``positions`` [S] (consecutive), reading and filling ``cache``."""
-    if tokens.shape[1] == 1 and use_kernel(tokens.device, model.args.head_dim) and use_kernels(tokens):
+    if tokens.shape[1] == 1 and use_kernel(tokens.device, model.args.head_dim):
         return _kernel_step(model, tokens, positions, cache)
     h = model.tok_embeddings(tokens)
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]

@@ -3,8 +3,8 @@ each fuses and its numerics): ``torch.ops.mx_recipe.rope_cache_write`` and ``add
 implementations give the shapes, so torch.compile and CUDA-graph capture take each kernel as one opaque node;
 Triton is imported on the first call only. ``rope_cache_write`` mutates the caches (its schema says so).
 
-``use_kernels`` is the rule ``mx_recipe.infer.decode`` follows for its S = 1 steps: the kernels for CUDA tensors
-on a GPU of compute capability 8.0 or newer; elsewhere the model's own modules (RMSNorm, apply_rope, index_put).
+A decode step takes them where it takes the decode-attention kernel (``mx_recipe.infer.attention.use_kernel``);
+elsewhere it runs the model's own modules (RMSNorm, apply_rope, index_put).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from mx_recipe.library import define
-from mx_recipe.ops.device import capability
 
 
 def _rope(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, position: Tensor, k_cache: Tensor,
@@ -46,12 +45,6 @@ define(
     _rope_fake,
 )
 define("add_rms_norm(Tensor h, Tensor? delta, Tensor weight, float eps) -> (Tensor, Tensor)", _norm, _norm_fake)
-
-
-def use_kernels(x: Tensor) -> bool:
-    """Whether a decode step on ``x``'s device runs the fused kernels (module doc)."""
-    cap = capability(x.device)
-    return cap is not None and cap >= (8, 0)
 
 
 def rope_cache_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, position: Tensor, k_cache: Tensor,
