@@ -520,15 +520,15 @@ def quality_source(folder: Path) -> str:
 
 
 def decode_section(paths: list[Path], quality: list[Path] = ()) -> list[str]:
-    """benchmarks/bench_decode.py: a row per mode, batch and weight format, bf16 and the MX formats in one run;
-    the serving-quality sets' (``quality``) source lines under it."""
+    """benchmarks/bench_decode.py: a row per model, GPU and batch, bf16 and each MX format of the same run in its
+    columns; the serving-quality sets' (``quality``) source lines under it."""
     serving = [quality_source(folder) for folder in quality]
     if not paths:
         return ["## Held-out loss with MX weights (`scripts/weight_quality.py`)", "", *serving, ""] if serving else []
     formats = ("mxfp8", "mxfp4", "nvfp4")
     rows = []
-    for path in paths:
-        data = load(path)
+    runs = [(path, load(path)) for path in paths]
+    for _, data in runs:
         meta = data["meta"]
         model = f"{meta['model']} {meta['flavor']} ({meta['layers']} layers)"
         at = {(r["batch"], r["weights"]): r for r in data["rows"] if r["mode"] == "decode"}
@@ -538,7 +538,7 @@ def decode_section(paths: list[Path], quality: list[Path] = ()) -> list[str]:
             cells += [f"{at[batch, f]['vs_bf16']:.2f}x, {at[batch, f]['pct_of_bound']:.1f}%" if (batch, f) in at else ""
                       for f in formats]  # fmt: skip
             rows.append([model, device_name(meta), str(batch), *cells])
-    devices = ", ".join(dict.fromkeys(device_name(load(p)["meta"]) for p in paths))
+    devices = ", ".join(dict.fromkeys(device_name(data["meta"]) for _, data in runs))
     lines = [f"## Decode with MX weights (`benchmarks/bench_decode.py`), {devices}", ""]
     lines += [
         "One decode step of the whole model from a CUDA graph: bf16's time, and each format's tokens/s against bf16",
@@ -547,7 +547,7 @@ def decode_section(paths: list[Path], quality: list[Path] = ()) -> list[str]:
         "",
     ]
     lines += table(["model", "GPU", "batch", "bf16", *formats], rows)
-    return lines + sources([(load(p)["meta"], p.name) for p in paths])[:-1] + serving + [""]
+    return lines + sources([(data["meta"], path.name) for path, data in runs])[:-1] + serving + [""]
 
 
 def observe_section(paths: list[Path]) -> list[str]:
