@@ -173,12 +173,14 @@ def test_interp_nan_and_zeros(fmt):
 @interp_only
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_interp_grouped_ragged_and_empty(fmt):
-    """Groups of 0, 3, 0, 20 and 1 rows (empty first, middle and several tiles), split K, and groups all empty
-    but one; an expert without rows is never read (NaN weights there change nothing)."""
+    """Groups of 0, 3, 0, 20 and 1 rows (empty first, middle and several tiles), split K, groups all empty
+    but one, and one row in every group (as many row tiles as rows: the grid's bound); an expert without rows is
+    never read (NaN weights there change nothing)."""
     torch.manual_seed(2)
     n, k = 48, 96
     for sizes, config, split in [([0, 3, 0, 20, 1], SMALL, 2), ([2, 0, 0, 1], None, None), ([0, 0, 5], SMALL, 1),
-                                 ([0, 3, 0, 20, 1], SMALL_SWAPPED, 2)]:  # fmt: skip
+                                 ([0, 3, 0, 20, 1], SMALL_SWAPPED, 2), ([1, 1, 1, 1, 1], SMALL, 1),
+                                 ([1, 1, 1, 1, 1], FMA_CONFIGS[1], 1)]:  # fmt: skip
         p = packed(weights(n, k, lead=(len(sizes),)), fmt)
         for e, size in enumerate(sizes):
             if size == 0:

@@ -73,9 +73,10 @@ NVFP4's tensor scale is one fp32 value, or one per row of N: weights concatenate
 keep each part's own scale, and each output column is multiplied by its row's.
 
 Grouped (MoE): x [M_total, K] sorted by expert, ``offs`` [E] int32 cumulative row ends, w [E, N, K]. The grid
-has cdiv(M_total, BLOCK_M) + E row-tile slots, as many as any ``offs`` can need; each program finds its
-expert and rows from ``offs`` and a program without rows returns at once, so an expert without tokens costs
-no weight bytes (decode: only the top-k experts' weights are read).
+has as many row-tile slots as any ``offs`` can need, (M_total + min(E, M_total) * (BLOCK_M - 1)) // BLOCK_M
+(``_row_slots``: M_total at decode, not M_total + E); each program finds its expert and rows from ``offs`` and a
+program without rows returns at once, so an expert without tokens costs no weight bytes (decode: only the top-k
+experts' weights are read).
 
 Large M (prefill) is compute-bound: ``dequantize`` writes the bf16 weight in one pass, bit for bit the
 reference's, for cuBLAS (mx_recipe.infer.weight_only decides).
@@ -745,6 +746,14 @@ def _tensor_scale(tensor_scale: torch.Tensor | None, n: int, like: torch.Tensor)
     return ts, int(ts.numel() > 1)
 
 
+def _row_slots(m: int, block_m: int, n_groups: int) -> int:
+    """Row-tile slots of the grid: as many tiles of ``block_m`` rows as M rows cut per group can make. A group
+    of r rows makes cdiv(r, block_m) <= (r + block_m - 1) / block_m tiles, and at most min(E, M) groups have
+    rows: at decode (M = batch * top-k rows over E experts) the grid has M slots, not M + E, so the programs
+    of the groups without rows (each would start and return) are not launched."""
+    return (m + min(n_groups, m) * (block_m - 1)) // block_m
+
+
 def _split(split_k: int | None, k_tiles: int, busy: int, per_sm: int, device: torch.device) -> int:
     """The split of K: ``split_k``, or enough that ``busy`` tiles make ``per_sm`` programs an SM; no empty split."""
     if split_k is None:
@@ -794,7 +803,7 @@ def weight_only_mm(
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if block_k % 32 or block_m < 16 or block_n < 16:
         raise ValueError(f"{op}: BLOCK_K must be a multiple of 32, BLOCK_M and BLOCK_N at least 16; got {cfg}")
-    slots = cdiv(m, block_m) + (n_groups if grouped else 0)
+    slots = _row_slots(m, block_m, n_groups)
     tiles = cdiv(n, block_n) * slots
     k_tiles = cdiv(k, block_k)
     busy = cdiv(n, block_n) * (min(cdiv(m, block_m), n_groups) if grouped else slots)  # tiles with rows
@@ -846,7 +855,7 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
     s = scale.view(torch.uint8)
     if not grouped:
         w, s = w[None], s[None]
-    slots = cdiv(m, block_m) + (n_groups if grouped else 0)
+    slots = _row_slots(m, block_m, n_groups)
     tiles = cdiv(n, block_n) * slots
     k_tiles = cdiv(k, block_k)
     busy = cdiv(n, block_n) * (min(cdiv(m, block_m), n_groups) if grouped else slots)
