@@ -13,6 +13,9 @@ back), the KV-cache write two scatters, RMSNorm several more. Two kernels replac
 * ``add_rms_norm``: one program per row adds the residual branch's output to the residual stream (rounded to its
   dtype, as the eager add) and writes the stream and its RMSNorm (fp32 sum of squares, x * rsqrt(mean + eps) *
   weight in fp32, rounded once).
+* ``silu_mul``: SwiGLU's ``F.silu(h1) * h3`` for the gate and up projections' outputs (views of one fused GEMM's
+  output, or two tensors), with the eager expression's two roundings: silu in fp32 rounded to the dtype, then
+  the product in fp32 rounded again.
 """
 
 from __future__ import annotations
@@ -73,8 +76,20 @@ def _add_rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + c, (hf * rstd * w).to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _silu_mul_kernel(h1_ptr, h3_ptr, out_ptr, H, stride_1, stride_3, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < H
+    h1 = tl.load(h1_ptr + row * stride_1 + c, mask=ok, other=0.0).to(tl.float32)
+    h3 = tl.load(h3_ptr + row * stride_3 + c, mask=ok, other=0.0).to(tl.float32)
+    silu = (h1 / (1.0 + tl.exp(-h1))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + c, (silu * h3).to(out_ptr.dtype.element_ty), mask=ok)
+
+
 _ROPE = LaunchCache(_rope_cache_kernel)
 _NORM = LaunchCache(_add_rms_norm_kernel)
+_SILU_MUL = LaunchCache(_silu_mul_kernel)
 
 
 def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -134,3 +149,23 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
              num_warps=min(16, max(1, block // 256))),
     )  # fmt: skip
     return h_out, out
+
+
+def silu_mul(h1: torch.Tensor, h3: torch.Tensor) -> torch.Tensor:
+    """``F.silu(h1) * h3`` for rows h1, h3 [T, H] (rows may be strided, the last dim contiguous), in h1's dtype."""
+    if h1.dim() != 2 or h1.shape != h3.shape or h1.dtype != h3.dtype:
+        raise ValueError(f"silu_mul: h1 and h3 must be [T, H] alike, got {h1.dtype} {tuple(h1.shape)} and "
+                         f"{h3.dtype} {tuple(h3.shape)}")  # fmt: skip
+    if h1.stride(1) != 1 or h3.stride(1) != 1:
+        raise ValueError("silu_mul: rows must be contiguous")
+    t, h = h1.shape
+    out = torch.empty((t, h), dtype=h1.dtype, device=h1.device)
+    if t == 0 or h == 0:
+        return out
+    block = min(triton.next_power_of_2(h), 2048)
+    _SILU_MUL.launch(
+        (t, triton.cdiv(h, block)),
+        dict(h1_ptr=h1, h3_ptr=h3, out_ptr=out, H=h, stride_1=h1.stride(0), stride_3=h3.stride(0),
+             stride_o=out.stride(0), BLOCK=block, num_warps=max(1, min(8, block // 256))),
+    )  # fmt: skip
+    return out

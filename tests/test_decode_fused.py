@@ -1,5 +1,6 @@
 """The decode step's fused kernels (kernels/decode_fused.py, through mx_recipe.infer.fused) against the model's
-own modules: ``apply_rope`` and the cache write by indexing, ``nn.RMSNorm`` after the residual add.
+own modules: ``apply_rope`` and the cache write by indexing, ``nn.RMSNorm`` after the residual add, SwiGLU's
+``F.silu(h1) * h3``.
 
 * CPU, in this process: argument errors and the ops' fake shapes.
 * CPU, Triton interpreter (``test_interp_*``), in a child pytest with TRITON_INTERPRET=1: fp32 (equal to the
@@ -13,6 +14,8 @@ Bounds. The kernels compute in fp32 as the reference does, but may contract a pr
 and the norm multiplies x * rstd * weight before its one rounding where nn.RMSNorm may round between: fp32
 results agree within a few fp32 ulps (RTOL 1e-6 of the operands' magnitude), bf16 results within one bf16
 rounding of the reference's (2**-8 relative, 2**-7 in the interpreter, whose fp32 -> bf16 cast truncates).
+silu_mul rounds twice as the eager expression does, and its exp may differ from torch's in the last fp32 bit,
+which can flip silu's rounding: within three roundings of the reference's.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import pytest
 import torch
 from test_cast_kernels import run_interpreter_tests
 
-from mx_recipe.infer.fused import add_rms_norm, rope_cache_write
+from mx_recipe.infer.fused import add_rms_norm, rope_cache_write, silu_mul
 from mx_recipe.models.llama import apply_rope, rope_tables
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -95,6 +98,17 @@ def check_norm(t, d, dtype, device, with_delta):
     assert_close(got, want, 0.0)
 
 
+def check_silu_mul(t, h, dtype, device):
+    """h1 and h3 as views of one fused GEMM's output [T, 2H] (strided rows), and as two tensors."""
+    torch.manual_seed(t + h)
+    fused = (torch.randn(t, 2 * h, device=device) * 4).to(dtype)
+    h1, h3 = fused.split([h, h], dim=-1)
+    want = torch.nn.functional.silu(h1) * h3
+    for a, b in ((h1, h3), (h1.contiguous(), h3.contiguous())):
+        got = silu_mul(a, b)
+        assert_close(got, want, 2 * want.abs())
+
+
 # ---------------------------------------------------------------------------------------
 # CPU, in this process
 
@@ -102,6 +116,7 @@ def check_norm(t, d, dtype, device, with_delta):
 def test_bad_arguments_are_one_line_errors():
     from mx_kernels.decode_fused import add_rms_norm as norm_kernel
     from mx_kernels.decode_fused import rope_cache_write as rope_kernel
+    from mx_kernels.decode_fused import silu_mul as silu_kernel
 
     (q, k, v, cos, sin, position, k_cache, v_cache), _ = rope_case(1, 2, 2, 16, 8, 3, torch.float32, "cpu")
     with pytest.raises(ValueError, match="k_cache and v_cache"):
@@ -116,6 +131,10 @@ def test_bad_arguments_are_one_line_errors():
         norm_kernel(torch.randn(2, 8), None, torch.ones(4), 1e-5)
     with pytest.raises(ValueError, match="contiguous"):
         norm_kernel(torch.randn(8, 2).T, None, torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="h1 and h3 must be \\[T, H\\] alike"):
+        silu_kernel(torch.randn(2, 8), torch.randn(2, 4))
+    with pytest.raises(ValueError, match="contiguous"):
+        silu_kernel(torch.randn(8, 2).T, torch.randn(2, 8))
 
 
 def test_fake_shapes_under_compile_tracing():
@@ -127,6 +146,7 @@ def test_fake_shapes_under_compile_tracing():
             2, 2, 4, 16)  # fmt: skip
         h, out = torch.ops.mx_recipe.add_rms_norm(torch.empty(3, 64), None, torch.empty(64), 1e-5)
         assert h.shape == out.shape == (3, 64)
+        assert torch.ops.mx_recipe.silu_mul(torch.empty(3, 64), torch.empty(3, 64)).shape == (3, 64)
 
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
@@ -153,6 +173,13 @@ def test_interp_add_rms_norm(dtype):
             check_norm(t, d, dtype, "cpu", with_delta)
 
 
+@interp_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interp_silu_mul(dtype):
+    for t, h in [(1, 64), (3, 100), (2, 4096)]:
+        check_silu_mul(t, h, dtype, "cpu")
+
+
 # ---------------------------------------------------------------------------------------
 # GPU
 
@@ -163,6 +190,9 @@ def test_gpu_llama8b_shapes():
         check_rope(b, 8, 4, 128, 1024, 700, torch.bfloat16, "cuda")
         check_norm(b, 4096, torch.bfloat16, "cuda", True)
     check_norm(1, 4096, torch.bfloat16, "cuda", False)
+    for t, h in [(1, 14336), (32, 14336), (6, 1408)]:
+        check_silu_mul(t, h, torch.bfloat16, "cuda")
+        check_silu_mul(t, h, torch.float32, "cuda")
 
 
 @pytest.mark.gpu

@@ -11,11 +11,13 @@ attend as one head with their queries stacked (grouped-query attention): SDPA re
 place, where repeating it per query head would copy it n_heads / n_kv_heads times a step.
 
 A decode step (one position) on a GPU runs the same computation in few launches (``_kernel_step``): RoPE with the
-cache write and the residual add with RMSNorm as fused kernels (``mx_recipe.infer.fused``), and attention by the
-split-KV kernel of ``mx_recipe.infer.attention``, which reads only the positions written so far and spreads them
-over the SMs (at batch 1 SDPA runs one program per KV head and waits on its loads). The position is a device
-tensor, so one CUDA graph serves every step. The prefill, and every step on the CPU, run the model's modules with
-SDPA and the mask.
+cache write, the residual add with RMSNorm and SwiGLU's silu * mul as fused kernels (``mx_recipe.infer.fused``),
+attention by the split-KV kernel of ``mx_recipe.infer.attention``, which reads only the positions written so far
+and spreads them over the SMs (at batch 1 SDPA runs one program per KV head and waits on its loads), and an MoE
+block's routing and combine by the kernels of ``mx_recipe.infer.routing`` (one launch each, where eager routing
+takes some twenty). The position is a device tensor, so one CUDA graph serves every step. The prefill, and every
+step on the CPU, run the model's modules with SDPA and the mask. The fused MoE step leaves the block's
+``tokens_per_expert`` (a training statistic for the balancing bias) untouched.
 
 ``DecodeGraph`` captures one decode step in a CUDA graph and replays it: a step launches a few hundred small
 kernels, whose launch time would otherwise exceed their run time at small batch.
@@ -32,8 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mx_recipe.infer.attention import decode_attention, use_kernel
-from mx_recipe.infer.fused import add_rms_norm, rope_cache_write
-from mx_recipe.models.llama import Attention, Transformer, apply_rope, project
+from mx_recipe.infer.fused import add_rms_norm, rope_cache_write, silu_mul
+from mx_recipe.infer.routing import fits, moe_combine, moe_route
+from mx_recipe.models.llama import Attention, FeedForward, Transformer, apply_rope, project
+from mx_recipe.models.moe import MoE
 
 
 class KVCache(nn.Module):
@@ -77,6 +81,33 @@ def _eps(norm: nn.RMSNorm, dtype: torch.dtype) -> float:
     return norm.eps if norm.eps is not None else torch.finfo(dtype).eps  # nn.RMSNorm's default
 
 
+def _swiglu_step(ffn: FeedForward, x: torch.Tensor) -> torch.Tensor:
+    h1, h3 = project(x, ffn.w1, ffn.w3)
+    return ffn.w2(silu_mul(h1, h3))
+
+
+def _moe_step(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """``moe`` on a decode step's tokens x [T, dim], routed and combined by the fused kernels."""
+    router = moe.router
+    bias = moe.expert_bias.float() if moe.bias_update_speed > 0 else None
+    offs, rows, slots, weights = moe_route(router.gate(x), bias, moe.top_k, router.score_func == "softmax",
+                                           router.route_norm)  # fmt: skip
+    h1, h3 = moe.experts.gate_up(x, offs, rows)
+    y = moe.experts.down(silu_mul(h1, h3), offs)
+    shared = _swiglu_step(moe.shared_experts, x) if moe.shared_experts is not None else None
+    return moe_combine(y, slots, weights, shared)
+
+
+def _ffn_step(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The block's feed-forward or MoE on rows x [T, dim] with the fused kernels, where they take it."""
+    ffn = _ffn(layer)
+    if isinstance(ffn, FeedForward):
+        return _swiglu_step(ffn, x)
+    if isinstance(ffn, MoE) and fits(x.shape[0], ffn.n_experts):
+        return _moe_step(ffn, x)
+    return ffn(x[:, None]).view(x.shape)
+
+
 def _kernel_step(model: Transformer, tokens: torch.Tensor, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """One decode position [B, 1] on a GPU: the same computation as ``forward``'s, its elementwise work and
     attention in the fused kernels (module doc)."""
@@ -91,7 +122,7 @@ def _kernel_step(model: Transformer, tokens: torch.Tensor, position: torch.Tenso
         q = rope_cache_write(q, k, v, model.rope_cos, model.rope_sin, position, cache.k[i], cache.v[i])
         out = decode_attention(q, cache.k[i], cache.v[i], length)
         h, x = add_rms_norm(h, attn.wo(out.view(batch, -1)), layer.ffn_norm.weight, _eps(layer.ffn_norm, h.dtype))
-        delta = _ffn(layer)(x.view(batch, 1, -1)).view(batch, -1)
+        delta = _ffn_step(layer, x)
     _, x = add_rms_norm(h, delta, model.norm.weight, _eps(model.norm, h.dtype))
     return model.output(x).view(batch, 1, -1)
 

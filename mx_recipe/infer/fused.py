@@ -1,10 +1,10 @@
 """A decode step's fused elementwise kernels as custom ops (mx_kernels.decode_fused, whose docstring gives what
-each fuses and its numerics): ``torch.ops.mx_recipe.rope_cache_write`` and ``add_rms_norm``. Fake
+each fuses and its numerics): ``torch.ops.mx_recipe.rope_cache_write``, ``add_rms_norm`` and ``silu_mul``. Fake
 implementations give the shapes, so torch.compile and CUDA-graph capture take each kernel as one opaque node;
 Triton is imported on the first call only. ``rope_cache_write`` mutates the caches (its schema says so).
 
 A decode step takes them where it takes the decode-attention kernel (``mx_recipe.infer.attention.use_kernel``);
-elsewhere it runs the model's own modules (RMSNorm, apply_rope, index_put).
+elsewhere it runs the model's own modules (RMSNorm, apply_rope, index_put, F.silu).
 """
 
 from __future__ import annotations
@@ -47,6 +47,19 @@ define(
 define("add_rms_norm(Tensor h, Tensor? delta, Tensor weight, float eps) -> (Tensor, Tensor)", _norm, _norm_fake)
 
 
+def _silu_mul(h1: Tensor, h3: Tensor) -> Tensor:
+    from mx_kernels.decode_fused import silu_mul
+
+    return silu_mul(h1, h3)
+
+
+def _silu_mul_fake(h1: Tensor, h3: Tensor) -> Tensor:
+    return h1.new_empty(h1.shape)
+
+
+define("silu_mul(Tensor h1, Tensor h3) -> Tensor", _silu_mul, _silu_mul_fake)
+
+
 def rope_cache_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, position: Tensor, k_cache: Tensor,
                      v_cache: Tensor) -> Tensor:  # fmt: skip
     """Rotate q [B, H * D] and k [B, Hkv * D] at ``position`` ([1]) with the RoPE tables cos, sin [max_len, D / 2];
@@ -57,3 +70,8 @@ def rope_cache_write(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, 
 def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(h + delta, RMSNorm(h + delta) * weight) for rows [T, D]; delta None: (a copy of h, RMSNorm(h) * weight)."""
     return torch.ops.mx_recipe.add_rms_norm(h, delta, weight, eps)
+
+
+def silu_mul(h1: Tensor, h3: Tensor) -> Tensor:
+    """``F.silu(h1) * h3`` for rows [T, H] (the eager expression's two roundings), a new tensor."""
+    return torch.ops.mx_recipe.silu_mul(h1, h3)

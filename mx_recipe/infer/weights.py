@@ -134,15 +134,23 @@ class QuantizedExperts(nn.Module):
         self.w13_packed = PackedWeight.cat([self.w1_packed, self.w3_packed])
         del self.w1_packed, self.w3_packed
 
-    def forward(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
-        """As ``models.moe.GroupedExperts``: the groups are x, or x[routed] where the router hands the tokens over."""
+    def gate_up(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """As ``models.moe.GroupedExperts.gate_up``: w1's and w3's outputs (views of one GEMM's when fused)."""
         if routed is not None:
             x = x[routed]
         if hasattr(self, "w13_packed"):
             h1, h3 = self._mm(x, self.w13_packed, offs).chunk(2, dim=-1)
-        else:
-            h1, h3 = self._mm(x, self.w1_packed, offs), self._mm(x, self.w3_packed, offs)
-        return self._mm(F.silu(h1) * h3, self.w2_packed, offs)
+            return h1, h3
+        return self._mm(x, self.w1_packed, offs), self._mm(x, self.w3_packed, offs)
+
+    def down(self, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return self._mm(h, self.w2_packed, offs)
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
+        """As ``models.moe.GroupedExperts``: the groups are x, or x[routed] where the router hands the tokens over."""
+        h1, h3 = self.gate_up(x, offs, routed)
+        return self.down(F.silu(h1) * h3, offs)
 
 
 class FusedLinear(nn.Module):

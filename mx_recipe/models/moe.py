@@ -88,11 +88,21 @@ class GroupedExperts(nn.Module):
             x = x[routed]
         return [self.grouped_mm(x, w, offs) for w in ws]
 
+    def gate_up(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The gate and up projections (w1, w3) of the groups, x or x[routed] as ``forward`` takes them."""
+        y1, y3 = self.grouped_mm_on_one_input(x, (self.w1, self.w3), offs, routed)
+        return y1, y3
+
+    def down(self, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """The down projection (w2) of the groups' hidden rows h [M_total, hidden]."""
+        return self.grouped_mm(h, self.w2, offs)
+
     def forward(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
         """x [M_total, dim] sorted by expert; or the tokens [T, dim] and ``routed`` [M_total], the token of each row
         of the groups (the groups are x[routed])."""
-        y1, y3 = self.grouped_mm_on_one_input(x, (self.w1, self.w3), offs, routed)
-        return self.grouped_mm(F.silu(y1) * y3, self.w2, offs)
+        y1, y3 = self.gate_up(x, offs, routed)
+        return self.down(F.silu(y1) * y3, offs)
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)

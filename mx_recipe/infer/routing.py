@@ -1,0 +1,68 @@
+"""An MoE block's decode-step routing as custom ops (mx_kernels.moe_routing, whose docstring gives the layout and
+the numerics): ``torch.ops.mx_recipe.moe_route`` turns the router's logits into the grouped GEMM's rows sorted by
+expert, and ``moe_combine`` weighs and sums each token's expert rows with its shared experts' output. Fake
+implementations give the shapes, so torch.compile and CUDA-graph capture take each kernel as one opaque node;
+Triton is imported on the first call only.
+
+A decode step takes them where it takes the other decode kernels (``mx_recipe.infer.attention.use_kernel``) and
+``fits`` says one routing program holds the step's tokens; elsewhere it runs the ``MoE`` module.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mx_recipe.library import define
+
+
+def fits(tokens: int, experts: int) -> bool:
+    """Whether one routing program takes ``tokens`` tokens over ``experts`` experts (a decode step's)."""
+    from mx_kernels.moe_routing import fits as kernel_fits
+
+    return kernel_fits(tokens, experts)
+
+
+def _route(logits: Tensor, bias: Tensor | None, top_k: int, softmax: bool, norm: bool
+           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    from mx_kernels.moe_routing import moe_route
+
+    return moe_route(logits, bias, top_k, softmax, norm)
+
+
+def _route_fake(logits: Tensor, bias: Tensor | None, top_k: int, softmax: bool, norm: bool
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    t, e = logits.shape
+    i32 = torch.int32
+    return (logits.new_empty(e, dtype=i32), logits.new_empty(t * top_k, dtype=i32),
+            logits.new_empty((t, top_k), dtype=i32), logits.new_empty((t, top_k), dtype=torch.float32))  # fmt: skip
+
+
+def _combine(y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | None) -> Tensor:
+    from mx_kernels.moe_routing import moe_combine
+
+    return moe_combine(y, slots, weights, shared)
+
+
+def _combine_fake(y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | None) -> Tensor:
+    return y.new_empty((slots.shape[0], y.shape[1]))
+
+
+define("moe_route(Tensor logits, Tensor? bias, int top_k, bool softmax, bool norm) -> (Tensor, Tensor, Tensor, Tensor)",
+       _route, _route_fake)  # fmt: skip
+define("moe_combine(Tensor y, Tensor slots, Tensor weights, Tensor? shared) -> Tensor", _combine, _combine_fake)
+
+
+def moe_route(logits: Tensor, bias: Tensor | None, top_k: int, softmax: bool, norm: bool
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """The router's logits [T, E] -> (offs [E] int32 cumulative ends of the rows sorted by expert, rows [T * k]
+    int32 the token of each, slots [T, k] int32 each token's rows in expert order, weights [T, k] fp32 their
+    scores). ``bias``: the balancing bias [E] fp32, added to the scores to choose (None: none); ``softmax``:
+    softmax scores, else sigmoid; ``norm``: the chosen scores renormalized to sum to 1."""
+    return torch.ops.mx_recipe.moe_route(logits, bias, top_k, softmax, norm)
+
+
+def moe_combine(y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | None) -> Tensor:
+    """[T, D]: each token's rows of the experts' output y [T * k, D] times their weights, summed, plus its row of
+    ``shared`` (the shared experts' output; None: none), in fp32, rounded once to y's dtype."""
+    return torch.ops.mx_recipe.moe_combine(y, slots, weights, shared)

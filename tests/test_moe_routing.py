@@ -1,0 +1,211 @@
+"""An MoE block's decode-step routing kernels (kernels/moe_routing.py, through mx_recipe.infer.routing) against
+the ``MoE`` module's own routing: ``TokenChoiceRouter`` for the choice and the scores, the stable argsort of the
+choices by expert for the rows, ``index_add_`` for the combine.
+
+* CPU, in this process: argument errors and the ops' fake shapes.
+* CPU, Triton interpreter (``test_interp_*``), in a child pytest with TRITON_INTERPRET=1: softmax and sigmoid
+  scores, with and without the balancing bias and the renormalization, over token counts and expert counts
+  that pad; the combine with and without shared experts; and decode steps of an MoE model through every fused
+  kernel against its full forward.
+* GPU (``gpu``): the MoE 16B dims' routing (64 experts, top 6) at batch 1 to 128, and the decode steps of an MoE
+  model, eager and replayed from a CUDA graph.
+
+Bounds. The choice and the rows are exact (the logits are continuous random values: no ties). The weights are
+the module's scores within fp32 roundings (the kernel's exp and sum may round differently): 1e-6 relative.
+The combine sums in fp32 and rounds once, where the module rounds each product and each add to the dtype.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from test_cast_kernels import run_interpreter_tests
+
+from mx_recipe.infer.routing import moe_combine, moe_route
+from mx_recipe.models.moe import MoEArgs, TokenChoiceRouter
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+interp_only = pytest.mark.skipif(not (INTERP and HAS_TRITON), reason="runs in the Triton interpreter child process")
+
+if INTERP and HAS_TRITON:
+    from test_gemm_triton import _install_interpreter_shims  # noqa: F401  (installed on import)
+
+
+def module_route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, softmax: bool, norm: bool):
+    """The module's routing of ``logits`` [T, E]: a TokenChoiceRouter whose gate is the identity, then MoE.forward's
+    sort. Returns (offs, rows, each row's weight)."""
+    t, e = logits.shape
+    args = MoEArgs(dim=e, n_layers=1, n_heads=1, n_kv_heads=1, multiple_of=1, n_routed_experts=e, top_k=k,
+                   score_func="softmax" if softmax else "sigmoid", route_norm=norm)  # fmt: skip
+    router = TokenChoiceRouter(args).to(logits.device)
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.eye(e))
+        scores, idx = router(logits.float(), bias)
+    flat = idx.flatten()
+    offs = torch.bincount(flat, minlength=e).cumsum(0).to(torch.int32)
+    order = flat.argsort(stable=True)
+    return offs, (order // k).to(torch.int32), scores.flatten()[order]
+
+
+def check_route(t: int, e: int, k: int, softmax: bool, with_bias: bool, norm: bool, device: str) -> None:
+    torch.manual_seed(t * 1000 + e * 10 + k)
+    logits = torch.randn(t, e, device=device) * 2
+    bias = torch.randn(e, device=device) * 0.1 if with_bias else None
+    offs, rows, slots, weights = moe_route(logits, bias, k, softmax, norm)
+    want_offs, want_rows, want_weights = module_route(logits, bias, k, softmax, norm)
+    assert torch.equal(offs, want_offs)
+    assert torch.equal(rows, want_rows)
+    # each token's k rows, in expert order (rows are sorted by expert), each holding that token
+    assert torch.equal(slots, slots.sort(dim=1).values)
+    assert torch.equal(rows[slots.long()], torch.arange(t, device=device, dtype=torch.int32)[:, None].expand(t, k))
+    by_row = torch.empty_like(want_weights)
+    by_row[slots.flatten().long()] = weights.flatten()
+    torch.testing.assert_close(by_row, want_weights, rtol=1e-6, atol=1e-7)
+
+
+def check_combine(t: int, k: int, d: int, dtype: torch.dtype, with_shared: bool, device: str) -> None:
+    torch.manual_seed(t + k + d)
+    slots = torch.randperm(t * k, device=device).to(torch.int32).view(t, k)  # each row of y is one token's
+    weights = torch.rand(t, k, device=device)
+    y = torch.randn(t * k, d, device=device).to(dtype)
+    shared = torch.randn(t, d, device=device).to(dtype) if with_shared else None
+    got = moe_combine(y, slots, weights, shared)
+    terms = weights.double()[:, :, None] * y.double()[slots.long()]
+    want = terms.sum(1) + (shared.double() if with_shared else 0)
+    magnitude = terms.abs().sum(1) + (shared.double().abs() if with_shared else 0)
+    one_rounding = 2.0**-7 if INTERP and dtype == torch.bfloat16 else 2.0**-8 if dtype == torch.bfloat16 else 2.0**-24
+    assert got.dtype == dtype and got.shape == (t, d)
+    assert ((got.double() - want).abs() <= one_rounding * want.abs() + 1e-6 * magnitude).all()
+
+
+# ---------------------------------------------------------------------------------------
+# CPU, in this process
+
+
+def test_bad_arguments_are_one_line_errors():
+    from mx_kernels.moe_routing import moe_combine as combine_kernel
+    from mx_kernels.moe_routing import moe_route as route_kernel
+
+    with pytest.raises(ValueError, match="logits must be \\[T, E\\]"):
+        route_kernel(torch.randn(8), None, 2, True, False)
+    with pytest.raises(ValueError, match="top_k must be in 1..8"):
+        route_kernel(torch.randn(2, 8), None, 9, True, False)
+    with pytest.raises(ValueError, match="bias must be fp32 \\[8\\]"):
+        route_kernel(torch.randn(2, 8), torch.zeros(4), 2, True, False)
+    with pytest.raises(ValueError, match="exceed one program"):
+        route_kernel(torch.randn(1024, 64), None, 2, True, False)
+    slots, weights = torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2)
+    with pytest.raises(ValueError, match="slots int32 and weights fp32"):
+        combine_kernel(torch.randn(4, 8), slots.long(), weights, None)
+    with pytest.raises(ValueError, match="y must be \\[T \\* k, D\\] = \\[4, D\\]"):
+        combine_kernel(torch.randn(3, 8), slots, weights, None)
+    with pytest.raises(ValueError, match="shared must be \\[T, D\\] = \\[2, 8\\]"):
+        combine_kernel(torch.randn(4, 8), slots, weights, torch.randn(2, 4))
+
+
+def test_fake_shapes_under_compile_tracing():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        offs, rows, slots, weights = torch.ops.mx_recipe.moe_route(torch.empty(3, 64), None, 6, True, False)
+        assert (offs.shape, rows.shape, slots.shape, weights.shape) == ((64,), (18,), (3, 6), (3, 6))
+        assert offs.dtype == rows.dtype == slots.dtype == torch.int32 and weights.dtype == torch.float32
+        y = torch.empty(18, 32, dtype=torch.bfloat16)
+        assert torch.ops.mx_recipe.moe_combine(y, slots, weights, None).shape == (3, 32)
+
+
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
+def test_kernels_in_triton_interpreter():
+    run_interpreter_tests(__file__)
+
+
+# ---------------------------------------------------------------------------------------
+# CPU, Triton interpreter (child process)
+
+
+@interp_only
+@pytest.mark.parametrize("softmax", [True, False], ids=["softmax", "sigmoid"])
+def test_interp_route_is_the_modules(softmax):
+    for t, e, k in [(1, 8, 2), (3, 8, 1), (5, 64, 6), (17, 12, 3), (1, 4, 4)]:
+        for with_bias, norm in [(False, False), (True, False), (False, True), (True, True)]:
+            check_route(t, e, k, softmax, with_bias, norm, "cpu")
+
+
+@interp_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interp_combine(dtype):
+    for t, k, d in [(1, 1, 16), (1, 6, 100), (5, 2, 64), (3, 3, 2500)]:
+        check_combine(t, k, d, dtype, True, "cpu")
+        check_combine(t, k, d, dtype, False, "cpu")
+
+
+@interp_only
+def test_interp_moe_decode_steps_through_the_kernels_give_the_full_forward_logits(monkeypatch):
+    """decode.forward with the kernels' rule forced on (the ops' CPU keys run the kernels here): an MoE model's
+    decode steps take the fused routing and combine, and prefill then decode steps give the full forward's
+    logits (fp32)."""
+    from mx_recipe.infer import decode
+    from mx_recipe.models import build_model, model_args
+
+    calls = []
+    monkeypatch.setattr(decode, "use_kernel", lambda device, head_dim: True)
+    monkeypatch.setattr(decode, "moe_route", lambda *args: calls.append(1) or moe_route(*args))
+    torch.manual_seed(0)
+    model = build_model(model_args("moe", "debug_moe", 320, 64))
+    model.init_weights()
+    model.eval()
+    tokens = torch.randint(0, 320, (3, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = decode.KVCache(model, 3, 16, torch.float32, torch.device("cpu"))
+        steps = [decode.forward(model, tokens[:, :8], torch.arange(8), cache)]
+        steps += [decode.forward(model, tokens[:, i : i + 1], torch.tensor([i]), cache) for i in range(8, 11)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    moe_layers = sum(getattr(layer, "moe_enabled", False) for layer in model.layers.values())
+    assert moe_layers and len(calls) == 3 * moe_layers
+
+
+# ---------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.gpu
+def test_gpu_route_moe16b_dims():
+    for t in (1, 8, 32, 128):
+        check_route(t, 64, 6, True, False, False, "cuda")
+        check_route(t, 64, 6, False, True, True, "cuda")
+    for t, d in [(1, 2048), (32, 2048)]:
+        check_combine(t, 6, d, torch.bfloat16, True, "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_moe_decode_steps_give_the_full_forward_logits(monkeypatch):
+    """On CUDA an MoE model's decode steps (bf16: torch._grouped_mm's dtype) take the fused routing: eager steps
+    give the full forward's logits within bf16 roundings, and the steps replayed from a CUDA graph the eager
+    steps' greedy tokens."""
+    from mx_recipe.infer import decode
+    from mx_recipe.infer.load import to_compute_dtype
+    from mx_recipe.models import build_model, model_args
+
+    torch.manual_seed(0)
+    model = build_model(model_args("moe", "debug_moe", 320, 64)).to("cuda")
+    model.init_weights()
+    model = to_compute_dtype(model.eval(), torch.bfloat16)
+    tokens = torch.randint(0, 320, (4, 40), device="cuda")
+    calls = []
+    monkeypatch.setattr(decode, "moe_route", lambda *args: calls.append(1) or moe_route(*args))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = decode.KVCache(model, 4, 48, torch.bfloat16, torch.device("cuda"))
+        steps = [decode.forward(model, tokens[:, :33], torch.arange(33, device="cuda"), cache)]
+        for i in range(33, 40):
+            steps.append(decode.forward(model, tokens[:, i : i + 1], torch.tensor([i], device="cuda"), cache))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=3e-2, atol=3e-2)
+    assert len(calls) == 7 * sum(getattr(layer, "moe_enabled", False) for layer in model.layers.values())
+    eager, _ = decode.generate(model, tokens[:, :9], 12)
+    graphed, _ = decode.generate(model, tokens[:, :9], 12, cuda_graph=True)
+    assert torch.equal(eager, graphed)
