@@ -95,12 +95,20 @@ def _interp_scale(data) -> torch.Tensor:
 
 def _interp_dot_scaled(self, lhs, lhs_scale, lhs_format, rhs, rhs_scale, rhs_format, fast_math, *packs_and_acc):
     """acc + (lhs * lhs_scale) @ (rhs * rhs_scale): lhs [M, K], rhs [K, N] (fp4 packed along K),
-    scales [M, K/32] and [N, K/32] (tl.dot_scaled's documentation); fp64 products and sums."""
+    scales [M, K/32] and [N, K/32] (tl.dot_scaled's documentation); fp64 products and sums. A bf16 lhs (raw
+    uint16 in the interpreter) comes without scales."""
+    import numpy as np
+    from triton._C.libtriton import ir
     from triton.runtime.interpreter import TensorHandle
 
     lhs_k_pack, rhs_k_pack, acc = packs_and_acc  # the builder's order
     assert lhs_k_pack and rhs_k_pack and not fast_math
-    a = _interp_decode(lhs.data, lhs_format, 1) * _interp_scale(lhs_scale.data)
+    if lhs_format == ir.ScaleDotElemTypeTY.BF16:
+        assert lhs_scale is None
+        raw = torch.from_numpy(np.ascontiguousarray(lhs.data).view(np.int16))
+        a = raw.view(torch.bfloat16).to(torch.float64)
+    else:
+        a = _interp_decode(lhs.data, lhs_format, 1) * _interp_scale(lhs_scale.data)
     b = _interp_decode(rhs.data, rhs_format, 0) * _interp_scale(rhs_scale.data).t()
     return TensorHandle((a @ b).to(torch.float32).numpy() + acc.data, acc.dtype.scalar)
 

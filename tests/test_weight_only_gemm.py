@@ -128,7 +128,7 @@ def test_kernel_in_triton_interpreter():
 # CPU, Triton interpreter (child process)
 
 SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=1)
-SMALL_SWAPPED = dict(SMALL, STAGES=2)  # the swapped kernel (the weight as the dot's first operand)
+SMALL_SCALED = dict(SMALL, SCALED=True, STAGES=2)  # tl.dot_scaled (the MX formats)
 
 
 @interp_only
@@ -145,29 +145,47 @@ def test_interp_shapes_tails_and_split_k(fmt):
             assert_within_bound(run(x, p), x, p)
             for split in (1, 2, 3):
                 assert_within_bound(run(x, p, config=SMALL, split_k=split), x, p)
-                assert_within_bound(run(x, p, config=SMALL_SWAPPED, split_k=split), x, p)
+                if fmt != "nvfp4":
+                    assert_within_bound(run(x, p, config=SMALL_SCALED, split_k=split), x, p)
+
+
+def check_nan_and_zeros(fmt: str, device: str) -> None:
+    """A NaN scale (e8m0 0xFF, e4m3 0x7F) makes its row's outputs NaN, and nothing else; an fp8 NaN element
+    with a finite scale too; all-zero weights (the smallest scale) and zero activations give exact zeros. Every
+    path: M = 3 (the small-M FMAs) and 17 (the tensor-core tile: tl.dot_scaled for MX, the register tile)."""
+    torch.manual_seed(1)
+    n, k = 48, 96
+    p = packed(weights(n, k, device), fmt)
+    p.scale.view(torch.uint8)[5, 1] = 0x7F if fmt == "nvfp4" else 0xFF
+    if fmt == "mxfp8":
+        p.qdata.view(torch.uint8)[9, 40] = 0xFF
+    nan_rows = {5, 9} if fmt == "mxfp8" else {5}
+    zero = packed(torch.zeros(n, k, device=device), fmt)
+    configs = [None, SMALL] + ([] if fmt == "nvfp4" else [SMALL_SCALED])
+    for m in (3, 17):
+        x = torch.randn(m, k, device=device).bfloat16()
+        for config in configs:
+            y = run(x, p, config=config, split_k=2)
+            assert_within_bound(y, x, p)
+            assert set(y.isnan().all(dim=0).nonzero().flatten().tolist()) == nan_rows
+            assert torch.equal(run(x, zero, config=config), torch.zeros(m, n, dtype=torch.bfloat16, device=device))
+    assert torch.equal(run(torch.zeros(1, k, dtype=torch.bfloat16, device=device), zero),
+                       torch.zeros(1, n, dtype=torch.bfloat16, device=device))  # fmt: skip
+    assert run(x[:0], p).shape == (0, n)
 
 
 @interp_only
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_interp_nan_and_zeros(fmt):
-    """A NaN scale (e8m0 0xFF, e4m3 0x7F) makes its row's outputs NaN, and nothing else; an fp8 NaN element
-    with a finite scale too; all-zero weights (the smallest scale) and zero activations give exact zeros."""
-    torch.manual_seed(1)
-    n, k = 48, 96
-    p = packed(weights(n, k), fmt)
-    p.scale.view(torch.uint8)[5, 1] = 0x7F if fmt == "nvfp4" else 0xFF
-    if fmt == "mxfp8":
-        p.qdata.view(torch.uint8)[9, 40] = 0xFF
-    x = torch.randn(3, k).bfloat16()
-    nan_rows = {5, 9} if fmt == "mxfp8" else {5}
-    y = run(x, p, config=SMALL, split_k=2)
-    assert_within_bound(y, x, p)
-    assert set(y.isnan().all(dim=0).nonzero().flatten().tolist()) == nan_rows
-    zero = packed(torch.zeros(n, k), fmt)
-    assert torch.equal(run(x, zero), torch.zeros(3, n, dtype=torch.bfloat16))
-    assert torch.equal(run(torch.zeros(1, k, dtype=torch.bfloat16), zero), torch.zeros(1, n, dtype=torch.bfloat16))
-    assert run(x[:0], p).shape == (0, n)
+    check_nan_and_zeros(fmt, "cpu")
+
+
+@interp_only
+def test_interp_scaled_path_takes_only_the_mx_formats():
+    p = packed(weights(32, 64), "nvfp4")
+    x = torch.randn(17, 64).bfloat16()
+    with pytest.raises(ValueError, match="tl.dot_scaled path takes the MX formats"):
+        run(x, p, config=SMALL_SCALED)
 
 
 @interp_only
@@ -179,7 +197,8 @@ def test_interp_grouped_ragged_and_empty(fmt):
     torch.manual_seed(2)
     n, k = 48, 96
     for sizes, config, split in [([0, 3, 0, 20, 1], SMALL, 2), ([2, 0, 0, 1], None, None), ([0, 0, 5], SMALL, 1),
-                                 ([0, 3, 0, 20, 1], SMALL_SWAPPED, 2), ([1, 1, 1, 1, 1], SMALL, 1),
+                                 ([0, 3, 0, 20, 1], SMALL if fmt == "nvfp4" else SMALL_SCALED, 2),
+                                 ([1, 1, 1, 1, 1], SMALL, 1),
                                  ([1, 1, 1, 1, 1], FMA_CONFIGS[1], 1)]:  # fmt: skip
         p = packed(weights(n, k, lead=(len(sizes),)), fmt)
         for e, size in enumerate(sizes):
@@ -234,7 +253,7 @@ def test_interp_small_m_path(fmt):
 
 
 @interp_only
-@pytest.mark.parametrize("config", [FMA_CONFIGS[0], SMALL, SMALL_SWAPPED])
+@pytest.mark.parametrize("config", [FMA_CONFIGS[0], SMALL])
 def test_interp_tensor_scale_per_row(config):
     """nvfp4 weights concatenated along N keep each part's tensor scale, one per row: the GEMM on the concatenation
     is each part's GEMM (both paths), and ``dequantize`` scales each row by its own."""
@@ -269,6 +288,12 @@ def test_gpu_every_m(fmt):
     for m in GPU_MS:
         x = torch.randn(m, k, device=CUDA).bfloat16()
         assert_within_bound(run(x, p), x, p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_nan_and_zeros(fmt):
+    check_nan_and_zeros(fmt, CUDA)
 
 
 @pytest.mark.gpu

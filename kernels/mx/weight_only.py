@@ -14,23 +14,24 @@ read again from cache. Interleaving the scales with the codes or pre-tiling K-ma
 only trade address arithmetic, and it would make the packed weight differ from the formats' (checkpoints,
 ``dequantize``). So the kernel reads the weights as they are stored.
 
-In the tl.dot path the upcast is integer bit operations, exact, with no fp8 conversion instruction (so Triton's
-CPU interpreter, whose fp8 conversions are wrong, checks the kernel too):
+In the register tile (NVFP4's tensor-core path, and the MX formats' under a config without SCALED) the upcast is
+integer bit operations, exact, with no fp8 conversion instruction (so Triton's CPU interpreter, whose fp8
+conversions are wrong, checks the kernel too):
 
 * an e4m3 code c as fp32 bits ``(c & 0x7F) << 20 | (c & 0x80) << 24`` is its value times 2**-120 (subnormal
   codes land on fp32 subnormals, which fp32 multiplies keep: Triton flushes none); 0x7F / 0xFF give NaN;
 * an e2m1 code c as fp32 bits ``(c & 7) << 22 | (c & 8) << 28`` is its value times 2**-126;
 * an e8m0 scale byte e is 2**(e - 127) as fp32 bits ``e << 23`` (e = 0: 2**-127, a subnormal), NaN for 0xFF.
 
-In the tl.dot path each weight is then ``(bits * 2**120 or 2**126) * scale`` in fp32, exact while it stays in
+There each weight is then ``(bits * 2**120 or 2**126) * scale`` in fp32, exact while it stays in
 bf16's normal range, as ``dequantize`` computes it, cast to bf16 (exact: at most 6 significant bits) for a bf16
 ``tl.dot``. For nvfp4, ``e2m1 * e4m3`` is exact and the tensor scale multiplies the fp32 sum once, as the
 hardware's NVFP4 GEMM does; ``dequantize(bf16)`` rounds every weight after that product instead, so the two
 differ by one bf16 rounding per weight on top of the summation order.
 
-Both paths keep e2m1 weights in their packed order. In the tl.dot path the low nibbles (even k) and high nibbles
-(odd k) of a tile are two [BLOCK_N, BLOCK_K/2] operands, and x is read as its even and odd columns to match (two
-dots, no interleave of the weight in registers).
+Every path keeps e2m1 weights in their packed order (``tl.dot_scaled``'s too). In the register tile the low
+nibbles (even k) and high nibbles (odd k) of a tile are two [BLOCK_N, BLOCK_K/2] operands, and x is read as its
+even and odd columns to match (two dots, no interleave of the weight in registers).
 
 Small M (decode, up to FMA_MAX_M rows per group): no tl.dot, whose 16-row tile would be mostly padding and whose
 operand layout would cost the upcast weights a trip through shared memory; CUDA-core FMAs instead. x and w are
@@ -54,15 +55,21 @@ and converting it cost a trip through shared memory every K step. Its configs ar
 FMA_CHOSEN from ``benchmarks/bench_decode.py --sweep``); K is split over programs until the GEMM has
 FMA_PROGRAMS_PER_SM programs an SM, or as the config says.
 
-Larger M (up to mx_recipe.infer.weight_only's LARGE_M): a tl.dot tile, configs by M. For e4m3 weights the
-weight is the dot's first operand, out.T [BLOCK_N, BLOCK_M] = w @ x.T (``SWAPPED``): on Hopper the MMA's
-first operand spans 64 rows a warp group and may come from registers, where the upcast leaves it, while M (8 to
-128 rows at decode) is the MMA's narrow side, down to 16. Its scales are read one byte per code byte (a block's
-bytes read the same one, from L1), so that the upcast stays elementwise, with no reshape between the load and
-the dot; the loop is software-pipelined STAGES deep (SWAPPED_CANDIDATES), K split to SWAPPED_PROGRAMS_PER_SM
-programs an SM. For e2m1 weights x is the first operand, BLOCK_M at least 16, the tile's scales multiplied in
-by block (CANDIDATES), K split to PROGRAMS_PER_SM: in a Llama 3 8B decode step at batch 32 on an H200 the swapped
-kernel made the 4-bit GEMMs 1.6x slower (2026-11-28), and MXFP8's 1.2x faster.
+Larger M (up to mx_recipe.infer.weight_only's LARGE_M): a tensor-core tile, configs by M. For the MX formats it
+is ``tl.dot_scaled`` (``SCALED``: x as a bf16 operand without scales, the codes as e4m3 or e2m1 with their e8m0
+scales), which Triton compiles on Hopper to an upcast of each weight tile to bf16 (element times 2**e, NaN for
+the 0xFF scale) ahead of a bf16 wgmma, pipelined STAGES deep (SCALED_CANDIDATES); K split to
+SCALED_PROGRAMS_PER_SM programs an SM. With a K tail (K not a multiple of BLOCK_K) e2m1 tiles run unpipelined:
+with Triton 3.6 on an H100 the pipelined loop over a masked e2m1 tile gave wrong sums at almost every output
+(2026-11-28; e4m3 and whole tiles were right). Its upcast is exact where element * 2**e is a bf16 normal or zero: a
+scale byte of 0 or 1 (2**-127, 2**-126) can push a weight below bf16's normal range, where it may flush to 0
+instead of the reference's bf16 subnormal (weights under 2**-120 or so: none a trained model has). Against
+the upcast written here (integer bit operations in registers, the tile then shared with the MMA through shared
+memory), on an H100 (2026-11-28), us per GEMM of Llama 3 8B's fused w1/w3 (28672 x 4096) at M = 8 / 32 / 128:
+MXFP4 136 / 423 / 939 -> 70 / 73 / 102, MXFP8 116 / 131 / 217 -> 69 / 74 / 115, cuBLAS on the bf16 weight 97 /
+85 / 90. NVFP4 (e4m3 scales per 16 and a tensor scale, which ``tl.dot_scaled`` does not take) keeps the upcast
+written here, x the dot's first operand, BLOCK_M at least 16, the tile's scales multiplied in by block
+(CANDIDATES), K split to PROGRAMS_PER_SM.
 
 Split K, both paths: each split stores its fp32 partial; the last split of a tile to finish (an atomic counter
 per tile) sums the partials in split order, so the result does not depend on timing, writes bf16 and resets
@@ -87,6 +94,8 @@ bf16 is raw uint16), and its fp32 -> bf16 output cast truncates.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -98,7 +107,7 @@ from mx_kernels.spec import cdiv
 FORMATS = {"mxfp8": (32, 1), "mxfp4": (32, 2), "nvfp4": (16, 2)}
 
 
-# The tl.dot path's configs for e2m1 weights, by M bucket: the first whose max_m >= M (per group, for the
+# The register tile's configs (NVFP4's tensor-core path), by M bucket: the first whose max_m >= M (per group, for the
 # grouped GEMM); the last takes the rest. BLOCK_K counts the elements of fp8 weights; e2m1 tiles take twice as
 # many elements, the same bytes. The first candidate of a bucket is its default; ``set_tuning(True)`` times them
 # all once per shape and keeps the fastest (with split K off and as the SM count asks). The tiles are small
@@ -132,18 +141,20 @@ CANDIDATES = (
 )  # fmt: skip
 
 
-def _dot(block_m: int, block_n: int, block_k: int, num_warps: int, stages: int) -> dict:
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, STAGES=stages)
+def _scaled(block_m: int, block_n: int, block_k: int, num_warps: int, stages: int = 3) -> dict:
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, STAGES=stages, SCALED=True)
 
 
-# The tl.dot path's configs for e4m3 weights (SWAPPED: w @ x.T), by M bucket as CANDIDATES. BLOCK_N is the MMA's
-# 64-row (per warp group) side; STAGES the depth of the loop's software pipeline; ``set_tuning(True)`` also tries
-# split K 1, 2 and 4. The default is the fastest at M = 8..32 on an H100 (2026-11-28).
-SWAPPED_CANDIDATES = tuple(
-    (max_m, [_dot(min(max_m or 128, 128), bn, bk, w, st)
-             for bn, bk, w, st in ((128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (64, 128, 4, 3))])
-    for max_m in (16, 32, 64, None)
-)  # fmt: skip
+# The tl.dot_scaled path's configs (the MX formats), by M bucket as CANDIDATES; BLOCK_K counts elements, for e4m3
+# and e2m1 alike. Compiled for sm_90a none spills (dense; 2026-11-28: 128 x 64 x 128 tiles did). The first of a
+# bucket is the default, the fastest at M = 8 and 32 on an H100 for Llama 3 8B's fused w1/w3 and wq/wk/wv;
+# ``set_tuning(True)`` times them all, and split K 1, 2 and 4.
+SCALED_CANDIDATES = (
+    (16, [_scaled(16, 64, 128, 4), _scaled(16, 128, 64, 4), _scaled(16, 64, 64, 4)]),
+    (32, [_scaled(32, 64, 128, 4), _scaled(32, 128, 64, 8), _scaled(32, 64, 64, 4)]),
+    (64, [_scaled(64, 64, 128, 8), _scaled(64, 64, 64, 4), _scaled(64, 128, 64, 8)]),
+    (None, [_scaled(128, 128, 64, 8), _scaled(64, 64, 128, 8), _scaled(128, 64, 64, 4)]),
+)
 # The small-M (decode) path, for up to FMA_MAX_M rows (per group). Its configs by weight shape (N, K): Llama 3
 # 8B's projections, alone and fused (wq/wo, wk/wv, w1/w3, w2, qkv, w1w3); None: any other shape. BLOCK_K counts
 # elements, a multiple of 256 * num_warps so that x's and w's tiles take one layout (module doc); BLOCK_N is for
@@ -195,7 +206,7 @@ FMA_CHOSEN: dict[tuple[str, int, int], dict] = {
     ("nvfp4", 28672, 4096): _fma(8, 1024, None, 4),  # 35.92 us
 }
 PROGRAMS_PER_SM = 8  # split K until a GEMM has this many programs per SM: small tiles, several programs an SM
-SWAPPED_PROGRAMS_PER_SM = 2  # the swapped tiles': deep pipelines, large tiles
+SCALED_PROGRAMS_PER_SM = 2  # the tl.dot_scaled tiles': pipelined, large
 MAX_SPLIT_K = 16
 COUNTERS = 1 << 16  # split-K tiles a launch may have
 
@@ -372,60 +383,35 @@ def _register_tile_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride
 
 
 @triton.jit
-def _swapped_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride_xm, stride_xk, stride_wn, stride_wk,
-                 stride_sn, stride_sk, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
-                 DOT_BF16: tl.constexpr):  # fmt: skip
-    """acc [BLOCK_M, BLOCK_N] over K in [k_start, k_end), computed as w @ x.T (the e4m3 weights' path)."""
-    GROUP: tl.constexpr = 16 if FMT == "nvfp4" else 32
+def _scaled_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride_xm, stride_xk, stride_wn, stride_wk,
+                stride_sn, stride_sk, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_M, BLOCK_N] over K in [k_start, k_end) by tl.dot_scaled (the MX formats' path)."""
     PACK: tl.constexpr = 1 if FMT == "mxfp8" else 2
-    kb = tl.arange(0, BLOCK_K // PACK)
+    # tl.constexpr(...) is a no-op when compiled; the interpreter would pass a plain str, which dot_scaled cannot read
+    ELEM: tl.constexpr = tl.constexpr("e4m3" if FMT == "mxfp8" else "e2m1")
+    kx = tl.arange(0, BLOCK_K)
+    kw = tl.arange(0, BLOCK_K // PACK)
+    ks = tl.arange(0, BLOCK_K // 32)
+    x_rows = x_ptr + rm_in[:, None] * stride_xm
     w_rows = w_ptr + rn_in[:, None] * stride_wn
     s_rows = s_ptr + rn_in[:, None] * stride_sn
-    x_cols = x_ptr + rm_in[None, :] * stride_xm
-
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
-        kk = k0 + PACK * kb  # the first element of each code byte
-        # one scale byte per code byte (a block's bytes read the same one, from L1): every operand of the upcast
-        # has the codes' shape, so the upcast stays elementwise in the dot operand's registers (no reshape)
-        w_at = w_rows + (kk // PACK)[None, :] * stride_wk
-        s_at = s_rows + (kk // GROUP)[None, :] * stride_sk
-        x_at = x_cols + kk[:, None] * stride_xk
+        x_at = x_rows + (k0 + kx)[None, :] * stride_xk
+        w_at = w_rows + (k0 // PACK + kw)[None, :] * stride_wk
+        s_at = s_rows + (k0 // 32 + ks)[None, :] * stride_sk
         if EVEN_K:
+            x = tl.load(x_at)
             w = tl.load(w_at)
             s = tl.load(s_at)
-            x0 = tl.load(x_at)
-            x1 = x0
-            if PACK == 2:
-                x1 = tl.load(x_at + stride_xk)
-        else:
-            ok = kk < k_end
-            w = tl.load(w_at, mask=ok[None, :], other=0)
-            s = tl.load(s_at, mask=ok[None, :], other=0)
-            x0 = tl.load(x_at, mask=ok[:, None], other=0.0)
-            x1 = x0
-            if PACK == 2:
-                x1 = tl.load(x_at + stride_xk, mask=ok[:, None], other=0.0)
-        w, s = w.to(tl.int32), s.to(tl.int32)
-        if FMT == "nvfp4":
-            factor = _e4m3(s) * 1.329227995784916e36  # 2**120: the e4m3 scale's value
-        else:
-            factor = _e8m0(s)
-        if PACK == 1:
-            w0 = _e4m3(w) * 1.329227995784916e36 * factor
-        else:
-            w0 = _e2m1(w & 0xF) * 8.507059173023462e37 * factor  # 2**126
-            w1 = _e2m1(w >> 4) * 8.507059173023462e37 * factor
-        if DOT_BF16:
-            acc = tl.dot(w0.to(tl.bfloat16), x0, acc)
-            if PACK == 2:
-                acc = tl.dot(w1.to(tl.bfloat16), x1, acc)
-        else:
-            acc = tl.dot(w0, x0.to(tl.float32), acc, input_precision="ieee")
-            if PACK == 2:
-                acc = tl.dot(w1, x1.to(tl.float32), acc, input_precision="ieee")
-    return tl.trans(acc)
+        else:  # a K tail (K is a multiple of 32): codes and scales 0 past it, a zero product
+            left = k_end - k0
+            x = tl.load(x_at, mask=(kx < left)[None, :], other=0.0)
+            w = tl.load(w_at, mask=(PACK * kw < left)[None, :], other=0)
+            s = tl.load(s_at, mask=(32 * ks < left)[None, :], other=0)
+        acc = tl.dot_scaled(x, None, tl.constexpr("bf16"), w.T, s, ELEM, acc)
+    return acc
 
 
 @triton.jit
@@ -436,10 +422,10 @@ def _weight_only_kernel(
     stride_on,
     FMT: tl.constexpr, GROUPED: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SWAPPED: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, DOT_BF16: tl.constexpr,
+    SCALED: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, DOT_BF16: tl.constexpr,
 ):  # fmt: skip
-    """The tl.dot path: one program's [BLOCK_M, BLOCK_N] tile over its split of K; ``SWAPPED``: the weight as the
-    dot's first operand (module doc)."""
+    """The tensor-core path: one program's [BLOCK_M, BLOCK_N] tile over its split of K; ``SCALED``: by
+    tl.dot_scaled, else the upcast written here (module doc)."""
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -452,10 +438,28 @@ def _weight_only_kernel(
             return
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
-    if SWAPPED:
-        acc = _swapped_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride_xm, stride_xk, stride_wn,
-                           stride_wk, stride_sn, stride_sk, FMT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES,
-                           DOT_BF16)  # fmt: skip
+    if SCALED:
+        acc = _scaled_acc(
+            x_ptr,
+            w_ptr,
+            s_ptr,
+            rm_in,
+            rn_in,
+            k_start,
+            k_end,
+            stride_xm,
+            stride_xk,
+            stride_wn,
+            stride_wk,
+            stride_sn,
+            stride_sk,
+            FMT,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            EVEN_K,
+            STAGES,
+        )
     else:
         acc = _register_tile_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride_xm, stride_xk,
                                  stride_wn, stride_wk, stride_sn, stride_sk, FMT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
@@ -634,24 +638,42 @@ def fma_path(rows: int, config: dict | None = None) -> bool:
     return "BLOCK_M" not in config if config else rows <= FMA_MAX_M
 
 
-def candidates(m: int, fmt: str, n: int | None = None, k: int | None = None, fma: bool | None = None) -> list[dict]:
+def candidates(m: int, fmt: str, n: int | None = None, k: int | None = None, fma: bool | None = None,
+               scaled: bool = True) -> list[dict]:  # fmt: skip
     """The configs for M rows (per group) of ``fmt`` weights [N, K], the default first: the small-M path's for
-    the shape (FMA_CANDIDATES, FMA_CHOSEN first where it names one), else the tl.dot path's by M (CANDIDATES).
-    ``fma``: that path whatever M (None: as ``fma_path`` says)."""
+    the shape (FMA_CANDIDATES, FMA_CHOSEN first where it names one), else the tensor-core path's by M
+    (SCALED_CANDIDATES for the MX formats, CANDIDATES for NVFP4 and where ``scaled`` is off: a GPU without
+    tl.dot_scaled's fp8 operands). ``fma``: that path whatever M (None: as ``fma_path`` says)."""
     if fma if fma is not None else fma_path(m):
         configs = FMA_CANDIDATES.get((n, k), FMA_CANDIDATES[None])
         chosen = FMA_CHOSEN.get((fmt, n, k))
         return [chosen, *[c for c in configs if c != chosen]] if chosen else list(configs)
-    for max_m, configs in SWAPPED_CANDIDATES if fmt == "mxfp8" else CANDIDATES:
+    scaled = scaled and fmt != "nvfp4"
+    for max_m, configs in SCALED_CANDIDATES if scaled else CANDIDATES:
         if max_m is None or m <= max_m:
-            pack = FORMATS[fmt][1]
-            return [dict(cfg, num_stages=1, BLOCK_K=cfg["BLOCK_K"] * pack) for cfg in configs]
+            if scaled:
+                return [dict(cfg, num_stages=cfg["STAGES"]) for cfg in configs]
+            return [dict(cfg, num_stages=1, BLOCK_K=cfg["BLOCK_K"] * FORMATS[fmt][1]) for cfg in configs]
     raise AssertionError("unreachable")
 
 
-def config_for(m: int, fmt: str, n: int | None = None, k: int | None = None, fma: bool | None = None) -> dict:
-    """The default config for M rows (per group) of ``fmt`` weights [N, K] (``fma`` as ``candidates``')."""
-    return candidates(m, fmt, n, k, fma)[0]
+def config_for(m: int, fmt: str, n: int | None = None, k: int | None = None, fma: bool | None = None,
+               scaled: bool = True) -> dict:  # fmt: skip
+    """The default config for M rows (per group) of ``fmt`` weights [N, K] (``fma``, ``scaled`` as
+    ``candidates``')."""
+    return candidates(m, fmt, n, k, fma, scaled)[0]
+
+
+def dot_scaled_ok(device: torch.device) -> bool:
+    """Whether ``device`` runs the tl.dot_scaled path: fp8 operands from sm_89 on; the interpreter (tests)."""
+    if device.type != "cuda":
+        return interpreting()
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 _TUNE = False
@@ -695,8 +717,8 @@ def _tuned(key: tuple, run) -> tuple[dict, int | None]:
         return _TUNED[key]
     fmt, m, n, k = key[:4]
     best, best_us = None, float("inf")
-    for cfg in candidates(m, fmt, n, k):
-        for split in (None,) if fma_path(m, cfg) else (None, 1, 2, 4) if "STAGES" in cfg else (None, 1):
+    for cfg in candidates(m, fmt, n, k, scaled=dot_scaled_ok(key[-1])):
+        for split in (None,) if fma_path(m, cfg) else (None, 1, 2, 4) if cfg.get("SCALED") else (None, 1):
             try:
                 us = time_us(lambda cfg=cfg, split=split: run(cfg, split), calls=10, rounds=1)
             except triton.runtime.errors.OutOfResources:  # too much shared memory or too many registers
@@ -795,7 +817,7 @@ def weight_only_mm(
         key = (fmt, rows if rows <= 16 else triton.next_power_of_2(rows), n, k, n_groups, grouped, x.device)
         config, split_k = _tuned(key, lambda c, s: weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, c, s))
     fma = fma_path(rows, config)
-    cfg = {**config_for(rows, fmt, n, k, fma), **(config or {})}
+    cfg = {**config_for(rows, fmt, n, k, fma, dot_scaled_ok(x.device)), **(config or {})}
     if fma and rows > 16:
         raise ValueError(f"{op}: the small-M path takes at most 16 rows per group, got {rows} (config {config})")
     if fma:
@@ -803,12 +825,17 @@ def weight_only_mm(
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if block_k % 32 or block_m < 16 or block_n < 16:
         raise ValueError(f"{op}: BLOCK_K must be a multiple of 32, BLOCK_M and BLOCK_N at least 16; got {cfg}")
+    scaled = cfg.get("SCALED", False)
+    if scaled and (fmt == "nvfp4" or block_k % 64):
+        raise ValueError(f"{op}: the tl.dot_scaled path takes the MX formats (not {fmt}) and BLOCK_K a multiple of "
+                         f"64; got {cfg}")  # fmt: skip
     slots = _row_slots(m, block_m, n_groups)
     tiles = cdiv(n, block_n) * slots
     k_tiles = cdiv(k, block_k)
     busy = cdiv(n, block_n) * (min(cdiv(m, block_m), n_groups) if grouped else slots)  # tiles with rows
-    swapped = "STAGES" in cfg
-    per_sm = SWAPPED_PROGRAMS_PER_SM if swapped else PROGRAMS_PER_SM
+    per_sm = SCALED_PROGRAMS_PER_SM if scaled else PROGRAMS_PER_SM
+    if scaled and fmt == "mxfp4" and k % block_k:  # a masked e2m1 tile: unpipelined (module doc)
+        cfg = dict(cfg, STAGES=1, num_stages=1)
     split_k = _split(split_k, k_tiles, busy, per_sm, x.device) if tiles <= COUNTERS else 1
     k_split = cdiv(k_tiles, split_k) * block_k
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
@@ -829,7 +856,7 @@ def weight_only_mm(
     )  # fmt: skip
     _LAUNCHES.launch(
         (cdiv(n, block_n), slots, split_k),
-        dict(args, SWAPPED=swapped, PREFETCH=cfg.get("PREFETCH", False), STAGES=cfg.get("STAGES", 1)),
+        dict(args, SCALED=scaled, PREFETCH=cfg.get("PREFETCH", False), STAGES=cfg.get("STAGES", 1)),
     )
     return out
 

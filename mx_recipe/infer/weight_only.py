@@ -4,9 +4,10 @@ whose docstring gives the layout and the numerics). Fake implementations give th
 CUDA-graph capture take the kernel as one opaque node; Triton is imported on the first call only.
 
 ``use_kernel`` is the rule ``QuantizedLinear`` and ``QuantizedExperts`` follow: the kernel for bf16 activations
-on an NVIDIA GPU of compute capability 8.0 or newer (a bf16 ``tl.dot``; its configs are Hopper's), else the
-reference (dequantize, then the GEMM in the activations' dtype). Up to the kernel's FMA_MAX_M rows (per group:
-decode) the kernel multiplies on CUDA cores with configs per weight shape, else with ``tl.dot``. Past ``LARGE_M``
+on an NVIDIA GPU of compute capability 8.0 or newer (its configs are Hopper's), else the reference (dequantize,
+then the GEMM in the activations' dtype). Up to the kernel's FMA_MAX_M rows (per group: decode) the kernel
+multiplies on CUDA cores with configs per weight shape, else on tensor cores (``tl.dot_scaled`` for the MX formats
+from sm_89 on, a bf16 ``tl.dot`` after the kernel's own upcast for NVFP4). Past ``LARGE_M``
 rows (per group) a GEMM is compute-bound (prefill): there ``torch.ops.mx_recipe.dequantize_packed`` writes the
 bf16 weight in one kernel, bit for bit the reference's, and cuBLAS multiplies, which beats a tile that also
 upcasts.
