@@ -151,6 +151,13 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return h_out, out
 
 
+def row_block(width: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of a row-wise elementwise kernel over ``width`` columns: up to 2048 columns a program,
+    8 a thread, so that a decode step's few rows still make several programs."""
+    block = min(triton.next_power_of_2(width), 2048)
+    return block, max(1, min(8, block // 256))
+
+
 def silu_mul(h1: torch.Tensor, h3: torch.Tensor) -> torch.Tensor:
     """``F.silu(h1) * h3`` for rows h1, h3 [T, H] (rows may be strided, the last dim contiguous), in h1's dtype."""
     if h1.dim() != 2 or h1.shape != h3.shape or h1.dtype != h3.dtype:
@@ -162,10 +169,10 @@ def silu_mul(h1: torch.Tensor, h3: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, h), dtype=h1.dtype, device=h1.device)
     if t == 0 or h == 0:
         return out
-    block = min(triton.next_power_of_2(h), 2048)
+    block, warps = row_block(h)
     _SILU_MUL.launch(
         (t, triton.cdiv(h, block)),
         dict(h1_ptr=h1, h3_ptr=h3, out_ptr=out, H=h, stride_1=h1.stride(0), stride_3=h3.stride(0),
-             stride_o=out.stride(0), BLOCK=block, num_warps=max(1, min(8, block // 256))),
+             stride_o=out.stride(0), BLOCK=block, num_warps=warps),
     )  # fmt: skip
     return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from mx_kernels.decode_fused import row_block
 from mx_kernels.launch_cache import LaunchCache
 
 MAX_ROUTED = 16384  # T * E (padded to powers of 2) one routing program takes: a decode step's tokens
@@ -146,12 +147,12 @@ def moe_combine(y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, sha
     out = torch.empty((t, d), dtype=y.dtype, device=y.device)
     if t == 0 or d == 0:
         return out
-    block = min(triton.next_power_of_2(d), 2048)
+    block, warps = row_block(d)
     _COMBINE.launch(
         (t, triton.cdiv(d, block)),
         dict(y_ptr=y, slots_ptr=slots.contiguous(), weights_ptr=weights.contiguous(),
              shared_ptr=shared if shared is not None else y, out_ptr=out, D=d, stride_y=y.stride(0),
              stride_s=shared.stride(0) if shared is not None else 0, stride_o=out.stride(0), K=k,
-             HAS_SHARED=shared is not None, BLOCK=block, num_warps=max(1, min(8, block // 256))),
+             HAS_SHARED=shared is not None, BLOCK=block, num_warps=warps),
     )  # fmt: skip
     return out

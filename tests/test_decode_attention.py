@@ -246,7 +246,6 @@ def test_interp_decode_steps_through_the_kernel_give_the_full_forward_logits(mon
     takes the fused step, attending over the positions written so far, and prefill then decode steps give the
     full forward's logits."""
     from mx_recipe.infer import decode
-    from mx_recipe.models import build_model, model_args
 
     calls = []
 
@@ -256,18 +255,28 @@ def test_interp_decode_steps_through_the_kernel_give_the_full_forward_logits(mon
 
     monkeypatch.setattr(decode, "use_kernel", lambda device, head_dim: True)
     monkeypatch.setattr(decode, "decode_attention", counted)
+    model = assert_decode_steps_give_the_full_forward("llama", "debug", 2)
+    assert calls == [n for n in (9, 10, 11) for _ in range(len(model.layers))]
+
+
+def assert_decode_steps_give_the_full_forward(name: str, flavor: str, batch: int) -> torch.nn.Module:
+    """A debug model at random (fp32, CPU): prefill 8 positions, then 3 decode steps through ``decode.forward``;
+    their logits are the full forward's. Returns the model."""
+    from mx_recipe.infer import decode
+    from mx_recipe.models import build_model, model_args
+
     torch.manual_seed(0)
-    model = build_model(model_args("llama", "debug", 320, 64))
+    model = build_model(model_args(name, flavor, 320, 64))
     model.init_weights()
     model.eval()
-    tokens = torch.randint(0, 320, (2, 11), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 320, (batch, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(tokens)
-        cache = decode.KVCache(model, 2, 16, torch.float32, torch.device("cpu"))
+        cache = decode.KVCache(model, batch, 16, torch.float32, torch.device("cpu"))
         steps = [decode.forward(model, tokens[:, :8], torch.arange(8), cache)]
         steps += [decode.forward(model, tokens[:, i : i + 1], torch.tensor([i]), cache) for i in range(8, 11)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
-    assert calls == [n for n in (9, 10, 11) for _ in range(len(model.layers))]
+    return model
 
 
 # ---------------------------------------------------------------------------------------

@@ -148,23 +148,14 @@ def test_interp_moe_decode_steps_through_the_kernels_give_the_full_forward_logit
     """decode.forward with the kernels' rule forced on (the ops' CPU keys run the kernels here): an MoE model's
     decode steps take the fused routing and combine, and prefill then decode steps give the full forward's
     logits (fp32)."""
+    from test_decode_attention import assert_decode_steps_give_the_full_forward
+
     from mx_recipe.infer import decode
-    from mx_recipe.models import build_model, model_args
 
     calls = []
     monkeypatch.setattr(decode, "use_kernel", lambda device, head_dim: True)
     monkeypatch.setattr(decode, "moe_route", lambda *args: calls.append(1) or moe_route(*args))
-    torch.manual_seed(0)
-    model = build_model(model_args("moe", "debug_moe", 320, 64))
-    model.init_weights()
-    model.eval()
-    tokens = torch.randint(0, 320, (3, 11), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        full = model(tokens)
-        cache = decode.KVCache(model, 3, 16, torch.float32, torch.device("cpu"))
-        steps = [decode.forward(model, tokens[:, :8], torch.arange(8), cache)]
-        steps += [decode.forward(model, tokens[:, i : i + 1], torch.tensor([i]), cache) for i in range(8, 11)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    model = assert_decode_steps_give_the_full_forward("moe", "debug_moe", 3)
     moe_layers = sum(getattr(layer, "moe_enabled", False) for layer in model.layers.values())
     assert moe_layers and len(calls) == 3 * moe_layers
 
