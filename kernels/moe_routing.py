@@ -13,8 +13,8 @@ product, zeros, index_add, the shared experts' add); at decode each costs its la
   cumulative row ends, ``rows`` [T * k] int32, the token of each row, and per token its k rows ``slots`` [T, k]
   int32 with their weights [T, k] fp32, both in expert order. A row's place is its expert's start plus the count
   of earlier tokens that chose that expert: a cumulative sum over the [T, E] choice matrix, no sort.
-* ``moe_combine``: one program per token sums its k rows of the experts' output, each times its weight, and the
-  shared experts' output, in fp32 in expert order, rounded once to the output's dtype.
+* ``moe_combine``: one program per token and block of columns sums its k rows of the experts' output, each times
+  its weight, and the shared experts' output, in fp32 in expert order, rounded once to the output's dtype.
 """
 
 from __future__ import annotations

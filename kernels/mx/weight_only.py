@@ -147,8 +147,9 @@ def _scaled(block_m: int, block_n: int, block_k: int, num_warps: int, stages: in
 
 # The tl.dot_scaled path's configs (the MX formats), by M bucket as CANDIDATES; BLOCK_K counts elements, for e4m3
 # and e2m1 alike. Compiled for sm_90a none spills (dense; 2026-11-28: 128 x 64 x 128 tiles did). The first of a
-# bucket is the default, the fastest at M = 8 and 32 on an H100 for Llama 3 8B's fused w1/w3 and wq/wk/wv;
-# ``set_tuning(True)`` times them all, and split K 1, 2 and 4.
+# bucket is its default: at M = 8 and 32 the fastest on an H100 for Llama 3 8B's fused w1/w3; at M = 128 the
+# fastest there that does not spill; the 64-row bucket's is untimed. ``set_tuning(True)`` times them all, and split
+# K 1, 2 and 4.
 SCALED_CANDIDATES = (
     (16, [_scaled(16, 64, 128, 4), _scaled(16, 128, 64, 4), _scaled(16, 64, 64, 4)]),
     (32, [_scaled(32, 64, 128, 4), _scaled(32, 128, 64, 8), _scaled(32, 64, 64, 4)]),
@@ -439,27 +440,8 @@ def _weight_only_kernel(
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
     if SCALED:
-        acc = _scaled_acc(
-            x_ptr,
-            w_ptr,
-            s_ptr,
-            rm_in,
-            rn_in,
-            k_start,
-            k_end,
-            stride_xm,
-            stride_xk,
-            stride_wn,
-            stride_wk,
-            stride_sn,
-            stride_sk,
-            FMT,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            EVEN_K,
-            STAGES,
-        )
+        acc = _scaled_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride_xm, stride_xk, stride_wn,
+                          stride_wk, stride_sn, stride_sk, FMT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES)  # fmt: skip
     else:
         acc = _register_tile_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride_xm, stride_xk,
                                  stride_wn, stride_wk, stride_sn, stride_sk, FMT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
