@@ -22,7 +22,9 @@ bytes). The targets on one H200: bf16 batch-1 decode >= 80% of the bound; MXFP8 
 MXFP4 and NVFP4 >= 2.8x, 4-bit >= 1.5x at batch 32; MoE 16B dims, MXFP4 experts >= 2x bf16 at batch 1.
 
 The kernel's configs are timed once per GEMM shape, before the graphs are captured, and the fastest kept
-(mx_recipe.infer.weight_only.set_tuning; --no-tune: its defaults by M).
+(mx_recipe.infer.weight_only.set_tuning; --no-tune: its defaults by M). On sm_90 and newer the Triton kernels of
+a step launch with programmatic dependent launch (mx_kernels.pdl); --pdl off: plain launches; --pdl both: each
+format's step captured both ways and timed interleaved, a second set of rows (mode "decode no-pdl").
 --sweep times each small-M config of the weight-only kernel (mx_kernels.mx.weight_only.FMA_CANDIDATES) on
 each weight shape of its table (Llama 3 8B's projections, alone and fused), for each format of --weights and
 each --batch M (default 1), beside cuBLAS on the bf16 weight and the tl.dot path's default: a row per config
@@ -63,6 +65,7 @@ from mx_recipe.infer.weights import (
 from mx_recipe.models import MODEL_FLAVORS, build_model, model_args
 from mx_recipe.models.llama import Transformer
 from mx_recipe.models.moe import GroupedExperts
+from mx_recipe.ops import kernel_settings
 
 DEFAULT_FLAVOR = {"llama": "8B", "moe": "moe_16B"}
 VOCAB = {"llama": 128256, "moe": 102400}  # Llama 3's tokenizer, DeepSeek-MoE's
@@ -265,12 +268,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step before capture")
     p.add_argument("--no-fuse", action="store_true", help="wq/wk/wv and w1/w3 as separate GEMMs")
     p.add_argument("--no-tune", action="store_true", help="the kernel's default configs, not the fastest timed")
+    p.add_argument("--pdl", choices=("on", "off", "both"), default="on",
+                   help="programmatic dependent launch of the Triton kernels (sm_90+); both: each way")  # fmt: skip
     p.add_argument("--steps", type=int, default=20, help="decode steps per timing")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
     p.add_argument("--profile-top", type=int, default=0, metavar="N", help="the N costliest kernels of a step")
     p.add_argument("--device", help="default: cuda if available, else cpu")
     p.add_argument("--out", type=output_file, help="write the rows as JSON here, with provenance")
     args = p.parse_args(argv)
+    with kernel_settings(pdl=args.pdl != "off"):
+        return _run(p, args)
+
+
+def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``main`` after parsing."""
     torch.set_grad_enabled(False)
     flavor = args.flavor or DEFAULT_FLAVOR[args.model]
     if flavor not in MODEL_FLAVORS[args.model]:
@@ -314,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         f"vocab {dims.vocab_size}; copy bandwidth {bandwidth / 1e9:,.0f} GB/s; "
         f"{'reference GEMMs' if args.reference else 'weight-only kernel'}"
         f"{', default configs' if args.no_tune or args.reference else ', tuned configs'}"
-        f"{', torch.compile' if args.compile else ''}{', unfused projections' if args.no_fuse else ''}; weights "
+        f"{', torch.compile' if args.compile else ''}{', unfused projections' if args.no_fuse else ''}"
+        f"{', no PDL' if args.pdl == 'off' else ', PDL and not' if args.pdl == 'both' else ''}; weights "
         + ", ".join(f"{fmt} {weight_bytes(m) / 1e9:.2f} GB" for fmt, m in models.items())
     )
     step_fn = torch.compile(forward) if args.compile else forward
@@ -335,21 +347,29 @@ def main(argv: list[str] | None = None) -> int:
             )
 
     mode = "gemms" if args.gemms_only else "decode"
+    pdl_ways = (True, False) if args.pdl == "both" else (args.pdl == "on",)
     for batch in batches:
         cache = None if args.gemms_only else KVCache(models["bf16"], batch, args.context, dtype, device)
-        if args.gemms_only:
-            steps = {fmt: replayable(gemms_step(m, batch, device), device) for fmt, m in models.items()}
-        else:
-            steps = {fmt: decode_step(m, cache, batch, step_fn, device) for fmt, m in models.items()}
-        samples = {fmt: [] for fmt in weights}
+        steps = {}
+        for pdl in pdl_ways:  # the kernels' launches are fixed when the graph is captured
+            with kernel_settings(pdl=pdl):
+                for fmt, m in models.items():
+                    if args.gemms_only:
+                        steps[fmt, pdl] = replayable(gemms_step(m, batch, device), device)
+                    else:
+                        steps[fmt, pdl] = decode_step(m, cache, batch, step_fn, device)
+        samples = {key: [] for key in steps}
         for _ in range(args.rounds):
-            for fmt in weights:
-                samples[fmt].append(timed(steps[fmt], device, args.steps))
-        seconds = {fmt: statistics.median(s) for fmt, s in samples.items()}
-        add_rows(mode, batch, batch, seconds, {fmt: step_bytes(m, batch, cache) for fmt, m in models.items()})
-        if args.profile_top:
-            for fmt in weights:
-                print_top_kernels(f"{mode} batch {batch} {fmt}", steps[fmt], seconds[fmt], args.profile_top)
+            for key in steps:
+                samples[key].append(timed(steps[key], device, args.steps))
+        nbytes = {fmt: step_bytes(m, batch, cache) for fmt, m in models.items()}
+        for pdl in pdl_ways:
+            label = mode if pdl or args.pdl == "off" else f"{mode} no-pdl"
+            seconds = {fmt: statistics.median(samples[fmt, pdl]) for fmt in weights}
+            add_rows(label, batch, batch, seconds, nbytes)
+            if args.profile_top:
+                for fmt in weights:
+                    print_top_kernels(f"{label} batch {batch} {fmt}", steps[fmt, pdl], seconds[fmt], args.profile_top)
         del steps, cache
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -381,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         meta = run_meta(model=args.model, flavor=flavor, layers=dims.n_layers, vocab=dims.vocab_size,
                         context=args.context, copy_bytes_per_s=bandwidth, reference=args.reference,
-                        compiled=args.compile, fused=not args.no_fuse,
+                        compiled=args.compile, fused=not args.no_fuse, pdl=args.pdl,
                         tuned=not args.no_tune and device.type == "cuda", mode=mode)  # fmt: skip
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows, "verdicts": verdicts}, f, indent=1)

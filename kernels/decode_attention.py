@@ -46,6 +46,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from mx_kernels import pdl
 from mx_kernels.common import interpreting
 from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.spec import cdiv
@@ -70,10 +71,11 @@ def _split_kernel(
     q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, H, R, L, CHUNK, SPLITS, stride_len, qk_scale,
     stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_ob,
     stride_oh, stride_or, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, DIRECT: tl.constexpr,
-    MMA16: tl.constexpr,
+    MMA16: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One chunk of the cache for the R query heads of one (b, head): its partial (acc [R, D], m [R], l [R]);
     ``DIRECT`` (one split): the output rows acc / l."""
+    pdl.wait_prior(PDL)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H
@@ -113,6 +115,7 @@ def _split_kernel(
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
+    pdl.release_next(PDL)
     if DIRECT:
         out = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + r[:, None] * stride_or + d[None, :]
         tl.store(out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=r[:, None] < R)
@@ -126,9 +129,11 @@ def _split_kernel(
 @triton.jit
 def _combine_kernel(
     acc_ptr, m_ptr, l_ptr, out_ptr, H, R, SPLITS, stride_ob, stride_oh, stride_or, D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """The output row (b, head, r) from the SPLITS partials, in split order."""
+    pdl.wait_prior(PDL)
+    pdl.release_next(PDL)
     bh = tl.program_id(0)
     r = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -247,6 +252,7 @@ def decode_attention(
         acc = torch.empty((rows * d,), dtype=torch.float32, device=q.device)
         m, lse = torch.empty((2, rows), dtype=torch.float32, device=q.device).unbind(0)
     qk_scale = (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E
+    launch = pdl.options(q.device)
 
     def build_split() -> tuple[tuple[int, ...], dict]:
         return (bsz * heads, n_splits), dict(
@@ -257,18 +263,18 @@ def decode_attention(
             stride_vb=v_cache.stride(0), stride_vh=v_cache.stride(1), stride_vl=v_cache.stride(2),
             stride_ob=out.stride(0), stride_oh=out.stride(1), stride_or=out.stride(2), D=d,
             BLOCK_R=max(16, triton.next_power_of_2(reps)), BLOCK_L=block_l, DIRECT=direct, MMA16=mma16,
-            num_warps=NUM_WARPS,
+            num_warps=NUM_WARPS, **launch,
         )  # fmt: skip
 
     def build_combine() -> tuple[tuple[int, ...], dict]:
         return (bsz * heads, reps), dict(
             acc_ptr=acc, m_ptr=m, l_ptr=lse, out_ptr=out, H=heads, R=reps, SPLITS=n_splits,
             stride_ob=out.stride(0), stride_oh=out.stride(1), stride_or=out.stride(2), D=d,
-            BLOCK_S=min(BLOCK_S, triton.next_power_of_2(n_splits)), num_warps=NUM_WARPS,
+            BLOCK_S=min(BLOCK_S, triton.next_power_of_2(n_splits)), num_warps=NUM_WARPS, **launch,
         )  # fmt: skip
 
     key = (q.shape, q.stride(), q.dtype, k_cache.stride(), v_cache.stride(), k_cache.shape[2], k_cache.dtype,
-           v_cache.dtype, length.shape, length.dtype, qk_scale, n_splits, chunk, block_l)  # fmt: skip
+           v_cache.dtype, length.shape, length.dtype, qk_scale, n_splits, chunk, block_l, launch["PDL"])  # fmt: skip
     _SPLIT.launch_keyed(key, build_split, q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, len_ptr=length, acc_ptr=acc,
                         m_ptr=m, l_ptr=lse, out_ptr=out)  # fmt: skip
     if not direct:

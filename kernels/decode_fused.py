@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from mx_kernels import pdl
 from mx_kernels.launch_cache import LaunchCache
 
 
@@ -39,8 +40,10 @@ def _rotate(src, cos, sin, i, dst):
 def _rope_cache_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
     stride_qb, stride_kb, stride_vb, stride_cb, stride_ch, stride_cl, stride_ob, stride_oh, stride_or,
-    R: tl.constexpr, HALF: tl.constexpr,
+    R: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.wait_prior(PDL)
+    pdl.release_next(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     pos = tl.load(pos_ptr)
@@ -60,8 +63,10 @@ def _rope_cache_kernel(
 @triton.jit
 def _add_rms_norm_kernel(
     h_ptr, delta_ptr, w_ptr, h_out_ptr, out_ptr, stride_h, stride_d, stride_ho, stride_o, D, eps,
-    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.wait_prior(PDL)
+    pdl.release_next(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < D
@@ -77,7 +82,10 @@ def _add_rms_norm_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(h1_ptr, h3_ptr, out_ptr, H, stride_1, stride_3, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(h1_ptr, h3_ptr, out_ptr, H, stride_1, stride_3, stride_o, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):  # fmt: skip
+    pdl.wait_prior(PDL)
+    pdl.release_next(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < H
@@ -121,7 +129,7 @@ def rope_cache_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
              k_cache_ptr=k_cache, v_cache_ptr=v_cache, stride_qb=q.stride(0), stride_kb=k.stride(0),
              stride_vb=v.stride(0), stride_cb=k_cache.stride(0), stride_ch=k_cache.stride(1),
              stride_cl=k_cache.stride(2), stride_ob=q_out.stride(0), stride_oh=q_out.stride(1),
-             stride_or=q_out.stride(2), R=repeats, HALF=d // 2, num_warps=1),
+             stride_or=q_out.stride(2), R=repeats, HALF=d // 2, num_warps=1, **pdl.options(q.device)),
     )  # fmt: skip
     return q_out
 
@@ -146,7 +154,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         dict(h_ptr=h, delta_ptr=delta if delta is not None else h, w_ptr=weight, h_out_ptr=h_out, out_ptr=out,
              stride_h=h.stride(0), stride_d=delta.stride(0) if delta is not None else 0, stride_ho=h_out.stride(0),
              stride_o=out.stride(0), D=d, eps=eps, HAS_DELTA=delta is not None, BLOCK=block,
-             num_warps=min(16, max(1, block // 256))),
+             num_warps=min(16, max(1, block // 256)), **pdl.options(h.device)),
     )  # fmt: skip
     return h_out, out
 
@@ -173,6 +181,6 @@ def silu_mul(h1: torch.Tensor, h3: torch.Tensor) -> torch.Tensor:
     _SILU_MUL.launch(
         (t, triton.cdiv(h, block)),
         dict(h1_ptr=h1, h3_ptr=h3, out_ptr=out, H=h, stride_1=h1.stride(0), stride_3=h3.stride(0),
-             stride_o=out.stride(0), BLOCK=block, num_warps=warps),
+             stride_o=out.stride(0), BLOCK=block, num_warps=warps, **pdl.options(h1.device)),
     )  # fmt: skip
     return out

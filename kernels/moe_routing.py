@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from mx_kernels import pdl
 from mx_kernels.decode_fused import row_block
 from mx_kernels.launch_cache import LaunchCache
 
@@ -32,8 +33,10 @@ MAX_ROUTED = 16384  # T * E (padded to powers of 2) one routing program takes: a
 def _route_kernel(
     logits_ptr, bias_ptr, offs_ptr, rows_ptr, slots_ptr, weights_ptr, T, E, stride_l,
     K: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.wait_prior(PDL)
+    pdl.release_next(PDL)
     t = tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
     ok = (t[:, None] < T) & (e[None, :] < E)
@@ -73,8 +76,10 @@ def _route_kernel(
 @triton.jit
 def _combine_kernel(
     y_ptr, slots_ptr, weights_ptr, shared_ptr, out_ptr, D, stride_y, stride_s, stride_o,
-    K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr,
+    K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.wait_prior(PDL)
+    pdl.release_next(PDL)
     tok = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < D
@@ -125,7 +130,7 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, softm
         dict(logits_ptr=logits, bias_ptr=bias if bias is not None else logits, offs_ptr=offs, rows_ptr=rows,
              slots_ptr=slots, weights_ptr=weights, T=t, E=e, stride_l=logits.stride(0), K=top_k, SOFTMAX=softmax,
              HAS_BIAS=bias is not None, NORM=norm, BLOCK_T=block_t, BLOCK_E=block_e,
-             num_warps=min(8, max(1, block_t * block_e // 1024))),
+             num_warps=min(8, max(1, block_t * block_e // 1024)), **pdl.options(logits.device)),
     )  # fmt: skip
     return offs, rows, slots, weights
 
@@ -153,6 +158,6 @@ def moe_combine(y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, sha
         dict(y_ptr=y, slots_ptr=slots.contiguous(), weights_ptr=weights.contiguous(),
              shared_ptr=shared if shared is not None else y, out_ptr=out, D=d, stride_y=y.stride(0),
              stride_s=shared.stride(0) if shared is not None else 0, stride_o=out.stride(0), K=k,
-             HAS_SHARED=shared is not None, BLOCK=block, num_warps=warps),
+             HAS_SHARED=shared is not None, BLOCK=block, num_warps=warps, **pdl.options(y.device)),
     )  # fmt: skip
     return out

@@ -10,7 +10,7 @@ from test_train import BF16_ARGS, REPO, run_in_process
 
 from mx_recipe.formats.mx import fake_quant
 from mx_recipe.formats.nvfp4 import to_nvfp4
-from mx_recipe.infer.decode import KVCache, forward, generate
+from mx_recipe.infer.decode import PDL_MAX_BATCH, KVCache, forward, generate, pdl_pays
 from mx_recipe.infer.load import load_run
 from mx_recipe.infer.weights import (
     FusedLinear,
@@ -22,6 +22,7 @@ from mx_recipe.infer.weights import (
     weight_bytes,
 )
 from mx_recipe.models import build_model, model_args
+from mx_recipe.ops import kernel_settings
 
 CPU = torch.device("cpu")
 
@@ -70,6 +71,20 @@ def test_quantized_weights_are_the_formats_bits_kept_packed(fmt):
     x = torch.randn(3, wq.shape[1])
     assert torch.equal(linear(x), torch.nn.functional.linear(x, expected))
     assert weight_bytes(model) < before / 2
+
+
+def test_pdl_is_for_quantized_steps_of_few_sequences():
+    """The decode step's PDL rule (mx_recipe.infer.decode): quantized projections, at most PDL_MAX_BATCH
+    sequences, the setting on; the kernels' own gate keeps it off on the CPU."""
+    from mx_kernels import pdl
+
+    model = _model("llama", "debug")
+    assert not pdl_pays(model, 1)  # bf16: its GEMMs are cuBLAS's
+    quantize_model(model, "mxfp4")
+    assert pdl_pays(model, 1) and pdl_pays(model, PDL_MAX_BATCH) and not pdl_pays(model, PDL_MAX_BATCH + 1)
+    with kernel_settings(pdl=False):
+        assert not pdl_pays(model, 1) and not pdl.enabled(torch.device("cuda"))
+    assert pdl.options(CPU) == {"PDL": False}
 
 
 def _decode_logits(model: torch.nn.Module, tokens: torch.Tensor, device: torch.device, dtype: torch.dtype

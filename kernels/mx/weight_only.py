@@ -99,6 +99,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from mx_kernels import pdl
 from mx_kernels.common import interpreting
 from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.spec import cdiv
@@ -164,6 +165,10 @@ SCALED_CANDIDATES = (
 # ``python benchmarks/bench_decode.py --sweep`` on the target GPU.
 FMA_MAX_M = 4
 FMA_PROGRAMS_PER_SM = 4
+# With PDL (mx_kernels.pdl) a program's first weight and scale bytes of each row, up to these, are asked of L2 before
+# it waits on the kernel before it: the resident programs' share of a few MB, in flight during that kernel
+PREFETCH_W = tl.constexpr(2048)
+PREFETCH_S = tl.constexpr(64)
 
 
 def _fma(block_n: int, block_k: int, split_k: int | None, num_warps: int, num_stages: int = 1) -> dict:
@@ -424,9 +429,11 @@ def _weight_only_kernel(
     FMT: tl.constexpr, GROUPED: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SCALED: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, DOT_BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """The tensor-core path: one program's [BLOCK_M, BLOCK_N] tile over its split of K; ``SCALED``: by
     tl.dot_scaled, else the upcast written here (module doc)."""
+    pdl.wait_prior(PDL)  # every program, the grouped early return's too (mx_kernels.pdl)
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -446,7 +453,7 @@ def _weight_only_kernel(
         acc = _register_tile_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride_xm, stride_xk,
                                  stride_wn, stride_wk, stride_sn, stride_sk, FMT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
                                  PREFETCH, DOT_BF16)  # fmt: skip
-
+    pdl.release_next(PDL)
     # SPLIT: SPLIT_K > 1, a runtime value: one compiled kernel for every split
     _finish(acc, rm, rm_in, rn, rn_in, row_end, pid_n * tl.num_programs(1) + slot, pid_k, M, N, ts_ptr, stride_tn,
             out_ptr, stride_om, stride_on, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT)  # fmt: skip
@@ -503,12 +510,22 @@ def _load_scales(ptrs, mask, HW: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_rows(rows, nbytes, CAP: tl.constexpr):
+    """Ask L2 for the first min(nbytes, CAP) bytes at each of ``rows`` (uint8 pointers), a request per 32-byte
+    sector (a hint: no value comes back and nothing waits for it)."""
+    at = tl.minimum(tl.arange(0, CAP // 32) * 32, nbytes - 1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [rows[:, None] + at[None, :]],
+                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@triton.jit
 def _weight_only_fma_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, E, K_SPLIT, SPLIT_K,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_tn, stride_om,
     FMT: tl.constexpr, GROUPED: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HW: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """The small-M path (module doc): x [M, K/2] as int32 pairs of bf16, w [N, K/2] as pairs of codes (a byte of
     two e2m1 codes, or a uint16 of two e4m3 codes), K contiguous in both. HW: upcast w with the GPU's conversions
@@ -520,6 +537,8 @@ def _weight_only_fma_kernel(
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     pid_k = tl.program_id(2)
+    if GROUPED:  # the tile's expert comes from offs, an earlier kernel's output
+        pdl.wait_prior(PDL)  # every program, the early return's too (mx_kernels.pdl)
     rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr = _program_tile(
         offs_ptr, w_ptr, s_ptr, stride_we, stride_se, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M, BLOCK_N
     )
@@ -529,6 +548,12 @@ def _weight_only_fma_kernel(
     kp = tl.max_contiguous(tl.arange(0, PAIRS), UNIT)  # UNIT-pair runs: x's and w's loads take one layout
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
+    if not GROUPED:
+        if PDL:  # no earlier kernel wrote the weights: the program's first ones on their way to L2 while it runs
+            w_first = (w_ptr + rn_in * stride_wn + k_start // 2).to(tl.pointer_type(tl.uint8))
+            _prefetch_rows(w_first, (k_end - k_start) // (1 if FMT == "mxfp8" else 2), PREFETCH_W)
+            _prefetch_rows(s_ptr + rn_in * stride_sn + k_start // GROUP, (k_end - k_start) // GROUP, PREFETCH_S)
+        pdl.wait_prior(PDL)
     # [rows of x, rows of w, pairs]: x broadcast over w's rows, w over x's
     x_ptrs = x_ptr + rm_in[:, None, None] * stride_xm + (pid_k * (K_SPLIT // 2) + kp)[None, None, :]
     w_ptrs = w_ptr + rn_in[None, :, None] * stride_wn + (pid_k * (K_SPLIT // 2) + kp)[None, None, :]
@@ -566,6 +591,7 @@ def _weight_only_fma_kernel(
             # 2**(s - 127) as fp32 bits (s = 0: 2**-127, a subnormal); 0xFF: bit 22 set on inf's bits, NaN
             factor = (tl.maximum(s << 23, 0x400000) | (((s + 1) << 14) & 0x400000)).to(tl.float32, bitcast=True)
         acc += part * factor
+    pdl.release_next(PDL)
     _finish(tl.sum(acc, axis=2), rm, rm_in, rn, rn_in, row_end, pid_n * tl.num_programs(1) + slot, pid_k, M, N,
             ts_ptr, stride_tn, out_ptr, stride_om, 1, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT)  # fmt: skip
 
@@ -834,7 +860,7 @@ def weight_only_mm(
         stride_om=out.stride(0), stride_on=out.stride(1), FMT=fmt,
         GROUPED=grouped, E_POW2=max(2, triton.next_power_of_2(n_groups)), SPLIT=split_k > 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, DOT_BF16=not interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.options(x.device),
     )  # fmt: skip
     _LAUNCHES.launch(
         (cdiv(n, block_n), slots, split_k),
@@ -883,7 +909,7 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
             stride_sn=s.stride(1), stride_tn=stride_tn, stride_om=out.stride(0), FMT=fmt, GROUPED=grouped,
             E_POW2=max(2, triton.next_power_of_2(n_groups)), SPLIT=split_k > 1, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, EVEN_K=k % block_k == 0, HW=not interpreting(), num_warps=warps,
-            num_stages=cfg.get("num_stages", 1),
+            num_stages=cfg.get("num_stages", 1), **pdl.options(x.device),
         ),
     )  # fmt: skip
     return out

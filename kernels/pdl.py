@@ -1,0 +1,67 @@
+"""Programmatic dependent launch (PDL) for the decode step's kernels, on sm_90 and newer.
+
+A decode step at small batch is a few hundred kernels of a few microseconds each, replayed from a CUDA graph.
+Between two of them the GPU drains the first kernel, then launches the second, whose programs start with their
+setup and the latency of their first loads. A kernel launched with PDL (``launch_pdl=True``, the CUDA launch
+attribute for programmatic stream serialization, kept as a programmatic edge when a CUDA graph captures it) may
+start while the kernel before it in the stream still runs, once that one lets it:
+
+* ``wait_prior`` (``griddepcontrol.wait``) comes before a kernel's first read of anything an earlier kernel wrote:
+  it returns once every prerequisite grid has completed and its writes are visible. Every program executes it,
+  those that return early included, so that a kernel never completes before the kernels it depends on, and
+  the ones after it may rely on that too (their own wait covers every grid in flight before them).
+* ``release_next`` (``griddepcontrol.launch_dependents``) lets the next kernel launch once every program of this
+  one has executed it (or exited). Kernels call it after their wait, and the long ones (the GEMMs) after their
+  main loop, so that at most the running kernel and the next one are resident: the next one's programs take
+  registers and slots while they wait, and a chain of waiting kernels would crowd out the running one.
+
+Kernels take it as a ``PDL`` constexpr (both instructions compiled out without it); ``options(device)`` gives the
+launch keywords. Off under the interpreter, on CPUs and on GPUs before sm_90 (the instructions need sm_90), and
+while ``set_enabled(False)`` is in force (mx_recipe's ``KernelSettings.pdl``: for measuring with and without).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from mx_kernels.common import interpreting
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+_enabled = True
+_CAPABLE: dict[int, bool] = {}
+
+
+def set_enabled(enabled: bool) -> None:
+    """Launch the decode kernels with PDL where the GPU takes it (off: plain launches)."""
+    global _enabled
+    _enabled = enabled
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels launched on ``device`` take PDL (module doc)."""
+    if not _enabled or device.type != "cuda" or interpreting():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABLE:
+        _CAPABLE[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return _CAPABLE[index]
+
+
+def options(device: torch.device) -> dict:
+    """The launch keywords of a kernel with a ``PDL`` constexpr, for a launch on ``device``."""
+    return dict(PDL=True, launch_pdl=True) if enabled(device) else dict(PDL=False)
+
+
+@triton.jit
+def wait_prior(PDL: tl.constexpr):
+    """Wait until the kernels before this one have completed and their writes are visible (module doc)."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def release_next(PDL: tl.constexpr):
+    """Let the next kernel in the stream launch once every program of this one got here (module doc)."""
+    if PDL:
+        gdc_launch_dependents()
