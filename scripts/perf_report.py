@@ -39,7 +39,8 @@ BEGIN, END = "<!-- perf_report: begin -->", "<!-- perf_report: end -->"
 def source_line(meta: dict, name: str) -> str:
     when = f"{meta['device']}, torch {meta['torch']}, {meta['date'][:10]}, commit {meta['commit'][:7]}"
     command = f" `{meta['command']}`" if meta.get("command") else ""
-    return f"- Source: `docs/results/{name}`: {when}.{command}"
+    note = f" ({meta['note']})" if meta.get("note") else ""  # how a run differs from what its commit would run
+    return f"- Source: `docs/results/{name}`: {when}.{command}{note}"
 
 
 def sources(items: list[tuple[dict, str]]) -> list[str]:
