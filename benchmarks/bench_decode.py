@@ -22,9 +22,9 @@ bytes). The targets on one H200: bf16 batch-1 decode >= 80% of the bound; MXFP8 
 MXFP4 and NVFP4 >= 2.8x, 4-bit >= 1.5x at batch 32; MoE 16B dims, MXFP4 experts >= 2x bf16 at batch 1.
 
 The kernel's configs are timed once per GEMM shape, before the graphs are captured, and the fastest kept
-(mx_recipe.infer.weight_only.set_tuning; --no-tune: its defaults by M). On sm_90 and newer the Triton kernels of
-a step launch with programmatic dependent launch (mx_kernels.pdl); --pdl off: plain launches; --pdl both: each
-format's step captured both ways and timed interleaved, a second set of rows (mode "decode no-pdl").
+(mx_recipe.infer.weight_only.set_tuning; --no-tune: its defaults by M). On sm_90 and newer a decode step launches
+its Triton kernels with programmatic dependent launch where mx_recipe.infer.decode.pdl_pays says; --pdl off: plain
+launches; --pdl both: each step captured both ways and timed interleaved, a second set of rows ("decode no-pdl").
 --sweep times each small-M config of the weight-only kernel (mx_kernels.mx.weight_only.FMA_CANDIDATES) on
 each weight shape of its table (Llama 3 8B's projections, alone and fused), for each format of --weights and
 each --batch M (default 1), beside cuBLAS on the bf16 weight and the tl.dot path's default: a row per config

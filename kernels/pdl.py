@@ -16,11 +16,14 @@ start while the kernel before it in the stream still runs, once that one lets it
   registers and slots while they wait, and a chain of waiting kernels would crowd out the running one.
 
 Kernels take it as a ``PDL`` constexpr (both instructions compiled out without it); ``options(device)`` gives the
-launch keywords. Off under the interpreter, on CPUs and on GPUs before sm_90 (the instructions need sm_90), and
-while ``set_enabled(False)`` is in force (mx_recipe's ``KernelSettings.pdl``: for measuring with and without).
+launch keywords. Off unless a caller turns it on (``launching(True)``: mx_recipe's decode step, where it was
+measured to pay), and always under the interpreter, on CPUs and on GPUs before sm_90 (the instructions need sm_90).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -28,14 +31,19 @@ import triton.language as tl
 from mx_kernels.common import interpreting
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-_enabled = True
+_enabled = False
 _CAPABLE: dict[int, bool] = {}
 
 
-def set_enabled(enabled: bool) -> None:
-    """Launch the decode kernels with PDL where the GPU takes it (off: plain launches)."""
+@contextlib.contextmanager
+def launching(enabled: bool) -> Iterator[None]:
+    """Inside the block the kernels launch with PDL where the GPU takes it (``enabled``), else plainly."""
     global _enabled
-    _enabled = enabled
+    previous, _enabled = _enabled, enabled
+    try:
+        yield
+    finally:
+        _enabled = previous
 
 
 def enabled(device: torch.device) -> bool:

@@ -83,8 +83,10 @@ def test_pdl_is_for_quantized_steps_of_few_sequences():
     quantize_model(model, "mxfp4")
     assert pdl_pays(model, 1) and pdl_pays(model, PDL_MAX_BATCH) and not pdl_pays(model, PDL_MAX_BATCH + 1)
     with kernel_settings(pdl=False):
-        assert not pdl_pays(model, 1) and not pdl.enabled(torch.device("cuda"))
-    assert pdl.options(CPU) == {"PDL": False}
+        assert not pdl_pays(model, 1)
+    assert not pdl.enabled(torch.device("cuda"))  # outside a decode step: plain launches
+    with pdl.launching(True):
+        assert pdl.options(CPU) == {"PDL": False}
 
 
 def _decode_logits(model: torch.nn.Module, tokens: torch.Tensor, device: torch.device, dtype: torch.dtype

@@ -28,7 +28,8 @@ kernel starts while the one before it finishes, and the small-M GEMMs ask L2 for
 Where it pays, measured interleaved on one H200 (Llama 3 8B dims, context 1024, 2026-11-29), ms per step with and
 without: batch 1 MXFP8 3.20 / 3.35, MXFP4 2.82 / 3.03, NVFP4 2.98 / 3.23; MoE 16B dims, 12 layers, MXFP4 1.06 /
 1.16. Elsewhere it cost: bf16 steps, whose GEMMs are cuBLAS's, 4.70 / 4.61 at batch 1 and 5.88 / 5.77 at batch
-32; MX at batch 32, 7.27 / 6.98 (MXFP8). ``KernelSettings.pdl`` off turns it off everywhere.
+32; MX at batch 32, 7.27 / 6.98 (MXFP8). Nothing else launches with PDL; ``KernelSettings.pdl`` off turns it off
+in the step too.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from mx_recipe.infer.routing import fits, moe_combine, moe_route
 from mx_recipe.infer.weights import PackedWeight
 from mx_recipe.models.llama import Attention, FeedForward, Transformer, apply_rope, project
 from mx_recipe.models.moe import MoE
-from mx_recipe.ops import get_kernel_settings, kernel_settings
+from mx_recipe.ops import get_kernel_settings
 
 PDL_MAX_BATCH = 8  # the kernel step's sequences up to which quantized weights take PDL (module doc)
 
@@ -130,7 +131,9 @@ def pdl_pays(model: Transformer, batch: int) -> bool:
 def _kernel_step(model: Transformer, tokens: torch.Tensor, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """One decode position [B, 1] on a GPU: the same computation as ``forward``'s, its elementwise work and
     attention in the fused kernels (module doc), launched with PDL where ``pdl_pays``."""
-    with kernel_settings(pdl=pdl_pays(model, tokens.shape[0])):
+    from mx_kernels.pdl import launching  # Triton: the kernel step runs on a GPU only
+
+    with launching(pdl_pays(model, tokens.shape[0])):
         return _layers_step(model, tokens, position, cache)
 
 

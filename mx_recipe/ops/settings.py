@@ -17,9 +17,10 @@ from collections.abc import Iterator
 class KernelSettings:
     """gluon: the Gluon kernels on Hopper (False: the Triton kernels there too, the same bits; for benchmarks and
     bisection). launch_cache: launches go through ``mx_kernels.launch_cache`` (False: every launch through
-    Triton's JIT). pdl: the decode kernels launch with programmatic dependent launch on sm_90+ (``mx_kernels.pdl``;
-    False: plain launches, for measuring with and without). check_offs: ``mx_grouped_mm`` checks its group ends on
-    the host for GPU tensors too (a device sync per call; for debugging)."""
+    Triton's JIT). pdl: a decode step may launch its kernels with programmatic dependent launch on sm_90+ where it
+    pays (``mx_recipe.infer.decode.pdl_pays``; False: plain launches, for measuring with and without).
+    check_offs: ``mx_grouped_mm`` checks its group ends on the host for GPU tensors too (a device sync per call;
+    for debugging)."""
 
     gluon: bool = True
     launch_cache: bool = True
@@ -39,8 +40,8 @@ def set_kernel_settings(settings: KernelSettings) -> KernelSettings:
     """Put ``settings`` in force for the whole process; returns the previous ones."""
     global _settings
     previous = _settings
-    if settings.launch_cache != previous.launch_cache or settings.pdl != previous.pdl:
-        _switch_kernels(settings)
+    if settings.launch_cache != previous.launch_cache:
+        _switch_launch_cache(settings.launch_cache)
     _settings = settings
     return previous
 
@@ -56,12 +57,11 @@ def kernel_settings(**changes: bool) -> Iterator[KernelSettings]:
         set_kernel_settings(previous)
 
 
-def _switch_kernels(settings: KernelSettings) -> None:
-    # mx_kernels never imports mx_recipe, so the switches are its modules' own. Importing them imports Triton: only
-    # a change of these settings does that, and without Triton no kernel launches.
+def _switch_launch_cache(on: bool) -> None:
+    # mx_kernels never imports mx_recipe, so the switch is launch_cache's own. Importing it imports Triton: only a
+    # change of this setting does that, and without Triton no kernel launches.
     if importlib.util.find_spec("triton") is None:
         return
-    from mx_kernels import launch_cache, pdl
+    from mx_kernels import launch_cache
 
-    launch_cache.set_enabled(settings.launch_cache)
-    pdl.set_enabled(settings.pdl)
+    launch_cache.set_enabled(on)
