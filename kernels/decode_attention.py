@@ -15,6 +15,14 @@ Why ``length`` is a tensor: the step is captured in a CUDA graph and replayed at
 length: a chunk wholly past ``length`` runs its loop zero times and writes an empty partial (m = -inf, l = 0,
 acc = 0), which the combine weighs by zero. Positions at or past ``length`` are never read (masked loads).
 
+Appending (``append``: a decode step's own position, length - 1): q and the step's key arrive unrotated, as the
+QKV projection wrote them. Each program rotates its q rows at that position (the model's ``apply_rope``: pairs
+(x[2i], x[2i+1]) by the cos / sin row of the model's tables, in fp32, rounded once to q's dtype) and reads the
+cache below the position. The program whose chunk holds it rotates the key the same way, writes key and value
+into the caches (rounded to their dtype), and merges that one position into its online softmax from registers
+(fp32 products): nothing it wrote is read back, so no ordering between the write and the tile loads is needed.
+A step then needs no launch of its own for RoPE and the cache write.
+
 The split kernel: a program loads q [R, D], padded with zero rows to BLOCK_R = max(16, next power of 2) for
 ``tl.dot``, and walks its chunk in tiles of BLOCK_L positions up to min(chunk end, length): scores q k^T, an
 online softmax (running max m, sum l, accumulator acc [R, D] rescaled as m grows) and acc += p v. The softmax
@@ -67,14 +75,34 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _rope_row(cos_ptr, sin_ptr, pos, D: tl.constexpr):
+    """The RoPE tables' row [D / 2] at ``pos``."""
+    i = tl.arange(0, D // 2)
+    return tl.load(cos_ptr + pos * (D // 2) + i), tl.load(sin_ptr + pos * (D // 2) + i)
+
+
+@triton.jit
+def _rotated(rows, cos, sin, mask, dtype, BLOCK_R: tl.constexpr, D: tl.constexpr):
+    """Heads [BLOCK_R, D] at ``rows`` (pointers [BLOCK_R, 1], or one pointer) rotated as the model's ``apply_rope``:
+    pairs (x[2i], x[2i + 1]) by (cos_i, sin_i) in fp32, rounded once to ``dtype``."""
+    i = tl.arange(0, D // 2)[None, :]
+    even = tl.broadcast_to(tl.load(rows + 2 * i, mask=mask, other=0.0).to(tl.float32), (BLOCK_R, D // 2))
+    odd = tl.broadcast_to(tl.load(rows + 2 * i + 1, mask=mask, other=0.0).to(tl.float32), (BLOCK_R, D // 2))
+    pairs = tl.join((even * cos - odd * sin).to(dtype), (even * sin + odd * cos).to(dtype))
+    return tl.reshape(pairs, (BLOCK_R, D))
+
+
+@triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, H, R, L, CHUNK, SPLITS, stride_len, qk_scale,
-    stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, stride_ob,
-    stride_oh, stride_or, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, DIRECT: tl.constexpr,
-    MMA16: tl.constexpr, PDL: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, H, R, L, CHUNK,
+    SPLITS, stride_len, qk_scale, stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_kl, stride_vb,
+    stride_vh, stride_vl, stride_ob, stride_oh, stride_or, stride_knb, stride_vnb, D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, DIRECT: tl.constexpr, MMA16: tl.constexpr, APPEND: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One chunk of the cache for the R query heads of one (b, head): its partial (acc [R, D], m [R], l [R]);
-    ``DIRECT`` (one split): the output rows acc / l."""
+    ``DIRECT`` (one split): the output rows acc / l. ``APPEND``: q and the step's own k (kn) unrotated, rotated
+    here at position length - 1, where the chunk holding it writes k and v (vn) into the caches (module doc)."""
     pdl.wait_prior(PDL)
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -86,7 +114,13 @@ def _split_kernel(
     r = tl.arange(0, BLOCK_R)
     d = tl.arange(0, D)
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh + r[:, None] * stride_qr
-    q = tl.load(q_rows + d[None, :], mask=r[:, None] < R, other=0.0)
+    if APPEND:
+        cur = length - 1
+        cos, sin = _rope_row(cos_ptr, sin_ptr, cur, D)
+        q = _rotated(q_rows, cos[None, :], sin[None, :], r[:, None] < R, q_ptr.dtype.element_ty, BLOCK_R, D)
+        end = tl.minimum(end, cur)  # the step's own position is merged after the loop, from registers
+    else:
+        q = tl.load(q_rows + d[None, :], mask=r[:, None] < R, other=0.0)
     if not MMA16:
         q = q.to(tl.float32) * qk_scale
     k_base = k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
@@ -116,6 +150,23 @@ def _split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     pdl.release_next(PDL)
+    if APPEND:
+        if (cur >= start) & (cur < start + CHUNK):  # this chunk holds the step's position: write k, v; merge them
+            k_one = tl.reshape(_rotated(kn_ptr + b.to(tl.int64) * stride_knb + h * D, cos, sin, True,
+                                        k_ptr.dtype.element_ty, 1, D), (D,))  # fmt: skip
+            v_one = tl.load(vn_ptr + b.to(tl.int64) * stride_vnb + h * D + d).to(v_ptr.dtype.element_ty)
+            tl.store(k_base + cur * stride_kl + d, k_one)
+            tl.store(v_base + cur * stride_vl + d, v_one)
+            if MMA16:
+                s = tl.sum(q.to(tl.float32) * k_one.to(tl.float32)[None, :], 1) * qk_scale
+            else:
+                s = tl.sum(q * k_one.to(tl.float32)[None, :], 1)
+            m_new = tl.maximum(m_i, s)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new)
+            acc = acc * alpha[:, None] + p[:, None] * v_one.to(tl.float32)[None, :]
+            l_i = l_i * alpha + p
+            m_i = m_new
     if DIRECT:
         out = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + r[:, None] * stride_or + d[None, :]
         tl.store(out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=r[:, None] < R)
@@ -213,6 +264,23 @@ def check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length:
         raise ValueError(f"{op}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {q.device}")
 
 
+def check_append(q: torch.Tensor, k_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> None:  # fmt: skip
+    """Raise a ValueError naming the argument on malformed ``append`` operands."""
+    op = "decode_attention"
+    b, hkv, _, d = k_cache.shape
+    for name, t in (("k", k), ("v", v)):
+        if t.shape != (b, hkv * d) or t.stride(1) != 1 or t.dtype not in DTYPES or t.device != q.device:
+            raise ValueError(f"{op}: the appended {name} must be [B, Hkv * D] = [{b}, {hkv * d}] rows, the last "
+                             f"dim contiguous, on q's device; got {t.dtype} {tuple(t.shape)} {t.stride()}")  # fmt: skip
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 2 or t.shape[1] != d // 2 or t.dtype not in DTYPES or not t.is_contiguous():
+            raise ValueError(f"{op}: the RoPE table {name} must be a contiguous float [max_len, D / 2 = {d // 2}], "
+                             f"got {t.dtype} {tuple(t.shape)}")  # fmt: skip
+        if t.device != q.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, q on {q.device}")
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -221,12 +289,18 @@ def decode_attention(
     scale: float | None = None,
     splits: int | None = None,
     block_l: int | None = None,
+    append: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """softmax(q k_cache^T * scale) v_cache over the cache positions below ``length`` -> [B, Hkv, R, D] in q's
     dtype (module doc). ``scale``: 1 / sqrt(D) by default, as SDPA's. ``splits`` overrides the number of chunks
     (None: from the SM count; at most one per tile), ``block_l`` the positions a tile (a power of 2, at least 16;
-    None: BLOCK_L, INTERPRET_BLOCK_L under the interpreter)."""
+    None: BLOCK_L, INTERPRET_BLOCK_L under the interpreter). ``append`` = (k, v, cos, sin): the step's own key and
+    value [B, Hkv * D] and the RoPE tables [max_len, D / 2] (the model's buffers, fp32 or its dtype; the rotation
+    is fp32 either way): q and k unrotated, rotated at position
+    length - 1, where k and v are written into the caches before attention reads them (module doc)."""
     check(q, k_cache, v_cache, length)
+    if append is not None:
+        check_append(q, k_cache, *append)
     bsz, heads, reps, d = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
@@ -253,17 +327,19 @@ def decode_attention(
         m, lse = torch.empty((2, rows), dtype=torch.float32, device=q.device).unbind(0)
     qk_scale = (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E
     launch = pdl.options(q.device)
+    kn, vn, cos, sin = append if append is not None else (q, q, q, q)  # unread stand-ins without ``append``
 
     def build_split() -> tuple[tuple[int, ...], dict]:
         return (bsz * heads, n_splits), dict(
             q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, len_ptr=length, acc_ptr=acc, m_ptr=m, l_ptr=lse, out_ptr=out,
-            H=heads, R=reps, L=k_cache.shape[2], CHUNK=chunk, SPLITS=n_splits, stride_len=int(length.numel() > 1),
+            kn_ptr=kn, vn_ptr=vn, cos_ptr=cos, sin_ptr=sin, H=heads, R=reps, L=k_cache.shape[2], CHUNK=chunk,
+            SPLITS=n_splits, stride_len=int(length.numel() > 1),
             qk_scale=qk_scale, stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qr=q.stride(2),
             stride_kb=k_cache.stride(0), stride_kh=k_cache.stride(1), stride_kl=k_cache.stride(2),
             stride_vb=v_cache.stride(0), stride_vh=v_cache.stride(1), stride_vl=v_cache.stride(2),
-            stride_ob=out.stride(0), stride_oh=out.stride(1), stride_or=out.stride(2), D=d,
-            BLOCK_R=max(16, triton.next_power_of_2(reps)), BLOCK_L=block_l, DIRECT=direct, MMA16=mma16,
-            num_warps=NUM_WARPS, **launch,
+            stride_ob=out.stride(0), stride_oh=out.stride(1), stride_or=out.stride(2), stride_knb=kn.stride(0),
+            stride_vnb=vn.stride(0), D=d, BLOCK_R=max(16, triton.next_power_of_2(reps)), BLOCK_L=block_l,
+            DIRECT=direct, MMA16=mma16, APPEND=append is not None, num_warps=NUM_WARPS, **launch,
         )  # fmt: skip
 
     def build_combine() -> tuple[tuple[int, ...], dict]:
@@ -274,9 +350,10 @@ def decode_attention(
         )  # fmt: skip
 
     key = (q.shape, q.stride(), q.dtype, k_cache.stride(), v_cache.stride(), k_cache.shape[2], k_cache.dtype,
-           v_cache.dtype, length.shape, length.dtype, qk_scale, n_splits, chunk, block_l, launch["PDL"])  # fmt: skip
+           v_cache.dtype, length.shape, length.dtype, qk_scale, n_splits, chunk, block_l, launch["PDL"],
+           append is not None, kn.stride(), kn.dtype, vn.stride(), vn.dtype, cos.dtype, sin.dtype)  # fmt: skip
     _SPLIT.launch_keyed(key, build_split, q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, len_ptr=length, acc_ptr=acc,
-                        m_ptr=m, l_ptr=lse, out_ptr=out)  # fmt: skip
+                        m_ptr=m, l_ptr=lse, out_ptr=out, kn_ptr=kn, vn_ptr=vn, cos_ptr=cos, sin_ptr=sin)  # fmt: skip
     if not direct:
         _COMBINE.launch_keyed(key, build_combine, acc_ptr=acc, m_ptr=m, l_ptr=lse, out_ptr=out)
     return out

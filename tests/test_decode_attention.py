@@ -7,11 +7,14 @@ softmax attention over the visible cache positions, computed in fp64 with plain 
   B in {1, 2}, Hkv in {1, 8}, R in {1, 4}, D in {64, 128}, L in {1, 17, 300}, lengths 1, L and one inside a
   later split ([1] and per-sequence [B] lengths), fp32 and bf16, the splits of one tile, of several and one
   split; strided caches and q; positions at or past ``length`` never read (NaN there changes no bit); the op
-  under opcheck and torch.compile; decode steps through the kernel give the full forward's logits. Run them
+  under opcheck and torch.compile; decode steps through the kernel give the full forward's logits; appending
+  the step's own position (RoPE, the cache write, attention over it: at 0, in the first and a later split, at the
+  cache's end, per-sequence lengths, fp32 and bf16 RoPE tables) against ``apply_rope``, the caches so written
+  and the reference. Run them
   directly with ``TRITON_INTERPRET=1 pytest tests/test_decode_attention.py -k interp_``.
 * GPU (``gpu``): bf16 and fp32 at Llama 3 8B's head shapes against the reference and against SDPA with the mask
-  decode.py builds; the op in a captured CUDA graph replayed at new lengths; decode steps on CUDA (eager,
-  compiled, CUDA graph) take the kernel and give the full forward's logits.
+  decode.py builds; appending at those shapes; the ops in a captured CUDA graph replayed at new lengths; decode
+  steps on CUDA (eager, compiled, CUDA graph) take the kernel and give the full forward's logits.
 
 Bound. The kernel computes in fp32 from the inputs' values (fp32 dots, no TF32): against the fp64 reference it
 is off by a few fp32 roundings of the scores, weights and sums, well inside ATOL = 1e-5 at these sizes
@@ -84,6 +87,58 @@ def lengths(b: int, cache_len: int) -> list[list[int]]:
     return [[1, cache_len], *([inner] if inner else [])]
 
 
+def append_case(b: int, hkv: int, reps: int, d: int, cache_len: int, dtype: torch.dtype, device: str = "cpu",
+                tables: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """A decode step's unrotated q [B, Hkv, R, D] and k, v [B, Hkv * D] (views of one fused projection's output, as
+    decode.py passes them), caches [B, Hkv, L, D] and the model's RoPE tables (in ``tables``: a bf16 model's
+    buffers are bf16)."""
+    from mx_recipe.models.llama import rope_tables
+
+    g = torch.Generator(device).manual_seed(b * 100 + hkv * 10 + reps + d)
+    fused = torch.randn(b, (hkv * reps + 2 * hkv) * d, generator=g, device=device).to(dtype)
+    q, k, v = fused.split([hkv * reps * d, hkv * d, hkv * d], dim=-1)
+    k_cache, v_cache = (torch.randn(b, hkv, cache_len, d, generator=g, device=device).to(dtype) for _ in range(2))
+    cos, sin = rope_tables(d, cache_len, 500000.0, device)
+    return q.view(b, hkv, reps, d), k, v, cos.to(tables), sin.to(tables), k_cache, v_cache
+
+
+def round_as_kernel(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``x`` in ``dtype`` as the kernel rounds it: to nearest, but truncated by the interpreter's bf16 cast."""
+    if INTERP and dtype == torch.bfloat16:
+        return (x.view(torch.int32) & -65536).view(torch.float32).to(dtype)
+    return x.to(dtype)
+
+
+def check_append(b: int, hkv: int, reps: int, d: int, cache_len: int, dtype: torch.dtype, lengths: torch.Tensor,
+                 device: str = "cpu", tables: torch.dtype = torch.float32, **kw) -> None:  # fmt: skip
+    """decode_attention_append at ``lengths``: the caches gain the rotated k and v at length - 1 and nothing else;
+    the output is attention over the caches so written with q rotated as ``apply_rope`` (module doc's bound; bf16
+    widened by one rounding of every q element, where the kernel's fp32 rotation may round the other way)."""
+    from mx_recipe.models.llama import apply_rope
+
+    q, k, v, cos, sin, k_cache, v_cache = append_case(b, hkv, reps, d, cache_len, dtype, device, tables)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    pos = (lengths.expand(b) - 1).tolist()
+    rot_q = torch.empty(q.shape, dtype=dtype, device=device)
+    for i, p in enumerate(pos):
+        rows = cos[p : p + 1], sin[p : p + 1]
+        rot_q[i] = round_as_kernel(apply_rope(q[i : i + 1].reshape(1, 1, -1, d).float(), *rows), dtype).view(q[i].shape)
+        want_k[i, :, p] = round_as_kernel(apply_rope(k[i : i + 1].view(1, 1, hkv, d).float(), *rows)[0, 0], dtype)
+        want_v[i, :, p] = v[i].view(hkv, d)
+    if "run" in kw:
+        out = kw.pop("run")(q, k, v, cos, sin, k_cache, v_cache, lengths)
+    else:
+        out = run(q, k_cache, v_cache, lengths, append=(k, v, cos, sin), **kw)
+    assert torch.equal(v_cache, want_v)
+    torch.testing.assert_close(k_cache, want_k, rtol=0 if dtype == torch.float32 else 2**-7, atol=1e-6)
+    r = reference(rot_q.cpu(), k_cache.cpu(), v_cache.cpu(), lengths.cpu())
+    rho = 0.0 if dtype == torch.float32 else 2.0**-7 if INTERP else 2.0**-8
+    flips = 0.0 if dtype == torch.float32 else 2.0**-8 * (rot_q.cpu().double().abs() @ k_cache.cpu().double().abs(
+        ).transpose(-1, -2)).amax() / math.sqrt(d) * 2 * v_cache.cpu().double().abs().amax()  # fmt: skip
+    excess = (out.cpu().double() - r).abs() - (ATOL + rho * r.abs() + flips)
+    assert excess.max() <= 0, f"{tuple(q.shape)} L {cache_len} lengths {lengths.tolist()}: {excess.max().item():.3g}"
+
+
 # ---------------------------------------------------------------------------------------
 # CPU, in this process
 
@@ -121,6 +176,26 @@ def test_bad_operands_are_one_line_errors_naming_the_argument():
             run(q, k, v, n)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_bad_append_operands_are_one_line_errors():
+    from mx_kernels.decode_attention import check_append
+
+    q, k, v, cos, sin, k_cache, _ = append_case(2, 2, 4, 64, 10, torch.bfloat16)
+    cases = [
+        (dict(k=k[:, :64]), "appended k must be .* = \\[2, 128\\]"),
+        (dict(v=v[:1]), "appended v must be"),
+        (dict(k=k.reshape(128, 2).T), "appended k must be"),
+        (dict(cos=cos[:, :16]), "RoPE table cos must be a contiguous float"),
+        (dict(sin=sin.double()), "RoPE table sin must be a contiguous float"),
+        (dict(sin=sin.to("meta")), "sin is on meta"),
+    ]
+    for change, message in cases:
+        args = dict(q=q, k_cache=k_cache, k=k, v=v, cos=cos, sin=sin)
+        with pytest.raises(ValueError, match=message) as info:
+            check_append(**{**args, **change})
+        assert "\n" not in str(info.value)
+
+
 def test_fake_shape_and_the_rule(pretend_gpu):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -129,6 +204,11 @@ def test_fake_shape_and_the_rule(pretend_gpu):
     with FakeTensorMode():
         q, k = torch.empty(2, 8, 4, 128, dtype=torch.bfloat16), torch.empty(2, 8, 1024, 128, dtype=torch.bfloat16)
         out = torch.ops.mx_recipe.decode_attention(q, k, k, torch.empty(1, dtype=torch.int64))
+        assert out.shape == (2, 8, 4, 128) and out.dtype == torch.bfloat16
+        new, table = torch.empty(2, 1024, dtype=torch.bfloat16), torch.empty(1024, 64)
+        out = torch.ops.mx_recipe.decode_attention_append(
+            q, new, new, table, table, k, k, torch.empty(1, dtype=torch.int64)
+        )
         assert out.shape == (2, 8, 4, 128) and out.dtype == torch.bfloat16
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     pretend_gpu((9, 0))
@@ -229,6 +309,31 @@ def test_interp_positions_at_or_past_length_are_never_read():
 
 
 @interp_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interp_append_rotates_writes_and_attends(dtype):
+    """The step's own position at length - 1: at 0 (an empty loop), in the first and in a later split, at the
+    cache's end; one split and several; per-sequence lengths."""
+    for b, hkv, reps, d, cache_len, n, splits in [
+        (1, 1, 1, 16, 1, [1], None),
+        (2, 2, 4, 64, 17, [17], None),
+        (1, 8, 4, 128, 300, [6], None),
+        (1, 2, 4, 64, 300, [201], 3),
+        (2, 2, 4, 64, 300, [1], 5),
+        (2, 2, 4, 64, 300, [300, 77], 4),
+    ]:
+        check_append(b, hkv, reps, d, cache_len, dtype, torch.tensor(n), splits=splits)
+    check_append(2, 2, 4, 64, 40, dtype, torch.tensor([33]), tables=torch.bfloat16)
+
+
+@interp_only
+def test_interp_append_op():
+    """Through ``torch.ops.mx_recipe.decode_attention_append`` (its mutation of the caches as the schema says)."""
+    from mx_recipe.infer.attention import decode_attention_append
+
+    check_append(2, 2, 4, 64, 40, torch.float32, torch.tensor([33]), run=decode_attention_append)
+
+
+@interp_only
 def test_interp_op_opcheck_and_compile():
     import mx_recipe.infer.attention  # noqa: F401  (defines the op)
 
@@ -250,11 +355,11 @@ def test_interp_decode_steps_through_the_kernel_give_the_full_forward_logits(mon
     calls = []
 
     def counted(*args):
-        calls.append(args[3].item())
-        return torch.ops.mx_recipe.decode_attention(*args)
+        calls.append(args[7].item())  # the length
+        return torch.ops.mx_recipe.decode_attention_append(*args)
 
     monkeypatch.setattr(decode, "use_kernel", lambda device, head_dim: True)
-    monkeypatch.setattr(decode, "decode_attention", counted)
+    monkeypatch.setattr(decode, "decode_attention_append", counted)
     model = assert_decode_steps_give_the_full_forward("llama", "debug", 2)
     assert calls == [n for n in (9, 10, 11) for _ in range(len(model.layers))]
 
@@ -334,6 +439,40 @@ def test_gpu_op_in_a_cuda_graph_replays_at_new_lengths():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_append_rotates_writes_and_attends(dtype):
+    """Llama 3 8B's heads at batch 1 and 4 over a 1024-position cache: the position first, mid-cache, last; and
+    per-sequence lengths."""
+    for b in (1, 4):
+        for n in (1, 700, 1024):
+            check_append(b, 8, 4, 128, 1024, dtype, torch.tensor([n], device=CUDA), CUDA)
+    check_append(4, 8, 4, 128, 1024, dtype, torch.tensor([3, 1024, 512, 65], device=CUDA), CUDA)
+    check_append(1, 8, 4, 128, 1024, dtype, torch.tensor([700], device=CUDA), CUDA, tables=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_append_in_a_cuda_graph_replays_at_new_positions():
+    from mx_recipe.infer.attention import decode_attention_append
+
+    q, k, v, cos, sin, k_cache, v_cache = append_case(2, 8, 4, 128, 64, torch.bfloat16, CUDA)
+    length = torch.tensor([6], device=CUDA)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        decode_attention_append(q, k, v, cos, sin, k_cache, v_cache, length)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention_append(q, k, v, cos, sin, k_cache, v_cache, length)
+    for n in (41, 64):
+        length.fill_(n)
+        graph.replay()
+        fresh = k_cache.clone(), v_cache.clone()
+        want = decode_attention_append(q, k, v, cos, sin, *fresh, length)  # the same step, eager
+        assert torch.equal(out, want) and torch.equal(fresh[0], k_cache) and torch.equal(fresh[1], v_cache)
+
+
+@pytest.mark.gpu
 def test_gpu_decode_steps_take_the_kernel(monkeypatch):
     """On CUDA every decode step's attention is the kernel; eager and compiled steps give the full forward's logits
     (fp32), and replaying the step from a CUDA graph gives the eager steps' greedy tokens."""
@@ -345,8 +484,8 @@ def test_gpu_decode_steps_take_the_kernel(monkeypatch):
     model.init_weights()
     model.eval()
     tokens = torch.randint(0, 320, (2, 40), device=CUDA)
-    kernel, calls = decode.decode_attention, []
-    monkeypatch.setattr(decode, "decode_attention", lambda *args: calls.append(1) or kernel(*args))
+    kernel, calls = decode.decode_attention_append, []
+    monkeypatch.setattr(decode, "decode_attention_append", lambda *args: calls.append(1) or kernel(*args))
     with torch.no_grad():
         full = model(tokens)
         for step_fn in (decode.forward, torch.compile(decode.forward)):
@@ -357,7 +496,7 @@ def test_gpu_decode_steps_take_the_kernel(monkeypatch):
             torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
             if step_fn is decode.forward:
                 assert len(calls) == 7 * len(model.layers)
-    monkeypatch.setattr(decode, "decode_attention", kernel)
+    monkeypatch.setattr(decode, "decode_attention_append", kernel)
     eager, _ = decode.generate(model, tokens[:, :9], 12)
     graphed, _ = decode.generate(model, tokens[:, :9], 12, cuda_graph=True)
     assert torch.equal(eager, graphed)

@@ -1,14 +1,12 @@
 """The decode step's fused kernels (kernels/decode_fused.py, through mx_recipe.infer.fused) against the model's
-own modules: ``apply_rope`` and the cache write by indexing, ``nn.RMSNorm`` after the residual add, SwiGLU's
-``F.silu(h1) * h3``.
+own modules: ``nn.RMSNorm`` after the residual add, SwiGLU's ``F.silu(h1) * h3``.
 
 * CPU, in this process: argument errors and the ops' fake shapes.
 * CPU, Triton interpreter (``test_interp_*``), in a child pytest with TRITON_INTERPRET=1: fp32 (equal to the
-  reference within fp32 roundings) and bf16 (within one rounding of the reference's value) at several head
-  counts, head dims, batch sizes and positions, with strided q, k, v rows (views of one fused projection's
-  output, as decode.py passes them).
-* GPU (``gpu``): the same comparisons in bf16 at Llama 3 8B's shapes, and the ops inside a captured CUDA graph
-  replayed at a new position.
+  reference within fp32 roundings) and bf16 (within one rounding of the reference's value) at several row
+  counts and widths, with strided rows (views of one fused projection's output, as decode.py passes them).
+* GPU (``gpu``): the same comparisons in bf16 at Llama 3 8B's and the MoE 16B's shapes, and the norm inside a
+  captured CUDA graph replayed on new inputs.
 
 Bounds. The kernels compute in fp32 as the reference does, but may contract a product and a sum into one FMA,
 and the norm multiplies x * rstd * weight before its one rounding where nn.RMSNorm may round between: fp32
@@ -27,8 +25,7 @@ import pytest
 import torch
 from test_cast_kernels import run_interpreter_tests
 
-from mx_recipe.infer.fused import add_rms_norm, rope_cache_write, silu_mul
-from mx_recipe.models.llama import apply_rope, rope_tables
+from mx_recipe.infer.fused import add_rms_norm, silu_mul
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -48,34 +45,6 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor | fl
     err = (got.double() - want.double()).abs()
     bound = rel(got.dtype) * (want.double().abs() + scale)
     assert (err <= bound).all(), f"past the bound by {(err - bound).max().item():.3g}"
-
-
-def rope_case(b: int, hkv: int, r: int, d: int, length: int, pos: int, dtype: torch.dtype, device: str):
-    """Strided q, k, v (one fused projection's output split), the caches, tables; and the reference's results."""
-    torch.manual_seed(b * 100 + hkv * 10 + r + d + pos)
-    h = hkv * r
-    fused = torch.randn(b, (h + 2 * hkv) * d, device=device).to(dtype)
-    q, k, v = fused.split([h * d, hkv * d, hkv * d], dim=-1)
-    cos, sin = rope_tables(d, length + 3, 500000.0, torch.device(device))
-    k_cache = torch.randn(b, hkv, length, d, device=device).to(dtype)
-    v_cache = torch.randn(b, hkv, length, d, device=device).to(dtype)
-    want_k, want_v = k_cache.clone(), v_cache.clone()
-    rot_q = apply_rope(q.reshape(b, 1, h, d), cos[pos : pos + 1], sin[pos : pos + 1])
-    rot_k = apply_rope(k.reshape(b, 1, hkv, d), cos[pos : pos + 1], sin[pos : pos + 1])
-    want_k[:, :, pos] = rot_k[:, 0]
-    want_v[:, :, pos] = v.reshape(b, hkv, d)
-    want_q = rot_q.reshape(b, hkv, r, d)
-    position = torch.tensor([pos], device=device)
-    return (q, k, v, cos, sin, position, k_cache, v_cache), (want_q, want_k, want_v)
-
-
-def check_rope(b, hkv, r, d, length, pos, dtype, device):
-    args, (want_q, want_k, want_v) = rope_case(b, hkv, r, d, length, pos, dtype, device)
-    q_out = rope_cache_write(*args)
-    k_cache, v_cache = args[-2:]
-    assert_close(q_out, want_q, want_q.abs().amax())
-    assert_close(k_cache, want_k, want_k.abs().amax())
-    assert torch.equal(v_cache, want_v)  # a copy
 
 
 def check_norm(t, d, dtype, device, with_delta):
@@ -115,18 +84,8 @@ def check_silu_mul(t, h, dtype, device):
 
 def test_bad_arguments_are_one_line_errors():
     from mx_kernels.decode_fused import add_rms_norm as norm_kernel
-    from mx_kernels.decode_fused import rope_cache_write as rope_kernel
     from mx_kernels.decode_fused import silu_mul as silu_kernel
 
-    (q, k, v, cos, sin, position, k_cache, v_cache), _ = rope_case(1, 2, 2, 16, 8, 3, torch.float32, "cpu")
-    with pytest.raises(ValueError, match="k_cache and v_cache"):
-        rope_kernel(q, k, v, cos, sin, position, k_cache, v_cache[:, :1])
-    with pytest.raises(ValueError, match="q \\[B, H \\* D\\]"):
-        rope_kernel(q[:, :5], k, v, cos, sin, position, k_cache, v_cache)
-    with pytest.raises(ValueError, match="cos, sin"):
-        rope_kernel(q, k, v, cos[:, :3], sin[:, :3], position, k_cache, v_cache)
-    with pytest.raises(ValueError, match="one position"):
-        rope_kernel(q, k, v, cos, sin, torch.tensor([1, 2]), k_cache, v_cache)
     with pytest.raises(ValueError, match="weight \\[D\\]"):
         norm_kernel(torch.randn(2, 8), None, torch.ones(4), 1e-5)
     with pytest.raises(ValueError, match="contiguous"):
@@ -141,9 +100,6 @@ def test_fake_shapes_under_compile_tracing():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        (q, k, v, cos, sin, position, k_cache, v_cache), _ = rope_case(2, 2, 4, 16, 8, 3, torch.bfloat16, "cpu")
-        assert torch.ops.mx_recipe.rope_cache_write(q, k, v, cos, sin, position, k_cache, v_cache).shape == (
-            2, 2, 4, 16)  # fmt: skip
         h, out = torch.ops.mx_recipe.add_rms_norm(torch.empty(3, 64), None, torch.empty(64), 1e-5)
         assert h.shape == out.shape == (3, 64)
         assert torch.ops.mx_recipe.silu_mul(torch.empty(3, 64), torch.empty(3, 64)).shape == (3, 64)
@@ -156,13 +112,6 @@ def test_kernels_in_triton_interpreter():
 
 # ---------------------------------------------------------------------------------------
 # CPU, Triton interpreter (child process)
-
-
-@interp_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_interp_rope_cache_write(dtype):
-    for b, hkv, r, d, length, pos in [(1, 1, 1, 16, 1, 0), (2, 2, 4, 64, 17, 16), (1, 8, 4, 128, 40, 5)]:
-        check_rope(b, hkv, r, d, length, pos, dtype, "cpu")
 
 
 @interp_only
@@ -187,7 +136,6 @@ def test_interp_silu_mul(dtype):
 @pytest.mark.gpu
 def test_gpu_llama8b_shapes():
     for b in (1, 32):
-        check_rope(b, 8, 4, 128, 1024, 700, torch.bfloat16, "cuda")
         check_norm(b, 4096, torch.bfloat16, "cuda", True)
     check_norm(1, 4096, torch.bfloat16, "cuda", False)
     for t, h in [(1, 14336), (32, 14336), (6, 1408)]:
@@ -196,20 +144,13 @@ def test_gpu_llama8b_shapes():
 
 
 @pytest.mark.gpu
-def test_gpu_captured_graph_replays_at_a_new_position():
-    (q, k, v, cos, sin, position, k_cache, v_cache), _ = rope_case(2, 8, 4, 128, 64, 5, torch.bfloat16, "cuda")
+def test_gpu_captured_graph_replays_on_new_inputs():
     h, delta = torch.randn(2, 4096, device="cuda").bfloat16(), torch.randn(2, 4096, device="cuda").bfloat16()
     weight = torch.rand(4096, device="cuda").bfloat16()
-    rope_cache_write(q, k, v, cos, sin, position, k_cache, v_cache)  # compiles outside the capture
-    add_rms_norm(h, delta, weight, 1e-5)
+    add_rms_norm(h, delta, weight, 1e-5)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        q_out = rope_cache_write(q, k, v, cos, sin, position, k_cache, v_cache)
-        h_out, out = add_rms_norm(h, delta, weight, 1e-5)
-    position.fill_(40)
+        h_out, _ = add_rms_norm(h, delta, weight, 1e-5)
+    h.copy_(torch.randn_like(h))
     graph.replay()
-    want_q = apply_rope(q.reshape(2, 1, 32, 128), cos[40:41], sin[40:41]).reshape(2, 8, 4, 128)
-    assert_close(q_out, want_q, want_q.abs().amax())
-    want_k = apply_rope(k.reshape(2, 1, 8, 128), cos[40:41], sin[40:41])[:, 0]
-    assert_close(k_cache[:, :, 40], want_k, want_k.abs().amax())
     assert torch.equal(h_out, h + delta)

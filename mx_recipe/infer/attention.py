@@ -1,8 +1,11 @@
-"""Decode attention as a custom op: ``torch.ops.mx_recipe.decode_attention``, the split-KV Triton kernel of
+"""Decode attention as custom ops: ``torch.ops.mx_recipe.decode_attention``, the split-KV Triton kernel of
 mx_kernels.decode_attention (its docstring gives the design) for a decode step's one query position over a KV
-cache, grouped-query heads read together. ``length`` is a device tensor, so that a CUDA graph captured once
-replays at every position. A fake implementation gives the shape, so torch.compile and CUDA-graph capture take
-the kernel as one opaque node; Triton is imported on the first call only.
+cache, grouped-query heads read together; and ``decode_attention_append``, the same with the step's own query and
+key unrotated: the kernel applies RoPE at the step's position, writes the key and value into the caches there
+(its schema says it mutates them) and attends over them too, so that a step needs no RoPE + cache-write launch.
+``length`` is a device tensor, so that a CUDA graph captured once replays at every position. Fake
+implementations give the shape, so torch.compile and CUDA-graph capture take the kernel as one opaque node;
+Triton is imported on the first call only.
 
 ``use_kernel`` is the rule for a decode step (one position a sequence): this kernel, and the fused ones of
 ``mx_recipe.infer.fused``, on an NVIDIA GPU of compute capability 8.0 or newer, for the head dims it takes
@@ -35,6 +38,26 @@ define(
 )
 
 
+def _launch_append(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   length: Tensor, scale: float | None = None) -> Tensor:  # fmt: skip
+    from mx_kernels.decode_attention import decode_attention as launch
+
+    return launch(q, k_cache, v_cache, length, scale, append=(k, v, cos, sin))
+
+
+def _fake_append(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 length: Tensor, scale: float | None = None) -> Tensor:  # fmt: skip
+    return q.new_empty(q.shape)
+
+
+define(
+    "decode_attention_append(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+    "Tensor(b!) v_cache, Tensor length, float? scale=None) -> Tensor",
+    _launch_append,
+    _fake_append,
+)
+
+
 def use_kernel(device: torch.device, head_dim: int) -> bool:
     """Whether a decode step on ``device`` with heads of ``head_dim`` runs the kernel (module doc)."""
     cap = capability(device)
@@ -47,3 +70,12 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, length: Tensor
     ``length`` (int tensor [1] or [B] on q's device) -> [B, Hkv, R, D] in q's dtype. ``scale``: 1 / sqrt(D) by
     default, as SDPA's."""
     return torch.ops.mx_recipe.decode_attention(q, k_cache, v_cache, length, scale)
+
+
+def decode_attention_append(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
+                            v_cache: Tensor, length: Tensor, scale: float | None = None) -> Tensor:  # fmt: skip
+    """A decode step's attention with its own position appended: q [B, Hkv, R, D] and k, v [B, Hkv * D] of the
+    step, unrotated; cos, sin the model's RoPE tables [max_len, D / 2]. Rotates q and k at position
+    length - 1 (as ``apply_rope``), writes k and v into k_cache, v_cache [B, Hkv, L, D] there and returns the
+    attention over positions 0 .. length - 1, [B, Hkv, R, D] in q's dtype."""
+    return torch.ops.mx_recipe.decode_attention_append(q, k, v, cos, sin, k_cache, v_cache, length, scale)

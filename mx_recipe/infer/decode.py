@@ -10,14 +10,14 @@ The cache is laid out per KV head, [batch, kv heads, max_len, head dim], and the
 attend as one head with their queries stacked (grouped-query attention): SDPA reads each layer's cache once, in
 place, where repeating it per query head would copy it n_heads / n_kv_heads times a step.
 
-A decode step (one position) on a GPU runs the same computation in few launches (``_kernel_step``): RoPE with the
-cache write, the residual add with RMSNorm and SwiGLU's silu * mul as fused kernels (``mx_recipe.infer.fused``),
-attention by the split-KV kernel of ``mx_recipe.infer.attention``, which reads only the positions written so far
-and spreads them over the SMs (at batch 1 SDPA runs one program per KV head and waits on its loads), and an MoE
-block's routing and combine by the kernels of ``mx_recipe.infer.routing`` (one launch each, where eager routing
-takes some twenty). The position is a device tensor, so one CUDA graph serves every step. The prefill, and every
-step on the CPU, run the model's modules with SDPA and the mask. The fused MoE step leaves the block's
-``tokens_per_expert`` (a training statistic for the balancing bias) untouched.
+A decode step (one position) on a GPU runs the same computation in few launches (``_kernel_step``): the residual
+add with RMSNorm and SwiGLU's silu * mul as fused kernels (``mx_recipe.infer.fused``), attention by the split-KV
+kernel of ``mx_recipe.infer.attention`` with RoPE and the cache write in it, which reads only the positions
+written so far and spreads them over the SMs (at batch 1 SDPA runs one program per KV head and waits on its
+loads), and an MoE block's routing and combine by the kernels of ``mx_recipe.infer.routing`` (one launch each,
+where eager routing takes some twenty). The position is a device tensor, so one CUDA graph serves every step.
+The prefill, and every step on the CPU, run the model's modules with SDPA and the mask. The fused MoE step leaves
+the block's ``tokens_per_expert`` (a training statistic for the balancing bias) untouched.
 
 ``DecodeGraph`` captures one decode step in a CUDA graph and replays it: a step launches a few hundred small
 kernels, whose launch time would otherwise exceed their run time at small batch.
@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mx_recipe.infer.attention import decode_attention, use_kernel
-from mx_recipe.infer.fused import add_rms_norm, rope_cache_write, silu_mul
+from mx_recipe.infer.attention import decode_attention_append, use_kernel
+from mx_recipe.infer.fused import add_rms_norm, silu_mul
 from mx_recipe.infer.routing import fits, moe_combine, moe_route
 from mx_recipe.infer.weights import PackedWeight
 from mx_recipe.models.llama import Attention, FeedForward, Transformer, apply_rope, project
@@ -146,8 +146,8 @@ def _layers_step(model: Transformer, tokens: torch.Tensor, position: torch.Tenso
         norm, attn = layer.attention_norm, layer.attention
         h, x = add_rms_norm(h, delta, norm.weight, _eps(norm, h.dtype))
         q, k, v = project(x, attn.wq, attn.wk, attn.wv)
-        q = rope_cache_write(q, k, v, model.rope_cos, model.rope_sin, position, cache.k[i], cache.v[i])
-        out = decode_attention(q, cache.k[i], cache.v[i], length)
+        q = q.view(batch, attn.n_kv_heads, attn.n_heads // attn.n_kv_heads, attn.head_dim)  # no copy: heads split
+        out = decode_attention_append(q, k, v, model.rope_cos, model.rope_sin, cache.k[i], cache.v[i], length)
         h, x = add_rms_norm(h, attn.wo(out.view(batch, -1)), layer.ffn_norm.weight, _eps(layer.ffn_norm, h.dtype))
         delta = _ffn_step(layer, x)
     _, x = add_rms_norm(h, delta, model.norm.weight, _eps(model.norm, h.dtype))
