@@ -165,10 +165,6 @@ SCALED_CANDIDATES = (
 # ``python benchmarks/bench_decode.py --sweep`` on the target GPU.
 FMA_MAX_M = 4
 FMA_PROGRAMS_PER_SM = 4
-# With PDL (mx_kernels.pdl) a program's first weight and scale bytes of each row, up to these, are asked of L2 before
-# it waits on the kernel before it: the resident programs' share of a few MB, in flight during that kernel
-PREFETCH_W = tl.constexpr(2048)
-PREFETCH_S = tl.constexpr(64)
 
 
 def _fma(block_n: int, block_k: int, split_k: int | None, num_warps: int, num_stages: int = 1) -> dict:
@@ -510,15 +506,6 @@ def _load_scales(ptrs, mask, HW: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rows(rows, nbytes, CAP: tl.constexpr):
-    """Ask L2 for the first min(nbytes, CAP) bytes at each of ``rows`` (uint8 pointers), a request per 32-byte
-    sector (a hint: no value comes back and nothing waits for it)."""
-    at = tl.minimum(tl.arange(0, CAP // 32) * 32, nbytes - 1)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [rows[:, None] + at[None, :]],
-                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
-@triton.jit
 def _weight_only_fma_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, E, K_SPLIT, SPLIT_K,
@@ -537,8 +524,7 @@ def _weight_only_fma_kernel(
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     pid_k = tl.program_id(2)
-    if GROUPED:  # the tile's expert comes from offs, an earlier kernel's output
-        pdl.wait_prior(PDL)  # every program, the early return's too (mx_kernels.pdl)
+    pdl.wait_prior(PDL)  # every program, the grouped early return's too (mx_kernels.pdl)
     rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr = _program_tile(
         offs_ptr, w_ptr, s_ptr, stride_we, stride_se, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M, BLOCK_N
     )
@@ -548,12 +534,6 @@ def _weight_only_fma_kernel(
     kp = tl.max_contiguous(tl.arange(0, PAIRS), UNIT)  # UNIT-pair runs: x's and w's loads take one layout
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
-    if not GROUPED:
-        if PDL:  # no earlier kernel wrote the weights: the program's first ones on their way to L2 while it runs
-            w_first = (w_ptr + rn_in * stride_wn + k_start // 2).to(tl.pointer_type(tl.uint8))
-            _prefetch_rows(w_first, (k_end - k_start) // (1 if FMT == "mxfp8" else 2), PREFETCH_W)
-            _prefetch_rows(s_ptr + rn_in * stride_sn + k_start // GROUP, (k_end - k_start) // GROUP, PREFETCH_S)
-        pdl.wait_prior(PDL)
     # [rows of x, rows of w, pairs]: x broadcast over w's rows, w over x's
     x_ptrs = x_ptr + rm_in[:, None, None] * stride_xm + (pid_k * (K_SPLIT // 2) + kp)[None, None, :]
     w_ptrs = w_ptr + rn_in[None, :, None] * stride_wn + (pid_k * (K_SPLIT // 2) + kp)[None, None, :]
