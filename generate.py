@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = ByteTokenizer()
     # RoPE tables for the longest prompt in bytes (no tokenizer makes more tokens than bytes, plus BOS)
     max_len = max(len(text.encode()) for text in prompts) + 1 + args.max_new_tokens
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.checkpoint:
         try:
             model, tokenizer, _ = load_run(args.checkpoint, device, max_len=max(max_len, 64))
@@ -76,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     else:
         vocab = padded_vocab_size(tokenizer.vocab_size)
-        model = random_model(args.model, args.flavor, vocab, max_len, device, args.seed)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = random_model(args.model, args.flavor, vocab, max_len, device, args.seed, dtype)
     model = quantize_model(to_compute_dtype(model.eval(), dtype), args.weights, activations=args.activations == "mx")
     if not args.no_fuse:
         model = fuse_projections(model)

@@ -51,7 +51,7 @@ from timing import copy_gbs, kernel_us_by_name, run_meta
 
 from mx_recipe.cli import ArgumentParser, int_list, names, output_file
 from mx_recipe.infer.decode import DecodeGraph, KVCache, forward
-from mx_recipe.infer.load import to_compute_dtype
+from mx_recipe.infer.load import init_random
 from mx_recipe.infer.weight_only import set_tuning
 from mx_recipe.infer.weights import (
     WEIGHT_FORMATS,
@@ -94,11 +94,8 @@ def build(name: str, flavor: str, layers: int | None, fmt: str, max_len: int, de
         dims = dataclasses.replace(dims, n_layers=layers)
     with torch.device("meta"):
         model = build_model(dims)
-    model.to_empty(device=device)
-    torch.manual_seed(0)
-    model.init_weights()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = quantize_model(to_compute_dtype(model.eval(), dtype), fmt, kernel=not reference)
+    model = quantize_model(init_random(model, device, 0, dtype).eval(), fmt, kernel=not reference)
     return fuse_projections(model) if fuse else model
 
 

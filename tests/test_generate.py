@@ -1,6 +1,7 @@
 """Inference on the CPU: the KV-cache decode gives the full forward's logits, the quantized weights are the
 formats' own bits kept packed, and generate.py continues a prompt from a train.py checkpoint."""
 
+import copy
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ from test_train import BF16_ARGS, REPO, run_in_process
 from mx_recipe.formats.mx import fake_quant
 from mx_recipe.formats.nvfp4 import to_nvfp4
 from mx_recipe.infer.decode import PDL_MAX_BATCH, KVCache, forward, generate, pdl_pays
-from mx_recipe.infer.load import load_run
+from mx_recipe.infer.load import load_run, random_model, to_compute_dtype
 from mx_recipe.infer.weights import (
     FusedLinear,
     FusedPart,
@@ -73,6 +74,22 @@ def test_quantized_weights_are_the_formats_bits_kept_packed(fmt):
     assert weight_bytes(model) < before / 2
 
 
+@pytest.mark.parametrize(("name", "flavor"), [("llama", "debug"), ("moe", "debug_moe")])
+def test_random_model_is_init_weights_block_by_block(name, flavor):
+    """random_model materializes and initializes one block at a time (the fp32 model is never whole): the values
+    of ``init_weights`` on the whole model, and with a dtype those values cast (expert biases stay fp32)."""
+    whole = build_model(model_args(name, flavor, 320, 64))
+    torch.manual_seed(3)
+    whole.init_weights()
+    for dtype in (None, torch.bfloat16):
+        got = random_model(name, flavor, 320, 64, CPU, seed=3, dtype=dtype)
+        want = whole if dtype is None else to_compute_dtype(copy.deepcopy(whole), dtype)
+        assert list(got.state_dict()) == list(want.state_dict())
+        for key, value in want.state_dict().items():
+            assert torch.equal(got.state_dict()[key], value) and got.state_dict()[key].dtype == value.dtype, key
+        assert torch.equal(got.rope_cos, want.rope_cos) and torch.equal(got.rope_sin, want.rope_sin)
+
+
 def test_pdl_is_for_quantized_steps_of_few_sequences():
     """The decode step's PDL rule (mx_recipe.infer.decode): quantized projections, at most PDL_MAX_BATCH
     sequences, the setting on; the kernels' own gate keeps it off on the CPU."""
@@ -132,10 +149,6 @@ def test_fused_projections_give_the_unfused_logits(name, flavor, fmt):
 def test_gpu_fused_projections_give_the_unfused_logits(fmt):
     """On CUDA (the weight-only kernel, bf16): at the debug dims every GEMM reads K in one split, fused or not, so
     the logits match bit for bit; bf16 (cuBLAS) within rounding."""
-    import copy
-
-    from mx_recipe.infer.load import to_compute_dtype
-
     cuda = torch.device("cuda")
     model = to_compute_dtype(_model("moe", "debug_moe").to(cuda), torch.bfloat16)
     unfused = quantize_model(model, fmt)

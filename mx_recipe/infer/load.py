@@ -64,22 +64,47 @@ def load_run(output_dir: str | Path, device: torch.device, max_len: int) -> tupl
     return model, tokenizer, config
 
 
-def random_model(name: str, flavor: str, vocab_size: int, max_len: int, device: torch.device, seed: int = 0
-                 ) -> Transformer:  # fmt: skip
-    """A model of ``name``/``flavor`` with its training initialization from ``seed``: for speed runs."""
-    model = _build(name, flavor, vocab_size, max_len, device)
+def random_model(name: str, flavor: str, vocab_size: int, max_len: int, device: torch.device, seed: int = 0,
+                 dtype: torch.dtype | None = None) -> Transformer:  # fmt: skip
+    """A model of ``name``/``flavor`` with its training initialization from ``seed``: for speed runs (``dtype``:
+    as ``init_random``'s)."""
+    with torch.device("meta"):
+        model = build_model(model_args(name, flavor, vocab_size, max_len))
+    return init_random(model, device, seed, dtype)
+
+
+@torch.no_grad()
+def init_random(model: Transformer, device: torch.device, seed: int = 0, dtype: torch.dtype | None = None
+                ) -> Transformer:  # fmt: skip
+    """``model`` (on the meta device) materialized on ``device`` with its training initialization from ``seed``,
+    the same values as ``init_weights`` gives; ``dtype``: then in the compute dtype (``to_compute_dtype``). Block
+    by block, each cast as soon as it is initialized: the fp32 model is never whole in memory (an MoE 16B's fp32
+    weights alone are 66 GB)."""
     torch.manual_seed(seed)
-    model.init_weights()
-    return model
+    for layer in model.layers.values():  # init_weights' order: the blocks, then the rest
+        layer.to_empty(device=device)
+        layer.init_weights()
+        if dtype is not None:
+            _parameters_to(layer, dtype)
+    model.to_empty(device=device, recurse=False)  # the RoPE tables
+    for name, child in model.named_children():
+        if name != "layers":
+            child.to_empty(device=device)
+    model.init_root_weights()
+    return to_compute_dtype(model, dtype) if dtype is not None else model
+
+
+def _parameters_to(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    for sub in module.modules():
+        for name, p in sub._parameters.items():
+            if p is not None:
+                sub._parameters[name] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
 
 
 @torch.no_grad()
 def to_compute_dtype(model: Transformer, dtype: torch.dtype) -> Transformer:
     """Parameters and RoPE tables in ``dtype``, as training computed (FSDP2's mixed precision casts the
     parameters and the blocks' inputs); other buffers (the MoE's expert biases) stay fp32 as in training."""
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None:
-                module._parameters[name] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
+    _parameters_to(model, dtype)
     model.rope_cos, model.rope_sin = model.rope_cos.to(dtype), model.rope_sin.to(dtype)
     return model
