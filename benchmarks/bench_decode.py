@@ -323,7 +323,7 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         f"{'reference GEMMs' if args.reference else 'weight-only kernel'}"
         f"{', default configs' if args.no_tune or args.reference else ', tuned configs'}"
         f"{', torch.compile' if args.compile else ''}{', unfused projections' if args.no_fuse else ''}"
-        f"{', no PDL' if args.pdl == 'off' else ', PDL and not' if args.pdl == 'both' else ''}; weights "
+        f"{', no PDL' if args.pdl == 'off' else ', with and without PDL' if args.pdl == 'both' else ''}; weights "
         + ", ".join(f"{fmt} {weight_bytes(m) / 1e9:.2f} GB" for fmt, m in models.items())
     )
     step_fn = torch.compile(forward) if args.compile else forward

@@ -6,6 +6,7 @@ so tracing with torch.compile never needs Triton or a GPU.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -143,6 +144,16 @@ def check_stochastic(x: torch.Tensor, elem: str, seed: torch.Tensor | None, op: 
 def interpreting() -> bool:
     """True under the Triton CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of the CUDA ``device`` (its index, or the current device), probed once per device."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def software_round(x: torch.Tensor, op: str) -> bool:

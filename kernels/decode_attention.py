@@ -296,8 +296,8 @@ def decode_attention(
     (None: from the SM count; at most one per tile), ``block_l`` the positions a tile (a power of 2, at least 16;
     None: BLOCK_L, INTERPRET_BLOCK_L under the interpreter). ``append`` = (k, v, cos, sin): the step's own key and
     value [B, Hkv * D] and the RoPE tables [max_len, D / 2] (the model's buffers, fp32 or its dtype; the rotation
-    is fp32 either way): q and k unrotated, rotated at position
-    length - 1, where k and v are written into the caches before attention reads them (module doc)."""
+    is fp32 either way): q and k unrotated, rotated at position length - 1, where k and v are written into the
+    caches and attended over (module doc)."""
     check(q, k_cache, v_cache, length)
     if append is not None:
         check_append(q, k_cache, *append)

@@ -28,11 +28,10 @@ from collections.abc import Iterator
 import torch
 import triton
 import triton.language as tl
-from mx_kernels.common import interpreting
+from mx_kernels.common import cuda_capability, interpreting
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 _enabled = False
-_CAPABLE: dict[int, bool] = {}
 
 
 @contextlib.contextmanager
@@ -48,12 +47,7 @@ def launching(enabled: bool) -> Iterator[None]:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels launched on ``device`` take PDL (module doc)."""
-    if not _enabled or device.type != "cuda" or interpreting():
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABLE:
-        _CAPABLE[index] = torch.cuda.get_device_capability(index) >= (9, 0)
-    return _CAPABLE[index]
+    return _enabled and device.type == "cuda" and not interpreting() and cuda_capability(device) >= (9, 0)
 
 
 def options(device: torch.device) -> dict:

@@ -94,13 +94,11 @@ bf16 is raw uint16), and its fp32 -> bf16 output cast truncates.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from mx_kernels import pdl
-from mx_kernels.common import interpreting
+from mx_kernels.common import cuda_capability, interpreting
 from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.spec import cdiv
 
@@ -656,12 +654,7 @@ def dot_scaled_ok(device: torch.device) -> bool:
     """Whether ``device`` runs the tl.dot_scaled path: fp8 operands from sm_89 on; the interpreter (tests)."""
     if device.type != "cuda":
         return interpreting()
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    return cuda_capability(device) >= (8, 9)
 
 
 _TUNE = False

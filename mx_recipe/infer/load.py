@@ -16,11 +16,9 @@ from mx_recipe.train.tokenizer import Tokenizer, build_tokenizer
 from mx_recipe.train.trainer import padded_vocab_size
 
 
-def _build(name: str, flavor: str, vocab_size: int, max_len: int, device: torch.device) -> Transformer:
+def _meta_model(name: str, flavor: str, vocab_size: int, max_len: int) -> Transformer:
     with torch.device("meta"):
-        model = build_model(model_args(name, flavor, vocab_size, max_len))
-    model.to_empty(device=device)
-    return model
+        return build_model(model_args(name, flavor, vocab_size, max_len))
 
 
 def _check_holds(checkpoint: Path, model_state: dict[str, torch.Tensor], model: str) -> None:
@@ -54,7 +52,7 @@ def load_run(output_dir: str | Path, device: torch.device, max_len: int) -> tupl
         raise ValueError(f"{output_dir}: no committed checkpoint under {config.checkpoint.folder}/")
     tokenizer = build_tokenizer(config.data.tokenizer)
     vocab = padded_vocab_size(tokenizer.vocab_size)
-    model = _build(config.model.name, config.model.flavor, vocab, max_len, device)
+    model = _meta_model(config.model.name, config.model.flavor, vocab, max_len).to_empty(device=device)
     state = {"model": model.state_dict()}
     _check_holds(checkpoint, state["model"], f"{config.model.name} {config.model.flavor}")
     # the model's tensors only; DCP reshards from any world size
@@ -68,9 +66,7 @@ def random_model(name: str, flavor: str, vocab_size: int, max_len: int, device: 
                  dtype: torch.dtype | None = None) -> Transformer:  # fmt: skip
     """A model of ``name``/``flavor`` with its training initialization from ``seed``: for speed runs (``dtype``:
     as ``init_random``'s)."""
-    with torch.device("meta"):
-        model = build_model(model_args(name, flavor, vocab_size, max_len))
-    return init_random(model, device, seed, dtype)
+    return init_random(_meta_model(name, flavor, vocab_size, max_len), device, seed, dtype)
 
 
 @torch.no_grad()
