@@ -156,6 +156,22 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+_ARRIVALS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def arrival_counters(owner: str, device: torch.device, size: int) -> torch.Tensor:
+    """A zeroed int32 buffer [size] per (``owner``, device), kept: the counters by which the last program of a
+    tile to finish knows it is last and reduces the tile's partials. That program resets its counter to 0, so the
+    buffer is zero between launches (and CUDA-graph replays). Two launches of one owner must not run at once on
+    different streams."""
+    key = (owner, device)
+    if key not in _ARRIVALS:
+        _ARRIVALS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    if _ARRIVALS[key].numel() != size:  # a CUDA graph may hold the buffer: it is never replaced
+        raise ValueError(f"arrival_counters: {owner} asked {size} counters, after {_ARRIVALS[key].numel()}")
+    return _ARRIVALS[key]
+
+
 def software_round(x: torch.Tensor, op: str) -> bool:
     """Whether kernels must round fp8 in integer arithmetic: only in the interpreter, whose
     fp8 conversion is wrong (no ties-to-even, lost mantissa carry). The GPU uses cvt.rn.satfinite."""

@@ -8,7 +8,7 @@ q [B, Hkv, R, D] (R query heads per KV head), k_cache and v_cache [B, Hkv, L, D]
 Why split: a decode step's attention is B * Hkv heads (8 for Llama 3 8B at batch 1), too few programs to keep a
 GPU's loads in flight; one program per head is latency-bound (SDPA takes about 24 us a layer on an H200, where
 the cache's bytes take about 1). The cache is cut into SPLITS contiguous chunks instead, one program each, grid
-(B * Hkv, SPLITS), and a second small kernel combines the chunks' partial softmaxes.
+(B * Hkv, SPLITS); the last chunk of a head to finish combines the chunks' partial softmaxes.
 
 Why ``length`` is a tensor: the step is captured in a CUDA graph and replayed at every position. The launches
 (grid, SPLITS, every argument but the addresses) depend only on the static shapes, so one capture serves every
@@ -38,10 +38,14 @@ The padding rows of q cost MMA work, not bytes. The partial (acc, m, l) goes to 
 call (torch's caching allocator: cheap, and graph-safe). With one split (many heads, or a cache of one tile) the program
 writes acc / l as the output itself, and there is no workspace and no combine.
 
-The combine kernel, one program per (b, head, r): the splits in order, BLOCK_S at a time, as an online softmax
-over their partials: sum_s acc_s 2**(m_s - M) / sum_s l_s 2**(m_s - M), M the largest m. A fixed order and
-fixed reduction trees: the result does not depend on timing. Scores are in base 2, scaled by scale * log2(e)
-(fp32 q once; the 16-bit path each tile's fp32 scores).
+The combine: each chunk's program stores its partial, then counts itself in on the head's arrival counter (one
+atomic, acquire-release); the program that arrives last reads the head's partials back (from L2) and writes its R
+output rows, the splits in order, BLOCK_S at a time, as an online softmax over their partials: sum_s acc_s
+2**(m_s - M) / sum_s l_s 2**(m_s - M), M the largest m. A fixed order and fixed reduction trees: the result does
+not depend on timing, nor on which program combines. It resets the counter for the next launch (the counters are
+one zeroed buffer per device, kept: two launches must not run at once on different streams). Against a second
+kernel for the combine, this saves its launch and the wait between the two. Scores are in base 2, scaled by
+scale * log2(e) (fp32 q once; the 16-bit path each tile's fp32 scores).
 
 SPLITS: enough chunks that B * Hkv * SPLITS makes PROGRAMS_PER_SM programs an SM, at most one a tile; a chunk
 is a whole number of tiles. ``length`` must be at least 1 (0 gives NaN); past L it reads as L.
@@ -55,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 from mx_kernels import pdl
-from mx_kernels.common import interpreting
+from mx_kernels.common import arrival_counters, interpreting
 from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.spec import cdiv
 
@@ -68,7 +72,10 @@ BLOCK_L_MMA16 = 32  # and of the 16-bit path (MMAs): 200 registers a thread at D
 BLOCK_L_MMA16_FEW_HEADS = 64
 FEW_HEADS = 64
 INTERPRET_BLOCK_L = 64  # under the interpreter, whose time goes by operation: fewer, larger tiles
-BLOCK_S = 16  # splits the combine reads at once: a [16, D] fp32 tile, 72 registers a thread at D = 128
+BLOCK_S = 16  # splits the combine reads at once, at most
+# and (split, query head) pairs at once: a [BLOCK_S, BLOCK_RC, D] fp32 tile, 64 registers a thread at D = 128
+COMBINE_TILE = 64
+COUNTERS = 1 << 16  # heads (B * Hkv) a split launch may have: one arrival counter each
 NUM_WARPS = 4
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOG2E = 1.4426950408889634
@@ -94,15 +101,16 @@ def _rotated(rows, cos, sin, mask, dtype, BLOCK_R: tl.constexpr, D: tl.constexpr
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, H, R, L, CHUNK,
-    SPLITS, stride_len, qk_scale, stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_kl, stride_vb,
+    q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, m_ptr, l_ptr, cnt_ptr, out_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, H, R, L,
+    CHUNK, SPLITS, stride_len, qk_scale, stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_kl, stride_vb,
     stride_vh, stride_vl, stride_ob, stride_oh, stride_or, stride_knb, stride_vnb, D: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, DIRECT: tl.constexpr, MMA16: tl.constexpr, APPEND: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_RC: tl.constexpr,
+    DIRECT: tl.constexpr, MMA16: tl.constexpr, APPEND: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One chunk of the cache for the R query heads of one (b, head): its partial (acc [R, D], m [R], l [R]);
-    ``DIRECT`` (one split): the output rows acc / l. ``APPEND``: q and the step's own k (kn) unrotated, rotated
-    here at position length - 1, where the chunk holding it writes k and v (vn) into the caches (module doc)."""
+    """One chunk of the cache for the R query heads of one (b, head): its partial (acc [R, D], m [R], l [R]), and
+    the head's output from all its chunks' partials where it is the last chunk to finish; ``DIRECT`` (one split):
+    the output rows acc / l. ``APPEND``: q and the step's own k (kn) unrotated, rotated here at position
+    length - 1, where the chunk holding it writes k and v (vn) into the caches (module doc)."""
     pdl.wait_prior(PDL)
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -167,51 +175,49 @@ def _split_kernel(
             acc = acc * alpha[:, None] + p[:, None] * v_one.to(tl.float32)[None, :]
             l_i = l_i * alpha + p
             m_i = m_new
+    out_rows = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh
     if DIRECT:
-        out = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + r[:, None] * stride_or + d[None, :]
+        out = out_rows + r[:, None] * stride_or + d[None, :]
         tl.store(out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=r[:, None] < R)
     else:
         row = (bh * SPLITS + split) * R + r  # the workspace [B * H, SPLITS, R, (D)]
         tl.store(acc_ptr + row[:, None].to(tl.int64) * D + d[None, :], acc, mask=r[:, None] < R)
         tl.store(m_ptr + row, m_i, mask=r < R)
         tl.store(l_ptr + row, l_i, mask=r < R)
+        tl.debug_barrier()  # every thread's stores, then one release by the counter's atomic
+        if tl.atomic_add(cnt_ptr + bh, 1, sem="acq_rel") == SPLITS - 1:  # the head's last chunk: combine
+            _combine(acc_ptr, m_ptr, l_ptr, out_rows, bh, R, SPLITS, stride_or, D, BLOCK_S, BLOCK_RC)
+            tl.atomic_xchg(cnt_ptr + bh, 0)  # ready for the next launch
 
 
 @triton.jit
-def _combine_kernel(
-    acc_ptr, m_ptr, l_ptr, out_ptr, H, R, SPLITS, stride_ob, stride_oh, stride_or, D: tl.constexpr,
-    BLOCK_S: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """The output row (b, head, r) from the SPLITS partials, in split order."""
-    pdl.wait_prior(PDL)
-    pdl.release_next(PDL)
-    bh = tl.program_id(0)
-    r = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, D)
-    first = bh * SPLITS * R + r  # split 0's row of the workspace
-    top = tl.full([], float("-inf"), tl.float32)  # the largest m so far: num and den are relative to it
-    num = tl.zeros([D], tl.float32)
-    den = tl.full([], 0.0, tl.float32)
+def _combine(acc_ptr, m_ptr, l_ptr, out_rows, bh, R, SPLITS, stride_or, D: tl.constexpr, BLOCK_S: tl.constexpr,
+             BLOCK_RC: tl.constexpr):  # fmt: skip
+    """The R output rows of head ``bh`` from its SPLITS partials, BLOCK_S splits at a time, in split order."""
+    s = tl.arange(0, BLOCK_S)[:, None]
+    r = tl.arange(0, BLOCK_RC)[None, :]
+    d = tl.arange(0, D)[None, None, :]
+    top = tl.full([BLOCK_RC], float("-inf"), tl.float32)  # the largest m so far: num and den are relative to it
+    num = tl.zeros([BLOCK_RC, D], tl.float32)
+    den = tl.zeros([BLOCK_RC], tl.float32)
     for s0 in range(0, SPLITS, BLOCK_S):
-        ok = s0 + s < SPLITS
-        rows = first + (s0 + s) * R
-        m = tl.load(m_ptr + rows, mask=ok, other=float("-inf"))
-        new_top = tl.maximum(top, tl.max(m, 0))  # finite: split 0 holds position 0
+        ok = (s0 + s < SPLITS) & (r < R)
+        rows = (bh * SPLITS + s0 + s) * R + r  # [BLOCK_S, BLOCK_RC] of the workspace
+        m = tl.load(m_ptr + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        new_top = tl.maximum(top, tl.max(m, 0))  # finite for r < R: split 0 holds position 0
         alpha = tl.exp2(top - new_top)
-        w = tl.exp2(m - new_top)  # 0 for empty splits
-        acc = tl.load(acc_ptr + rows[:, None].to(tl.int64) * D + d[None, :], mask=ok[:, None], other=0.0)
-        num = num * alpha + tl.sum(acc * w[:, None], 0)
-        den = den * alpha + tl.sum(tl.load(l_ptr + rows, mask=ok, other=0.0) * w, 0)
+        w = tl.exp2(m - new_top[None, :])  # 0 for empty splits
+        acc = tl.load(acc_ptr + rows[:, :, None].to(tl.int64) * D + d, mask=ok[:, :, None], other=0.0,
+                      cache_modifier=".cg")  # fmt: skip
+        num = num * alpha[:, None] + tl.sum(acc * w[:, :, None], 0)
+        den = den * alpha + tl.sum(tl.load(l_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg") * w, 0)
         top = new_top
-    b = bh // H
-    h = bh % H
-    out = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + r * stride_or + d
-    tl.store(out, (num / den).to(out_ptr.dtype.element_ty))
+    rc = tl.arange(0, BLOCK_RC)[:, None]
+    out = out_rows + rc * stride_or + tl.arange(0, D)[None, :]
+    tl.store(out, (num / den[:, None]).to(out_rows.dtype.element_ty), mask=rc < R)
 
 
 _SPLIT = LaunchCache(_split_kernel)
-_COMBINE = LaunchCache(_combine_kernel)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -254,6 +260,8 @@ def check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length:
     d = q.shape[3]
     if d < 16 or d > 256 or d & (d - 1):
         raise ValueError(f"{op}: the head dim D must be a power of 2 from 16 to 256, got {d}")
+    if q.shape[0] * q.shape[1] > COUNTERS:
+        raise ValueError(f"{op}: at most {COUNTERS} heads B * Hkv a launch, got {q.shape[0]} * {q.shape[1]}")
     if length.dtype not in (torch.int32, torch.int64) or length.dim() != 1 or length.numel() not in (1, q.shape[0]):
         raise ValueError(f"{op}: length must be an int32 or int64 tensor [1] or [B] (B = {q.shape[0]}), got "
                          f"{length.dtype} {tuple(length.shape)}")  # fmt: skip
@@ -320,9 +328,11 @@ def decode_attention(
     n_splits, chunk = split_count(bsz * heads, k_cache.shape[2], block_l, _sm_count(q.device), splits)
     direct = n_splits == 1
     rows = bsz * heads * n_splits * reps
+    block_rc = triton.next_power_of_2(reps)
     if direct:  # the split kernel writes the output itself: no workspace (``out`` stands in for it), no combine
-        acc = m = lse = out
+        acc = m = lse = counters = out
     else:
+        counters = arrival_counters("decode_attention", q.device, COUNTERS)
         acc = torch.empty((rows * d,), dtype=torch.float32, device=q.device)
         m, lse = torch.empty((2, rows), dtype=torch.float32, device=q.device).unbind(0)
     qk_scale = (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E
@@ -331,29 +341,22 @@ def decode_attention(
 
     def build_split() -> tuple[tuple[int, ...], dict]:
         return (bsz * heads, n_splits), dict(
-            q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, len_ptr=length, acc_ptr=acc, m_ptr=m, l_ptr=lse, out_ptr=out,
-            kn_ptr=kn, vn_ptr=vn, cos_ptr=cos, sin_ptr=sin, H=heads, R=reps, L=k_cache.shape[2], CHUNK=chunk,
-            SPLITS=n_splits, stride_len=int(length.numel() > 1),
+            q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, len_ptr=length, acc_ptr=acc, m_ptr=m, l_ptr=lse, cnt_ptr=counters,
+            out_ptr=out, kn_ptr=kn, vn_ptr=vn, cos_ptr=cos, sin_ptr=sin, H=heads, R=reps, L=k_cache.shape[2],
+            CHUNK=chunk, SPLITS=n_splits, stride_len=int(length.numel() > 1),
             qk_scale=qk_scale, stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qr=q.stride(2),
             stride_kb=k_cache.stride(0), stride_kh=k_cache.stride(1), stride_kl=k_cache.stride(2),
             stride_vb=v_cache.stride(0), stride_vh=v_cache.stride(1), stride_vl=v_cache.stride(2),
             stride_ob=out.stride(0), stride_oh=out.stride(1), stride_or=out.stride(2), stride_knb=kn.stride(0),
             stride_vnb=vn.stride(0), D=d, BLOCK_R=max(16, triton.next_power_of_2(reps)), BLOCK_L=block_l,
-            DIRECT=direct, MMA16=mma16, APPEND=append is not None, num_warps=NUM_WARPS, **launch,
-        )  # fmt: skip
-
-    def build_combine() -> tuple[tuple[int, ...], dict]:
-        return (bsz * heads, reps), dict(
-            acc_ptr=acc, m_ptr=m, l_ptr=lse, out_ptr=out, H=heads, R=reps, SPLITS=n_splits,
-            stride_ob=out.stride(0), stride_oh=out.stride(1), stride_or=out.stride(2), D=d,
-            BLOCK_S=min(BLOCK_S, triton.next_power_of_2(n_splits)), num_warps=NUM_WARPS, **launch,
+            BLOCK_S=min(BLOCK_S, triton.next_power_of_2(n_splits), max(1, COMBINE_TILE // block_rc)),
+            BLOCK_RC=block_rc, DIRECT=direct, MMA16=mma16, APPEND=append is not None, num_warps=NUM_WARPS, **launch,
         )  # fmt: skip
 
     key = (q.shape, q.stride(), q.dtype, k_cache.stride(), v_cache.stride(), k_cache.shape[2], k_cache.dtype,
            v_cache.dtype, length.shape, length.dtype, qk_scale, n_splits, chunk, block_l, launch["PDL"],
            append is not None, kn.stride(), kn.dtype, vn.stride(), vn.dtype, cos.dtype, sin.dtype)  # fmt: skip
     _SPLIT.launch_keyed(key, build_split, q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, len_ptr=length, acc_ptr=acc,
-                        m_ptr=m, l_ptr=lse, out_ptr=out, kn_ptr=kn, vn_ptr=vn, cos_ptr=cos, sin_ptr=sin)  # fmt: skip
-    if not direct:
-        _COMBINE.launch_keyed(key, build_combine, acc_ptr=acc, m_ptr=m, l_ptr=lse, out_ptr=out)
+                        m_ptr=m, l_ptr=lse, cnt_ptr=counters, out_ptr=out, kn_ptr=kn, vn_ptr=vn, cos_ptr=cos,
+                        sin_ptr=sin)  # fmt: skip
     return out

@@ -40,7 +40,7 @@ def launch_kwargs(fmt: str, m: int, n: int, k: int, cfg: dict, split_k: int | No
     launch = wo._FMA_LAUNCHES.launch
     wo._FMA_LAUNCHES.launch = lambda grid, kwargs: got.update(kwargs)
     try:
-        wo._fma_mm(x, q, s, ts, fmt, None, out, cfg, split_k)
+        wo._fma_mm(x, q, s, ts, fmt, None, None, out, cfg, split_k)
     finally:
         wo._FMA_LAUNCHES.launch = launch
     return got

@@ -5,8 +5,8 @@ dequantize the packed weight, then the GEMM.
 * CPU, Triton interpreter (``test_interp_*``), in a child pytest with TRITON_INTERPRET=1 as in
   tests/test_gemm_triton.py (with its shim for the interpreter's int() of a scalar): every format, M in
   {1, 3, 17}, N and K not powers of two, K tails, split K, NaN scales and elements, zeros, grouped with ragged
-  and empty groups; the small-M (FMA) path at M = 1 to 16 with odd N, tails and splits, and one tensor scale per
-  row (nvfp4 weights concatenated along N). Run them directly with
+  and empty groups and with its rows read from the tokens by index; the small-M (FMA) path at M = 1 to 16 with
+  odd N, tails and splits, and one tensor scale per row (nvfp4 weights concatenated along N). Run them with
   ``TRITON_INTERPRET=1 pytest tests/test_weight_only_gemm.py -k interp_``.
 * GPU (``gpu``): every format at M = 1 to 256 on 4128 x 4128 weights (K = 4112 for nvfp4), grouped with ragged
   groups, split-K determinism, CUDA-graph capture, and ``QuantizedLinear`` taking the kernel; the small-M path's
@@ -213,6 +213,29 @@ def test_interp_grouped_ragged_and_empty(fmt):
 
 @interp_only
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_interp_grouped_rows_read_in_place(fmt):
+    """``rows``: the groups' rows read from the tokens by index give the bits of the gathered copy's GEMM, on the
+    small-M path (a decode step's top-3 of 2 tokens) and both tensor-core paths (a token in two groups); a bad
+    ``rows`` is a one-line error."""
+    torch.manual_seed(4)
+    n, k = 40, 96
+    tokens = torch.randn(5, k).bfloat16()
+    for sizes, rows, config in [([1, 0, 2, 1, 2], [1, 0, 1, 0, 0, 1], FMA_CONFIGS[1]),
+                                ([3, 0, 17], [4, 0, 2, *range(5), *range(5), *range(5), 3, 1], SMALL),
+                                ([3, 0, 17], [4, 0, 2, *range(5), *range(5), *range(5), 3, 1],
+                                 SMALL if fmt == "nvfp4" else SMALL_SCALED)]:  # fmt: skip
+        p = packed(weights(n, k, lead=(len(sizes),)), fmt)
+        offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+        rows = torch.tensor(rows, dtype=torch.int32)
+        y = run(tokens, p, offs, config=config, split_k=2, rows=rows)
+        assert torch.equal(y, run(tokens[rows], p, offs, config=config, split_k=2))
+    with pytest.raises(ValueError, match="rows must be an int32") as info:
+        run(tokens, p, offs, rows=rows.long())
+    assert "\n" not in str(info.value)
+
+
+@interp_only
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_interp_dequantize_is_the_references_bits(fmt):
     """The large-M path's dequantize kernel gives ``dequantize``'s values bit for bit (fp32 here: the interpreter's
     bf16 cast truncates), 2D and 3D, with a K tail past its 128-element tiles."""
@@ -307,6 +330,10 @@ def test_gpu_grouped_ragged(fmt):
     assert_within_bound(run(x, p, offs), x, p, offs)
     decode = torch.tensor([0, 0, 1, 1, 1, 2, 2, 2], device=CUDA, dtype=torch.int32)  # top-2 of one token
     assert_within_bound(run(x[:2], p, decode), x[:2], p, decode)
+    rows = torch.randint(0, 3, (x.shape[0],), device=CUDA, dtype=torch.int32)  # read in place: the copy's bits
+    assert torch.equal(run(x[:3], p, offs, rows=rows), run(x[:3][rows], p, offs))
+    rows = torch.tensor([1, 0], device=CUDA, dtype=torch.int32)
+    assert torch.equal(run(x[:2], p, decode, rows=rows), run(x[:2][rows], p, decode))
 
 
 @pytest.mark.gpu

@@ -83,7 +83,9 @@ Grouped (MoE): x [M_total, K] sorted by expert, ``offs`` [E] int32 cumulative ro
 has as many row-tile slots as any ``offs`` can need, (M_total + min(E, M_total) * (BLOCK_M - 1)) // BLOCK_M
 (``_row_slots``: M_total at decode, not M_total + E); each program finds its expert and rows from ``offs`` and a
 program without rows returns at once, so an expert without tokens costs no weight bytes (decode: only the top-k
-experts' weights are read).
+experts' weights are read). With ``rows`` (int32 [M_total]) the groups' rows are x[rows], x the tokens [T, K]:
+each program reads its rows' indices, then the rows in place, where an MoE would first copy x[rows] (two
+launches a step).
 
 Large M (prefill) is compute-bound: ``dequantize`` writes the bf16 weight in one pass, bit for bit the
 reference's, for cuBLAS (mx_recipe.infer.weight_only decides).
@@ -98,7 +100,7 @@ import torch
 import triton
 import triton.language as tl
 from mx_kernels import pdl
-from mx_kernels.common import cuda_capability, interpreting
+from mx_kernels.common import arrival_counters, cuda_capability, interpreting
 from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.spec import cdiv
 
@@ -170,8 +172,11 @@ def _fma(block_n: int, block_k: int, split_k: int | None, num_warps: int, num_st
 
 
 def _fma_grid(splits: tuple[int | None, ...]) -> list[dict]:
-    """BLOCK_N 4, 8 and 16 by (warps, BLOCK_K) (4, 1024), (2, 512), (8, 2048), (4, 2048), by ``splits``."""
-    tiles = ((4, 1024), (2, 512), (8, 2048), (4, 2048))
+    """BLOCK_N 4, 8 and 16 by (warps, BLOCK_K) (4, 1024), (2, 512), (8, 2048), (4, 2048), (1, 256), (1, 512), by
+    ``splits``. One warp over 256 elements of K: the MoE experts' small GEMMs (a few thousand rows of K = 1408 or
+    2048), whose many short programs hide each other's latency (MoE 16B dims' w1/w3 and w2 at 6 rows over 6 of 64
+    experts, MXFP4, one H200: 9.5 and 9.4 us a GEMM, 14.1 and 16.2 by the first candidate)."""
+    tiles = ((4, 1024), (2, 512), (8, 2048), (4, 2048), (1, 256), (1, 512))
     return [_fma(bn, bk, split, warps) for warps, bk in tiles for bn in (8, 4, 16) for split in splits]
 
 
@@ -278,6 +283,15 @@ def _program_tile(
 
 
 @triton.jit
+def _x_rows(rows_ptr, rm_in, GATHER: tl.constexpr):
+    """The rows of x that a program's rows ``rm_in`` read: the same, or ``rows_ptr[rm_in]`` (GATHER: the grouped
+    GEMM's rows taken from the tokens by index, an MoE's x[routed] without the copy)."""
+    if GATHER:
+        return tl.load(rows_ptr + rm_in).to(tl.int64)
+    return rm_in
+
+
+@triton.jit
 def _finish(acc, rm, rm_in, rn, rn_in, row_end, tile, pid_k, M, N, ts_ptr, stride_tn, out_ptr, stride_om,
             stride_on, ws_ptr, cnt_ptr, SPLIT_K, FMT: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
     """Store the fp32 tile ``acc`` [BLOCK_M, BLOCK_N] as bf16, times the tensor scale for nvfp4. Split K: store
@@ -326,7 +340,7 @@ def _load_tile(w_ptrs, s_ptrs, x_ptrs, stride_xk, left, kb, ks, PACK: tl.constex
 
 
 @triton.jit
-def _register_tile_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride_xm, stride_xk, stride_wn, stride_wk,
+def _register_tile_acc(x_ptr, w_ptr, s_ptr, xm_in, rn_in, k_start, k_end, stride_xm, stride_xk, stride_wn, stride_wk,
                        stride_sn, stride_sk, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
                        DOT_BF16: tl.constexpr):  # fmt: skip
@@ -337,7 +351,7 @@ def _register_tile_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride
     kb = tl.arange(0, BKB)
     ks = tl.arange(0, BLOCK_K // GROUP)
     # x: whole columns (fp8 weights), or even and odd columns (e2m1 weights, in their packed order)
-    x_ptrs = x_ptr + rm_in[:, None] * stride_xm + (k_start + PACK * kb[None, :]) * stride_xk
+    x_ptrs = x_ptr + xm_in[:, None] * stride_xm + (k_start + PACK * kb[None, :]) * stride_xk
     w_ptrs = w_ptr + rn_in[:, None] * stride_wn + (k_start // PACK + kb[None, :]) * stride_wk
     s_ptrs = s_ptr + rn_in[:, None] * stride_sn + (k_start // GROUP + ks[None, :]) * stride_sk
 
@@ -383,7 +397,7 @@ def _register_tile_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride
 
 
 @triton.jit
-def _scaled_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride_xm, stride_xk, stride_wn, stride_wk,
+def _scaled_acc(x_ptr, w_ptr, s_ptr, xm_in, rn_in, k_start, k_end, stride_xm, stride_xk, stride_wn, stride_wk,
                 stride_sn, stride_sk, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     """acc [BLOCK_M, BLOCK_N] over K in [k_start, k_end) by tl.dot_scaled (the MX formats' path)."""
@@ -393,7 +407,7 @@ def _scaled_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride_xm, st
     kx = tl.arange(0, BLOCK_K)
     kw = tl.arange(0, BLOCK_K // PACK)
     ks = tl.arange(0, BLOCK_K // 32)
-    x_rows = x_ptr + rm_in[:, None] * stride_xm
+    x_rows = x_ptr + xm_in[:, None] * stride_xm
     w_rows = w_ptr + rn_in[:, None] * stride_wn
     s_rows = s_ptr + rn_in[:, None] * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -416,11 +430,11 @@ def _scaled_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride_xm, st
 
 @triton.jit
 def _weight_only_kernel(
-    x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, out_ptr, ws_ptr, cnt_ptr,
+    x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, rows_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, E, K_SPLIT, SPLIT_K,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_tn, stride_om,
     stride_on,
-    FMT: tl.constexpr, GROUPED: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
+    FMT: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SCALED: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, DOT_BF16: tl.constexpr,
     PDL: tl.constexpr,
@@ -438,13 +452,14 @@ def _weight_only_kernel(
     if GROUPED:
         if expert < 0:
             return
+    xm_in = _x_rows(rows_ptr, rm_in, GATHER)
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
     if SCALED:
-        acc = _scaled_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride_xm, stride_xk, stride_wn,
+        acc = _scaled_acc(x_ptr, w_ptr, s_ptr, xm_in, rn_in, k_start, k_end, stride_xm, stride_xk, stride_wn,
                           stride_wk, stride_sn, stride_sk, FMT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, STAGES)  # fmt: skip
     else:
-        acc = _register_tile_acc(x_ptr, w_ptr, s_ptr, rm_in, rn_in, k_start, k_end, stride_xm, stride_xk,
+        acc = _register_tile_acc(x_ptr, w_ptr, s_ptr, xm_in, rn_in, k_start, k_end, stride_xm, stride_xk,
                                  stride_wn, stride_wk, stride_sn, stride_sk, FMT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
                                  PREFETCH, DOT_BF16)  # fmt: skip
     pdl.release_next(PDL)
@@ -505,10 +520,10 @@ def _load_scales(ptrs, mask, HW: tl.constexpr, MASKED: tl.constexpr):
 
 @triton.jit
 def _weight_only_fma_kernel(
-    x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, out_ptr, ws_ptr, cnt_ptr,
+    x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, rows_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, E, K_SPLIT, SPLIT_K,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_tn, stride_om,
-    FMT: tl.constexpr, GROUPED: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
+    FMT: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HW: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
@@ -533,7 +548,8 @@ def _weight_only_fma_kernel(
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
     # [rows of x, rows of w, pairs]: x broadcast over w's rows, w over x's
-    x_ptrs = x_ptr + rm_in[:, None, None] * stride_xm + (pid_k * (K_SPLIT // 2) + kp)[None, None, :]
+    xm_in = _x_rows(rows_ptr, rm_in, GATHER)
+    x_ptrs = x_ptr + xm_in[:, None, None] * stride_xm + (pid_k * (K_SPLIT // 2) + kp)[None, None, :]
     w_ptrs = w_ptr + rn_in[None, :, None] * stride_wn + (pid_k * (K_SPLIT // 2) + kp)[None, None, :]
     # each unit's scale [rows of x, rows of w, units], indexed by a reduction over its pairs as the unit sums are,
     # so both take one register layout (_load_scales keeps it)
@@ -609,13 +625,6 @@ def _dequantize_kernel(w_ptr, s_ptr, ts_ptr, out_ptr, R, K, N, stride_tn, FMT: t
 _LAUNCHES = LaunchCache(_weight_only_kernel)
 _FMA_LAUNCHES = LaunchCache(_weight_only_fma_kernel)
 _DEQUANTIZE = LaunchCache(_dequantize_kernel)
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
 
 
 def fma_path(rows: int, config: dict | None = None) -> bool:
@@ -773,9 +782,11 @@ def weight_only_mm(
     offs: torch.Tensor | None = None,
     config: dict | None = None,
     split_k: int | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] bf16 @ dequantize(qdata, scale, tensor_scale).T -> [M, N] bf16 (module doc). ``offs``: the
     grouped GEMM (qdata [E, N, K/pack], scale [E, N, K/group], x sorted by group, int32 cumulative row ends).
+    ``rows`` (grouped only): int32 [M], the GEMM's rows are x[rows] (x [T, K]: an MoE's tokens), read in place.
     ``tensor_scale`` (nvfp4): one, or one per row of N (weights concatenated along N). ``config`` overrides the
     tiles (one with BLOCK_M takes the tl.dot path, one without the small-M path) and ``split_k`` the split
     (None: the config's SPLIT_K, else from the SM count)."""
@@ -786,23 +797,27 @@ def weight_only_mm(
         raise RuntimeError(f"{op}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
     if grouped and (offs.dim() != 1 or offs.dtype != torch.int32 or offs.shape[0] != qdata.shape[0]):
         raise ValueError(f"{op}: offs must be int32 [E] for E = {qdata.shape[0]} groups")
-    m = x.shape[0]
+    if rows is not None and (not grouped or rows.dim() != 1 or rows.dtype != torch.int32 or rows.device != x.device):
+        raise ValueError(f"{op}: rows must be an int32 [M] tensor on x's device, with offs (the grouped GEMM); got "
+                         f"{rows.dtype} {tuple(rows.shape)} on {rows.device}")  # fmt: skip
+    m = x.shape[0] if rows is None else rows.shape[0]
     out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     if m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_()
     n_groups = qdata.shape[0] if grouped else 1
-    rows = cdiv(m, n_groups)
+    per_group = cdiv(m, n_groups)
     if config is None and split_k is None and _TUNE and x.is_cuda and not torch.cuda.is_current_stream_capturing():
-        key = (fmt, rows if rows <= 16 else triton.next_power_of_2(rows), n, k, n_groups, grouped, x.device)
-        config, split_k = _tuned(key, lambda c, s: weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, c, s))
-    fma = fma_path(rows, config)
-    cfg = {**config_for(rows, fmt, n, k, fma, dot_scaled_ok(x.device)), **(config or {})}
-    if fma and rows > 16:
-        raise ValueError(f"{op}: the small-M path takes at most 16 rows per group, got {rows} (config {config})")
+        bucket = per_group if per_group <= 16 else triton.next_power_of_2(per_group)
+        key = (fmt, bucket, n, k, n_groups, grouped, rows is not None, x.device)
+        config, split_k = _tuned(key, lambda c, s: weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, c, s, rows))
+    fma = fma_path(per_group, config)
+    cfg = {**config_for(per_group, fmt, n, k, fma, dot_scaled_ok(x.device)), **(config or {})}
+    if fma and per_group > 16:
+        raise ValueError(f"{op}: the small-M path takes at most 16 rows per group, got {per_group} (config {config})")
     if fma:
-        return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, out, cfg, split_k)
+        return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, out, cfg, split_k)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if block_k % 32 or block_m < 16 or block_n < 16:
         raise ValueError(f"{op}: BLOCK_K must be a multiple of 32, BLOCK_M and BLOCK_N at least 16; got {cfg}")
@@ -820,20 +835,21 @@ def weight_only_mm(
     split_k = _split(split_k, k_tiles, busy, per_sm, x.device) if tiles <= COUNTERS else 1
     k_split = cdiv(k_tiles, split_k) * block_k
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
-    counters = _counters(x.device) if split_k > 1 else out
+    counters = arrival_counters("weight_only", x.device, COUNTERS) if split_k > 1 else out
     ts, stride_tn = _tensor_scale(tensor_scale, n, out)
     w, s = qdata.view(torch.uint8), scale.view(torch.uint8)
     if not grouped:
         w, s = w[None], s[None]
     args = dict(
-        x_ptr=x, w_ptr=w, s_ptr=s, ts_ptr=ts, offs_ptr=offs if grouped else out, out_ptr=out, ws_ptr=ws,
+        x_ptr=x, w_ptr=w, s_ptr=s, ts_ptr=ts, offs_ptr=offs if grouped else out,
+        rows_ptr=rows if rows is not None else out, out_ptr=out, ws_ptr=ws,
         cnt_ptr=counters, M=m, N=n, K=k, E=n_groups, K_SPLIT=k_split, SPLIT_K=split_k, stride_xm=x.stride(0),
         stride_xk=x.stride(1), stride_we=w.stride(0), stride_wn=w.stride(1), stride_wk=w.stride(2),
         stride_se=s.stride(0), stride_sn=s.stride(1), stride_sk=s.stride(2), stride_tn=stride_tn,
         stride_om=out.stride(0), stride_on=out.stride(1), FMT=fmt,
-        GROUPED=grouped, E_POW2=max(2, triton.next_power_of_2(n_groups)), SPLIT=split_k > 1,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, DOT_BF16=not interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.options(x.device),
+        GROUPED=grouped, GATHER=rows is not None, E_POW2=max(2, triton.next_power_of_2(n_groups)),
+        SPLIT=split_k > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        DOT_BF16=not interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.options(x.device),
     )  # fmt: skip
     _LAUNCHES.launch(
         (cdiv(n, block_n), slots, split_k),
@@ -843,10 +859,11 @@ def weight_only_mm(
 
 
 def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: str,
-            offs: torch.Tensor | None, out: torch.Tensor, cfg: dict, split_k: int | None) -> torch.Tensor:  # fmt: skip
+            offs: torch.Tensor | None, rows: torch.Tensor | None, out: torch.Tensor, cfg: dict, split_k: int | None
+            ) -> torch.Tensor:  # fmt: skip
     """The small-M path of ``weight_only_mm`` into ``out`` (module doc)."""
     grouped = offs is not None
-    m, n, k = x.shape[0], out.shape[1], x.shape[1]
+    m, n, k = out.shape[0], out.shape[1], x.shape[1]
     n_groups = qdata.shape[0] if grouped else 1
     block_m = triton.next_power_of_2(cdiv(m, n_groups))
     block_n, block_k, warps = max(1, cfg["BLOCK_N"] // block_m), cfg["BLOCK_K"], cfg["num_warps"]
@@ -871,18 +888,19 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
     split_k = _split(split_k, k_tiles, busy, FMA_PROGRAMS_PER_SM, x.device) if tiles <= COUNTERS else 1
     k_split = cdiv(k_tiles, split_k) * block_k
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
-    counters = _counters(x.device) if split_k > 1 else out
+    counters = arrival_counters("weight_only", x.device, COUNTERS) if split_k > 1 else out
     ts, stride_tn = _tensor_scale(tensor_scale, n, out)
     _FMA_LAUNCHES.launch(
         (cdiv(n, block_n), slots, split_k),
         dict(
-            x_ptr=x.view(torch.int32), w_ptr=w, s_ptr=s, ts_ptr=ts, offs_ptr=offs if grouped else out, out_ptr=out,
+            x_ptr=x.view(torch.int32), w_ptr=w, s_ptr=s, ts_ptr=ts, offs_ptr=offs if grouped else out,
+            rows_ptr=rows if rows is not None else out, out_ptr=out,
             ws_ptr=ws, cnt_ptr=counters, M=m, N=n, K=k, E=n_groups, K_SPLIT=k_split, SPLIT_K=split_k,
             stride_xm=x.stride(0) // 2, stride_we=w.stride(0), stride_wn=w.stride(1), stride_se=s.stride(0),
             stride_sn=s.stride(1), stride_tn=stride_tn, stride_om=out.stride(0), FMT=fmt, GROUPED=grouped,
-            E_POW2=max(2, triton.next_power_of_2(n_groups)), SPLIT=split_k > 1, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, EVEN_K=k % block_k == 0, HW=not interpreting(), num_warps=warps,
-            num_stages=cfg.get("num_stages", 1), **pdl.options(x.device),
+            GATHER=rows is not None, E_POW2=max(2, triton.next_power_of_2(n_groups)), SPLIT=split_k > 1,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, HW=not interpreting(),
+            num_warps=warps, num_stages=cfg.get("num_stages", 1), **pdl.options(x.device),
         ),
     )  # fmt: skip
     return out

@@ -27,21 +27,22 @@ LARGE_M = 128  # rows (per group) past which dequantize_packed + cuBLAS runs ins
 
 
 def _launch(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
-            offs: Tensor | None = None) -> Tensor:  # fmt: skip
+            offs: Tensor | None = None, rows: Tensor | None = None) -> Tensor:  # fmt: skip
     from mx_kernels.mx.weight_only import weight_only_mm as launch
 
-    return launch(x, qdata, scale, tensor_scale, fmt, offs)
+    return launch(x, qdata, scale, tensor_scale, fmt, offs, rows=rows)
 
 
 def _fake(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
-          offs: Tensor | None = None) -> Tensor:  # fmt: skip
-    return x.new_empty((x.shape[0], qdata.shape[-2]), dtype=torch.bfloat16)
+          offs: Tensor | None = None, rows: Tensor | None = None) -> Tensor:  # fmt: skip
+    m = x.shape[0] if rows is None else rows.shape[0]
+    return x.new_empty((m, qdata.shape[-2]), dtype=torch.bfloat16)
 
 
 define("weight_only_mm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt) -> Tensor", _launch, _fake)
 define(
-    "weight_only_grouped_mm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt, Tensor offs)"
-    " -> Tensor",
+    "weight_only_grouped_mm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt, Tensor offs,"
+    " Tensor? rows=None) -> Tensor",
     _launch,
     _fake,
 )
@@ -86,10 +87,11 @@ def weight_only_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor
 
 
 def weight_only_grouped_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
-                           offs: Tensor) -> Tensor:  # fmt: skip
+                           offs: Tensor, rows: Tensor | None = None) -> Tensor:  # fmt: skip
     """x [M, K] bf16, sorted by group with int32 cumulative row ends ``offs`` [E], by w [E, N, K] packed along K:
-    group e's rows @ dequantize(w[e]).T -> [M, N] bf16. Only the groups with rows read their weights."""
-    if x.shape[0] > LARGE_M * qdata.shape[0]:
+    group e's rows @ dequantize(w[e]).T -> [M, N] bf16. Only the groups with rows read their weights. ``rows``:
+    int32 [M], the rows are x[rows] (x [T, K], the tokens), which the kernel reads in place."""
+    if (x.shape[0] if rows is None else rows.shape[0]) > LARGE_M * qdata.shape[0]:
         w = torch.ops.mx_recipe.dequantize_packed(qdata, scale, tensor_scale, fmt)
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-    return torch.ops.mx_recipe.weight_only_grouped_mm(x, qdata, scale, tensor_scale, fmt, offs)
+        return torch._grouped_mm(x if rows is None else x[rows], w.transpose(-2, -1), offs=offs)
+    return torch.ops.mx_recipe.weight_only_grouped_mm(x, qdata, scale, tensor_scale, fmt, offs, rows)

@@ -72,10 +72,13 @@ class PackedWeight(nn.Module):
             return weight_only_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt)
         return F.linear(x, self.dequantize(x.dtype))
 
-    def grouped_mm(self, x: torch.Tensor, offs: torch.Tensor, kernel: bool) -> torch.Tensor:
-        """x [M, K] sorted by group (int32 cumulative ends ``offs``) by each group's w [N, K]: [M, N]."""
+    def grouped_mm(self, x: torch.Tensor, offs: torch.Tensor, kernel: bool, rows: torch.Tensor | None = None
+                   ) -> torch.Tensor:  # fmt: skip
+        """x [M, K] sorted by group (int32 cumulative ends ``offs``) by each group's w [N, K]: [M, N]. ``rows``:
+        int32 [M], the groups' rows are x[rows] (the kernel reads them in place)."""
         if kernel and use_kernel(x):
-            return weight_only_grouped_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, offs)
+            return weight_only_grouped_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, offs, rows)
+        x = x if rows is None else x[rows]
         return torch._grouped_mm(x, self.dequantize(x.dtype).transpose(-2, -1), offs=offs)
 
     def nbytes(self) -> int:
@@ -124,10 +127,11 @@ class QuantizedExperts(nn.Module):
             setattr(self, f"{name}_packed", PackedWeight(quantize(getattr(experts, name).detach(), fmt), fmt))
         self.fmt, self.activations, self.kernel = fmt, activations, kernel
 
-    def _mm(self, x: torch.Tensor, packed: PackedWeight, offs: torch.Tensor) -> torch.Tensor:
+    def _mm(self, x: torch.Tensor, packed: PackedWeight, offs: torch.Tensor, rows: torch.Tensor | None = None
+            ) -> torch.Tensor:  # fmt: skip
         if self.activations:
-            x = quantize_activation(x, self.fmt)
-        return packed.grouped_mm(x, offs, self.kernel)
+            x = quantize_activation(x, self.fmt)  # per row along K: the same rows whether gathered before or after
+        return packed.grouped_mm(x, offs, self.kernel, rows)
 
     def fuse(self) -> None:
         """Keep w1 and w3 as one weight [E, 2 * hidden, K] (``w13_packed``): one grouped GEMM for both."""
@@ -136,13 +140,13 @@ class QuantizedExperts(nn.Module):
 
     def gate_up(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """As ``models.moe.GroupedExperts.gate_up``: w1's and w3's outputs (views of one GEMM's when fused)."""
-        if routed is not None:
-            x = x[routed]
+        """As ``models.moe.GroupedExperts.gate_up``: w1's and w3's outputs (views of one GEMM's when fused). The
+        routed rows are read from x in place (``rows``), not gathered first."""
+        rows = routed if routed is None or routed.dtype == torch.int32 else routed.to(torch.int32)
         if hasattr(self, "w13_packed"):
-            h1, h3 = self._mm(x, self.w13_packed, offs).chunk(2, dim=-1)
+            h1, h3 = self._mm(x, self.w13_packed, offs, rows).chunk(2, dim=-1)
             return h1, h3
-        return self._mm(x, self.w1_packed, offs), self._mm(x, self.w3_packed, offs)
+        return self._mm(x, self.w1_packed, offs, rows), self._mm(x, self.w3_packed, offs, rows)
 
     def down(self, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return self._mm(h, self.w2_packed, offs)
