@@ -115,6 +115,7 @@ def step_bytes(model: Transformer, batch: int, cache: KVCache | None) -> float:
             n = args.n_routed_experts
             experts = sum(p.numel() * p.element_size() for p in module.parameters())
             experts += sum(b.numel() * b.element_size() for b in module.buffers())
+            experts *= n / (n + getattr(module, "shared", 0))  # the routed groups' (shared ones folded in: read)
             total -= experts * (1 - active_experts(n, args.top_k, batch) / n)
     if cache is not None:
         total += 2 * cache.k.numel() * cache.k.element_size()
@@ -178,8 +179,9 @@ def gemms_step(model: Transformer, batch: int, device: torch.device) -> Callable
             sizes = [rows // reached + (e < rows % reached) for e in range(reached)] + [0] * (
                 args.n_routed_experts - reached
             )
+            sizes += [batch] * getattr(module, "shared", 0)  # shared experts folded in: every token
             offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
-            x = torch.randn(rows, args.dim, device=device, dtype=dtype)
+            x = torch.randn(sum(sizes), args.dim, device=device, dtype=dtype)
             calls.append(lambda module=module, x=x, offs=offs: module(x, offs))
 
     def step() -> None:

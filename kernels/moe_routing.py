@@ -12,7 +12,8 @@ product, zeros, index_add, the shared experts' add); at decode each costs its la
   by token within an expert (what a stable argsort of the flattened choices gives): ``offs`` [E] int32
   cumulative row ends, ``rows`` [T * k] int32, the token of each row, and per token its k rows ``slots`` [T, k]
   int32 with their weights [T, k] fp32, both in expert order. A row's place is its expert's start plus the count
-  of earlier tokens that chose that expert: a cumulative sum over the [T, E] choice matrix, no sort.
+  of earlier tokens that chose that expert: a cumulative sum over the [T, E] choice matrix, no sort. Shared
+  experts folded into the grouped GEMM (``shared``) follow as groups of every token, weight 1.
 * ``moe_combine``: one program per token and block of columns sums its k rows of the experts' output, each times
   its weight, and the shared experts' output, in fp32 in expert order, rounded once to the output's dtype.
 """
@@ -32,8 +33,8 @@ MAX_ROUTED = 16384  # T * E (padded to powers of 2) one routing program takes: a
 @triton.jit
 def _route_kernel(
     logits_ptr, bias_ptr, offs_ptr, rows_ptr, slots_ptr, weights_ptr, T, E, stride_l,
-    K: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+    K: tl.constexpr, SHARED: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl.wait_prior(PDL)
     pdl.release_next(PDL)
@@ -69,8 +70,14 @@ def _route_kernel(
     picked = chosen == 1
     tl.store(offs_ptr + e, ends, mask=e < E)
     tl.store(rows_ptr + row, tl.broadcast_to(t[:, None], (BLOCK_T, BLOCK_E)), mask=picked)
-    tl.store(slots_ptr + t[:, None] * K + slot, row, mask=picked)
-    tl.store(weights_ptr + t[:, None] * K + slot, weight, mask=picked)
+    tl.store(slots_ptr + t[:, None] * (K + SHARED) + slot, row, mask=picked)
+    tl.store(weights_ptr + t[:, None] * (K + SHARED) + slot, weight, mask=picked)
+    for s in tl.static_range(SHARED):  # shared expert s: group E + s, every token in order, weight 1
+        first = T * K + s * T
+        tl.store(offs_ptr + E + s + t, first + T, mask=t == 0)
+        tl.store(rows_ptr + first + t, t, mask=t < T)
+        tl.store(slots_ptr + t * (K + SHARED) + K + s, first + t, mask=t < T)
+        tl.store(weights_ptr + t * (K + SHARED) + K + s, tl.full([BLOCK_T], 1.0, tl.float32), mask=t < T)
 
 
 @triton.jit
@@ -102,11 +109,15 @@ def fits(tokens: int, experts: int) -> bool:
     return triton.next_power_of_2(max(tokens, 1)) * triton.next_power_of_2(experts) <= MAX_ROUTED
 
 
-def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, softmax: bool, norm: bool
+def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, softmax: bool, norm: bool, shared: int = 0
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The router's logits [T, E] (any float dtype; bias [E] fp32 or None) -> (offs [E] int32, rows [T * k]
-    int32, slots [T, k] int32, weights [T, k] fp32), as the module doc describes."""
+    int32, slots [T, k] int32, weights [T, k] fp32), as the module doc describes. ``shared``: S shared experts as
+    groups E .. E + S - 1 after the routed ones, each every token's with weight 1: offs [E + S], rows
+    [T * (k + S)], slots and weights [T, k + S]."""
     op = "moe_route"
+    if shared < 0:
+        raise ValueError(f"{op}: shared must be at least 0, got {shared}")
     if logits.dim() != 2 or logits.stride(1) != 1 or not logits.is_floating_point():
         raise ValueError(f"{op}: logits must be [T, E] floats with contiguous rows, got {logits.dtype} "
                          f"{tuple(logits.shape)}")  # fmt: skip
@@ -118,18 +129,18 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, softm
     if not fits(t, e):
         raise ValueError(f"{op}: {t} tokens over {e} experts exceed one program ({MAX_ROUTED} padded elements)")
     dev = logits.device
-    offs = torch.empty(e, dtype=torch.int32, device=dev)
-    rows = torch.empty(t * top_k, dtype=torch.int32, device=dev)
-    slots = torch.empty((t, top_k), dtype=torch.int32, device=dev)
-    weights = torch.empty((t, top_k), dtype=torch.float32, device=dev)
+    offs = torch.empty(e + shared, dtype=torch.int32, device=dev)
+    rows = torch.empty(t * (top_k + shared), dtype=torch.int32, device=dev)
+    slots = torch.empty((t, top_k + shared), dtype=torch.int32, device=dev)
+    weights = torch.empty((t, top_k + shared), dtype=torch.float32, device=dev)
     if t == 0:
         return offs.zero_(), rows, slots, weights
     block_t, block_e = triton.next_power_of_2(t), triton.next_power_of_2(e)
     _ROUTE.launch(
         (1,),
         dict(logits_ptr=logits, bias_ptr=bias if bias is not None else logits, offs_ptr=offs, rows_ptr=rows,
-             slots_ptr=slots, weights_ptr=weights, T=t, E=e, stride_l=logits.stride(0), K=top_k, SOFTMAX=softmax,
-             HAS_BIAS=bias is not None, NORM=norm, BLOCK_T=block_t, BLOCK_E=block_e,
+             slots_ptr=slots, weights_ptr=weights, T=t, E=e, stride_l=logits.stride(0), K=top_k, SHARED=shared,
+             SOFTMAX=softmax, HAS_BIAS=bias is not None, NORM=norm, BLOCK_T=block_t, BLOCK_E=block_e,
              num_warps=min(8, max(1, block_t * block_e // 1024)), **pdl.options(logits.device)),
     )  # fmt: skip
     return offs, rows, slots, weights

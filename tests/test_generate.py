@@ -121,8 +121,9 @@ def _decode_logits(model: torch.nn.Module, tokens: torch.Tensor, device: torch.d
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp8", "mxfp4", "nvfp4"])
 @pytest.mark.parametrize(("name", "flavor"), [("llama", "debug"), ("moe", "debug_moe")])
 def test_fused_projections_give_the_unfused_logits(name, flavor, fmt):
-    """wq/wk/wv and w1/w3 (dense, shared and routed experts) as one GEMM each: the same logits, bit for bit, and
-    the same weight bytes (NVFP4: plus one fp32 tensor scale per fused row)."""
+    """wq/wk/wv and w1/w3 (dense, shared and routed experts) as one GEMM each, the shared expert folded into the
+    routed ones' GEMMs (MX formats): the same logits, bit for bit, and the same weight bytes (NVFP4: plus one fp32
+    tensor scale per fused row)."""
     import copy
 
     unfused = quantize_model(_model(name, flavor), fmt)
@@ -132,6 +133,7 @@ def test_fused_projections_give_the_unfused_logits(name, flavor, fmt):
     assert isinstance(fused.layers["0"].feed_forward.w13, FusedLinear)
     if fmt != "bf16" and name == "moe":
         assert hasattr(fused.layers["1"].moe.experts, "w13_packed")
+        assert fused.layers["1"].moe.experts.shared == (fmt != "nvfp4")  # the shared expert folded in (MX)
     extra = 0  # NVFP4: one fp32 tensor scale per fused row in place of one per part
     if fmt == "nvfp4":
         extra = sum(4 * (m.out_features - len(m.sizes)) for m in fused.modules() if isinstance(m, FusedLinear))

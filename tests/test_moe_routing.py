@@ -51,11 +51,20 @@ def module_route(logits: torch.Tensor, bias: torch.Tensor | None, k: int, softma
     return offs, (order // k).to(torch.int32), scores.flatten()[order]
 
 
-def check_route(t: int, e: int, k: int, softmax: bool, with_bias: bool, norm: bool, device: str) -> None:
+def check_route(t: int, e: int, k: int, softmax: bool, with_bias: bool, norm: bool, device: str, shared: int = 0
+                ) -> None:  # fmt: skip
+    """The kernel's routing against the module's; ``shared`` groups after the routed ones hold every token in
+    order, weight 1."""
     torch.manual_seed(t * 1000 + e * 10 + k)
     logits = torch.randn(t, e, device=device) * 2
     bias = torch.randn(e, device=device) * 0.1 if with_bias else None
-    offs, rows, slots, weights = moe_route(logits, bias, k, softmax, norm)
+    offs, rows, slots, weights = moe_route(logits, bias, k, softmax, norm, shared)
+    tokens = torch.arange(t, device=device, dtype=torch.int32)
+    assert torch.equal(offs[e:], t * k + t * torch.arange(1, shared + 1, device=device, dtype=torch.int32))
+    assert torch.equal(rows[t * k :], tokens.repeat(shared))
+    assert torch.equal(slots[:, k:], t * k + t * torch.arange(shared, device=device)[None, :] + tokens[:, None])
+    assert (weights[:, k:] == 1).all()
+    offs, rows, slots, weights = offs[:e], rows[: t * k], slots[:, :k], weights[:, :k].contiguous()
     want_offs, want_rows, want_weights = module_route(logits, bias, k, softmax, norm)
     assert torch.equal(offs, want_offs)
     assert torch.equal(rows, want_rows)
@@ -133,6 +142,7 @@ def test_interp_route_is_the_modules(softmax):
     for t, e, k in [(1, 8, 2), (3, 8, 1), (5, 64, 6), (17, 12, 3), (1, 4, 4)]:
         for with_bias, norm in [(False, False), (True, False), (False, True), (True, True)]:
             check_route(t, e, k, softmax, with_bias, norm, "cpu")
+        check_route(t, e, k, softmax, True, False, "cpu", shared=2)
 
 
 @interp_only
@@ -160,6 +170,39 @@ def test_interp_moe_decode_steps_through_the_kernels_give_the_full_forward_logit
     assert moe_layers and len(calls) == 3 * moe_layers
 
 
+@interp_only
+def test_interp_folded_shared_experts_decode_steps(monkeypatch):
+    """Two shared experts folded into MXFP4 experts (``fuse_projections``): decode steps through the routing
+    kernels route them as groups of every token (``shared`` = 2), and give the unfolded model's logits (fp32, the
+    reference GEMMs on the CPU)."""
+    import copy
+    import dataclasses
+
+    from mx_recipe.infer import decode
+    from mx_recipe.infer.weights import fuse_projections, quantize_model
+    from mx_recipe.models import build_model, model_args
+
+    torch.manual_seed(0)
+    model = build_model(dataclasses.replace(model_args("moe", "debug_moe", 320, 64), n_shared_experts=2))
+    model.init_weights()
+    unfolded = quantize_model(model.eval(), "mxfp4")
+    folded = fuse_projections(copy.deepcopy(unfolded))
+    assert all(m.experts.shared == 2 for m in folded.modules() if hasattr(m, "shared_experts"))
+    shared = []
+    monkeypatch.setattr(decode, "use_kernel", lambda device, head_dim: True)
+    monkeypatch.setattr(decode, "moe_route", lambda *args: shared.append(args[-1]) or moe_route(*args))
+    tokens = torch.randint(0, 320, (2, 11), generator=torch.Generator().manual_seed(1))
+    logits = []
+    with torch.no_grad():
+        for m in (unfolded, folded):
+            cache = decode.KVCache(m, 2, 16, torch.float32, torch.device("cpu"))
+            steps = [decode.forward(m, tokens[:, :8], torch.arange(8), cache)]
+            steps += [decode.forward(m, tokens[:, i : i + 1], torch.tensor([i]), cache) for i in range(8, 11)]
+            logits.append(torch.cat(steps, dim=1))
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    assert set(shared) == {0, 2}
+
+
 # ---------------------------------------------------------------------------------------
 # GPU
 
@@ -167,7 +210,7 @@ def test_interp_moe_decode_steps_through_the_kernels_give_the_full_forward_logit
 @pytest.mark.gpu
 def test_gpu_route_moe16b_dims():
     for t in (1, 8, 32, 128):
-        check_route(t, 64, 6, True, False, False, "cuda")
+        check_route(t, 64, 6, True, False, False, "cuda", shared=2)
         check_route(t, 64, 6, False, True, True, "cuda")
     for t, d in [(1, 2048), (32, 2048)]:
         check_combine(t, 6, d, torch.bfloat16, True, "cuda")

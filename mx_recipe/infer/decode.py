@@ -100,14 +100,16 @@ def _swiglu_step(ffn: FeedForward, x: torch.Tensor) -> torch.Tensor:
 
 
 def _moe_step(moe: MoE, x: torch.Tensor) -> torch.Tensor:
-    """``moe`` on a decode step's tokens x [T, dim], routed and combined by the fused kernels."""
+    """``moe`` on a decode step's tokens x [T, dim], routed and combined by the fused kernels; shared experts
+    folded into the quantized experts (mx_recipe.infer.weights.fuse_projections) run as groups of every token."""
     router = moe.router
     bias = moe.expert_bias.float() if moe.bias_update_speed > 0 else None
+    folded = getattr(moe.experts, "shared", 0)
     offs, rows, slots, weights = moe_route(router.gate(x), bias, moe.top_k, router.score_func == "softmax",
-                                           router.route_norm)  # fmt: skip
+                                           router.route_norm, folded)  # fmt: skip
     h1, h3 = moe.experts.gate_up(x, offs, rows)
     y = moe.experts.down(silu_mul(h1, h3), offs)
-    shared = _swiglu_step(moe.shared_experts, x) if moe.shared_experts is not None else None
+    shared = _swiglu_step(moe.shared_experts, x) if moe.shared_experts is not None and not folded else None
     return moe_combine(y, slots, weights, shared)
 
 

@@ -23,19 +23,19 @@ def fits(tokens: int, experts: int) -> bool:
     return kernel_fits(tokens, experts)
 
 
-def _route(logits: Tensor, bias: Tensor | None, top_k: int, softmax: bool, norm: bool
+def _route(logits: Tensor, bias: Tensor | None, top_k: int, softmax: bool, norm: bool, shared: int = 0
            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     from mx_kernels.moe_routing import moe_route
 
-    return moe_route(logits, bias, top_k, softmax, norm)
+    return moe_route(logits, bias, top_k, softmax, norm, shared)
 
 
-def _route_fake(logits: Tensor, bias: Tensor | None, top_k: int, softmax: bool, norm: bool
+def _route_fake(logits: Tensor, bias: Tensor | None, top_k: int, softmax: bool, norm: bool, shared: int = 0
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     t, e = logits.shape
-    i32 = torch.int32
-    return (logits.new_empty(e, dtype=i32), logits.new_empty(t * top_k, dtype=i32),
-            logits.new_empty((t, top_k), dtype=i32), logits.new_empty((t, top_k), dtype=torch.float32))  # fmt: skip
+    i32, k = torch.int32, top_k + shared
+    return (logits.new_empty(e + shared, dtype=i32), logits.new_empty(t * k, dtype=i32),
+            logits.new_empty((t, k), dtype=i32), logits.new_empty((t, k), dtype=torch.float32))  # fmt: skip
 
 
 def _combine(y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | None) -> Tensor:
@@ -48,18 +48,19 @@ def _combine_fake(y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | No
     return y.new_empty((slots.shape[0], y.shape[1]))
 
 
-define("moe_route(Tensor logits, Tensor? bias, int top_k, bool softmax, bool norm) -> (Tensor, Tensor, Tensor, Tensor)",
-       _route, _route_fake)  # fmt: skip
+define("moe_route(Tensor logits, Tensor? bias, int top_k, bool softmax, bool norm, int shared=0) -> (Tensor, Tensor, "
+       "Tensor, Tensor)", _route, _route_fake)  # fmt: skip
 define("moe_combine(Tensor y, Tensor slots, Tensor weights, Tensor? shared) -> Tensor", _combine, _combine_fake)
 
 
-def moe_route(logits: Tensor, bias: Tensor | None, top_k: int, softmax: bool, norm: bool
+def moe_route(logits: Tensor, bias: Tensor | None, top_k: int, softmax: bool, norm: bool, shared: int = 0
               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """The router's logits [T, E] -> (offs [E] int32 cumulative ends of the rows sorted by expert, rows [T * k]
     int32 the token of each, slots [T, k] int32 each token's rows in expert order, weights [T, k] fp32 their
     scores). ``bias``: the balancing bias [E] fp32, added to the scores to choose (None: none); ``softmax``:
-    softmax scores, else sigmoid; ``norm``: the chosen scores renormalized to sum to 1."""
-    return torch.ops.mx_recipe.moe_route(logits, bias, top_k, softmax, norm)
+    softmax scores, else sigmoid; ``norm``: the chosen scores renormalized to sum to 1. ``shared``: S shared
+    experts folded into the grouped GEMM, groups E .. E + S - 1 of every token with weight 1 (k + S a token)."""
+    return torch.ops.mx_recipe.moe_route(logits, bias, top_k, softmax, norm, shared)
 
 
 def moe_combine(y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | None) -> Tensor:

@@ -16,6 +16,11 @@ w3 of each feed-forward and of each ``QuantizedExperts`` -- in every format, bf1
 output row the math is the unfused linear's: packed weights keep their scales, NVFP4 each part's tensor scale
 (one per row). The outputs equal the unfused ones bit for bit where the GEMM takes the same summation order for
 both shapes (the weight-only kernel with the same split of K); otherwise they differ by summation order only.
+It also folds an MoE block's shared feed-forward into its quantized experts (MX formats: ``shared_parts``), as
+groups after the routed ones: a decode step then runs the shared experts inside the routed experts' two grouped
+GEMMs, each token in every shared group with weight 1, where they took a GEMM, silu * mul and a GEMM of their
+own (``QuantizedExperts.fold_shared``; ``SharedExpertGroups`` computes them for a full forward). The packed
+bytes are the same; each shared part's output is rounded once before the sum (the unfolded GEMM rounds their sum).
 """
 
 from __future__ import annotations
@@ -26,9 +31,9 @@ from torch import nn
 
 from mx_recipe.formats.mx import BLOCK_SIZE, MXTensor, fake_quant, to_mx
 from mx_recipe.formats.nvfp4 import NVFP4Tensor, to_nvfp4
-from mx_recipe.infer.weight_only import use_kernel, weight_only_grouped_mm, weight_only_mm
+from mx_recipe.infer.weight_only import PACK, use_kernel, weight_only_grouped_mm, weight_only_mm
 from mx_recipe.models.llama import Attention, FeedForward
-from mx_recipe.models.moe import GroupedExperts
+from mx_recipe.models.moe import GroupedExperts, MoE
 from mx_recipe.nn.convert import DEFAULT_SKIP, skip_reason
 
 # weight format -> MX element format (None: NVFP4)
@@ -117,9 +122,16 @@ class QuantizedLinear(nn.Module):
         return self.weight_packed.mm(x, self.kernel)
 
 
+def _cat_bytes(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` of one 1-byte dtype concatenated along dim 0, in that dtype (CUDA has no cat for e8m0)."""
+    return torch.cat([p.view(torch.uint8) for p in parts]).view(parts[0].dtype)
+
+
 class QuantizedExperts(nn.Module):
     """``GroupedExperts`` with w1, w2, w3 [E, N, K] kept in ``fmt`` (each expert along its K); ``kernel`` as
-    ``QuantizedLinear``'s."""
+    ``QuantizedLinear``'s. ``shared``: the shared experts folded in after the routed ones (``fold_shared``)."""
+
+    shared = 0
 
     def __init__(self, experts: GroupedExperts, fmt: str, activations: bool = False, kernel: bool = True):
         super().__init__()
@@ -129,6 +141,8 @@ class QuantizedExperts(nn.Module):
 
     def _mm(self, x: torch.Tensor, packed: PackedWeight, offs: torch.Tensor, rows: torch.Tensor | None = None
             ) -> torch.Tensor:  # fmt: skip
+        if offs.shape[0] < packed.qdata.shape[0]:  # the routed groups' ends: the folded shared groups get no rows
+            offs = torch.cat([offs, offs[-1:].expand(self.shared)])
         if self.activations:
             x = quantize_activation(x, self.fmt)  # per row along K: the same rows whether gathered before or after
         return packed.grouped_mm(x, offs, self.kernel, rows)
@@ -137,6 +151,38 @@ class QuantizedExperts(nn.Module):
         """Keep w1 and w3 as one weight [E, 2 * hidden, K] (``w13_packed``): one grouped GEMM for both."""
         self.w13_packed = PackedWeight.cat([self.w1_packed, self.w3_packed])
         del self.w1_packed, self.w3_packed
+
+    def fold_shared(self, ffn: FeedForward, parts: int) -> None:
+        """Append the shared feed-forward ``ffn`` (QuantizedLinears of this format, hidden = ``parts`` * the
+        experts' hidden) as ``parts`` groups after the routed ones, in place: its hidden units cut in ``parts``
+        experts whose outputs sum to its output (SwiGLU is a sum over hidden units). Its packed bytes move as
+        they are (w1 and w3 by rows, w2 along K at scale-block bounds): the same quantized weights. A decode step
+        then runs the shared experts in the routed experts' two grouped GEMMs, every token in each shared group
+        with weight 1 (``moe_route``'s ``shared``), where they took three launches of their own. The MX formats
+        only: an NVFP4 expert tensor shares one tensor scale."""
+        if not hasattr(self, "w13_packed"):
+            self.fuse()
+        elem, hidden, pack = FORMATS[self.fmt], self.w13_packed.qdata.shape[-2] // 2, PACK[self.fmt]
+        w1, w3, w2 = (getattr(ffn, name).weight_packed for name in ("w1", "w3", "w2"))
+        cuts = [slice(i * hidden, (i + 1) * hidden) for i in range(parts)]
+        added = {
+            "w13_packed": [
+                (torch.cat([w1.qdata[c], w3.qdata[c]]), torch.cat([w1.scale[c], w3.scale[c]])) for c in cuts
+            ],
+            "w2_packed": [
+                (
+                    w2.qdata[:, c.start // pack : c.stop // pack],
+                    w2.scale[:, c.start // BLOCK_SIZE : c.stop // BLOCK_SIZE],
+                )
+                for c in cuts
+            ],
+        }
+        for name, parts_qs in added.items():
+            packed = getattr(self, name)
+            qdata = _cat_bytes([packed.qdata, torch.stack([q.view(torch.uint8) for q, _ in parts_qs])])
+            scale = _cat_bytes([packed.scale, torch.stack([sc.view(torch.uint8) for _, sc in parts_qs])])
+            setattr(self, name, PackedWeight(MXTensor(qdata, scale, elem, 2), self.fmt))
+        self.shared = parts
 
     def gate_up(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -155,6 +201,49 @@ class QuantizedExperts(nn.Module):
         """As ``models.moe.GroupedExperts``: the groups are x, or x[routed] where the router hands the tokens over."""
         h1, h3 = self.gate_up(x, offs, routed)
         return self.down(F.silu(h1) * h3, offs)
+
+
+class SharedExpertGroups(nn.Module):
+    """An MoE block's shared feed-forward once folded into its ``QuantizedExperts`` (``fold_shared``), in its place:
+    the same function of x [..., dim], by the experts' grouped GEMMs over the shared groups, each part's output
+    summed in fp32 and rounded once."""
+
+    def __init__(self, experts: QuantizedExperts):
+        super().__init__()
+        self._experts = (experts,)  # not a submodule: the block registers the experts once
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts = self._experts[0]
+        x2 = x.reshape(-1, x.shape[-1])
+        tokens, parts, groups = x2.shape[0], experts.shared, experts.w2_packed.qdata.shape[0]
+        ends = torch.arange(groups, device=x.device) - (groups - parts - 1)
+        offs = (ends.clamp(min=0) * tokens).to(torch.int32)  # the routed groups empty, each shared one every token
+        rows = torch.arange(tokens, device=x.device, dtype=torch.int32).repeat(parts)
+        h1, h3 = experts.gate_up(x2, offs, rows)
+        y = experts.down(F.silu(h1) * h3, offs)
+        return y.view(parts, tokens, -1).float().sum(0).to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def shared_parts(moe: MoE) -> int:
+    """The parts ``fold_shared`` cuts ``moe``'s shared feed-forward in (0: it stays as it is): quantized experts
+    and shared linears of one MX format alike (``activations``, ``kernel``), and a shared hidden size a whole
+    number of the experts' (scale blocks whole)."""
+    experts, ffn = moe.experts, moe.shared_experts
+    if not isinstance(experts, QuantizedExperts) or experts.shared or not isinstance(ffn, FeedForward):
+        return 0
+    linears = [getattr(ffn, name) for name in ("w1", "w3", "w2")]
+    alike = (experts.fmt, experts.activations, experts.kernel)
+    if experts.fmt == "nvfp4" or any(
+        type(lin) is not QuantizedLinear or (lin.fmt, lin.activations, lin.kernel) != alike for lin in linears
+    ):
+        return 0
+    hidden = (
+        (experts.w13_packed.qdata.shape[-2] // 2)
+        if hasattr(experts, "w13_packed")
+        else experts.w1_packed.qdata.shape[-2]
+    )
+    shared_hidden = ffn.w1.out_features
+    return shared_hidden // hidden if shared_hidden % hidden == 0 and hidden % BLOCK_SIZE == 0 else 0
 
 
 class FusedLinear(nn.Module):
@@ -226,7 +315,12 @@ def _fuse(parent: nn.Module, names: tuple[str, ...], fused_name: str) -> None:
 
 def fuse_projections(model: nn.Module) -> nn.Module:
     """Fuse the linears of ``model`` that read one input, in place (module doc): each attention's wq, wk, wv as
-    ``wqkv``, each feed-forward's w1, w3 as ``w13``, and each ``QuantizedExperts``' w1, w3."""
+    ``wqkv``, each feed-forward's w1, w3 as ``w13``, and each ``QuantizedExperts``' w1, w3, with an MoE block's
+    shared experts folded into its quantized experts where ``shared_parts`` allows."""
+    for module in list(model.modules()):
+        if isinstance(module, MoE) and (parts := shared_parts(module)):
+            module.experts.fold_shared(module.shared_experts, parts)
+            module.shared_experts = SharedExpertGroups(module.experts)
     for module in list(model.modules()):
         if isinstance(module, Attention):
             _fuse(module, ("wq", "wk", "wv"), "wqkv")
