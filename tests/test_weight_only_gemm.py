@@ -250,14 +250,16 @@ def test_interp_dequantize_is_the_references_bits(fmt):
         assert torch.equal(got.nan_to_num(), p.dequantize(torch.float32).nan_to_num())
 
 
-FMA_CONFIGS = (dict(BLOCK_N=4, BLOCK_K=32, num_warps=1), dict(BLOCK_N=8, BLOCK_K=64, num_warps=2))
+FMA_CONFIGS = (dict(BLOCK_N=4, BLOCK_K=32, num_warps=1), dict(BLOCK_N=8, BLOCK_K=64, num_warps=2),
+               dict(BLOCK_N=4, BLOCK_K=64, num_warps=1, UNIT=8))  # fmt: skip
 
 
 @interp_only
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_interp_small_m_path(fmt):
-    """The FMA path (configs without BLOCK_M): M = 1, 2, 5 and 16, N = 37 (odd), K = 96 (a tail at BLOCK_K 64;
-    80 for nvfp4: a tail of 16), split 1 and 3; split K twice gives the same bits; grouped with ragged groups."""
+    """The FMA path (configs without BLOCK_M, units of 4 and 8 pairs): M = 1, 2, 5 and 16, N = 37 (odd), K = 96 (a
+    tail at BLOCK_K 64; 80 for nvfp4: a tail of 16), split 1 and 3; split K twice gives the same bits; grouped
+    with ragged groups."""
     torch.manual_seed(5)
     k = 80 if fmt == "nvfp4" else 96
     p = packed(weights(37, k), fmt)

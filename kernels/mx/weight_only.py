@@ -37,16 +37,17 @@ Small M (decode, up to FMA_MAX_M rows per group): no tl.dot, whose 16-row tile w
 operand layout would cost the upcast weights a trip through shared memory; CUDA-core FMAs instead. x and w are
 read as pairs of consecutive K elements: x as int32 (two bf16), w as a byte of two e2m1 codes or a uint16 of
 two e4m3 codes, K contiguous in both. A program owns BLOCK_N rows of w (output columns) and its split's range of
-K. Each thread reads 4 pairs of each row of x (16 bytes) and the same 4 pairs of each of its w rows (4 or 8
-bytes a row; a warp reads 128 or 256 contiguous bytes of a row), so that x's and w's tiles take one register
-layout (hence BLOCK_K a multiple of 256 * num_warps) and each upcast x pair serves all the program's w rows.
+K. Each thread reads a unit of UNIT (4 or 8) pairs of each row of x (16 or 32 bytes) and the same pairs of each
+of its w rows (UNIT or 2 * UNIT bytes a row; a warp reads 32 * that contiguous bytes of a row), so that x's and w's
+tiles take one register layout (hence BLOCK_K a multiple of 64 * UNIT * num_warps) and each upcast x pair serves
+all the program's w rows.
 The loop is ALU-bound, so each pair takes few instructions to two exact fp32 values: an e4m3 pair by the
 hardware conversion to f16x2 (``cvt.rn.f16x2.e4m3x2``, sm_89+; every e4m3 value, NaN included, is an f16), then
 each f16 to fp32; e2m1 by inline PTX on a word of 4 pairs, as f16 bits ``(c & 7) << 9 | (c & 8) << 12`` (the
 value times 2**-14, all in the f16's top byte: masks and shifts build 4 such bytes at once, a byte permute
 moves each into an f16), then fp32. Under the interpreter the integer bit operations above give the same values.
-x's bf16 -> fp32 is done once per x element, for all the program's w rows. Per unit of 4 pairs (8 elements,
-inside one scale block) a thread sums the products in fp32 (each exact: 8 by at most 4 significant bits, none
+x's bf16 -> fp32 is done once per x element, for all the program's w rows. Per unit (8 or 16 elements, inside
+one scale block) a thread sums the products in fp32 (each exact: 8 by at most 4 significant bits, none
 below 2**-149), multiplies the sum by 2**14 for e2m1, then by the block's scale, and accumulates; the units are
 summed across threads once, after the K loop. The scale multiply is exact for e8m0 (fp32 bits
 ``max(e << 23, 0x400000)``, bit 22 set for 0xFF: NaN), one fp32 rounding per unit for nvfp4's e4m3 scales. The
@@ -159,7 +160,7 @@ SCALED_CANDIDATES = (
 )
 # The small-M (decode) path, for up to FMA_MAX_M rows (per group). Its configs by weight shape (N, K): Llama 3
 # 8B's projections, alone and fused (wq/wo, wk/wv, w1/w3, w2, qkv, w1w3); None: any other shape. BLOCK_K counts
-# elements, a multiple of 256 * num_warps so that x's and w's tiles take one layout (module doc); BLOCK_N is for
+# elements, a multiple of 64 * UNIT * num_warps so that x's and w's tiles take one layout (module doc); BLOCK_N is for
 # one row of x and halves as the rows double; SPLIT_K None: from the SM count (FMA_PROGRAMS_PER_SM). The first
 # candidate of a shape is its default; FMA_CHOSEN names the one to use per (format, N, K), from
 # ``python benchmarks/bench_decode.py --sweep`` on the target GPU.
@@ -167,17 +168,23 @@ FMA_MAX_M = 4
 FMA_PROGRAMS_PER_SM = 4
 
 
-def _fma(block_n: int, block_k: int, split_k: int | None, num_warps: int, num_stages: int = 1) -> dict:
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages)
+def _fma(block_n: int, block_k: int, split_k: int | None, num_warps: int, num_stages: int = 1, unit: int = 4
+         ) -> dict:  # fmt: skip
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages,
+                UNIT=unit)  # fmt: skip
 
 
 def _fma_grid(splits: tuple[int | None, ...]) -> list[dict]:
-    """BLOCK_N 4, 8 and 16 by (warps, BLOCK_K) (4, 1024), (2, 512), (8, 2048), (4, 2048), (1, 256), (1, 512), by
-    ``splits``. One warp over 256 elements of K: the MoE experts' small GEMMs (a few thousand rows of K = 1408 or
-    2048), whose many short programs hide each other's latency (MoE 16B dims' w1/w3 and w2 at 6 rows over 6 of 64
-    experts, MXFP4, one H200: 9.5 and 9.4 us a GEMM, 14.1 and 16.2 by the first candidate)."""
-    tiles = ((4, 1024), (2, 512), (8, 2048), (4, 2048), (1, 256), (1, 512))
-    return [_fma(bn, bk, split, warps) for warps, bk in tiles for bn in (8, 4, 16) for split in splits]
+    """BLOCK_N 4, 8 and 16 by (warps, BLOCK_K, UNIT) (4, 1024, 4), (2, 512, 4), (8, 2048, 4), (4, 2048, 4),
+    (1, 256, 4), (1, 512, 4), (2, 1024, 8), (4, 2048, 8), (1, 512, 8), by ``splits``. One warp over 256 elements of
+    K: the MoE experts' small GEMMs (a few thousand rows of K = 1408 or 2048), whose many short programs hide each
+    other's latency (MoE 16B dims' w1/w3 and w2 at 6 rows over 6 of 64 experts, MXFP4, one H200: 9.5 and 9.4 us a
+    GEMM, 14.1 and 16.2 by the first candidate). UNIT 8: a thread's units of 8 pairs (twice the bytes a load, one
+    scale load and one scale multiply per 16 elements), compiled for sm_90a 12% fewer instructions an element in
+    the loop (MXFP4 4.76-4.90, MXFP8 3.77-3.91; ``scripts/sass_loop_count.py``) for about twice the registers."""
+    tiles = ((4, 1024, 4), (2, 512, 4), (8, 2048, 4), (4, 2048, 4), (1, 256, 4), (1, 512, 4), (2, 1024, 8),
+             (4, 2048, 8), (1, 512, 8))  # fmt: skip
+    return [_fma(bn, bk, split, warps, unit=unit) for warps, bk, unit in tiles for bn in (8, 4, 16) for split in splits]
 
 
 FMA_CANDIDATES: dict[tuple[int, int] | None, list[dict]] = {
@@ -525,14 +532,13 @@ def _weight_only_fma_kernel(
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_tn, stride_om,
     FMT: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HW: tl.constexpr,
-    PDL: tl.constexpr,
+    UNIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """The small-M path (module doc): x [M, K/2] as int32 pairs of bf16, w [N, K/2] as pairs of codes (a byte of
     two e2m1 codes, or a uint16 of two e4m3 codes), K contiguous in both. HW: upcast w with the GPU's conversions
     (else integer bit operations, for the interpreter)."""
     GROUP: tl.constexpr = 16 if FMT == "nvfp4" else 32
     PAIRS: tl.constexpr = BLOCK_K // 2
-    UNIT: tl.constexpr = 4  # pairs a thread reads at once (16 bytes of x) and sums before their scale multiplies
     NU: tl.constexpr = PAIRS // UNIT
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
@@ -867,9 +873,10 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
     n_groups = qdata.shape[0] if grouped else 1
     block_m = triton.next_power_of_2(cdiv(m, n_groups))
     block_n, block_k, warps = max(1, cfg["BLOCK_N"] // block_m), cfg["BLOCK_K"], cfg["num_warps"]
-    if block_k % 16 or block_k < 16 or block_n & (block_n - 1):
-        raise ValueError(f"weight_only_mm: the small-M path needs BLOCK_K a multiple of 16 and BLOCK_N a power of "
-                         f"two; got {cfg}")  # fmt: skip
+    unit = cfg.get("UNIT", 4)
+    if unit not in (4, 8) or block_k % (2 * unit) or block_n & (block_n - 1):
+        raise ValueError(f"weight_only_mm: the small-M path needs UNIT 4 or 8, BLOCK_K a multiple of 2 * UNIT and "
+                         f"BLOCK_N a power of two; got {cfg}")  # fmt: skip
     # x as int32 pairs of bf16; w as pairs of codes (uint16 for e4m3), K contiguous in both
     if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.contiguous()
@@ -900,7 +907,7 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
             stride_sn=s.stride(1), stride_tn=stride_tn, stride_om=out.stride(0), FMT=fmt, GROUPED=grouped,
             GATHER=rows is not None, E_POW2=max(2, triton.next_power_of_2(n_groups)), SPLIT=split_k > 1,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, HW=not interpreting(),
-            num_warps=warps, num_stages=cfg.get("num_stages", 1), **pdl.options(x.device),
+            UNIT=unit, num_warps=warps, num_stages=cfg.get("num_stages", 1), **pdl.options(x.device),
         ),
     )  # fmt: skip
     return out
