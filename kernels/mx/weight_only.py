@@ -47,9 +47,10 @@ each f16 to fp32; e2m1 by inline PTX on a word of 4 pairs, as f16 bits ``(c & 7)
 value times 2**-14, all in the f16's top byte: masks and shifts build 4 such bytes at once, a byte permute
 moves each into an f16), then fp32. Under the interpreter the integer bit operations above give the same values.
 x's bf16 -> fp32 is done once per x element, for all the program's w rows. Per unit (8 or 16 elements, inside
-one scale block) a thread sums the products in fp32 (each exact: 8 by at most 4 significant bits, none
-below 2**-149), multiplies the sum by 2**14 for e2m1, then by the block's scale, and accumulates; the units are
-summed across threads once, after the K loop. The scale multiply is exact for e8m0 (fp32 bits
+one scale block) a thread sums the products in fp32 in K order, one chain of FMAs (each product exact: 8 by at
+most 4 significant bits, none below 2**-149; summing a pair first took an FMUL and an FADD more a pair),
+multiplies the sum by 2**14 for e2m1, then by the block's scale, and accumulates; the units are summed across
+threads once, after the K loop. The scale multiply is exact for e8m0 (fp32 bits
 ``max(e << 23, 0x400000)``, bit 22 set for 0xFF: NaN), one fp32 rounding per unit for nvfp4's e4m3 scales. The
 scale bytes are read by inline PTX, in the unit sums' register layout: a tl.load takes Triton's coalesced layout,
 and converting it cost a trip through shared memory every K step. Its configs are per weight shape (FMA_CANDIDATES;
@@ -579,7 +580,8 @@ def _weight_only_fma_kernel(
         x0 = (xw << 16).to(tl.float32, bitcast=True)
         x1 = (xw & -65536).to(tl.float32, bitcast=True)
         w0, w1 = _pair_values(w, FMT, HW)
-        part = tl.sum(tl.reshape(x0 * w0 + x1 * w1, (BLOCK_M, BLOCK_N, NU, UNIT)), axis=3)
+        # the unit's products in K order, summed in a thread: one FMA chain (a pair's sum first: FMUL, FFMA, FADD)
+        part = tl.sum(tl.reshape(tl.join(x0 * w0, x1 * w1), (BLOCK_M, BLOCK_N, NU, 2 * UNIT)), axis=3)
         if FMT != "mxfp8":
             part = part * 16384.0  # 2**14: back to the e2m1 values, exact
         if FMT == "nvfp4":
