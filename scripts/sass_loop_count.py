@@ -6,7 +6,7 @@ branch), divided by the weight elements a thread upcasts an iteration (BLOCK_N *
 ALU-bound at decode, so this count is what a change to the upcast should lower. Also prints registers and local
 memory (spills) from cuobjdump, and with ``--show`` the loop's instructions.
 
-    PYTHONPATH=$PWD:$PWD/.pypath python scripts/sass_loop_count.py [mxfp8 mxfp4 nvfp4] [--show] [--arch 90]
+    PYTHONPATH=$PWD:$PWD/.pypath python scripts/sass_loop_count.py [mxfp8 mxfp4 nvfp4] [--show] [--arch 90] [--unit 8]
 """
 
 from __future__ import annotations
@@ -75,14 +75,16 @@ def loop_body(sass: str) -> list[str]:
     return best
 
 
-def report(fmt: str, block_n: int, block_k: int, warps: int, m: int, arch: int, show: bool) -> None:
-    kwargs = launch_kwargs(fmt, m, 14336, 4096, wo._fma(block_n, block_k, None, warps))
+def report(fmt: str, block_n: int, block_k: int, warps: int, m: int, arch: int, show: bool, unit: int = 4) -> None:
+    block_k = max(block_k, 64 * unit * warps)  # a unit per thread of each row at least (the kernel's layout)
+    kwargs = launch_kwargs(fmt, m, 14336, 4096, wo._fma(block_n, block_k, None, warps, unit=unit))
     cubin = compile_for_arch(wo._weight_only_fma_kernel, kwargs, arch).asm["cubin"]
     body = loop_body(_tool("nvdisasm", cubin, "-c"))
     res = dict(re.findall(r"\b(REG|LOCAL):(\d+)", _tool("cuobjdump", cubin, "-res-usage")))
     elems = kwargs["BLOCK_N"] * kwargs["BLOCK_K"] / (32 * warps)  # weight elements a thread upcasts an iteration
     ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", op).split()[0] for op in body)
-    print(f"{fmt} M={m} BLOCK_N={kwargs['BLOCK_N']} BLOCK_K={block_k} warps={warps}: {len(body)} instructions, "
+    print(f"{fmt} M={m} BLOCK_N={kwargs['BLOCK_N']} BLOCK_K={block_k} warps={warps} UNIT={unit}: {len(body)} "
+          f"instructions, "
           f"{elems:.0f} weight elements -> {len(body) / elems:.2f} an element; REG {res.get('REG')} LOCAL "
           f"{res.get('LOCAL')}")  # fmt: skip
     print("   ", " ".join(f"{op}:{count}" for op, count in ops.most_common()))
@@ -96,11 +98,12 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--rows", default="1,4", help="rows of x (M), comma-separated")
     parser.add_argument("--show", action="store_true", help="print the loop's instructions")
+    parser.add_argument("--unit", type=int, default=4, choices=(4, 8), help="pairs a thread sums per scale multiply")
     args = parser.parse_args()
     for fmt in args.formats:
         for block_n, block_k, warps in CONFIGS:
             for m in map(int, args.rows.split(",")):
-                report(fmt, block_n, block_k, warps, m, args.arch, args.show)
+                report(fmt, block_n, block_k, warps, m, args.arch, args.show, args.unit)
 
 
 if __name__ == "__main__":

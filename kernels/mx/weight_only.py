@@ -181,8 +181,9 @@ def _fma_grid(splits: tuple[int | None, ...]) -> list[dict]:
     K: the MoE experts' small GEMMs (a few thousand rows of K = 1408 or 2048), whose many short programs hide each
     other's latency (MoE 16B dims' w1/w3 and w2 at 6 rows over 6 of 64 experts, MXFP4, one H200: 9.5 and 9.4 us a
     GEMM, 14.1 and 16.2 by the first candidate). UNIT 8: a thread's units of 8 pairs (twice the bytes a load, one
-    scale load and one scale multiply per 16 elements), compiled for sm_90a 12% fewer instructions an element in
-    the loop (MXFP4 4.76-4.90, MXFP8 3.77-3.91; ``scripts/sass_loop_count.py``) for about twice the registers."""
+    scale load and one scale multiply per 16 elements), compiled for sm_90a 13-15% fewer instructions an element
+    in the loop at M = 1 (``scripts/sass_loop_count.py --unit 8``: MXFP4 4.32-4.80 against 5.05-5.56, MXFP8
+    3.32-3.78 against 3.91-4.41, NVFP4 4.20-4.67 against 4.80-5.31) for about twice the registers."""
     tiles = ((4, 1024, 4), (2, 512, 4), (8, 2048, 4), (4, 2048, 4), (1, 256, 4), (2, 1024, 8), (4, 2048, 8),
              (1, 512, 8))  # fmt: skip
     return [_fma(bn, bk, split, warps, unit=unit) for warps, bk, unit in tiles for bn in (8, 4, 16) for split in splits]
