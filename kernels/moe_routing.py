@@ -74,7 +74,7 @@ def _route_kernel(
     tl.store(weights_ptr + t[:, None] * (K + SHARED) + slot, weight, mask=picked)
     for s in tl.static_range(SHARED):  # shared expert s: group E + s, every token in order, weight 1
         first = T * K + s * T
-        tl.store(offs_ptr + E + s + t, first + T, mask=t == 0)
+        tl.store(offs_ptr + E + s, first + T)
         tl.store(rows_ptr + first + t, t, mask=t < T)
         tl.store(slots_ptr + t * (K + SHARED) + K + s, first + t, mask=t < T)
         tl.store(weights_ptr + t * (K + SHARED) + K + s, tl.full([BLOCK_T], 1.0, tl.float32), mask=t < T)

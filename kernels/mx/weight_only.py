@@ -46,12 +46,12 @@ hardware conversion to f16x2 (``cvt.rn.f16x2.e4m3x2``, sm_89+; every e4m3 value,
 each f16 to fp32; e2m1 by inline PTX on a word of 4 pairs, as f16 bits ``(c & 7) << 9 | (c & 8) << 12`` (the
 value times 2**-14, all in the f16's top byte: masks and shifts build 4 such bytes at once, a byte permute
 moves each into an f16), then fp32. Under the interpreter the integer bit operations above give the same values.
-x's bf16 -> fp32 is done once per x element, for all the program's w rows. Per unit (8 or 16 elements, inside
-one scale block) a thread sums the products in fp32 in K order, one chain of FMAs (each product exact: 8 by at
-most 4 significant bits, none below 2**-149; summing a pair first took an FMUL and an FADD more a pair),
-multiplies the sum by 2**14 for e2m1, then by the block's scale, and accumulates; the units are summed across
-threads once, after the K loop. The scale multiply is exact for e8m0 (fp32 bits
-``max(e << 23, 0x400000)``, bit 22 set for 0xFF: NaN), one fp32 rounding per unit for nvfp4's e4m3 scales. The
+x's bf16 -> fp32 is done once per x element, for all the program's w rows. Per unit (8 or 16 elements, inside one
+scale block) a thread sums the products in fp32 in K order, one chain of FMAs, one instruction a product (each
+product exact: 8 by at most 4 significant bits, none below 2**-149), multiplies the sum by 2**14 for e2m1, then by
+the block's scale, and accumulates; the units are summed across threads once, after the K loop. The scale multiply
+is exact for e8m0 (fp32 bits ``max(e << 23, 0x400000)``, bit 22 set for 0xFF: NaN), one fp32 rounding per unit for
+nvfp4's e4m3 scales. The
 scale bytes are read by inline PTX, in the unit sums' register layout: a tl.load takes Triton's coalesced layout,
 and converting it cost a trip through shared memory every K step. Its configs are per weight shape (FMA_CANDIDATES;
 FMA_CHOSEN from ``benchmarks/bench_decode.py --sweep``); K is split over programs until the GEMM has
@@ -177,12 +177,12 @@ def _fma(block_n: int, block_k: int, split_k: int | None, num_warps: int, num_st
 
 def _fma_grid(splits: tuple[int | None, ...]) -> list[dict]:
     """BLOCK_N 4, 8 and 16 by (warps, BLOCK_K, UNIT) (4, 1024, 4), (2, 512, 4), (8, 2048, 4), (4, 2048, 4),
-    (1, 256, 4), (2, 1024, 8), (4, 2048, 8), (1, 512, 8), by ``splits``. One warp over 256 elements of
-    K: the MoE experts' small GEMMs (a few thousand rows of K = 1408 or 2048), whose many short programs hide each
-    other's latency (MoE 16B dims' w1/w3 and w2 at 6 rows over 6 of 64 experts, MXFP4, one H200: 9.5 and 9.4 us a
-    GEMM, 14.1 and 16.2 by the first candidate). UNIT 8: a thread's units of 8 pairs (twice the bytes a load, one
-    scale load and one scale multiply per 16 elements), compiled for sm_90a 13-15% fewer instructions an element
-    in the loop at M = 1 (``scripts/sass_loop_count.py --unit 8``: MXFP4 4.32-4.80 against 5.05-5.56, MXFP8
+    (1, 256, 4), (2, 1024, 8), (4, 2048, 8), (1, 512, 8), by ``splits``. One warp over 256 elements of K: the MoE
+    experts' small GEMMs (a few thousand rows of K = 1408 or 2048), whose many short programs hide each other's
+    latency (MoE 16B dims' w1/w3 and w2 at 6 rows over 6 of 64 experts, MXFP4, one H200, each GEMM timed alone: 9.5
+    and 9.4 us, 14.1 and 16.2 by the first candidate). UNIT 8: a thread's units of 8 pairs (twice the bytes a load,
+    one scale load and one scale multiply per 16 elements), compiled for sm_90a 13-15% fewer instructions an
+    element in the loop at M = 1 (``scripts/sass_loop_count.py --unit 8``: MXFP4 4.32-4.80 against 5.05-5.56, MXFP8
     3.32-3.78 against 3.91-4.41, NVFP4 4.20-4.67 against 4.80-5.31) for about twice the registers."""
     tiles = ((4, 1024, 4), (2, 512, 4), (8, 2048, 4), (4, 2048, 4), (1, 256, 4), (2, 1024, 8), (4, 2048, 8),
              (1, 512, 8))  # fmt: skip
@@ -581,7 +581,7 @@ def _weight_only_fma_kernel(
         x0 = (xw << 16).to(tl.float32, bitcast=True)
         x1 = (xw & -65536).to(tl.float32, bitcast=True)
         w0, w1 = _pair_values(w, FMT, HW)
-        # the unit's products in K order, summed in a thread: one FMA chain (a pair's sum first: FMUL, FFMA, FADD)
+        # the unit's products in K order, summed in a thread: one FMA chain, an instruction a product
         part = tl.sum(tl.reshape(tl.join(x0 * w0, x1 * w1), (BLOCK_M, BLOCK_N, NU, 2 * UNIT)), axis=3)
         if FMT != "mxfp8":
             part = part * 16384.0  # 2**14: back to the e2m1 values, exact

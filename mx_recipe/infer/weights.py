@@ -133,6 +133,11 @@ class QuantizedExperts(nn.Module):
 
     shared = 0
 
+    @property
+    def hidden(self) -> int:
+        """Each expert's hidden size (w2's K)."""
+        return self.w2_packed.qdata.shape[-1] * PACK[self.fmt]
+
     def __init__(self, experts: GroupedExperts, fmt: str, activations: bool = False, kernel: bool = True):
         super().__init__()
         for name in ("w1", "w2", "w3"):
@@ -162,7 +167,7 @@ class QuantizedExperts(nn.Module):
         only: an NVFP4 expert tensor shares one tensor scale."""
         if not hasattr(self, "w13_packed"):
             self.fuse()
-        elem, hidden, pack = FORMATS[self.fmt], self.w13_packed.qdata.shape[-2] // 2, PACK[self.fmt]
+        elem, hidden, pack = FORMATS[self.fmt], self.hidden, PACK[self.fmt]
         w1, w3, w2 = (getattr(ffn, name).weight_packed for name in ("w1", "w3", "w2"))
         cuts = [slice(i * hidden, (i + 1) * hidden) for i in range(parts)]
         added = {
@@ -179,8 +184,8 @@ class QuantizedExperts(nn.Module):
         }
         for name, parts_qs in added.items():
             packed = getattr(self, name)
-            qdata = _cat_bytes([packed.qdata, torch.stack([q.view(torch.uint8) for q, _ in parts_qs])])
-            scale = _cat_bytes([packed.scale, torch.stack([sc.view(torch.uint8) for _, sc in parts_qs])])
+            qdata = _cat_bytes([packed.qdata, *(q[None] for q, _ in parts_qs)])
+            scale = _cat_bytes([packed.scale, *(sc[None] for _, sc in parts_qs)])
             setattr(self, name, PackedWeight(MXTensor(qdata, scale, elem, 2), self.fmt))
         self.shared = parts
 
@@ -237,12 +242,7 @@ def shared_parts(moe: MoE) -> int:
         type(lin) is not QuantizedLinear or (lin.fmt, lin.activations, lin.kernel) != alike for lin in linears
     ):
         return 0
-    hidden = (
-        (experts.w13_packed.qdata.shape[-2] // 2)
-        if hasattr(experts, "w13_packed")
-        else experts.w1_packed.qdata.shape[-2]
-    )
-    shared_hidden = ffn.w1.out_features
+    hidden, shared_hidden = experts.hidden, ffn.w1.out_features
     return shared_hidden // hidden if shared_hidden % hidden == 0 and hidden % BLOCK_SIZE == 0 else 0
 
 
