@@ -163,8 +163,8 @@ SCALED_CANDIDATES = (
 # 8B's projections, alone and fused (wq/wo, wk/wv, w1/w3, w2, qkv, w1w3); None: any other shape. BLOCK_K counts
 # elements, a multiple of 64 * UNIT * num_warps so that x's and w's tiles take one layout (module doc); BLOCK_N is for
 # one row of x and halves as the rows double; SPLIT_K None: from the SM count (FMA_PROGRAMS_PER_SM). The first
-# candidate of a shape is its default; FMA_CHOSEN names the one to use per (format, N, K), from
-# ``python benchmarks/bench_decode.py --sweep`` on the target GPU.
+# candidate of a shape is its default; FMA_CHOSEN names the one to use per (format, N, K): what tuning picks in
+# the decode step (``benchmarks/bench_decode.py``; ``--sweep`` times each config alone).
 FMA_MAX_M = 4
 FMA_PROGRAMS_PER_SM = 4
 
@@ -176,16 +176,14 @@ def _fma(block_n: int, block_k: int, split_k: int | None, num_warps: int, num_st
 
 
 def _fma_grid(splits: tuple[int | None, ...]) -> list[dict]:
-    """BLOCK_N 4, 8 and 16 by (warps, BLOCK_K, UNIT) (4, 1024, 4), (2, 512, 4), (8, 2048, 4), (4, 2048, 4),
-    (1, 256, 4), (2, 1024, 8), (4, 2048, 8), (1, 512, 8), by ``splits``. One warp over 256 elements of K: the MoE
-    experts' small GEMMs (a few thousand rows of K = 1408 or 2048), whose many short programs hide each other's
-    latency (MoE 16B dims' w1/w3 and w2 at 6 rows over 6 of 64 experts, MXFP4, one H200, each GEMM timed alone: 9.5
-    and 9.4 us, 14.1 and 16.2 by the first candidate). UNIT 8: a thread's units of 8 pairs (twice the bytes a load,
-    one scale load and one scale multiply per 16 elements), compiled for sm_90a 13-15% fewer instructions an
-    element in the loop at M = 1 (``scripts/sass_loop_count.py --unit 8``: MXFP4 4.32-4.80 against 5.05-5.56, MXFP8
-    3.32-3.78 against 3.91-4.41, NVFP4 4.20-4.67 against 4.80-5.31) for about twice the registers."""
-    tiles = ((4, 1024, 4), (2, 512, 4), (8, 2048, 4), (4, 2048, 4), (1, 256, 4), (2, 1024, 8), (4, 2048, 8),
-             (1, 512, 8))  # fmt: skip
+    """BLOCK_N 4, 8 and 16 by (warps, BLOCK_K, UNIT) (2, 1024, 8), (4, 2048, 8), (1, 512, 8), (1, 256, 4), by
+    ``splits``. Units of 8 pairs a thread (twice the bytes a load, one scale load and one scale multiply per 16
+    elements): compiled for sm_90a 13-15% fewer instructions an element in the loop at M = 1 than units of 4
+    (``scripts/sass_loop_count.py``), and faster in the step: Llama 3 8B dims, batch 1, one H200, tuned over units
+    of 8 only against units of 4 only, MXFP8 2.874 against 2.913 ms, MXFP4 2.607 against 2.807, NVFP4 2.725
+    against 3.316. One warp over 256 elements of K (units of 4): the MoE experts' short K (1408 at MoE 16B dims),
+    whose many short programs hide each other's latency."""
+    tiles = ((2, 1024, 8), (4, 2048, 8), (1, 512, 8), (1, 256, 4))
     return [_fma(bn, bk, split, warps, unit=unit) for warps, bk, unit in tiles for bn in (8, 4, 16) for split in splits]
 
 
@@ -198,26 +196,20 @@ FMA_CANDIDATES: dict[tuple[int, int] | None, list[dict]] = {
     (28672, 4096): _fma_grid((None, 1)),  # w1 w3 fused
     None: _fma_grid((None,)),
 }
-# chosen on one NVIDIA H200 (torch 2.11.0+cu130, 2026-11-27): the fastest candidate at M = 1, its time in the comment
+# chosen on one NVIDIA H200 (torch 2.11.0+cu130, 2026-11-29) by tuning the Llama 3 8B decode step at batch 1
 FMA_CHOSEN: dict[tuple[str, int, int], dict] = {
-    ("mxfp8", 4096, 4096): _fma(8, 1024, 1, 4),  # 6.93 us
-    ("mxfp4", 4096, 4096): _fma(8, 1024, 1, 4),  # 6.59 us
-    ("nvfp4", 4096, 4096): _fma(16, 1024, 1, 4),  # 6.71 us
-    ("mxfp8", 1024, 4096): _fma(4, 2048, None, 8),  # 4.45 us
-    ("mxfp4", 1024, 4096): _fma(8, 2048, None, 4),  # 4.08 us
-    ("nvfp4", 1024, 4096): _fma(4, 2048, None, 4),  # 4.01 us
-    ("mxfp8", 14336, 4096): _fma(16, 512, None, 2),  # 23.07 us
-    ("mxfp4", 14336, 4096): _fma(8, 1024, None, 4),  # 17.93 us
-    ("nvfp4", 14336, 4096): _fma(8, 1024, None, 4),  # 18.77 us
-    ("mxfp8", 4096, 14336): _fma(4, 512, 2, 2),  # 21.55 us
-    ("mxfp4", 4096, 14336): _fma(16, 1024, 1, 4),  # 16.26 us
-    ("nvfp4", 4096, 14336): _fma(8, 1024, 1, 4),  # 16.02 us
-    ("mxfp8", 6144, 4096): _fma(16, 1024, 1, 4),  # 9.05 us
-    ("mxfp4", 6144, 4096): _fma(8, 512, None, 2),  # 8.89 us
-    ("nvfp4", 6144, 4096): _fma(8, 512, None, 2),  # 9.12 us
-    ("mxfp8", 28672, 4096): _fma(4, 512, None, 2),  # 39.19 us
-    ("mxfp4", 28672, 4096): _fma(8, 512, 1, 2),  # 33.32 us
-    ("nvfp4", 28672, 4096): _fma(8, 1024, None, 4),  # 35.92 us
+    ("mxfp8", 6144, 4096): _fma(8, 1024, 1, 2, unit=8),
+    ("mxfp8", 4096, 4096): _fma(8, 2048, None, 4, unit=8),
+    ("mxfp8", 28672, 4096): _fma(8, 512, 1, 1, unit=8),
+    ("mxfp8", 4096, 14336): _fma(8, 2048, 1, 4, unit=8),
+    ("mxfp4", 6144, 4096): _fma(8, 1024, None, 2, unit=8),
+    ("mxfp4", 4096, 4096): _fma(8, 2048, 1, 4, unit=8),
+    ("mxfp4", 28672, 4096): _fma(8, 512, None, 1, unit=8),
+    ("mxfp4", 4096, 14336): _fma(8, 1024, 1, 2, unit=8),
+    ("nvfp4", 6144, 4096): _fma(8, 1024, 1, 2, unit=8),
+    ("nvfp4", 4096, 4096): _fma(8, 2048, None, 4, unit=8),
+    ("nvfp4", 28672, 4096): _fma(4, 1024, None, 2, unit=8),
+    ("nvfp4", 4096, 14336): _fma(8, 2048, 1, 4, unit=8),
 }
 PROGRAMS_PER_SM = 8  # split K until a GEMM has this many programs per SM: small tiles, several programs an SM
 SCALED_PROGRAMS_PER_SM = 2  # the tl.dot_scaled tiles': pipelined, large
