@@ -52,8 +52,16 @@ def _silu_mul_kernel(h1_ptr, h3_ptr, out_ptr, H, stride_1, stride_3, stride_o, B
     ok = c < H
     h1 = tl.load(h1_ptr + row * stride_1 + c, mask=ok, other=0.0).to(tl.float32)
     h3 = tl.load(h3_ptr + row * stride_3 + c, mask=ok, other=0.0).to(tl.float32)
-    silu = (h1 / (1.0 + tl.exp(-h1))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + c, (silu * h3).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + row * stride_o + c, swiglu(h1, h3, out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def swiglu(h1, h3, dtype: tl.constexpr):
+    """``F.silu(h1) * h3`` in ``dtype`` from fp32 values of that dtype, with the eager expression's roundings:
+    silu in fp32 rounded to ``dtype``, then the product in fp32 rounded again (also the weight-only GEMM's SwiGLU
+    epilogue, mx_kernels.mx.weight_only)."""
+    silu = (h1 / (1.0 + tl.exp(-h1))).to(dtype).to(tl.float32)
+    return (silu * h3).to(dtype)
 
 
 _NORM = LaunchCache(_add_rms_norm_kernel)

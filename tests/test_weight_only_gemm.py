@@ -6,11 +6,13 @@ dequantize the packed weight, then the GEMM.
   tests/test_gemm_triton.py (with its shim for the interpreter's int() of a scalar): every format, M in
   {1, 3, 17}, N and K not powers of two, K tails, split K, NaN scales and elements, zeros, grouped with ragged
   and empty groups and with its rows read from the tokens by index; the small-M (FMA) path at M = 1 to 16 with
-  odd N, tails and splits, and one tensor scale per row (nvfp4 weights concatenated along N). Run them with
+  odd N, tails and splits, one tensor scale per row (nvfp4 weights concatenated along N), and the SwiGLU
+  epilogue against the unfused GEMM then ``silu_mul`` (bit for bit, all paths, grouped too). Run them with
   ``TRITON_INTERPRET=1 pytest tests/test_weight_only_gemm.py -k interp_``.
 * GPU (``gpu``): every format at M = 1 to 256 on 4128 x 4128 weights (K = 4112 for nvfp4), grouped with ragged
   groups, split-K determinism, CUDA-graph capture, and ``QuantizedLinear`` taking the kernel; the small-M path's
-  every candidate config on Llama 3 8B's wk shape at M = 1 to 16.
+  every candidate config on Llama 3 8B's wk shape at M = 1 to 16; the SwiGLU epilogue at M = 1 to 33 and as an
+  MoE decode step.
 
 Bound. The reference r = sum_k x_k w_k is computed exactly (fp64) from w = ``dequantize(bf16)``. For MXFP8 and
 MXFP4 the kernel's upcast weights are those same values (exact in bf16); its products are exact in fp32 and its
@@ -277,6 +279,41 @@ def test_interp_small_m_path(fmt):
     assert_within_bound(run(x, g, offs, config=FMA_CONFIGS[1], split_k=2), x, g, offs)
 
 
+def check_swiglu_epilogue(x: torch.Tensor, p: PackedWeight, offs: torch.Tensor | None = None, **kw) -> None:
+    """``swiglu``'s output is the unfused GEMM's two halves through ``silu_mul``, bit for bit (same tiles, split)."""
+    from mx_kernels.decode_fused import silu_mul
+
+    y = run(x, p, offs, swiglu=True, **kw)
+    h1, h3 = run(x, p, offs, **kw).chunk(2, dim=1)
+    assert y.shape == h1.shape and torch.equal(y, silu_mul(h1, h3)), kw
+
+
+@interp_only
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_interp_swiglu_epilogue(fmt):
+    """``swiglu`` (w1 and w3 along N; out silu(x w1^T) * (x w3^T) in the GEMM's epilogue) against the unfused GEMM
+    then ``silu_mul``: the small-M path and both tensor-core paths, N / 2 = 21 (odd: a partial tile), K tails,
+    split 1 and 2 ways; grouped with empty groups and rows read in place. An odd N is a one-line error."""
+    torch.manual_seed(9)
+    k = 80 if fmt == "nvfp4" else 96
+    p = packed(weights(42, k), fmt)
+    tiles = [(1, c) for c in FMA_CONFIGS] + [(3, FMA_CONFIGS[1]), (3, SMALL), (17, SMALL)]
+    tiles += [] if fmt == "nvfp4" else [(3, SMALL_SCALED)]
+    for m, config in tiles:
+        x = torch.randn(m, k).bfloat16()
+        for split in (1, 2):
+            check_swiglu_epilogue(x, p, config=config, split_k=split)
+    g = packed(weights(42, k, lead=(4,)), fmt)
+    offs = torch.tensor([1, 1, 3, 4], dtype=torch.int32)
+    tokens = torch.randn(2, k).bfloat16()
+    rows = torch.tensor([1, 0, 1, 0], dtype=torch.int32)
+    for config in (FMA_CONFIGS[1], SMALL):
+        check_swiglu_epilogue(tokens, g, offs, config=config, split_k=2, rows=rows)
+    with pytest.raises(ValueError, match="even N") as info:
+        run(tokens, packed(weights(40, k)[:39], fmt), swiglu=True)
+    assert "\n" not in str(info.value)
+
+
 @interp_only
 @pytest.mark.parametrize("config", [FMA_CONFIGS[0], SMALL])
 def test_interp_tensor_scale_per_row(config):
@@ -387,6 +424,27 @@ def test_gpu_tuned_configs_stay_within_the_bound():
         assert_within_bound(run(x, p), x, p)
     finally:
         weight_only.set_tuning(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_swiglu_epilogue(fmt):
+    """``swiglu`` against the unfused GEMM then ``silu_mul``, bit for bit, on the default tiles of M = 1, 3, 8 and
+    33 (small-M and tensor-core paths) split 2 ways, N / 2 = 1000 (a partial tile); grouped as an MoE decode step
+    (top-6 of one token over 8 of 16 experts, rows read in place)."""
+    from mx_kernels.mx.weight_only import config_for
+
+    torch.manual_seed(10)
+    k = 2048
+    p = packed(weights(2000, k, CUDA) * 0.02, fmt)
+    for m in (1, 3, 8, 33):
+        x = torch.randn(m, k, device=CUDA).bfloat16()
+        check_swiglu_epilogue(x, p, config=config_for(m, fmt, 2000, k), split_k=2)
+    g = packed(weights(2816, k, CUDA, lead=(16,)) * 0.02, fmt)
+    offs = torch.tensor([0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 6, 6, 6, 7, 8, 8], device=CUDA, dtype=torch.int32)
+    rows = torch.zeros(8, device=CUDA, dtype=torch.int32)
+    x = torch.randn(1, k, device=CUDA).bfloat16()
+    check_swiglu_epilogue(x, g, offs, config=config_for(1, fmt, 2816, k), split_k=1, rows=rows)
 
 
 @pytest.mark.gpu

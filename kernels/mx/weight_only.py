@@ -78,6 +78,11 @@ per tile) sums the partials in split order, so the result does not depend on tim
 the counter. The counters are one zeroed buffer per device, shared: two split GEMMs must not run at once on
 different streams.
 
+SwiGLU (``swiglu``, both paths): the weight is w1 and w3 concatenated along N; a program takes BLOCK_N / 2 rows
+of each, the same hidden units, and its epilogue rounds both halves to bf16 (as the unfused GEMM's output) and
+writes silu(gate) * up with ``silu_mul``'s roundings (mx_kernels.decode_fused.swiglu): the decode step's silu *
+mul launch folded into the GEMM, bit for bit the unfused GEMM then ``silu_mul`` on the same tiles and split.
+
 NVFP4's tensor scale is one fp32 value, or one per row of N: weights concatenated along N (fused projections)
 keep each part's own scale, and each output column is multiplied by its row's.
 
@@ -103,6 +108,7 @@ import triton
 import triton.language as tl
 from mx_kernels import pdl
 from mx_kernels.common import arrival_counters, cuda_capability, interpreting
+from mx_kernels.decode_fused import swiglu
 from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.spec import cdiv
 
@@ -268,19 +274,28 @@ def _row_tile(offs_ptr, slot, M, E, GROUPED: tl.constexpr, E_POW2: tl.constexpr,
 @triton.jit
 def _program_tile(
     offs_ptr, w_ptr, s_ptr, stride_we, stride_se, slot, pid_n, M, N, E, GROUPED: tl.constexpr,
-    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr,
 ):  # fmt: skip
     """A program's rows (rm; rm_in: those past its tile repeat its first, so loads need no masks), its tile's
-    end, its expert (-1: a slot without rows, which the kernel returns on), its weight rows (rn; rn_in wrapped
-    into N) and its expert's weight and scale pointers."""
+    end, its expert (-1: a slot without rows, which the kernel returns on), its weight rows (rn, N where past the
+    weight; rn_in wrapped into N) and its expert's weight and scale pointers. SWIGLU: the first half of the rows
+    are BLOCK_N / 2 gate rows (w1, the weight's first N / 2), the second the same rows of w3 (the second half)."""
     row0, row_end, expert = _row_tile(offs_ptr, slot, M, E, GROUPED, E_POW2, BLOCK_M)
     if GROUPED:
         w_ptr += tl.maximum(expert, 0).to(tl.int64) * stride_we
         s_ptr += tl.maximum(expert, 0).to(tl.int64) * stride_se
     rm = row0 + tl.arange(0, BLOCK_M)
     rm_in = tl.where(rm < row_end, rm, row0).to(tl.int64)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    return rm, rm_in, row_end, expert, rn, (rn % N).to(tl.int64), w_ptr, s_ptr
+    if SWIGLU:
+        j = tl.arange(0, BLOCK_N)
+        col = pid_n * (BLOCK_N // 2) + j % (BLOCK_N // 2)  # the output column: gate and up rows alike
+        up = (j // (BLOCK_N // 2)) * (N // 2)
+        rn = tl.where(col < N // 2, col + up, N)
+        rn_in = (col % (N // 2) + up).to(tl.int64)
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn_in = (rn % N).to(tl.int64)
+    return rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr
 
 
 @triton.jit
@@ -294,10 +309,12 @@ def _x_rows(rows_ptr, rm_in, GATHER: tl.constexpr):
 
 @triton.jit
 def _finish(acc, rm, rm_in, rn, rn_in, row_end, tile, pid_k, M, N, ts_ptr, stride_tn, out_ptr, stride_om,
-            stride_on, ws_ptr, cnt_ptr, SPLIT_K, FMT: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+            stride_on, ws_ptr, cnt_ptr, SPLIT_K, FMT: tl.constexpr, SPLIT: tl.constexpr,
+            SWIGLU: tl.constexpr):  # fmt: skip
     """Store the fp32 tile ``acc`` [BLOCK_M, BLOCK_N] as bf16, times the tensor scale for nvfp4. Split K: store
     this split's partial; the last split of the tile to arrive sums them all in split order, so the result does
-    not depend on timing, and resets the tile's counter."""
+    not depend on timing, and resets the tile's counter. SWIGLU: the tile's gate and up halves (``_program_tile``),
+    each rounded to bf16 as the GEMM's output, make BLOCK_N / 2 columns of silu(gate) * up (``swiglu``)."""
     row_ok = rm < row_end
     col_ok = rn < N
     if SPLIT:
@@ -313,8 +330,17 @@ def _finish(acc, rm, rm_in, rn, rn_in, row_end, tile, pid_k, M, N, ts_ptr, strid
         tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
     if FMT == "nvfp4":
         acc = acc * tl.load(ts_ptr + rn_in * stride_tn)[None, :]
-    out_ptrs = out_ptr + rm_in[:, None] * stride_om + rn[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if SWIGLU:
+        BM: tl.constexpr = acc.shape[0]
+        HALF: tl.constexpr = acc.shape[1] // 2
+        h = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        gate, up = tl.split(tl.permute(tl.reshape(h, (BM, 2, HALF)), (0, 2, 1)))
+        rn, _ = tl.split(tl.permute(tl.reshape(rn, (2, HALF)), (1, 0)))  # the gate rows: the output columns
+        out_ptrs = out_ptr + rm_in[:, None] * stride_om + rn[None, :] * stride_on
+        tl.store(out_ptrs, swiglu(gate, up, out_ptr.dtype.element_ty), mask=row_ok[:, None] & (rn < N)[None, :])
+    else:
+        out_ptrs = out_ptr + rm_in[:, None] * stride_om + rn[None, :] * stride_on
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -438,7 +464,7 @@ def _weight_only_kernel(
     FMT: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SCALED: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, DOT_BF16: tl.constexpr,
-    PDL: tl.constexpr,
+    SWIGLU: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """The tensor-core path: one program's [BLOCK_M, BLOCK_N] tile over its split of K; ``SCALED``: by
     tl.dot_scaled, else the upcast written here (module doc)."""
@@ -448,7 +474,21 @@ def _weight_only_kernel(
     pid_k = tl.program_id(2)
 
     rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr = _program_tile(
-        offs_ptr, w_ptr, s_ptr, stride_we, stride_se, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M, BLOCK_N
+        offs_ptr,
+        w_ptr,
+        s_ptr,
+        stride_we,
+        stride_se,
+        slot,
+        pid_n,
+        M,
+        N,
+        E,
+        GROUPED,
+        E_POW2,
+        BLOCK_M,
+        BLOCK_N,
+        SWIGLU,
     )
     if GROUPED:
         if expert < 0:
@@ -466,7 +506,7 @@ def _weight_only_kernel(
     pdl.release_next(PDL)
     # SPLIT: SPLIT_K > 1, a runtime value: one compiled kernel for every split
     _finish(acc, rm, rm_in, rn, rn_in, row_end, pid_n * tl.num_programs(1) + slot, pid_k, M, N, ts_ptr, stride_tn,
-            out_ptr, stride_om, stride_on, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT)  # fmt: skip
+            out_ptr, stride_om, stride_on, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT, SWIGLU)  # fmt: skip
 
 
 # e4m3 pair (uint16, element 2j in the low byte) -> its two values in fp32, exact: the hardware conversion to f16x2
@@ -526,7 +566,7 @@ def _weight_only_fma_kernel(
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_tn, stride_om,
     FMT: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HW: tl.constexpr,
-    UNIT: tl.constexpr, PDL: tl.constexpr,
+    UNIT: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """The small-M path (module doc): x [M, K/2] as int32 pairs of bf16, w [N, K/2] as pairs of codes (a byte of
     two e2m1 codes, or a uint16 of two e4m3 codes), K contiguous in both. HW: upcast w with the GPU's conversions
@@ -539,7 +579,21 @@ def _weight_only_fma_kernel(
     pid_k = tl.program_id(2)
     pdl.wait_prior(PDL)  # every program, the grouped early return's too (mx_kernels.pdl)
     rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr = _program_tile(
-        offs_ptr, w_ptr, s_ptr, stride_we, stride_se, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M, BLOCK_N
+        offs_ptr,
+        w_ptr,
+        s_ptr,
+        stride_we,
+        stride_se,
+        slot,
+        pid_n,
+        M,
+        N,
+        E,
+        GROUPED,
+        E_POW2,
+        BLOCK_M,
+        BLOCK_N,
+        SWIGLU,
     )
     if GROUPED:
         if expert < 0:
@@ -588,7 +642,7 @@ def _weight_only_fma_kernel(
         acc += part * factor
     pdl.release_next(PDL)
     _finish(tl.sum(acc, axis=2), rm, rm_in, rn, rn_in, row_end, pid_n * tl.num_programs(1) + slot, pid_k, M, N,
-            ts_ptr, stride_tn, out_ptr, stride_om, 1, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT)  # fmt: skip
+            ts_ptr, stride_tn, out_ptr, stride_om, 1, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT, SWIGLU)  # fmt: skip
 
 
 @triton.jit
@@ -767,6 +821,12 @@ def _row_slots(m: int, block_m: int, n_groups: int) -> int:
     return (m + min(n_groups, m) * (block_m - 1)) // block_m
 
 
+def _n_tiles(n: int, block_n: int, swiglu: bool) -> int:
+    """Program tiles along N: ``block_n`` rows of the weight each; with ``swiglu``, ``block_n`` / 2 gate rows and
+    the same up rows, a pair for each of N / 2 output columns."""
+    return cdiv(n // 2, block_n // 2) if swiglu else cdiv(n, block_n)
+
+
 def _split(split_k: int | None, k_tiles: int, busy: int, per_sm: int, device: torch.device) -> int:
     """The split of K: ``split_k``, or enough that ``busy`` tiles make ``per_sm`` programs an SM; no empty split."""
     if split_k is None:
@@ -784,16 +844,21 @@ def weight_only_mm(
     config: dict | None = None,
     split_k: int | None = None,
     rows: torch.Tensor | None = None,
+    swiglu: bool = False,
 ) -> torch.Tensor:
     """x [M, K] bf16 @ dequantize(qdata, scale, tensor_scale).T -> [M, N] bf16 (module doc). ``offs``: the
     grouped GEMM (qdata [E, N, K/pack], scale [E, N, K/group], x sorted by group, int32 cumulative row ends).
     ``rows`` (grouped only): int32 [M], the GEMM's rows are x[rows] (x [T, K]: an MoE's tokens), read in place.
-    ``tensor_scale`` (nvfp4): one, or one per row of N (weights concatenated along N). ``config`` overrides the
-    tiles (one with BLOCK_M takes the tl.dot path, one without the small-M path) and ``split_k`` the split
-    (None: the config's SPLIT_K, else from the SM count)."""
+    ``tensor_scale`` (nvfp4): one, or one per row of N (weights concatenated along N). ``swiglu``: the weight is
+    SwiGLU's w1 and w3 concatenated along N; out [M, N / 2] = silu(x w1^T) * (x w3^T), each GEMM output rounded
+    to bf16 and the product as ``silu_mul`` rounds it (mx_kernels.decode_fused.swiglu), in the GEMM's epilogue.
+    ``config`` overrides the tiles (one with BLOCK_M takes the tl.dot path, one without the small-M path) and
+    ``split_k`` the split (None: the config's SPLIT_K, else from the SM count)."""
     grouped = offs is not None
     op = "weight_only_grouped_mm" if grouped else "weight_only_mm"
     n, k = check(x, qdata, scale, tensor_scale, fmt, grouped, op)
+    if swiglu and n % 2:
+        raise ValueError(f"{op}: swiglu takes w1 and w3 concatenated along N, an even N; got N = {n}")
     if not x.is_cuda and not interpreting():
         raise RuntimeError(f"{op}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
     if grouped and (offs.dim() != 1 or offs.dtype != torch.int32 or offs.shape[0] != qdata.shape[0]):
@@ -802,23 +867,25 @@ def weight_only_mm(
         raise ValueError(f"{op}: rows must be an int32 [M] tensor on x's device, with offs (the grouped GEMM); got "
                          f"{rows.dtype} {tuple(rows.shape)} on {rows.device}")  # fmt: skip
     m = x.shape[0] if rows is None else rows.shape[0]
-    out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    out = torch.empty((m, n // 2 if swiglu else n), dtype=torch.bfloat16, device=x.device)
     if m == 0 or n == 0:
         return out
-    if k == 0:
+    if k == 0:  # a GEMM of zeros: silu(0) * 0 = 0 too
         return out.zero_()
     n_groups = qdata.shape[0] if grouped else 1
     per_group = cdiv(m, n_groups)
     if config is None and split_k is None and _TUNE and x.is_cuda and not torch.cuda.is_current_stream_capturing():
         bucket = per_group if per_group <= 16 else triton.next_power_of_2(per_group)
-        key = (fmt, bucket, n, k, n_groups, grouped, rows is not None, x.device)
-        config, split_k = _tuned(key, lambda c, s: weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, c, s, rows))
+        key = (fmt, bucket, n, k, n_groups, grouped, rows is not None, swiglu, x.device)
+        config, split_k = _tuned(
+            key, lambda c, s: weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, c, s, rows, swiglu)
+        )
     fma = fma_path(per_group, config)
     cfg = {**config_for(per_group, fmt, n, k, fma, dot_scaled_ok(x.device)), **(config or {})}
     if fma and per_group > 16:
         raise ValueError(f"{op}: the small-M path takes at most 16 rows per group, got {per_group} (config {config})")
     if fma:
-        return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, out, cfg, split_k)
+        return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, out, cfg, split_k, swiglu)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if block_k % 32 or block_m < 16 or block_n < 16:
         raise ValueError(f"{op}: BLOCK_K must be a multiple of 32, BLOCK_M and BLOCK_N at least 16; got {cfg}")
@@ -827,9 +894,10 @@ def weight_only_mm(
         raise ValueError(f"{op}: the tl.dot_scaled path takes the MX formats (not {fmt}) and BLOCK_K a multiple of "
                          f"64; got {cfg}")  # fmt: skip
     slots = _row_slots(m, block_m, n_groups)
-    tiles = cdiv(n, block_n) * slots
+    n_tiles = _n_tiles(n, block_n, swiglu)
+    tiles = n_tiles * slots
     k_tiles = cdiv(k, block_k)
-    busy = cdiv(n, block_n) * (min(cdiv(m, block_m), n_groups) if grouped else slots)  # tiles with rows
+    busy = n_tiles * (min(cdiv(m, block_m), n_groups) if grouped else slots)  # tiles with rows
     per_sm = SCALED_PROGRAMS_PER_SM if scaled else PROGRAMS_PER_SM
     if scaled and fmt == "mxfp4" and k % block_k:  # a masked e2m1 tile: unpipelined (module doc)
         cfg = dict(cfg, STAGES=1, num_stages=1)
@@ -850,24 +918,27 @@ def weight_only_mm(
         stride_om=out.stride(0), stride_on=out.stride(1), FMT=fmt,
         GROUPED=grouped, GATHER=rows is not None, E_POW2=max(2, triton.next_power_of_2(n_groups)),
         SPLIT=split_k > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        DOT_BF16=not interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.options(x.device),
+        DOT_BF16=not interpreting(), SWIGLU=swiglu, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl.options(x.device),
     )  # fmt: skip
     _LAUNCHES.launch(
-        (cdiv(n, block_n), slots, split_k),
+        (n_tiles, slots, split_k),
         dict(args, SCALED=scaled, PREFETCH=cfg.get("PREFETCH", False), STAGES=cfg.get("STAGES", 1)),
     )
     return out
 
 
 def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: str,
-            offs: torch.Tensor | None, rows: torch.Tensor | None, out: torch.Tensor, cfg: dict, split_k: int | None
-            ) -> torch.Tensor:  # fmt: skip
+            offs: torch.Tensor | None, rows: torch.Tensor | None, out: torch.Tensor, cfg: dict, split_k: int | None,
+            swiglu: bool = False) -> torch.Tensor:  # fmt: skip
     """The small-M path of ``weight_only_mm`` into ``out`` (module doc)."""
     grouped = offs is not None
-    m, n, k = out.shape[0], out.shape[1], x.shape[1]
+    m, n, k = out.shape[0], qdata.shape[-2], x.shape[1]
     n_groups = qdata.shape[0] if grouped else 1
     block_m = triton.next_power_of_2(cdiv(m, n_groups))
-    block_n, block_k, warps = max(1, cfg["BLOCK_N"] // block_m), cfg["BLOCK_K"], cfg["num_warps"]
+    # swiglu: a program's rows are gate and up rows in pairs, at least one of each
+    block_n = max(2 if swiglu else 1, cfg["BLOCK_N"] // block_m)
+    block_k, warps = cfg["BLOCK_K"], cfg["num_warps"]
     unit = cfg.get("UNIT", 4)
     if unit not in (4, 8) or block_k % (2 * unit) or block_n & (block_n - 1):
         raise ValueError(f"weight_only_mm: the small-M path needs UNIT 4 or 8, BLOCK_K a multiple of 2 * UNIT and "
@@ -883,9 +954,10 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
     if not grouped:
         w, s = w[None], s[None]
     slots = _row_slots(m, block_m, n_groups)
-    tiles = cdiv(n, block_n) * slots
+    n_tiles = _n_tiles(n, block_n, swiglu)
+    tiles = n_tiles * slots
     k_tiles = cdiv(k, block_k)
-    busy = cdiv(n, block_n) * (min(cdiv(m, block_m), n_groups) if grouped else slots)
+    busy = n_tiles * (min(cdiv(m, block_m), n_groups) if grouped else slots)
     split_k = split_k if split_k is not None else cfg.get("SPLIT_K")
     split_k = _split(split_k, k_tiles, busy, FMA_PROGRAMS_PER_SM, x.device) if tiles <= COUNTERS else 1
     k_split = cdiv(k_tiles, split_k) * block_k
@@ -893,7 +965,7 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
     counters = arrival_counters("weight_only", x.device, COUNTERS) if split_k > 1 else out
     ts, stride_tn = _tensor_scale(tensor_scale, n, out)
     _FMA_LAUNCHES.launch(
-        (cdiv(n, block_n), slots, split_k),
+        (n_tiles, slots, split_k),
         dict(
             x_ptr=x.view(torch.int32), w_ptr=w, s_ptr=s, ts_ptr=ts, offs_ptr=offs if grouped else out,
             rows_ptr=rows if rows is not None else out, out_ptr=out,
@@ -902,7 +974,7 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
             stride_sn=s.stride(1), stride_tn=stride_tn, stride_om=out.stride(0), FMT=fmt, GROUPED=grouped,
             GATHER=rows is not None, E_POW2=max(2, triton.next_power_of_2(n_groups)), SPLIT=split_k > 1,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, HW=not interpreting(),
-            UNIT=unit, num_warps=warps, num_stages=cfg.get("num_stages", 1), **pdl.options(x.device),
+            UNIT=unit, SWIGLU=swiglu, num_warps=warps, num_stages=cfg.get("num_stages", 1), **pdl.options(x.device),
         ),
     )  # fmt: skip
     return out

@@ -11,7 +11,8 @@ attend as one head with their queries stacked (grouped-query attention): SDPA re
 place, where repeating it per query head would copy it n_heads / n_kv_heads times a step.
 
 A decode step (one position) on a GPU runs the same computation in few launches (``_kernel_step``): the residual
-add with RMSNorm and SwiGLU's silu * mul as fused kernels (``mx_recipe.infer.fused``), attention by the split-KV
+add with RMSNorm and SwiGLU's silu * mul as fused kernels (``mx_recipe.infer.fused``; silu * mul in the gate/up
+GEMM's epilogue where w1 and w3 are packed, fused and on the weight-only kernel), attention by the split-KV
 kernel of ``mx_recipe.infer.attention`` with RoPE and the cache write in it, which reads only the positions
 written so far and spreads them over the SMs (at batch 1 SDPA runs one program per KV head and waits on its
 loads), and an MoE block's routing and combine by the kernels of ``mx_recipe.infer.routing`` (one launch each,
@@ -45,7 +46,7 @@ from torch import nn
 from mx_recipe.infer.attention import decode_attention_append, use_kernel
 from mx_recipe.infer.fused import add_rms_norm, silu_mul
 from mx_recipe.infer.routing import fits, moe_combine, moe_route
-from mx_recipe.infer.weights import PackedWeight
+from mx_recipe.infer.weights import FusedPart, PackedWeight
 from mx_recipe.models.llama import Attention, FeedForward, Transformer, apply_rope, project
 from mx_recipe.models.moe import MoE
 from mx_recipe.ops import get_kernel_settings
@@ -95,6 +96,9 @@ def _eps(norm: nn.RMSNorm, dtype: torch.dtype) -> float:
 
 
 def _swiglu_step(ffn: FeedForward, x: torch.Tensor) -> torch.Tensor:
+    fused = ffn.w1.fused if isinstance(ffn.w1, FusedPart) else None
+    if fused is not None and getattr(ffn.w3, "fused", None) is fused and fused.fuses_swiglu:
+        return ffn.w2(fused.swiglu(x))
     h1, h3 = project(x, ffn.w1, ffn.w3)
     return ffn.w2(silu_mul(h1, h3))
 
@@ -107,8 +111,11 @@ def _moe_step(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     folded = getattr(moe.experts, "shared", 0)
     offs, rows, slots, weights = moe_route(router.gate(x), bias, moe.top_k, router.score_func == "softmax",
                                            router.route_norm, folded)  # fmt: skip
-    h1, h3 = moe.experts.gate_up(x, offs, rows)
-    y = moe.experts.down(silu_mul(h1, h3), offs)
+    if getattr(moe.experts, "fuses_swiglu", False):
+        h = moe.experts.swiglu(x, offs, rows)
+    else:
+        h = silu_mul(*moe.experts.gate_up(x, offs, rows))
+    y = moe.experts.down(h, offs)
     shared = _swiglu_step(moe.shared_experts, x) if moe.shared_experts is not None and not folded else None
     return moe_combine(y, slots, weights, shared)
 

@@ -27,22 +27,24 @@ LARGE_M = 128  # rows (per group) past which dequantize_packed + cuBLAS runs ins
 
 
 def _launch(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
-            offs: Tensor | None = None, rows: Tensor | None = None) -> Tensor:  # fmt: skip
+            offs: Tensor | None = None, rows: Tensor | None = None, *, swiglu: bool = False) -> Tensor:  # fmt: skip
     from mx_kernels.mx.weight_only import weight_only_mm as launch
 
-    return launch(x, qdata, scale, tensor_scale, fmt, offs, rows=rows)
+    return launch(x, qdata, scale, tensor_scale, fmt, offs, rows=rows, swiglu=swiglu)
 
 
 def _fake(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
-          offs: Tensor | None = None, rows: Tensor | None = None) -> Tensor:  # fmt: skip
+          offs: Tensor | None = None, rows: Tensor | None = None, *, swiglu: bool = False) -> Tensor:  # fmt: skip
     m = x.shape[0] if rows is None else rows.shape[0]
-    return x.new_empty((m, qdata.shape[-2]), dtype=torch.bfloat16)
+    n = qdata.shape[-2]
+    return x.new_empty((m, n // 2 if swiglu else n), dtype=torch.bfloat16)
 
 
-define("weight_only_mm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt) -> Tensor", _launch, _fake)
+define("weight_only_mm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt, *, bool swiglu=False)"
+       " -> Tensor", _launch, _fake)  # fmt: skip
 define(
     "weight_only_grouped_mm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt, Tensor offs,"
-    " Tensor? rows=None) -> Tensor",
+    " Tensor? rows=None, *, bool swiglu=False) -> Tensor",
     _launch,
     _fake,
 )
@@ -76,22 +78,34 @@ def use_kernel(x: Tensor) -> bool:
     return x.dtype == torch.bfloat16 and cap is not None and cap >= (8, 0)
 
 
-def weight_only_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str) -> Tensor:
+def swiglu_of(h: Tensor) -> Tensor:
+    """SwiGLU's ``F.silu(h1) * h3`` of a GEMM output h [..., 2H] = [h1, h3] (the eager expression: the reference
+    of the kernels' ``swiglu`` epilogue)."""
+    h1, h3 = h.chunk(2, dim=-1)
+    return F.silu(h1) * h3
+
+
+def weight_only_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
+                   swiglu: bool = False) -> Tensor:  # fmt: skip
     """x [..., K] bf16 @ dequantize(w).T for w packed along K (qdata [N, K / pack], scale [N, K / block]) ->
-    [..., N] bf16."""
+    [..., N] bf16. ``swiglu``: w is SwiGLU's w1 and w3 concatenated along N, and the output [..., N / 2] is
+    silu(x w1^T) * (x w3^T), in the kernel's epilogue (``swiglu_of`` past LARGE_M)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] > LARGE_M:
-        return F.linear(x, torch.ops.mx_recipe.dequantize_packed(qdata, scale, tensor_scale, fmt))
-    out = torch.ops.mx_recipe.weight_only_mm(x2, qdata, scale, tensor_scale, fmt)
-    return out.reshape(*x.shape[:-1], qdata.shape[-2])
+        y = F.linear(x, torch.ops.mx_recipe.dequantize_packed(qdata, scale, tensor_scale, fmt))
+        return swiglu_of(y) if swiglu else y
+    out = torch.ops.mx_recipe.weight_only_mm(x2, qdata, scale, tensor_scale, fmt, swiglu=swiglu)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def weight_only_grouped_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
-                           offs: Tensor, rows: Tensor | None = None) -> Tensor:  # fmt: skip
+                           offs: Tensor, rows: Tensor | None = None, swiglu: bool = False) -> Tensor:  # fmt: skip
     """x [M, K] bf16, sorted by group with int32 cumulative row ends ``offs`` [E], by w [E, N, K] packed along K:
     group e's rows @ dequantize(w[e]).T -> [M, N] bf16. Only the groups with rows read their weights. ``rows``:
-    int32 [M], the rows are x[rows] (x [T, K], the tokens), which the kernel reads in place."""
+    int32 [M], the groups' rows are x[rows] (x [T, K], the tokens), which the kernel reads in place.
+    ``swiglu``: as ``weight_only_mm``'s, per group."""
     if (x.shape[0] if rows is None else rows.shape[0]) > LARGE_M * qdata.shape[0]:
         w = torch.ops.mx_recipe.dequantize_packed(qdata, scale, tensor_scale, fmt)
-        return torch._grouped_mm(x if rows is None else x[rows], w.transpose(-2, -1), offs=offs)
-    return torch.ops.mx_recipe.weight_only_grouped_mm(x, qdata, scale, tensor_scale, fmt, offs, rows)
+        y = torch._grouped_mm(x if rows is None else x[rows], w.transpose(-2, -1), offs=offs)
+        return swiglu_of(y) if swiglu else y
+    return torch.ops.mx_recipe.weight_only_grouped_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, swiglu=swiglu)

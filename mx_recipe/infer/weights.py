@@ -31,7 +31,7 @@ from torch import nn
 
 from mx_recipe.formats.mx import BLOCK_SIZE, MXTensor, fake_quant, to_mx
 from mx_recipe.formats.nvfp4 import NVFP4Tensor, to_nvfp4
-from mx_recipe.infer.weight_only import PACK, use_kernel, weight_only_grouped_mm, weight_only_mm
+from mx_recipe.infer.weight_only import PACK, swiglu_of, use_kernel, weight_only_grouped_mm, weight_only_mm
 from mx_recipe.models.llama import Attention, FeedForward
 from mx_recipe.models.moe import GroupedExperts, MoE
 from mx_recipe.nn.convert import DEFAULT_SKIP, skip_reason
@@ -71,20 +71,23 @@ class PackedWeight(nn.Module):
             return NVFP4Tensor(self.qdata, self.scale, self.tensor_scale, self.qdata.dim() - 1).dequantize(dtype)
         return MXTensor(self.qdata, self.scale, FORMATS[self.fmt], self.qdata.dim() - 1).dequantize(dtype)
 
-    def mm(self, x: torch.Tensor, kernel: bool) -> torch.Tensor:
-        """x [..., K] @ w.T: the weight-only kernel where ``use_kernel(x)`` (and ``kernel``), else the reference."""
+    def mm(self, x: torch.Tensor, kernel: bool, swiglu: bool = False) -> torch.Tensor:
+        """x [..., K] @ w.T: the weight-only kernel where ``use_kernel(x)`` (and ``kernel``), else the reference.
+        ``swiglu``: w is SwiGLU's w1 and w3 along N, the output silu(x w1^T) * (x w3^T) (``weight_only_mm``)."""
         if kernel and use_kernel(x):
-            return weight_only_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt)
-        return F.linear(x, self.dequantize(x.dtype))
+            return weight_only_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, swiglu)
+        y = F.linear(x, self.dequantize(x.dtype))
+        return swiglu_of(y) if swiglu else y
 
-    def grouped_mm(self, x: torch.Tensor, offs: torch.Tensor, kernel: bool, rows: torch.Tensor | None = None
-                   ) -> torch.Tensor:  # fmt: skip
+    def grouped_mm(self, x: torch.Tensor, offs: torch.Tensor, kernel: bool, rows: torch.Tensor | None = None,
+                   swiglu: bool = False) -> torch.Tensor:  # fmt: skip
         """x [M, K] sorted by group (int32 cumulative ends ``offs``) by each group's w [N, K]: [M, N]. ``rows``:
-        int32 [M], the groups' rows are x[rows] (the kernel reads them in place)."""
+        int32 [M], the groups' rows are x[rows] (the kernel reads them in place). ``swiglu``: as ``mm``'s."""
         if kernel and use_kernel(x):
-            return weight_only_grouped_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, offs, rows)
+            return weight_only_grouped_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, offs, rows, swiglu)
         x = x if rows is None else x[rows]
-        return torch._grouped_mm(x, self.dequantize(x.dtype).transpose(-2, -1), offs=offs)
+        y = torch._grouped_mm(x, self.dequantize(x.dtype).transpose(-2, -1), offs=offs)
+        return swiglu_of(y) if swiglu else y
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
@@ -144,13 +147,13 @@ class QuantizedExperts(nn.Module):
             setattr(self, f"{name}_packed", PackedWeight(quantize(getattr(experts, name).detach(), fmt), fmt))
         self.fmt, self.activations, self.kernel = fmt, activations, kernel
 
-    def _mm(self, x: torch.Tensor, packed: PackedWeight, offs: torch.Tensor, rows: torch.Tensor | None = None
-            ) -> torch.Tensor:  # fmt: skip
+    def _mm(self, x: torch.Tensor, packed: PackedWeight, offs: torch.Tensor, rows: torch.Tensor | None = None,
+            swiglu: bool = False) -> torch.Tensor:  # fmt: skip
         if offs.shape[0] < packed.qdata.shape[0]:  # the routed groups' ends: the folded shared groups get no rows
             offs = torch.cat([offs, offs[-1:].expand(self.shared)])
         if self.activations:
             x = quantize_activation(x, self.fmt)  # per row along K: the same rows whether gathered before or after
-        return packed.grouped_mm(x, offs, self.kernel, rows)
+        return packed.grouped_mm(x, offs, self.kernel, rows, swiglu)
 
     def fuse(self) -> None:
         """Keep w1 and w3 as one weight [E, 2 * hidden, K] (``w13_packed``): one grouped GEMM for both."""
@@ -198,6 +201,20 @@ class QuantizedExperts(nn.Module):
             h1, h3 = self._mm(x, self.w13_packed, offs, rows).chunk(2, dim=-1)
             return h1, h3
         return self._mm(x, self.w1_packed, offs, rows), self._mm(x, self.w3_packed, offs, rows)
+
+    @property
+    def fuses_swiglu(self) -> bool:
+        """Whether ``swiglu`` runs in the grouped GEMM's epilogue: w1 and w3 fused, on the weight-only kernel."""
+        return hasattr(self, "w13_packed") and self.kernel
+
+    def swiglu(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
+        """SwiGLU's ``F.silu(h1) * h3`` of ``gate_up``'s outputs; with w1 and w3 fused and the kernel, in the
+        grouped GEMM's epilogue (``weight_only_grouped_mm``'s ``swiglu``: ``silu_mul``'s roundings)."""
+        rows = routed if routed is None or routed.dtype == torch.int32 else routed.to(torch.int32)
+        if hasattr(self, "w13_packed"):
+            return self._mm(x, self.w13_packed, offs, rows, swiglu=True)
+        h1, h3 = self.gate_up(x, offs, routed)
+        return F.silu(h1) * h3
 
     def down(self, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return self._mm(h, self.w2_packed, offs)
@@ -274,6 +291,22 @@ class FusedLinear(nn.Module):
         else:
             y = self.weight_packed.mm(quantize_activation(x, self.fmt) if self.activations else x, self.kernel)
         return list(y.split(self.sizes, dim=-1))
+
+    @property
+    def fuses_swiglu(self) -> bool:
+        """Whether ``swiglu`` runs in the GEMM's epilogue: packed w1 and w3 of one size, on the weight-only kernel."""
+        return self.weight_packed is not None and self.kernel and len(self.sizes) == 2 and len(set(self.sizes)) == 1
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's ``F.silu(h1) * h3`` of this fused [w1; w3] (two parts of one size): for packed weights in the
+        GEMM's epilogue where the kernel runs (``weight_only_mm``'s ``swiglu``: ``silu_mul``'s roundings)."""
+        if len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]:
+            raise ValueError(f"FusedLinear.swiglu: needs w1 and w3 of one size, got parts {self.sizes}")
+        if self.weight_packed is None:
+            h1, h3 = self(x)
+            return F.silu(h1) * h3
+        x = quantize_activation(x, self.fmt) if self.activations else x
+        return self.weight_packed.mm(x, self.kernel, swiglu=True)
 
 
 class FusedPart(nn.Module):
