@@ -1,5 +1,5 @@
-"""An MoE block's routing at decode, fused: the few tokens of a decode step routed in one launch, and their
-experts' outputs weighed and summed in another.
+"""An MoE block's routing at decode, fused: the few tokens of a decode step routed in one launch (the router's GEMM
+included), and their experts' outputs weighed and summed in another.
 
 Eager PyTorch routes a step in about fifteen kernels (softmax, top-k, a gather, a count by scatter, a stable
 argsort in two sorts, a cumsum, casts), and combines the experts' rows in five more (a gather of the weights, a
@@ -14,6 +14,10 @@ product, zeros, index_add, the shared experts' add); at decode each costs its la
   int32 with their weights [T, k] fp32, both in expert order. A row's place is its expert's start plus the count
   of earlier tokens that chose that expert: a cumulative sum over the [T, E] choice matrix, no sort. Shared
   experts folded into the grouped GEMM (``shared``) follow as groups of every token, weight 1.
+* ``moe_gate_route``: the same from the router's input x [T, D] and its linear's weight [E, D] (a step of up to
+  GATE_MAX_TOKENS tokens), in one launch where the router's GEMM took its own: program e computes expert e's
+  logits (an fp32 sum rounded to x's dtype, as the linear's output; its summation order is not cuBLAS's), stores
+  them and counts itself in on an arrival counter; the last program to arrive routes them as ``moe_route``.
 * ``moe_combine``: one program per token and block of columns sums its k rows of the experts' output, each times
   its weight, and the shared experts' output, in fp32 in expert order, rounded once to the output's dtype.
 """
@@ -24,10 +28,14 @@ import torch
 import triton
 import triton.language as tl
 from mx_kernels import pdl
+from mx_kernels.common import arrival_counters
 from mx_kernels.decode_fused import row_block
 from mx_kernels.launch_cache import LaunchCache
 
 MAX_ROUTED = 16384  # T * E (padded to powers of 2) one routing program takes: a decode step's tokens
+GATE_MAX_TOKENS = 16  # tokens up to which moe_gate_route computes the router's logits itself
+GATE_TILE = 4096  # x elements a gate program holds at once: tokens * D, D cut to fit
+GATE_WARPS = 4
 
 
 @triton.jit
@@ -38,10 +46,48 @@ def _route_kernel(
 ):  # fmt: skip
     pdl.wait_prior(PDL)
     pdl.release_next(PDL)
+    _route(logits_ptr, bias_ptr, offs_ptr, rows_ptr, slots_ptr, weights_ptr, T, E, stride_l, K, SHARED, SOFTMAX,
+           HAS_BIAS, NORM, BLOCK_T, BLOCK_E)  # fmt: skip
+
+
+@triton.jit
+def _gate_route_kernel(
+    x_ptr, gate_ptr, ws_ptr, cnt_ptr, bias_ptr, offs_ptr, rows_ptr, slots_ptr, weights_ptr, T, E, D, stride_x,
+    stride_g, K: tl.constexpr, SHARED: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program e: expert e's logits of the T tokens, x [T, D] @ gate[e] in fp32 rounded to x's dtype (the router
+    linear's output), into the workspace [T, E]; the last program to arrive routes them all (``_route``)."""
+    pdl.wait_prior(PDL)
+    pdl.release_next(PDL)
+    e = tl.program_id(0)
+    t = tl.arange(0, BLOCK_T)
+    acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        w = tl.load(gate_ptr + e.to(tl.int64) * stride_g + d, mask=d < D, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + t[:, None] * stride_x + d[None, :], mask=(t[:, None] < T) & (d[None, :] < D), other=0.0)
+        acc += tl.sum(x.to(tl.float32) * w[None, :], 1)
+    logit = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(ws_ptr + t * E + e, logit, mask=t < T)
+    tl.debug_barrier()  # every thread's stores, then one release by the counter's atomic
+    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == E - 1:  # the last expert's program: route
+        _route(ws_ptr, bias_ptr, offs_ptr, rows_ptr, slots_ptr, weights_ptr, T, E, E, K, SHARED, SOFTMAX,
+               HAS_BIAS, NORM, BLOCK_T, BLOCK_E, ".cg")  # fmt: skip
+        tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch
+
+
+@triton.jit
+def _route(logits_ptr, bias_ptr, offs_ptr, rows_ptr, slots_ptr, weights_ptr, T, E, stride_l, K: tl.constexpr,
+           SHARED: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CACHE: tl.constexpr = ""):  # fmt: skip
+    """Route the logits [T, E] (module doc); ``CACHE``: the logits' load cache modifier (".cg": another program
+    wrote them, read them from L2)."""
     t = tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
     ok = (t[:, None] < T) & (e[None, :] < E)
-    logits = tl.load(logits_ptr + t[:, None] * stride_l + e[None, :], mask=ok, other=float("-inf")).to(tl.float32)
+    logits = tl.load(logits_ptr + t[:, None] * stride_l + e[None, :], mask=ok, other=float("-inf"),
+                     cache_modifier=CACHE).to(tl.float32)  # fmt: skip
     if SOFTMAX:
         p = tl.exp(logits - tl.max(logits, 1)[:, None])
         scores = p / tl.sum(p, 1)[:, None]
@@ -101,12 +147,41 @@ def _combine_kernel(
 
 
 _ROUTE = LaunchCache(_route_kernel)
+_GATE_ROUTE = LaunchCache(_gate_route_kernel)
 _COMBINE = LaunchCache(_combine_kernel)
 
 
 def fits(tokens: int, experts: int) -> bool:
     """Whether one routing program takes ``tokens`` tokens over ``experts`` experts (a decode step's)."""
     return triton.next_power_of_2(max(tokens, 1)) * triton.next_power_of_2(experts) <= MAX_ROUTED
+
+
+def _check_route(t: int, e: int, bias: torch.Tensor | None, top_k: int, shared: int, op: str) -> None:
+    if shared < 0:
+        raise ValueError(f"{op}: shared must be at least 0, got {shared}")
+    if not 1 <= top_k <= e:
+        raise ValueError(f"{op}: top_k must be in 1..{e} (the experts), got {top_k}")
+    if bias is not None and (bias.shape != (e,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise ValueError(f"{op}: bias must be fp32 [{e}], got {bias.dtype} {tuple(bias.shape)}")
+    if not fits(t, e):
+        raise ValueError(f"{op}: {t} tokens over {e} experts exceed one program ({MAX_ROUTED} padded elements)")
+
+
+def _route_outputs(t: int, e: int, top_k: int, shared: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(offs, rows, slots, weights), empty."""
+    return (torch.empty(e + shared, dtype=torch.int32, device=device),
+            torch.empty(t * (top_k + shared), dtype=torch.int32, device=device),
+            torch.empty((t, top_k + shared), dtype=torch.int32, device=device),
+            torch.empty((t, top_k + shared), dtype=torch.float32, device=device))  # fmt: skip
+
+
+def _route_args(bias: torch.Tensor | None, outputs: tuple[torch.Tensor, ...], t: int, e: int, top_k: int,
+                shared: int, softmax: bool, norm: bool, like: torch.Tensor) -> dict:  # fmt: skip
+    offs, rows, slots, weights = outputs
+    return dict(bias_ptr=bias if bias is not None else like, offs_ptr=offs, rows_ptr=rows, slots_ptr=slots,
+                weights_ptr=weights, T=t, E=e, K=top_k, SHARED=shared, SOFTMAX=softmax, HAS_BIAS=bias is not None,
+                NORM=norm, BLOCK_T=triton.next_power_of_2(t), BLOCK_E=triton.next_power_of_2(e),
+                **pdl.options(like.device))  # fmt: skip
 
 
 def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, softmax: bool, norm: bool, shared: int = 0
@@ -116,34 +191,48 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, softm
     groups E .. E + S - 1 after the routed ones, each every token's with weight 1: offs [E + S], rows
     [T * (k + S)], slots and weights [T, k + S]."""
     op = "moe_route"
-    if shared < 0:
-        raise ValueError(f"{op}: shared must be at least 0, got {shared}")
     if logits.dim() != 2 or logits.stride(1) != 1 or not logits.is_floating_point():
         raise ValueError(f"{op}: logits must be [T, E] floats with contiguous rows, got {logits.dtype} "
                          f"{tuple(logits.shape)}")  # fmt: skip
     t, e = logits.shape
-    if not 1 <= top_k <= e:
-        raise ValueError(f"{op}: top_k must be in 1..{e} (the experts), got {top_k}")
-    if bias is not None and (bias.shape != (e,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
-        raise ValueError(f"{op}: bias must be fp32 [{e}], got {bias.dtype} {tuple(bias.shape)}")
-    if not fits(t, e):
-        raise ValueError(f"{op}: {t} tokens over {e} experts exceed one program ({MAX_ROUTED} padded elements)")
-    dev = logits.device
-    offs = torch.empty(e + shared, dtype=torch.int32, device=dev)
-    rows = torch.empty(t * (top_k + shared), dtype=torch.int32, device=dev)
-    slots = torch.empty((t, top_k + shared), dtype=torch.int32, device=dev)
-    weights = torch.empty((t, top_k + shared), dtype=torch.float32, device=dev)
+    _check_route(t, e, bias, top_k, shared, op)
+    outputs = _route_outputs(t, e, top_k, shared, logits.device)
     if t == 0:
-        return offs.zero_(), rows, slots, weights
-    block_t, block_e = triton.next_power_of_2(t), triton.next_power_of_2(e)
-    _ROUTE.launch(
-        (1,),
-        dict(logits_ptr=logits, bias_ptr=bias if bias is not None else logits, offs_ptr=offs, rows_ptr=rows,
-             slots_ptr=slots, weights_ptr=weights, T=t, E=e, stride_l=logits.stride(0), K=top_k, SHARED=shared,
-             SOFTMAX=softmax, HAS_BIAS=bias is not None, NORM=norm, BLOCK_T=block_t, BLOCK_E=block_e,
-             num_warps=min(8, max(1, block_t * block_e // 1024)), **pdl.options(logits.device)),
+        return outputs[0].zero_(), *outputs[1:]
+    args = _route_args(bias, outputs, t, e, top_k, shared, softmax, norm, logits)
+    warps = min(8, max(1, args["BLOCK_T"] * args["BLOCK_E"] // 1024))
+    _ROUTE.launch((1,), dict(args, logits_ptr=logits, stride_l=logits.stride(0), num_warps=warps))
+    return outputs
+
+
+def moe_gate_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, top_k: int, softmax: bool,
+                   norm: bool, shared: int = 0) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """``moe_route`` of the router linear's logits x [T, D] @ gate [E, D]^T, in one launch: one program per
+    expert (fp32 sums rounded to x's dtype, the linear's output), the last to finish routes (module doc). Up to
+    GATE_MAX_TOKENS tokens."""
+    op = "moe_gate_route"
+    if x.dim() != 2 or gate.dim() != 2 or x.shape[1] != gate.shape[1] or x.dtype != gate.dtype:
+        raise ValueError(f"{op}: x [T, D] and gate [E, D] of one float dtype, got {x.dtype} {tuple(x.shape)} and "
+                         f"{gate.dtype} {tuple(gate.shape)}")  # fmt: skip
+    if x.stride(1) != 1 or gate.stride(1) != 1 or not x.is_floating_point():
+        raise ValueError(f"{op}: x and gate must be floats with contiguous rows")
+    (t, d), e = x.shape, gate.shape[0]
+    if t > GATE_MAX_TOKENS:
+        raise ValueError(f"{op}: at most {GATE_MAX_TOKENS} tokens, got {t} (moe_route takes more)")
+    _check_route(t, e, bias, top_k, shared, op)
+    outputs = _route_outputs(t, e, top_k, shared, x.device)
+    if t == 0:
+        return outputs[0].zero_(), *outputs[1:]
+    logits = torch.empty((t, e), dtype=torch.float32, device=x.device)
+    block_t = triton.next_power_of_2(t)
+    block_d = min(triton.next_power_of_2(max(d, 1)), GATE_TILE // block_t)
+    _GATE_ROUTE.launch(
+        (e,),
+        dict(_route_args(bias, outputs, t, e, top_k, shared, softmax, norm, x), x_ptr=x, gate_ptr=gate,
+             ws_ptr=logits, cnt_ptr=arrival_counters("moe_gate_route", x.device, 1), D=d, stride_x=x.stride(0),
+             stride_g=gate.stride(0), BLOCK_D=block_d, num_warps=GATE_WARPS),
     )  # fmt: skip
-    return offs, rows, slots, weights
+    return outputs
 
 
 def moe_combine(y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None

@@ -24,7 +24,7 @@ import pytest
 import torch
 from test_cast_kernels import run_interpreter_tests
 
-from mx_recipe.infer.routing import moe_combine, moe_route
+from mx_recipe.infer.routing import moe_combine, moe_gate_route, moe_route
 from mx_recipe.models.moe import MoEArgs, TokenChoiceRouter
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -76,6 +76,22 @@ def check_route(t: int, e: int, k: int, softmax: bool, with_bias: bool, norm: bo
     torch.testing.assert_close(by_row, want_weights, rtol=1e-6, atol=1e-7)
 
 
+def check_gate_route(t: int, e: int, d: int, k: int, dtype: torch.dtype, device: str, shared: int = 0) -> None:
+    """``moe_gate_route`` (the router GEMM in the routing launch) gives ``moe_route``'s outputs on the router
+    linear's logits, bit for bit: x and the gate hold small integers and quarters, so every order sums them exactly
+    in fp32 and both round the same sums to the dtype."""
+    torch.manual_seed(t * 100 + e + d)
+    x = torch.randint(-3, 4, (t, d), device=device).to(dtype)
+    gate = (torch.randint(-3, 4, (e, d), device=device) / 4).to(dtype)
+    bias = torch.randn(e, device=device) * 0.1
+    logits = (x.double() @ gate.double().T).to(dtype)
+    for softmax, with_bias, norm in [(True, False, False), (False, True, True)]:
+        b = bias if with_bias else None
+        got = moe_gate_route(x, gate, b, k, softmax, norm, shared)
+        want = moe_route(logits, b, k, softmax, norm, shared)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (t, e, d, softmax)
+
+
 def check_combine(t: int, k: int, d: int, dtype: torch.dtype, with_shared: bool, device: str) -> None:
     torch.manual_seed(t + k + d)
     slots = torch.randperm(t * k, device=device).to(torch.int32).view(t, k)  # each row of y is one token's
@@ -97,6 +113,7 @@ def check_combine(t: int, k: int, d: int, dtype: torch.dtype, with_shared: bool,
 
 def test_bad_arguments_are_one_line_errors():
     from mx_kernels.moe_routing import moe_combine as combine_kernel
+    from mx_kernels.moe_routing import moe_gate_route as gate_route_kernel
     from mx_kernels.moe_routing import moe_route as route_kernel
 
     with pytest.raises(ValueError, match="logits must be \\[T, E\\]"):
@@ -107,6 +124,10 @@ def test_bad_arguments_are_one_line_errors():
         route_kernel(torch.randn(2, 8), torch.zeros(4), 2, True, False)
     with pytest.raises(ValueError, match="exceed one program"):
         route_kernel(torch.randn(1024, 64), None, 2, True, False)
+    with pytest.raises(ValueError, match="x \\[T, D\\] and gate \\[E, D\\] of one float dtype"):
+        gate_route_kernel(torch.randn(2, 16), torch.randn(8, 32), None, 2, True, False)
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        gate_route_kernel(torch.randn(17, 16), torch.randn(8, 16), None, 2, True, False)
     slots, weights = torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2)
     with pytest.raises(ValueError, match="slots int32 and weights fp32"):
         combine_kernel(torch.randn(4, 8), slots.long(), weights, None)
@@ -125,6 +146,9 @@ def test_fake_shapes_under_compile_tracing():
         assert offs.dtype == rows.dtype == slots.dtype == torch.int32 and weights.dtype == torch.float32
         y = torch.empty(18, 32, dtype=torch.bfloat16)
         assert torch.ops.mx_recipe.moe_combine(y, slots, weights, None).shape == (3, 32)
+        routed = torch.ops.mx_recipe.moe_gate_route(y[:3], torch.empty(64, 32, dtype=torch.bfloat16), None, 6, True,
+                                                    False, 2)  # fmt: skip
+        assert [r.shape for r in routed] == [(66,), (24,), (3, 8), (3, 8)]
 
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
@@ -147,6 +171,14 @@ def test_interp_route_is_the_modules(softmax):
 
 @interp_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interp_gate_route_is_route_of_the_gates_logits(dtype):
+    for t, e, d, k in [(1, 8, 64, 2), (3, 64, 200, 6), (16, 12, 96, 3)]:
+        check_gate_route(t, e, d, k, dtype, "cpu")
+    check_gate_route(2, 8, 64, 2, dtype, "cpu", shared=2)
+
+
+@interp_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_interp_combine(dtype):
     for t, k, d in [(1, 1, 16), (1, 6, 100), (5, 2, 64), (3, 3, 2500)]:
         check_combine(t, k, d, dtype, True, "cpu")
@@ -165,6 +197,7 @@ def test_interp_moe_decode_steps_through_the_kernels_give_the_full_forward_logit
     calls = []
     monkeypatch.setattr(decode, "use_kernel", lambda device, head_dim: True)
     monkeypatch.setattr(decode, "moe_route", lambda *args: calls.append(1) or moe_route(*args))
+    monkeypatch.setattr(decode, "moe_gate_route", lambda *args: calls.append(1) or moe_gate_route(*args))
     model = assert_decode_steps_give_the_full_forward("moe", "debug_moe", 3)
     moe_layers = sum(getattr(layer, "moe_enabled", False) for layer in model.layers.values())
     assert moe_layers and len(calls) == 3 * moe_layers
@@ -191,6 +224,7 @@ def test_interp_folded_shared_experts_decode_steps(monkeypatch):
     shared = []
     monkeypatch.setattr(decode, "use_kernel", lambda device, head_dim: True)
     monkeypatch.setattr(decode, "moe_route", lambda *args: shared.append(args[-1]) or moe_route(*args))
+    monkeypatch.setattr(decode, "moe_gate_route", lambda *args: shared.append(args[-1]) or moe_gate_route(*args))
     tokens = torch.randint(0, 320, (2, 11), generator=torch.Generator().manual_seed(1))
     logits = []
     with torch.no_grad():
@@ -214,6 +248,8 @@ def test_gpu_route_moe16b_dims():
         check_route(t, 64, 6, False, True, True, "cuda")
     for t, d in [(1, 2048), (32, 2048)]:
         check_combine(t, 6, d, torch.bfloat16, True, "cuda")
+    for t in (1, 8, 16):
+        check_gate_route(t, 64, 2048, 6, torch.bfloat16, "cuda", shared=2)
 
 
 @pytest.mark.gpu
@@ -232,6 +268,7 @@ def test_gpu_moe_decode_steps_give_the_full_forward_logits(monkeypatch):
     tokens = torch.randint(0, 320, (4, 40), device="cuda")
     calls = []
     monkeypatch.setattr(decode, "moe_route", lambda *args: calls.append(1) or moe_route(*args))
+    monkeypatch.setattr(decode, "moe_gate_route", lambda *args: calls.append(1) or moe_gate_route(*args))
     with torch.no_grad():
         full = model(tokens)
         cache = decode.KVCache(model, 4, 48, torch.bfloat16, torch.device("cuda"))

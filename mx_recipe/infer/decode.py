@@ -16,7 +16,8 @@ GEMM's epilogue where w1 and w3 are packed, fused and on the weight-only kernel)
 kernel of ``mx_recipe.infer.attention`` with RoPE and the cache write in it, which reads only the positions
 written so far and spreads them over the SMs (at batch 1 SDPA runs one program per KV head and waits on its
 loads), and an MoE block's routing and combine by the kernels of ``mx_recipe.infer.routing`` (one launch each,
-where eager routing takes some twenty). The position is a device tensor, so one CUDA graph serves every step.
+where eager routing takes some twenty; up to ``gate_fits`` tokens the router's GEMM runs in the routing launch
+too). The position is a device tensor, so one CUDA graph serves every step.
 The prefill, and every step on the CPU, run the model's modules with SDPA and the mask. The fused MoE step leaves
 the block's ``tokens_per_expert`` (a training statistic for the balancing bias) untouched.
 
@@ -45,7 +46,7 @@ from torch import nn
 
 from mx_recipe.infer.attention import decode_attention_append, use_kernel
 from mx_recipe.infer.fused import add_rms_norm, silu_mul
-from mx_recipe.infer.routing import fits, moe_combine, moe_route
+from mx_recipe.infer.routing import fits, gate_fits, moe_combine, moe_gate_route, moe_route
 from mx_recipe.infer.weights import FusedPart, PackedWeight
 from mx_recipe.models.llama import Attention, FeedForward, Transformer, apply_rope, project
 from mx_recipe.models.moe import MoE
@@ -109,8 +110,12 @@ def _moe_step(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     router = moe.router
     bias = moe.expert_bias.float() if moe.bias_update_speed > 0 else None
     folded = getattr(moe.experts, "shared", 0)
-    offs, rows, slots, weights = moe_route(router.gate(x), bias, moe.top_k, router.score_func == "softmax",
-                                           router.route_norm, folded)  # fmt: skip
+    softmax, gate = router.score_func == "softmax", router.gate
+    if type(gate) is nn.Linear and gate.bias is None and gate.weight.dtype == x.dtype and gate_fits(x.shape[0]):
+        route = moe_gate_route(x, gate.weight, bias, moe.top_k, softmax, router.route_norm, folded)
+    else:
+        route = moe_route(gate(x), bias, moe.top_k, softmax, router.route_norm, folded)
+    offs, rows, slots, weights = route
     if getattr(moe.experts, "fuses_swiglu", False):
         h = moe.experts.swiglu(x, offs, rows)
     else:

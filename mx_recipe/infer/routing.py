@@ -1,8 +1,9 @@
 """An MoE block's decode-step routing as custom ops (mx_kernels.moe_routing, whose docstring gives the layout and
 the numerics): ``torch.ops.mx_recipe.moe_route`` turns the router's logits into the grouped GEMM's rows sorted by
-expert, and ``moe_combine`` weighs and sums each token's expert rows with its shared experts' output. Fake
-implementations give the shapes, so torch.compile and CUDA-graph capture take each kernel as one opaque node;
-Triton is imported on the first call only.
+expert (``moe_gate_route``: from the router's input and weight, its GEMM in the same launch), and ``moe_combine``
+weighs and sums each token's expert rows with its shared experts' output. Fake implementations give the shapes,
+so torch.compile and CUDA-graph capture take each kernel as one opaque node; Triton is imported on the first call
+only.
 
 A decode step takes them where it takes the other decode kernels (``mx_recipe.infer.attention.use_kernel``) and
 ``fits`` says one routing program holds the step's tokens; elsewhere it runs the ``MoE`` module.
@@ -38,6 +39,18 @@ def _route_fake(logits: Tensor, bias: Tensor | None, top_k: int, softmax: bool, 
             logits.new_empty((t, k), dtype=i32), logits.new_empty((t, k), dtype=torch.float32))  # fmt: skip
 
 
+def _gate_route(x: Tensor, gate: Tensor, bias: Tensor | None, top_k: int, softmax: bool, norm: bool, shared: int = 0
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    from mx_kernels.moe_routing import moe_gate_route
+
+    return moe_gate_route(x, gate, bias, top_k, softmax, norm, shared)
+
+
+def _gate_route_fake(x: Tensor, gate: Tensor, bias: Tensor | None, top_k: int, softmax: bool, norm: bool,
+                     shared: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    return _route_fake(x.new_empty((x.shape[0], gate.shape[0])), bias, top_k, softmax, norm, shared)
+
+
 def _combine(y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | None) -> Tensor:
     from mx_kernels.moe_routing import moe_combine
 
@@ -50,6 +63,8 @@ def _combine_fake(y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | No
 
 define("moe_route(Tensor logits, Tensor? bias, int top_k, bool softmax, bool norm, int shared=0) -> (Tensor, Tensor, "
        "Tensor, Tensor)", _route, _route_fake)  # fmt: skip
+define("moe_gate_route(Tensor x, Tensor gate, Tensor? bias, int top_k, bool softmax, bool norm, int shared=0) -> "
+       "(Tensor, Tensor, Tensor, Tensor)", _gate_route, _gate_route_fake)  # fmt: skip
 define("moe_combine(Tensor y, Tensor slots, Tensor weights, Tensor? shared) -> Tensor", _combine, _combine_fake)
 
 
@@ -61,6 +76,20 @@ def moe_route(logits: Tensor, bias: Tensor | None, top_k: int, softmax: bool, no
     softmax scores, else sigmoid; ``norm``: the chosen scores renormalized to sum to 1. ``shared``: S shared
     experts folded into the grouped GEMM, groups E .. E + S - 1 of every token with weight 1 (k + S a token)."""
     return torch.ops.mx_recipe.moe_route(logits, bias, top_k, softmax, norm, shared)
+
+
+def gate_fits(tokens: int) -> bool:
+    """Whether ``moe_gate_route`` takes a step of ``tokens`` tokens (its router GEMM is for a few)."""
+    from mx_kernels.moe_routing import GATE_MAX_TOKENS
+
+    return tokens <= GATE_MAX_TOKENS
+
+
+def moe_gate_route(x: Tensor, gate: Tensor, bias: Tensor | None, top_k: int, softmax: bool, norm: bool,
+                   shared: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """``moe_route`` of the router's logits x [T, D] @ gate [E, D]^T (rounded to x's dtype, as the router linear
+    writes them), the GEMM in the routing launch (up to ``gate_fits`` tokens)."""
+    return torch.ops.mx_recipe.moe_gate_route(x, gate, bias, top_k, softmax, norm, shared)
 
 
 def moe_combine(y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | None) -> Tensor:
