@@ -474,21 +474,7 @@ def _weight_only_kernel(
     pid_k = tl.program_id(2)
 
     rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr = _program_tile(
-        offs_ptr,
-        w_ptr,
-        s_ptr,
-        stride_we,
-        stride_se,
-        slot,
-        pid_n,
-        M,
-        N,
-        E,
-        GROUPED,
-        E_POW2,
-        BLOCK_M,
-        BLOCK_N,
-        SWIGLU,
+        offs_ptr, w_ptr, s_ptr, stride_we, stride_se, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M, BLOCK_N, SWIGLU
     )
     if GROUPED:
         if expert < 0:
@@ -579,21 +565,7 @@ def _weight_only_fma_kernel(
     pid_k = tl.program_id(2)
     pdl.wait_prior(PDL)  # every program, the grouped early return's too (mx_kernels.pdl)
     rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr = _program_tile(
-        offs_ptr,
-        w_ptr,
-        s_ptr,
-        stride_we,
-        stride_se,
-        slot,
-        pid_n,
-        M,
-        N,
-        E,
-        GROUPED,
-        E_POW2,
-        BLOCK_M,
-        BLOCK_N,
-        SWIGLU,
+        offs_ptr, w_ptr, s_ptr, stride_we, stride_se, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M, BLOCK_N, SWIGLU
     )
     if GROUPED:
         if expert < 0:
