@@ -309,6 +309,13 @@ def test_interp_swiglu_epilogue(fmt):
     rows = torch.tensor([1, 0, 1, 0], dtype=torch.int32)
     for config in (FMA_CONFIGS[1], SMALL):
         check_swiglu_epilogue(tokens, g, offs, config=config, split_k=2, rows=rows)
+    # the custom ops (what QuantizedExperts and FusedLinear call), their default tiles
+    from mx_recipe.infer.weight_only import weight_only_grouped_mm, weight_only_mm
+
+    y = weight_only_mm(tokens, p.qdata, p.scale, p.tensor_scale, fmt, swiglu=True)
+    assert y.shape == (2, 21) and torch.equal(y, run(tokens, p, swiglu=True))
+    y = weight_only_grouped_mm(tokens, g.qdata, g.scale, g.tensor_scale, fmt, offs, rows, swiglu=True)
+    assert torch.equal(y, run(tokens, g, offs, rows=rows, swiglu=True))
     with pytest.raises(ValueError, match="even N") as info:
         run(tokens, packed(weights(40, k)[:39], fmt), swiglu=True)
     assert "\n" not in str(info.value)
