@@ -17,9 +17,10 @@ kernel of ``mx_recipe.infer.attention`` with RoPE and the cache write in it, whi
 written so far and spreads them over the SMs (at batch 1 SDPA runs one program per KV head and waits on its
 loads), and an MoE block's routing and combine by the kernels of ``mx_recipe.infer.routing`` (one launch each,
 where eager routing takes some twenty; up to ``gate_fits`` tokens the router's GEMM runs in the routing launch
-too). The position is a device tensor, so one CUDA graph serves every step.
-The prefill, and every step on the CPU, run the model's modules with SDPA and the mask. The fused MoE step leaves
-the block's ``tokens_per_expert`` (a training statistic for the balancing bias) untouched.
+too, and quantized experts on the kernel combine in their down GEMM). The position is a device tensor, so one
+CUDA graph serves every step. The prefill, and every step on the CPU, run the model's modules with SDPA and the
+mask. The fused MoE step leaves the block's ``tokens_per_expert`` (a training statistic for the balancing bias)
+untouched.
 
 ``DecodeGraph`` captures one decode step in a CUDA graph and replays it: a step launches a few hundred small
 kernels, whose launch time would otherwise exceed their run time at small batch.
@@ -120,9 +121,12 @@ def _moe_step(moe: MoE, x: torch.Tensor) -> torch.Tensor:
         h = moe.experts.swiglu(x, offs, rows)
     else:
         h = silu_mul(*moe.experts.gate_up(x, offs, rows))
+    if moe.shared_experts is None or folded:  # the combine in the down GEMM where it runs the kernel
+        if getattr(moe.experts, "kernel", False):
+            return moe.experts.down(h, offs, combine=(slots, weights))
+        return moe_combine(moe.experts.down(h, offs), slots, weights, None)
     y = moe.experts.down(h, offs)
-    shared = _swiglu_step(moe.shared_experts, x) if moe.shared_experts is not None and not folded else None
-    return moe_combine(y, slots, weights, shared)
+    return moe_combine(y, slots, weights, _swiglu_step(moe.shared_experts, x))
 
 
 def _ffn_step(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -27,24 +27,27 @@ LARGE_M = 128  # rows (per group) past which dequantize_packed + cuBLAS runs ins
 
 
 def _launch(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
-            offs: Tensor | None = None, rows: Tensor | None = None, *, swiglu: bool = False) -> Tensor:  # fmt: skip
+            offs: Tensor | None = None, rows: Tensor | None = None, *, swiglu: bool = False,
+            slots: Tensor | None = None, weights: Tensor | None = None) -> Tensor:  # fmt: skip
     from mx_kernels.mx.weight_only import weight_only_mm as launch
 
-    return launch(x, qdata, scale, tensor_scale, fmt, offs, rows=rows, swiglu=swiglu)
+    combine = (slots, weights) if slots is not None else None
+    return launch(x, qdata, scale, tensor_scale, fmt, offs, rows=rows, swiglu=swiglu, combine=combine)
 
 
 def _fake(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
-          offs: Tensor | None = None, rows: Tensor | None = None, *, swiglu: bool = False) -> Tensor:  # fmt: skip
+          offs: Tensor | None = None, rows: Tensor | None = None, *, swiglu: bool = False,
+          slots: Tensor | None = None, weights: Tensor | None = None) -> Tensor:  # fmt: skip
     m = x.shape[0] if rows is None else rows.shape[0]
     n = qdata.shape[-2]
-    return x.new_empty((m, n // 2 if swiglu else n), dtype=torch.bfloat16)
+    return x.new_empty((slots.shape[0] if slots is not None else m, n // 2 if swiglu else n), dtype=torch.bfloat16)
 
 
 define("weight_only_mm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt, *, bool swiglu=False)"
        " -> Tensor", _launch, _fake)  # fmt: skip
 define(
     "weight_only_grouped_mm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt, Tensor offs,"
-    " Tensor? rows=None, *, bool swiglu=False) -> Tensor",
+    " Tensor? rows=None, *, bool swiglu=False, Tensor? slots=None, Tensor? weights=None) -> Tensor",
     _launch,
     _fake,
 )
@@ -98,14 +101,25 @@ def weight_only_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def combine_of(y: Tensor, slots: Tensor, weights: Tensor) -> Tensor:
+    """[T, N]: each token's rows y[slots[t]] times ``weights[t]``, summed in fp32, in y's dtype (``moe_combine``'s
+    function, eager: the reference of the kernels' ``combine`` epilogue)."""
+    return (weights[..., None] * y[slots.long()].float()).sum(1).to(y.dtype)
+
+
 def weight_only_grouped_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
-                           offs: Tensor, rows: Tensor | None = None, swiglu: bool = False) -> Tensor:  # fmt: skip
+                           offs: Tensor, rows: Tensor | None = None, swiglu: bool = False,
+                           combine: tuple[Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
     """x [M, K] bf16, sorted by group with int32 cumulative row ends ``offs`` [E], by w [E, N, K] packed along K:
     group e's rows @ dequantize(w[e]).T -> [M, N] bf16. Only the groups with rows read their weights. ``rows``:
     int32 [M], the groups' rows are x[rows] (x [T, K], the tokens), which the kernel reads in place.
-    ``swiglu``: as ``weight_only_mm``'s, per group."""
+    ``swiglu``: as ``weight_only_mm``'s, per group. ``combine`` = (slots, weights) [T, k]: the output is [T, N],
+    each token's k rows weighed and summed (``moe_combine``), in the GEMM at decode's few rows."""
     if (x.shape[0] if rows is None else rows.shape[0]) > LARGE_M * qdata.shape[0]:
         w = torch.ops.mx_recipe.dequantize_packed(qdata, scale, tensor_scale, fmt)
         y = torch._grouped_mm(x if rows is None else x[rows], w.transpose(-2, -1), offs=offs)
-        return swiglu_of(y) if swiglu else y
-    return torch.ops.mx_recipe.weight_only_grouped_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, swiglu=swiglu)
+        y = swiglu_of(y) if swiglu else y
+        return combine_of(y, *combine) if combine is not None else y
+    slots, weights = combine if combine is not None else (None, None)
+    return torch.ops.mx_recipe.weight_only_grouped_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, swiglu=swiglu,
+                                                      slots=slots, weights=weights)  # fmt: skip

@@ -31,7 +31,14 @@ from torch import nn
 
 from mx_recipe.formats.mx import BLOCK_SIZE, MXTensor, fake_quant, to_mx
 from mx_recipe.formats.nvfp4 import NVFP4Tensor, to_nvfp4
-from mx_recipe.infer.weight_only import PACK, swiglu_of, use_kernel, weight_only_grouped_mm, weight_only_mm
+from mx_recipe.infer.weight_only import (
+    PACK,
+    combine_of,
+    swiglu_of,
+    use_kernel,
+    weight_only_grouped_mm,
+    weight_only_mm,
+)
 from mx_recipe.models.llama import Attention, FeedForward
 from mx_recipe.models.moe import GroupedExperts, MoE
 from mx_recipe.nn.convert import DEFAULT_SKIP, skip_reason
@@ -80,14 +87,18 @@ class PackedWeight(nn.Module):
         return swiglu_of(y) if swiglu else y
 
     def grouped_mm(self, x: torch.Tensor, offs: torch.Tensor, kernel: bool, rows: torch.Tensor | None = None,
-                   swiglu: bool = False) -> torch.Tensor:  # fmt: skip
+                   swiglu: bool = False, combine: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> torch.Tensor:  # fmt: skip
         """x [M, K] sorted by group (int32 cumulative ends ``offs``) by each group's w [N, K]: [M, N]. ``rows``:
-        int32 [M], the groups' rows are x[rows] (the kernel reads them in place). ``swiglu``: as ``mm``'s."""
+        int32 [M], the groups' rows are x[rows] (the kernel reads them in place). ``swiglu``: as ``mm``'s.
+        ``combine`` = (slots, weights) [T, k]: [T, N], each token's rows weighed and summed (``moe_combine``)."""
         if kernel and use_kernel(x):
-            return weight_only_grouped_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, offs, rows, swiglu)
+            return weight_only_grouped_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, offs, rows, swiglu,
+                                          combine)  # fmt: skip
         x = x if rows is None else x[rows]
         y = torch._grouped_mm(x, self.dequantize(x.dtype).transpose(-2, -1), offs=offs)
-        return swiglu_of(y) if swiglu else y
+        y = swiglu_of(y) if swiglu else y
+        return combine_of(y, *combine) if combine is not None else y
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
@@ -148,12 +159,12 @@ class QuantizedExperts(nn.Module):
         self.fmt, self.activations, self.kernel = fmt, activations, kernel
 
     def _mm(self, x: torch.Tensor, packed: PackedWeight, offs: torch.Tensor, rows: torch.Tensor | None = None,
-            swiglu: bool = False) -> torch.Tensor:  # fmt: skip
+            swiglu: bool = False, combine: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:  # fmt: skip
         if offs.shape[0] < packed.qdata.shape[0]:  # the routed groups' ends: the folded shared groups get no rows
             offs = torch.cat([offs, offs[-1:].expand(self.shared)])
         if self.activations:
             x = quantize_activation(x, self.fmt)  # per row along K: the same rows whether gathered before or after
-        return packed.grouped_mm(x, offs, self.kernel, rows, swiglu)
+        return packed.grouped_mm(x, offs, self.kernel, rows, swiglu, combine)
 
     def fuse(self) -> None:
         """Keep w1 and w3 as one weight [E, 2 * hidden, K] (``w13_packed``): one grouped GEMM for both."""
@@ -216,8 +227,12 @@ class QuantizedExperts(nn.Module):
         h1, h3 = self.gate_up(x, offs, routed)
         return F.silu(h1) * h3
 
-    def down(self, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        return self._mm(h, self.w2_packed, offs)
+    def down(self, h: torch.Tensor, offs: torch.Tensor, combine: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> torch.Tensor:  # fmt: skip
+        """w2 of the groups' rows h; ``combine`` = (slots, weights) [T, k]: each token's rows weighed and summed
+        (``moe_route``'s slots and weights; shared groups folded in hold weight 1), [T, dim], in the GEMM on the
+        kernel's small-M path."""
+        return self._mm(h, self.w2_packed, offs, combine=combine)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
         """As ``models.moe.GroupedExperts``: the groups are x, or x[routed] where the router hands the tokens over."""
