@@ -5,12 +5,14 @@ choices by expert for the rows, ``index_add_`` for the combine.
 * CPU, in this process: argument errors and the ops' fake shapes.
 * CPU, Triton interpreter (``test_interp_*``), in a child pytest with TRITON_INTERPRET=1: softmax and sigmoid
   scores, with and without the balancing bias and the renormalization, over token counts and expert counts
-  that pad; the combine with and without shared experts; and decode steps of an MoE model through every fused
-  kernel against its full forward.
-* GPU (``gpu``): the MoE 16B dims' routing (64 experts, top 6) at batch 1 to 128, and the decode steps of an MoE
-  model, eager and replayed from a CUDA graph.
+  that pad; the router's GEMM in the routing launch (``moe_gate_route``) against ``moe_route`` of its logits; the
+  combine with and without shared experts; and decode steps of an MoE model through every fused kernel against
+  its full forward.
+* GPU (``gpu``): the MoE 16B dims' routing (64 experts, top 6) at batch 1 to 128 (the router's GEMM in it at 1 to
+  16 tokens), and the decode steps of an MoE model, eager and replayed from a CUDA graph.
 
-Bounds. The choice and the rows are exact (the logits are continuous random values: no ties). The weights are
+Bounds. The choice and the rows are exact (the logits are continuous random values: no ties; ``moe_gate_route``'s
+inputs are integers and quarters, whose sums are exact in any order). The weights are
 the module's scores within fp32 roundings (the kernel's exp and sum may round differently): 1e-6 relative.
 The combine sums in fp32 and rounds once, where the module rounds each product and each add to the dtype.
 """
