@@ -326,7 +326,8 @@ def check_combine_epilogue(tokens: int, experts: int, k: int, fmt: str, device: 
                            **kw) -> None:  # fmt: skip
     """``combine``: an MoE decode step's down projection (each token's k routed rows over ``experts`` groups, then
     2 shared groups of every token) gives ``moe_combine`` of the GEMM's rows, bit for bit (same tiles), through
-    the kernel and through the custom op."""
+    the kernel and through the custom ops; with ``norm``, ``add_rms_norm``'s residual sum bit for bit and its
+    RMSNorm within a rounding (its sum of squares in another order)."""
     from mx_kernels.moe_routing import moe_combine, moe_route
 
     from mx_recipe.infer.weight_only import weight_only_grouped_mm
@@ -338,6 +339,20 @@ def check_combine_epilogue(tokens: int, experts: int, k: int, fmt: str, device: 
     y = run(h, g, offs, combine=(slots, weights), **kw)
     assert y.shape == (tokens, n)
     assert torch.equal(y, moe_combine(run(h, g, offs, **kw), slots, weights, None)), kw
+    # with the block's residual add and the next RMSNorm: add_rms_norm's sum bit for bit, its norm within a rounding
+    from mx_kernels.decode_fused import add_rms_norm
+
+    residual, nw = torch.randn(tokens, n, device=device).bfloat16(), torch.rand(n, device=device).bfloat16() + 0.5
+    got_h, got_x = run(h, g, offs, combine=(slots, weights), norm=(residual, nw, 1e-5), **kw)
+    want_h, want_x = add_rms_norm(residual, y, nw, 1e-5)
+    assert torch.equal(got_h, want_h), kw
+    torch.testing.assert_close(got_x, want_x, rtol=2.0**-7, atol=0.0)
+    if not kw:
+        from mx_recipe.infer.weight_only import weight_only_combine_norm
+
+        op = weight_only_combine_norm(h, g.qdata, g.scale, g.tensor_scale, fmt, offs, (slots, weights),
+                                      (residual, nw, 1e-5))  # fmt: skip
+        assert torch.equal(op[0], got_h) and torch.equal(op[1], got_x)
     if not kw:
         op = weight_only_grouped_mm(h, g.qdata, g.scale, g.tensor_scale, fmt, offs, combine=(slots, weights))
         assert torch.equal(op, y)

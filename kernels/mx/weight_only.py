@@ -86,7 +86,10 @@ mul launch folded into the GEMM, bit for bit the unfused GEMM then ``silu_mul`` 
 MoE combine (``combine``, the small-M path, grouped, unsplit): each program stores its rows of the down
 projection, then counts itself in on its column tile's arrival counter; the last of the row tiles with rows
 reads every token's k rows back (from L2) and writes their weighted sum as ``moe_combine`` does (the same fp32
-sum in slot order, one rounding): the decode step's combine launch folded into the GEMM.
+sum in slot order, one rounding): the decode step's combine launch folded into the GEMM. With ``norm`` it adds the
+sums into the residual stream (``add_rms_norm``'s rounding) and counts in on one more counter; the last column
+tile's program writes the next block's RMSNorm of the stream (fp32 sum of squares in its own order, so within a
+rounding of ``add_rms_norm``'s): the step's add + RMSNorm launch folded in too.
 
 NVFP4's tensor scale is one fp32 value, or one per row of N: weights concatenated along N (fused projections)
 keep each part's own scale, and each output column is multiplied by its row's.
@@ -267,11 +270,15 @@ def _group_tiles(offs_ptr, E, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _combine_rows(y_ptr, stride_y, rn, N, tiles, cnt_ptr, slots_ptr, weights_ptr, comb_ptr, T,
-                  KS: tl.constexpr):  # fmt: skip
+def _combine_rows(y_ptr, stride_y, rn, N, tiles, cnt_ptr, slots_ptr, weights_ptr, comb_ptr, T, h_ptr, stride_h,
+                  x_ptr, nw_ptr, eps, row_cnt_ptr, n_col, KS: tl.constexpr, NORM: tl.constexpr,
+                  BLOCK_D: tl.constexpr):  # fmt: skip
     """After a row tile's y rows [BLOCK_N columns rn] are stored: count the tile in on its columns' counter; the
     last of the ``tiles`` row tiles writes comb [T, N] = sum_j weights[t, j] * y[slots[t, j]] over each token's KS
-    rows, in fp32 in slot order, rounded once (``moe_combine``'s sum, bit for bit), and resets the counter."""
+    rows, in fp32 in slot order, rounded once (``moe_combine``'s sum, bit for bit), and resets the counter. NORM:
+    comb is the residual h [T, N] plus that sum (``add_rms_norm``'s rounding), and once the ``n_col`` column tiles
+    have written theirs the last writes x = RMSNorm(comb) * nw (``add_rms_norm``'s, its fp32 sum of squares in
+    this program's order)."""
     tl.debug_barrier()  # every thread's stores, then one release by the counter's atomic
     if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tiles - 1:
         ok = rn < N
@@ -283,8 +290,22 @@ def _combine_rows(y_ptr, stride_y, rn, N, tiles, cnt_ptr, slots_ptr, weights_ptr
                 acc += wt * tl.load(y_ptr + row * stride_y + rn, mask=ok, other=0.0, cache_modifier=".cg").to(
                     tl.float32
                 )
-            tl.store(comb_ptr + t * N + rn, acc.to(comb_ptr.dtype.element_ty), mask=ok)
+            out = acc.to(comb_ptr.dtype.element_ty)
+            if NORM:
+                h = tl.load(h_ptr + t * stride_h + rn, mask=ok, other=0.0).to(tl.float32)
+                out = (h + out.to(tl.float32)).to(comb_ptr.dtype.element_ty)
+            tl.store(comb_ptr + t * N + rn, out, mask=ok)
         tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch
+        if NORM:
+            tl.debug_barrier()
+            if tl.atomic_add(row_cnt_ptr, 1, sem="acq_rel") == n_col - 1:  # every column written: the norm
+                c = tl.arange(0, BLOCK_D)
+                w = tl.load(nw_ptr + c, mask=c < N, other=0.0).to(tl.float32)
+                for t in range(T):
+                    hf = tl.load(comb_ptr + t * N + c, mask=c < N, other=0.0, cache_modifier=".cg").to(tl.float32)
+                    rstd = tl.rsqrt(tl.sum(hf * hf, 0) / N + eps)
+                    tl.store(x_ptr + t * N + c, (hf * rstd * w).to(x_ptr.dtype.element_ty), mask=c < N)
+                tl.atomic_xchg(row_cnt_ptr, 0)
 
 
 @triton.jit
@@ -580,16 +601,17 @@ def _load_scales(ptrs, mask, HW: tl.constexpr, MASKED: tl.constexpr):
 @triton.jit
 def _weight_only_fma_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, rows_ptr, out_ptr, ws_ptr, cnt_ptr, slots_ptr, weights_ptr, comb_ptr,
-    comb_cnt_ptr, M, N, K, E, K_SPLIT, SPLIT_K, T,
+    comb_cnt_ptr, h_ptr, x_out_ptr, nw_ptr, norm_cnt_ptr, eps, stride_h, M, N, K, E, K_SPLIT, SPLIT_K, T,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_tn, stride_om,
     FMT: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HW: tl.constexpr,
-    UNIT: tl.constexpr, SWIGLU: tl.constexpr, COMBINE: tl.constexpr, PDL: tl.constexpr,
+    UNIT: tl.constexpr, SWIGLU: tl.constexpr, COMBINE: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """The small-M path (module doc): x [M, K/2] as int32 pairs of bf16, w [N, K/2] as pairs of codes (a byte of
     two e2m1 codes, or a uint16 of two e4m3 codes), K contiguous in both. HW: upcast w with the GPU's conversions
     (else integer bit operations, for the interpreter). COMBINE (grouped, unsplit): the row tiles' last program
-    also combines each token's COMBINE rows (``_combine_rows``)."""
+    also combines each token's COMBINE rows, with NORM into the residual, then its RMSNorm (``_combine_rows``)."""
     GROUP: tl.constexpr = 16 if FMT == "nvfp4" else 32
     PAIRS: tl.constexpr = BLOCK_K // 2
     NU: tl.constexpr = PAIRS // UNIT
@@ -651,7 +673,8 @@ def _weight_only_fma_kernel(
     if COMBINE:
         _, _, _, tiles = _group_tiles(offs_ptr, E, E_POW2, BLOCK_M)
         _combine_rows(out_ptr, stride_om, rn, N, tl.sum(tiles, 0), comb_cnt_ptr + pid_n, slots_ptr, weights_ptr,
-                      comb_ptr, T, COMBINE)  # fmt: skip
+                      comb_ptr, T, h_ptr, stride_h, x_out_ptr, nw_ptr, eps, norm_cnt_ptr,
+                      tl.num_programs(0), COMBINE, NORM, BLOCK_D)  # fmt: skip
 
 
 @triton.jit
@@ -843,6 +866,15 @@ def _check_combine(combine: tuple[torch.Tensor, torch.Tensor], m: int, grouped: 
         raise ValueError(f"{op}: combine's slots and weights must be contiguous, on x's device")
 
 
+def _combined(comb: torch.Tensor, norm: tuple | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The combined rows, or with ``norm`` = (h, weight, eps) ``add_rms_norm``'s pair of them."""
+    if norm is None:
+        return comb
+    from mx_kernels.decode_fused import add_rms_norm
+
+    return add_rms_norm(norm[0], comb, norm[1], norm[2])
+
+
 def _n_tiles(n: int, block_n: int, swiglu: bool) -> int:
     """Program tiles along N: ``block_n`` rows of the weight each; with ``swiglu``, ``block_n`` / 2 gate rows and
     the same up rows, a pair for each of N / 2 output columns."""
@@ -868,7 +900,8 @@ def weight_only_mm(
     rows: torch.Tensor | None = None,
     swiglu: bool = False,
     combine: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] bf16 @ dequantize(qdata, scale, tensor_scale).T -> [M, N] bf16 (module doc). ``offs``: the
     grouped GEMM (qdata [E, N, K/pack], scale [E, N, K/group], x sorted by group, int32 cumulative row ends).
     ``rows`` (grouped only): int32 [M], the GEMM's rows are x[rows] (x [T, K]: an MoE's tokens), read in place.
@@ -877,7 +910,9 @@ def weight_only_mm(
     to bf16 and the product as ``silu_mul`` rounds it (mx_kernels.decode_fused.swiglu), in the GEMM's epilogue.
     ``combine`` = (slots [T, k] int32, weights [T, k] fp32), grouped only: out [T, N] = each token's k rows of the
     GEMM weighed and summed as ``moe_combine`` does it (mx_kernels.moe_routing), bit for bit; on the small-M path
-    in the GEMM (unsplit: its row tiles' last program combines), else by ``moe_combine`` after it.
+    in the GEMM (unsplit: its row tiles' last program combines), else by ``moe_combine`` after it. ``norm`` =
+    (h [T, N], weight [N], eps), with ``combine``: returns ``add_rms_norm(h, combined, weight, eps)``'s pair (the
+    residual stream plus the combined rows, and its RMSNorm), in the GEMM where it combines.
     ``config`` overrides the tiles (one with BLOCK_M takes the tl.dot path, one without the small-M path) and
     ``split_k`` the split (None: the config's SPLIT_K, else from the SM count)."""
     grouped = offs is not None
@@ -887,6 +922,10 @@ def weight_only_mm(
         raise ValueError(f"{op}: swiglu takes w1 and w3 concatenated along N, an even N; got N = {n}")
     if combine is not None:
         _check_combine(combine, x.shape[0] if rows is None else rows.shape[0], grouped, swiglu, x.device, op)
+    if norm is not None and (combine is None or norm[0].shape != (combine[0].shape[0], n) or norm[0].stride(1) != 1
+                             or norm[1].shape != (n,) or not norm[1].is_contiguous()):  # fmt: skip
+        raise ValueError(f"{op}: norm = (h [T, N], weight [N], eps) takes combine, h's rows contiguous; got h "
+                         f"{tuple(norm[0].shape)}, weight {tuple(norm[1].shape)}")  # fmt: skip
     if not x.is_cuda and not interpreting():
         raise RuntimeError(f"{op}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
     if grouped and (offs.dim() != 1 or offs.dtype != torch.int32 or offs.shape[0] != qdata.shape[0]):
@@ -896,8 +935,8 @@ def weight_only_mm(
                          f"{rows.dtype} {tuple(rows.shape)} on {rows.device}")  # fmt: skip
     m = x.shape[0] if rows is None else rows.shape[0]
     out = torch.empty((m, n // 2 if swiglu else n), dtype=torch.bfloat16, device=x.device)
-    if combine is not None and (m == 0 or n == 0 or k == 0):  # nothing to sum (or sums of zeros)
-        return torch.zeros((combine[0].shape[0], n), dtype=torch.bfloat16, device=x.device)
+    if combine is not None and (m == 0 or n == 0 or k == 0):  # nothing to sum, or sums of zeros
+        return _combined(torch.zeros((combine[0].shape[0], n), dtype=torch.bfloat16, device=x.device), norm)
     if m == 0 or n == 0:
         return out
     if k == 0:  # a GEMM of zeros: silu(0) * 0 = 0 too
@@ -915,12 +954,12 @@ def weight_only_mm(
     if fma and per_group > 16:
         raise ValueError(f"{op}: the small-M path takes at most 16 rows per group, got {per_group} (config {config})")
     if combine is not None and fma:
-        return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, out, cfg, 1, swiglu, combine)
-    if combine is not None:
+        return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, out, cfg, 1, swiglu, combine, norm)
+    if combine is not None:  # the tl.dot path: combine (and norm) after the GEMM
         from mx_kernels.moe_routing import moe_combine
 
-        return moe_combine(weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, config, split_k, rows), *combine,
-                           None)  # fmt: skip
+        y = weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, config, split_k, rows)
+        return _combined(moe_combine(y, *combine, None), norm)
     if fma:
         return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, out, cfg, split_k, swiglu)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -967,9 +1006,10 @@ def weight_only_mm(
 
 def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: str,
             offs: torch.Tensor | None, rows: torch.Tensor | None, out: torch.Tensor, cfg: dict, split_k: int | None,
-            swiglu: bool = False, combine: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:  # fmt: skip
+            swiglu: bool = False, combine: tuple[torch.Tensor, ...] | None = None, norm: tuple | None = None
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The small-M path of ``weight_only_mm`` into ``out`` (module doc); with ``combine`` (unsplit), the combined
-    rows [T, N]."""
+    rows [T, N]; with ``norm`` too, (h + them, their RMSNorm)."""
     grouped = offs is not None
     m, n, k = out.shape[0], qdata.shape[-2], x.shape[1]
     n_groups = qdata.shape[0] if grouped else 1
@@ -1007,13 +1047,18 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
         comb = torch.empty((combine[0].shape[0], n), dtype=out.dtype, device=x.device)
     tok_slots, tok_weights = combine if combine is not None else (out, out)
     comb_counters = out if combine is None else arrival_counters("weight_only_combine", x.device, COUNTERS)
+    residual, norm_weight, eps = norm if norm is not None else (out, out, 0.0)
+    normed = torch.empty_like(comb) if norm is not None else out
+    norm_counter = arrival_counters("weight_only_norm", x.device, 1) if norm is not None else out
     _FMA_LAUNCHES.launch(
         (n_tiles, slots, split_k),
         dict(
             x_ptr=x.view(torch.int32), w_ptr=w, s_ptr=s, ts_ptr=ts, offs_ptr=offs if grouped else out,
             rows_ptr=rows if rows is not None else out, out_ptr=out, slots_ptr=tok_slots, weights_ptr=tok_weights,
             comb_ptr=comb, comb_cnt_ptr=comb_counters, T=comb.shape[0],
-            COMBINE=combine[0].shape[1] if combine is not None else 0,
+            COMBINE=combine[0].shape[1] if combine is not None else 0, h_ptr=residual, x_out_ptr=normed,
+            nw_ptr=norm_weight, norm_cnt_ptr=norm_counter, eps=float(eps), stride_h=residual.stride(0),
+            NORM=norm is not None, BLOCK_D=triton.next_power_of_2(n) if norm is not None else 1,
             ws_ptr=ws, cnt_ptr=counters, M=m, N=n, K=k, E=n_groups, K_SPLIT=k_split, SPLIT_K=split_k,
             stride_xm=x.stride(0) // 2, stride_we=w.stride(0), stride_wn=w.stride(1), stride_se=s.stride(0),
             stride_sn=s.stride(1), stride_tn=stride_tn, stride_om=out.stride(0), FMT=fmt, GROUPED=grouped,
@@ -1022,7 +1067,7 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
             UNIT=unit, SWIGLU=swiglu, num_warps=warps, num_stages=cfg.get("num_stages", 1), **pdl.options(x.device),
         ),
     )  # fmt: skip
-    return comb
+    return (comb, normed) if norm is not None else comb
 
 
 def dequantize(qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: str,

@@ -45,6 +45,25 @@ def _fake(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, 
 
 define("weight_only_mm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt, *, bool swiglu=False)"
        " -> Tensor", _launch, _fake)  # fmt: skip
+
+
+def _launch_norm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str, offs: Tensor,
+                 slots: Tensor, weights: Tensor, h: Tensor, norm_weight: Tensor, eps: float
+                 ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    from mx_kernels.mx.weight_only import weight_only_mm as launch
+
+    return launch(x, qdata, scale, tensor_scale, fmt, offs, combine=(slots, weights), norm=(h, norm_weight, eps))
+
+
+def _fake_norm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str, offs: Tensor,
+               slots: Tensor, weights: Tensor, h: Tensor, norm_weight: Tensor, eps: float
+               ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    return torch.empty_like(h), torch.empty_like(h)
+
+
+define("weight_only_combine_norm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt, Tensor offs, "
+       "Tensor slots, Tensor weights, Tensor h, Tensor norm_weight, float eps) -> (Tensor, Tensor)", _launch_norm,
+       _fake_norm)  # fmt: skip
 define(
     "weight_only_grouped_mm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt, Tensor offs,"
     " Tensor? rows=None, *, bool swiglu=False, Tensor? slots=None, Tensor? weights=None) -> Tensor",
@@ -105,6 +124,25 @@ def combine_of(y: Tensor, slots: Tensor, weights: Tensor) -> Tensor:
     """[T, N]: each token's rows y[slots[t]] times ``weights[t]``, summed in fp32, in y's dtype (``moe_combine``'s
     function, eager: the reference of the kernels' ``combine`` epilogue)."""
     return (weights[..., None] * y[slots.long()].float()).sum(1).to(y.dtype)
+
+
+def add_rms_norm_of(h: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(h + delta, RMSNorm(h + delta) * weight), the sum rounded to h's dtype, the norm in fp32 rounded once
+    (``add_rms_norm``'s function, eager: the reference of the kernel's ``norm`` epilogue)."""
+    hn = (h.float() + delta.float()).to(h.dtype)
+    hf = hn.float()
+    return hn, (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(h.dtype)
+
+
+def weight_only_combine_norm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
+                             offs: Tensor, combine: tuple[Tensor, Tensor], norm: tuple[Tensor, Tensor, float]
+                             ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``weight_only_grouped_mm`` with ``combine``, then the block's residual add and the next RMSNorm: norm = (h,
+    weight, eps) -> (h + combined, RMSNorm(h + combined) * weight), in the GEMM at decode's few rows."""
+    if x.shape[0] > LARGE_M * qdata.shape[0]:
+        return add_rms_norm_of(norm[0], weight_only_grouped_mm(x, qdata, scale, tensor_scale, fmt, offs,
+                                                               combine=combine), norm[1], norm[2])  # fmt: skip
+    return torch.ops.mx_recipe.weight_only_combine_norm(x, qdata, scale, tensor_scale, fmt, offs, *combine, *norm)
 
 
 def weight_only_grouped_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,

@@ -33,9 +33,11 @@ from mx_recipe.formats.mx import BLOCK_SIZE, MXTensor, fake_quant, to_mx
 from mx_recipe.formats.nvfp4 import NVFP4Tensor, to_nvfp4
 from mx_recipe.infer.weight_only import (
     PACK,
+    add_rms_norm_of,
     combine_of,
     swiglu_of,
     use_kernel,
+    weight_only_combine_norm,
     weight_only_grouped_mm,
     weight_only_mm,
 )
@@ -99,6 +101,16 @@ class PackedWeight(nn.Module):
         y = torch._grouped_mm(x, self.dequantize(x.dtype).transpose(-2, -1), offs=offs)
         y = swiglu_of(y) if swiglu else y
         return combine_of(y, *combine) if combine is not None else y
+
+    def grouped_mm_combine_norm(self, x: torch.Tensor, offs: torch.Tensor, kernel: bool,
+                                combine: tuple[torch.Tensor, torch.Tensor], norm: tuple[torch.Tensor, ...]
+                                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``grouped_mm`` with ``combine``, then ``norm`` = (h, weight, eps): (h + the combined rows, their
+        RMSNorm * weight), ``add_rms_norm``'s pair (in the kernel's GEMM at decode's few rows)."""
+        if kernel and use_kernel(x):
+            return weight_only_combine_norm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, offs, combine,
+                                            norm)  # fmt: skip
+        return add_rms_norm_of(norm[0], self.grouped_mm(x, offs, False, combine=combine), norm[1], norm[2])
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
@@ -233,6 +245,16 @@ class QuantizedExperts(nn.Module):
         (``moe_route``'s slots and weights; shared groups folded in hold weight 1), [T, dim], in the GEMM on the
         kernel's small-M path."""
         return self._mm(h, self.w2_packed, offs, combine=combine)
+
+    def down_add_norm(self, h: torch.Tensor, offs: torch.Tensor, combine: tuple[torch.Tensor, torch.Tensor],
+                      norm: tuple[torch.Tensor, torch.Tensor, float]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``down`` with ``combine``, then the block's residual add and the next RMSNorm, norm = (residual,
+        weight, eps): ``add_rms_norm``'s pair, in the GEMM on the kernel's small-M path."""
+        if offs.shape[0] < self.w2_packed.qdata.shape[0]:
+            offs = torch.cat([offs, offs[-1:].expand(self.shared)])
+        if self.activations:
+            h = quantize_activation(h, self.fmt)
+        return self.w2_packed.grouped_mm_combine_norm(h, offs, self.kernel, combine, norm)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
         """As ``models.moe.GroupedExperts``: the groups are x, or x[routed] where the router hands the tokens over."""
