@@ -8,12 +8,13 @@ dequantize the packed weight, then the GEMM.
   and empty groups and with its rows read from the tokens by index; the small-M (FMA) path at M = 1 to 16 with
   odd N, tails and splits, one tensor scale per row (nvfp4 weights concatenated along N), and the SwiGLU
   epilogue against the unfused GEMM then ``silu_mul`` (bit for bit, all paths, grouped too), and the combine
-  epilogue of an MoE's down projection against ``moe_combine`` (bit for bit). Run them with
+  epilogue of an MoE's down projection against ``moe_combine`` (bit for bit), and the residual add + RMSNorm
+  epilogues against ``add_rms_norm``. Run them with
   ``TRITON_INTERPRET=1 pytest tests/test_weight_only_gemm.py -k interp_``.
 * GPU (``gpu``): every format at M = 1 to 256 on 4128 x 4128 weights (K = 4112 for nvfp4), grouped with ragged
   groups, split-K determinism, CUDA-graph capture, and ``QuantizedLinear`` taking the kernel; the small-M path's
   every candidate config on Llama 3 8B's wk shape at M = 1 to 16; the SwiGLU epilogue at M = 1 to 33 and as an
-  MoE decode step; the combine epilogue at MoE 16B dims.
+  MoE decode step; the combine epilogue at MoE 16B dims; the add + norm epilogue on Llama 3 8B's wo.
 
 Bound. The reference r = sum_k x_k w_k is computed exactly (fp64) from w = ``dequantize(bf16)``. For MXFP8 and
 MXFP4 the kernel's upcast weights are those same values (exact in bf16); its products are exact in fp32 and its
@@ -385,6 +386,42 @@ def test_interp_combine_epilogue(fmt):
 
 
 @interp_only
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_interp_add_norm_epilogue(fmt):
+    """``norm`` on a dense GEMM (the attention's output projection, then the residual add and the feed-forward's
+    RMSNorm): ``add_rms_norm``'s residual sum bit for bit and its norm within a rounding, on the small-M path split
+    1 and 3 ways (the last split writes) and on the tl.dot path; N = 1100 takes the norm in two column blocks."""
+    from mx_kernels.decode_fused import add_rms_norm
+
+    torch.manual_seed(11)
+    n, k = 1100, 64
+    p = packed(weights(n, k) * 0.02, fmt)
+    for m, config, split in [(1, FMA_CONFIGS[1], 1), (3, FMA_CONFIGS[2], 3), (5, SMALL, 2)]:
+        x = torch.randn(m, k).bfloat16()
+        residual, nw = torch.randn(m, n).bfloat16(), torch.rand(n).bfloat16() + 0.5
+        got_h, got_x = run(x, p, config=config, split_k=split, norm=(residual, nw, 1e-5))
+        want_h, want_x = add_rms_norm(residual, run(x, p, config=config, split_k=split), nw, 1e-5)
+        assert torch.equal(got_h, want_h), (m, config)
+        torch.testing.assert_close(got_x, want_x, rtol=2.0**-7, atol=0.0)
+    check_add_norm_epilogue(p, 2, "cpu")
+
+
+def check_add_norm_epilogue(p: PackedWeight, m: int, device: str) -> None:
+    """The default tiles through the custom op (``QuantizedLinear.add_norm``'s): ``add_rms_norm`` of the GEMM."""
+    from mx_kernels.decode_fused import add_rms_norm
+
+    from mx_recipe.infer.weight_only import weight_only_add_norm
+
+    n, k = p.qdata.shape[0], p.qdata.shape[1] * (1 if p.fmt == "mxfp8" else 2)
+    x = torch.randn(m, k, device=device).bfloat16()
+    residual, nw = torch.randn(m, n, device=device).bfloat16(), torch.rand(n, device=device).bfloat16() + 0.5
+    got_h, got_x = weight_only_add_norm(x, p.qdata, p.scale, p.tensor_scale, p.fmt, (residual, nw, 1e-5))
+    want_h, want_x = add_rms_norm(residual, run(x, p), nw, 1e-5)
+    assert torch.equal(got_h, want_h)
+    torch.testing.assert_close(got_x, want_x, rtol=2.0**-8 if device != "cpu" else 2.0**-7, atol=0.0)
+
+
+@interp_only
 @pytest.mark.parametrize("config", [FMA_CONFIGS[0], SMALL])
 def test_interp_tensor_scale_per_row(config):
     """nvfp4 weights concatenated along N keep each part's tensor scale, one per row: the GEMM on the concatenation
@@ -526,6 +563,17 @@ def test_gpu_combine_epilogue(fmt):
         check_combine_epilogue(tokens, 64, 6, fmt, CUDA, n=2048, hidden=1408)
         check_combine_epilogue(tokens, 64, 6, fmt, CUDA, n=2048, hidden=1408,
                                config=dict(BLOCK_N=16, BLOCK_K=256, num_warps=1), split_k=1)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_add_norm_epilogue(fmt):
+    """``norm`` on Llama 3 8B's wo (4096 x 4096) at M = 1 and 3, the default tiles (split K as the SM count asks):
+    ``add_rms_norm``'s residual sum bit for bit, its norm within a rounding."""
+    torch.manual_seed(12)
+    p = packed(weights(4096, 4096, CUDA) * 0.02, fmt)
+    for m in (1, 3):
+        check_add_norm_epilogue(p, m, CUDA)
 
 
 @pytest.mark.gpu

@@ -89,7 +89,9 @@ reads every token's k rows back (from L2) and writes their weighted sum as ``moe
 sum in slot order, one rounding): the decode step's combine launch folded into the GEMM. With ``norm`` it adds the
 sums into the residual stream (``add_rms_norm``'s rounding) and counts in on one more counter; the last column
 tile's program writes the next block's RMSNorm of the stream (fp32 sum of squares in its own order, so within a
-rounding of ``add_rms_norm``'s): the step's add + RMSNorm launch folded in too.
+rounding of ``add_rms_norm``'s): the step's add + RMSNorm launch folded in too. A dense small-M GEMM takes
+``norm`` alone (the attention's output projection): each program that writes its tile (the last split) counts in,
+and the last adds every row into the stream and writes its norm.
 
 NVFP4's tensor scale is one fp32 value, or one per row of N: weights concatenated along N (fused projections)
 keep each part's own scale, and each output column is multiplied by its row's.
@@ -229,6 +231,7 @@ PROGRAMS_PER_SM = 8  # split K until a GEMM has this many programs per SM: small
 SCALED_PROGRAMS_PER_SM = 2  # the tl.dot_scaled tiles': pipelined, large
 MAX_SPLIT_K = 16
 COUNTERS = 1 << 16  # split-K tiles a launch may have
+NORM_BLOCK = 1024  # columns the norm epilogue (``_norm_rows``) takes at a time
 
 
 @triton.jit
@@ -297,15 +300,38 @@ def _combine_rows(y_ptr, stride_y, rn, N, tiles, cnt_ptr, slots_ptr, weights_ptr
             tl.store(comb_ptr + t * N + rn, out, mask=ok)
         tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch
         if NORM:
-            tl.debug_barrier()
-            if tl.atomic_add(row_cnt_ptr, 1, sem="acq_rel") == n_col - 1:  # every column written: the norm
-                c = tl.arange(0, BLOCK_D)
+            _norm_rows(comb_ptr, comb_ptr, 0, comb_ptr, x_ptr, nw_ptr, eps, row_cnt_ptr, n_col, T, N, False,
+                       BLOCK_D)  # fmt: skip
+
+
+@triton.jit
+def _norm_rows(y_ptr, h_ptr, stride_h, hout_ptr, x_ptr, nw_ptr, eps, cnt_ptr, arrivals, T, N, ADD: tl.constexpr,
+               BLOCK_D: tl.constexpr):  # fmt: skip
+    """Once ``arrivals`` programs have written their part of rows y [T, N] (each counts itself in on ``cnt_ptr``),
+    the last writes x = RMSNorm(row) * nw per row, ``add_rms_norm``'s (the fp32 sum of squares in this program's
+    order, BLOCK_D columns at a time), and resets the counter; ADD: the row is first h + y, rounded to the dtype
+    and written to hout."""
+    tl.debug_barrier()  # every thread's stores, then one release by the counter's atomic
+    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == arrivals - 1:
+        for t in range(T):
+            squares = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for d0 in range(0, N, BLOCK_D):
+                c = d0 + tl.arange(0, BLOCK_D)
+                hf = tl.load(y_ptr + t * N + c, mask=c < N, other=0.0, cache_modifier=".cg")
+                if ADD:
+                    h = tl.load(h_ptr + t * stride_h + c, mask=c < N, other=0.0).to(tl.float32)
+                    hf = (h + hf.to(tl.float32)).to(hout_ptr.dtype.element_ty)
+                    tl.store(hout_ptr + t * N + c, hf, mask=c < N)
+                hf = hf.to(tl.float32)
+                squares += hf * hf
+            rstd = tl.rsqrt(tl.sum(squares, 0) / N + eps)
+            tl.debug_barrier()  # the row's stores (ADD) before they are read back
+            for d0 in range(0, N, BLOCK_D):
+                c = d0 + tl.arange(0, BLOCK_D)
+                hf = tl.load(hout_ptr + t * N + c, mask=c < N, other=0.0, cache_modifier=".cg").to(tl.float32)
                 w = tl.load(nw_ptr + c, mask=c < N, other=0.0).to(tl.float32)
-                for t in range(T):
-                    hf = tl.load(comb_ptr + t * N + c, mask=c < N, other=0.0, cache_modifier=".cg").to(tl.float32)
-                    rstd = tl.rsqrt(tl.sum(hf * hf, 0) / N + eps)
-                    tl.store(x_ptr + t * N + c, (hf * rstd * w).to(x_ptr.dtype.element_ty), mask=c < N)
-                tl.atomic_xchg(row_cnt_ptr, 0)
+                tl.store(x_ptr + t * N + c, (hf * rstd * w).to(x_ptr.dtype.element_ty), mask=c < N)
+        tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch
 
 
 @triton.jit
@@ -367,7 +393,8 @@ def _finish(acc, rm, rm_in, rn, rn_in, row_end, tile, pid_k, M, N, ts_ptr, strid
     """Store the fp32 tile ``acc`` [BLOCK_M, BLOCK_N] as bf16, times the tensor scale for nvfp4. Split K: store
     this split's partial; the last split of the tile to arrive sums them all in split order, so the result does
     not depend on timing, and resets the tile's counter. SWIGLU: the tile's gate and up halves (``_program_tile``),
-    each rounded to bf16 as the GEMM's output, make BLOCK_N / 2 columns of silu(gate) * up (``swiglu``)."""
+    each rounded to bf16 as the GEMM's output, make BLOCK_N / 2 columns of silu(gate) * up (``swiglu``). Returns
+    whether this program wrote the tile (split K: the last split only)."""
     row_ok = rm < row_end
     col_ok = rn < N
     if SPLIT:
@@ -376,7 +403,7 @@ def _finish(acc, rm, rm_in, rn, rn_in, row_end, tile, pid_k, M, N, ts_ptr, strid
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
         if arrived != SPLIT_K - 1:
-            return
+            return False
         acc = tl.zeros(acc.shape, dtype=tl.float32)
         for k in range(SPLIT_K):
             acc += tl.load(ws_tile + k * M * N, cache_modifier=".cg")
@@ -394,6 +421,7 @@ def _finish(acc, rm, rm_in, rn, rn_in, row_end, tile, pid_k, M, N, ts_ptr, strid
     else:
         out_ptrs = out_ptr + rm_in[:, None] * stride_om + rn[None, :] * stride_on
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    return True
 
 
 @triton.jit
@@ -668,8 +696,13 @@ def _weight_only_fma_kernel(
             factor = (tl.maximum(s << 23, 0x400000) | (((s + 1) << 14) & 0x400000)).to(tl.float32, bitcast=True)
         acc += part * factor
     pdl.release_next(PDL)
-    _finish(tl.sum(acc, axis=2), rm, rm_in, rn, rn_in, row_end, pid_n * tl.num_programs(1) + slot, pid_k, M, N,
-            ts_ptr, stride_tn, out_ptr, stride_om, 1, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT, SWIGLU)  # fmt: skip
+    wrote = _finish(tl.sum(acc, axis=2), rm, rm_in, rn, rn_in, row_end, pid_n * tl.num_programs(1) + slot, pid_k,
+                    M, N, ts_ptr, stride_tn, out_ptr, stride_om, 1, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT,
+                    SWIGLU)  # fmt: skip
+    if NORM and not COMBINE:  # dense: the residual add and the next norm once every tile is written
+        if wrote:
+            _norm_rows(out_ptr, h_ptr, stride_h, comb_ptr, x_out_ptr, nw_ptr, eps, norm_cnt_ptr,
+                       tl.num_programs(0) * tl.num_programs(1), M, N, True, BLOCK_D)  # fmt: skip
     if COMBINE:
         _, _, _, tiles = _group_tiles(offs_ptr, E, E_POW2, BLOCK_M)
         _combine_rows(out_ptr, stride_om, rn, N, tl.sum(tiles, 0), comb_cnt_ptr + pid_n, slots_ptr, weights_ptr,
@@ -911,8 +944,8 @@ def weight_only_mm(
     ``combine`` = (slots [T, k] int32, weights [T, k] fp32), grouped only: out [T, N] = each token's k rows of the
     GEMM weighed and summed as ``moe_combine`` does it (mx_kernels.moe_routing), bit for bit; on the small-M path
     in the GEMM (unsplit: its row tiles' last program combines), else by ``moe_combine`` after it. ``norm`` =
-    (h [T, N], weight [N], eps), with ``combine``: returns ``add_rms_norm(h, combined, weight, eps)``'s pair (the
-    residual stream plus the combined rows, and its RMSNorm), in the GEMM where it combines.
+    (h, weight [N], eps), with ``combine`` or for a dense GEMM: returns ``add_rms_norm(h, output, weight, eps)``'s
+    pair (the residual stream plus the output, and its RMSNorm), in the GEMM on the small-M path.
     ``config`` overrides the tiles (one with BLOCK_M takes the tl.dot path, one without the small-M path) and
     ``split_k`` the split (None: the config's SPLIT_K, else from the SM count)."""
     grouped = offs is not None
@@ -922,10 +955,13 @@ def weight_only_mm(
         raise ValueError(f"{op}: swiglu takes w1 and w3 concatenated along N, an even N; got N = {n}")
     if combine is not None:
         _check_combine(combine, x.shape[0] if rows is None else rows.shape[0], grouped, swiglu, x.device, op)
-    if norm is not None and (combine is None or norm[0].shape != (combine[0].shape[0], n) or norm[0].stride(1) != 1
-                             or norm[1].shape != (n,) or not norm[1].is_contiguous()):  # fmt: skip
-        raise ValueError(f"{op}: norm = (h [T, N], weight [N], eps) takes combine, h's rows contiguous; got h "
-                         f"{tuple(norm[0].shape)}, weight {tuple(norm[1].shape)}")  # fmt: skip
+    if norm is not None:
+        rows_out = combine[0].shape[0] if combine is not None else x.shape[0] if rows is None else rows.shape[0]
+        if (swiglu or (grouped and combine is None) or norm[0].shape != (rows_out, n) or norm[0].stride(1) != 1
+                or norm[1].shape != (n,) or not norm[1].is_contiguous()):  # fmt: skip
+            raise ValueError(f"{op}: norm = (h [rows out, N], weight [N], eps), h's rows contiguous, for a dense GEMM "
+                             f"or with combine, without swiglu; got h {tuple(norm[0].shape)}, weight "
+                             f"{tuple(norm[1].shape)}")  # fmt: skip
     if not x.is_cuda and not interpreting():
         raise RuntimeError(f"{op}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
     if grouped and (offs.dim() != 1 or offs.dtype != torch.int32 or offs.shape[0] != qdata.shape[0]):
@@ -938,9 +974,9 @@ def weight_only_mm(
     if combine is not None and (m == 0 or n == 0 or k == 0):  # nothing to sum, or sums of zeros
         return _combined(torch.zeros((combine[0].shape[0], n), dtype=torch.bfloat16, device=x.device), norm)
     if m == 0 or n == 0:
-        return out
+        return (norm[0].clone(), torch.empty_like(norm[0])) if norm is not None else out  # no rows, or empty ones
     if k == 0:  # a GEMM of zeros: silu(0) * 0 = 0 too
-        return out.zero_()
+        return _combined(out.zero_(), norm)
     n_groups = qdata.shape[0] if grouped else 1
     per_group = cdiv(m, n_groups)
     if config is None and split_k is None and _TUNE and x.is_cuda and not torch.cuda.is_current_stream_capturing():
@@ -960,6 +996,10 @@ def weight_only_mm(
 
         y = weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, config, split_k, rows)
         return _combined(moe_combine(y, *combine, None), norm)
+    if norm is not None and fma:
+        return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, out, cfg, split_k, swiglu, None, norm)
+    if norm is not None:  # the tl.dot path: add and norm after the GEMM
+        return _combined(weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, config, split_k, rows), norm)
     if fma:
         return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, out, cfg, split_k, swiglu)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -1045,6 +1085,8 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
     comb = out
     if combine is not None:  # the combined rows, by the last row tile of each column tile (split 1: see the caller)
         comb = torch.empty((combine[0].shape[0], n), dtype=out.dtype, device=x.device)
+    elif norm is not None:  # the new residual stream: h + out
+        comb = torch.empty_like(out)
     tok_slots, tok_weights = combine if combine is not None else (out, out)
     comb_counters = out if combine is None else arrival_counters("weight_only_combine", x.device, COUNTERS)
     residual, norm_weight, eps = norm if norm is not None else (out, out, 0.0)
@@ -1058,7 +1100,7 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
             comb_ptr=comb, comb_cnt_ptr=comb_counters, T=comb.shape[0],
             COMBINE=combine[0].shape[1] if combine is not None else 0, h_ptr=residual, x_out_ptr=normed,
             nw_ptr=norm_weight, norm_cnt_ptr=norm_counter, eps=float(eps), stride_h=residual.stride(0),
-            NORM=norm is not None, BLOCK_D=triton.next_power_of_2(n) if norm is not None else 1,
+            NORM=norm is not None, BLOCK_D=min(triton.next_power_of_2(n), NORM_BLOCK),
             ws_ptr=ws, cnt_ptr=counters, M=m, N=n, K=k, E=n_groups, K_SPLIT=k_split, SPLIT_K=split_k,
             stride_xm=x.stride(0) // 2, stride_we=w.stride(0), stride_wn=w.stride(1), stride_se=s.stride(0),
             stride_sn=s.stride(1), stride_tn=stride_tn, stride_om=out.stride(0), FMT=fmt, GROUPED=grouped,

@@ -10,17 +10,17 @@ The cache is laid out per KV head, [batch, kv heads, max_len, head dim], and the
 attend as one head with their queries stacked (grouped-query attention): SDPA reads each layer's cache once, in
 place, where repeating it per query head would copy it n_heads / n_kv_heads times a step.
 
-A decode step (one position) on a GPU runs the same computation in few launches (``_kernel_step``): the residual
-add with RMSNorm and SwiGLU's silu * mul as fused kernels (``mx_recipe.infer.fused``; silu * mul in the gate/up
-GEMM's epilogue where w1 and w3 are packed, fused and on the weight-only kernel), attention by the split-KV
-kernel of ``mx_recipe.infer.attention`` with RoPE and the cache write in it, which reads only the positions
-written so far and spreads them over the SMs (at batch 1 SDPA runs one program per KV head and waits on its
-loads), and an MoE block's routing and combine by the kernels of ``mx_recipe.infer.routing`` (one launch each,
-where eager routing takes some twenty; up to ``gate_fits`` tokens the router's GEMM runs in the routing launch
-too, and quantized experts on the kernel combine, add into the residual stream and take the next norm in their
-down GEMM). The position is a device tensor, so one CUDA graph serves every step. The prefill, and every step on
-the CPU, run the model's modules with SDPA and the mask. The fused MoE step leaves the block's
-``tokens_per_expert`` (a training statistic for the balancing bias) untouched.
+A decode step (one position) on a GPU runs the same computation in few launches (``_kernel_step``): the residual add
+with RMSNorm and SwiGLU's silu * mul as fused kernels (``mx_recipe.infer.fused``; with packed weights on the
+weight-only kernel, silu * mul in the fused gate/up GEMM and the add + RMSNorm after wo in wo's), attention by the
+split-KV kernel of ``mx_recipe.infer.attention`` with RoPE and the cache write in it, which reads only the positions
+written so far and spreads them over the SMs (at batch 1 SDPA runs one program per KV head and waits on its loads),
+and an MoE block's routing and combine by the kernels of ``mx_recipe.infer.routing`` (one launch each, where eager
+routing takes some twenty; up to ``gate_fits`` tokens the router's GEMM runs in the routing launch too, and
+quantized experts on the kernel combine, add into the residual stream and take the next norm in their down GEMM).
+The position is a device tensor, so one CUDA graph serves every step. The prefill, and every step on the CPU, run
+the model's modules with SDPA and the mask. The fused MoE step leaves the block's ``tokens_per_expert`` (a training
+statistic for the balancing bias) untouched.
 
 ``DecodeGraph`` captures one decode step in a CUDA graph and replays it: a step launches a few hundred small
 kernels, whose launch time would otherwise exceed their run time at small batch.
@@ -48,7 +48,7 @@ from torch import nn
 from mx_recipe.infer.attention import decode_attention_append, use_kernel
 from mx_recipe.infer.fused import add_rms_norm, silu_mul
 from mx_recipe.infer.routing import fits, gate_fits, moe_combine, moe_gate_route, moe_route
-from mx_recipe.infer.weights import FusedPart, PackedWeight
+from mx_recipe.infer.weights import FusedPart, PackedWeight, QuantizedLinear
 from mx_recipe.models.llama import Attention, FeedForward, Transformer, apply_rope, project
 from mx_recipe.models.moe import MoE
 from mx_recipe.ops import get_kernel_settings
@@ -174,7 +174,11 @@ def _layers_step(model: Transformer, tokens: torch.Tensor, position: torch.Tenso
         q, k, v = project(x, attn.wq, attn.wk, attn.wv)
         q = q.view(batch, attn.n_kv_heads, attn.n_heads // attn.n_kv_heads, attn.head_dim)  # no copy: heads split
         out = decode_attention_append(q, k, v, model.rope_cos, model.rope_sin, cache.k[i], cache.v[i], length)
-        h, x = add_rms_norm(h, attn.wo(out.view(batch, -1)), layer.ffn_norm.weight, _eps(layer.ffn_norm, h.dtype))
+        norm = (h, layer.ffn_norm.weight, _eps(layer.ffn_norm, h.dtype))
+        if isinstance(attn.wo, QuantizedLinear) and attn.wo.kernel:  # the add and norm in wo's GEMM
+            h, x = attn.wo.add_norm(out.view(batch, -1), norm)
+        else:
+            h, x = add_rms_norm(norm[0], attn.wo(out.view(batch, -1)), norm[1], norm[2])
         h, x = _ffn_step(layer, x, h, next_norm)
     return model.output(x).view(batch, 1, -1)
 

@@ -61,6 +61,20 @@ def _fake_norm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | N
     return torch.empty_like(h), torch.empty_like(h)
 
 
+def _launch_add_norm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str, h: Tensor,
+                     norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:  # fmt: skip
+    from mx_kernels.mx.weight_only import weight_only_mm as launch
+
+    return launch(x, qdata, scale, tensor_scale, fmt, norm=(h, norm_weight, eps))
+
+
+def _fake_add_norm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str, h: Tensor,
+                   norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:  # fmt: skip
+    return torch.empty_like(h), torch.empty_like(h)
+
+
+define("weight_only_add_norm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt, Tensor h, "
+       "Tensor norm_weight, float eps) -> (Tensor, Tensor)", _launch_add_norm, _fake_add_norm)  # fmt: skip
 define("weight_only_combine_norm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt, Tensor offs, "
        "Tensor slots, Tensor weights, Tensor h, Tensor norm_weight, float eps) -> (Tensor, Tensor)", _launch_norm,
        _fake_norm)  # fmt: skip
@@ -132,6 +146,15 @@ def add_rms_norm_of(h: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tup
     hn = (h.float() + delta.float()).to(h.dtype)
     hf = hn.float()
     return hn, (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(h.dtype)
+
+
+def weight_only_add_norm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
+                         norm: tuple[Tensor, Tensor, float]) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``weight_only_mm``, then the residual add and the next RMSNorm: norm = (h [M, N], weight, eps) -> (h + the
+    output, RMSNorm(h + the output) * weight), ``add_rms_norm``'s pair, in the GEMM at decode's few rows."""
+    if x.shape[0] > LARGE_M:
+        return add_rms_norm_of(norm[0], weight_only_mm(x, qdata, scale, tensor_scale, fmt), norm[1], norm[2])
+    return torch.ops.mx_recipe.weight_only_add_norm(x, qdata, scale, tensor_scale, fmt, *norm)
 
 
 def weight_only_combine_norm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,

@@ -37,6 +37,7 @@ from mx_recipe.infer.weight_only import (
     combine_of,
     swiglu_of,
     use_kernel,
+    weight_only_add_norm,
     weight_only_combine_norm,
     weight_only_grouped_mm,
     weight_only_mm,
@@ -102,6 +103,14 @@ class PackedWeight(nn.Module):
         y = swiglu_of(y) if swiglu else y
         return combine_of(y, *combine) if combine is not None else y
 
+    def mm_add_norm(self, x: torch.Tensor, kernel: bool, norm: tuple[torch.Tensor, ...]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``mm``, then ``norm`` = (h, weight, eps): (h + x w^T, its RMSNorm * weight), ``add_rms_norm``'s pair
+        (in the kernel's GEMM at decode's few rows)."""
+        if kernel and use_kernel(x):
+            return weight_only_add_norm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, norm)
+        return add_rms_norm_of(norm[0], self.mm(x, False), norm[1], norm[2])
+
     def grouped_mm_combine_norm(self, x: torch.Tensor, offs: torch.Tensor, kernel: bool,
                                 combine: tuple[torch.Tensor, torch.Tensor], norm: tuple[torch.Tensor, ...]
                                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -146,6 +155,14 @@ class QuantizedLinear(nn.Module):
         if self.activations:
             x = quantize_activation(x, self.fmt)
         return self.weight_packed.mm(x, self.kernel)
+
+    def add_norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """This linear of x [M, in], added to the residual stream and normalized: norm = (h [M, out], the norm's
+        weight, eps) -> ``add_rms_norm``'s pair, in the GEMM on the kernel's small-M path."""
+        if self.activations:
+            x = quantize_activation(x, self.fmt)
+        return self.weight_packed.mm_add_norm(x, self.kernel, norm)
 
 
 def _cat_bytes(parts: list[torch.Tensor]) -> torch.Tensor:
