@@ -12,15 +12,15 @@ place, where repeating it per query head would copy it n_heads / n_kv_heads time
 
 A decode step (one position) on a GPU runs the same computation in few launches (``_kernel_step``): the residual add
 with RMSNorm and SwiGLU's silu * mul as fused kernels (``mx_recipe.infer.fused``; with packed weights on the
-weight-only kernel, silu * mul in the fused gate/up GEMM and the add + RMSNorm after wo in wo's), attention by the
-split-KV kernel of ``mx_recipe.infer.attention`` with RoPE and the cache write in it, which reads only the positions
-written so far and spreads them over the SMs (at batch 1 SDPA runs one program per KV head and waits on its loads),
-and an MoE block's routing and combine by the kernels of ``mx_recipe.infer.routing`` (one launch each, where eager
-routing takes some twenty; up to ``gate_fits`` tokens the router's GEMM runs in the routing launch too, and
-quantized experts on the kernel combine, add into the residual stream and take the next norm in their down GEMM).
-The position is a device tensor, so one CUDA graph serves every step. The prefill, and every step on the CPU, run
-the model's modules with SDPA and the mask. The fused MoE step leaves the block's ``tokens_per_expert`` (a training
-statistic for the balancing bias) untouched.
+weight-only kernel, silu * mul in the fused gate/up GEMM and each add + RMSNorm in the GEMM before it: wo's, w2's),
+attention by the split-KV kernel of ``mx_recipe.infer.attention`` with RoPE and the cache write in it, which reads
+only the positions written so far and spreads them over the SMs (at batch 1 SDPA runs one program per KV head and
+waits on its loads), and an MoE block's routing and combine by the kernels of ``mx_recipe.infer.routing`` (one
+launch each, where eager routing takes some twenty; up to ``gate_fits`` tokens the router's GEMM runs in the routing
+launch too, and quantized experts on the kernel combine, add into the residual stream and take the next norm in
+their down GEMM). The position is a device tensor, so one CUDA graph serves every step. The prefill, and every step
+on the CPU, run the model's modules with SDPA and the mask. The fused MoE step leaves the block's
+``tokens_per_expert`` (a training statistic for the balancing bias) untouched.
 
 ``DecodeGraph`` captures one decode step in a CUDA graph and replays it: a step launches a few hundred small
 kernels, whose launch time would otherwise exceed their run time at small batch.
@@ -97,12 +97,20 @@ def _eps(norm: nn.RMSNorm, dtype: torch.dtype) -> float:
     return norm.eps if norm.eps is not None else torch.finfo(dtype).eps  # nn.RMSNorm's default
 
 
-def _swiglu_step(ffn: FeedForward, x: torch.Tensor) -> torch.Tensor:
+def _swiglu_step(ffn: FeedForward, x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """SwiGLU of rows x; with ``norm`` = (the residual stream, the next norm's weight, eps), ``add_rms_norm``'s
+    pair of it (in w2's GEMM for a packed w2 on the kernel)."""
     fused = ffn.w1.fused if isinstance(ffn.w1, FusedPart) else None
     if fused is not None and getattr(ffn.w3, "fused", None) is fused and fused.fuses_swiglu:
-        return ffn.w2(fused.swiglu(x))
-    h1, h3 = project(x, ffn.w1, ffn.w3)
-    return ffn.w2(silu_mul(h1, h3))
+        act = fused.swiglu(x)
+    else:
+        act = silu_mul(*project(x, ffn.w1, ffn.w3))
+    if norm is None:
+        return ffn.w2(act)
+    if isinstance(ffn.w2, QuantizedLinear) and ffn.w2.kernel:
+        return ffn.w2.add_norm(act, norm)
+    return add_rms_norm(norm[0], ffn.w2(act), norm[1], norm[2])
 
 
 def _moe_step(moe: MoE, x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float]
@@ -140,8 +148,9 @@ def _ffn_step(layer: nn.Module, x: torch.Tensor, h: torch.Tensor, norm: nn.RMSNo
     ffn, eps = _ffn(layer), _eps(norm, h.dtype)
     if isinstance(ffn, MoE) and fits(x.shape[0], ffn.n_experts):
         return _moe_step(ffn, x, (h, norm.weight, eps))
-    delta = _swiglu_step(ffn, x) if isinstance(ffn, FeedForward) else ffn(x[:, None]).view(x.shape)
-    return add_rms_norm(h, delta, norm.weight, eps)
+    if isinstance(ffn, FeedForward):
+        return _swiglu_step(ffn, x, (h, norm.weight, eps))
+    return add_rms_norm(h, ffn(x[:, None]).view(x.shape), norm.weight, eps)
 
 
 def pdl_pays(model: Transformer, batch: int) -> bool:
