@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mx_recipe.infer.fused import add_rms_norm
 from mx_recipe.library import define
 from mx_recipe.ops.device import capability
 
@@ -153,7 +154,7 @@ def weight_only_add_norm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: 
     """``weight_only_mm``, then the residual add and the next RMSNorm: norm = (h [M, N], weight, eps) -> (h + the
     output, RMSNorm(h + the output) * weight), ``add_rms_norm``'s pair, in the GEMM at decode's few rows."""
     if x.shape[0] > LARGE_M:
-        return add_rms_norm_of(norm[0], weight_only_mm(x, qdata, scale, tensor_scale, fmt), norm[1], norm[2])
+        return add_rms_norm(norm[0], weight_only_mm(x, qdata, scale, tensor_scale, fmt), norm[1], norm[2])
     return torch.ops.mx_recipe.weight_only_add_norm(x, qdata, scale, tensor_scale, fmt, *norm)
 
 
@@ -163,8 +164,8 @@ def weight_only_combine_norm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_sca
     """``weight_only_grouped_mm`` with ``combine``, then the block's residual add and the next RMSNorm: norm = (h,
     weight, eps) -> (h + combined, RMSNorm(h + combined) * weight), in the GEMM at decode's few rows."""
     if x.shape[0] > LARGE_M * qdata.shape[0]:
-        return add_rms_norm_of(norm[0], weight_only_grouped_mm(x, qdata, scale, tensor_scale, fmt, offs,
-                                                               combine=combine), norm[1], norm[2])  # fmt: skip
+        y = weight_only_grouped_mm(x, qdata, scale, tensor_scale, fmt, offs, combine=combine)
+        return add_rms_norm(norm[0], y, norm[1], norm[2])
     return torch.ops.mx_recipe.weight_only_combine_norm(x, qdata, scale, tensor_scale, fmt, offs, *combine, *norm)
 
 
