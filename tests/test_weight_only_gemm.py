@@ -349,10 +349,10 @@ def check_combine_epilogue(tokens: int, experts: int, k: int, fmt: str, device: 
     assert torch.equal(got_h, want_h), kw
     torch.testing.assert_close(got_x, want_x, rtol=2.0**-7, atol=0.0)
     if not kw:
-        from mx_recipe.infer.weight_only import weight_only_combine_norm
+        from mx_recipe.infer.weight_only import weight_only_add_norm
 
-        op = weight_only_combine_norm(h, g.qdata, g.scale, g.tensor_scale, fmt, offs, (slots, weights),
-                                      (residual, nw, 1e-5))  # fmt: skip
+        op = weight_only_add_norm(h, g.qdata, g.scale, g.tensor_scale, fmt, (residual, nw, 1e-5), offs,
+                                  (slots, weights))  # fmt: skip
         assert torch.equal(op[0], got_h) and torch.equal(op[1], got_x)
     if not kw:
         op = weight_only_grouped_mm(h, g.qdata, g.scale, g.tensor_scale, fmt, offs, combine=(slots, weights))

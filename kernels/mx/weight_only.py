@@ -899,13 +899,13 @@ def _check_combine(combine: tuple[torch.Tensor, torch.Tensor], m: int, grouped: 
         raise ValueError(f"{op}: combine's slots and weights must be contiguous, on x's device")
 
 
-def _combined(comb: torch.Tensor, norm: tuple | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The combined rows, or with ``norm`` = (h, weight, eps) ``add_rms_norm``'s pair of them."""
+def _with_norm(y: torch.Tensor, norm: tuple | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """y, or with ``norm`` = (h, weight, eps) ``add_rms_norm``'s pair of it (the epilogue's work, after the GEMM)."""
     if norm is None:
-        return comb
+        return y
     from mx_kernels.decode_fused import add_rms_norm
 
-    return add_rms_norm(norm[0], comb, norm[1], norm[2])
+    return add_rms_norm(norm[0], y, norm[1], norm[2])
 
 
 def _n_tiles(n: int, block_n: int, swiglu: bool) -> int:
@@ -972,11 +972,11 @@ def weight_only_mm(
     m = x.shape[0] if rows is None else rows.shape[0]
     out = torch.empty((m, n // 2 if swiglu else n), dtype=torch.bfloat16, device=x.device)
     if combine is not None and (m == 0 or n == 0 or k == 0):  # nothing to sum, or sums of zeros
-        return _combined(torch.zeros((combine[0].shape[0], n), dtype=torch.bfloat16, device=x.device), norm)
+        return _with_norm(torch.zeros((combine[0].shape[0], n), dtype=torch.bfloat16, device=x.device), norm)
     if m == 0 or n == 0:
         return (norm[0].clone(), torch.empty_like(norm[0])) if norm is not None else out  # no rows, or empty ones
     if k == 0:  # a GEMM of zeros: silu(0) * 0 = 0 too
-        return _combined(out.zero_(), norm)
+        return _with_norm(out.zero_(), norm)
     n_groups = qdata.shape[0] if grouped else 1
     per_group = cdiv(m, n_groups)
     if config is None and split_k is None and _TUNE and x.is_cuda and not torch.cuda.is_current_stream_capturing():
@@ -989,17 +989,16 @@ def weight_only_mm(
     cfg = {**config_for(per_group, fmt, n, k, fma, dot_scaled_ok(x.device)), **(config or {})}
     if fma and per_group > 16:
         raise ValueError(f"{op}: the small-M path takes at most 16 rows per group, got {per_group} (config {config})")
-    if combine is not None and fma:
-        return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, out, cfg, 1, swiglu, combine, norm)
-    if combine is not None:  # the tl.dot path: combine (and norm) after the GEMM
-        from mx_kernels.moe_routing import moe_combine
-
+    if combine is not None or norm is not None:  # the epilogues: in the small-M GEMM (combine unsplit), else after it
+        if fma:
+            split = 1 if combine is not None else split_k
+            return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, out, cfg, split, swiglu, combine, norm)
         y = weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, config, split_k, rows)
-        return _combined(moe_combine(y, *combine, None), norm)
-    if norm is not None and fma:
-        return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, out, cfg, split_k, swiglu, None, norm)
-    if norm is not None:  # the tl.dot path: add and norm after the GEMM
-        return _combined(weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, config, split_k, rows), norm)
+        if combine is not None:
+            from mx_kernels.moe_routing import moe_combine
+
+            y = moe_combine(y, *combine, None)
+        return _with_norm(y, norm)
     if fma:
         return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, out, cfg, split_k, swiglu)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]

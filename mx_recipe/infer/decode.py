@@ -106,11 +106,15 @@ def _swiglu_step(ffn: FeedForward, x: torch.Tensor, norm: tuple[torch.Tensor, to
         act = fused.swiglu(x)
     else:
         act = silu_mul(*project(x, ffn.w1, ffn.w3))
-    if norm is None:
-        return ffn.w2(act)
-    if isinstance(ffn.w2, QuantizedLinear) and ffn.w2.kernel:
-        return ffn.w2.add_norm(act, norm)
-    return add_rms_norm(norm[0], ffn.w2(act), norm[1], norm[2])
+    return ffn.w2(act) if norm is None else _linear_add_norm(ffn.w2, act, norm)
+
+
+def _linear_add_norm(linear: nn.Module, x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``add_rms_norm(norm[0], linear(x), *norm[1:])``: in the GEMM for a packed linear on the kernel."""
+    if isinstance(linear, QuantizedLinear) and linear.kernel:
+        return linear.add_norm(x, norm)
+    return add_rms_norm(norm[0], linear(x), norm[1], norm[2])
 
 
 def _moe_step(moe: MoE, x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float]
@@ -183,11 +187,7 @@ def _layers_step(model: Transformer, tokens: torch.Tensor, position: torch.Tenso
         q, k, v = project(x, attn.wq, attn.wk, attn.wv)
         q = q.view(batch, attn.n_kv_heads, attn.n_heads // attn.n_kv_heads, attn.head_dim)  # no copy: heads split
         out = decode_attention_append(q, k, v, model.rope_cos, model.rope_sin, cache.k[i], cache.v[i], length)
-        norm = (h, layer.ffn_norm.weight, _eps(layer.ffn_norm, h.dtype))
-        if isinstance(attn.wo, QuantizedLinear) and attn.wo.kernel:  # the add and norm in wo's GEMM
-            h, x = attn.wo.add_norm(out.view(batch, -1), norm)
-        else:
-            h, x = add_rms_norm(norm[0], attn.wo(out.view(batch, -1)), norm[1], norm[2])
+        h, x = _linear_add_norm(attn.wo, out.view(batch, -1), (h, layer.ffn_norm.weight, _eps(layer.ffn_norm, h.dtype)))
         h, x = _ffn_step(layer, x, h, next_norm)
     return model.output(x).view(batch, 1, -1)
 

@@ -48,37 +48,24 @@ define("weight_only_mm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scal
        " -> Tensor", _launch, _fake)  # fmt: skip
 
 
-def _launch_norm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str, offs: Tensor,
-                 slots: Tensor, weights: Tensor, h: Tensor, norm_weight: Tensor, eps: float
-                 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    from mx_kernels.mx.weight_only import weight_only_mm as launch
-
-    return launch(x, qdata, scale, tensor_scale, fmt, offs, combine=(slots, weights), norm=(h, norm_weight, eps))
-
-
-def _fake_norm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str, offs: Tensor,
-               slots: Tensor, weights: Tensor, h: Tensor, norm_weight: Tensor, eps: float
-               ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    return torch.empty_like(h), torch.empty_like(h)
-
-
 def _launch_add_norm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str, h: Tensor,
-                     norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:  # fmt: skip
+                     norm_weight: Tensor, eps: float, offs: Tensor | None = None, slots: Tensor | None = None,
+                     weights: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     from mx_kernels.mx.weight_only import weight_only_mm as launch
 
-    return launch(x, qdata, scale, tensor_scale, fmt, norm=(h, norm_weight, eps))
+    combine = (slots, weights) if slots is not None else None
+    return launch(x, qdata, scale, tensor_scale, fmt, offs, combine=combine, norm=(h, norm_weight, eps))
 
 
 def _fake_add_norm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str, h: Tensor,
-                   norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:  # fmt: skip
+                   norm_weight: Tensor, eps: float, offs: Tensor | None = None, slots: Tensor | None = None,
+                   weights: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     return torch.empty_like(h), torch.empty_like(h)
 
 
 define("weight_only_add_norm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt, Tensor h, "
-       "Tensor norm_weight, float eps) -> (Tensor, Tensor)", _launch_add_norm, _fake_add_norm)  # fmt: skip
-define("weight_only_combine_norm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt, Tensor offs, "
-       "Tensor slots, Tensor weights, Tensor h, Tensor norm_weight, float eps) -> (Tensor, Tensor)", _launch_norm,
-       _fake_norm)  # fmt: skip
+       "Tensor norm_weight, float eps, Tensor? offs=None, Tensor? slots=None, Tensor? weights=None) -> "
+       "(Tensor, Tensor)", _launch_add_norm, _fake_add_norm)  # fmt: skip
 define(
     "weight_only_grouped_mm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt, Tensor offs,"
     " Tensor? rows=None, *, bool swiglu=False, Tensor? slots=None, Tensor? weights=None) -> Tensor",
@@ -150,23 +137,19 @@ def add_rms_norm_of(h: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tup
 
 
 def weight_only_add_norm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
-                         norm: tuple[Tensor, Tensor, float]) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``weight_only_mm``, then the residual add and the next RMSNorm: norm = (h [M, N], weight, eps) -> (h + the
-    output, RMSNorm(h + the output) * weight), ``add_rms_norm``'s pair, in the GEMM at decode's few rows."""
-    if x.shape[0] > LARGE_M:
-        return add_rms_norm(norm[0], weight_only_mm(x, qdata, scale, tensor_scale, fmt), norm[1], norm[2])
-    return torch.ops.mx_recipe.weight_only_add_norm(x, qdata, scale, tensor_scale, fmt, *norm)
-
-
-def weight_only_combine_norm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
-                             offs: Tensor, combine: tuple[Tensor, Tensor], norm: tuple[Tensor, Tensor, float]
-                             ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``weight_only_grouped_mm`` with ``combine``, then the block's residual add and the next RMSNorm: norm = (h,
-    weight, eps) -> (h + combined, RMSNorm(h + combined) * weight), in the GEMM at decode's few rows."""
-    if x.shape[0] > LARGE_M * qdata.shape[0]:
-        y = weight_only_grouped_mm(x, qdata, scale, tensor_scale, fmt, offs, combine=combine)
+                         norm: tuple[Tensor, Tensor, float], offs: Tensor | None = None,
+                         combine: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``weight_only_mm`` (``offs``, ``combine``: ``weight_only_grouped_mm`` combining each token's rows), then the
+    residual add and the next RMSNorm: norm = (h, weight, eps) -> (h + the output, RMSNorm(h + the output) *
+    weight), ``add_rms_norm``'s pair, in the GEMM at decode's few rows."""
+    if x.shape[0] > LARGE_M * (qdata.shape[0] if offs is not None else 1):
+        if offs is None:
+            y = weight_only_mm(x, qdata, scale, tensor_scale, fmt)
+        else:
+            y = weight_only_grouped_mm(x, qdata, scale, tensor_scale, fmt, offs, combine=combine)
         return add_rms_norm(norm[0], y, norm[1], norm[2])
-    return torch.ops.mx_recipe.weight_only_combine_norm(x, qdata, scale, tensor_scale, fmt, offs, *combine, *norm)
+    slots, weights = combine if combine is not None else (None, None)
+    return torch.ops.mx_recipe.weight_only_add_norm(x, qdata, scale, tensor_scale, fmt, *norm, offs, slots, weights)
 
 
 def weight_only_grouped_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,

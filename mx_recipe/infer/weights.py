@@ -38,7 +38,6 @@ from mx_recipe.infer.weight_only import (
     swiglu_of,
     use_kernel,
     weight_only_add_norm,
-    weight_only_combine_norm,
     weight_only_grouped_mm,
     weight_only_mm,
 )
@@ -103,23 +102,15 @@ class PackedWeight(nn.Module):
         y = swiglu_of(y) if swiglu else y
         return combine_of(y, *combine) if combine is not None else y
 
-    def mm_add_norm(self, x: torch.Tensor, kernel: bool, norm: tuple[torch.Tensor, ...]
+    def mm_add_norm(self, x: torch.Tensor, kernel: bool, norm: tuple[torch.Tensor, ...],
+                    offs: torch.Tensor | None = None, combine: tuple[torch.Tensor, torch.Tensor] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``mm``, then ``norm`` = (h, weight, eps): (h + x w^T, its RMSNorm * weight), ``add_rms_norm``'s pair
-        (in the kernel's GEMM at decode's few rows)."""
+        """``mm`` (``offs``: ``grouped_mm`` with ``combine``), then ``norm`` = (h, weight, eps): (h + the output,
+        its RMSNorm * weight), ``add_rms_norm``'s pair (in the kernel's GEMM at decode's few rows)."""
         if kernel and use_kernel(x):
-            return weight_only_add_norm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, norm)
-        return add_rms_norm_of(norm[0], self.mm(x, False), norm[1], norm[2])
-
-    def grouped_mm_combine_norm(self, x: torch.Tensor, offs: torch.Tensor, kernel: bool,
-                                combine: tuple[torch.Tensor, torch.Tensor], norm: tuple[torch.Tensor, ...]
-                                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``grouped_mm`` with ``combine``, then ``norm`` = (h, weight, eps): (h + the combined rows, their
-        RMSNorm * weight), ``add_rms_norm``'s pair (in the kernel's GEMM at decode's few rows)."""
-        if kernel and use_kernel(x):
-            return weight_only_combine_norm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, offs, combine,
-                                            norm)  # fmt: skip
-        return add_rms_norm_of(norm[0], self.grouped_mm(x, offs, False, combine=combine), norm[1], norm[2])
+            return weight_only_add_norm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, norm, offs, combine)
+        y = self.mm(x, False) if offs is None else self.grouped_mm(x, offs, False, combine=combine)
+        return add_rms_norm_of(norm[0], y, norm[1], norm[2])
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
@@ -187,12 +178,19 @@ class QuantizedExperts(nn.Module):
             setattr(self, f"{name}_packed", PackedWeight(quantize(getattr(experts, name).detach(), fmt), fmt))
         self.fmt, self.activations, self.kernel = fmt, activations, kernel
 
-    def _mm(self, x: torch.Tensor, packed: PackedWeight, offs: torch.Tensor, rows: torch.Tensor | None = None,
-            swiglu: bool = False, combine: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:  # fmt: skip
+    def _groups(self, x: torch.Tensor, offs: torch.Tensor, packed: PackedWeight
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(x as the GEMM reads it, the ends of all ``packed``'s groups)."""
         if offs.shape[0] < packed.qdata.shape[0]:  # the routed groups' ends: the folded shared groups get no rows
             offs = torch.cat([offs, offs[-1:].expand(self.shared)])
         if self.activations:
             x = quantize_activation(x, self.fmt)  # per row along K: the same rows whether gathered before or after
+        return x, offs
+
+    def _mm(self, x: torch.Tensor, packed: PackedWeight, offs: torch.Tensor, routed: torch.Tensor | None = None,
+            swiglu: bool = False, combine: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:  # fmt: skip
+        x, offs = self._groups(x, offs, packed)
+        rows = routed if routed is None or routed.dtype == torch.int32 else routed.to(torch.int32)
         return packed.grouped_mm(x, offs, self.kernel, rows, swiglu, combine)
 
     def fuse(self) -> None:
@@ -236,11 +234,10 @@ class QuantizedExperts(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """As ``models.moe.GroupedExperts.gate_up``: w1's and w3's outputs (views of one GEMM's when fused). The
         routed rows are read from x in place (``rows``), not gathered first."""
-        rows = routed if routed is None or routed.dtype == torch.int32 else routed.to(torch.int32)
         if hasattr(self, "w13_packed"):
-            h1, h3 = self._mm(x, self.w13_packed, offs, rows).chunk(2, dim=-1)
+            h1, h3 = self._mm(x, self.w13_packed, offs, routed).chunk(2, dim=-1)
             return h1, h3
-        return self._mm(x, self.w1_packed, offs, rows), self._mm(x, self.w3_packed, offs, rows)
+        return self._mm(x, self.w1_packed, offs, routed), self._mm(x, self.w3_packed, offs, routed)
 
     @property
     def fuses_swiglu(self) -> bool:
@@ -250,9 +247,8 @@ class QuantizedExperts(nn.Module):
     def swiglu(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
         """SwiGLU's ``F.silu(h1) * h3`` of ``gate_up``'s outputs; with w1 and w3 fused and the kernel, in the
         grouped GEMM's epilogue (``weight_only_grouped_mm``'s ``swiglu``: ``silu_mul``'s roundings)."""
-        rows = routed if routed is None or routed.dtype == torch.int32 else routed.to(torch.int32)
         if hasattr(self, "w13_packed"):
-            return self._mm(x, self.w13_packed, offs, rows, swiglu=True)
+            return self._mm(x, self.w13_packed, offs, routed, swiglu=True)
         h1, h3 = self.gate_up(x, offs, routed)
         return F.silu(h1) * h3
 
@@ -267,11 +263,8 @@ class QuantizedExperts(nn.Module):
                       norm: tuple[torch.Tensor, torch.Tensor, float]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``down`` with ``combine``, then the block's residual add and the next RMSNorm, norm = (residual,
         weight, eps): ``add_rms_norm``'s pair, in the GEMM on the kernel's small-M path."""
-        if offs.shape[0] < self.w2_packed.qdata.shape[0]:
-            offs = torch.cat([offs, offs[-1:].expand(self.shared)])
-        if self.activations:
-            h = quantize_activation(h, self.fmt)
-        return self.w2_packed.grouped_mm_combine_norm(h, offs, self.kernel, combine, norm)
+        h, offs = self._groups(h, offs, self.w2_packed)
+        return self.w2_packed.mm_add_norm(h, self.kernel, norm, offs, combine)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
         """As ``models.moe.GroupedExperts``: the groups are x, or x[routed] where the router hands the tokens over."""
