@@ -25,7 +25,7 @@ from mx_kernels.mx import weight_only as wo
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 # the distinct (BLOCK_N, BLOCK_K, num_warps) of the kernel's chosen configs
-CONFIGS = sorted({(c["BLOCK_N"], c["BLOCK_K"], c["num_warps"]) for c in wo.FMA_CHOSEN.values()})
+CONFIGS = sorted({(c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["UNIT"]) for c in wo.FMA_CHOSEN.values()})
 
 
 def launch_kwargs(fmt: str, m: int, n: int, k: int, cfg: dict, split_k: int | None = 1) -> dict:
@@ -98,12 +98,13 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--rows", default="1,4", help="rows of x (M), comma-separated")
     parser.add_argument("--show", action="store_true", help="print the loop's instructions")
-    parser.add_argument("--unit", type=int, default=4, choices=(4, 8), help="pairs a thread sums per scale multiply")
+    parser.add_argument("--unit", type=int, choices=(4, 8),
+                        help="pairs a thread sums per scale multiply (default: each chosen config's)")  # fmt: skip
     args = parser.parse_args()
     for fmt in args.formats:
-        for block_n, block_k, warps in CONFIGS:
+        for block_n, block_k, warps, unit in CONFIGS:
             for m in map(int, args.rows.split(",")):
-                report(fmt, block_n, block_k, warps, m, args.arch, args.show, args.unit)
+                report(fmt, block_n, block_k, warps, m, args.arch, args.show, args.unit or unit)
 
 
 if __name__ == "__main__":
