@@ -127,13 +127,6 @@ def _split_kernel(
         cos, sin = _rope_row(cos_ptr, sin_ptr, cur, D)
         q = _rotated(q_rows, cos[None, :], sin[None, :], r[:, None] < R, q_ptr.dtype.element_ty, BLOCK_R, D)
         end = tl.minimum(end, cur)  # the step's own position is merged after the loop, from registers
-        # the step's key and value, read by the chunk holding its position before the tiles' loads (not after
-        # them: that chunk's program finishes last and combines)
-        holds = (cur >= start) & (cur < start + CHUNK)
-        k_one = tl.reshape(_rotated(kn_ptr + b.to(tl.int64) * stride_knb + h * D, cos, sin, holds,
-                                    k_ptr.dtype.element_ty, 1, D), (D,))  # fmt: skip
-        v_one = tl.load(vn_ptr + b.to(tl.int64) * stride_vnb + h * D + d, mask=holds, other=0.0)
-        v_one = v_one.to(v_ptr.dtype.element_ty)
     else:
         q = tl.load(q_rows + d[None, :], mask=r[:, None] < R, other=0.0)
     if not MMA16:
@@ -166,7 +159,10 @@ def _split_kernel(
         m_i = m_new
     pdl.release_next(PDL)
     if APPEND:
-        if holds:  # this chunk holds the step's position: write k, v; merge them
+        if (cur >= start) & (cur < start + CHUNK):  # this chunk holds the step's position: write k, v; merge them
+            k_one = tl.reshape(_rotated(kn_ptr + b.to(tl.int64) * stride_knb + h * D, cos, sin, True,
+                                        k_ptr.dtype.element_ty, 1, D), (D,))  # fmt: skip
+            v_one = tl.load(vn_ptr + b.to(tl.int64) * stride_vnb + h * D + d).to(v_ptr.dtype.element_ty)
             tl.store(k_base + cur * stride_kl + d, k_one)
             tl.store(v_base + cur * stride_vl + d, v_one)
             if MMA16:

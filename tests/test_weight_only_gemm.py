@@ -7,14 +7,12 @@ dequantize the packed weight, then the GEMM.
   {1, 3, 17}, N and K not powers of two, K tails, split K, NaN scales and elements, zeros, grouped with ragged
   and empty groups and with its rows read from the tokens by index; the small-M (FMA) path at M = 1 to 16 with
   odd N, tails and splits, one tensor scale per row (nvfp4 weights concatenated along N), and the SwiGLU
-  epilogue against the unfused GEMM then ``silu_mul`` (bit for bit, all paths, grouped too), and the combine
-  epilogue of an MoE's down projection against ``moe_combine`` (bit for bit), and the residual add + RMSNorm
-  epilogues against ``add_rms_norm``. Run them with
+  epilogue against the unfused GEMM then ``silu_mul`` (bit for bit, all paths, grouped too). Run them with
   ``TRITON_INTERPRET=1 pytest tests/test_weight_only_gemm.py -k interp_``.
 * GPU (``gpu``): every format at M = 1 to 256 on 4128 x 4128 weights (K = 4112 for nvfp4), grouped with ragged
   groups, split-K determinism, CUDA-graph capture, and ``QuantizedLinear`` taking the kernel; the small-M path's
   every candidate config on Llama 3 8B's wk shape at M = 1 to 16; the SwiGLU epilogue at M = 1 to 33 and as an
-  MoE decode step; the combine epilogue at MoE 16B dims; the add + norm epilogue on Llama 3 8B's wo.
+  MoE decode step.
 
 Bound. The reference r = sum_k x_k w_k is computed exactly (fp64) from w = ``dequantize(bf16)``. For MXFP8 and
 MXFP4 the kernel's upcast weights are those same values (exact in bf16); its products are exact in fp32 and its
@@ -323,104 +321,6 @@ def test_interp_swiglu_epilogue(fmt):
     assert "\n" not in str(info.value)
 
 
-def check_combine_epilogue(tokens: int, experts: int, k: int, fmt: str, device: str, n: int = 40, hidden: int = 96,
-                           **kw) -> None:  # fmt: skip
-    """``combine``: an MoE decode step's down projection (each token's k routed rows over ``experts`` groups, then
-    2 shared groups of every token) gives ``moe_combine`` of the GEMM's rows, bit for bit (same tiles), through
-    the kernel and through the custom ops; with ``norm``, ``add_rms_norm``'s residual sum bit for bit and its
-    RMSNorm within a rounding (its sum of squares in another order)."""
-    from mx_kernels.moe_routing import moe_combine, moe_route
-
-    from mx_recipe.infer.weight_only import weight_only_grouped_mm
-
-    torch.manual_seed(tokens * 10 + k)
-    offs, _, slots, weights = moe_route(torch.randn(tokens, experts, device=device), None, k, True, True, 2)
-    g = packed(weights_of(n, hidden, experts + 2, device) * 0.02, fmt)
-    h = torch.randn(tokens * (k + 2), hidden, device=device).bfloat16()  # the rows sorted by group
-    y = run(h, g, offs, combine=(slots, weights), **kw)
-    assert y.shape == (tokens, n)
-    assert torch.equal(y, moe_combine(run(h, g, offs, **kw), slots, weights, None)), kw
-    # with the block's residual add and the next RMSNorm: add_rms_norm's sum bit for bit, its norm within a rounding
-    from mx_kernels.decode_fused import add_rms_norm
-
-    residual, nw = torch.randn(tokens, n, device=device).bfloat16(), torch.rand(n, device=device).bfloat16() + 0.5
-    got_h, got_x = run(h, g, offs, combine=(slots, weights), norm=(residual, nw, 1e-5), **kw)
-    want_h, want_x = add_rms_norm(residual, y, nw, 1e-5)
-    assert torch.equal(got_h, want_h), kw
-    torch.testing.assert_close(got_x, want_x, rtol=2.0**-7, atol=0.0)
-    if not kw:
-        from mx_recipe.infer.weight_only import weight_only_add_norm
-
-        op = weight_only_add_norm(h, g.qdata, g.scale, g.tensor_scale, fmt, (residual, nw, 1e-5), offs,
-                                  (slots, weights))  # fmt: skip
-        assert torch.equal(op[0], got_h) and torch.equal(op[1], got_x)
-    if not kw:
-        op = weight_only_grouped_mm(h, g.qdata, g.scale, g.tensor_scale, fmt, offs, combine=(slots, weights))
-        assert torch.equal(op, y)
-
-
-def weights_of(n: int, k: int, groups: int, device: str) -> torch.Tensor:
-    return weights(n, k, device, lead=(groups,))
-
-
-@interp_only
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_interp_combine_epilogue(fmt):
-    """The down projection's ``combine`` in the small-M GEMM (its last row tile sums each token's rows) against
-    ``moe_combine`` after the GEMM: one token and three, tails of N, one-row and four-row tiles; the tl.dot path
-    combines after the GEMM. Bad ``combine`` arguments are one-line errors."""
-    for tokens, config in [(1, FMA_CONFIGS[1]), (3, FMA_CONFIGS[0]), (3, FMA_CONFIGS[2]), (3, SMALL)]:
-        check_combine_epilogue(tokens, 6, 2, fmt, "cpu", config=config, split_k=1)
-    check_combine_epilogue(2, 6, 2, fmt, "cpu")  # the default tiles, also through the custom op
-    g = packed(weights_of(40, 96, 3, "cpu"), fmt)
-    h = torch.randn(4, 96).bfloat16()
-    offs = torch.tensor([2, 3, 4], dtype=torch.int32)
-    slots = torch.arange(4, dtype=torch.int32).view(2, 2)
-    for combine, message in [((slots.long(), torch.ones(2, 2)), "slots int32 and weights fp32"),
-                             ((slots[:1], torch.ones(1, 2)), "T \\* k = M = 4")]:  # fmt: skip
-        with pytest.raises(ValueError, match=message) as info:
-            run(h, g, offs, combine=combine)
-        assert "\n" not in str(info.value)
-    with pytest.raises(ValueError, match="combine is for the grouped GEMM"):
-        run(h, packed(weights(40, 96), fmt), combine=(slots, torch.ones(2, 2)))
-
-
-@interp_only
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_interp_add_norm_epilogue(fmt):
-    """``norm`` on a dense GEMM (the attention's output projection, then the residual add and the feed-forward's
-    RMSNorm): ``add_rms_norm``'s residual sum bit for bit and its norm within a rounding, on the small-M path split
-    1 and 3 ways (the last split writes) and on the tl.dot path; N = 1100 takes the norm in two column blocks."""
-    from mx_kernels.decode_fused import add_rms_norm
-
-    torch.manual_seed(11)
-    n, k = 1100, 64
-    p = packed(weights(n, k) * 0.02, fmt)
-    for m, config, split in [(1, FMA_CONFIGS[1], 1), (3, FMA_CONFIGS[2], 3), (5, SMALL, 2)]:
-        x = torch.randn(m, k).bfloat16()
-        residual, nw = torch.randn(m, n).bfloat16(), torch.rand(n).bfloat16() + 0.5
-        got_h, got_x = run(x, p, config=config, split_k=split, norm=(residual, nw, 1e-5))
-        want_h, want_x = add_rms_norm(residual, run(x, p, config=config, split_k=split), nw, 1e-5)
-        assert torch.equal(got_h, want_h), (m, config)
-        torch.testing.assert_close(got_x, want_x, rtol=2.0**-7, atol=0.0)
-    check_add_norm_epilogue(p, 2, "cpu")
-
-
-def check_add_norm_epilogue(p: PackedWeight, m: int, device: str) -> None:
-    """The default tiles through the custom op (``QuantizedLinear.add_norm``'s): ``add_rms_norm`` of the GEMM."""
-    from mx_kernels.decode_fused import add_rms_norm
-
-    from mx_recipe.infer.weight_only import weight_only_add_norm
-
-    n, k = p.qdata.shape[0], p.qdata.shape[1] * (1 if p.fmt == "mxfp8" else 2)
-    x = torch.randn(m, k, device=device).bfloat16()
-    residual, nw = torch.randn(m, n, device=device).bfloat16(), torch.rand(n, device=device).bfloat16() + 0.5
-    got_h, got_x = weight_only_add_norm(x, p.qdata, p.scale, p.tensor_scale, p.fmt, (residual, nw, 1e-5))
-    want_h, want_x = add_rms_norm(residual, run(x, p), nw, 1e-5)
-    assert torch.equal(got_h, want_h)
-    torch.testing.assert_close(got_x, want_x, rtol=2.0**-8 if device != "cpu" else 2.0**-7, atol=0.0)
-
-
 @interp_only
 @pytest.mark.parametrize("config", [FMA_CONFIGS[0], SMALL])
 def test_interp_tensor_scale_per_row(config):
@@ -552,28 +452,6 @@ def test_gpu_swiglu_epilogue(fmt):
     rows = torch.zeros(8, device=CUDA, dtype=torch.int32)
     x = torch.randn(1, k, device=CUDA).bfloat16()
     check_swiglu_epilogue(x, g, offs, config=config_for(1, fmt, 2816, k), split_k=1, rows=rows)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_gpu_combine_epilogue(fmt):
-    """``combine`` in the down projection at MoE 16B dims (64 experts, top 6, 2 shared groups; 2048 x 1408) for
-    1 and 4 tokens: ``moe_combine``'s bits, the default tiles (unsplit) and a one-warp tile of units of 4."""
-    for tokens in (1, 4):
-        check_combine_epilogue(tokens, 64, 6, fmt, CUDA, n=2048, hidden=1408)
-        check_combine_epilogue(tokens, 64, 6, fmt, CUDA, n=2048, hidden=1408,
-                               config=dict(BLOCK_N=16, BLOCK_K=256, num_warps=1), split_k=1)  # fmt: skip
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_gpu_add_norm_epilogue(fmt):
-    """``norm`` on Llama 3 8B's wo (4096 x 4096) at M = 1 and 3, the default tiles (split K as the SM count asks):
-    ``add_rms_norm``'s residual sum bit for bit, its norm within a rounding."""
-    torch.manual_seed(12)
-    p = packed(weights(4096, 4096, CUDA) * 0.02, fmt)
-    for m in (1, 3):
-        check_add_norm_epilogue(p, m, CUDA)
 
 
 @pytest.mark.gpu

@@ -83,16 +83,6 @@ of each, the same hidden units, and its epilogue rounds both halves to bf16 (as 
 writes silu(gate) * up with ``silu_mul``'s roundings (mx_kernels.decode_fused.swiglu): the decode step's silu *
 mul launch folded into the GEMM, bit for bit the unfused GEMM then ``silu_mul`` on the same tiles and split.
 
-MoE combine (``combine``, the small-M path, grouped, unsplit): each program stores its rows of the down
-projection, then counts itself in on its column tile's arrival counter; the last of the row tiles with rows
-reads every token's k rows back (from L2) and writes their weighted sum as ``moe_combine`` does (the same fp32
-sum in slot order, one rounding): the decode step's combine launch folded into the GEMM. With ``norm`` it adds the
-sums into the residual stream (``add_rms_norm``'s rounding) and counts in on one more counter; the last column
-tile's program writes the next block's RMSNorm of the stream (fp32 sum of squares in its own order, so within a
-rounding of ``add_rms_norm``'s): the step's add + RMSNorm launch folded in too. A dense small-M GEMM takes
-``norm`` alone (the attention's output projection): each program that writes its tile (the last split) counts in,
-and the last adds every row into the stream and writes its norm.
-
 NVFP4's tensor scale is one fp32 value, or one per row of N: weights concatenated along N (fused projections)
 keep each part's own scale, and each output column is multiplied by its row's.
 
@@ -231,7 +221,6 @@ PROGRAMS_PER_SM = 8  # split K until a GEMM has this many programs per SM: small
 SCALED_PROGRAMS_PER_SM = 2  # the tl.dot_scaled tiles': pipelined, large
 MAX_SPLIT_K = 16
 COUNTERS = 1 << 16  # split-K tiles a launch may have
-NORM_BLOCK = 1024  # columns the norm epilogue (``_norm_rows``) takes at a time
 
 
 @triton.jit
@@ -264,82 +253,14 @@ def _scaled(v, factor, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _group_tiles(offs_ptr, E, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Per group (padded to E_POW2): (index, first row, row end, row tiles of BLOCK_M)."""
-    e_idx = tl.arange(0, E_POW2)
-    ends = tl.load(offs_ptr + e_idx, mask=e_idx < E, other=0)
-    starts = tl.load(offs_ptr + e_idx - 1, mask=(e_idx > 0) & (e_idx < E), other=0)
-    return e_idx, starts, ends, tl.where(e_idx < E, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
-
-
-@triton.jit
-def _combine_rows(y_ptr, stride_y, rn, N, tiles, cnt_ptr, slots_ptr, weights_ptr, comb_ptr, T, h_ptr, stride_h,
-                  x_ptr, nw_ptr, eps, row_cnt_ptr, n_col, KS: tl.constexpr, NORM: tl.constexpr,
-                  BLOCK_D: tl.constexpr):  # fmt: skip
-    """After a row tile's y rows [BLOCK_N columns rn] are stored: count the tile in on its columns' counter; the
-    last of the ``tiles`` row tiles writes comb [T, N] = sum_j weights[t, j] * y[slots[t, j]] over each token's KS
-    rows, in fp32 in slot order, rounded once (``moe_combine``'s sum, bit for bit), and resets the counter. NORM:
-    comb is the residual h [T, N] plus that sum (``add_rms_norm``'s rounding), and once the ``n_col`` column tiles
-    have written theirs the last writes x = RMSNorm(comb) * nw (``add_rms_norm``'s, its fp32 sum of squares in
-    this program's order)."""
-    tl.debug_barrier()  # every thread's stores, then one release by the counter's atomic
-    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tiles - 1:
-        ok = rn < N
-        for t in range(T):
-            acc = tl.zeros(rn.shape, dtype=tl.float32)
-            for j in tl.static_range(KS):
-                row = tl.load(slots_ptr + t * KS + j).to(tl.int64)
-                wt = tl.load(weights_ptr + t * KS + j)
-                acc += wt * tl.load(y_ptr + row * stride_y + rn, mask=ok, other=0.0, cache_modifier=".cg").to(
-                    tl.float32
-                )
-            out = acc.to(comb_ptr.dtype.element_ty)
-            if NORM:
-                h = tl.load(h_ptr + t * stride_h + rn, mask=ok, other=0.0).to(tl.float32)
-                out = (h + out.to(tl.float32)).to(comb_ptr.dtype.element_ty)
-            tl.store(comb_ptr + t * N + rn, out, mask=ok)
-        tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch
-        if NORM:
-            _norm_rows(comb_ptr, comb_ptr, 0, comb_ptr, x_ptr, nw_ptr, eps, row_cnt_ptr, n_col, T, N, False,
-                       BLOCK_D)  # fmt: skip
-
-
-@triton.jit
-def _norm_rows(y_ptr, h_ptr, stride_h, hout_ptr, x_ptr, nw_ptr, eps, cnt_ptr, arrivals, T, N, ADD: tl.constexpr,
-               BLOCK_D: tl.constexpr):  # fmt: skip
-    """Once ``arrivals`` programs have written their part of rows y [T, N] (each counts itself in on ``cnt_ptr``),
-    the last writes x = RMSNorm(row) * nw per row, ``add_rms_norm``'s (the fp32 sum of squares in this program's
-    order, BLOCK_D columns at a time), and resets the counter; ADD: the row is first h + y, rounded to the dtype
-    and written to hout."""
-    tl.debug_barrier()  # every thread's stores, then one release by the counter's atomic
-    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == arrivals - 1:
-        for t in range(T):
-            squares = tl.zeros([BLOCK_D], dtype=tl.float32)
-            for d0 in range(0, N, BLOCK_D):
-                c = d0 + tl.arange(0, BLOCK_D)
-                hf = tl.load(y_ptr + t * N + c, mask=c < N, other=0.0, cache_modifier=".cg")
-                if ADD:
-                    h = tl.load(h_ptr + t * stride_h + c, mask=c < N, other=0.0).to(tl.float32)
-                    hf = (h + hf.to(tl.float32)).to(hout_ptr.dtype.element_ty)
-                    tl.store(hout_ptr + t * N + c, hf, mask=c < N)
-                hf = hf.to(tl.float32)
-                squares += hf * hf
-            rstd = tl.rsqrt(tl.sum(squares, 0) / N + eps)
-            tl.debug_barrier()  # the row's stores (ADD) before they are read back
-            for d0 in range(0, N, BLOCK_D):
-                c = d0 + tl.arange(0, BLOCK_D)
-                hf = tl.load(hout_ptr + t * N + c, mask=c < N, other=0.0, cache_modifier=".cg").to(tl.float32)
-                w = tl.load(nw_ptr + c, mask=c < N, other=0.0).to(tl.float32)
-                tl.store(x_ptr + t * N + c, (hf * rstd * w).to(x_ptr.dtype.element_ty), mask=c < N)
-        tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch
-
-
-@triton.jit
 def _row_tile(offs_ptr, slot, M, E, GROUPED: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
     """The rows of row-tile slot ``slot``: (first row, end of the tile's group, expert; -1: a slot without rows).
     Grouped, the slot-th tile over the groups in order, each group cut in BLOCK_M rows."""
     if GROUPED:
-        e_idx, starts, ends, tiles = _group_tiles(offs_ptr, E, E_POW2, BLOCK_M)
+        e_idx = tl.arange(0, E_POW2)
+        ends = tl.load(offs_ptr + e_idx, mask=e_idx < E, other=0)
+        starts = tl.load(offs_ptr + e_idx - 1, mask=(e_idx > 0) & (e_idx < E), other=0)
+        tiles = tl.where(e_idx < E, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
         after = tl.cumsum(tiles, 0)
         hit = (slot >= after - tiles) & (slot < after)
         expert = tl.max(tl.where(hit, e_idx, -1), 0)
@@ -393,8 +314,7 @@ def _finish(acc, rm, rm_in, rn, rn_in, row_end, tile, pid_k, M, N, ts_ptr, strid
     """Store the fp32 tile ``acc`` [BLOCK_M, BLOCK_N] as bf16, times the tensor scale for nvfp4. Split K: store
     this split's partial; the last split of the tile to arrive sums them all in split order, so the result does
     not depend on timing, and resets the tile's counter. SWIGLU: the tile's gate and up halves (``_program_tile``),
-    each rounded to bf16 as the GEMM's output, make BLOCK_N / 2 columns of silu(gate) * up (``swiglu``). Returns
-    whether this program wrote the tile (split K: the last split only)."""
+    each rounded to bf16 as the GEMM's output, make BLOCK_N / 2 columns of silu(gate) * up (``swiglu``)."""
     row_ok = rm < row_end
     col_ok = rn < N
     if SPLIT:
@@ -403,7 +323,7 @@ def _finish(acc, rm, rm_in, rn, rn_in, row_end, tile, pid_k, M, N, ts_ptr, strid
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
         if arrived != SPLIT_K - 1:
-            return False
+            return
         acc = tl.zeros(acc.shape, dtype=tl.float32)
         for k in range(SPLIT_K):
             acc += tl.load(ws_tile + k * M * N, cache_modifier=".cg")
@@ -421,7 +341,6 @@ def _finish(acc, rm, rm_in, rn, rn_in, row_end, tile, pid_k, M, N, ts_ptr, strid
     else:
         out_ptrs = out_ptr + rm_in[:, None] * stride_om + rn[None, :] * stride_on
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-    return True
 
 
 @triton.jit
@@ -628,18 +547,16 @@ def _load_scales(ptrs, mask, HW: tl.constexpr, MASKED: tl.constexpr):
 
 @triton.jit
 def _weight_only_fma_kernel(
-    x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, rows_ptr, out_ptr, ws_ptr, cnt_ptr, slots_ptr, weights_ptr, comb_ptr,
-    comb_cnt_ptr, h_ptr, x_out_ptr, nw_ptr, norm_cnt_ptr, eps, stride_h, M, N, K, E, K_SPLIT, SPLIT_K, T,
+    x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, rows_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, E, K_SPLIT, SPLIT_K,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_tn, stride_om,
     FMT: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HW: tl.constexpr,
-    UNIT: tl.constexpr, SWIGLU: tl.constexpr, COMBINE: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    UNIT: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """The small-M path (module doc): x [M, K/2] as int32 pairs of bf16, w [N, K/2] as pairs of codes (a byte of
     two e2m1 codes, or a uint16 of two e4m3 codes), K contiguous in both. HW: upcast w with the GPU's conversions
-    (else integer bit operations, for the interpreter). COMBINE (grouped, unsplit): the row tiles' last program
-    also combines each token's COMBINE rows, with NORM into the residual, then its RMSNorm (``_combine_rows``)."""
+    (else integer bit operations, for the interpreter)."""
     GROUP: tl.constexpr = 16 if FMT == "nvfp4" else 32
     PAIRS: tl.constexpr = BLOCK_K // 2
     NU: tl.constexpr = PAIRS // UNIT
@@ -696,18 +613,8 @@ def _weight_only_fma_kernel(
             factor = (tl.maximum(s << 23, 0x400000) | (((s + 1) << 14) & 0x400000)).to(tl.float32, bitcast=True)
         acc += part * factor
     pdl.release_next(PDL)
-    wrote = _finish(tl.sum(acc, axis=2), rm, rm_in, rn, rn_in, row_end, pid_n * tl.num_programs(1) + slot, pid_k,
-                    M, N, ts_ptr, stride_tn, out_ptr, stride_om, 1, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT,
-                    SWIGLU)  # fmt: skip
-    if NORM and not COMBINE:  # dense: the residual add and the next norm once every tile is written
-        if wrote:
-            _norm_rows(out_ptr, h_ptr, stride_h, comb_ptr, x_out_ptr, nw_ptr, eps, norm_cnt_ptr,
-                       tl.num_programs(0) * tl.num_programs(1), M, N, True, BLOCK_D)  # fmt: skip
-    if COMBINE:
-        _, _, _, tiles = _group_tiles(offs_ptr, E, E_POW2, BLOCK_M)
-        _combine_rows(out_ptr, stride_om, rn, N, tl.sum(tiles, 0), comb_cnt_ptr + pid_n, slots_ptr, weights_ptr,
-                      comb_ptr, T, h_ptr, stride_h, x_out_ptr, nw_ptr, eps, norm_cnt_ptr,
-                      tl.num_programs(0), COMBINE, NORM, BLOCK_D)  # fmt: skip
+    _finish(tl.sum(acc, axis=2), rm, rm_in, rn, rn_in, row_end, pid_n * tl.num_programs(1) + slot, pid_k, M, N,
+            ts_ptr, stride_tn, out_ptr, stride_om, 1, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT, SWIGLU)  # fmt: skip
 
 
 @triton.jit
@@ -886,28 +793,6 @@ def _row_slots(m: int, block_m: int, n_groups: int) -> int:
     return (m + min(n_groups, m) * (block_m - 1)) // block_m
 
 
-def _check_combine(combine: tuple[torch.Tensor, torch.Tensor], m: int, grouped: bool, swiglu: bool,
-                   device: torch.device, op: str) -> None:  # fmt: skip
-    slots, weights = combine
-    if not grouped or swiglu:
-        raise ValueError(f"{op}: combine is for the grouped GEMM's rows (an MoE's down projection), without swiglu")
-    if (slots.dim() != 2 or weights.shape != slots.shape or slots.dtype != torch.int32
-            or weights.dtype != torch.float32 or slots.shape[0] * slots.shape[1] != m):  # fmt: skip
-        raise ValueError(f"{op}: combine takes slots int32 and weights fp32 [T, k] with T * k = M = {m} rows; got "
-                         f"{slots.dtype} {tuple(slots.shape)} and {weights.dtype} {tuple(weights.shape)}")  # fmt: skip
-    if slots.device != device or weights.device != device or not (slots.is_contiguous() and weights.is_contiguous()):
-        raise ValueError(f"{op}: combine's slots and weights must be contiguous, on x's device")
-
-
-def _with_norm(y: torch.Tensor, norm: tuple | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """y, or with ``norm`` = (h, weight, eps) ``add_rms_norm``'s pair of it (the epilogue's work, after the GEMM)."""
-    if norm is None:
-        return y
-    from mx_kernels.decode_fused import add_rms_norm
-
-    return add_rms_norm(norm[0], y, norm[1], norm[2])
-
-
 def _n_tiles(n: int, block_n: int, swiglu: bool) -> int:
     """Program tiles along N: ``block_n`` rows of the weight each; with ``swiglu``, ``block_n`` / 2 gate rows and
     the same up rows, a pair for each of N / 2 output columns."""
@@ -932,20 +817,13 @@ def weight_only_mm(
     split_k: int | None = None,
     rows: torch.Tensor | None = None,
     swiglu: bool = False,
-    combine: tuple[torch.Tensor, torch.Tensor] | None = None,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """x [M, K] bf16 @ dequantize(qdata, scale, tensor_scale).T -> [M, N] bf16 (module doc). ``offs``: the
     grouped GEMM (qdata [E, N, K/pack], scale [E, N, K/group], x sorted by group, int32 cumulative row ends).
     ``rows`` (grouped only): int32 [M], the GEMM's rows are x[rows] (x [T, K]: an MoE's tokens), read in place.
     ``tensor_scale`` (nvfp4): one, or one per row of N (weights concatenated along N). ``swiglu``: the weight is
     SwiGLU's w1 and w3 concatenated along N; out [M, N / 2] = silu(x w1^T) * (x w3^T), each GEMM output rounded
     to bf16 and the product as ``silu_mul`` rounds it (mx_kernels.decode_fused.swiglu), in the GEMM's epilogue.
-    ``combine`` = (slots [T, k] int32, weights [T, k] fp32), grouped only: out [T, N] = each token's k rows of the
-    GEMM weighed and summed as ``moe_combine`` does it (mx_kernels.moe_routing), bit for bit; on the small-M path
-    in the GEMM (unsplit: its row tiles' last program combines), else by ``moe_combine`` after it. ``norm`` =
-    (h, weight [N], eps), with ``combine`` or for a dense GEMM: returns ``add_rms_norm(h, output, weight, eps)``'s
-    pair (the residual stream plus the output, and its RMSNorm), in the GEMM on the small-M path.
     ``config`` overrides the tiles (one with BLOCK_M takes the tl.dot path, one without the small-M path) and
     ``split_k`` the split (None: the config's SPLIT_K, else from the SM count)."""
     grouped = offs is not None
@@ -953,15 +831,6 @@ def weight_only_mm(
     n, k = check(x, qdata, scale, tensor_scale, fmt, grouped, op)
     if swiglu and n % 2:
         raise ValueError(f"{op}: swiglu takes w1 and w3 concatenated along N, an even N; got N = {n}")
-    if combine is not None:
-        _check_combine(combine, x.shape[0] if rows is None else rows.shape[0], grouped, swiglu, x.device, op)
-    if norm is not None:
-        rows_out = combine[0].shape[0] if combine is not None else x.shape[0] if rows is None else rows.shape[0]
-        if (swiglu or (grouped and combine is None) or norm[0].shape != (rows_out, n) or norm[0].stride(1) != 1
-                or norm[1].shape != (n,) or not norm[1].is_contiguous()):  # fmt: skip
-            raise ValueError(f"{op}: norm = (h [rows out, N], weight [N], eps), h's rows contiguous, for a dense GEMM "
-                             f"or with combine, without swiglu; got h {tuple(norm[0].shape)}, weight "
-                             f"{tuple(norm[1].shape)}")  # fmt: skip
     if not x.is_cuda and not interpreting():
         raise RuntimeError(f"{op}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
     if grouped and (offs.dim() != 1 or offs.dtype != torch.int32 or offs.shape[0] != qdata.shape[0]):
@@ -971,12 +840,10 @@ def weight_only_mm(
                          f"{rows.dtype} {tuple(rows.shape)} on {rows.device}")  # fmt: skip
     m = x.shape[0] if rows is None else rows.shape[0]
     out = torch.empty((m, n // 2 if swiglu else n), dtype=torch.bfloat16, device=x.device)
-    if combine is not None and (m == 0 or n == 0 or k == 0):  # nothing to sum, or sums of zeros
-        return _with_norm(torch.zeros((combine[0].shape[0], n), dtype=torch.bfloat16, device=x.device), norm)
     if m == 0 or n == 0:
-        return (norm[0].clone(), torch.empty_like(norm[0])) if norm is not None else out  # no rows, or empty ones
+        return out
     if k == 0:  # a GEMM of zeros: silu(0) * 0 = 0 too
-        return _with_norm(out.zero_(), norm)
+        return out.zero_()
     n_groups = qdata.shape[0] if grouped else 1
     per_group = cdiv(m, n_groups)
     if config is None and split_k is None and _TUNE and x.is_cuda and not torch.cuda.is_current_stream_capturing():
@@ -989,16 +856,6 @@ def weight_only_mm(
     cfg = {**config_for(per_group, fmt, n, k, fma, dot_scaled_ok(x.device)), **(config or {})}
     if fma and per_group > 16:
         raise ValueError(f"{op}: the small-M path takes at most 16 rows per group, got {per_group} (config {config})")
-    if combine is not None or norm is not None:  # the epilogues: in the small-M GEMM (combine unsplit), else after it
-        if fma:
-            split = 1 if combine is not None else split_k
-            return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, out, cfg, split, swiglu, combine, norm)
-        y = weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, config, split_k, rows)
-        if combine is not None:
-            from mx_kernels.moe_routing import moe_combine
-
-            y = moe_combine(y, *combine, None)
-        return _with_norm(y, norm)
     if fma:
         return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, out, cfg, split_k, swiglu)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -1045,10 +902,8 @@ def weight_only_mm(
 
 def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: str,
             offs: torch.Tensor | None, rows: torch.Tensor | None, out: torch.Tensor, cfg: dict, split_k: int | None,
-            swiglu: bool = False, combine: tuple[torch.Tensor, ...] | None = None, norm: tuple | None = None
-            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The small-M path of ``weight_only_mm`` into ``out`` (module doc); with ``combine`` (unsplit), the combined
-    rows [T, N]; with ``norm`` too, (h + them, their RMSNorm)."""
+            swiglu: bool = False) -> torch.Tensor:  # fmt: skip
+    """The small-M path of ``weight_only_mm`` into ``out`` (module doc)."""
     grouped = offs is not None
     m, n, k = out.shape[0], qdata.shape[-2], x.shape[1]
     n_groups = qdata.shape[0] if grouped else 1
@@ -1081,25 +936,11 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     counters = arrival_counters("weight_only", x.device, COUNTERS) if split_k > 1 else out
     ts, stride_tn = _tensor_scale(tensor_scale, n, out)
-    comb = out
-    if combine is not None:  # the combined rows, by the last row tile of each column tile (split 1: see the caller)
-        comb = torch.empty((combine[0].shape[0], n), dtype=out.dtype, device=x.device)
-    elif norm is not None:  # the new residual stream: h + out
-        comb = torch.empty_like(out)
-    tok_slots, tok_weights = combine if combine is not None else (out, out)
-    comb_counters = out if combine is None else arrival_counters("weight_only_combine", x.device, COUNTERS)
-    residual, norm_weight, eps = norm if norm is not None else (out, out, 0.0)
-    normed = torch.empty_like(comb) if norm is not None else out
-    norm_counter = arrival_counters("weight_only_norm", x.device, 1) if norm is not None else out
     _FMA_LAUNCHES.launch(
         (n_tiles, slots, split_k),
         dict(
             x_ptr=x.view(torch.int32), w_ptr=w, s_ptr=s, ts_ptr=ts, offs_ptr=offs if grouped else out,
-            rows_ptr=rows if rows is not None else out, out_ptr=out, slots_ptr=tok_slots, weights_ptr=tok_weights,
-            comb_ptr=comb, comb_cnt_ptr=comb_counters, T=comb.shape[0],
-            COMBINE=combine[0].shape[1] if combine is not None else 0, h_ptr=residual, x_out_ptr=normed,
-            nw_ptr=norm_weight, norm_cnt_ptr=norm_counter, eps=float(eps), stride_h=residual.stride(0),
-            NORM=norm is not None, BLOCK_D=min(triton.next_power_of_2(n), NORM_BLOCK),
+            rows_ptr=rows if rows is not None else out, out_ptr=out,
             ws_ptr=ws, cnt_ptr=counters, M=m, N=n, K=k, E=n_groups, K_SPLIT=k_split, SPLIT_K=split_k,
             stride_xm=x.stride(0) // 2, stride_we=w.stride(0), stride_wn=w.stride(1), stride_se=s.stride(0),
             stride_sn=s.stride(1), stride_tn=stride_tn, stride_om=out.stride(0), FMT=fmt, GROUPED=grouped,
@@ -1108,7 +949,7 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
             UNIT=unit, SWIGLU=swiglu, num_warps=warps, num_stages=cfg.get("num_stages", 1), **pdl.options(x.device),
         ),
     )  # fmt: skip
-    return (comb, normed) if norm is not None else comb
+    return out
 
 
 def dequantize(qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: str,

@@ -10,17 +10,16 @@ The cache is laid out per KV head, [batch, kv heads, max_len, head dim], and the
 attend as one head with their queries stacked (grouped-query attention): SDPA reads each layer's cache once, in
 place, where repeating it per query head would copy it n_heads / n_kv_heads times a step.
 
-A decode step (one position) on a GPU runs the same computation in few launches (``_kernel_step``): the residual add
-with RMSNorm and SwiGLU's silu * mul as fused kernels (``mx_recipe.infer.fused``; with packed weights on the
-weight-only kernel, silu * mul in the fused gate/up GEMM and each add + RMSNorm in the GEMM before it: wo's, w2's),
-attention by the split-KV kernel of ``mx_recipe.infer.attention`` with RoPE and the cache write in it, which reads
-only the positions written so far and spreads them over the SMs (at batch 1 SDPA runs one program per KV head and
-waits on its loads), and an MoE block's routing and combine by the kernels of ``mx_recipe.infer.routing`` (one
-launch each, where eager routing takes some twenty; up to ``gate_fits`` tokens the router's GEMM runs in the routing
-launch too, and quantized experts on the kernel combine, add into the residual stream and take the next norm in
-their down GEMM). The position is a device tensor, so one CUDA graph serves every step. The prefill, and every step
-on the CPU, run the model's modules with SDPA and the mask. The fused MoE step leaves the block's
-``tokens_per_expert`` (a training statistic for the balancing bias) untouched.
+A decode step (one position) on a GPU runs the same computation in few launches (``_kernel_step``): the residual
+add with RMSNorm and SwiGLU's silu * mul as fused kernels (``mx_recipe.infer.fused``; silu * mul in the gate/up
+GEMM's epilogue where w1 and w3 are packed, fused and on the weight-only kernel), attention by the split-KV
+kernel of ``mx_recipe.infer.attention`` with RoPE and the cache write in it, which reads only the positions
+written so far and spreads them over the SMs (at batch 1 SDPA runs one program per KV head and waits on its
+loads), and an MoE block's routing and combine by the kernels of ``mx_recipe.infer.routing`` (one launch each,
+where eager routing takes some twenty; up to ``gate_fits`` tokens the router's GEMM runs in the routing launch
+too). The position is a device tensor, so one CUDA graph serves every step.
+The prefill, and every step on the CPU, run the model's modules with SDPA and the mask. The fused MoE step leaves
+the block's ``tokens_per_expert`` (a training statistic for the balancing bias) untouched.
 
 ``DecodeGraph`` captures one decode step in a CUDA graph and replays it: a step launches a few hundred small
 kernels, whose launch time would otherwise exceed their run time at small batch.
@@ -48,7 +47,7 @@ from torch import nn
 from mx_recipe.infer.attention import decode_attention_append, use_kernel
 from mx_recipe.infer.fused import add_rms_norm, silu_mul
 from mx_recipe.infer.routing import fits, gate_fits, moe_combine, moe_gate_route, moe_route
-from mx_recipe.infer.weights import FusedPart, PackedWeight, QuantizedLinear
+from mx_recipe.infer.weights import FusedPart, PackedWeight
 from mx_recipe.models.llama import Attention, FeedForward, Transformer, apply_rope, project
 from mx_recipe.models.moe import MoE
 from mx_recipe.ops import get_kernel_settings
@@ -97,32 +96,17 @@ def _eps(norm: nn.RMSNorm, dtype: torch.dtype) -> float:
     return norm.eps if norm.eps is not None else torch.finfo(dtype).eps  # nn.RMSNorm's default
 
 
-def _swiglu_step(ffn: FeedForward, x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """SwiGLU of rows x; with ``norm`` = (the residual stream, the next norm's weight, eps), ``add_rms_norm``'s
-    pair of it (in w2's GEMM for a packed w2 on the kernel)."""
+def _swiglu_step(ffn: FeedForward, x: torch.Tensor) -> torch.Tensor:
     fused = ffn.w1.fused if isinstance(ffn.w1, FusedPart) else None
     if fused is not None and getattr(ffn.w3, "fused", None) is fused and fused.fuses_swiglu:
-        act = fused.swiglu(x)
-    else:
-        act = silu_mul(*project(x, ffn.w1, ffn.w3))
-    return ffn.w2(act) if norm is None else _linear_add_norm(ffn.w2, act, norm)
+        return ffn.w2(fused.swiglu(x))
+    h1, h3 = project(x, ffn.w1, ffn.w3)
+    return ffn.w2(silu_mul(h1, h3))
 
 
-def _linear_add_norm(linear: nn.Module, x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``add_rms_norm(norm[0], linear(x), *norm[1:])``: in the GEMM for a packed linear on the kernel."""
-    if isinstance(linear, QuantizedLinear) and linear.kernel:
-        return linear.add_norm(x, norm)
-    return add_rms_norm(norm[0], linear(x), norm[1], norm[2])
-
-
-def _moe_step(moe: MoE, x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float]
-              ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _moe_step(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """``moe`` on a decode step's tokens x [T, dim], routed and combined by the fused kernels; shared experts
-    folded into the quantized experts (mx_recipe.infer.weights.fuse_projections) run as groups of every token.
-    Returns ``add_rms_norm(*norm)``'s pair of its output: norm = (the residual stream, the next norm's weight,
-    eps), in the down GEMM for quantized experts on the kernel."""
+    folded into the quantized experts (mx_recipe.infer.weights.fuse_projections) run as groups of every token."""
     router = moe.router
     bias = moe.expert_bias.float() if moe.bias_update_speed > 0 else None
     folded = getattr(moe.experts, "shared", 0)
@@ -136,25 +120,19 @@ def _moe_step(moe: MoE, x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor,
         h = moe.experts.swiglu(x, offs, rows)
     else:
         h = silu_mul(*moe.experts.gate_up(x, offs, rows))
-    if moe.shared_experts is None or folded:  # combine, add and norm in the down GEMM where it runs the kernel
-        if getattr(moe.experts, "kernel", False):
-            return moe.experts.down_add_norm(h, offs, (slots, weights), norm)
-        delta = moe_combine(moe.experts.down(h, offs), slots, weights, None)
-    else:
-        delta = moe_combine(moe.experts.down(h, offs), slots, weights, _swiglu_step(moe.shared_experts, x))
-    return add_rms_norm(norm[0], delta, norm[1], norm[2])
+    y = moe.experts.down(h, offs)
+    shared = _swiglu_step(moe.shared_experts, x) if moe.shared_experts is not None and not folded else None
+    return moe_combine(y, slots, weights, shared)
 
 
-def _ffn_step(layer: nn.Module, x: torch.Tensor, h: torch.Tensor, norm: nn.RMSNorm
-              ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The block's feed-forward or MoE on rows x [T, dim] with the fused kernels, where they take it, added to the
-    residual stream h and normalized by the next ``norm``: (the new stream, its norm)."""
-    ffn, eps = _ffn(layer), _eps(norm, h.dtype)
-    if isinstance(ffn, MoE) and fits(x.shape[0], ffn.n_experts):
-        return _moe_step(ffn, x, (h, norm.weight, eps))
+def _ffn_step(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The block's feed-forward or MoE on rows x [T, dim] with the fused kernels, where they take it."""
+    ffn = _ffn(layer)
     if isinstance(ffn, FeedForward):
-        return _swiglu_step(ffn, x, (h, norm.weight, eps))
-    return add_rms_norm(h, ffn(x[:, None]).view(x.shape), norm.weight, eps)
+        return _swiglu_step(ffn, x)
+    if isinstance(ffn, MoE) and fits(x.shape[0], ffn.n_experts):
+        return _moe_step(ffn, x)
+    return ffn(x[:, None]).view(x.shape)
 
 
 def pdl_pays(model: Transformer, batch: int) -> bool:
@@ -177,18 +155,16 @@ def _layers_step(model: Transformer, tokens: torch.Tensor, position: torch.Tenso
     batch = tokens.shape[0]
     h = model.tok_embeddings(tokens).view(batch, -1)
     length = position + 1
-    layers = list(model.layers.values())
-    # each block's output goes into the stream with the next block's norm (the model's last) in one step
-    norms = [layer.attention_norm for layer in layers[1:]] + [model.norm] if layers else []
-    first = layers[0].attention_norm if layers else model.norm
-    h, x = add_rms_norm(h, None, first.weight, _eps(first, h.dtype))
-    for i, (layer, next_norm) in enumerate(zip(layers, norms, strict=True)):
-        attn = layer.attention
+    delta = None
+    for i, layer in enumerate(model.layers.values()):
+        norm, attn = layer.attention_norm, layer.attention
+        h, x = add_rms_norm(h, delta, norm.weight, _eps(norm, h.dtype))
         q, k, v = project(x, attn.wq, attn.wk, attn.wv)
         q = q.view(batch, attn.n_kv_heads, attn.n_heads // attn.n_kv_heads, attn.head_dim)  # no copy: heads split
         out = decode_attention_append(q, k, v, model.rope_cos, model.rope_sin, cache.k[i], cache.v[i], length)
-        h, x = _linear_add_norm(attn.wo, out.view(batch, -1), (h, layer.ffn_norm.weight, _eps(layer.ffn_norm, h.dtype)))
-        h, x = _ffn_step(layer, x, h, next_norm)
+        h, x = add_rms_norm(h, attn.wo(out.view(batch, -1)), layer.ffn_norm.weight, _eps(layer.ffn_norm, h.dtype))
+        delta = _ffn_step(layer, x)
+    _, x = add_rms_norm(h, delta, model.norm.weight, _eps(model.norm, h.dtype))
     return model.output(x).view(batch, 1, -1)
 
 

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mx_recipe.infer.fused import add_rms_norm
 from mx_recipe.library import define
 from mx_recipe.ops.device import capability
 
@@ -28,47 +27,24 @@ LARGE_M = 128  # rows (per group) past which dequantize_packed + cuBLAS runs ins
 
 
 def _launch(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
-            offs: Tensor | None = None, rows: Tensor | None = None, *, swiglu: bool = False,
-            slots: Tensor | None = None, weights: Tensor | None = None) -> Tensor:  # fmt: skip
+            offs: Tensor | None = None, rows: Tensor | None = None, *, swiglu: bool = False) -> Tensor:  # fmt: skip
     from mx_kernels.mx.weight_only import weight_only_mm as launch
 
-    combine = (slots, weights) if slots is not None else None
-    return launch(x, qdata, scale, tensor_scale, fmt, offs, rows=rows, swiglu=swiglu, combine=combine)
+    return launch(x, qdata, scale, tensor_scale, fmt, offs, rows=rows, swiglu=swiglu)
 
 
 def _fake(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
-          offs: Tensor | None = None, rows: Tensor | None = None, *, swiglu: bool = False,
-          slots: Tensor | None = None, weights: Tensor | None = None) -> Tensor:  # fmt: skip
+          offs: Tensor | None = None, rows: Tensor | None = None, *, swiglu: bool = False) -> Tensor:  # fmt: skip
     m = x.shape[0] if rows is None else rows.shape[0]
     n = qdata.shape[-2]
-    return x.new_empty((slots.shape[0] if slots is not None else m, n // 2 if swiglu else n), dtype=torch.bfloat16)
+    return x.new_empty((m, n // 2 if swiglu else n), dtype=torch.bfloat16)
 
 
 define("weight_only_mm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt, *, bool swiglu=False)"
        " -> Tensor", _launch, _fake)  # fmt: skip
-
-
-def _launch_add_norm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str, h: Tensor,
-                     norm_weight: Tensor, eps: float, offs: Tensor | None = None, slots: Tensor | None = None,
-                     weights: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
-    from mx_kernels.mx.weight_only import weight_only_mm as launch
-
-    combine = (slots, weights) if slots is not None else None
-    return launch(x, qdata, scale, tensor_scale, fmt, offs, combine=combine, norm=(h, norm_weight, eps))
-
-
-def _fake_add_norm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str, h: Tensor,
-                   norm_weight: Tensor, eps: float, offs: Tensor | None = None, slots: Tensor | None = None,
-                   weights: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
-    return torch.empty_like(h), torch.empty_like(h)
-
-
-define("weight_only_add_norm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt, Tensor h, "
-       "Tensor norm_weight, float eps, Tensor? offs=None, Tensor? slots=None, Tensor? weights=None) -> "
-       "(Tensor, Tensor)", _launch_add_norm, _fake_add_norm)  # fmt: skip
 define(
     "weight_only_grouped_mm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt, Tensor offs,"
-    " Tensor? rows=None, *, bool swiglu=False, Tensor? slots=None, Tensor? weights=None) -> Tensor",
+    " Tensor? rows=None, *, bool swiglu=False) -> Tensor",
     _launch,
     _fake,
 )
@@ -122,49 +98,14 @@ def weight_only_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def combine_of(y: Tensor, slots: Tensor, weights: Tensor) -> Tensor:
-    """[T, N]: each token's rows y[slots[t]] times ``weights[t]``, summed in fp32, in y's dtype (``moe_combine``'s
-    function, eager: the reference of the kernels' ``combine`` epilogue)."""
-    return (weights[..., None] * y[slots.long()].float()).sum(1).to(y.dtype)
-
-
-def add_rms_norm_of(h: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(h + delta, RMSNorm(h + delta) * weight), the sum rounded to h's dtype, the norm in fp32 rounded once
-    (``add_rms_norm``'s function, eager: the reference of the kernel's ``norm`` epilogue)."""
-    hn = (h.float() + delta.float()).to(h.dtype)
-    hf = hn.float()
-    return hn, (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(h.dtype)
-
-
-def weight_only_add_norm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
-                         norm: tuple[Tensor, Tensor, float], offs: Tensor | None = None,
-                         combine: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``weight_only_mm`` (``offs``, ``combine``: ``weight_only_grouped_mm`` combining each token's rows), then the
-    residual add and the next RMSNorm: norm = (h, weight, eps) -> (h + the output, RMSNorm(h + the output) *
-    weight), ``add_rms_norm``'s pair, in the GEMM at decode's few rows."""
-    if x.shape[0] > LARGE_M * (qdata.shape[0] if offs is not None else 1):
-        if offs is None:
-            y = weight_only_mm(x, qdata, scale, tensor_scale, fmt)
-        else:
-            y = weight_only_grouped_mm(x, qdata, scale, tensor_scale, fmt, offs, combine=combine)
-        return add_rms_norm(norm[0], y, norm[1], norm[2])
-    slots, weights = combine if combine is not None else (None, None)
-    return torch.ops.mx_recipe.weight_only_add_norm(x, qdata, scale, tensor_scale, fmt, *norm, offs, slots, weights)
-
-
 def weight_only_grouped_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
-                           offs: Tensor, rows: Tensor | None = None, swiglu: bool = False,
-                           combine: tuple[Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
+                           offs: Tensor, rows: Tensor | None = None, swiglu: bool = False) -> Tensor:  # fmt: skip
     """x [M, K] bf16, sorted by group with int32 cumulative row ends ``offs`` [E], by w [E, N, K] packed along K:
     group e's rows @ dequantize(w[e]).T -> [M, N] bf16. Only the groups with rows read their weights. ``rows``:
     int32 [M], the groups' rows are x[rows] (x [T, K], the tokens), which the kernel reads in place.
-    ``swiglu``: as ``weight_only_mm``'s, per group. ``combine`` = (slots, weights) [T, k]: the output is [T, N],
-    each token's k rows weighed and summed (``moe_combine``), in the GEMM at decode's few rows."""
+    ``swiglu``: as ``weight_only_mm``'s, per group."""
     if (x.shape[0] if rows is None else rows.shape[0]) > LARGE_M * qdata.shape[0]:
         w = torch.ops.mx_recipe.dequantize_packed(qdata, scale, tensor_scale, fmt)
         y = torch._grouped_mm(x if rows is None else x[rows], w.transpose(-2, -1), offs=offs)
-        y = swiglu_of(y) if swiglu else y
-        return combine_of(y, *combine) if combine is not None else y
-    slots, weights = combine if combine is not None else (None, None)
-    return torch.ops.mx_recipe.weight_only_grouped_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, swiglu=swiglu,
-                                                      slots=slots, weights=weights)  # fmt: skip
+        return swiglu_of(y) if swiglu else y
+    return torch.ops.mx_recipe.weight_only_grouped_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, swiglu=swiglu)

@@ -31,16 +31,7 @@ from torch import nn
 
 from mx_recipe.formats.mx import BLOCK_SIZE, MXTensor, fake_quant, to_mx
 from mx_recipe.formats.nvfp4 import NVFP4Tensor, to_nvfp4
-from mx_recipe.infer.weight_only import (
-    PACK,
-    add_rms_norm_of,
-    combine_of,
-    swiglu_of,
-    use_kernel,
-    weight_only_add_norm,
-    weight_only_grouped_mm,
-    weight_only_mm,
-)
+from mx_recipe.infer.weight_only import PACK, swiglu_of, use_kernel, weight_only_grouped_mm, weight_only_mm
 from mx_recipe.models.llama import Attention, FeedForward
 from mx_recipe.models.moe import GroupedExperts, MoE
 from mx_recipe.nn.convert import DEFAULT_SKIP, skip_reason
@@ -89,28 +80,14 @@ class PackedWeight(nn.Module):
         return swiglu_of(y) if swiglu else y
 
     def grouped_mm(self, x: torch.Tensor, offs: torch.Tensor, kernel: bool, rows: torch.Tensor | None = None,
-                   swiglu: bool = False, combine: tuple[torch.Tensor, torch.Tensor] | None = None
-                   ) -> torch.Tensor:  # fmt: skip
+                   swiglu: bool = False) -> torch.Tensor:  # fmt: skip
         """x [M, K] sorted by group (int32 cumulative ends ``offs``) by each group's w [N, K]: [M, N]. ``rows``:
-        int32 [M], the groups' rows are x[rows] (the kernel reads them in place). ``swiglu``: as ``mm``'s.
-        ``combine`` = (slots, weights) [T, k]: [T, N], each token's rows weighed and summed (``moe_combine``)."""
+        int32 [M], the groups' rows are x[rows] (the kernel reads them in place). ``swiglu``: as ``mm``'s."""
         if kernel and use_kernel(x):
-            return weight_only_grouped_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, offs, rows, swiglu,
-                                          combine)  # fmt: skip
+            return weight_only_grouped_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, offs, rows, swiglu)
         x = x if rows is None else x[rows]
         y = torch._grouped_mm(x, self.dequantize(x.dtype).transpose(-2, -1), offs=offs)
-        y = swiglu_of(y) if swiglu else y
-        return combine_of(y, *combine) if combine is not None else y
-
-    def mm_add_norm(self, x: torch.Tensor, kernel: bool, norm: tuple[torch.Tensor, ...],
-                    offs: torch.Tensor | None = None, combine: tuple[torch.Tensor, torch.Tensor] | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``mm`` (``offs``: ``grouped_mm`` with ``combine``), then ``norm`` = (h, weight, eps): (h + the output,
-        its RMSNorm * weight), ``add_rms_norm``'s pair (in the kernel's GEMM at decode's few rows)."""
-        if kernel and use_kernel(x):
-            return weight_only_add_norm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, norm, offs, combine)
-        y = self.mm(x, False) if offs is None else self.grouped_mm(x, offs, False, combine=combine)
-        return add_rms_norm_of(norm[0], y, norm[1], norm[2])
+        return swiglu_of(y) if swiglu else y
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
@@ -147,14 +124,6 @@ class QuantizedLinear(nn.Module):
             x = quantize_activation(x, self.fmt)
         return self.weight_packed.mm(x, self.kernel)
 
-    def add_norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """This linear of x [M, in], added to the residual stream and normalized: norm = (h [M, out], the norm's
-        weight, eps) -> ``add_rms_norm``'s pair, in the GEMM on the kernel's small-M path."""
-        if self.activations:
-            x = quantize_activation(x, self.fmt)
-        return self.weight_packed.mm_add_norm(x, self.kernel, norm)
-
 
 def _cat_bytes(parts: list[torch.Tensor]) -> torch.Tensor:
     """``parts`` of one 1-byte dtype concatenated along dim 0, in that dtype (CUDA has no cat for e8m0)."""
@@ -178,20 +147,13 @@ class QuantizedExperts(nn.Module):
             setattr(self, f"{name}_packed", PackedWeight(quantize(getattr(experts, name).detach(), fmt), fmt))
         self.fmt, self.activations, self.kernel = fmt, activations, kernel
 
-    def _groups(self, x: torch.Tensor, offs: torch.Tensor, packed: PackedWeight
-                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(x as the GEMM reads it, the ends of all ``packed``'s groups)."""
+    def _mm(self, x: torch.Tensor, packed: PackedWeight, offs: torch.Tensor, rows: torch.Tensor | None = None,
+            swiglu: bool = False) -> torch.Tensor:  # fmt: skip
         if offs.shape[0] < packed.qdata.shape[0]:  # the routed groups' ends: the folded shared groups get no rows
             offs = torch.cat([offs, offs[-1:].expand(self.shared)])
         if self.activations:
             x = quantize_activation(x, self.fmt)  # per row along K: the same rows whether gathered before or after
-        return x, offs
-
-    def _mm(self, x: torch.Tensor, packed: PackedWeight, offs: torch.Tensor, routed: torch.Tensor | None = None,
-            swiglu: bool = False, combine: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:  # fmt: skip
-        x, offs = self._groups(x, offs, packed)
-        rows = routed if routed is None or routed.dtype == torch.int32 else routed.to(torch.int32)
-        return packed.grouped_mm(x, offs, self.kernel, rows, swiglu, combine)
+        return packed.grouped_mm(x, offs, self.kernel, rows, swiglu)
 
     def fuse(self) -> None:
         """Keep w1 and w3 as one weight [E, 2 * hidden, K] (``w13_packed``): one grouped GEMM for both."""
@@ -234,10 +196,11 @@ class QuantizedExperts(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """As ``models.moe.GroupedExperts.gate_up``: w1's and w3's outputs (views of one GEMM's when fused). The
         routed rows are read from x in place (``rows``), not gathered first."""
+        rows = routed if routed is None or routed.dtype == torch.int32 else routed.to(torch.int32)
         if hasattr(self, "w13_packed"):
-            h1, h3 = self._mm(x, self.w13_packed, offs, routed).chunk(2, dim=-1)
+            h1, h3 = self._mm(x, self.w13_packed, offs, rows).chunk(2, dim=-1)
             return h1, h3
-        return self._mm(x, self.w1_packed, offs, routed), self._mm(x, self.w3_packed, offs, routed)
+        return self._mm(x, self.w1_packed, offs, rows), self._mm(x, self.w3_packed, offs, rows)
 
     @property
     def fuses_swiglu(self) -> bool:
@@ -247,24 +210,14 @@ class QuantizedExperts(nn.Module):
     def swiglu(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
         """SwiGLU's ``F.silu(h1) * h3`` of ``gate_up``'s outputs; with w1 and w3 fused and the kernel, in the
         grouped GEMM's epilogue (``weight_only_grouped_mm``'s ``swiglu``: ``silu_mul``'s roundings)."""
+        rows = routed if routed is None or routed.dtype == torch.int32 else routed.to(torch.int32)
         if hasattr(self, "w13_packed"):
-            return self._mm(x, self.w13_packed, offs, routed, swiglu=True)
+            return self._mm(x, self.w13_packed, offs, rows, swiglu=True)
         h1, h3 = self.gate_up(x, offs, routed)
         return F.silu(h1) * h3
 
-    def down(self, h: torch.Tensor, offs: torch.Tensor, combine: tuple[torch.Tensor, torch.Tensor] | None = None
-             ) -> torch.Tensor:  # fmt: skip
-        """w2 of the groups' rows h; ``combine`` = (slots, weights) [T, k]: each token's rows weighed and summed
-        (``moe_route``'s slots and weights; shared groups folded in hold weight 1), [T, dim], in the GEMM on the
-        kernel's small-M path."""
-        return self._mm(h, self.w2_packed, offs, combine=combine)
-
-    def down_add_norm(self, h: torch.Tensor, offs: torch.Tensor, combine: tuple[torch.Tensor, torch.Tensor],
-                      norm: tuple[torch.Tensor, torch.Tensor, float]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``down`` with ``combine``, then the block's residual add and the next RMSNorm, norm = (residual,
-        weight, eps): ``add_rms_norm``'s pair, in the GEMM on the kernel's small-M path."""
-        h, offs = self._groups(h, offs, self.w2_packed)
-        return self.w2_packed.mm_add_norm(h, self.kernel, norm, offs, combine)
+    def down(self, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return self._mm(h, self.w2_packed, offs)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
         """As ``models.moe.GroupedExperts``: the groups are x, or x[routed] where the router hands the tokens over."""
