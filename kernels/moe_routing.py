@@ -47,7 +47,7 @@ def _route_kernel(
     pdl.wait_prior(PDL)
     pdl.release_next(PDL)
     _route(logits_ptr, bias_ptr, offs_ptr, rows_ptr, slots_ptr, weights_ptr, T, E, stride_l, K, SHARED, SOFTMAX,
-           HAS_BIAS, NORM, BLOCK_T, BLOCK_E)  # fmt: skip
+           HAS_BIAS, NORM, BLOCK_T, BLOCK_E, "")  # fmt: skip
 
 
 @triton.jit
@@ -80,7 +80,7 @@ def _gate_route_kernel(
 @triton.jit
 def _route(logits_ptr, bias_ptr, offs_ptr, rows_ptr, slots_ptr, weights_ptr, T, E, stride_l, K: tl.constexpr,
            SHARED: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CACHE: tl.constexpr = ""):  # fmt: skip
+           BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
     """Route the logits [T, E] (module doc); ``CACHE``: the logits' load cache modifier (".cg": another program
     wrote them, read them from L2)."""
     t = tl.arange(0, BLOCK_T)
