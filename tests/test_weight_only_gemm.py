@@ -291,9 +291,10 @@ def check_swiglu_epilogue(x: torch.Tensor, p: PackedWeight, offs: torch.Tensor |
 @interp_only
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_interp_swiglu_epilogue(fmt):
-    """``swiglu`` (w1 and w3 along N; out silu(x w1^T) * (x w3^T) in the GEMM's epilogue) against the unfused GEMM
-    then ``silu_mul``: the small-M path and both tensor-core paths, N / 2 = 21 (odd: a partial tile), K tails,
-    split 1 and 2 ways; grouped with empty groups and rows read in place. An odd N is a one-line error."""
+    """``swiglu`` (w1 and w3 along N; out silu(x w1^T) * (x w3^T)) against the unfused GEMM then ``silu_mul``: the
+    small-M path (in its epilogue) and both tensor-core paths (the GEMM, then silu_mul), N / 2 = 21 (odd: a partial
+    tile), K tails, split 1 and 2 ways; grouped with empty groups and rows read in place. An odd N is a one-line
+    error."""
     torch.manual_seed(9)
     k = 80 if fmt == "nvfp4" else 96
     p = packed(weights(42, k), fmt)

@@ -78,10 +78,12 @@ per tile) sums the partials in split order, so the result does not depend on tim
 the counter. The counters are one zeroed buffer per device, shared: two split GEMMs must not run at once on
 different streams.
 
-SwiGLU (``swiglu``, both paths): the weight is w1 and w3 concatenated along N; a program takes BLOCK_N / 2 rows
-of each, the same hidden units, and its epilogue rounds both halves to bf16 (as the unfused GEMM's output) and
-writes silu(gate) * up with ``silu_mul``'s roundings (mx_kernels.decode_fused.swiglu): the decode step's silu *
-mul launch folded into the GEMM, bit for bit the unfused GEMM then ``silu_mul`` on the same tiles and split.
+SwiGLU (``swiglu``): the weight is w1 and w3 concatenated along N. On the small-M path a program takes
+BLOCK_N / 2 rows of each, the same hidden units, and its epilogue rounds both halves to bf16 (as the unfused
+GEMM's output) and writes silu(gate) * up with ``silu_mul``'s roundings (mx_kernels.decode_fused.swiglu): the
+decode step's silu * mul launch folded into the GEMM, bit for bit the unfused GEMM then ``silu_mul`` on the same
+tiles and split. The tensor-core path runs the GEMM, then ``silu_mul``: there the halved tile cost more than the
+launch it saves.
 
 NVFP4's tensor scale is one fp32 value, or one per row of N: weights concatenated along N (fused projections)
 keep each part's own scale, and each output column is multiplied by its row's.
@@ -108,7 +110,7 @@ import triton
 import triton.language as tl
 from mx_kernels import pdl
 from mx_kernels.common import arrival_counters, cuda_capability, interpreting
-from mx_kernels.decode_fused import swiglu
+from mx_kernels.decode_fused import silu_mul, swiglu
 from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.spec import cdiv
 
@@ -463,8 +465,7 @@ def _weight_only_kernel(
     stride_on,
     FMT: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SCALED: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, DOT_BF16: tl.constexpr,
-    SWIGLU: tl.constexpr, PDL: tl.constexpr,
+    SCALED: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, DOT_BF16: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """The tensor-core path: one program's [BLOCK_M, BLOCK_N] tile over its split of K; ``SCALED``: by
     tl.dot_scaled, else the upcast written here (module doc)."""
@@ -474,7 +475,7 @@ def _weight_only_kernel(
     pid_k = tl.program_id(2)
 
     rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr = _program_tile(
-        offs_ptr, w_ptr, s_ptr, stride_we, stride_se, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M, BLOCK_N, SWIGLU
+        offs_ptr, w_ptr, s_ptr, stride_we, stride_se, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M, BLOCK_N, False
     )
     if GROUPED:
         if expert < 0:
@@ -492,7 +493,7 @@ def _weight_only_kernel(
     pdl.release_next(PDL)
     # SPLIT: SPLIT_K > 1, a runtime value: one compiled kernel for every split
     _finish(acc, rm, rm_in, rn, rn_in, row_end, pid_n * tl.num_programs(1) + slot, pid_k, M, N, ts_ptr, stride_tn,
-            out_ptr, stride_om, stride_on, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT, SWIGLU)  # fmt: skip
+            out_ptr, stride_om, stride_on, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT, False)  # fmt: skip
 
 
 # e4m3 pair (uint16, element 2j in the low byte) -> its two values in fp32, exact: the hardware conversion to f16x2
@@ -858,6 +859,9 @@ def weight_only_mm(
         raise ValueError(f"{op}: the small-M path takes at most 16 rows per group, got {per_group} (config {config})")
     if fma:
         return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, out, cfg, split_k, swiglu)
+    if swiglu:  # the tensor-core tile's epilogue does not pay (module doc): the GEMM, then silu_mul
+        y = weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, config, split_k, rows)
+        return silu_mul(y[:, : n // 2], y[:, n // 2 :])
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if block_k % 32 or block_m < 16 or block_n < 16:
         raise ValueError(f"{op}: BLOCK_K must be a multiple of 32, BLOCK_M and BLOCK_N at least 16; got {cfg}")
@@ -866,7 +870,7 @@ def weight_only_mm(
         raise ValueError(f"{op}: the tl.dot_scaled path takes the MX formats (not {fmt}) and BLOCK_K a multiple of "
                          f"64; got {cfg}")  # fmt: skip
     slots = _row_slots(m, block_m, n_groups)
-    n_tiles = _n_tiles(n, block_n, swiglu)
+    n_tiles = cdiv(n, block_n)
     tiles = n_tiles * slots
     k_tiles = cdiv(k, block_k)
     busy = n_tiles * (min(cdiv(m, block_m), n_groups) if grouped else slots)  # tiles with rows
@@ -890,7 +894,7 @@ def weight_only_mm(
         stride_om=out.stride(0), stride_on=out.stride(1), FMT=fmt,
         GROUPED=grouped, GATHER=rows is not None, E_POW2=max(2, triton.next_power_of_2(n_groups)),
         SPLIT=split_k > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        DOT_BF16=not interpreting(), SWIGLU=swiglu, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DOT_BF16=not interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl.options(x.device),
     )  # fmt: skip
     _LAUNCHES.launch(
