@@ -32,24 +32,14 @@ def _add_rms_norm_kernel(
     c = tl.arange(0, BLOCK)
     ok = c < D
     h = tl.load(h_ptr + row * stride_h + c, mask=ok, other=0.0)
-    delta = h
     if HAS_DELTA:
         delta = tl.load(delta_ptr + row * stride_d + c, mask=ok, other=0.0)
-    add_norm_row(h, delta, w_ptr, h_out_ptr + row * stride_ho, out_ptr + row * stride_o, c, ok, D, eps, HAS_DELTA)
-
-
-@triton.jit
-def add_norm_row(h, delta, w_ptr, h_out_ptr, out_ptr, c, ok, D, eps, HAS_DELTA: tl.constexpr):
-    """One row of ``add_rms_norm`` (a program of NORM_WARPS over the row's columns c): h + delta rounded to the
-    stream's dtype, stored at h_out_ptr, and its RMSNorm * weight (fp32, rounded once) at out_ptr. Also the end of
-    the MoE combine's ``moe_combine_add_norm`` (mx_kernels.moe_routing), which must round alike."""
-    if HAS_DELTA:
         h = (h.to(tl.float32) + delta.to(tl.float32)).to(h_out_ptr.dtype.element_ty)
-    tl.store(h_out_ptr + c, h, mask=ok)
+    tl.store(h_out_ptr + row * stride_ho + c, h, mask=ok)
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, 0) / D + eps)
     w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + c, (hf * rstd * w).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + row * stride_o + c, (hf * rstd * w).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -92,22 +82,15 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     h_out, out = torch.empty_like(h), torch.empty_like(h)
     if t == 0:
         return h_out, out
-    block, warps = norm_block(d)
+    block = triton.next_power_of_2(d)
     _NORM.launch(
         (t,),
         dict(h_ptr=h, delta_ptr=delta if delta is not None else h, w_ptr=weight, h_out_ptr=h_out, out_ptr=out,
              stride_h=h.stride(0), stride_d=delta.stride(0) if delta is not None else 0, stride_ho=h_out.stride(0),
-             stride_o=out.stride(0), D=d, eps=eps, HAS_DELTA=delta is not None, BLOCK=block, num_warps=warps,
-             **pdl.options(h.device)),
+             stride_o=out.stride(0), D=d, eps=eps, HAS_DELTA=delta is not None, BLOCK=block,
+             num_warps=min(16, max(1, block // 256)), **pdl.options(h.device)),
     )  # fmt: skip
     return h_out, out
-
-
-def norm_block(width: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) of a program that normalizes one row of ``width`` columns (``add_norm_row``): the whole
-    row, 8 columns a thread up to 16 warps. Its sum of squares reduces in the order these fix."""
-    block = triton.next_power_of_2(width)
-    return block, min(16, max(1, block // 256))
 
 
 def row_block(width: int) -> tuple[int, int]:

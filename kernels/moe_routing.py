@@ -20,8 +20,6 @@ product, zeros, index_add, the shared experts' add); at decode each costs its la
   them and counts itself in on an arrival counter; the last program to arrive routes them as ``moe_route``.
 * ``moe_combine``: one program per token and block of columns sums its k rows of the experts' output, each times
   its weight, and the shared experts' output, in fp32 in expert order, rounded once to the output's dtype.
-  ``moe_combine_add_norm``: that, added to the residual stream and normalized (``add_rms_norm``) in the same
-  launch, one program a token over its whole row: the MoE block's output goes into the next block's norm.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ import triton
 import triton.language as tl
 from mx_kernels import pdl
 from mx_kernels.common import arrival_counters
-from mx_kernels.decode_fused import add_norm_row, norm_block, row_block
+from mx_kernels.decode_fused import row_block
 from mx_kernels.launch_cache import LaunchCache
 
 MAX_ROUTED = 16384  # T * E (padded to powers of 2) one routing program takes: a decode step's tokens
@@ -138,47 +136,19 @@ def _combine_kernel(
     tok = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < D
-    acc = _combine_row(y_ptr, slots_ptr, weights_ptr, shared_ptr, tok, c, ok, stride_y, stride_s, K, HAS_SHARED)
-    tl.store(out_ptr + tok * stride_o + c, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _combine_norm_kernel(
-    y_ptr, slots_ptr, weights_ptr, shared_ptr, h_ptr, w_ptr, h_out_ptr, out_ptr, D, eps, stride_y, stride_s,
-    stride_h, stride_ho, stride_o, K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-):  # fmt: skip
-    """One token's whole row: its combine rounded to y's dtype, then ``add_rms_norm``'s row (``add_norm_row``)."""
-    pdl.wait_prior(PDL)
-    pdl.release_next(PDL)
-    tok = tl.program_id(0)
-    c = tl.arange(0, BLOCK)
-    ok = c < D
-    acc = _combine_row(y_ptr, slots_ptr, weights_ptr, shared_ptr, tok, c, ok, stride_y, stride_s, K, HAS_SHARED)
-    h = tl.load(h_ptr + tok.to(tl.int64) * stride_h + c, mask=ok, other=0.0)
-    add_norm_row(h, acc.to(y_ptr.dtype.element_ty), w_ptr, h_out_ptr + tok.to(tl.int64) * stride_ho,
-                 out_ptr + tok.to(tl.int64) * stride_o, c, ok, D, eps, True)  # fmt: skip
-
-
-@triton.jit
-def _combine_row(y_ptr, slots_ptr, weights_ptr, shared_ptr, tok, c, ok, stride_y, stride_s, K: tl.constexpr,
-                 HAS_SHARED: tl.constexpr):  # fmt: skip
-    """Token tok's columns c of the combine in fp32: its K rows of y times their weights, in slot order, then
-    its shared row."""
-    acc = tl.zeros(c.shape, dtype=tl.float32)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(K):
         row = tl.load(slots_ptr + tok * K + j).to(tl.int64)
         wt = tl.load(weights_ptr + tok * K + j)
         acc += wt * tl.load(y_ptr + row * stride_y + c, mask=ok, other=0.0).to(tl.float32)
     if HAS_SHARED:
         acc += tl.load(shared_ptr + tok * stride_s + c, mask=ok, other=0.0).to(tl.float32)
-    return acc
+    tl.store(out_ptr + tok * stride_o + c, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 _ROUTE = LaunchCache(_route_kernel)
 _GATE_ROUTE = LaunchCache(_gate_route_kernel)
 _COMBINE = LaunchCache(_combine_kernel)
-_COMBINE_NORM = LaunchCache(_combine_norm_kernel)
 
 
 def fits(tokens: int, experts: int) -> bool:
@@ -269,45 +239,7 @@ def moe_combine(y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, sha
                 ) -> torch.Tensor:  # fmt: skip
     """out [T, D] = sum over k of weights[t, k] * y[slots[t, k]] (+ shared[t]), for the experts' rows y [T * k, D]
     (in y's dtype)."""
-    t, k, d = _check_combine(y, slots, weights, shared, "moe_combine")
-    out = torch.empty((t, d), dtype=y.dtype, device=y.device)
-    if t == 0 or d == 0:
-        return out
-    block, warps = row_block(d)
-    _COMBINE.launch(
-        (t, triton.cdiv(d, block)),
-        dict(_combine_args(y, slots, weights, shared), out_ptr=out, stride_o=out.stride(0), BLOCK=block,
-             num_warps=warps),
-    )  # fmt: skip
-    return out
-
-
-def moe_combine_add_norm(y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
-                         h: torch.Tensor, weight: torch.Tensor, eps: float
-                         ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``add_rms_norm(h, moe_combine(y, slots, weights, shared), weight, eps)`` in one launch, bit for bit: one
-    program a token holds its whole row (the norm's block and warps, so its sum of squares reduces alike)."""
-    op = "moe_combine_add_norm"
-    t, k, d = _check_combine(y, slots, weights, shared, op)
-    if h.shape != (t, d) or h.stride(1) != 1 or weight.shape != (d,) or not weight.is_contiguous():
-        raise ValueError(f"{op}: h [T, D] = [{t}, {d}] with contiguous rows and weight [D], got h "
-                         f"{tuple(h.shape)}, weight {tuple(weight.shape)}")  # fmt: skip
-    h_out, out = torch.empty_like(h), torch.empty_like(h)
-    if t == 0 or d == 0:
-        return h_out, out
-    block, warps = norm_block(d)
-    _COMBINE_NORM.launch(
-        (t,),
-        dict(_combine_args(y, slots, weights, shared), h_ptr=h, w_ptr=weight, h_out_ptr=h_out, out_ptr=out,
-             eps=eps, stride_h=h.stride(0), stride_ho=h_out.stride(0), stride_o=out.stride(0), BLOCK=block,
-             num_warps=warps),
-    )  # fmt: skip
-    return h_out, out
-
-
-def _check_combine(y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
-                   op: str) -> tuple[int, int, int]:  # fmt: skip
-    """(T, k, D) of a combine's arguments, or a one-line error."""
+    op = "moe_combine"
     if slots.dim() != 2 or weights.shape != slots.shape or slots.dtype != torch.int32 or weights.dtype != torch.float32:
         raise ValueError(f"{op}: slots int32 and weights fp32 [T, k], got {slots.dtype} {tuple(slots.shape)} and "
                          f"{weights.dtype} {tuple(weights.shape)}")  # fmt: skip
@@ -316,11 +248,16 @@ def _check_combine(y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, 
         raise ValueError(f"{op}: y must be [T * k, D] = [{t * k}, D] with contiguous rows, got {tuple(y.shape)}")
     if shared is not None and (shared.shape != (t, y.shape[1]) or shared.stride(1) != 1):
         raise ValueError(f"{op}: shared must be [T, D] = [{t}, {y.shape[1]}], got {tuple(shared.shape)}")
-    return t, k, y.shape[1]
-
-
-def _combine_args(y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None) -> dict:
-    return dict(y_ptr=y, slots_ptr=slots.contiguous(), weights_ptr=weights.contiguous(),
-                shared_ptr=shared if shared is not None else y, D=y.shape[1], stride_y=y.stride(0),
-                stride_s=shared.stride(0) if shared is not None else 0, K=slots.shape[1],
-                HAS_SHARED=shared is not None, **pdl.options(y.device))  # fmt: skip
+    d = y.shape[1]
+    out = torch.empty((t, d), dtype=y.dtype, device=y.device)
+    if t == 0 or d == 0:
+        return out
+    block, warps = row_block(d)
+    _COMBINE.launch(
+        (t, triton.cdiv(d, block)),
+        dict(y_ptr=y, slots_ptr=slots.contiguous(), weights_ptr=weights.contiguous(),
+             shared_ptr=shared if shared is not None else y, out_ptr=out, D=d, stride_y=y.stride(0),
+             stride_s=shared.stride(0) if shared is not None else 0, stride_o=out.stride(0), K=k,
+             HAS_SHARED=shared is not None, BLOCK=block, num_warps=warps, **pdl.options(y.device)),
+    )  # fmt: skip
+    return out

@@ -26,8 +26,7 @@ import pytest
 import torch
 from test_cast_kernels import run_interpreter_tests
 
-from mx_recipe.infer.fused import add_rms_norm
-from mx_recipe.infer.routing import moe_combine, moe_combine_add_norm, moe_gate_route, moe_route
+from mx_recipe.infer.routing import moe_combine, moe_gate_route, moe_route
 from mx_recipe.models.moe import MoEArgs, TokenChoiceRouter
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -97,19 +96,12 @@ def check_gate_route(t: int, e: int, d: int, k: int, dtype: torch.dtype, device:
         torch.testing.assert_close(got[3], want[3], rtol=1e-6, atol=1e-7)
 
 
-def combine_inputs(t: int, k: int, d: int, dtype: torch.dtype, with_shared: bool, device: str
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """(y, slots, weights, shared) of a combine: T tokens of k rows each, D columns."""
+def check_combine(t: int, k: int, d: int, dtype: torch.dtype, with_shared: bool, device: str) -> None:
     torch.manual_seed(t + k + d)
     slots = torch.randperm(t * k, device=device).to(torch.int32).view(t, k)  # each row of y is one token's
     weights = torch.rand(t, k, device=device)
     y = torch.randn(t * k, d, device=device).to(dtype)
     shared = torch.randn(t, d, device=device).to(dtype) if with_shared else None
-    return y, slots, weights, shared
-
-
-def check_combine(t: int, k: int, d: int, dtype: torch.dtype, with_shared: bool, device: str) -> None:
-    y, slots, weights, shared = combine_inputs(t, k, d, dtype, with_shared, device)
     got = moe_combine(y, slots, weights, shared)
     terms = weights.double()[:, :, None] * y.double()[slots.long()]
     want = terms.sum(1) + (shared.double() if with_shared else 0)
@@ -119,23 +111,12 @@ def check_combine(t: int, k: int, d: int, dtype: torch.dtype, with_shared: bool,
     assert ((got.double() - want).abs() <= one_rounding * want.abs() + 1e-6 * magnitude).all()
 
 
-def check_combine_add_norm(t: int, k: int, d: int, dtype: torch.dtype, with_shared: bool, device: str) -> None:
-    """``moe_combine_add_norm`` is ``moe_combine`` then ``add_rms_norm``, both outputs bit for bit."""
-    y, slots, weights, shared = combine_inputs(t, k, d, dtype, with_shared, device)
-    h = torch.randn(t, d, device=device).to(dtype)
-    weight = (torch.rand(d, device=device) + 0.5).to(dtype)
-    got = moe_combine_add_norm(y, slots, weights, shared, h, weight, 1e-5)
-    want = add_rms_norm(h, moe_combine(y, slots, weights, shared), weight, 1e-5)
-    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (t, k, d, dtype, with_shared)
-
-
 # ---------------------------------------------------------------------------------------
 # CPU, in this process
 
 
 def test_bad_arguments_are_one_line_errors():
     from mx_kernels.moe_routing import moe_combine as combine_kernel
-    from mx_kernels.moe_routing import moe_combine_add_norm as combine_add_norm_kernel
     from mx_kernels.moe_routing import moe_gate_route as gate_route_kernel
     from mx_kernels.moe_routing import moe_route as route_kernel
 
@@ -158,10 +139,6 @@ def test_bad_arguments_are_one_line_errors():
         combine_kernel(torch.randn(3, 8), slots, weights, None)
     with pytest.raises(ValueError, match="shared must be \\[T, D\\] = \\[2, 8\\]"):
         combine_kernel(torch.randn(4, 8), slots, weights, torch.randn(2, 4))
-    with pytest.raises(ValueError, match="moe_combine_add_norm: h \\[T, D\\] = \\[2, 8\\]"):
-        combine_add_norm_kernel(torch.randn(4, 8), slots, weights, None, torch.randn(2, 4), torch.ones(8), 1e-5)
-    with pytest.raises(ValueError, match="moe_combine_add_norm: slots int32"):
-        combine_add_norm_kernel(torch.randn(4, 8), slots.long(), weights, None, torch.randn(2, 8), torch.ones(8), 1e-5)
 
 
 def test_fake_shapes_under_compile_tracing():
@@ -173,9 +150,6 @@ def test_fake_shapes_under_compile_tracing():
         assert offs.dtype == rows.dtype == slots.dtype == torch.int32 and weights.dtype == torch.float32
         y = torch.empty(18, 32, dtype=torch.bfloat16)
         assert torch.ops.mx_recipe.moe_combine(y, slots, weights, None).shape == (3, 32)
-        h = torch.empty(3, 32, dtype=torch.bfloat16)
-        pair = torch.ops.mx_recipe.moe_combine_add_norm(y, slots, weights, None, h, torch.empty(32), 1e-5)
-        assert [p.shape for p in pair] == [(3, 32), (3, 32)]
         routed = torch.ops.mx_recipe.moe_gate_route(y[:3], torch.empty(64, 32, dtype=torch.bfloat16), None, 6, True,
                                                     False, 2)  # fmt: skip
         assert [r.shape for r in routed] == [(66,), (24,), (3, 8), (3, 8)]
@@ -213,7 +187,6 @@ def test_interp_combine(dtype):
     for t, k, d in [(1, 1, 16), (1, 6, 100), (5, 2, 64), (3, 3, 2500)]:
         check_combine(t, k, d, dtype, True, "cpu")
         check_combine(t, k, d, dtype, False, "cpu")
-        check_combine_add_norm(t, k, d, dtype, t % 2 == 1, "cpu")
 
 
 @interp_only
@@ -279,9 +252,6 @@ def test_gpu_route_moe16b_dims():
         check_route(t, 64, 6, False, True, True, "cuda")
     for t, d in [(1, 2048), (32, 2048)]:
         check_combine(t, 6, d, torch.bfloat16, True, "cuda")
-        check_combine_add_norm(t, 8, d, torch.bfloat16, False, "cuda")
-        check_combine_add_norm(t, 6, d, torch.bfloat16, True, "cuda")
-    check_combine_add_norm(2, 8, 7168, torch.bfloat16, False, "cuda")  # a 16-warp row
     for t in (1, 8, 16):
         check_gate_route(t, 64, 2048, 6, torch.bfloat16, "cuda", shared=2)
 

@@ -17,8 +17,7 @@ kernel of ``mx_recipe.infer.attention`` with RoPE and the cache write in it, whi
 written so far and spreads them over the SMs (at batch 1 SDPA runs one program per KV head and waits on its
 loads), and an MoE block's routing and combine by the kernels of ``mx_recipe.infer.routing`` (one launch each,
 where eager routing takes some twenty; up to ``gate_fits`` tokens the router's GEMM runs in the routing launch
-too, and the combine's launch adds the block's output to the stream and normalizes it for the next block).
-The position is a device tensor, so one CUDA graph serves every step.
+too). The position is a device tensor, so one CUDA graph serves every step.
 The prefill, and every step on the CPU, run the model's modules with SDPA and the mask. The fused MoE step leaves
 the block's ``tokens_per_expert`` (a training statistic for the balancing bias) untouched.
 
@@ -47,7 +46,7 @@ from torch import nn
 
 from mx_recipe.infer.attention import decode_attention_append, use_kernel
 from mx_recipe.infer.fused import add_rms_norm, silu_mul
-from mx_recipe.infer.routing import fits, gate_fits, moe_combine_add_norm, moe_gate_route, moe_route
+from mx_recipe.infer.routing import fits, gate_fits, moe_combine, moe_gate_route, moe_route
 from mx_recipe.infer.weights import FusedPart, PackedWeight
 from mx_recipe.models.llama import Attention, FeedForward, Transformer, apply_rope, project
 from mx_recipe.models.moe import MoE
@@ -105,10 +104,9 @@ def _swiglu_step(ffn: FeedForward, x: torch.Tensor) -> torch.Tensor:
     return ffn.w2(silu_mul(h1, h3))
 
 
-def _moe_step(moe: MoE, x: torch.Tensor, h: torch.Tensor, norm: nn.RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """``moe`` on a decode step's tokens x [T, dim] by the fused kernels, added to the residual stream h and
-    normalized by the next ``norm`` in the combine's launch: (the new stream, its norm). Shared experts folded
-    into the quantized experts (mx_recipe.infer.weights.fuse_projections) run as groups of every token."""
+def _moe_step(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """``moe`` on a decode step's tokens x [T, dim], routed and combined by the fused kernels; shared experts
+    folded into the quantized experts (mx_recipe.infer.weights.fuse_projections) run as groups of every token."""
     router = moe.router
     bias = moe.expert_bias.float() if moe.bias_update_speed > 0 else None
     folded = getattr(moe.experts, "shared", 0)
@@ -119,23 +117,22 @@ def _moe_step(moe: MoE, x: torch.Tensor, h: torch.Tensor, norm: nn.RMSNorm) -> t
         route = moe_route(gate(x), bias, moe.top_k, softmax, router.route_norm, folded)
     offs, rows, slots, weights = route
     if getattr(moe.experts, "fuses_swiglu", False):
-        act = moe.experts.swiglu(x, offs, rows)
+        h = moe.experts.swiglu(x, offs, rows)
     else:
-        act = silu_mul(*moe.experts.gate_up(x, offs, rows))
-    y = moe.experts.down(act, offs)
+        h = silu_mul(*moe.experts.gate_up(x, offs, rows))
+    y = moe.experts.down(h, offs)
     shared = _swiglu_step(moe.shared_experts, x) if moe.shared_experts is not None and not folded else None
-    return moe_combine_add_norm(y, slots, weights, shared, h, norm.weight, _eps(norm, h.dtype))
+    return moe_combine(y, slots, weights, shared)
 
 
-def _ffn_step(layer: nn.Module, x: torch.Tensor, h: torch.Tensor, norm: nn.RMSNorm
-              ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The block's feed-forward or MoE on rows x [T, dim] with the fused kernels, where they take it, added to the
-    residual stream h and normalized by the next ``norm``: (the new stream, its norm)."""
+def _ffn_step(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The block's feed-forward or MoE on rows x [T, dim] with the fused kernels, where they take it."""
     ffn = _ffn(layer)
+    if isinstance(ffn, FeedForward):
+        return _swiglu_step(ffn, x)
     if isinstance(ffn, MoE) and fits(x.shape[0], ffn.n_experts):
-        return _moe_step(ffn, x, h, norm)
-    delta = _swiglu_step(ffn, x) if isinstance(ffn, FeedForward) else ffn(x[:, None]).view(x.shape)
-    return add_rms_norm(h, delta, norm.weight, _eps(norm, h.dtype))
+        return _moe_step(ffn, x)
+    return ffn(x[:, None]).view(x.shape)
 
 
 def pdl_pays(model: Transformer, batch: int) -> bool:
@@ -158,18 +155,16 @@ def _layers_step(model: Transformer, tokens: torch.Tensor, position: torch.Tenso
     batch = tokens.shape[0]
     h = model.tok_embeddings(tokens).view(batch, -1)
     length = position + 1
-    layers = list(model.layers.values())
-    # each block's output goes into the stream with the next block's norm (the model's last) in one launch
-    next_norms = [layer.attention_norm for layer in layers[1:]] + [model.norm] if layers else []
-    first = layers[0].attention_norm if layers else model.norm
-    h, x = add_rms_norm(h, None, first.weight, _eps(first, h.dtype))
-    for i, (layer, next_norm) in enumerate(zip(layers, next_norms, strict=True)):
-        attn = layer.attention
+    delta = None
+    for i, layer in enumerate(model.layers.values()):
+        norm, attn = layer.attention_norm, layer.attention
+        h, x = add_rms_norm(h, delta, norm.weight, _eps(norm, h.dtype))
         q, k, v = project(x, attn.wq, attn.wk, attn.wv)
         q = q.view(batch, attn.n_kv_heads, attn.n_heads // attn.n_kv_heads, attn.head_dim)  # no copy: heads split
         out = decode_attention_append(q, k, v, model.rope_cos, model.rope_sin, cache.k[i], cache.v[i], length)
         h, x = add_rms_norm(h, attn.wo(out.view(batch, -1)), layer.ffn_norm.weight, _eps(layer.ffn_norm, h.dtype))
-        h, x = _ffn_step(layer, x, h, next_norm)
+        delta = _ffn_step(layer, x)
+    _, x = add_rms_norm(h, delta, model.norm.weight, _eps(model.norm, h.dtype))
     return model.output(x).view(batch, 1, -1)
 
 

@@ -1,8 +1,7 @@
 """An MoE block's decode-step routing as custom ops (mx_kernels.moe_routing, whose docstring gives the layout and
 the numerics): ``torch.ops.mx_recipe.moe_route`` turns the router's logits into the grouped GEMM's rows sorted by
 expert (``moe_gate_route``: from the router's input and weight, its GEMM in the same launch), and ``moe_combine``
-weighs and sums each token's expert rows with its shared experts' output (``moe_combine_add_norm``: then the
-residual add and the next RMSNorm, in the same launch). Fake implementations give the shapes,
+weighs and sums each token's expert rows with its shared experts' output. Fake implementations give the shapes,
 so torch.compile and CUDA-graph capture take each kernel as one opaque node; Triton is imported on the first call
 only.
 
@@ -62,25 +61,11 @@ def _combine_fake(y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | No
     return y.new_empty((slots.shape[0], y.shape[1]))
 
 
-def _combine_add_norm(y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | None, h: Tensor, weight: Tensor,
-                      eps: float) -> tuple[Tensor, Tensor]:  # fmt: skip
-    from mx_kernels.moe_routing import moe_combine_add_norm
-
-    return moe_combine_add_norm(y, slots, weights, shared, h, weight, eps)
-
-
-def _combine_add_norm_fake(y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | None, h: Tensor,
-                           weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:  # fmt: skip
-    return torch.empty_like(h), torch.empty_like(h)
-
-
 define("moe_route(Tensor logits, Tensor? bias, int top_k, bool softmax, bool norm, int shared=0) -> (Tensor, Tensor, "
        "Tensor, Tensor)", _route, _route_fake)  # fmt: skip
 define("moe_gate_route(Tensor x, Tensor gate, Tensor? bias, int top_k, bool softmax, bool norm, int shared=0) -> "
        "(Tensor, Tensor, Tensor, Tensor)", _gate_route, _gate_route_fake)  # fmt: skip
 define("moe_combine(Tensor y, Tensor slots, Tensor weights, Tensor? shared) -> Tensor", _combine, _combine_fake)
-define("moe_combine_add_norm(Tensor y, Tensor slots, Tensor weights, Tensor? shared, Tensor h, Tensor weight, "
-       "float eps) -> (Tensor, Tensor)", _combine_add_norm, _combine_add_norm_fake)  # fmt: skip
 
 
 def moe_route(logits: Tensor, bias: Tensor | None, top_k: int, softmax: bool, norm: bool, shared: int = 0
@@ -111,10 +96,3 @@ def moe_combine(y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | None
     """[T, D]: each token's rows of the experts' output y [T * k, D] times their weights, summed, plus its row of
     ``shared`` (the shared experts' output; None: none), in fp32, rounded once to y's dtype."""
     return torch.ops.mx_recipe.moe_combine(y, slots, weights, shared)
-
-
-def moe_combine_add_norm(y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | None, h: Tensor,
-                         weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``add_rms_norm(h, moe_combine(y, slots, weights, shared), weight, eps)`` in one launch, bit for bit: the
-    MoE block's output added to the residual stream h [T, D] and normalized by the next norm's weight [D]."""
-    return torch.ops.mx_recipe.moe_combine_add_norm(y, slots, weights, shared, h, weight, eps)
