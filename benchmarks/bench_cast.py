@@ -20,7 +20,6 @@ what the copy itself reaches at that size. (The host time of each call: benchmar
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Callable
 
@@ -247,7 +246,7 @@ def check_targets(res: Results, experts: list[int], n: int, k: int, modes: list[
 
 
 def main() -> None:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--m", type=int, default=16384)
     p.add_argument("--k", type=int, default=16384)
     p.add_argument("--experts", type=int_list(), default=(1, 4, 16, 64), help="comma-separated E for the 3D casts")

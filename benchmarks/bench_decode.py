@@ -253,7 +253,7 @@ def _config_name(config: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--model", choices=sorted(MODEL_FLAVORS), default="llama")
     p.add_argument("--flavor", help="default: 8B (llama), moe_16B (moe)")
     p.add_argument("--layers", type=int, help="keep the first N blocks (default: all the flavor has)")

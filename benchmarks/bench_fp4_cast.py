@@ -26,7 +26,6 @@ and g as the nvfp4 linear's cublas path casts them.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -72,7 +71,7 @@ def scale_bytes(result) -> int:
 
 
 def main() -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--m", type=int, default=16384)
     parser.add_argument("--k", type=int, default=16384)
     parser.add_argument("--out", type=output_file)

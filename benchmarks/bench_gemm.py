@@ -20,7 +20,6 @@ max |MX - emulated| / max |emulated|: summation order and one bf16 rounding, a f
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Callable
 
@@ -111,7 +110,7 @@ def bench_shape(
 
 
 def main() -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--elem", default="e4m3", choices=list(ELEM_FORMATS))
     parser.add_argument("--rule", default="floor", choices=list(SCALE_RULES))
     args = add_run_args(parser, rounds=False).parse_args()

@@ -20,7 +20,6 @@ backward for the layers. ``--out`` writes JSON with provenance for docs/results/
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Callable
 
@@ -104,7 +103,7 @@ def layer_calls(x: torch.Tensor, offs: torch.Tensor) -> dict[str, tuple[Callable
 
 
 def main() -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=output_file, help="write the rows as JSON here, with provenance")
     args = parser.parse_args()
     require_cuda("bench_host.py")

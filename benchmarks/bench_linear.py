@@ -25,7 +25,6 @@ save_mx_input or fuse_x_casts variant.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 
@@ -63,7 +62,7 @@ def fwd_held_gib(layer: torch.nn.Module, x: torch.Tensor) -> float:
 
 
 def main() -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--recipe", default="mxfp8", type=recipe_name())
     parser.add_argument("--m", type=int, default=16384)
     args = add_run_args(parser).parse_args()

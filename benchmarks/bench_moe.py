@@ -18,7 +18,6 @@ both of their fake-quants; a bf16 copy of them held until backward); the recipe 
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -56,7 +55,7 @@ def steps(fns: dict, a, b, offs, grad_out: torch.Tensor | None) -> dict:
 
 
 def main() -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--experts", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--m", type=int, default=16640)
     parser.add_argument("--n", type=int, default=8192)

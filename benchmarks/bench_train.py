@@ -27,7 +27,6 @@ and the rest of the wall time, when the GPU waits on the host.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import re
@@ -179,7 +178,7 @@ def print_profiles(variants: list[Variant]) -> None:
 
 
 def main() -> int:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True, help="configs/NAME[.toml] or a path; its mx.recipe is ignored")
     parser.add_argument("--recipes", nargs="+", type=recipe_name(), default=["mxfp8"], help="recipes to time")
     parser.add_argument("--layers", type=int, help="keep the first N transformer blocks")

@@ -18,7 +18,11 @@ from mx_recipe.formats.recipe import NVFP4_RECIPES, RECIPES
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser, whose errors are one line, ``PROG: error: argument --shape: ...``, and exit 2 (the
-    usage block is left to --help)."""
+    usage block is left to --help); --help prints the description (a script's docstring) with its line breaks."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")

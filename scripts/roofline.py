@@ -13,7 +13,6 @@ on cast outputs) and the MX linear forward + backward, and sets each against its
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -548,7 +547,7 @@ def ratio_row(kind: str, shape, t_bf16: float, t_mx: float, roof_bf16: float, ro
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--shape", type=int_list(3, "M,K,N"), help="M,K,N of one linear: its ops, forward + backward")
     p.add_argument("--model", choices=sorted(MODEL_FLAVORS), help="every GEMM of the model, per layer")
     p.add_argument("--flavor", help="with --model: its size (default 8B)")

@@ -233,6 +233,13 @@ def test_bad_arguments_are_one_line_and_exit_2(args, message):
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
+def test_help_prints_the_examples_one_a_line():
+    """--help keeps the docstring's line breaks: its example commands stay one a line, as written."""
+    done = subprocess.run([sys.executable, "generate.py", "--help"], cwd=REPO, capture_output=True, text=True)
+    example = '    python generate.py --checkpoint outputs/debug_mxfp8 --weights mxfp8 --prompt "def main("\n'
+    assert done.returncode == 0 and example in done.stdout
+
+
 @pytest.mark.parametrize(
     ("model", "message"),
     [
