@@ -824,7 +824,8 @@ def weight_only_mm(
     ``rows`` (grouped only): int32 [M], the GEMM's rows are x[rows] (x [T, K]: an MoE's tokens), read in place.
     ``tensor_scale`` (nvfp4): one, or one per row of N (weights concatenated along N). ``swiglu``: the weight is
     SwiGLU's w1 and w3 concatenated along N; out [M, N / 2] = silu(x w1^T) * (x w3^T), each GEMM output rounded
-    to bf16 and the product as ``silu_mul`` rounds it (mx_kernels.decode_fused.swiglu), in the GEMM's epilogue.
+    to bf16 and the product as ``silu_mul`` rounds it (mx_kernels.decode_fused.swiglu): in the small-M path's
+    epilogue, after the tensor-core path's GEMM (module doc).
     ``config`` overrides the tiles (one with BLOCK_M takes the tl.dot path, one without the small-M path) and
     ``split_k`` the split (None: the config's SPLIT_K, else from the SM count)."""
     grouped = offs is not None
@@ -840,11 +841,9 @@ def weight_only_mm(
         raise ValueError(f"{op}: rows must be an int32 [M] tensor on x's device, with offs (the grouped GEMM); got "
                          f"{rows.dtype} {tuple(rows.shape)} on {rows.device}")  # fmt: skip
     m = x.shape[0] if rows is None else rows.shape[0]
-    out = torch.empty((m, n // 2 if swiglu else n), dtype=torch.bfloat16, device=x.device)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:  # a GEMM of zeros: silu(0) * 0 = 0 too
-        return out.zero_()
+    out_shape = (m, n // 2 if swiglu else n)
+    if m == 0 or n == 0 or k == 0:  # k = 0: a GEMM of zeros (silu(0) * 0 = 0 too)
+        return torch.zeros(out_shape, dtype=torch.bfloat16, device=x.device)
     n_groups = qdata.shape[0] if grouped else 1
     per_group = cdiv(m, n_groups)
     if config is None and split_k is None and _TUNE and x.is_cuda and not torch.cuda.is_current_stream_capturing():
@@ -858,10 +857,12 @@ def weight_only_mm(
     if fma and per_group > 16:
         raise ValueError(f"{op}: the small-M path takes at most 16 rows per group, got {per_group} (config {config})")
     if fma:
+        out = torch.empty(out_shape, dtype=torch.bfloat16, device=x.device)
         return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, out, cfg, split_k, swiglu)
     if swiglu:  # the tensor-core tile's epilogue does not pay (module doc): the GEMM, then silu_mul
         y = weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, config, split_k, rows)
         return silu_mul(y[:, : n // 2], y[:, n // 2 :])
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if block_k % 32 or block_m < 16 or block_n < 16:
         raise ValueError(f"{op}: BLOCK_K must be a multiple of 32, BLOCK_M and BLOCK_N at least 16; got {cfg}")

@@ -89,7 +89,7 @@ def weight_only_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor
                    swiglu: bool = False) -> Tensor:  # fmt: skip
     """x [..., K] bf16 @ dequantize(w).T for w packed along K (qdata [N, K / pack], scale [N, K / block]) ->
     [..., N] bf16. ``swiglu``: w is SwiGLU's w1 and w3 concatenated along N, and the output [..., N / 2] is
-    silu(x w1^T) * (x w3^T), in the kernel's epilogue (``swiglu_of`` past LARGE_M)."""
+    silu(x w1^T) * (x w3^T), by the kernel (``swiglu_of`` past LARGE_M)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] > LARGE_M:
         y = F.linear(x, torch.ops.mx_recipe.dequantize_packed(qdata, scale, tensor_scale, fmt))
