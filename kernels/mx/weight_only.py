@@ -593,8 +593,10 @@ def _weight_only_fma_kernel(
             s = _load_scales(s_ptrs + dk // (GROUP // 2), None, HW, False)
         else:  # a K tail: whole units (K is a multiple of 16), loaded as zeros past it
             left = k_end - k0
-            xw = tl.load(x_ptrs + dk, mask=(2 * kp < left)[None, None, :], other=0)
-            w = tl.load(w_ptrs + dk, mask=(2 * kp < left)[None, None, :], other=0)
+            # masked by unit (the mask constant over a unit's pairs), so that the loads stay a unit wide
+            in_k = ((tl.arange(0, PAIRS) // UNIT) * (2 * UNIT) < left)[None, None, :]
+            xw = tl.load(x_ptrs + dk, mask=in_k, other=0)
+            w = tl.load(w_ptrs + dk, mask=in_k, other=0)
             s = _load_scales(s_ptrs + dk // (GROUP // 2), k_unit < left, HW, True)
         # bf16 -> fp32 once per element of x, shared by the program's w rows; products exact (module doc)
         x0 = (xw << 16).to(tl.float32, bitcast=True)
