@@ -35,7 +35,7 @@ from mx_kernels.launch_cache import LaunchCache
 MAX_ROUTED = 16384  # T * E (padded to powers of 2) one routing program takes: a decode step's tokens
 GATE_MAX_TOKENS = 16  # tokens up to which moe_gate_route computes the router's logits itself
 GATE_TILE = 4096  # x elements a gate program holds at once: tokens * D, D cut to fit
-GATE_WARPS = 4
+GATE_WARPS = 1  # the last program routes alone: its reductions over the experts stay in one warp
 
 
 @triton.jit
