@@ -1,7 +1,8 @@
 """The weight-only GEMM (kernels/mx/weight_only.py through mx_recipe.infer.weight_only) against the reference:
 dequantize the packed weight, then the GEMM.
 
-* CPU, in this process: argument errors, and the reference path of ``QuantizedLinear`` off the GPU.
+* CPU, in this process: argument errors, the reference path of ``QuantizedLinear`` off the GPU, and the
+  small-M kernel compiled for sm_90a: a K tail loads as whole tiles do.
 * CPU, Triton interpreter (``test_interp_*``), in a child pytest with TRITON_INTERPRET=1 as in
   tests/test_gemm_triton.py (with its shim for the interpreter's int() of a scalar): every format, M in
   {1, 3, 17}, N and K not powers of two, K tails, split K, NaN scales and elements, zeros, grouped with ragged
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
 import pytest
 import torch
@@ -124,6 +126,36 @@ def test_off_the_gpu_quantized_linear_is_the_reference():
 def test_kernel_in_triton_interpreter():
     """Run the test_interp_* tests in a child pytest with TRITON_INTERPRET=1 (see module doc)."""
     run_interpreter_tests(__file__)
+
+
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_small_m_k_tail_loads_are_as_wide_as_whole_tiles(fmt, monkeypatch):
+    """What the interpreter cannot check: compiled for sm_90a with the arguments the launcher builds, the small-M
+    kernel loads a K tail (MoE 16B's down projection, K = 1408: no power-of-two tile divides it) with the
+    instructions of a whole tile, a unit of pairs a load, not one byte or one pair of x a load (a mask per pair
+    made them that, and the experts' down GEMM 1.7x slower on an H200)."""
+    from mx_kernels.gluon.common import compile_for_arch
+    from mx_kernels.mx import weight_only
+
+    launches = []
+
+    class Capture:
+        def launch(self, grid, kwargs):
+            launches.append(dict(kwargs, HW=True))  # the GPU's conversions, as a CUDA launch has them
+
+    monkeypatch.setattr(weight_only, "_FMA_LAUNCHES", Capture())
+    monkeypatch.setattr(weight_only, "interpreting", lambda: True)  # CPU tensors past the launcher's check
+    config = dict(BLOCK_N=8, BLOCK_K=512, SPLIT_K=1, num_warps=1, UNIT=8)
+    loads = {}
+    for k in (1536, 1408):  # whole tiles; a tail of 384
+        p = packed(torch.randn(8, 256, k), fmt)  # 8 experts, a row each: a decode step's groups
+        run(torch.randn(8, k).bfloat16(), p, torch.arange(1, 9, dtype=torch.int32), config=config)
+        assert launches[-1]["EVEN_K"] == (k == 1536)
+        ptx = compile_for_arch(weight_only._weight_only_fma_kernel, launches[-1], 90).asm["ptx"]
+        loads[k] = sorted(re.findall(r"\bld\.global[.\w]*", ptx))  # predicated ones too (the tail's)
+    assert loads[1408] == loads[1536], fmt
+    assert "ld.global.b8" not in loads[1408] and "ld.global.b16" not in loads[1408]
 
 
 # ---------------------------------------------------------------------------------------
