@@ -1,7 +1,8 @@
 """The split-KV decode-attention kernel (kernels/decode_attention.py, through mx_recipe.infer.attention) against
 softmax attention over the visible cache positions, computed in fp64 with plain torch from the same inputs.
 
-* CPU, in this process: argument errors, the op's fake shape and the rule (``use_kernel``).
+* CPU, in this process: argument errors, the op's fake shape and the rule (``use_kernel``); the split kernel
+  compiled for sm_90a: a chunk of one tile issues all of its loads before its first wait.
 * CPU, Triton interpreter (``test_interp_*``), in a child pytest with TRITON_INTERPRET=1 as in
   tests/test_weight_only_gemm.py (with tests/test_gemm_triton.py's shim for the interpreter's int() of a scalar):
   B in {1, 2}, Hkv in {1, 8}, R in {1, 4}, D in {64, 128}, L in {1, 17, 300}, lengths 1, L and one inside a
@@ -27,6 +28,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -236,6 +238,37 @@ def test_split_count_spreads_the_cache_and_leaves_no_empty_chunk():
                     assert bh * n > (PROGRAMS_PER_SM - 1) * h200
     assert split_count(8, 1024, BLOCK_L, h200) == (32, 32)  # Llama 3 8B at batch 1: 256 programs of 2 tiles
     assert split_count(264, 1024, BLOCK_L, h200) == (1, 1024)  # one split: the output straight from the split kernel
+
+
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
+def test_one_tile_chunk_issues_every_load_before_its_first_wait(monkeypatch):
+    """What the interpreter cannot check: compiled for sm_90a with the arguments the launcher builds for a decode
+    step at Llama 3 8B's heads (batch 1, 1024 positions, 16 chunks of one 64-position tile, appending), the key and
+    value tile's loads all precede the program's first barrier, with q's: one wait for all of its bytes."""
+    from mx_kernels import decode_attention as kernel
+    from mx_kernels.gluon.common import compile_for_arch
+
+    launches = []
+
+    class Capture:
+        def launch_keyed(self, key, build, **kwargs):
+            launches.append(build()[1])
+
+    monkeypatch.setattr(kernel, "_SPLIT", Capture())
+    monkeypatch.setattr(kernel, "check", lambda *args: None)  # CPU tensors past the launcher's CUDA check
+    bf16 = torch.bfloat16
+    q, cache = torch.empty(1, 8, 4, 128, dtype=bf16), torch.empty(1, 8, 1024, 128, dtype=bf16)
+    new, table = torch.empty(1, 8 * 128, dtype=bf16), torch.empty(1024, 64)
+    append = (new, new, table, table)
+    kernel.decode_attention(q, cache, cache, torch.tensor([1024]), splits=16, block_l=64, append=append)
+    (kwargs,) = launches
+    assert kwargs["ONE_TILE"] and kwargs["MMA16"] and kwargs["SPLITS"] == 16
+    ptx = compile_for_arch(kernel._split_kernel, kwargs, 90).asm["ptx"]
+    first_wait = ptx.index("bar.sync")
+    tile_loads = [m.start() for m in re.finditer(r"ld\.global\.v4\.b32", ptx)]
+    assert len(tile_loads) == 2 * 64 * 128 * 2 // (16 * 128), "keys and values in 16-byte loads, 4 warps"
+    assert max(tile_loads) < first_wait
+    assert max(m.start() for m in re.finditer(r"ld\.global\.b16", ptx)) < first_wait  # q's and the step's k
 
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
