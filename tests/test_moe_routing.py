@@ -82,7 +82,8 @@ def check_gate_route(t: int, e: int, d: int, k: int, dtype: torch.dtype, device:
     """``moe_gate_route`` (the router GEMM in the routing launch) gives ``moe_route``'s outputs on the router
     linear's logits: x and the gate hold small integers and quarters, so every order sums them exactly in fp32 and
     both round the same sums to the dtype. The layout (offs, rows, slots) is bit for bit; the weights within fp32
-    roundings, their softmax sums reduced across another number of warps."""
+    roundings: each launch picks its own warps, and a softmax sum over another number of warps reduces in another
+    order."""
     torch.manual_seed(t * 100 + e + d)
     x = torch.randint(-3, 4, (t, d), device=device).to(dtype)
     gate = (torch.randint(-3, 4, (e, d), device=device) / 4).to(dtype)
