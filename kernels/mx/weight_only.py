@@ -358,13 +358,14 @@ def _load_tile(w_ptrs, s_ptrs, x_ptrs, stride_xk, left, kb, ks, PACK: tl.constex
         x1 = x0
         if PACK == 2:
             x1 = tl.load(x_ptrs + stride_xk, mask=ok, other=0.0)
-    else:
-        w = tl.load(w_ptrs, mask=kb[None, :] < left // PACK, other=0)
+    else:  # K is a multiple of GROUP: masked by scale block, constant over a block's bytes, which stay one load
+        in_k = ((tl.arange(0, kb.shape[0]) // (GROUP // PACK)) * GROUP < left)[None, :]
+        w = tl.load(w_ptrs, mask=in_k, other=0)
         s = tl.load(s_ptrs, mask=ks[None, :] < left // GROUP, other=0)
-        x0 = tl.load(x_ptrs, mask=PACK * kb[None, :] < left, other=0.0)
+        x0 = tl.load(x_ptrs, mask=in_k, other=0.0)
         x1 = x0
         if PACK == 2:
-            x1 = tl.load(x_ptrs + stride_xk, mask=PACK * kb[None, :] + 1 < left, other=0.0)
+            x1 = tl.load(x_ptrs + stride_xk, mask=in_k, other=0.0)
     return w, s, x0, x1
 
 
@@ -450,8 +451,9 @@ def _scaled_acc(x_ptr, w_ptr, s_ptr, xm_in, rn_in, k_start, k_end, stride_xm, st
             s = tl.load(s_at)
         else:  # a K tail (K is a multiple of 32): codes and scales 0 past it, a zero product
             left = k_end - k0
-            x = tl.load(x_at, mask=(kx < left)[None, :], other=0.0)
-            w = tl.load(w_at, mask=(PACK * kw < left)[None, :], other=0)
+            # masked by scale block (from plain aranges): constant over a block, whose bytes stay one load
+            x = tl.load(x_at, mask=((tl.arange(0, BLOCK_K) // 32) * 32 < left)[None, :], other=0.0)
+            w = tl.load(w_at, mask=((tl.arange(0, BLOCK_K // PACK) // (32 // PACK)) * 32 < left)[None, :], other=0)
             s = tl.load(s_at, mask=(32 * ks < left)[None, :], other=0)
         acc = tl.dot_scaled(x, None, tl.constexpr("bf16"), w.T, s, ELEM, acc)
     return acc
