@@ -119,15 +119,17 @@ FORMATS = {"mxfp8": (32, 1), "mxfp4": (32, 2), "nvfp4": (16, 2)}
 
 
 # The register tile's configs (NVFP4's tensor-core path), by M bucket: the first whose max_m >= M (per group, for the
-# grouped GEMM); the last takes the rest. BLOCK_K counts the elements of fp8 weights; e2m1 tiles take twice as
-# many elements, the same bytes. The first candidate of a bucket is its default; ``set_tuning(True)`` times them
-# all once per shape and keeps the fastest (with split K off and as the SM count asks). The tiles are small
-# because the upcast weights take registers (fp32 values, then bf16 in the dot's layout): compiled for sm_90a,
-# 16 x 32 x 64 fp8 tiles take about 60 registers a thread and 64 x 64 x 64 about 125, so that several programs
-# share an SM and hide the loads' latency; larger tiles spill. Past M = 128 a GEMM is compute-bound and
-# ``dequantize_bf16`` + cuBLAS serves it better (mx_recipe.infer.weight_only).
+# grouped GEMM); the last takes the rest. BLOCK_K counts the elements of fp8 weights; e2m1 tiles take twice as many
+# elements, the same bytes. The first candidate of a bucket is its default; ``set_tuning(True)`` times them all once
+# per shape and keeps the fastest (with split K off and as the SM count asks). The upcast weights take registers (fp32
+# values, then bf16 in the dot's layout): compiled for sm_90a, 16 x 32 x 64 fp8 tiles take about 60 registers a thread
+# and 64 x 64 x 64 about 125; 128 columns wide, a tile needs 8 warps not to spill. The 128-wide tiles, pipelined, lead
+# up to 32 rows: on one H200 (2026-11-29), NVFP4, us per GEMM of Llama 3 8B's fused w1/w3 and w2 at M = 32, 393 -> 222
+# and 190 -> 107 (M = 8: 104 -> 89 and 49 -> 45), against the fastest 64-wide tile. Past M = 128 a GEMM is compute-
+# bound and ``dequantize_bf16`` + cuBLAS serves it better (mx_recipe.infer.weight_only).
 CANDIDATES = (
     (16, [
+        dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=8, PREFETCH=False, num_stages=3),
         dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, PREFETCH=False),
         dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, PREFETCH=True),
         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, PREFETCH=False),
@@ -135,6 +137,7 @@ CANDIDATES = (
         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=8, PREFETCH=False),
     ]),
     (32, [
+        dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=8, PREFETCH=False, num_stages=3),
         dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=8, PREFETCH=False),
         dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, PREFETCH=False),
         dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, PREFETCH=True),
@@ -680,7 +683,10 @@ def candidates(m: int, fmt: str, n: int | None = None, k: int | None = None, fma
         if max_m is None or m <= max_m:
             if scaled:
                 return [dict(cfg, num_stages=cfg["STAGES"]) for cfg in configs]
-            return [dict(cfg, num_stages=1, BLOCK_K=cfg["BLOCK_K"] * FORMATS[fmt][1]) for cfg in configs]
+            return [
+                dict(cfg, num_stages=cfg.get("num_stages", 1), BLOCK_K=cfg["BLOCK_K"] * FORMATS[fmt][1])
+                for cfg in configs
+            ]
     raise AssertionError("unreachable")
 
 
