@@ -28,8 +28,8 @@ On sm_90 and newer a kernel step of up to ``PDL_MAX_BATCH`` sequences whose proj
 (quantized weights) launches its Triton kernels with programmatic dependent launch (``mx_kernels.pdl``): each
 kernel starts while the one before it finishes (its setup overlaps that kernel's tail).
 Where it pays, measured interleaved on one H200 (Llama 3 8B dims, context 1024, 2026-11-29), ms per step with and
-without: batch 1 MXFP8 3.20 / 3.35, MXFP4 2.82 / 3.03, NVFP4 2.98 / 3.23; MoE 16B dims, 12 layers, MXFP4 1.06 /
-1.16. Elsewhere it cost: bf16 steps, whose GEMMs are cuBLAS's, 4.70 / 4.61 at batch 1 and 5.88 / 5.77 at batch
+without: batch 1 MXFP8 2.67 / 2.82, MXFP4 2.60 / 2.74, NVFP4 2.59 / 2.74; MoE 16B dims, 28 layers, MXFP4 1.63 /
+1.78. Elsewhere it cost: bf16 steps, whose GEMMs are cuBLAS's, 4.70 / 4.61 at batch 1 and 5.88 / 5.77 at batch
 32; MX at batch 32, 7.27 / 6.98 (MXFP8). Nothing else launches with PDL; ``KernelSettings.pdl`` off turns it off
 in the step too.
 """
