@@ -158,6 +158,37 @@ def test_small_m_k_tail_loads_are_as_wide_as_whole_tiles(fmt, monkeypatch):
     assert "ld.global.b8" not in loads[1408] and "ld.global.b16" not in loads[1408]
 
 
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
+def test_register_tile_defaults_do_not_spill(monkeypatch):
+    """NVFP4's tensor-core tile at 8 and 32 rows (a decode step of 8 or 32 sequences), its default config compiled
+    for sm_90a with the launcher's arguments: no spill stack (the tile is the upcast weights held in registers; 128
+    columns by 256 of K at 4 warps spills)."""
+    import subprocess
+
+    import triton
+    from mx_kernels.gluon.common import compile_for_arch
+    from mx_kernels.mx import weight_only
+
+    launches = []
+
+    class Capture:
+        def launch(self, grid, kwargs):
+            launches.append(dict(kwargs, DOT_BF16=True))  # the bf16 dot a CUDA launch takes
+
+    monkeypatch.setattr(weight_only, "_LAUNCHES", Capture())
+    monkeypatch.setattr(weight_only, "interpreting", lambda: True)  # CPU tensors past the launcher's check
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    p = packed(torch.randn(256, 512), "nvfp4")
+    for m in (8, 32):
+        run(torch.randn(m, 512).bfloat16(), p, config=weight_only.config_for(m, "nvfp4", fma=False, scaled=False))
+        cubin = compile_for_arch(weight_only._weight_only_kernel, launches[-1], 90).asm["cubin"]
+        with open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"register_tile_{os.getpid()}.cubin"), "wb") as f:
+            f.write(cubin)
+        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        os.unlink(f.name)
+        assert launches[-1]["BLOCK_N"] == 128 and re.search(r"\bSTACK:0\b", usage), (m, usage)
+
+
 # ---------------------------------------------------------------------------------------
 # CPU, Triton interpreter (child process)
 
