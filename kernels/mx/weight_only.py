@@ -249,6 +249,15 @@ def _e2m1(c):
 
 
 @triton.jit
+def _whole_blocks(N: tl.constexpr, PER_BLOCK: tl.constexpr, BLOCK_ELEMS: tl.constexpr, left):
+    """A K tail's mask over a tile's N loaded items, PER_BLOCK items a block of BLOCK_ELEMS elements of K: a block
+    is in or out whole (K is a multiple of the block). Built from a plain arange, it is provably constant over a
+    block, so the block's items stay one wide load; a mask from the tile's offsets (which carry contiguity hints)
+    compiled to one load an item."""
+    return (tl.arange(0, N) // PER_BLOCK) * BLOCK_ELEMS < left
+
+
+@triton.jit
 def _scaled(v, factor, GROUP: tl.constexpr):
     """v [BN, BK'] times its block's factor [BN, BK' / GROUP]."""
     BN: tl.constexpr = v.shape[0]
@@ -361,8 +370,8 @@ def _load_tile(w_ptrs, s_ptrs, x_ptrs, stride_xk, left, kb, ks, PACK: tl.constex
         x1 = x0
         if PACK == 2:
             x1 = tl.load(x_ptrs + stride_xk, mask=ok, other=0.0)
-    else:  # K is a multiple of GROUP: masked by scale block, constant over a block's bytes, which stay one load
-        in_k = ((tl.arange(0, kb.shape[0]) // (GROUP // PACK)) * GROUP < left)[None, :]
+    else:  # a K tail, masked by scale block
+        in_k = _whole_blocks(kb.shape[0], GROUP // PACK, GROUP, left)[None, :]
         w = tl.load(w_ptrs, mask=in_k, other=0)
         s = tl.load(s_ptrs, mask=ks[None, :] < left // GROUP, other=0)
         x0 = tl.load(x_ptrs, mask=in_k, other=0.0)
@@ -454,9 +463,8 @@ def _scaled_acc(x_ptr, w_ptr, s_ptr, xm_in, rn_in, k_start, k_end, stride_xm, st
             s = tl.load(s_at)
         else:  # a K tail (K is a multiple of 32): codes and scales 0 past it, a zero product
             left = k_end - k0
-            # masked by scale block (from plain aranges): constant over a block, whose bytes stay one load
-            x = tl.load(x_at, mask=((tl.arange(0, BLOCK_K) // 32) * 32 < left)[None, :], other=0.0)
-            w = tl.load(w_at, mask=((tl.arange(0, BLOCK_K // PACK) // (32 // PACK)) * 32 < left)[None, :], other=0)
+            x = tl.load(x_at, mask=_whole_blocks(BLOCK_K, 32, 32, left)[None, :], other=0.0)
+            w = tl.load(w_at, mask=_whole_blocks(BLOCK_K // PACK, 32 // PACK, 32, left)[None, :], other=0)
             s = tl.load(s_at, mask=(32 * ks < left)[None, :], other=0)
         acc = tl.dot_scaled(x, None, tl.constexpr("bf16"), w.T, s, ELEM, acc)
     return acc
@@ -598,8 +606,7 @@ def _weight_only_fma_kernel(
             s = _load_scales(s_ptrs + dk // (GROUP // 2), None, HW, False)
         else:  # a K tail: whole units (K is a multiple of 16), loaded as zeros past it
             left = k_end - k0
-            # masked by unit (the mask constant over a unit's pairs), so that the loads stay a unit wide
-            in_k = ((tl.arange(0, PAIRS) // UNIT) * (2 * UNIT) < left)[None, None, :]
+            in_k = _whole_blocks(PAIRS, UNIT, 2 * UNIT, left)[None, None, :]  # by unit: loads a unit wide
             xw = tl.load(x_ptrs + dk, mask=in_k, other=0)
             w = tl.load(w_ptrs + dk, mask=in_k, other=0)
             s = _load_scales(s_ptrs + dk // (GROUP // 2), k_unit < left, HW, True)
