@@ -164,6 +164,7 @@ def test_register_tile_defaults_do_not_spill(monkeypatch):
     for sm_90a with the launcher's arguments: no spill stack (the tile is the upcast weights held in registers; 128
     columns by 256 of K at 4 warps spills)."""
     import subprocess
+    import tempfile
 
     import triton
     from mx_kernels.gluon.common import compile_for_arch
@@ -182,10 +183,10 @@ def test_register_tile_defaults_do_not_spill(monkeypatch):
     for m in (8, 32):
         run(torch.randn(m, 512).bfloat16(), p, config=weight_only.config_for(m, "nvfp4", fma=False, scaled=False))
         cubin = compile_for_arch(weight_only._weight_only_kernel, launches[-1], 90).asm["cubin"]
-        with open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"register_tile_{os.getpid()}.cubin"), "wb") as f:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(cubin)
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        os.unlink(f.name)
+            f.flush()
+            usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
         assert launches[-1]["BLOCK_N"] == 128 and re.search(r"\bSTACK:0\b", usage), (m, usage)
 
 
