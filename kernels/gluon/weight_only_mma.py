@@ -1,0 +1,150 @@
+"""Weight-only MXFP4 GEMM on Hopper's wgmma with the upcast weights as its register operand (Gluon).
+
+out [M, N] = x [M, K] (bf16) @ dequantize(w).T for M up to 64, w packed as mx_recipe.formats packs MXFP4 (codes
+[N, K/2], element 2j in the low nibble of byte j; e8m0 scales [N, K/32]), in its natural layout.
+
+The product is computed transposed, out^T = w x^T: the weight tile [64 rows, 128 of K] is wgmma's A operand, held
+in registers, and x^T [128, BLOCK_M] its B operand in shared memory, so the upcast weights never pass through
+shared memory (what a ``tl.dot`` with the weight as second operand costs), and M as wgmma's N dimension pads to
+8, not 64.
+
+Each thread loads, per row it owns, 16 contiguous code bytes: 32 consecutive elements of K, one scale block. K is
+a contracted dimension, so the order in which those elements meet wgmma's A layout is free, provided x^T's rows
+follow the same order: a thread's word of 8 codes gives its pairs (nibbles 0 and 4, 1 and 5, 2 and 6, 3 and 7),
+each a bf16x2 register, with no nibble moves but a shift of the word; ``_A_ORDER`` (the weights) and
+``_X_ORDER`` (x) place them. Each pair is sign | magnitude >> 6 on both halves at once (the element's value times
+2**-126, a bf16 subnormal for 0.5), times 2**126 and then the block's scale 2**(s - 127) in bf16 (exact while the
+weight is a bf16 normal; NaN for the scale 0xFF).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.experimental.gluon.language as gl
+from triton.experimental import gluon
+from triton.experimental.gluon.language.nvidia import hopper
+
+BLOCK_N = gl.constexpr(64)  # weight rows a program owns: wgmma's M for one warpgroup
+BLOCK_K = gl.constexpr(128)  # elements of K a step: 16 code bytes a row for each of a warp's 4 lanes along K
+NUM_WARPS = gl.constexpr(4)
+
+# a pair register from a word v of 8 codes: both nibbles at the top of a bf16 half, sign | magnitude >> 6,
+# times 2**126 (the subnormal code 0.5 made normal) and the scale factor
+_PAIR = """shr.b32 m, q, 6; and.b32 m, m, 0x01C001C0; lop3.b32 r, q, 0x80008000, m, 0xEA;
+mul.rn.bf16x2 r, r, b; mul.rn.bf16x2 r, r, f; mov.b32 {{{lo}, {hi}}}, r;"""
+_UPCAST = gl.constexpr(
+    "{ .reg .b32 q, m, r, f, b; .reg .pred p;\n"
+    "shl.b32 f, $9, 7; setp.eq.u32 p, $9, 255; selp.b32 f, 0x7FC0, f, p; prmt.b32 f, f, f, 0x1010;\n"
+    "mov.b32 b, 0x7E807E80;\n"
+    + "".join(
+        f"shl.b32 q, $8, {shift};\n" + _PAIR.format(lo=f"${2 * i}", hi=f"${2 * i + 1}") + "\n"
+        for i, shift in enumerate((12, 8, 4, 0))
+    )
+    + "}"
+)
+
+
+@gluon.constexpr_function
+def _word_layout():
+    """The codes as int32 words [64 rows, 16 words]: lane l of warp w holds rows 16w + l // 4 and that + 8, words
+    4 (l % 4) .. 4 (l % 4) + 3 (16 contiguous bytes a row), the rows of wgmma's A fragment for that lane."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]],
+        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]],
+        block_bases=[],
+        shape=[BLOCK_N.value, BLOCK_K.value // 8],
+    )
+
+
+@gluon.jit
+def _upcast(words, scales):
+    """8 bf16 tensors [64, 16] per word: the pairs (nibbles 0, 4), (1, 5), (2, 6), (3, 7), each times its scale."""
+    return gl.inline_asm_elementwise(
+        _UPCAST, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, scales], dtype=[gl.bfloat16] * 8, is_pure=True, pack=1
+    )
+
+
+@gluon.jit
+def _a_operand(e0, e1, e2, e3, e4, e5, e6, e7, A: gl.constexpr):
+    """The [64, 128] A operand: element e of word 4q + t (q the lane's position along K, t its word) at logical
+    k = (e & 1) + 2 q + 8 ((e >> 1) & 1) + 16 (e >> 2) + 32 (t & 1) + 64 (t >> 1): wgmma's A layout (lane q holds
+    k = 2q, 2q + 1, 2q + 8, 2q + 9 of each 16), a register permutation of the loaded words'."""
+    j = gl.join(gl.join(gl.join(e0, e1), gl.join(e2, e3)), gl.join(gl.join(e4, e5), gl.join(e6, e7)))
+    # [64, 16 words, e0, e1, e2] -> [64, q1, q0, t1, t0, e0, e1, e2] -> logical order t1 t0 e2 e1 q1 q0 e0
+    j = gl.reshape(j, [BLOCK_N, 2, 2, 2, 2, 2, 2, 2])
+    j = gl.permute(j, [0, 3, 4, 7, 6, 1, 2, 5])
+    return gl.convert_layout(gl.reshape(j, [BLOCK_N, BLOCK_K]), A, assert_trivial=True)
+
+
+@gluon.jit
+def _x_operand(x):
+    """x [BLOCK_M, 128] in K's order -> x^T [128, BLOCK_M] in the A operand's logical order: physical k
+    = 64 q1 + 32 q0 + 16 t1 + 8 t0 + 4 e0 + 2 e2 + e1 (word 4q + t, pair element e) to logical
+    k = e0 + 2 q + 8 e1 + 16 e2 + 32 t0 + 64 t1."""
+    BM: gl.constexpr = x.shape[0]
+    x = gl.reshape(x, [BM, 2, 2, 2, 2, 2, 2, 2])  # q1 q0 t1 t0 e0 e2 e1
+    x = gl.permute(x, [0, 3, 4, 6, 7, 1, 2, 5])  # t1 t0 e2 e1 q1 q0 e0
+    return gl.permute(gl.reshape(x, [BM, BLOCK_K]), [1, 0])
+
+
+@gluon.jit
+def mxfp4_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
+                     BLOCK_M: gl.constexpr):  # fmt: skip
+    """One program: 64 weight rows, every row of x (M <= BLOCK_M), all of K (a multiple of 128)."""
+    WL: gl.constexpr = _word_layout()
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])  # fmt: skip
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+    XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], gl.bfloat16)
+    pid = gl.program_id(0)
+    rows = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WL))
+    rows = gl.where(rows < N, rows, 0)
+    words = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, WL))
+    w_rows = w_ptr.to(gl.pointer_type(gl.int32)) + gl.expand_dims(rows * (stride_wn // 4), 1)
+    s_rows = s_ptr + gl.expand_dims(rows * stride_sn, 1)
+    xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
+    xk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL))
+    x_rows = x_ptr + gl.expand_dims(gl.where(xm < M, xm, 0) * stride_xm, 1)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_K, BLOCK_M], XS)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+    for k0 in range(0, K, BLOCK_K):
+        w = gl.load(w_rows + gl.expand_dims(k0 // 8 + words, 0))
+        s = gl.load(s_rows + gl.expand_dims(k0 // 32 + words // 4, 0)).to(gl.int32)
+        x = gl.load(x_rows + gl.expand_dims(k0 + xk, 0))
+        e0, e1, e2, e3, e4, e5, e6, e7 = _upcast(w, s)
+        a = _a_operand(e0, e1, e2, e3, e4, e5, e6, e7, A)
+        x_smem.store(_x_operand(x))
+        hopper.fence_async_shared()
+        acc = hopper.warpgroup_mma(a, x_smem, acc, is_async=True)
+        acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
+    out = gl.convert_layout(acc.to(gl.bfloat16), OL)
+    on = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OL))
+    om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OL))
+    ptrs = out_ptr + gl.expand_dims(om, 0) * stride_om + gl.expand_dims(on, 1)
+    gl.store(ptrs, out, mask=gl.expand_dims(om < M, 0) & gl.expand_dims(on < N, 1))
+
+
+def mxfp4_mma(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 @ dequantize(MXFP4 codes qdata [N, K/2], e8m0 scales [N, K/32]).T -> [M, N] bf16, for M up to
+    64 and K a multiple of 128 (module doc)."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or not 1 <= x.shape[0] <= 64:
+        raise ValueError(f"mxfp4_mma: x must be bf16 [M, K] with 1 <= M <= 64, got {x.dtype} {tuple(x.shape)}")
+    m, k = x.shape
+    n = qdata.shape[0]
+    if k % BLOCK_K.value or qdata.shape != (n, k // 2) or scale.shape != (n, k // 32):
+        raise ValueError(f"mxfp4_mma: K a multiple of {BLOCK_K.value}, codes [N, K/2] and scales [N, K/32]; got x "
+                         f"{tuple(x.shape)}, codes {tuple(qdata.shape)}, scales {tuple(scale.shape)}")  # fmt: skip
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = qdata.view(torch.uint8).contiguous()
+    s = scale.view(torch.uint8).contiguous()
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    block_m = max(8, triton.next_power_of_2(m))
+    mxfp4_mma_kernel[(triton.cdiv(n, BLOCK_N.value),)](
+        x, w, s, out, m, n, k, x.stride(0), w.stride(0), s.stride(0), out.stride(0), BLOCK_M=block_m,
+        num_warps=NUM_WARPS.value,
+    )  # fmt: skip
+    return out

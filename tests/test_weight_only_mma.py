@@ -1,0 +1,77 @@
+"""The Gluon MXFP4 weight-only GEMM on wgmma (kernels/gluon/weight_only_mma.py) against the reference, within the
+bound of tests/test_weight_only_gemm.py's module doc.
+
+* CPU: compiled for sm_90a at every BLOCK_M, the upcast weights reach wgmma as its register operand (the kernel's
+  layout conversion is asserted trivial at compile time; no shared-memory copy of them), and bad operands are
+  one-line errors.
+* GPU (``gpu``): M = 1 to 64, N not a multiple of the 64-row tile, NaN scales, zeros.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+import torch
+from test_weight_only_gemm import assert_within_bound, packed, weights
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+CUDA = "cuda"
+
+
+def mma(x: torch.Tensor, p) -> torch.Tensor:
+    from mx_kernels.gluon.weight_only_mma import mxfp4_mma
+
+    return mxfp4_mma(x, p.qdata, p.scale)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="compiles with Triton's CUDA backend")
+@pytest.mark.parametrize("block_m", [8, 16, 32, 64])
+def test_upcast_weights_are_the_mma_register_operand(block_m):
+    from mx_kernels.gluon import weight_only_mma
+    from mx_kernels.gluon.common import compile_for_arch
+
+    n, k = 4096, 1024
+    meta = dict(device="meta")
+    kwargs = dict(
+        x_ptr=torch.empty(block_m, k, dtype=torch.bfloat16, **meta), w_ptr=torch.empty(n, k // 2, dtype=torch.uint8,
+        **meta), s_ptr=torch.empty(n, k // 32, dtype=torch.uint8, **meta), out_ptr=torch.empty(block_m, n,
+        dtype=torch.bfloat16, **meta), M=block_m, N=n, K=k, stride_xm=k, stride_wn=k // 2, stride_sn=k // 32,
+        stride_om=n, BLOCK_M=block_m, num_warps=weight_only_mma.NUM_WARPS.value,
+    )  # fmt: skip
+    ttgir = compile_for_arch(weight_only_mma.mxfp4_mma_kernel, kwargs, 90).asm["ttgir"]
+    dots = re.findall(r"ttng\.warp_group_dot %\S+, %\S+, .*? : (tensor<64x128xbf16, #ttg\.dot_op<\{opIdx = 0)", ttgir)
+    assert len(dots) == 1, "wgmma's A operand is not a register tensor"
+    assert "ttg.local_load" not in ttgir and ttgir.count("ttg.local_alloc") == 1  # x^T's buffer only
+
+
+def test_bad_operands_are_one_line_errors():
+    from mx_kernels.gluon.weight_only_mma import mxfp4_mma
+
+    p = packed(torch.randn(64, 256), "mxfp4")
+    with pytest.raises(ValueError, match="1 <= M <= 64"):
+        mxfp4_mma(torch.randn(65, 256).bfloat16(), p.qdata, p.scale)
+    with pytest.raises(ValueError, match="bf16"):
+        mxfp4_mma(torch.randn(4, 256), p.qdata, p.scale)
+    q = packed(torch.randn(64, 160), "mxfp4")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        mxfp4_mma(torch.randn(4, 160).bfloat16(), q.qdata, q.scale)
+
+
+@pytest.mark.gpu
+def test_gpu_every_m_within_the_bound():
+    """M = 1 to 64 on a 1056 x 4096 weight (N: 16 rows past a multiple of 64), a NaN scale in one row, zeros."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs an sm_90 GPU (wgmma)")
+    torch.manual_seed(11)
+    n, k = 1056, 4096
+    p = packed(weights(n, k, CUDA) * 0.02, "mxfp4")
+    p.scale.view(torch.uint8)[1040, 5] = 0xFF
+    zero = packed(torch.zeros(n, k, device=CUDA), "mxfp4")
+    for m in (1, 3, 8, 9, 16, 17, 32, 33, 64):
+        x = torch.randn(m, k, device=CUDA).bfloat16()
+        y = mma(x, p)
+        assert_within_bound(y, x, p)
+        assert y[:, 1040].isnan().all() and y.isnan().sum().item() == m
+        assert torch.equal(mma(x, zero), torch.zeros(m, n, dtype=torch.bfloat16, device=CUDA))
