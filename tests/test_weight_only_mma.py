@@ -20,15 +20,16 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 CUDA = "cuda"
 
 
-def mma(x: torch.Tensor, p) -> torch.Tensor:
+def mma(x: torch.Tensor, p, num_warps: int = 4) -> torch.Tensor:
     from mx_kernels.gluon.weight_only_mma import mxfp4_mma
 
-    return mxfp4_mma(x, p.qdata, p.scale)
+    return mxfp4_mma(x, p.qdata, p.scale, num_warps)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="compiles with Triton's CUDA backend")
 @pytest.mark.parametrize("block_m", [8, 16, 32, 64])
-def test_upcast_weights_are_the_mma_register_operand(block_m):
+@pytest.mark.parametrize("num_warps", [4, 8])
+def test_upcast_weights_are_the_mma_register_operand(block_m, num_warps):
     from mx_kernels.gluon import weight_only_mma
     from mx_kernels.gluon.common import compile_for_arch
 
@@ -38,12 +39,12 @@ def test_upcast_weights_are_the_mma_register_operand(block_m):
         x_ptr=torch.empty(block_m, k, dtype=torch.bfloat16, **meta), w_ptr=torch.empty(n, k // 2, dtype=torch.uint8,
         **meta), s_ptr=torch.empty(n, k // 32, dtype=torch.uint8, **meta), out_ptr=torch.empty(block_m, n,
         dtype=torch.bfloat16, **meta), M=block_m, N=n, K=k, stride_xm=k, stride_wn=k // 2, stride_sn=k // 32,
-        stride_om=n, BLOCK_M=block_m, num_warps=weight_only_mma.NUM_WARPS.value,
+        stride_om=n, BLOCK_M=block_m, NUM_WARPS=num_warps, num_warps=num_warps,
     )  # fmt: skip
     ttgir = compile_for_arch(weight_only_mma.mxfp4_mma_kernel, kwargs, 90).asm["ttgir"]
-    dots = re.findall(r"ttng\.warp_group_dot %\S+, %\S+, .*? : (tensor<64x128xbf16, #ttg\.dot_op<\{opIdx = 0)", ttgir)
-    assert len(dots) == 1, "wgmma's A operand is not a register tensor"
-    assert "ttg.local_load" not in ttgir and ttgir.count("ttg.local_alloc") == 1  # x^T's buffer only
+    a_operand = rf"ttng\.warp_group_dot %\S+, %\S+, .*? : tensor<{16 * num_warps}x128xbf16, #ttg\.dot_op<\{{opIdx = 0"
+    assert len(re.findall(a_operand, ttgir)) == 1, "wgmma's A operand is not a register tensor"
+    assert "ttg.local_load" not in ttgir and ttgir.count("ttg.local_alloc") == 1  # x^T's buffers only
 
 
 def test_bad_operands_are_one_line_errors():
@@ -71,7 +72,8 @@ def test_gpu_every_m_within_the_bound():
     zero = packed(torch.zeros(n, k, device=CUDA), "mxfp4")
     for m in (1, 3, 8, 9, 16, 17, 32, 33, 64):
         x = torch.randn(m, k, device=CUDA).bfloat16()
-        y = mma(x, p)
-        assert_within_bound(y, x, p)
-        assert y[:, 1040].isnan().all() and y.isnan().sum().item() == m
-        assert torch.equal(mma(x, zero), torch.zeros(m, n, dtype=torch.bfloat16, device=CUDA))
+        for warps in (4, 8):
+            y = mma(x, p, warps)
+            assert_within_bound(y, x, p)
+            assert y[:, 1040].isnan().all() and y.isnan().sum().item() == m
+            assert torch.equal(mma(x, zero, warps), torch.zeros(m, n, dtype=torch.bfloat16, device=CUDA))

@@ -25,9 +25,7 @@ import triton.experimental.gluon.language as gl
 from triton.experimental import gluon
 from triton.experimental.gluon.language.nvidia import hopper
 
-BLOCK_N = gl.constexpr(64)  # weight rows a program owns: wgmma's M for one warpgroup
 BLOCK_K = gl.constexpr(128)  # elements of K a step: 16 code bytes a row for each of a warp's 4 lanes along K
-NUM_WARPS = gl.constexpr(4)
 
 # a pair register from a word v of 8 codes: both nibbles at the top of a bf16 half, sign | magnitude >> 6,
 # times 2**126 (the subnormal code 0.5 made normal) and the scale factor
@@ -46,15 +44,16 @@ _UPCAST = gl.constexpr(
 
 
 @gluon.constexpr_function
-def _word_layout():
-    """The codes as int32 words [64 rows, 16 words]: lane l of warp w holds rows 16w + l // 4 and that + 8, words
-    4 (l % 4) .. 4 (l % 4) + 3 (16 contiguous bytes a row), the rows of wgmma's A fragment for that lane."""
+def _word_layout(num_warps):
+    """The codes as int32 words [16 num_warps rows, 16 words]: lane l of warp w holds rows 16w + l // 4 and that
+    + 8, words 4 (l % 4) .. 4 (l % 4) + 3 (16 contiguous bytes a row), the rows of wgmma's A fragment for that
+    lane (a warpgroup's 4 warps take 64 rows)."""
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [8, 0]],
         lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]],
+        warp_bases=[[16 << i, 0] for i in range(num_warps.bit_length() - 1)],
         block_bases=[],
-        shape=[BLOCK_N.value, BLOCK_K.value // 8],
+        shape=[16 * num_warps, BLOCK_K.value // 8],
     )
 
 
@@ -68,14 +67,15 @@ def _upcast(words, scales):
 
 @gluon.jit
 def _a_operand(e0, e1, e2, e3, e4, e5, e6, e7, A: gl.constexpr):
-    """The [64, 128] A operand: element e of word 4q + t (q the lane's position along K, t its word) at logical
+    """The [BLOCK_N, 128] A operand: element e of word 4q + t (q the lane's position along K, t its word) at logical
     k = (e & 1) + 2 q + 8 ((e >> 1) & 1) + 16 (e >> 2) + 32 (t & 1) + 64 (t >> 1): wgmma's A layout (lane q holds
     k = 2q, 2q + 1, 2q + 8, 2q + 9 of each 16), a register permutation of the loaded words'."""
     j = gl.join(gl.join(gl.join(e0, e1), gl.join(e2, e3)), gl.join(gl.join(e4, e5), gl.join(e6, e7)))
     # [64, 16 words, e0, e1, e2] -> [64, q1, q0, t1, t0, e0, e1, e2] -> logical order t1 t0 e2 e1 q1 q0 e0
-    j = gl.reshape(j, [BLOCK_N, 2, 2, 2, 2, 2, 2, 2])
+    BN: gl.constexpr = e0.shape[0]
+    j = gl.reshape(j, [BN, 2, 2, 2, 2, 2, 2, 2])
     j = gl.permute(j, [0, 3, 4, 7, 6, 1, 2, 5])
-    return gl.convert_layout(gl.reshape(j, [BLOCK_N, BLOCK_K]), A, assert_trivial=True)
+    return gl.convert_layout(gl.reshape(j, [BN, BLOCK_K]), A, assert_trivial=True)
 
 
 @gluon.jit
@@ -90,10 +90,22 @@ def _x_operand(x):
 
 
 @gluon.jit
+def _load_step(w_rows, s_rows, x_rows, words, xk, k0):
+    """A step's code words, scale bytes (as int32, per word) and x tile."""
+    w = gl.load(w_rows + gl.expand_dims(k0 // 8 + words, 0))
+    s = gl.load(s_rows + gl.expand_dims(k0 // 32 + words // 4, 0)).to(gl.int32)
+    x = gl.load(x_rows + gl.expand_dims(k0 + xk, 0))
+    return w, s, x
+
+
+@gluon.jit
 def mxfp4_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
-                     BLOCK_M: gl.constexpr):  # fmt: skip
-    """One program: 64 weight rows, every row of x (M <= BLOCK_M), all of K (a multiple of 128)."""
-    WL: gl.constexpr = _word_layout()
+                     BLOCK_M: gl.constexpr, NUM_WARPS: gl.constexpr):  # fmt: skip
+    """One program: 16 NUM_WARPS weight rows (a warpgroup's wgmma per 64), every row of x (M <= BLOCK_M), all of K
+    (a multiple of 128). The next step's loads are issued before this step's wgmma, which runs while they land
+    (x^T double-buffered: one wgmma in flight)."""
+    BLOCK_N: gl.constexpr = 16 * NUM_WARPS
+    WL: gl.constexpr = _word_layout(NUM_WARPS)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                   instr_shape=[16, BLOCK_M, 16])  # fmt: skip
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -108,18 +120,22 @@ def mxfp4_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn
     xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
     xk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL))
     x_rows = x_ptr + gl.expand_dims(gl.where(xm < M, xm, 0) * stride_xm, 1)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_K, BLOCK_M], XS)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, BLOCK_M], XS)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+    w, s, x = _load_step(w_rows, s_rows, x_rows, words, xk, 0)
+    i = 0
     for k0 in range(0, K, BLOCK_K):
-        w = gl.load(w_rows + gl.expand_dims(k0 // 8 + words, 0))
-        s = gl.load(s_rows + gl.expand_dims(k0 // 32 + words // 4, 0)).to(gl.int32)
-        x = gl.load(x_rows + gl.expand_dims(k0 + xk, 0))
         e0, e1, e2, e3, e4, e5, e6, e7 = _upcast(w, s)
         a = _a_operand(e0, e1, e2, e3, e4, e5, e6, e7, A)
-        x_smem.store(_x_operand(x))
+        x_buf = x_smem.index(i % 2)
+        x_buf.store(_x_operand(x))
         hopper.fence_async_shared()
-        acc = hopper.warpgroup_mma(a, x_smem, acc, is_async=True)
-        acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        # the next step's (the last step's again after it: unmasked loads, one redundant step's bytes)
+        w, s, x = _load_step(w_rows, s_rows, x_rows, words, xk, gl.minimum(k0 + BLOCK_K, K - BLOCK_K))
+        acc = hopper.warpgroup_mma(a, x_buf, acc, is_async=True)
+        acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[acc, x_buf])[0]
+        i += 1
+    acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
     out = gl.convert_layout(acc.to(gl.bfloat16), OL)
     on = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OL))
@@ -128,9 +144,10 @@ def mxfp4_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn
     gl.store(ptrs, out, mask=gl.expand_dims(om < M, 0) & gl.expand_dims(on < N, 1))
 
 
-def mxfp4_mma(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def mxfp4_mma(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, num_warps: int = 4) -> torch.Tensor:
     """x [M, K] bf16 @ dequantize(MXFP4 codes qdata [N, K/2], e8m0 scales [N, K/32]).T -> [M, N] bf16, for M up to
-    64 and K a multiple of 128 (module doc)."""
+    64 and K a multiple of 128 (module doc); ``num_warps`` 4 or 8: 64 or 128 weight rows a program (8: two
+    warpgroups share each x tile)."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or not 1 <= x.shape[0] <= 64:
         raise ValueError(f"mxfp4_mma: x must be bf16 [M, K] with 1 <= M <= 64, got {x.dtype} {tuple(x.shape)}")
     m, k = x.shape
@@ -143,8 +160,10 @@ def mxfp4_mma(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torc
     s = scale.view(torch.uint8).contiguous()
     out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     block_m = max(8, triton.next_power_of_2(m))
-    mxfp4_mma_kernel[(triton.cdiv(n, BLOCK_N.value),)](
+    if num_warps not in (4, 8):
+        raise ValueError(f"mxfp4_mma: num_warps must be 4 or 8, got {num_warps}")
+    mxfp4_mma_kernel[(triton.cdiv(n, 16 * num_warps),)](
         x, w, s, out, m, n, k, x.stride(0), w.stride(0), s.stride(0), out.stride(0), BLOCK_M=block_m,
-        num_warps=NUM_WARPS.value,
+        NUM_WARPS=num_warps, num_warps=num_warps,
     )  # fmt: skip
     return out
