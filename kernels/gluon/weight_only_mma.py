@@ -13,8 +13,8 @@ a contracted dimension, so the order in which those elements meet wgmma's A layo
 follow the same order: a thread's word of 8 codes gives its pairs (nibbles 0 and 4, 1 and 5, 2 and 6, 3 and 7),
 each a bf16x2 register, with no nibble moves but a shift of the word; ``_A_ORDER`` (the weights) and
 ``_X_ORDER`` (x) place them. Each pair is sign | magnitude >> 6 on both halves at once (the element's value times
-2**-126, a bf16 subnormal for 0.5), times 2**126 and then the block's scale 2**(s - 127) in bf16 (exact while the
-weight is a bf16 normal; NaN for the scale 0xFF).
+2**-126, a bf16 subnormal for 0.5), times 2**126 and then the block's scale 2**(s - 127) in bf16 (2**-127 a bf16
+subnormal; NaN for the scale 0xFF): each product rounded once, as ``dequantize`` rounds it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ _PAIR = """shr.b32 m, q, 6; and.b32 m, m, 0x01C001C0; lop3.b32 r, q, 0x80008000,
 mul.rn.bf16x2 r, r, b; mul.rn.bf16x2 r, r, f; mov.b32 {{{lo}, {hi}}}, r;"""
 _UPCAST = gl.constexpr(
     "{ .reg .b32 q, m, r, f, b; .reg .pred p;\n"
-    "shl.b32 f, $9, 7; setp.eq.u32 p, $9, 255; selp.b32 f, 0x7FC0, f, p; prmt.b32 f, f, f, 0x1010;\n"
+    "shl.b32 f, $9, 7; setp.eq.u32 p, $9, 255; selp.b32 f, 0x7FC0, f, p; setp.eq.u32 p, $9, 0;\n"
+    "selp.b32 f, 0x0040, f, p; prmt.b32 f, f, f, 0x1010;\n"
     "mov.b32 b, 0x7E807E80;\n"
     + "".join(
         f"shl.b32 q, $8, {shift};\n" + _PAIR.format(lo=f"${2 * i}", hi=f"${2 * i + 1}") + "\n"
