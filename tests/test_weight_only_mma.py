@@ -4,7 +4,8 @@ bound of tests/test_weight_only_gemm.py's module doc.
 * CPU: compiled for sm_90a at every BLOCK_M, the upcast weights reach wgmma as its register operand (the kernel's
   layout conversion is asserted trivial at compile time; no shared-memory copy of them), and bad operands are
   one-line errors.
-* GPU (``gpu``): M = 1 to 64, N not a multiple of the 64-row tile, NaN scales, zeros.
+* GPU (``gpu``): M = 1 to 64, N not a multiple of the 64-row tile, 4 and 8 warps, K split 1, 3 and 32 ways
+  (deterministic), NaN scales, zeros.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 CUDA = "cuda"
 
 
-def mma(x: torch.Tensor, p, num_warps: int = 4) -> torch.Tensor:
+def mma(x: torch.Tensor, p, num_warps: int = 4, split_k: int = 1) -> torch.Tensor:
     from mx_kernels.gluon.weight_only_mma import mxfp4_mma
 
-    return mxfp4_mma(x, p.qdata, p.scale, num_warps)
+    return mxfp4_mma(x, p.qdata, p.scale, num_warps, split_k)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="compiles with Triton's CUDA backend")
@@ -38,8 +39,9 @@ def test_upcast_weights_are_the_mma_register_operand(block_m, num_warps):
     kwargs = dict(
         x_ptr=torch.empty(block_m, k, dtype=torch.bfloat16, **meta), w_ptr=torch.empty(n, k // 2, dtype=torch.uint8,
         **meta), s_ptr=torch.empty(n, k // 32, dtype=torch.uint8, **meta), out_ptr=torch.empty(block_m, n,
-        dtype=torch.bfloat16, **meta), M=block_m, N=n, K=k, stride_xm=k, stride_wn=k // 2, stride_sn=k // 32,
-        stride_om=n, BLOCK_M=block_m, NUM_WARPS=num_warps, num_warps=num_warps,
+        dtype=torch.bfloat16, **meta), ws_ptr=torch.empty(2, block_m, n, **meta), cnt_ptr=torch.empty(64,
+        dtype=torch.int32, **meta), M=block_m, N=n, K=k, K_SPLIT=k // 2, SPLIT_K=2, stride_xm=k, stride_wn=k // 2,
+        stride_sn=k // 32, stride_om=n, BLOCK_M=block_m, NUM_WARPS=num_warps, SPLIT=True, num_warps=num_warps,
     )  # fmt: skip
     ttgir = compile_for_arch(weight_only_mma.mxfp4_mma_kernel, kwargs, 90).asm["ttgir"]
     a_operand = rf"ttng\.warp_group_dot %\S+, %\S+, .*? : tensor<{16 * num_warps}x128xbf16, #ttg\.dot_op<\{{opIdx = 0"
@@ -72,8 +74,10 @@ def test_gpu_every_m_within_the_bound():
     zero = packed(torch.zeros(n, k, device=CUDA), "mxfp4")
     for m in (1, 3, 8, 9, 16, 17, 32, 33, 64):
         x = torch.randn(m, k, device=CUDA).bfloat16()
-        for warps in (4, 8):
-            y = mma(x, p, warps)
+        for warps, split in ((4, 1), (8, 1), (4, 3), (8, 32)):
+            y = mma(x, p, warps, split)
             assert_within_bound(y, x, p)
             assert y[:, 1040].isnan().all() and y.isnan().sum().item() == m
-            assert torch.equal(mma(x, zero, warps), torch.zeros(m, n, dtype=torch.bfloat16, device=CUDA))
+            assert torch.equal(mma(x, zero, warps, split), torch.zeros(m, n, dtype=torch.bfloat16, device=CUDA))
+            if split > 1:  # the partials summed in split order: the same bits every call
+                assert all(torch.equal(mma(x, p, warps, split), y) for _ in range(5))

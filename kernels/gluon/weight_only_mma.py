@@ -22,10 +22,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.experimental.gluon.language as gl
+from mx_kernels.common import arrival_counters
 from triton.experimental import gluon
 from triton.experimental.gluon.language.nvidia import hopper
 
 BLOCK_K = gl.constexpr(128)  # elements of K a step: 16 code bytes a row for each of a warp's 4 lanes along K
+COUNTERS = 1 << 12  # split-K tiles a launch may have
 
 # a pair register from a word v of 8 codes: both nibbles at the top of a bf16 half, sign | magnitude >> 6,
 # times 2**126 (the subnormal code 0.5 made normal) and the scale factor
@@ -100,11 +102,13 @@ def _load_step(w_rows, s_rows, x_rows, words, xk, k0):
 
 
 @gluon.jit
-def mxfp4_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
-                     BLOCK_M: gl.constexpr, NUM_WARPS: gl.constexpr):  # fmt: skip
-    """One program: 16 NUM_WARPS weight rows (a warpgroup's wgmma per 64), every row of x (M <= BLOCK_M), all of K
-    (a multiple of 128). The next step's loads are issued before this step's wgmma, which runs while they land
-    (x^T double-buffered: one wgmma in flight)."""
+def mxfp4_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT, SPLIT_K, stride_xm, stride_wn,
+                     stride_sn, stride_om, BLOCK_M: gl.constexpr, NUM_WARPS: gl.constexpr,
+                     SPLIT: gl.constexpr):  # fmt: skip
+    """One program: 16 NUM_WARPS weight rows (a warpgroup's wgmma per 64), every row of x (M <= BLOCK_M), its split
+    of K (K_SPLIT, a multiple of 128). The next step's loads are issued before this step's wgmma, which runs while
+    they land (x^T double-buffered: one wgmma in flight). SPLIT: each split stores its fp32 partial and the last
+    to arrive (a counter per tile) sums them in split order, so the result does not depend on timing."""
     BLOCK_N: gl.constexpr = 16 * NUM_WARPS
     WL: gl.constexpr = _word_layout(NUM_WARPS)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -112,7 +116,11 @@ def mxfp4_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
     XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], gl.bfloat16)
+    OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
     pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    k_start = pid_k * K_SPLIT
+    k_end = gl.minimum(k_start + K_SPLIT, K)
     rows = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WL))
     rows = gl.where(rows < N, rows, 0)
     words = gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, WL))
@@ -123,32 +131,45 @@ def mxfp4_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn
     x_rows = x_ptr + gl.expand_dims(gl.where(xm < M, xm, 0) * stride_xm, 1)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, BLOCK_M], XS)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-    w, s, x = _load_step(w_rows, s_rows, x_rows, words, xk, 0)
+    w, s, x = _load_step(w_rows, s_rows, x_rows, words, xk, k_start)
     i = 0
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         e0, e1, e2, e3, e4, e5, e6, e7 = _upcast(w, s)
         a = _a_operand(e0, e1, e2, e3, e4, e5, e6, e7, A)
         x_buf = x_smem.index(i % 2)
         x_buf.store(_x_operand(x))
         hopper.fence_async_shared()
         # the next step's (the last step's again after it: unmasked loads, one redundant step's bytes)
-        w, s, x = _load_step(w_rows, s_rows, x_rows, words, xk, gl.minimum(k0 + BLOCK_K, K - BLOCK_K))
+        w, s, x = _load_step(w_rows, s_rows, x_rows, words, xk, gl.minimum(k0 + BLOCK_K, k_end - BLOCK_K))
         acc = hopper.warpgroup_mma(a, x_buf, acc, is_async=True)
         acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[acc, x_buf])[0]
         i += 1
     acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
-    out = gl.convert_layout(acc.to(gl.bfloat16), OL)
+    acc = gl.convert_layout(acc, OL)
     on = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OL))
     om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OL))
-    ptrs = out_ptr + gl.expand_dims(om, 0) * stride_om + gl.expand_dims(on, 1)
-    gl.store(ptrs, out, mask=gl.expand_dims(om < M, 0) & gl.expand_dims(on < N, 1))
+    mask = gl.expand_dims(om < M, 0) & gl.expand_dims(on < N, 1)
+    tile = gl.expand_dims(om, 0) * N + gl.expand_dims(on, 1)  # [n, m] of an [M, N] partial
+    last = True
+    if SPLIT:
+        gl.store(ws_ptr + pid_k * M * N + tile, acc, mask=mask)
+        gl.thread_barrier()
+        last = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1
+        if last:
+            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, OL)
+            for k in range(SPLIT_K):
+                acc += gl.load(ws_ptr + k * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            gl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next launch
+    if last:
+        ptrs = out_ptr + gl.expand_dims(om, 0) * stride_om + gl.expand_dims(on, 1)
+        gl.store(ptrs, acc.to(gl.bfloat16), mask=mask)
 
 
-def mxfp4_mma(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, num_warps: int = 4) -> torch.Tensor:
+def mxfp4_mma(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, num_warps: int = 4, split_k: int = 1
+              ) -> torch.Tensor:  # fmt: skip
     """x [M, K] bf16 @ dequantize(MXFP4 codes qdata [N, K/2], e8m0 scales [N, K/32]).T -> [M, N] bf16, for M up to
     64 and K a multiple of 128 (module doc); ``num_warps`` 4 or 8: 64 or 128 weight rows a program (8: two
-    warpgroups share each x tile)."""
+    warpgroups share each x tile); K split ``split_k`` ways (at most one split a 128-element step)."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or not 1 <= x.shape[0] <= 64:
         raise ValueError(f"mxfp4_mma: x must be bf16 [M, K] with 1 <= M <= 64, got {x.dtype} {tuple(x.shape)}")
     m, k = x.shape
@@ -156,15 +177,24 @@ def mxfp4_mma(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, num_war
     if k % BLOCK_K.value or qdata.shape != (n, k // 2) or scale.shape != (n, k // 32):
         raise ValueError(f"mxfp4_mma: K a multiple of {BLOCK_K.value}, codes [N, K/2] and scales [N, K/32]; got x "
                          f"{tuple(x.shape)}, codes {tuple(qdata.shape)}, scales {tuple(scale.shape)}")  # fmt: skip
+    if num_warps not in (4, 8) or split_k < 1:
+        raise ValueError(f"mxfp4_mma: num_warps 4 or 8 and split_k >= 1, got {num_warps} and {split_k}")
     x = x if x.stride(1) == 1 else x.contiguous()
     w = qdata.view(torch.uint8).contiguous()
     s = scale.view(torch.uint8).contiguous()
     out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    block_m = max(8, triton.next_power_of_2(m))
-    if num_warps not in (4, 8):
-        raise ValueError(f"mxfp4_mma: num_warps must be 4 or 8, got {num_warps}")
-    mxfp4_mma_kernel[(triton.cdiv(n, 16 * num_warps),)](
-        x, w, s, out, m, n, k, x.stride(0), w.stride(0), s.stride(0), out.stride(0), BLOCK_M=block_m,
-        NUM_WARPS=num_warps, num_warps=num_warps,
+    steps = k // BLOCK_K.value
+    k_split = triton.cdiv(steps, min(split_k, steps))  # steps a split: no split without one
+    split_k = triton.cdiv(steps, k_split)
+    n_tiles = triton.cdiv(n, 16 * num_warps)
+    split = split_k > 1
+    ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split else out
+    counters = arrival_counters("weight_only_mma", x.device, COUNTERS) if split else out
+    if n_tiles > COUNTERS:
+        raise ValueError(f"mxfp4_mma: {n_tiles} tiles, past the {COUNTERS} counters")
+    mxfp4_mma_kernel[(n_tiles, split_k)](
+        x, w, s, out, ws, counters, m, n, k, k_split * BLOCK_K.value, split_k, x.stride(0), w.stride(0), s.stride(0),
+        out.stride(0), BLOCK_M=max(8, triton.next_power_of_2(m)), NUM_WARPS=num_warps, SPLIT=split,
+        num_warps=num_warps,
     )  # fmt: skip
     return out
