@@ -1,11 +1,11 @@
-"""The Gluon MXFP4 weight-only GEMM on wgmma (kernels/gluon/weight_only_mma.py) against the reference, within the
-bound of tests/test_weight_only_gemm.py's module doc.
+"""The Gluon 4-bit (MXFP4, NVFP4) weight-only GEMM on wgmma (kernels/gluon/weight_only_mma.py) against the
+reference, within the bound of tests/test_weight_only_gemm.py's module doc.
 
 * CPU: compiled for sm_90a at every BLOCK_M, the upcast weights reach wgmma as its register operand (the kernel's
   layout conversion is asserted trivial at compile time; no shared-memory copy of them), and bad operands are
   one-line errors.
-* GPU (``gpu``): M = 1 to 64, N not a multiple of the 64-row tile, 4 and 8 warps, K split 1, 3 and 32 ways
-  (deterministic), NaN scales, zeros.
+* GPU (``gpu``): both formats, M = 1 to 64, N not a multiple of the 64-row tile, 4 and 8 warps, K split 1, 3
+  and 32 ways (deterministic), NaN scales, zeros, NVFP4 tensor scales per row.
 """
 
 from __future__ import annotations
@@ -17,20 +17,24 @@ import pytest
 import torch
 from test_weight_only_gemm import assert_within_bound, packed, weights
 
+from mx_recipe.infer.weights import PackedWeight
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 CUDA = "cuda"
+FORMATS = ("mxfp4", "nvfp4")
 
 
 def mma(x: torch.Tensor, p, num_warps: int = 4, split_k: int = 1) -> torch.Tensor:
-    from mx_kernels.gluon.weight_only_mma import mxfp4_mma
+    from mx_kernels.gluon.weight_only_mma import fp4_mma
 
-    return mxfp4_mma(x, p.qdata, p.scale, num_warps, split_k)
+    return fp4_mma(x, p.qdata, p.scale, p.tensor_scale, p.fmt, num_warps, split_k)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="compiles with Triton's CUDA backend")
 @pytest.mark.parametrize("block_m", [8, 16, 32, 64])
 @pytest.mark.parametrize("num_warps", [4, 8])
-def test_upcast_weights_are_the_mma_register_operand(block_m, num_warps):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_upcast_weights_are_the_mma_register_operand(block_m, num_warps, fmt):
     from mx_kernels.gluon import weight_only_mma
     from mx_kernels.gluon.common import compile_for_arch
 
@@ -38,46 +42,58 @@ def test_upcast_weights_are_the_mma_register_operand(block_m, num_warps):
     meta = dict(device="meta")
     kwargs = dict(
         x_ptr=torch.empty(block_m, k, dtype=torch.bfloat16, **meta), w_ptr=torch.empty(n, k // 2, dtype=torch.uint8,
-        **meta), s_ptr=torch.empty(n, k // 32, dtype=torch.uint8, **meta), out_ptr=torch.empty(block_m, n,
-        dtype=torch.bfloat16, **meta), ws_ptr=torch.empty(2, block_m, n, **meta), cnt_ptr=torch.empty(64,
-        dtype=torch.int32, **meta), M=block_m, N=n, K=k, K_SPLIT=k // 2, SPLIT_K=2, stride_xm=k, stride_wn=k // 2,
-        stride_sn=k // 32, stride_om=n, BLOCK_M=block_m, NUM_WARPS=num_warps, SPLIT=True, num_warps=num_warps,
+        **meta), s_ptr=torch.empty(n, k // 16, dtype=torch.uint8, **meta), ts_ptr=torch.empty(n, **meta),
+        out_ptr=torch.empty(block_m, n, dtype=torch.bfloat16, **meta), ws_ptr=torch.empty(2, block_m, n, **meta),
+        cnt_ptr=torch.empty(64, dtype=torch.int32, **meta), M=block_m, N=n, K=k, K_SPLIT=k // 2, SPLIT_K=2,
+        stride_xm=k, stride_wn=k // 2, stride_sn=k // 16, stride_tn=1, stride_om=n, FMT=fmt, BLOCK_M=block_m,
+        NUM_WARPS=num_warps, SPLIT=True, num_warps=num_warps,
     )  # fmt: skip
-    ttgir = compile_for_arch(weight_only_mma.mxfp4_mma_kernel, kwargs, 90).asm["ttgir"]
+    ttgir = compile_for_arch(weight_only_mma.fp4_mma_kernel, kwargs, 90).asm["ttgir"]
     a_operand = rf"ttng\.warp_group_dot %\S+, %\S+, .*? : tensor<{16 * num_warps}x128xbf16, #ttg\.dot_op<\{{opIdx = 0"
     assert len(re.findall(a_operand, ttgir)) == 1, "wgmma's A operand is not a register tensor"
     assert "ttg.local_load" not in ttgir and ttgir.count("ttg.local_alloc") == 1  # x^T's buffers only
 
 
 def test_bad_operands_are_one_line_errors():
-    from mx_kernels.gluon.weight_only_mma import mxfp4_mma
+    from mx_kernels.gluon.weight_only_mma import fp4_mma
 
     p = packed(torch.randn(64, 256), "mxfp4")
     with pytest.raises(ValueError, match="1 <= M <= 64"):
-        mxfp4_mma(torch.randn(65, 256).bfloat16(), p.qdata, p.scale)
+        fp4_mma(torch.randn(65, 256).bfloat16(), p.qdata, p.scale, None, "mxfp4")
     with pytest.raises(ValueError, match="bf16"):
-        mxfp4_mma(torch.randn(4, 256), p.qdata, p.scale)
+        fp4_mma(torch.randn(4, 256), p.qdata, p.scale, None, "mxfp4")
+    with pytest.raises(ValueError, match="nvfp4 .with one"):
+        fp4_mma(torch.randn(4, 256).bfloat16(), p.qdata, p.scale, None, "mxfp8")
     q = packed(torch.randn(64, 160), "mxfp4")
     with pytest.raises(ValueError, match="multiple of 128"):
-        mxfp4_mma(torch.randn(4, 160).bfloat16(), q.qdata, q.scale)
+        fp4_mma(torch.randn(4, 160).bfloat16(), q.qdata, q.scale, None, "mxfp4")
 
 
 @pytest.mark.gpu
-def test_gpu_every_m_within_the_bound():
-    """M = 1 to 64 on a 1056 x 4096 weight (N: 16 rows past a multiple of 64), a NaN scale in one row, zeros."""
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_every_m_within_the_bound(fmt):
+    """M = 1 to 64 on a 1056 x 4096 weight (N: 16 rows past a multiple of 64), 4 and 8 warps, K split 1, 3 and 32
+    ways (the same bits every call), a NaN scale in one row, zeros; nvfp4 with one tensor scale and with one per
+    row (weights concatenated along N)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs an sm_90 GPU (wgmma)")
     torch.manual_seed(11)
     n, k = 1056, 4096
-    p = packed(weights(n, k, CUDA) * 0.02, "mxfp4")
-    p.scale.view(torch.uint8)[1040, 5] = 0xFF
-    zero = packed(torch.zeros(n, k, device=CUDA), "mxfp4")
+    p = packed(weights(n, k, CUDA) * 0.02, fmt)
+    p.scale.view(torch.uint8)[1040, 5] = 0x7F if fmt == "nvfp4" else 0xFF
+    zero = packed(torch.zeros(n, k, device=CUDA), fmt)
+    weights_ = [p]
+    if fmt == "nvfp4":  # two weights concatenated along N, each its own tensor scale
+        halves = [packed(weights(n // 2, k, CUDA) * scale, fmt) for scale in (0.02, 3.0)]
+        weights_.append(PackedWeight.cat(halves))
     for m in (1, 3, 8, 9, 16, 17, 32, 33, 64):
         x = torch.randn(m, k, device=CUDA).bfloat16()
         for warps, split in ((4, 1), (8, 1), (4, 3), (8, 32)):
+            for w in weights_:
+                y = mma(x, w, warps, split)
+                assert_within_bound(y, x, w)
+                if split > 1:  # the partials summed in split order: the same bits every call
+                    assert all(torch.equal(mma(x, w, warps, split), y) for _ in range(3))
             y = mma(x, p, warps, split)
-            assert_within_bound(y, x, p)
             assert y[:, 1040].isnan().all() and y.isnan().sum().item() == m
             assert torch.equal(mma(x, zero, warps, split), torch.zeros(m, n, dtype=torch.bfloat16, device=CUDA))
-            if split > 1:  # the partials summed in split order: the same bits every call
-                assert all(torch.equal(mma(x, p, warps, split), y) for _ in range(5))

@@ -1,7 +1,8 @@
-"""Weight-only MXFP4 GEMM on Hopper's wgmma with the upcast weights as its register operand (Gluon).
+"""Weight-only 4-bit GEMM on Hopper's wgmma with the upcast weights as its register operand (Gluon).
 
-out [M, N] = x [M, K] (bf16) @ dequantize(w).T for M up to 64, w packed as mx_recipe.formats packs MXFP4 (codes
-[N, K/2], element 2j in the low nibble of byte j; e8m0 scales [N, K/32]), in its natural layout.
+out [M, N] = x [M, K] (bf16) @ dequantize(w).T for M up to 64, w packed as mx_recipe.formats packs MXFP4 and
+NVFP4 (codes [N, K/2], element 2j in the low nibble of byte j; e8m0 scales [N, K/32], or e4m3 scales [N, K/16]
+and an fp32 tensor scale), in its natural layout.
 
 The product is computed transposed, out^T = w x^T: the weight tile [64 rows, 128 of K] is wgmma's A operand, held
 in registers, and x^T [128, BLOCK_M] its B operand in shared memory, so the upcast weights never pass through
@@ -11,10 +12,12 @@ shared memory (what a ``tl.dot`` with the weight as second operand costs), and M
 Each thread loads, per row it owns, 16 contiguous code bytes: 32 consecutive elements of K, one scale block. K is
 a contracted dimension, so the order in which those elements meet wgmma's A layout is free, provided x^T's rows
 follow the same order: a thread's word of 8 codes gives its pairs (nibbles 0 and 4, 1 and 5, 2 and 6, 3 and 7),
-each a bf16x2 register, with no nibble moves but a shift of the word; ``_A_ORDER`` (the weights) and
-``_X_ORDER`` (x) place them. Each pair is sign | magnitude >> 6 on both halves at once (the element's value times
-2**-126, a bf16 subnormal for 0.5), times 2**126 and then the block's scale 2**(s - 127) in bf16 (2**-127 a bf16
-subnormal; NaN for the scale 0xFF): each product rounded once, as ``dequantize`` rounds it.
+each a bf16x2 register, with no nibble moves but a shift of the word; ``_a_operand`` (the weights) and
+``_x_operand`` (x) place them. Each pair is sign | magnitude >> 6 on both halves at once (the element's value times
+2**-126, a bf16 subnormal for 0.5), times 2**126 and then the block's scale in bf16: for MXFP4 2**(s - 127)
+(2**-127 a bf16 subnormal; NaN for 0xFF), each product rounded once as ``dequantize`` rounds it; for NVFP4 the e4m3
+scale's value (NaN for 0x7F, 0xFF), e2m1 * e4m3 exact in bf16, and the tensor scale multiplies the fp32 sum once,
+as the Triton kernel does (tests/test_weight_only_gemm.py: the bound).
 """
 
 from __future__ import annotations
@@ -30,20 +33,28 @@ BLOCK_K = gl.constexpr(128)  # elements of K a step: 16 code bytes a row for eac
 COUNTERS = 1 << 12  # split-K tiles a launch may have
 
 # a pair register from a word v of 8 codes: both nibbles at the top of a bf16 half, sign | magnitude >> 6,
-# times 2**126 (the subnormal code 0.5 made normal) and the scale factor
-_PAIR = """shr.b32 m, q, 6; and.b32 m, m, 0x01C001C0; lop3.b32 r, q, 0x80008000, m, 0xEA;
-mul.rn.bf16x2 r, r, b; mul.rn.bf16x2 r, r, f; mov.b32 {{{lo}, {hi}}}, r;"""
-_UPCAST = gl.constexpr(
-    "{ .reg .b32 q, m, r, f, b; .reg .pred p;\n"
-    "shl.b32 f, $9, 7; setp.eq.u32 p, $9, 255; selp.b32 f, 0x7FC0, f, p; setp.eq.u32 p, $9, 0;\n"
-    "selp.b32 f, 0x0040, f, p; prmt.b32 f, f, f, 0x1010;\n"
-    "mov.b32 b, 0x7E807E80;\n"
-    + "".join(
-        f"shl.b32 q, $8, {shift};\n" + _PAIR.format(lo=f"${2 * i}", hi=f"${2 * i + 1}") + "\n"
-        for i, shift in enumerate((12, 8, 4, 0))
-    )
-    + "}"
+# times 2**126 (the subnormal code 0.5 made normal) and the scale factor f
+_PAIRS = "".join(
+    f"shl.b32 q, $8, {shift}; shr.b32 m, q, 6; and.b32 m, m, 0x01C001C0; lop3.b32 r, q, 0x80008000, m, 0xEA;\n"
+    f"mul.rn.bf16x2 r, r, b; mul.rn.bf16x2 r, r, f; mov.b32 {{${2 * i}, ${2 * i + 1}}}, r;\n"
+    for i, shift in enumerate((12, 8, 4, 0))
 )
+# f from the scale byte $9, in both bf16 halves. e8m0: 2**(s - 127) as bf16 bits s << 7 (2**-127, a subnormal,
+# for 0), NaN for 0xFF. e4m3: (c & 0x7F) << 4 is the value times 2**-120 (a subnormal code a bf16 subnormal),
+# times 2**120, the sign from bit 7, NaN for 0x7F and 0xFF.
+_SCALE = {
+    "mxfp4": "shl.b32 f, $9, 7; setp.eq.u32 p, $9, 255; selp.b32 f, 0x7FC0, f, p; setp.eq.u32 p, $9, 0;\n"
+    "selp.b32 f, 0x0040, f, p; prmt.b32 f, f, f, 0x1010;\n",
+    "nvfp4": "and.b32 m, $9, 0x7F; shl.b32 f, m, 4; and.b32 q, $9, 0x80; shl.b32 q, q, 8; or.b32 f, f, q;\n"
+    "prmt.b32 f, f, f, 0x1010; mov.b32 r, 0x7B807B80; mul.rn.bf16x2 f, f, r; setp.eq.u32 p, m, 0x7F;\n"
+    "selp.b32 f, 0x7FC07FC0, f, p;\n",
+}
+_UPCAST = {
+    fmt: gl.constexpr("{ .reg .b32 q, m, r, f, b; .reg .pred p;\n" + scale + "mov.b32 b, 0x7E807E80;\n" + _PAIRS + "}")
+    for fmt, scale in _SCALE.items()
+}
+_UPCAST_MXFP4 = _UPCAST["mxfp4"]
+_UPCAST_NVFP4 = _UPCAST["nvfp4"]
 
 
 @gluon.constexpr_function
@@ -61,10 +72,15 @@ def _word_layout(num_warps):
 
 
 @gluon.jit
-def _upcast(words, scales):
-    """8 bf16 tensors [64, 16] per word: the pairs (nibbles 0, 4), (1, 5), (2, 6), (3, 7), each times its scale."""
+def _upcast(words, scales, FMT: gl.constexpr):
+    """8 bf16 tensors [BLOCK_N, 16] per word: the pairs (nibbles 0, 4), (1, 5), (2, 6), (3, 7), each times its
+    scale (FMT's: an e8m0 per 32 elements, an e4m3 per 16)."""
+    if FMT == "nvfp4":
+        asm: gl.constexpr = _UPCAST_NVFP4
+    else:
+        asm: gl.constexpr = _UPCAST_MXFP4
     return gl.inline_asm_elementwise(
-        _UPCAST, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, scales], dtype=[gl.bfloat16] * 8, is_pure=True, pack=1
+        asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, scales], dtype=[gl.bfloat16] * 8, is_pure=True, pack=1
     )
 
 
@@ -93,23 +109,24 @@ def _x_operand(x):
 
 
 @gluon.jit
-def _load_step(w_rows, s_rows, x_rows, words, xk, k0):
-    """A step's code words, scale bytes (as int32, per word) and x tile."""
+def _load_step(w_rows, s_rows, x_rows, words, xk, k0, GROUP: gl.constexpr):
+    """A step's code words, scale bytes (as int32, per word: GROUP elements a scale) and x tile."""
     w = gl.load(w_rows + gl.expand_dims(k0 // 8 + words, 0))
-    s = gl.load(s_rows + gl.expand_dims(k0 // 32 + words // 4, 0)).to(gl.int32)
+    s = gl.load(s_rows + gl.expand_dims(k0 // GROUP + words // (GROUP // 8), 0)).to(gl.int32)
     x = gl.load(x_rows + gl.expand_dims(k0 + xk, 0))
     return w, s, x
 
 
 @gluon.jit
-def mxfp4_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT, SPLIT_K, stride_xm, stride_wn,
-                     stride_sn, stride_om, BLOCK_M: gl.constexpr, NUM_WARPS: gl.constexpr,
-                     SPLIT: gl.constexpr):  # fmt: skip
+def fp4_mma_kernel(x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT, SPLIT_K, stride_xm,
+                   stride_wn, stride_sn, stride_tn, stride_om, FMT: gl.constexpr, BLOCK_M: gl.constexpr,
+                   NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
     """One program: 16 NUM_WARPS weight rows (a warpgroup's wgmma per 64), every row of x (M <= BLOCK_M), its split
     of K (K_SPLIT, a multiple of 128). The next step's loads are issued before this step's wgmma, which runs while
     they land (x^T double-buffered: one wgmma in flight). SPLIT: each split stores its fp32 partial and the last
     to arrive (a counter per tile) sums them in split order, so the result does not depend on timing."""
     BLOCK_N: gl.constexpr = 16 * NUM_WARPS
+    GROUP: gl.constexpr = 16 if FMT == "nvfp4" else 32
     WL: gl.constexpr = _word_layout(NUM_WARPS)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                   instr_shape=[16, BLOCK_M, 16])  # fmt: skip
@@ -131,16 +148,16 @@ def mxfp4_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K_S
     x_rows = x_ptr + gl.expand_dims(gl.where(xm < M, xm, 0) * stride_xm, 1)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, BLOCK_M], XS)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-    w, s, x = _load_step(w_rows, s_rows, x_rows, words, xk, k_start)
+    w, s, x = _load_step(w_rows, s_rows, x_rows, words, xk, k_start, GROUP)
     i = 0
     for k0 in range(k_start, k_end, BLOCK_K):
-        e0, e1, e2, e3, e4, e5, e6, e7 = _upcast(w, s)
+        e0, e1, e2, e3, e4, e5, e6, e7 = _upcast(w, s, FMT)
         a = _a_operand(e0, e1, e2, e3, e4, e5, e6, e7, A)
         x_buf = x_smem.index(i % 2)
         x_buf.store(_x_operand(x))
         hopper.fence_async_shared()
         # the next step's (the last step's again after it: unmasked loads, one redundant step's bytes)
-        w, s, x = _load_step(w_rows, s_rows, x_rows, words, xk, gl.minimum(k0 + BLOCK_K, k_end - BLOCK_K))
+        w, s, x = _load_step(w_rows, s_rows, x_rows, words, xk, gl.minimum(k0 + BLOCK_K, k_end - BLOCK_K), GROUP)
         acc = hopper.warpgroup_mma(a, x_buf, acc, is_async=True)
         acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[acc, x_buf])[0]
         i += 1
@@ -161,28 +178,36 @@ def mxfp4_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K_S
                 acc += gl.load(ws_ptr + k * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
             gl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next launch
     if last:
+        if FMT == "nvfp4":  # the tensor scale on the fp32 sum, once (one, or one per row of N)
+            acc = acc * gl.expand_dims(gl.load(ts_ptr + gl.where(on < N, on, 0) * stride_tn), 1)
         ptrs = out_ptr + gl.expand_dims(om, 0) * stride_om + gl.expand_dims(on, 1)
         gl.store(ptrs, acc.to(gl.bfloat16), mask=mask)
 
 
-def mxfp4_mma(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, num_warps: int = 4, split_k: int = 1
-              ) -> torch.Tensor:  # fmt: skip
-    """x [M, K] bf16 @ dequantize(MXFP4 codes qdata [N, K/2], e8m0 scales [N, K/32]).T -> [M, N] bf16, for M up to
-    64 and K a multiple of 128 (module doc); ``num_warps`` 4 or 8: 64 or 128 weight rows a program (8: two
-    warpgroups share each x tile); K split ``split_k`` ways (at most one split a 128-element step)."""
+def fp4_mma(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: str,
+            num_warps: int = 4, split_k: int = 1) -> torch.Tensor:  # fmt: skip
+    """x [M, K] bf16 @ dequantize(fmt's codes qdata [N, K/2], scales [N, K/32] e8m0 (mxfp4) or [N, K/16] e4m3 with
+    the fp32 ``tensor_scale``, one or one per row of N (nvfp4)).T -> [M, N] bf16, for M up to 64 and K a multiple of
+    128 (module doc); ``num_warps`` 4 or 8: 64 or 128 weight rows a program (8: two warpgroups share each x tile);
+    K split ``split_k`` ways (at most one split a 128-element step)."""
+    group = {"mxfp4": 32, "nvfp4": 16}.get(fmt)
+    if group is None or (tensor_scale is None) != (fmt == "mxfp4"):
+        raise ValueError(f"fp4_mma: fmt mxfp4 (no tensor scale) or nvfp4 (with one), got {fmt!r}")
     if x.dtype != torch.bfloat16 or x.dim() != 2 or not 1 <= x.shape[0] <= 64:
-        raise ValueError(f"mxfp4_mma: x must be bf16 [M, K] with 1 <= M <= 64, got {x.dtype} {tuple(x.shape)}")
+        raise ValueError(f"fp4_mma: x must be bf16 [M, K] with 1 <= M <= 64, got {x.dtype} {tuple(x.shape)}")
     m, k = x.shape
     n = qdata.shape[0]
-    if k % BLOCK_K.value or qdata.shape != (n, k // 2) or scale.shape != (n, k // 32):
-        raise ValueError(f"mxfp4_mma: K a multiple of {BLOCK_K.value}, codes [N, K/2] and scales [N, K/32]; got x "
-                         f"{tuple(x.shape)}, codes {tuple(qdata.shape)}, scales {tuple(scale.shape)}")  # fmt: skip
+    if k % BLOCK_K.value or qdata.shape != (n, k // 2) or scale.shape != (n, k // group):
+        raise ValueError(f"fp4_mma: K a multiple of {BLOCK_K.value}, codes [N, K/2] and scales [N, K/{group}]; got "
+                         f"x {tuple(x.shape)}, codes {tuple(qdata.shape)}, scales {tuple(scale.shape)}")  # fmt: skip
     if num_warps not in (4, 8) or split_k < 1:
-        raise ValueError(f"mxfp4_mma: num_warps 4 or 8 and split_k >= 1, got {num_warps} and {split_k}")
+        raise ValueError(f"fp4_mma: num_warps 4 or 8 and split_k >= 1, got {num_warps} and {split_k}")
     x = x if x.stride(1) == 1 else x.contiguous()
     w = qdata.view(torch.uint8).contiguous()
     s = scale.view(torch.uint8).contiguous()
     out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    ts = tensor_scale.reshape(-1).float() if tensor_scale is not None else out
+    stride_tn = 1 if tensor_scale is not None and ts.numel() == n else 0
     steps = k // BLOCK_K.value
     k_split = triton.cdiv(steps, min(split_k, steps))  # steps a split: no split without one
     split_k = triton.cdiv(steps, k_split)
@@ -191,10 +216,10 @@ def mxfp4_mma(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, num_war
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split else out
     counters = arrival_counters("weight_only_mma", x.device, COUNTERS) if split else out
     if n_tiles > COUNTERS:
-        raise ValueError(f"mxfp4_mma: {n_tiles} tiles, past the {COUNTERS} counters")
-    mxfp4_mma_kernel[(n_tiles, split_k)](
-        x, w, s, out, ws, counters, m, n, k, k_split * BLOCK_K.value, split_k, x.stride(0), w.stride(0), s.stride(0),
-        out.stride(0), BLOCK_M=max(8, triton.next_power_of_2(m)), NUM_WARPS=num_warps, SPLIT=split,
-        num_warps=num_warps,
+        raise ValueError(f"fp4_mma: {n_tiles} tiles, past the {COUNTERS} counters")
+    fp4_mma_kernel[(n_tiles, split_k)](
+        x, w, s, ts, out, ws, counters, m, n, k, k_split * BLOCK_K.value, split_k, x.stride(0), w.stride(0),
+        s.stride(0), stride_tn, out.stride(0), FMT=fmt, BLOCK_M=max(8, triton.next_power_of_2(m)),
+        NUM_WARPS=num_warps, SPLIT=split, num_warps=num_warps,
     )  # fmt: skip
     return out
