@@ -99,13 +99,13 @@ def _a_operand(e0, e1, e2, e3, e4, e5, e6, e7, A: gl.constexpr):
 
 @gluon.jit
 def _x_operand(x):
-    """x [BLOCK_M, 128] in K's order -> x^T [128, BLOCK_M] in the A operand's logical order: physical k
+    """x [BLOCK_M, 128] in K's order -> in the A operand's logical order along K: physical k
     = 64 q1 + 32 q0 + 16 t1 + 8 t0 + 4 e0 + 2 e2 + e1 (word 4q + t, pair element e) to logical
-    k = e0 + 2 q + 8 e1 + 16 e2 + 32 t0 + 64 t1."""
+    k = e0 + 2 q + 8 e1 + 16 e2 + 32 t0 + 64 t1 (a thread's 8 elements land as 4 pairs: 4-byte stores)."""
     BM: gl.constexpr = x.shape[0]
     x = gl.reshape(x, [BM, 2, 2, 2, 2, 2, 2, 2])  # q1 q0 t1 t0 e0 e2 e1
     x = gl.permute(x, [0, 3, 4, 6, 7, 1, 2, 5])  # t1 t0 e2 e1 q1 q0 e0
-    return gl.permute(gl.reshape(x, [BM, BLOCK_K]), [1, 0])
+    return gl.reshape(x, [BM, BLOCK_K])
 
 
 @gluon.jit
@@ -132,7 +132,7 @@ def fp4_mma_kernel(x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
                                                   instr_shape=[16, BLOCK_M, 16])  # fmt: skip
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
-    XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], gl.bfloat16)
+    XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)  # x, K-major
     OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1])
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
@@ -146,7 +146,7 @@ def fp4_mma_kernel(x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
     xk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL))
     x_rows = x_ptr + gl.expand_dims(gl.where(xm < M, xm, 0) * stride_xm, 1)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, BLOCK_M], XS)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, BLOCK_K], XS)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
     w, s, x = _load_step(w_rows, s_rows, x_rows, words, xk, k_start, GROUP)
     i = 0
@@ -158,7 +158,7 @@ def fp4_mma_kernel(x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
         hopper.fence_async_shared()
         # the next step's (the last step's again after it: unmasked loads, one redundant step's bytes)
         w, s, x = _load_step(w_rows, s_rows, x_rows, words, xk, gl.minimum(k0 + BLOCK_K, k_end - BLOCK_K), GROUP)
-        acc = hopper.warpgroup_mma(a, x_buf, acc, is_async=True)
+        acc = hopper.warpgroup_mma(a, x_buf.permute((1, 0)), acc, is_async=True)  # x^T
         acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[acc, x_buf])[0]
         i += 1
     acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
