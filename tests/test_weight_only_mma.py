@@ -97,3 +97,44 @@ def test_gpu_every_m_within_the_bound(fmt):
             y = mma(x, p, warps, split)
             assert y[:, 1040].isnan().all() and y.isnan().sum().item() == m
             assert torch.equal(mma(x, zero, warps, split), torch.zeros(m, n, dtype=torch.bfloat16, device=CUDA))
+
+
+def test_weight_only_mm_offers_the_kernel_only_where_it_applies():
+    """Tuning candidates past the small-M path up to 64 rows; a Gluon config where the kernel does not apply (the
+    CPU, MXFP8 weights) is a one-line error."""
+    from mx_kernels.mx.weight_only import GLUON_MAX_M, candidates, gluon_ok, weight_only_mm
+
+    assert any(c.get("GLUON") for c in candidates(32, "mxfp4", 4096, 4096, gluon=True))
+    assert not any(c.get("GLUON") for c in candidates(32, "mxfp4", 4096, 4096))
+    assert not any(c.get("GLUON") for c in candidates(GLUON_MAX_M + 1, "nvfp4", 4096, 4096, gluon=True))
+    assert not any(c.get("GLUON") for c in candidates(1, "mxfp4", 4096, 4096, gluon=True))  # the FMA path's
+    assert not gluon_ok("mxfp8", 4096, False, False, torch.device("cpu"))
+    p = packed(torch.randn(64, 256), "mxfp4")
+    if HAS_TRITON:
+        with pytest.raises((ValueError, RuntimeError), match="Gluon kernel takes|needs CUDA"):
+            weight_only_mm(torch.randn(8, 256).bfloat16(), p.qdata, p.scale, None, "mxfp4",
+                           config=dict(GLUON=True, num_warps=4, SPLIT_K=1))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_weight_only_mm_takes_the_gluon_configs(fmt):
+    """Through the weight-only GEMM's public entry: every Gluon candidate at M = 5, 8, 32 within the bound; with
+    SwiGLU, the GEMM then ``silu_mul`` as the tensor-core path does."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs an sm_90 GPU (wgmma)")
+    from mx_kernels.decode_fused import silu_mul
+    from mx_kernels.mx.weight_only import candidates, weight_only_mm
+
+    torch.manual_seed(12)
+    n, k = 512, 2048
+    p = packed(weights(n, k, CUDA) * 0.02, fmt)
+    for m in (5, 8, 32):
+        x = torch.randn(m, k, device=CUDA).bfloat16()
+        gluon = [c for c in candidates(m, fmt, n, k, gluon=True) if c.get("GLUON")]
+        assert gluon
+        for config in gluon:
+            assert_within_bound(weight_only_mm(x, p.qdata, p.scale, p.tensor_scale, fmt, config=config), x, p)
+        y = weight_only_mm(x, p.qdata, p.scale, p.tensor_scale, fmt, config=gluon[0])
+        h = weight_only_mm(x, p.qdata, p.scale, p.tensor_scale, fmt, config=gluon[0], swiglu=True)
+        assert torch.equal(h, silu_mul(y[:, : n // 2], y[:, n // 2 :]))

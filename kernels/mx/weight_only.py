@@ -222,6 +222,10 @@ FMA_CHOSEN: dict[tuple[str, int, int], dict] = {
     ("nvfp4", 28672, 4096): _fma(4, 1024, None, 2, unit=8),
     ("nvfp4", 4096, 14336): _fma(8, 2048, 1, 4, unit=8),
 }
+# The Gluon wgmma kernel's configs (mx_kernels.gluon.weight_only_mma): 4-bit weights, dense, 5 to GLUON_MAX_M rows
+# and K a multiple of 128; tuning candidates beside the tensor-core tiles (``gluon_ok``), SPLIT_K as given.
+GLUON_MAX_M = 64
+GLUON_CANDIDATES = [dict(GLUON=True, num_warps=w, SPLIT_K=s) for w in (4, 8) for s in (1, 2, 4, 8)]
 PROGRAMS_PER_SM = 8  # split K until a GEMM has this many programs per SM: small tiles, several programs an SM
 SCALED_PROGRAMS_PER_SM = 2  # the tl.dot_scaled tiles': pipelined, large
 MAX_SPLIT_K = 16
@@ -676,25 +680,35 @@ def fma_path(rows: int, config: dict | None = None) -> bool:
 
 
 def candidates(m: int, fmt: str, n: int | None = None, k: int | None = None, fma: bool | None = None,
-               scaled: bool = True) -> list[dict]:  # fmt: skip
+               scaled: bool = True, gluon: bool = False) -> list[dict]:  # fmt: skip
     """The configs for M rows (per group) of ``fmt`` weights [N, K], the default first: the small-M path's for
     the shape (FMA_CANDIDATES, FMA_CHOSEN first where it names one), else the tensor-core path's by M
     (SCALED_CANDIDATES for the MX formats, CANDIDATES for NVFP4 and where ``scaled`` is off: a GPU without
-    tl.dot_scaled's fp8 operands). ``fma``: that path whatever M (None: as ``fma_path`` says)."""
+    tl.dot_scaled's fp8 operands), then GLUON_CANDIDATES where ``gluon`` (``gluon_ok``) and M <= GLUON_MAX_M.
+    ``fma``: that path whatever M (None: as ``fma_path`` says)."""
     if fma if fma is not None else fma_path(m):
         configs = FMA_CANDIDATES.get((n, k), FMA_CANDIDATES[None])
         chosen = FMA_CHOSEN.get((fmt, n, k))
         return [chosen, *[c for c in configs if c != chosen]] if chosen else list(configs)
+    extra = list(GLUON_CANDIDATES) if gluon and m <= GLUON_MAX_M else []
     scaled = scaled and fmt != "nvfp4"
     for max_m, configs in SCALED_CANDIDATES if scaled else CANDIDATES:
         if max_m is None or m <= max_m:
             if scaled:
-                return [dict(cfg, num_stages=cfg["STAGES"]) for cfg in configs]
+                return [dict(cfg, num_stages=cfg["STAGES"]) for cfg in configs] + extra
             return [
                 dict(cfg, num_stages=cfg.get("num_stages", 1), BLOCK_K=cfg["BLOCK_K"] * FORMATS[fmt][1])
                 for cfg in configs
-            ]
+            ] + extra
     raise AssertionError("unreachable")
+
+
+def gluon_ok(fmt: str, k: int, grouped: bool, gathered: bool, device: torch.device) -> bool:
+    """Whether a GEMM may take the Gluon wgmma kernel: 4-bit weights, dense, K a multiple of 128, on sm_90+."""
+    return (
+        fmt in ("mxfp4", "nvfp4") and k % 128 == 0 and not grouped and not gathered and device.type == "cuda"
+        and not interpreting() and cuda_capability(device) >= (9, 0)
+    )  # fmt: skip
 
 
 def config_for(m: int, fmt: str, n: int | None = None, k: int | None = None, fma: bool | None = None,
@@ -750,10 +764,12 @@ def _tuned(key: tuple, run) -> tuple[dict, int | None]:
     """The fastest (config, split_k) of ``run(config, split_k)`` for ``key``, timed once and kept."""
     if key in _TUNED:
         return _TUNED[key]
-    fmt, m, n, k = key[:4]
+    fmt, m, n, k, _, grouped, gathered = key[:7]
     best, best_us = None, float("inf")
-    for cfg in candidates(m, fmt, n, k, scaled=dot_scaled_ok(key[-1])):
-        for split in (None,) if fma_path(m, cfg) else (None, 1, 2, 4) if cfg.get("SCALED") else (None, 1):
+    gluon = gluon_ok(fmt, k, grouped, gathered, key[-1])
+    for cfg in candidates(m, fmt, n, k, scaled=dot_scaled_ok(key[-1]), gluon=gluon):
+        splits = (None, 1, 2, 4) if cfg.get("SCALED") else (None, 1)
+        for split in (None,) if fma_path(m, cfg) or cfg.get("GLUON") else splits:
             try:
                 us = time_us(lambda cfg=cfg, split=split: run(cfg, split), calls=10, rounds=1)
             except triton.runtime.errors.OutOfResources:  # too much shared memory or too many registers
@@ -879,6 +895,13 @@ def weight_only_mm(
     if swiglu:  # the tensor-core tile's epilogue does not pay (module doc): the GEMM, then silu_mul
         y = weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, config, split_k, rows)
         return silu_mul(y[:, : n // 2], y[:, n // 2 :])
+    if cfg.get("GLUON"):
+        if not gluon_ok(fmt, k, grouped, rows is not None, x.device) or m > GLUON_MAX_M:
+            raise ValueError(f"{op}: the Gluon kernel takes dense mxfp4 or nvfp4 on sm_90+, K a multiple of 128 and "
+                             f"at most {GLUON_MAX_M} rows; got {fmt}, M = {m}, K = {k} (config {config})")  # fmt: skip
+        from mx_kernels.gluon.weight_only_mma import fp4_mma
+
+        return fp4_mma(x, qdata, scale, tensor_scale, fmt, cfg["num_warps"], split_k or cfg["SPLIT_K"])
     out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if block_k % 32 or block_m < 16 or block_n < 16:
