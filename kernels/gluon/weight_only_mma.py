@@ -157,7 +157,8 @@ def fp4_mma_kernel(x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
         x_buf.store(_x_operand(x))
         hopper.fence_async_shared()
         # the next step's (the last step's again after it: unmasked loads, one redundant step's bytes)
-        w, s, x = _load_step(w_rows, s_rows, x_rows, words, xk, gl.minimum(k0 + BLOCK_K, k_end - BLOCK_K), GROUP)
+        k_next = gl.multiple_of(gl.minimum(k0 + BLOCK_K, k_end - BLOCK_K), BLOCK_K)  # whole 16-byte runs
+        w, s, x = _load_step(w_rows, s_rows, x_rows, words, xk, k_next, GROUP)
         acc = hopper.warpgroup_mma(a, x_buf.permute((1, 0)), acc, is_async=True)  # x^T
         acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[acc, x_buf])[0]
         i += 1
