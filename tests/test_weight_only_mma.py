@@ -1,11 +1,11 @@
-"""The Gluon 4-bit (MXFP4, NVFP4) weight-only GEMM on wgmma (kernels/gluon/weight_only_mma.py) against the
+"""The Gluon weight-only GEMM on wgmma (MXFP8, MXFP4, NVFP4) (kernels/gluon/weight_only_mma.py) against the
 reference, within the bound of tests/test_weight_only_gemm.py's module doc.
 
 * CPU: compiled for sm_90a at every BLOCK_M, the upcast weights reach wgmma as its register operand (the kernel's
   layout conversion is asserted trivial at compile time; no shared-memory copy of them), and bad operands are
   one-line errors.
-* GPU (``gpu``): both formats, M = 1 to 64, N not a multiple of the 64-row tile, 4 and 8 warps, K split 1, 3
-  and 32 ways (deterministic), NaN scales, zeros, NVFP4 tensor scales per row.
+* GPU (``gpu``): every format, M = 1 to 64, N not a multiple of the 64-row tile, 4 and 8 warps, K split 1, 3
+  and 32 ways (deterministic), NaN scales, zeros, an e4m3 NaN code, NVFP4 tensor scales per row.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from mx_recipe.infer.weights import PackedWeight
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 CUDA = "cuda"
-FORMATS = ("mxfp4", "nvfp4")
+FORMATS = ("mxfp8", "mxfp4", "nvfp4")
 
 
 def mma(x: torch.Tensor, p, num_warps: int = 4, split_k: int = 1) -> torch.Tensor:
-    from mx_kernels.gluon.weight_only_mma import fp4_mma
+    from mx_kernels.gluon.weight_only_mma import wgmma_weight_only
 
-    return fp4_mma(x, p.qdata, p.scale, p.tensor_scale, p.fmt, num_warps, split_k)
+    return wgmma_weight_only(x, p.qdata, p.scale, p.tensor_scale, p.fmt, num_warps, split_k)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="compiles with Triton's CUDA backend")
@@ -41,32 +41,34 @@ def test_upcast_weights_are_the_mma_register_operand(block_m, num_warps, fmt):
     n, k = 4096, 1024
     meta = dict(device="meta")
     kwargs = dict(
-        x_ptr=torch.empty(block_m, k, dtype=torch.bfloat16, **meta), w_ptr=torch.empty(n, k // 2, dtype=torch.uint8,
+        x_ptr=torch.empty(block_m, k, dtype=torch.bfloat16, **meta), w_ptr=torch.empty(n, k, dtype=torch.uint8,
         **meta), s_ptr=torch.empty(n, k // 16, dtype=torch.uint8, **meta), ts_ptr=torch.empty(n, **meta),
         out_ptr=torch.empty(block_m, n, dtype=torch.bfloat16, **meta), ws_ptr=torch.empty(2, block_m, n, **meta),
         cnt_ptr=torch.empty(64, dtype=torch.int32, **meta), M=block_m, N=n, K=k, K_SPLIT=k // 2, SPLIT_K=2,
-        stride_xm=k, stride_wn=k // 2, stride_sn=k // 16, stride_tn=1, stride_om=n, FMT=fmt, BLOCK_M=block_m,
+        stride_xm=k, stride_wn=k, stride_sn=k // 16, stride_tn=1, stride_om=n, FMT=fmt, BLOCK_M=block_m,
         NUM_WARPS=num_warps, SPLIT=True, num_warps=num_warps,
     )  # fmt: skip
-    ttgir = compile_for_arch(weight_only_mma.fp4_mma_kernel, kwargs, 90).asm["ttgir"]
+    ttgir = compile_for_arch(weight_only_mma.weight_only_wgmma_kernel, kwargs, 90).asm["ttgir"]
     a_operand = rf"ttng\.warp_group_dot %\S+, %\S+, .*? : tensor<{16 * num_warps}x128xbf16, #ttg\.dot_op<\{{opIdx = 0"
     assert len(re.findall(a_operand, ttgir)) == 1, "wgmma's A operand is not a register tensor"
     assert "ttg.local_load" not in ttgir and ttgir.count("ttg.local_alloc") == 1  # x^T's buffers only
 
 
 def test_bad_operands_are_one_line_errors():
-    from mx_kernels.gluon.weight_only_mma import fp4_mma
+    from mx_kernels.gluon.weight_only_mma import wgmma_weight_only
 
     p = packed(torch.randn(64, 256), "mxfp4")
     with pytest.raises(ValueError, match="1 <= M <= 64"):
-        fp4_mma(torch.randn(65, 256).bfloat16(), p.qdata, p.scale, None, "mxfp4")
+        wgmma_weight_only(torch.randn(65, 256).bfloat16(), p.qdata, p.scale, None, "mxfp4")
     with pytest.raises(ValueError, match="bf16"):
-        fp4_mma(torch.randn(4, 256), p.qdata, p.scale, None, "mxfp4")
+        wgmma_weight_only(torch.randn(4, 256), p.qdata, p.scale, None, "mxfp4")
     with pytest.raises(ValueError, match="nvfp4 .with one"):
-        fp4_mma(torch.randn(4, 256).bfloat16(), p.qdata, p.scale, None, "mxfp8")
+        wgmma_weight_only(torch.randn(4, 256).bfloat16(), p.qdata, p.scale, None, "nvfp4")
+    with pytest.raises(ValueError, match=r"codes \[N, K/1\]"):
+        wgmma_weight_only(torch.randn(4, 256).bfloat16(), p.qdata, p.scale, None, "mxfp8")
     q = packed(torch.randn(64, 160), "mxfp4")
     with pytest.raises(ValueError, match="multiple of 128"):
-        fp4_mma(torch.randn(4, 160).bfloat16(), q.qdata, q.scale, None, "mxfp4")
+        wgmma_weight_only(torch.randn(4, 160).bfloat16(), q.qdata, q.scale, None, "mxfp4")
 
 
 @pytest.mark.gpu
@@ -81,6 +83,10 @@ def test_gpu_every_m_within_the_bound(fmt):
     n, k = 1056, 4096
     p = packed(weights(n, k, CUDA) * 0.02, fmt)
     p.scale.view(torch.uint8)[1040, 5] = 0x7F if fmt == "nvfp4" else 0xFF
+    nan_cols = {1040}
+    if fmt == "mxfp8":  # an e4m3 NaN code with a finite scale
+        p.qdata.view(torch.uint8)[17, 300] = 0xFF
+        nan_cols.add(17)
     zero = packed(torch.zeros(n, k, device=CUDA), fmt)
     weights_ = [p]
     if fmt == "nvfp4":  # two weights concatenated along N, each its own tensor scale
@@ -95,7 +101,8 @@ def test_gpu_every_m_within_the_bound(fmt):
                 if split > 1:  # the partials summed in split order: the same bits every call
                     assert all(torch.equal(mma(x, w, warps, split), y) for _ in range(3))
             y = mma(x, p, warps, split)
-            assert y[:, 1040].isnan().all() and y.isnan().sum().item() == m
+            assert set(y.isnan().all(dim=0).nonzero().flatten().tolist()) == nan_cols
+            assert y.isnan().sum().item() == m * len(nan_cols)
             assert torch.equal(mma(x, zero, warps, split), torch.zeros(m, n, dtype=torch.bfloat16, device=CUDA))
 
 

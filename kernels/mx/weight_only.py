@@ -222,7 +222,7 @@ FMA_CHOSEN: dict[tuple[str, int, int], dict] = {
     ("nvfp4", 28672, 4096): _fma(4, 1024, None, 2, unit=8),
     ("nvfp4", 4096, 14336): _fma(8, 2048, 1, 4, unit=8),
 }
-# The Gluon wgmma kernel's configs (mx_kernels.gluon.weight_only_mma): 4-bit weights, dense, 5 to GLUON_MAX_M rows
+# The Gluon wgmma kernel's configs (mx_kernels.gluon.weight_only_mma): dense GEMMs of 5 to GLUON_MAX_M rows
 # and K a multiple of 128; tuning candidates beside the tensor-core tiles (``gluon_ok``), SPLIT_K as given.
 GLUON_MAX_M = 64
 GLUON_CANDIDATES = [dict(GLUON=True, num_warps=w, SPLIT_K=s) for w in (4, 8) for s in (1, 2, 4, 8)]
@@ -704,9 +704,9 @@ def candidates(m: int, fmt: str, n: int | None = None, k: int | None = None, fma
 
 
 def gluon_ok(fmt: str, k: int, grouped: bool, gathered: bool, device: torch.device) -> bool:
-    """Whether a GEMM may take the Gluon wgmma kernel: 4-bit weights, dense, K a multiple of 128, on sm_90+."""
+    """Whether a GEMM may take the Gluon wgmma kernel: dense, K a multiple of 128, on sm_90+."""
     return (
-        fmt in ("mxfp4", "nvfp4") and k % 128 == 0 and not grouped and not gathered and device.type == "cuda"
+        fmt in FORMATS and k % 128 == 0 and not grouped and not gathered and device.type == "cuda"
         and not interpreting() and cuda_capability(device) >= (9, 0)
     )  # fmt: skip
 
@@ -897,11 +897,11 @@ def weight_only_mm(
         return silu_mul(y[:, : n // 2], y[:, n // 2 :])
     if cfg.get("GLUON"):
         if not gluon_ok(fmt, k, grouped, rows is not None, x.device) or m > GLUON_MAX_M:
-            raise ValueError(f"{op}: the Gluon kernel takes dense mxfp4 or nvfp4 on sm_90+, K a multiple of 128 and "
+            raise ValueError(f"{op}: the Gluon kernel takes dense GEMMs on sm_90+, K a multiple of 128 and "
                              f"at most {GLUON_MAX_M} rows; got {fmt}, M = {m}, K = {k} (config {config})")  # fmt: skip
-        from mx_kernels.gluon.weight_only_mma import fp4_mma
+        from mx_kernels.gluon.weight_only_mma import wgmma_weight_only
 
-        return fp4_mma(x, qdata, scale, tensor_scale, fmt, cfg["num_warps"], split_k or cfg["SPLIT_K"])
+        return wgmma_weight_only(x, qdata, scale, tensor_scale, fmt, cfg["num_warps"], split_k or cfg["SPLIT_K"])
     out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if block_k % 32 or block_m < 16 or block_n < 16:
