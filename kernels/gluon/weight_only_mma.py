@@ -13,7 +13,7 @@ Each thread loads, per row it owns, the codes of 32 consecutive elements of K (1
 scale block. K is a contracted dimension, so the order in which those elements meet wgmma's A layout is free,
 provided x^T's rows follow the same order: a word of 8 e2m1 codes gives its pairs (nibbles 0 and 4, 1 and 5, 2 and
 6, 3 and 7), a word of 4 e4m3 codes its pairs (bytes 0 and 2, 1 and 3), each a bf16x2 register, with no moves but a
-shift of the word; ``_a_operand`` (the weights) and ``_x_operand`` (x) place them. Each pair is built on both halves
+shift of the word; ``_k_order`` places them, and x to match. Each pair is built on both halves
 at once: e2m1 as sign | magnitude >> 6 (the value times 2**-126, a bf16 subnormal for 0.5) times 2**126, e4m3 as
 sign | magnitude >> 4 (times 2**-120) times 2**120, NaN for its codes 0x7F and 0xFF; then times the block's scale
 in bf16: for the MX formats 2**(s - 127) (2**-127 a bf16 subnormal; NaN for 0xFF), each product rounded once as
@@ -106,56 +106,34 @@ def _upcast_e2m1(words, scales, FMT: gl.constexpr):
 
 
 @gluon.jit
-def _a_operand(e0, e1, e2, e3, e4, e5, e6, e7, A: gl.constexpr):
-    """The [BLOCK_N, 128] A operand: element e of word 4q + t (q the lane's position along K, t its word) at logical
-    k = (e & 1) + 2 q + 8 ((e >> 1) & 1) + 16 (e >> 2) + 32 (t & 1) + 64 (t >> 1): wgmma's A layout (lane q holds
-    k = 2q, 2q + 1, 2q + 8, 2q + 9 of each 16), a register permutation of the loaded words'."""
-    j = gl.join(gl.join(gl.join(e0, e1), gl.join(e2, e3)), gl.join(gl.join(e4, e5), gl.join(e6, e7)))
-    # [64, 16 words, e0, e1, e2] -> [64, q1, q0, t1, t0, e0, e1, e2] -> logical order t1 t0 e2 e1 q1 q0 e0
-    BN: gl.constexpr = e0.shape[0]
-    j = gl.reshape(j, [BN, 2, 2, 2, 2, 2, 2, 2])
-    j = gl.permute(j, [0, 3, 4, 7, 6, 1, 2, 5])
-    return gl.convert_layout(gl.reshape(j, [BN, BLOCK_K]), A, assert_trivial=True)
+def _k_order(t, PERM: gl.constexpr):
+    """t [R, 128] (or [R, words, pair elements...] of 128 a row) with its 7 bits of K permuted as PERM says (over
+    [R, 2, 2, 2, 2, 2, 2, 2], most significant bit first): [R, 128] in the new order."""
+    R: gl.constexpr = t.shape[0]
+    t = gl.reshape(t, [R, 2, 2, 2, 2, 2, 2, 2])
+    t = gl.permute(t, (PERM[0], PERM[1], PERM[2], PERM[3], PERM[4], PERM[5], PERM[6], PERM[7]))
+    return gl.reshape(t, [R, BLOCK_K])
 
 
-@gluon.jit
-def _x_operand(x):
-    """x [BLOCK_M, 128] in K's order -> in the A operand's logical order along K: physical k
-    = 64 q1 + 32 q0 + 16 t1 + 8 t0 + 4 e0 + 2 e2 + e1 (word 4q + t, pair element e) to logical
-    k = e0 + 2 q + 8 e1 + 16 e2 + 32 t0 + 64 t1 (a thread's 8 elements land as 4 pairs: 4-byte stores)."""
-    BM: gl.constexpr = x.shape[0]
-    x = gl.reshape(x, [BM, 2, 2, 2, 2, 2, 2, 2])  # q1 q0 t1 t0 e0 e2 e1
-    x = gl.permute(x, [0, 3, 4, 6, 7, 1, 2, 5])  # t1 t0 e2 e1 q1 q0 e0
-    return gl.reshape(x, [BM, BLOCK_K])
-
-
-@gluon.jit
-def _a_operand_e4m3(e0, e1, e2, e3, A: gl.constexpr):
-    """The [BLOCK_N, 128] A operand from e4m3 words: element e (bytes 0, 2, 1, 3) of word 8q + t at logical
-    k = (e & 1) + 2 q + 8 (e >> 1) + 16 t."""
-    j = gl.join(gl.join(e0, e1), gl.join(e2, e3))
-    # [BN, 32 words, e0, e1] -> [BN, q1, q0, t2, t1, t0, e0, e1] -> logical order t2 t1 t0 e1 q1 q0 e0
-    BN: gl.constexpr = e0.shape[0]
-    j = gl.reshape(j, [BN, 2, 2, 2, 2, 2, 2, 2])
-    j = gl.permute(j, [0, 3, 4, 5, 7, 1, 2, 6])
-    return gl.convert_layout(gl.reshape(j, [BN, BLOCK_K]), A, assert_trivial=True)
-
-
-@gluon.jit
-def _x_operand_e4m3(x):
-    """x [BLOCK_M, 128] in K's order -> the e4m3 A operand's logical order: physical k = 32 q + 4 t + 2 e0 + e1
-    (word 8q + t, e = e0 + 2 e1 its byte 2 e0 + e1) to logical k = e0 + 2 q + 8 e1 + 16 t."""
-    BM: gl.constexpr = x.shape[0]
-    x = gl.reshape(x, [BM, 2, 2, 2, 2, 2, 2, 2])  # q1 q0 t2 t1 t0 e0 e1
-    x = gl.permute(x, [0, 3, 4, 5, 7, 1, 2, 6])  # t2 t1 t0 e1 q1 q0 e0
-    return gl.reshape(x, [BM, BLOCK_K])
+# The orders along K, as _k_order permutations. e2m1: element e (nibbles 0, 4, 1, 5, 2, 6, 3, 7) of word 4q + t
+# (q the lane's position along K) goes to logical k = e0 + 2 q + 8 e1 + 16 e2 + 32 t0 + 64 t1, wgmma's A layout
+# (lane q holds k = 2q, 2q + 1, 2q + 8, 2q + 9 of each 16) as a register permutation of the loaded words'. The
+# upcast pairs [R, 16 words, e0, e1, e2] read as q1 q0 t1 t0 e0 e1 e2, and x [R, 128] as q1 q0 t1 t0 e0 e2 e1 (its
+# physical k = 32 q + 8 t + 4 e0 + 2 e2 + e1), both to t1 t0 e2 e1 q1 q0 e0. e4m3: element e (bytes 0, 2, 1, 3) of
+# word 8q + t to logical k = e0 + 2 q + 8 e1 + 16 t; pairs and x both read as q1 q0 t2 t1 t0 e0 e1 (x's physical
+# k = 32 q + 4 t + 2 e0 + e1) to t2 t1 t0 e1 q1 q0 e0.
+_E2M1_PAIRS = gl.constexpr((0, 3, 4, 7, 6, 1, 2, 5))
+_E2M1_X = gl.constexpr((0, 3, 4, 6, 7, 1, 2, 5))
+_E4M3_ORDER = gl.constexpr((0, 3, 4, 5, 7, 1, 2, 6))
 
 
 @gluon.jit
 def _operands_e2m1(w, s, x, FMT: gl.constexpr, A: gl.constexpr):
     """A step's A operand (the upcast weights, in registers) and x in its logical order along K: e2m1 codes."""
     e0, e1, e2, e3, e4, e5, e6, e7 = _upcast_e2m1(w, s, FMT)
-    return _a_operand(e0, e1, e2, e3, e4, e5, e6, e7, A), _x_operand(x)
+    pairs = gl.join(gl.join(gl.join(e0, e1), gl.join(e2, e3)), gl.join(gl.join(e4, e5), gl.join(e6, e7)))
+    a = gl.convert_layout(_k_order(pairs, _E2M1_PAIRS), A, assert_trivial=True)
+    return a, _k_order(x, _E2M1_X)
 
 
 @gluon.jit
@@ -164,7 +142,8 @@ def _operands_e4m3(w, s, x, A: gl.constexpr):
     e0, e1, e2, e3 = gl.inline_asm_elementwise(
         _UPCAST_MXFP8, "=h,=h,=h,=h,r,r", [w, s], dtype=[gl.bfloat16] * 4, is_pure=True, pack=1
     )
-    return _a_operand_e4m3(e0, e1, e2, e3, A), _x_operand_e4m3(x)
+    a = gl.convert_layout(_k_order(gl.join(gl.join(e0, e1), gl.join(e2, e3)), _E4M3_ORDER), A, assert_trivial=True)
+    return a, _k_order(x, _E4M3_ORDER)
 
 
 @gluon.jit
