@@ -161,8 +161,12 @@ def weight_only_wgmma_kernel(x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, cnt_p
                              BLOCK_M: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
     """One program: 16 NUM_WARPS weight rows (a warpgroup's wgmma per 64), every row of x (M <= BLOCK_M), its split
     of K (K_SPLIT, a multiple of 128). The next step's loads are issued before this step's wgmma, which runs while
-    they land (x^T double-buffered: one wgmma in flight). SPLIT: each split stores its fp32 partial and the last
-    to arrive (a counter per tile) sums them in split order, so the result does not depend on timing."""
+    they land. The wgmma is waited for before the next step's upcast: that upcast may take the registers of this
+    step's A operand, which wgmma reads until it completes (PTX: undefined behaviour otherwise). x^T is
+    double-buffered, so one warpgroup's store of the next step's x cannot overwrite a tile the other warpgroup's
+    wgmma still reads (8 warps: the CTA barrier before each wgmma orders them). SPLIT: each split stores its fp32
+    partial and the last to arrive (a counter per tile) sums them in split order, so the result does not depend on
+    timing."""
     BLOCK_N: gl.constexpr = 16 * NUM_WARPS
     GROUP: gl.constexpr = 16 if FMT == "nvfp4" else 32
     PER_WORD: gl.constexpr = 4 if FMT == "mxfp8" else 8  # codes an int32 word holds
@@ -201,9 +205,8 @@ def weight_only_wgmma_kernel(x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, cnt_p
         k_next = gl.multiple_of(gl.minimum(k0 + BLOCK_K, k_end - BLOCK_K), BLOCK_K)  # whole 16-byte runs
         w, s, x = _load_step(w_rows, s_rows, x_rows, words, xk, k_next, GROUP, PER_WORD)
         acc = hopper.warpgroup_mma(a, x_buf.permute((1, 0)), acc, is_async=True)  # x^T
-        acc = hopper.warpgroup_mma_wait(num_outstanding=1, deps=[acc, x_buf])[0]
+        acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc, x_buf])[0]
         i += 1
-    acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     acc = gl.convert_layout(acc, OL)
     on = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OL))
     om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OL))
