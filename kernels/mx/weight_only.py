@@ -675,8 +675,8 @@ _DEQUANTIZE = LaunchCache(_dequantize_kernel)
 
 def fma_path(rows: int, config: dict | None = None) -> bool:
     """Whether a GEMM of ``rows`` rows (per group) takes the small-M path: up to FMA_MAX_M rows, or a config
-    without BLOCK_M (the tl.dot path's configs have one)."""
-    return "BLOCK_M" not in config if config else rows <= FMA_MAX_M
+    without BLOCK_M (the tl.dot path's configs have one) that is not a Gluon one."""
+    return "BLOCK_M" not in config and not config.get("GLUON") if config else rows <= FMA_MAX_M
 
 
 def candidates(m: int, fmt: str, n: int | None = None, k: int | None = None, fma: bool | None = None,
