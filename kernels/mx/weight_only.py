@@ -879,12 +879,15 @@ def weight_only_mm(
         return torch.zeros(out_shape, dtype=torch.bfloat16, device=x.device)
     n_groups = qdata.shape[0] if grouped else 1
     per_group = cdiv(m, n_groups)
-    if config is None and split_k is None and _TUNE and x.is_cuda and not torch.cuda.is_current_stream_capturing():
+    if config is None and split_k is None and _TUNE and x.is_cuda:
         bucket = per_group if per_group <= 16 else triton.next_power_of_2(per_group)
         key = (fmt, bucket, n, k, n_groups, grouped, rows is not None, swiglu, x.device)
-        config, split_k = _tuned(
-            key, lambda c, s: weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, c, s, rows, swiglu)
-        )
+        if torch.cuda.is_current_stream_capturing():  # no timing inside capture: the runs before it tuned
+            config, split_k = _TUNED.get(key, (None, None))
+        else:
+            config, split_k = _tuned(
+                key, lambda c, s: weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, c, s, rows, swiglu)
+            )
     fma = fma_path(per_group, config)
     cfg = {**config_for(per_group, fmt, n, k, fma, dot_scaled_ok(x.device)), **(config or {})}
     if fma and per_group > 16:
