@@ -26,12 +26,13 @@ kernels, whose launch time would otherwise exceed their run time at small batch.
 
 On sm_90 and newer a kernel step of up to ``PDL_MAX_BATCH`` sequences whose projections are weight-only kernels
 (quantized weights) launches its Triton kernels with programmatic dependent launch (``mx_kernels.pdl``): each
-kernel starts while the one before it finishes (its setup overlaps that kernel's tail).
-Where it pays, measured interleaved on one H200 (Llama 3 8B dims, context 1024, 2026-11-29), ms per step with and
-without: batch 1 MXFP8 2.67 / 2.82, MXFP4 2.60 / 2.74, NVFP4 2.59 / 2.74; MoE 16B dims, 28 layers, MXFP4 1.63 /
-1.78. Elsewhere it cost: bf16 steps, whose GEMMs are cuBLAS's, 4.70 / 4.61 at batch 1 and 5.88 / 5.77 at batch
-32; MX at batch 32, 7.27 / 6.98 (MXFP8). Nothing else launches with PDL; ``KernelSettings.pdl`` off turns it off
-in the step too.
+kernel starts while the one before it finishes (its setup overlaps that kernel's tail). That pays where the
+GEMMs are the weight-only kernel's small-M (FMA) kernels, up to 4 rows; past them Hopper's tuned GEMMs are Gluon
+kernels, launched without PDL, and the Triton kernels around them gain nothing. Measured on one H200 (Llama 3 8B
+dims, context 1024, 2026-11-29), ms per step with and without: batch 1 MXFP8 2.69 / 2.84, MXFP4 2.54 / 2.63,
+NVFP4 2.53 / 2.64; MoE 16B dims, 28 layers, MXFP4 1.57 / 1.67; batch 8 it cost, MXFP4 3.81 / 3.74, NVFP4
+4.11 / 4.03; bf16 steps (cuBLAS GEMMs) gain nothing, 4.62 / 4.62 at batch 1. Nothing else launches with PDL;
+``KernelSettings.pdl`` off turns it off in the step too.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from mx_recipe.models.llama import Attention, FeedForward, Transformer, apply_ro
 from mx_recipe.models.moe import MoE
 from mx_recipe.ops import get_kernel_settings
 
-PDL_MAX_BATCH = 8  # the kernel step's sequences up to which quantized weights take PDL (module doc)
+PDL_MAX_BATCH = 4  # the kernel step's sequences up to which quantized weights take PDL (module doc)
 
 
 class KVCache(nn.Module):
