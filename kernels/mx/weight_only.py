@@ -73,7 +73,13 @@ MXFP4 136 / 423 / 939 -> 70 / 73 / 102, MXFP8 116 / 131 / 217 -> 69 / 74 / 115, 
 written here, x the dot's first operand, BLOCK_M at least 16, the tile's scales multiplied in by block
 (CANDIDATES), K split to PROGRAMS_PER_SM.
 
-Split K, both paths: each split stores its fp32 partial; the last split of a tile to finish (an atomic counter
+Hopper, 5 to GLUON_MAX_M rows, dense, K a multiple of 128: the tuner also times the Gluon kernel
+(mx_kernels.gluon.weight_only_mma, GLUON_CANDIDATES), which keeps the upcast weights in registers as wgmma's A
+operand (out^T = w x^T) instead of passing them through shared memory as both tiles above do. On an H200
+(2026-11-29), us per GEMM at M = 32, Gluon against the best tile above and cuBLAS on the bf16 weight: MXFP4
+fused w1/w3 43.9 / 69.7 / 59.0, w2 (4096 x 14336) 24.7 / 39.3 / 33.9; NVFP4 w1/w3 47.7 / 219.7; MXFP8 54.3 / 68.8.
+
+Split K, every path: each split stores its fp32 partial; the last split of a tile to finish (an atomic counter
 per tile) sums the partials in split order, so the result does not depend on timing, writes bf16 and resets
 the counter. The counters are one zeroed buffer per device, shared: two split GEMMs must not run at once on
 different streams.
