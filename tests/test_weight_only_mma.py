@@ -66,6 +66,8 @@ def test_bad_operands_are_one_line_errors():
         wgmma_weight_only(torch.randn(4, 256).bfloat16(), p.qdata, p.scale, None, "nvfp4")
     with pytest.raises(ValueError, match=r"codes \[N, K/1\]"):
         wgmma_weight_only(torch.randn(4, 256).bfloat16(), p.qdata, p.scale, None, "mxfp8")
+    with pytest.raises(ValueError, match="out must be bf16 \\[4, 64\\]"):
+        wgmma_weight_only(torch.randn(4, 256).bfloat16(), p.qdata, p.scale, None, "mxfp4", out=torch.empty(4, 32))
     q = packed(torch.randn(64, 160), "mxfp4")
     with pytest.raises(ValueError, match="multiple of 128"):
         wgmma_weight_only(torch.randn(4, 160).bfloat16(), q.qdata, q.scale, None, "mxfp4")
@@ -127,8 +129,8 @@ def test_weight_only_mm_offers_the_kernel_only_where_it_applies():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gpu_weight_only_mm_takes_the_gluon_configs(fmt):
-    """Through the weight-only GEMM's public entry: every Gluon candidate at M = 5, 8, 32 within the bound; with
-    SwiGLU, the GEMM then ``silu_mul`` as the tensor-core path does."""
+    """Through the weight-only GEMM's public entry: every Gluon candidate at M = 5, 8, 32 and 100 (two launches, the
+    second of 36 rows) within the bound; with SwiGLU, the GEMM then ``silu_mul`` as the tensor-core path does."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs an sm_90 GPU (wgmma)")
     from mx_kernels.decode_fused import silu_mul
@@ -137,7 +139,7 @@ def test_gpu_weight_only_mm_takes_the_gluon_configs(fmt):
     torch.manual_seed(12)
     n, k = 512, 2048
     p = packed(weights(n, k, CUDA) * 0.02, fmt)
-    for m in (5, 8, 32):
+    for m in (5, 8, 32, 100):
         x = torch.randn(m, k, device=CUDA).bfloat16()
         gluon = [c for c in candidates(m, fmt, n, k, gluon=True) if c.get("GLUON")]
         assert gluon

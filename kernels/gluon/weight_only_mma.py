@@ -230,11 +230,13 @@ def weight_only_wgmma_kernel(x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, cnt_p
 
 
 def wgmma_weight_only(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None,
-                      fmt: str, num_warps: int = 4, split_k: int = 1) -> torch.Tensor:  # fmt: skip
+                      fmt: str, num_warps: int = 4, split_k: int = 1, out: torch.Tensor | None = None
+                      ) -> torch.Tensor:  # fmt: skip
     """x [M, K] bf16 @ dequantize(fmt's codes qdata, [N, K] e4m3 (mxfp8) or [N, K/2] e2m1 pairs, and scales, [N, K/32]
     e8m0 (mxfp4, mxfp8) or [N, K/16] e4m3 with the fp32 ``tensor_scale``, one or one per row of N (nvfp4)).T ->
     [M, N] bf16, for M up to 64 and K a multiple of 128 (module doc); ``num_warps`` 4 or 8: 64 or 128 weight rows a
-    program (8: two warpgroups share each x tile); K split ``split_k`` ways (at most one split a 128-element step)."""
+    program (8: two warpgroups share each x tile); K split ``split_k`` ways (at most one split a 128-element step).
+    ``out``: a bf16 [M, N] tensor with unit column stride to write (rows of a larger output), else a new one."""
     group, pack = {"mxfp8": (32, 1), "mxfp4": (32, 2), "nvfp4": (16, 2)}.get(fmt, (None, None))
     if group is None or (tensor_scale is None) != (fmt != "nvfp4"):
         raise ValueError(f"wgmma_weight_only: fmt mxfp8 or mxfp4 (no tensor scale), or nvfp4 (with one), got {fmt!r}")
@@ -252,7 +254,11 @@ def wgmma_weight_only(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
     x = x if x.stride(1) == 1 else x.contiguous()
     w = qdata.view(torch.uint8).contiguous()
     s = scale.view(torch.uint8).contiguous()
-    out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    elif out.shape != (m, n) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
+        raise ValueError(f"wgmma_weight_only: out must be bf16 [{m}, {n}] with unit column stride, got {out.dtype} "
+                         f"{tuple(out.shape)} strides {out.stride()}")  # fmt: skip
     ts = tensor_scale.reshape(-1).float() if tensor_scale is not None else out
     stride_tn = 1 if tensor_scale is not None and ts.numel() == n else 0
     steps = k // BLOCK_K.value
