@@ -37,7 +37,8 @@ for a step of few heads (BLOCK_L_MMA16_FEW_HEADS).
 A chunk of one tile (such a step's, at batch 1) takes no loop: its keys and values are one [2, BLOCK_L, D] load,
 issued with q's, the RoPE rows' and the step's own k's and v's before any arithmetic, so that the program waits once
 for all of its bytes (a loop's pipelined loads issue after q's rotation, and two loads would each wait for the
-other's move into the dot's layout). On an H200, Llama 3 8B and MoE 16B dims at batch 1, about 0.7 us a layer.
+other's move into the dot's layout). On an H200, Llama 3 8B and MoE 16B dims at batch 1, that saves about 0.7
+us a layer.
 The padding rows of q cost MMA work, not bytes. The partial (acc, m, l) goes to an fp32 workspace allocated per
 call (torch's caching allocator: cheap, and graph-safe). With one split (many heads, or a cache of one tile) the program
 writes acc / l as the output itself, and there is no workspace and no combine.

@@ -110,8 +110,8 @@ def test_gpu_every_m_within_the_bound(fmt):
 
 
 def test_weight_only_mm_offers_the_kernel_only_where_it_applies():
-    """Tuning candidates past the small-M path up to 64 rows; a Gluon config where the kernel does not apply (the
-    CPU, MXFP8 weights) is a one-line error."""
+    """Tuning candidates past the small-M path up to GLUON_MAX_M rows; a Gluon config off the GPU is a one-line
+    error."""
     from mx_kernels.mx.weight_only import GLUON_MAX_M, candidates, gluon_ok, weight_only_mm
 
     assert any(c.get("GLUON") for c in candidates(32, "mxfp4", 4096, 4096, gluon=True))

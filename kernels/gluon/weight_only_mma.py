@@ -27,11 +27,13 @@ import torch
 import triton
 import triton.experimental.gluon.language as gl
 from mx_kernels.common import arrival_counters
+from mx_kernels.mx.weight_only import FORMATS
 from triton.experimental import gluon
 from triton.experimental.gluon.language.nvidia import hopper
 
 BLOCK_K = gl.constexpr(128)  # elements of K a step: 16 code bytes a row for each of a warp's 4 lanes along K
 COUNTERS = 1 << 12  # split-K tiles a launch may have
+MAX_M = 64  # rows of x a launch takes: wgmma's N
 
 # a pair register from a word v of 8 codes: both nibbles at the top of a bf16 half, sign | magnitude >> 6,
 # times 2**126 (the subnormal code 0.5 made normal) and the scale factor f
@@ -234,14 +236,14 @@ def wgmma_weight_only(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
                       ) -> torch.Tensor:  # fmt: skip
     """x [M, K] bf16 @ dequantize(fmt's codes qdata, [N, K] e4m3 (mxfp8) or [N, K/2] e2m1 pairs, and scales, [N, K/32]
     e8m0 (mxfp4, mxfp8) or [N, K/16] e4m3 with the fp32 ``tensor_scale``, one or one per row of N (nvfp4)).T ->
-    [M, N] bf16, for M up to 64 and K a multiple of 128 (module doc); ``num_warps`` 4 or 8: 64 or 128 weight rows a
+    [M, N] bf16, for M up to MAX_M and K a multiple of 128 (module doc); ``num_warps`` 4 or 8: 64 or 128 weight rows a
     program (8: two warpgroups share each x tile); K split ``split_k`` ways (at most one split a 128-element step).
     ``out``: a bf16 [M, N] tensor with unit column stride to write (rows of a larger output), else a new one."""
-    group, pack = {"mxfp8": (32, 1), "mxfp4": (32, 2), "nvfp4": (16, 2)}.get(fmt, (None, None))
+    group, pack = FORMATS.get(fmt, (None, None))
     if group is None or (tensor_scale is None) != (fmt != "nvfp4"):
         raise ValueError(f"wgmma_weight_only: fmt mxfp8 or mxfp4 (no tensor scale), or nvfp4 (with one), got {fmt!r}")
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or not 1 <= x.shape[0] <= 64:
-        raise ValueError(f"wgmma_weight_only: x must be bf16 [M, K] with 1 <= M <= 64, got {x.dtype} "
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M:
+        raise ValueError(f"wgmma_weight_only: x must be bf16 [M, K] with 1 <= M <= {MAX_M}, got {x.dtype} "
                          f"{tuple(x.shape)}")  # fmt: skip
     m, k = x.shape
     n = qdata.shape[0]

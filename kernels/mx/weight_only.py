@@ -230,10 +230,9 @@ FMA_CHOSEN: dict[tuple[str, int, int], dict] = {
 }
 # The Gluon wgmma kernel's configs (mx_kernels.gluon.weight_only_mma): dense GEMMs of 5 to GLUON_MAX_M rows
 # and K a multiple of 128; tuning candidates beside the tensor-core tiles (``gluon_ok``), SPLIT_K as given. A
-# launch takes at most GLUON_LAUNCH_M rows (wgmma's N), so 65-128 rows are two launches, each reading the weight:
-# still NVFP4's fastest there (us, one H200, fused w1/w3 at M = 128: register tile 949, Gluon 2 x 76).
+# launch takes at most 64 rows (wgmma's N), so 65-128 rows are two launches, each reading the weight: still
+# NVFP4's fastest there (us, one H200, fused w1/w3 at M = 128: register tile 949, Gluon 2 x 76).
 GLUON_MAX_M = 128
-GLUON_LAUNCH_M = 64
 GLUON_CANDIDATES = [dict(GLUON=True, num_warps=w, SPLIT_K=s) for w in (4, 8) for s in (1, 2, 4, 8)]
 PROGRAMS_PER_SM = 8  # split K until a GEMM has this many programs per SM: small tiles, several programs an SM
 SCALED_PROGRAMS_PER_SM = 2  # the tl.dot_scaled tiles': pipelined, large
@@ -914,11 +913,11 @@ def weight_only_mm(
         if not gluon_ok(fmt, k, grouped, rows is not None, x.device) or m > GLUON_MAX_M:
             raise ValueError(f"{op}: the Gluon kernel takes dense GEMMs on sm_90+, K a multiple of 128 and "
                              f"at most {GLUON_MAX_M} rows; got {fmt}, M = {m}, K = {k} (config {config})")  # fmt: skip
-        from mx_kernels.gluon.weight_only_mma import wgmma_weight_only
+        from mx_kernels.gluon.weight_only_mma import MAX_M, wgmma_weight_only
 
         out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-        for i in range(0, m, GLUON_LAUNCH_M):
-            rows_i = slice(i, i + GLUON_LAUNCH_M)
+        for i in range(0, m, MAX_M):
+            rows_i = slice(i, i + MAX_M)
             wgmma_weight_only(x[rows_i], qdata, scale, tensor_scale, fmt, cfg["num_warps"], split_k or cfg["SPLIT_K"],
                               out=out[rows_i])  # fmt: skip
         return out
