@@ -237,13 +237,20 @@ class SharedExpertGroups(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts = self._experts[0]
         x2 = x.reshape(-1, x.shape[-1])
-        tokens, parts, groups = x2.shape[0], experts.shared, experts.w2_packed.qdata.shape[0]
-        ends = torch.arange(groups, device=x.device) - (groups - parts - 1)
-        offs = (ends.clamp(min=0) * tokens).to(torch.int32)  # the routed groups empty, each shared one every token
+        tokens, parts = x2.shape[0], experts.shared
+        # the shared groups alone: counted over all the groups, a prompt's rows (every token in each shared group)
+        # looked few per group and ran the weight-only kernel, where past LARGE_M rows dequantize + cuBLAS wins
+        w13, w2 = (_last_groups(p, parts) for p in (experts.w13_packed, experts.w2_packed))
+        offs = (torch.arange(1, parts + 1, device=x.device) * tokens).to(torch.int32)
         rows = torch.arange(tokens, device=x.device, dtype=torch.int32).repeat(parts)
-        h1, h3 = experts.gate_up(x2, offs, rows)
-        y = experts.down(F.silu(h1) * h3, offs)
+        h1, h3 = experts._mm(x2, w13, offs, rows).chunk(2, dim=-1)
+        y = experts._mm(F.silu(h1) * h3, w2, offs)
         return y.view(parts, tokens, -1).float().sum(0).to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def _last_groups(packed: PackedWeight, n: int) -> PackedWeight:
+    """The last ``n`` groups of an MX ``packed`` [E, N, K] (views)."""
+    return PackedWeight(MXTensor(packed.qdata[-n:], packed.scale[-n:], FORMATS[packed.fmt], 2), packed.fmt)
 
 
 def shared_parts(moe: MoE) -> int:
