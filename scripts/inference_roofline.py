@@ -179,8 +179,9 @@ def latest_decode_result(model: str, flavor: str, device: str = "H200") -> tuple
 
 def measured_points(m: ModelCounts, model: str, flavor: str, vocab: int, context: int, key: str = "h200"
                     ) -> list[str]:  # fmt: skip
-    """The measured decode points of ``benchmarks/bench_decode.py`` on the GPU ``key`` (h100, h200) against this
-    roofline's rows of that GPU; against the bound of the blocks it kept where it ran fewer (``--layers``)."""
+    """The measured decode and prefill points of ``benchmarks/bench_decode.py`` on the GPU ``key`` (h100, h200)
+    against this roofline's weight-only rows of that GPU; against the bound of the blocks it kept where it ran
+    fewer (``--layers``)."""
     result = latest_decode_result(model, flavor, key.upper())
     if result is None:
         return []
@@ -194,16 +195,21 @@ def measured_points(m: ModelCounts, model: str, flavor: str, vocab: int, context
     rows_of = f"the {dev.name} weight-only rows above" if kept == m else f"the bound of its first {layers} blocks"
     m = kept
     rows = []
-    for r in (r for r in data["rows"] if r["mode"] == "decode"):
-        bound = r["batch"] / decode_step(m, r["weights"], dev, r["batch"], context).seconds
-        rows.append([r["weights"], str(r["batch"]), f"{r['tokens_per_s']:,.0f}", f"{bound:,.0f}",
-                     f"{r['tokens_per_s'] / bound:.0%}"])  # fmt: skip
+    for r in (r for r in data["rows"] if r["mode"] in ("decode", "prefill")):
+        if r["mode"] == "decode":
+            what, bound = f"decode, batch {r['batch']}", r["batch"] / decode_step(m, r["weights"], dev, r["batch"],
+                                                                                  context).seconds  # fmt: skip
+        else:
+            what, bound = f"prefill, {r['tokens']} tokens", prefill_tokens_per_second(m, r["weights"], dev, r["tokens"])
+        rows.append(
+            [r["weights"], what, f"{r['tokens_per_s']:,.0f}", f"{bound:,.0f}", f"{r['tokens_per_s'] / bound:.0%}"]
+        )
     lines = [
         f"Measured on one {meta['device']} (`{meta['command']}`, `docs/results/{path.name}`, commit "
         f"{str(meta['commit'])[:7]}), against {rows_of}:",
         "",
     ]
-    return lines + table(["weights", "batch", "measured tok/s", "roofline tok/s", "share"], rows) + [""]
+    return lines + table(["weights", "step", "measured tok/s", "roofline tok/s", "share"], rows) + [""]
 
 
 def render(context: int = 1024, prefill: int = 2048) -> list[str]:

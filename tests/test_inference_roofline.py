@@ -78,6 +78,19 @@ def test_rooflines_doc_holds_what_the_script_renders():
     assert block in text, "run: python scripts/inference_roofline.py --write docs/ROOFLINE.md"
 
 
+def test_measured_prefill_is_set_against_the_prefill_roofline():
+    """A recorded bench_decode run's prefill rows appear beside its decode rows, against the prefill bound of that
+    prompt length (compute-bound: far above the decode rows' bound)."""
+    m = roofline.model_counts("llama", "8B", 128256, "Llama 3 8B")
+    lines = roofline.measured_points(m, "llama", "8B", 128256, 1024, "h200")
+    prefill = [line.split(" | ") for line in lines if "| prefill, " in line]
+    assert prefill and any("| decode, batch 1 |" in line for line in lines)
+    for cells in prefill:
+        tokens = int(cells[1].split()[1])
+        bound = roofline.prefill_tokens_per_second(m, cells[0].strip("| "), roofline.DEVICES["h200"], tokens)
+        assert cells[3] == f"{bound:,.0f}"
+
+
 def test_bad_arguments_are_one_line():
     done = subprocess.run([sys.executable, "scripts/inference_roofline.py", "--context", "0"], cwd=REPO,
                           capture_output=True, text=True)  # fmt: skip
