@@ -122,8 +122,8 @@ def _decode_logits(model: torch.nn.Module, tokens: torch.Tensor, device: torch.d
 @pytest.mark.parametrize(("name", "flavor"), [("llama", "debug"), ("moe", "debug_moe")])
 def test_fused_projections_give_the_unfused_logits(name, flavor, fmt):
     """wq/wk/wv and w1/w3 (dense, shared and routed experts) as one GEMM each, the shared expert folded into the
-    routed ones' GEMMs (MX formats): the same logits, bit for bit, and the same weight bytes (NVFP4: plus one fp32
-    tensor scale per fused row)."""
+    routed ones' GEMMs: the same logits, bit for bit, and the same weight bytes (NVFP4: plus one fp32 tensor scale
+    per fused row, and the folded experts' one per group and row)."""
     import copy
 
     unfused = quantize_model(_model(name, flavor), fmt)
@@ -133,12 +133,13 @@ def test_fused_projections_give_the_unfused_logits(name, flavor, fmt):
     assert isinstance(fused.layers["0"].feed_forward.w13, FusedLinear)
     if fmt != "bf16" and name == "moe":
         assert hasattr(fused.layers["1"].moe.experts, "w13_packed")
-        assert fused.layers["1"].moe.experts.shared == (fmt != "nvfp4")  # the shared expert folded in (MX)
+        assert fused.layers["1"].moe.experts.shared == 1  # the shared expert folded in
     extra = 0  # NVFP4: one fp32 tensor scale per fused row in place of one per part
     if fmt == "nvfp4":
         extra = sum(4 * (m.out_features - len(m.sizes)) for m in fused.modules() if isinstance(m, FusedLinear))
         experts = [m for m in fused.modules() if isinstance(m, QuantizedExperts)]
-        extra += sum(4 * (m.w13_packed.qdata.shape[-2] - 2) for m in experts)
+        # in place of one scale for each of the experts' and the shared expert's w1, w3 and w2
+        extra += sum(4 * (m.w13_packed.tensor_scale.numel() + m.w2_packed.tensor_scale.numel() - 6) for m in experts)
     assert weight_bytes(fused) == weight_bytes(unfused) + extra
     tokens = torch.randint(0, 320, (2, 7), generator=torch.Generator().manual_seed(2))
     for a, b in zip(_decode_logits(unfused, tokens, CPU, torch.float32),

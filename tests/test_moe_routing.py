@@ -209,10 +209,11 @@ def test_interp_moe_decode_steps_through_the_kernels_give_the_full_forward_logit
 
 
 @interp_only
-def test_interp_folded_shared_experts_decode_steps(monkeypatch):
-    """Two shared experts folded into MXFP4 experts (``fuse_projections``): decode steps through the routing
-    kernels route them as groups of every token (``shared`` = 2), and give the unfolded model's logits (fp32, the
-    reference GEMMs on the CPU)."""
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_interp_folded_shared_experts_decode_steps(monkeypatch, fmt):
+    """Two shared experts folded into MXFP4 or NVFP4 experts (``fuse_projections``; NVFP4 with a tensor scale per
+    group and row): decode steps through the routing kernels route them as groups of every token (``shared`` = 2),
+    and give the unfolded model's logits (fp32, the reference GEMMs on the CPU)."""
     import copy
     import dataclasses
 
@@ -223,7 +224,7 @@ def test_interp_folded_shared_experts_decode_steps(monkeypatch):
     torch.manual_seed(0)
     model = build_model(dataclasses.replace(model_args("moe", "debug_moe", 320, 64), n_shared_experts=2))
     model.init_weights()
-    unfolded = quantize_model(model.eval(), "mxfp4")
+    unfolded = quantize_model(model.eval(), fmt)
     folded = fuse_projections(copy.deepcopy(unfolded))
     assert all(m.experts.shared == 2 for m in folded.modules() if hasattr(m, "shared_experts"))
     shared = []

@@ -405,6 +405,30 @@ def test_interp_tensor_scale_per_row(config):
     assert torch.equal(got, torch.cat([a.dequantize(torch.float32), b.dequantize(torch.float32)]))
 
 
+@interp_only
+@pytest.mark.parametrize("config", [FMA_CONFIGS[1], SMALL])
+def test_interp_tensor_scale_per_group_and_row(config):
+    """Grouped nvfp4 weights with a tensor scale per group and row ([E, N, 1]: experts with shared experts of
+    their own scale folded in): each group's rows are that group's dense GEMM with its own scales (both paths,
+    the SwiGLU epilogue too), and ``dequantize`` scales each group's rows by its own."""
+    from mx_kernels.mx.weight_only import dequantize, weight_only_mm
+
+    torch.manual_seed(8)
+    parts = [packed(weights(24, 64) * 4.0**e, "nvfp4") for e in range(3)]
+    qdata, scale = torch.stack([p.qdata for p in parts]), torch.stack([p.scale for p in parts])
+    ts = torch.stack([p.tensor_scale.expand(24, 1) for p in parts])
+    sizes = [2, 0, 3]
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(sizes), 64).bfloat16()
+    for swiglu in (False, True):
+        y = weight_only_mm(x, qdata, scale, ts, "nvfp4", offs, config=config, split_k=1, swiglu=swiglu)
+        dense = [run(x[:2], parts[0], config=config, split_k=1, swiglu=swiglu),
+                 run(x[2:], parts[2], config=config, split_k=1, swiglu=swiglu)]  # fmt: skip
+        assert torch.equal(y, torch.cat(dense)), swiglu
+    got = dequantize(qdata, scale, ts, "nvfp4", torch.float32)
+    assert torch.equal(got, torch.stack([p.dequantize(torch.float32) for p in parts]))
+
+
 # ---------------------------------------------------------------------------------------
 # GPU
 

@@ -92,7 +92,8 @@ tiles and split. The tensor-core path runs the GEMM, then ``silu_mul``: there th
 launch it saves.
 
 NVFP4's tensor scale is one fp32 value, or one per row of N: weights concatenated along N (fused projections)
-keep each part's own scale, and each output column is multiplied by its row's.
+keep each part's own scale, and each output column is multiplied by its row's. Grouped, also one per group and
+row ([E, N, 1]): experts with shared experts of their own scale folded in after them.
 
 Grouped (MoE): x [M_total, K] sorted by expert, ``offs`` [E] int32 cumulative row ends, w [E, N, K]. The grid
 has as many row-tile slots as any ``offs`` can need, (M_total + min(E, M_total) * (BLOCK_M - 1)) // BLOCK_M
@@ -299,17 +300,19 @@ def _row_tile(offs_ptr, slot, M, E, GROUPED: tl.constexpr, E_POW2: tl.constexpr,
 
 @triton.jit
 def _program_tile(
-    offs_ptr, w_ptr, s_ptr, stride_we, stride_se, slot, pid_n, M, N, E, GROUPED: tl.constexpr,
+    offs_ptr, w_ptr, s_ptr, ts_ptr, stride_we, stride_se, stride_te, slot, pid_n, M, N, E, GROUPED: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr,
 ):  # fmt: skip
     """A program's rows (rm; rm_in: those past its tile repeat its first, so loads need no masks), its tile's
     end, its expert (-1: a slot without rows, which the kernel returns on), its weight rows (rn, N where past the
-    weight; rn_in wrapped into N) and its expert's weight and scale pointers. SWIGLU: the first half of the rows
-    are BLOCK_N / 2 gate rows (w1, the weight's first N / 2), the second the same rows of w3 (the second half)."""
+    weight; rn_in wrapped into N) and its expert's weight, scale and tensor-scale pointers. SWIGLU: the first half
+    of the rows are BLOCK_N / 2 gate rows (w1, the weight's first N / 2), the second the same rows of w3 (the second
+    half)."""
     row0, row_end, expert = _row_tile(offs_ptr, slot, M, E, GROUPED, E_POW2, BLOCK_M)
     if GROUPED:
         w_ptr += tl.maximum(expert, 0).to(tl.int64) * stride_we
         s_ptr += tl.maximum(expert, 0).to(tl.int64) * stride_se
+        ts_ptr += tl.maximum(expert, 0) * stride_te
     rm = row0 + tl.arange(0, BLOCK_M)
     rm_in = tl.where(rm < row_end, rm, row0).to(tl.int64)
     if SWIGLU:
@@ -321,7 +324,7 @@ def _program_tile(
     else:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rn_in = (rn % N).to(tl.int64)
-    return rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr
+    return rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr, ts_ptr
 
 
 @triton.jit
@@ -486,8 +489,8 @@ def _scaled_acc(x_ptr, w_ptr, s_ptr, xm_in, rn_in, k_start, k_end, stride_xm, st
 def _weight_only_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, rows_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, E, K_SPLIT, SPLIT_K,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_tn, stride_om,
-    stride_on,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_te, stride_tn,
+    stride_om, stride_on,
     FMT: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SCALED: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, DOT_BF16: tl.constexpr, PDL: tl.constexpr,
@@ -499,9 +502,10 @@ def _weight_only_kernel(
     slot = tl.program_id(1)
     pid_k = tl.program_id(2)
 
-    rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr = _program_tile(
-        offs_ptr, w_ptr, s_ptr, stride_we, stride_se, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M, BLOCK_N, False
-    )
+    rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr, ts_ptr = _program_tile(
+        offs_ptr, w_ptr, s_ptr, ts_ptr, stride_we, stride_se, stride_te, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M,
+        BLOCK_N, False,
+    )  # fmt: skip
     if GROUPED:
         if expert < 0:
             return
@@ -575,7 +579,7 @@ def _load_scales(ptrs, mask, HW: tl.constexpr, MASKED: tl.constexpr):
 def _weight_only_fma_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, rows_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, E, K_SPLIT, SPLIT_K,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_tn, stride_om,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_te, stride_tn, stride_om,
     FMT: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HW: tl.constexpr,
     UNIT: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
@@ -590,9 +594,10 @@ def _weight_only_fma_kernel(
     slot = tl.program_id(1)
     pid_k = tl.program_id(2)
     pdl.wait_prior(PDL)  # every program, the grouped early return's too (mx_kernels.pdl)
-    rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr = _program_tile(
-        offs_ptr, w_ptr, s_ptr, stride_we, stride_se, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M, BLOCK_N, SWIGLU
-    )
+    rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr, ts_ptr = _program_tile(
+        offs_ptr, w_ptr, s_ptr, ts_ptr, stride_we, stride_se, stride_te, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M,
+        BLOCK_N, SWIGLU,
+    )  # fmt: skip
     if GROUPED:
         if expert < 0:
             return
@@ -645,10 +650,10 @@ def _weight_only_fma_kernel(
 
 
 @triton.jit
-def _dequantize_kernel(w_ptr, s_ptr, ts_ptr, out_ptr, R, K, N, stride_tn, FMT: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_K: tl.constexpr):  # fmt: skip
+def _dequantize_kernel(w_ptr, s_ptr, ts_ptr, out_ptr, R, K, N, stride_te, stride_tn, FMT: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """Rows [R, K] of packed codes (contiguous) to values in out's dtype: the reference's products, one rounding.
-    Row r takes the tensor scale ``ts_ptr[(r % N) * stride_tn]`` (nvfp4)."""
+    Row r takes the tensor scale ``ts_ptr[(r // N) * stride_te + (r % N) * stride_tn]`` (nvfp4)."""
     GROUP: tl.constexpr = 16 if FMT == "nvfp4" else 32
     PACK: tl.constexpr = 1 if FMT == "mxfp8" else 2
     BKB: tl.constexpr = BLOCK_K // PACK
@@ -670,7 +675,7 @@ def _dequantize_kernel(w_ptr, s_ptr, ts_ptr, out_ptr, R, K, N, stride_tn, FMT: t
         w0 = _scaled(_e2m1(w & 0xF) * 8.507059173023462e37, factor, GROUP // 2)
         w1 = _scaled(_e2m1(w >> 4) * 8.507059173023462e37, factor, GROUP // 2)
         if FMT == "nvfp4":
-            ts = tl.load(ts_ptr + (r % N) * stride_tn)[:, None]
+            ts = tl.load(ts_ptr + (r // N) * stride_te + (r % N) * stride_tn)[:, None]
             w0, w1 = w0 * ts, w1 * ts
         # elements 2j and 2j + 1 side by side, one contiguous store: two stores a stride of 2 apart moved 0.16 TB/s
         # on an H200, this 2.7-3.4 (MXFP8's 3.0)
@@ -814,20 +819,22 @@ def check(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_scal
         raise ValueError(f"{op}: {fmt} needs x [M, K], qdata [..., N, K/{pack}] and scale [..., N, K/{group}] with "
                          f"K a multiple of {group}; got x {tuple(x.shape)}, qdata {tuple(qdata.shape)}, "
                          f"scale {tuple(scale.shape)}")  # fmt: skip
+    per_group = qdata.shape[0] * n if grouped else n
     if (fmt == "nvfp4") != (tensor_scale is not None) or (
-        tensor_scale is not None and tensor_scale.numel() not in (1, n)
+        tensor_scale is not None and tensor_scale.numel() not in (1, n, per_group)
     ):
-        raise ValueError(f"{op}: nvfp4 takes an fp32 tensor_scale of one element or one per row of N, the MX "
-                         "formats none")  # fmt: skip
+        raise ValueError(f"{op}: nvfp4 takes an fp32 tensor_scale of one element, one per row of N or (grouped) one "
+                         "per group and row, the MX formats none")  # fmt: skip
     return n, k
 
 
-def _tensor_scale(tensor_scale: torch.Tensor | None, n: int, like: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(fp32 tensor scales, their stride along N): 0 for one scale, 1 for one per row."""
+def _tensor_scale(tensor_scale: torch.Tensor | None, n: int, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(fp32 tensor scales, their strides along the groups and along N): one scale, one per row of N (every group
+    alike), or one per group and row ([E, N, 1]: an MoE's experts folded with shared ones of their own scale)."""
     if tensor_scale is None:
-        return like, 0
+        return like, 0, 0
     ts = tensor_scale.reshape(-1).to(torch.float32).contiguous()
-    return ts, int(ts.numel() > 1)
+    return ts, n if ts.numel() > n else 0, int(ts.numel() > 1)
 
 
 def _row_slots(m: int, block_m: int, n_groups: int) -> int:
@@ -941,7 +948,7 @@ def weight_only_mm(
     k_split = cdiv(k_tiles, split_k) * block_k
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     counters = arrival_counters("weight_only", x.device, COUNTERS) if split_k > 1 else out
-    ts, stride_tn = _tensor_scale(tensor_scale, n, out)
+    ts, stride_te, stride_tn = _tensor_scale(tensor_scale, n, out)
     w, s = qdata.view(torch.uint8), scale.view(torch.uint8)
     if not grouped:
         w, s = w[None], s[None]
@@ -950,7 +957,7 @@ def weight_only_mm(
         rows_ptr=rows if rows is not None else out, out_ptr=out, ws_ptr=ws,
         cnt_ptr=counters, M=m, N=n, K=k, E=n_groups, K_SPLIT=k_split, SPLIT_K=split_k, stride_xm=x.stride(0),
         stride_xk=x.stride(1), stride_we=w.stride(0), stride_wn=w.stride(1), stride_wk=w.stride(2),
-        stride_se=s.stride(0), stride_sn=s.stride(1), stride_sk=s.stride(2), stride_tn=stride_tn,
+        stride_se=s.stride(0), stride_sn=s.stride(1), stride_sk=s.stride(2), stride_te=stride_te, stride_tn=stride_tn,
         stride_om=out.stride(0), stride_on=out.stride(1), FMT=fmt,
         GROUPED=grouped, GATHER=rows is not None, E_POW2=max(2, triton.next_power_of_2(n_groups)),
         SPLIT=split_k > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
@@ -999,7 +1006,7 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
     k_split = cdiv(k_tiles, split_k) * block_k
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     counters = arrival_counters("weight_only", x.device, COUNTERS) if split_k > 1 else out
-    ts, stride_tn = _tensor_scale(tensor_scale, n, out)
+    ts, stride_te, stride_tn = _tensor_scale(tensor_scale, n, out)
     _FMA_LAUNCHES.launch(
         (n_tiles, slots, split_k),
         dict(
@@ -1007,7 +1014,8 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
             rows_ptr=rows if rows is not None else out, out_ptr=out,
             ws_ptr=ws, cnt_ptr=counters, M=m, N=n, K=k, E=n_groups, K_SPLIT=k_split, SPLIT_K=split_k,
             stride_xm=x.stride(0) // 2, stride_we=w.stride(0), stride_wn=w.stride(1), stride_se=s.stride(0),
-            stride_sn=s.stride(1), stride_tn=stride_tn, stride_om=out.stride(0), FMT=fmt, GROUPED=grouped,
+            stride_sn=s.stride(1), stride_te=stride_te, stride_tn=stride_tn, stride_om=out.stride(0), FMT=fmt,
+            GROUPED=grouped,
             GATHER=rows is not None, E_POW2=max(2, triton.next_power_of_2(n_groups)), SPLIT=split_k > 1,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, HW=not interpreting(),
             UNIT=unit, SWIGLU=swiglu, num_warps=warps, num_stages=cfg.get("num_stages", 1), **pdl.options(x.device),
@@ -1034,11 +1042,11 @@ def dequantize(qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Ten
         return out
     w, s = qdata.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8)
     n = qdata.shape[-2]
-    ts, stride_tn = _tensor_scale(tensor_scale, n, out)
+    ts, stride_te, stride_tn = _tensor_scale(tensor_scale, n, out)
     block_r, block_k = 32, 128
     _DEQUANTIZE.launch(
         (cdiv(rows, block_r), cdiv(k, block_k)),
-        dict(w_ptr=w, s_ptr=s, ts_ptr=ts, out_ptr=out, R=rows, K=k, N=n, stride_tn=stride_tn, FMT=fmt,
-             BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4),
+        dict(w_ptr=w, s_ptr=s, ts_ptr=ts, out_ptr=out, R=rows, K=k, N=n, stride_te=stride_te, stride_tn=stride_tn,
+             FMT=fmt, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4),
     )  # fmt: skip
     return out

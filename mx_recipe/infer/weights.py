@@ -16,7 +16,7 @@ w3 of each feed-forward and of each ``QuantizedExperts`` -- in every format, bf1
 output row the math is the unfused linear's: packed weights keep their scales, NVFP4 each part's tensor scale
 (one per row). The outputs equal the unfused ones bit for bit where the GEMM takes the same summation order for
 both shapes (the weight-only kernel with the same split of K); otherwise they differ by summation order only.
-It also folds an MoE block's shared feed-forward into its quantized experts (MX formats: ``shared_parts``), as
+It also folds an MoE block's shared feed-forward into its quantized experts (``shared_parts``), as
 groups after the routed ones: a decode step then runs the shared experts inside the routed experts' two grouped
 GEMMs, each token in every shared group with weight 1, where they took a GEMM, silu * mul and a GEMM of their
 own (``QuantizedExperts.fold_shared``; ``SharedExpertGroups`` computes them for a full forward). The packed
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mx_recipe.formats.mx import BLOCK_SIZE, MXTensor, fake_quant, to_mx
-from mx_recipe.formats.nvfp4 import NVFP4Tensor, to_nvfp4
+from mx_recipe.formats.nvfp4 import NVFP4_BLOCK, NVFP4Tensor, to_nvfp4
 from mx_recipe.infer.weight_only import PACK, swiglu_of, use_kernel, weight_only_grouped_mm, weight_only_mm
 from mx_recipe.models.llama import Attention, FeedForward
 from mx_recipe.models.moe import GroupedExperts, MoE
@@ -166,30 +166,37 @@ class QuantizedExperts(nn.Module):
         experts whose outputs sum to its output (SwiGLU is a sum over hidden units). Its packed bytes move as
         they are (w1 and w3 by rows, w2 along K at scale-block bounds): the same quantized weights. A decode step
         then runs the shared experts in the routed experts' two grouped GEMMs, every token in each shared group
-        with weight 1 (``moe_route``'s ``shared``), where they took three launches of their own. The MX formats
-        only: an NVFP4 expert tensor shares one tensor scale."""
+        with weight 1 (``moe_route``'s ``shared``), where they took three launches of their own. NVFP4 tensor
+        scales become one per group and row ([E + parts, N, 1]): each part keeps its linear's."""
         if not hasattr(self, "w13_packed"):
             self.fuse()
-        elem, hidden, pack = FORMATS[self.fmt], self.hidden, PACK[self.fmt]
+        hidden, pack = self.hidden, PACK[self.fmt]
+        group = NVFP4_BLOCK if self.fmt == "nvfp4" else BLOCK_SIZE
         w1, w3, w2 = (getattr(ffn, name).weight_packed for name in ("w1", "w3", "w2"))
         cuts = [slice(i * hidden, (i + 1) * hidden) for i in range(parts)]
-        added = {
+        added = {  # per part: codes, scales, tensor scale per row (nvfp4)
             "w13_packed": [
-                (torch.cat([w1.qdata[c], w3.qdata[c]]), torch.cat([w1.scale[c], w3.scale[c]])) for c in cuts
-            ],
-            "w2_packed": [
-                (
-                    w2.qdata[:, c.start // pack : c.stop // pack],
-                    w2.scale[:, c.start // BLOCK_SIZE : c.stop // BLOCK_SIZE],
-                )
+                (torch.cat([w1.qdata[c], w3.qdata[c]]), torch.cat([w1.scale[c], w3.scale[c]]),
+                 _cat_rows([_row_scales(w1, hidden), _row_scales(w3, hidden)]))
                 for c in cuts
             ],
-        }
+            "w2_packed": [
+                (w2.qdata[:, c.start // pack : c.stop // pack], w2.scale[:, c.start // group : c.stop // group],
+                 _row_scales(w2, w2.qdata.shape[0]))
+                for c in cuts
+            ],
+        }  # fmt: skip
         for name, parts_qs in added.items():
             packed = getattr(self, name)
-            qdata = _cat_bytes([packed.qdata, *(q[None] for q, _ in parts_qs)])
-            scale = _cat_bytes([packed.scale, *(sc[None] for _, sc in parts_qs)])
-            setattr(self, name, PackedWeight(MXTensor(qdata, scale, elem, 2), self.fmt))
+            qdata = _cat_bytes([packed.qdata, *(q[None] for q, _, _ in parts_qs)])
+            scale = _cat_bytes([packed.scale, *(sc[None] for _, sc, _ in parts_qs)])
+            if self.fmt == "nvfp4":
+                rows = packed.qdata.shape[1]
+                experts = _row_scales(packed, rows)[None].expand(packed.qdata.shape[0], rows, 1)
+                ts = torch.cat([experts, *(t[None] for _, _, t in parts_qs)]).contiguous()
+                setattr(self, name, PackedWeight(NVFP4Tensor(qdata, scale, ts, 2), self.fmt))
+            else:
+                setattr(self, name, PackedWeight(MXTensor(qdata, scale, FORMATS[self.fmt], 2), self.fmt))
         self.shared = parts
 
     def gate_up(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None
@@ -248,9 +255,22 @@ class SharedExpertGroups(nn.Module):
         return y.view(parts, tokens, -1).float().sum(0).to(x.dtype).view(*x.shape[:-1], -1)
 
 
+def _cat_rows(scales: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if scales[0] is None else torch.cat(scales)
+
+
+def _row_scales(packed: PackedWeight, rows: int) -> torch.Tensor | None:
+    """An NVFP4 weight's tensor scale (one, or one per row) as one per row [rows, 1]; None for the MX formats."""
+    ts = packed.tensor_scale
+    return None if ts is None else ts.reshape(-1, 1).expand(rows, 1)
+
+
 def _last_groups(packed: PackedWeight, n: int) -> PackedWeight:
-    """The last ``n`` groups of an MX ``packed`` [E, N, K] (views)."""
-    return PackedWeight(MXTensor(packed.qdata[-n:], packed.scale[-n:], FORMATS[packed.fmt], 2), packed.fmt)
+    """The last ``n`` groups of a folded ``packed`` [E, N, K] (views), NVFP4 with their tensor scales."""
+    q, s = packed.qdata[-n:], packed.scale[-n:]
+    if packed.fmt == "nvfp4":
+        return PackedWeight(NVFP4Tensor(q, s, packed.tensor_scale[-n:], 2), packed.fmt)
+    return PackedWeight(MXTensor(q, s, FORMATS[packed.fmt], 2), packed.fmt)
 
 
 def shared_parts(moe: MoE) -> int:
@@ -262,9 +282,7 @@ def shared_parts(moe: MoE) -> int:
         return 0
     linears = [getattr(ffn, name) for name in ("w1", "w3", "w2")]
     alike = (experts.fmt, experts.activations, experts.kernel)
-    if experts.fmt == "nvfp4" or any(
-        type(lin) is not QuantizedLinear or (lin.fmt, lin.activations, lin.kernel) != alike for lin in linears
-    ):
+    if any(type(lin) is not QuantizedLinear or (lin.fmt, lin.activations, lin.kernel) != alike for lin in linears):
         return 0
     hidden, shared_hidden = experts.hidden, ffn.w1.out_features
     return shared_hidden // hidden if shared_hidden % hidden == 0 and hidden % BLOCK_SIZE == 0 else 0
