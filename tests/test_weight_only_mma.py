@@ -68,6 +68,9 @@ def test_bad_operands_are_one_line_errors():
         wgmma_weight_only(torch.randn(4, 256).bfloat16(), p.qdata, p.scale, None, "mxfp8")
     with pytest.raises(ValueError, match="out must be bf16 \\[4, 64\\]"):
         wgmma_weight_only(torch.randn(4, 256).bfloat16(), p.qdata, p.scale, None, "mxfp4", out=torch.empty(4, 32))
+    nv = packed(torch.randn(64, 256), "nvfp4")
+    with pytest.raises(ValueError, match="one tensor scale or one per row of N .64., got 3"):
+        wgmma_weight_only(torch.randn(4, 256).bfloat16(), nv.qdata, nv.scale, torch.ones(3), "nvfp4")
     q = packed(torch.randn(64, 160), "mxfp4")
     with pytest.raises(ValueError, match="multiple of 128"):
         wgmma_weight_only(torch.randn(4, 160).bfloat16(), q.qdata, q.scale, None, "mxfp4")

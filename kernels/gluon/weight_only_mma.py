@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.experimental.gluon.language as gl
 from mx_kernels.common import arrival_counters
-from mx_kernels.mx.weight_only import FORMATS
+from mx_kernels.mx.weight_only import FORMATS, tensor_scales
 from triton.experimental import gluon
 from triton.experimental.gluon.language.nvidia import hopper
 
@@ -261,8 +261,10 @@ def wgmma_weight_only(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
     elif out.shape != (m, n) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
         raise ValueError(f"wgmma_weight_only: out must be bf16 [{m}, {n}] with unit column stride, got {out.dtype} "
                          f"{tuple(out.shape)} strides {out.stride()}")  # fmt: skip
-    ts = tensor_scale.reshape(-1).float() if tensor_scale is not None else out
-    stride_tn = 1 if tensor_scale is not None and ts.numel() == n else 0
+    if tensor_scale is not None and tensor_scale.numel() not in (1, n):
+        raise ValueError(f"wgmma_weight_only: nvfp4 takes one tensor scale or one per row of N ({n}), got "
+                         f"{tensor_scale.numel()}")  # fmt: skip
+    ts, _, stride_tn = tensor_scales(tensor_scale, n, out)
     steps = k // BLOCK_K.value
     k_split = triton.cdiv(steps, min(split_k, steps))  # steps a split: no split without one
     split_k = triton.cdiv(steps, k_split)

@@ -819,16 +819,16 @@ def check(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_scal
         raise ValueError(f"{op}: {fmt} needs x [M, K], qdata [..., N, K/{pack}] and scale [..., N, K/{group}] with "
                          f"K a multiple of {group}; got x {tuple(x.shape)}, qdata {tuple(qdata.shape)}, "
                          f"scale {tuple(scale.shape)}")  # fmt: skip
-    per_group = qdata.shape[0] * n if grouped else n
+    group_rows = qdata.shape[0] * n if grouped else n
     if (fmt == "nvfp4") != (tensor_scale is not None) or (
-        tensor_scale is not None and tensor_scale.numel() not in (1, n, per_group)
+        tensor_scale is not None and tensor_scale.numel() not in (1, n, group_rows)
     ):
         raise ValueError(f"{op}: nvfp4 takes an fp32 tensor_scale of one element, one per row of N or (grouped) one "
                          "per group and row, the MX formats none")  # fmt: skip
     return n, k
 
 
-def _tensor_scale(tensor_scale: torch.Tensor | None, n: int, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+def tensor_scales(tensor_scale: torch.Tensor | None, n: int, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """(fp32 tensor scales, their strides along the groups and along N): one scale, one per row of N (every group
     alike), or one per group and row ([E, N, 1]: an MoE's experts folded with shared ones of their own scale)."""
     if tensor_scale is None:
@@ -948,7 +948,7 @@ def weight_only_mm(
     k_split = cdiv(k_tiles, split_k) * block_k
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     counters = arrival_counters("weight_only", x.device, COUNTERS) if split_k > 1 else out
-    ts, stride_te, stride_tn = _tensor_scale(tensor_scale, n, out)
+    ts, stride_te, stride_tn = tensor_scales(tensor_scale, n, out)
     w, s = qdata.view(torch.uint8), scale.view(torch.uint8)
     if not grouped:
         w, s = w[None], s[None]
@@ -1006,7 +1006,7 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
     k_split = cdiv(k_tiles, split_k) * block_k
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     counters = arrival_counters("weight_only", x.device, COUNTERS) if split_k > 1 else out
-    ts, stride_te, stride_tn = _tensor_scale(tensor_scale, n, out)
+    ts, stride_te, stride_tn = tensor_scales(tensor_scale, n, out)
     _FMA_LAUNCHES.launch(
         (n_tiles, slots, split_k),
         dict(
@@ -1042,7 +1042,7 @@ def dequantize(qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Ten
         return out
     w, s = qdata.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8)
     n = qdata.shape[-2]
-    ts, stride_te, stride_tn = _tensor_scale(tensor_scale, n, out)
+    ts, stride_te, stride_tn = tensor_scales(tensor_scale, n, out)
     block_r, block_k = 32, 128
     _DEQUANTIZE.launch(
         (cdiv(rows, block_r), cdiv(k, block_k)),
