@@ -13,7 +13,7 @@ replayed from a CUDA graph (mx_recipe.infer.decode.DecodeGraph) --steps times pe
 interleaved in --rounds rounds; tokens/s = batch / median step time. --gemms-only replays only the GEMMs of the
 linear layers and experts of one step (inputs at random; the MoE's tokens go to the first experts, as many as
 a decode step of that batch reaches on average). Prefill: one --prefill-token prompt through the cache,
-eager (its kernels are long), median of --rounds.
+eager (its kernels are long), median of --rounds, the formats interleaved.
 
 Each row gives tokens/s, the ratio to bf16, and the HBM bound: the bytes a step must read (the weights it
 uses, the MoE's routed experts in the expected share a batch reaches, E * (1 - (1 - k / E) ** batch) of E, and
@@ -377,12 +377,16 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         cache = KVCache(models["bf16"], 1, args.prefill, dtype, device)
         tokens = torch.zeros(1, args.prefill, dtype=torch.long, device=device)
         positions = torch.arange(args.prefill, device=device)
-        seconds = {}
-        for fmt, m in models.items():
+        for m in models.values():
             forward(m, tokens, positions, cache)  # warm-up: kernels compile
-            seconds[fmt] = statistics.median(
-                timed(lambda m=m: forward(m, tokens, positions, cache), device, 1) for _ in range(args.rounds)
-            )
+        # the formats interleaved in rounds, as decode's: an eager prefill waits on the host, whose speed drifts
+        # over a run (MoE 16B MXFP4 on one H200: 18 to 28 ms for the same 8 layers), and a format timed in a
+        # slow stretch would carry it into its ratio
+        samples = {fmt: [] for fmt in weights}
+        for _ in range(args.rounds):
+            for fmt, m in models.items():
+                samples[fmt].append(timed(lambda m=m: forward(m, tokens, positions, cache), device, 1))
+        seconds = {fmt: statistics.median(samples[fmt]) for fmt in weights}
         add_rows("prefill", 1, args.prefill, seconds, {fmt: 0.0 for fmt in weights})
 
     verdicts = []
