@@ -17,7 +17,8 @@ acc = 0), which the combine weighs by zero. Positions at or past ``length`` are 
 
 Appending (``append``: a decode step's own position, length - 1): q and the step's key arrive unrotated, as the
 QKV projection wrote them. Each program rotates its q rows at that position (the model's ``apply_rope``: pairs
-(x[2i], x[2i+1]) by the cos / sin row of the model's tables, in fp32, rounded once to q's dtype) and reads the
+(x[2i], x[2i+1]) by the cos / sin row of the model's tables, in fp32, rounded once to q's dtype; q is loaded
+whole and its pairs split in registers: two stride-2 loads would take an address a 16-bit element) and reads the
 cache below the position. The program whose chunk holds it rotates the key the same way, writes key and value
 into the caches (rounded to their dtype), and merges that one position into its online softmax from registers
 (fp32 products): nothing it wrote is read back, so no ordering between the write and the tile loads is needed.
@@ -46,8 +47,11 @@ writes acc / l as the output itself, and there is no workspace and no combine.
 The combine: each chunk's program stores its partial, then counts itself in on the head's arrival counter (one
 atomic, acquire-release); the program that arrives last reads the head's partials back (from L2) and writes its R
 output rows, the splits in order, BLOCK_S at a time, as an online softmax over their partials: sum_s acc_s
-2**(m_s - M) / sum_s l_s 2**(m_s - M), M the largest m. A fixed order and fixed reduction trees: the result does
-not depend on timing, nor on which program combines. It resets the counter for the next launch (the counters are
+2**(m_s - M) / sum_s l_s 2**(m_s - M), M the largest m. The tile is [BLOCK_RC rows, D, BLOCK_S splits]: each
+thread holds every split of its row's few dims, so the sums over the splits stay in its registers (with the splits
+across warps each sum would take shuffles and a barrier, on the last program's path: Llama 3 8B dims, batch 1,
+context 1024, one H200, 8.6 against 7.0 us a layer). A fixed order and fixed reduction trees: the result does not
+depend on timing, nor on which program combines. It resets the counter for the next launch (the counters are
 one zeroed buffer per device, kept: two launches must not run at once on different streams). Against a second
 kernel for the combine, this saves its launch and the wait between the two. Scores are in base 2, scaled by
 scale * log2(e) (fp32 q once; the 16-bit path each tile's fp32 scores).
@@ -78,7 +82,7 @@ BLOCK_L_MMA16_FEW_HEADS = 64
 FEW_HEADS = 64
 INTERPRET_BLOCK_L = 64  # under the interpreter, whose time goes by operation: fewer, larger tiles
 BLOCK_S = 16  # splits the combine reads at once, at most
-# and (split, query head) pairs at once: a [BLOCK_S, BLOCK_RC, D] fp32 tile, 64 registers a thread at D = 128
+# and (split, query head) pairs at once: a [BLOCK_RC, D, BLOCK_S] fp32 tile, 64 registers a thread at D = 128
 COMBINE_TILE = 64
 COUNTERS = 1 << 16  # heads (B * Hkv) a split launch may have: one arrival counter each
 NUM_WARPS = 4
@@ -87,12 +91,12 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _rotate(even, odd, cos, sin, dtype):
-    """Pairs (x[2i], x[2i + 1]) = (even, odd) [R, D / 2] rotated by (cos_i, sin_i) as the model's ``apply_rope``:
-    in fp32, rounded once to ``dtype``; the heads [R, D]."""
-    even, odd = even.to(tl.float32), odd.to(tl.float32)
+def _rotate(x, cos, sin, dtype):
+    """Heads x [R, D] with pairs (x[2i], x[2i+1]) rotated by (cos_i, sin_i) [1, D / 2] as the model's
+    ``apply_rope``: in fp32, rounded once to ``dtype``; [R, D]."""
+    even, odd = tl.split(tl.reshape(x.to(tl.float32), (x.shape[0], x.shape[1] // 2, 2)))
     pairs = tl.join((even * cos - odd * sin).to(dtype), (even * sin + odd * cos).to(dtype))
-    return tl.reshape(pairs, (even.shape[0], 2 * even.shape[1]))
+    return tl.reshape(pairs, (x.shape[0], x.shape[1]))
 
 
 @triton.jit
@@ -151,11 +155,9 @@ def _split_kernel(
         cos = tl.load(cos_ptr + cur * (D // 2) + i)[None, :]
         sin = tl.load(sin_ptr + cur * (D // 2) + i)[None, :]
         q_ok = r[:, None] < R
-        q_even = tl.load(q_rows + 2 * i[None, :], mask=q_ok, other=0.0)
-        q_odd = tl.load(q_rows + 2 * i[None, :] + 1, mask=q_ok, other=0.0)
+        q_raw = tl.load(q_rows + d[None, :], mask=q_ok, other=0.0)
         kn_row = kn_ptr + b.to(tl.int64) * stride_knb + h * D
-        k_even = tl.load(kn_row + 2 * i[None, :], mask=holds, other=0.0)
-        k_odd = tl.load(kn_row + 2 * i[None, :] + 1, mask=holds, other=0.0)
+        k_raw = tl.load(kn_row + d[None, :], mask=holds, other=0.0)
         v_one = tl.load(vn_ptr + b.to(tl.int64) * stride_vnb + h * D + d, mask=holds, other=0.0)
     else:
         q = tl.load(q_rows + d[None, :], mask=r[:, None] < R, other=0.0)
@@ -168,8 +170,8 @@ def _split_kernel(
         kv = tl.load(rows + d[None, None, :], mask=inside[None, :, None], other=0.0)
         k, v = tl.split(tl.permute(kv, (1, 2, 0)))
     if APPEND:
-        q = _rotate(q_even, q_odd, cos, sin, q_ptr.dtype.element_ty)
-        k_one = tl.reshape(_rotate(k_even, k_odd, cos, sin, k_ptr.dtype.element_ty), (D,))
+        q = _rotate(q_raw, cos, sin, q_ptr.dtype.element_ty)
+        k_one = tl.reshape(_rotate(k_raw, cos, sin, k_ptr.dtype.element_ty), (D,))
         v_one = v_one.to(v_ptr.dtype.element_ty)
         tl.store(k_base + cur * stride_kl + d, k_one, mask=holds)
         tl.store(v_base + cur * stride_vl + d, v_one, mask=holds)
@@ -220,27 +222,26 @@ def _split_kernel(
 def _combine(acc_ptr, m_ptr, l_ptr, out_rows, bh, R, SPLITS, stride_or, D: tl.constexpr, BLOCK_S: tl.constexpr,
              BLOCK_RC: tl.constexpr):  # fmt: skip
     """The R output rows of head ``bh`` from its SPLITS partials, BLOCK_S splits at a time, in split order."""
-    s = tl.arange(0, BLOCK_S)[:, None]
-    r = tl.arange(0, BLOCK_RC)[None, :]
-    d = tl.arange(0, D)[None, None, :]
-    top = tl.full([BLOCK_RC], float("-inf"), tl.float32)  # the largest m so far: num and den are relative to it
+    r = tl.arange(0, BLOCK_RC)[:, None, None]
+    s = tl.arange(0, BLOCK_S)[None, None, :]
+    d = tl.arange(0, D)[None, :, None]
+    top = tl.full([BLOCK_RC, 1], float("-inf"), tl.float32)  # the largest m so far: num and den are relative to it
     num = tl.zeros([BLOCK_RC, D], tl.float32)
-    den = tl.zeros([BLOCK_RC], tl.float32)
+    den = tl.zeros([BLOCK_RC, 1], tl.float32)
     for s0 in range(0, SPLITS, BLOCK_S):
         ok = (s0 + s < SPLITS) & (r < R)
-        rows = (bh * SPLITS + s0 + s) * R + r  # [BLOCK_S, BLOCK_RC] of the workspace
+        rows = (bh * SPLITS + s0 + s) * R + r  # [BLOCK_RC, 1, BLOCK_S] of the workspace
         m = tl.load(m_ptr + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        new_top = tl.maximum(top, tl.max(m, 0))  # finite for r < R: split 0 holds position 0
+        new_top = tl.maximum(top, tl.max(m, 2))  # finite for r < R: split 0 holds position 0
         alpha = tl.exp2(top - new_top)
-        w = tl.exp2(m - new_top[None, :])  # 0 for empty splits
-        acc = tl.load(acc_ptr + rows[:, :, None].to(tl.int64) * D + d, mask=ok[:, :, None], other=0.0,
-                      cache_modifier=".cg")  # fmt: skip
-        num = num * alpha[:, None] + tl.sum(acc * w[:, :, None], 0)
-        den = den * alpha + tl.sum(tl.load(l_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg") * w, 0)
+        w = tl.exp2(m - new_top[:, :, None])  # 0 for empty splits
+        acc = tl.load(acc_ptr + rows.to(tl.int64) * D + d, mask=ok, other=0.0, cache_modifier=".cg")
+        num = num * alpha + tl.sum(acc * w, 2)
+        den = den * alpha + tl.sum(tl.load(l_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg") * w, 2)
         top = new_top
     rc = tl.arange(0, BLOCK_RC)[:, None]
     out = out_rows + rc * stride_or + tl.arange(0, D)[None, :]
-    tl.store(out, (num / den[:, None]).to(out_rows.dtype.element_ty), mask=rc < R)
+    tl.store(out, (num / den).to(out_rows.dtype.element_ty), mask=rc < R)
 
 
 _SPLIT = LaunchCache(_split_kernel)
