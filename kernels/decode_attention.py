@@ -133,6 +133,9 @@ def _split_kernel(
     the output rows acc / l. ``APPEND``: q and the step's own k (kn) unrotated, rotated here at position
     length - 1, where the chunk holding it writes k and v (vn) into the caches (module doc)."""
     pdl.wait_prior(PDL)
+    # the next kernel (the output projection) may launch now: its programs are resident, set up and waiting when
+    # this one ends (a short kernel at few programs an SM leaves it the room)
+    pdl.release_next(PDL)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H
@@ -190,7 +193,6 @@ def _split_kernel(
             k = tl.load(k_base + pos[:, None] * stride_kl + d[None, :], mask=inside[:, None], other=0.0)
             v = tl.load(v_base + pos[:, None] * stride_vl + d[None, :], mask=inside[:, None], other=0.0)
             m_i, l_i, acc = _tile(q, k, v, inside, m_i, l_i, acc, qk_scale, MMA16)
-    pdl.release_next(PDL)
     if APPEND:
         if holds:  # merge the step's own position, last, from registers
             if MMA16:

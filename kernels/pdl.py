@@ -11,9 +11,9 @@ start while the kernel before it in the stream still runs, once that one lets it
   those that return early included, so that a kernel never completes before the kernels it depends on, and
   the ones after it may rely on that too (their own wait covers every grid in flight before them).
 * ``release_next`` (``griddepcontrol.launch_dependents``) lets the next kernel launch once every program of this
-  one has executed it (or exited). Kernels call it after their wait, and the long ones (the GEMMs) after their
-  main loop, so that at most the running kernel and the next one are resident: the next one's programs take
-  registers and slots while they wait, and a chain of waiting kernels would crowd out the running one.
+  one has executed it (or exited). Kernels call it after their wait, and the GEMMs after their main loop, so
+  that at most the running kernel and the next one are resident: the next one's programs take registers and
+  slots while they wait, and a chain of waiting kernels would crowd out the running one.
 
 Kernels take it as a ``PDL`` constexpr (both instructions compiled out without it); ``options(device)`` gives the
 launch keywords. Off unless a caller turns it on (``launching(True)``: mx_recipe's decode step, where it was
