@@ -39,7 +39,12 @@ A chunk of one tile (such a step's, at batch 1) takes no loop: its keys and valu
 issued with q's, the RoPE rows' and the step's own k's and v's before any arithmetic, so that the program waits once
 for all of its bytes (a loop's pipelined loads issue after q's rotation, and two loads would each wait for the
 other's move into the dot's layout). On an H200, Llama 3 8B and MoE 16B dims at batch 1, that saves about 0.7
-us a layer.
+us a layer. Under PDL (a decode step: ``mx_kernels.pdl``) such a program reads ``length``, the RoPE rows and that
+tile before its PDL wait, and moves the tile into the dots' layouts, while the kernel before it (the QKV
+projection) finishes: none of them is that kernel's output (the cache below the step's position was written by
+earlier steps), so a caller must not write the caches or ``length`` in the launch right before an appending one.
+q and the step's own k and v are read after the wait. Llama 3 8B dims, batch 1, one H200: MXFP8 step 2.72 ->
+2.65 ms.
 The padding rows of q cost MMA work, not bytes. The partial (acc, m, l) goes to an fp32 workspace allocated per
 call (torch's caching allocator: cheap, and graph-safe). With one split (many heads, or a cache of one tile) the program
 writes acc / l as the output itself, and there is no workspace and no combine.
@@ -121,6 +126,14 @@ def _tile(q, k, v, inside, m_i, l_i, acc, qk_scale, MMA16: tl.constexpr):
 
 
 @triton.jit
+def _wait_then_release(PDL: tl.constexpr):
+    pdl.wait_prior(PDL)
+    # the next kernel (the output projection) may launch now: its programs are resident, set up and waiting when
+    # this one ends (a short kernel at few programs an SM leaves it the room)
+    pdl.release_next(PDL)
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, m_ptr, l_ptr, cnt_ptr, out_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, H, R, L,
     CHUNK, SPLITS, stride_len, qk_scale, stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_kl, stride_vb,
@@ -132,10 +145,9 @@ def _split_kernel(
     the head's output from all its chunks' partials where it is the last chunk to finish; ``DIRECT`` (one split):
     the output rows acc / l. ``APPEND``: q and the step's own k (kn) unrotated, rotated here at position
     length - 1, where the chunk holding it writes k and v (vn) into the caches (module doc)."""
-    pdl.wait_prior(PDL)
-    # the next kernel (the output projection) may launch now: its programs are resident, set up and waiting when
-    # this one ends (a short kernel at few programs an SM leaves it the room)
-    pdl.release_next(PDL)
+    EARLY: tl.constexpr = APPEND and ONE_TILE  # the cache tile read before the PDL wait (module doc)
+    if not EARLY:
+        _wait_then_release(PDL)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H
@@ -157,13 +169,6 @@ def _split_kernel(
         i = tl.arange(0, D // 2)
         cos = tl.load(cos_ptr + cur * (D // 2) + i)[None, :]
         sin = tl.load(sin_ptr + cur * (D // 2) + i)[None, :]
-        q_ok = r[:, None] < R
-        q_raw = tl.load(q_rows + d[None, :], mask=q_ok, other=0.0)
-        kn_row = kn_ptr + b.to(tl.int64) * stride_knb + h * D
-        k_raw = tl.load(kn_row + d[None, :], mask=holds, other=0.0)
-        v_one = tl.load(vn_ptr + b.to(tl.int64) * stride_vnb + h * D + d, mask=holds, other=0.0)
-    else:
-        q = tl.load(q_rows + d[None, :], mask=r[:, None] < R, other=0.0)
     if ONE_TILE:  # a chunk of one tile (a step of few heads): k and v loaded with q, one wait for all
         pos = start + tl.arange(0, BLOCK_L)
         inside = pos < end
@@ -172,6 +177,15 @@ def _split_kernel(
         rows = tl.where(is_v, (v_base + pos[:, None] * stride_vl)[None], (k_base + pos[:, None] * stride_kl)[None])
         kv = tl.load(rows + d[None, None, :], mask=inside[None, :, None], other=0.0)
         k, v = tl.split(tl.permute(kv, (1, 2, 0)))
+    if EARLY:
+        _wait_then_release(PDL)
+    if APPEND:  # the previous kernel's outputs: after the wait
+        q_raw = tl.load(q_rows + d[None, :], mask=r[:, None] < R, other=0.0)
+        kn_row = kn_ptr + b.to(tl.int64) * stride_knb + h * D
+        k_raw = tl.load(kn_row + d[None, :], mask=holds, other=0.0)
+        v_one = tl.load(vn_ptr + b.to(tl.int64) * stride_vnb + h * D + d, mask=holds, other=0.0)
+    else:
+        q = tl.load(q_rows + d[None, :], mask=r[:, None] < R, other=0.0)
     if APPEND:
         q = _rotate(q_raw, cos, sin, q_ptr.dtype.element_ty)
         k_one = tl.reshape(_rotate(k_raw, cos, sin, k_ptr.dtype.element_ty), (D,))

@@ -241,11 +241,12 @@ def test_split_count_spreads_the_cache_and_leaves_no_empty_chunk():
 
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
-def test_one_tile_chunk_issues_every_load_before_its_first_wait(monkeypatch):
+def test_one_tile_chunk_reads_the_cache_before_the_pdl_wait(monkeypatch):
     """What the interpreter cannot check: compiled for sm_90a with the arguments the launcher builds for a decode
-    step at Llama 3 8B's heads (batch 1, 1024 positions, 16 chunks of one 64-position tile, appending), the key and
-    value tile's 16-byte loads, q's, the step's key's and value's and the RoPE rows' all precede the program's first
-    barrier: one wait for all of its bytes (the combine's reads of the partials, after the counter, aside)."""
+    step at Llama 3 8B's heads (batch 1, 1024 positions, 16 chunks of one 64-position tile, appending), under PDL.
+    The key and value tile's 16-byte loads and the RoPE rows' precede the PDL wait (none is the previous kernel's
+    output: they move while it runs); after the wait, q's, the step's key's and value's loads all precede the next
+    barrier: one wait for all of them (the combine's reads of the partials, after the counter, aside)."""
     from mx_kernels import decode_attention as kernel
     from mx_kernels.gluon.common import compile_for_arch
 
@@ -264,12 +265,14 @@ def test_one_tile_chunk_issues_every_load_before_its_first_wait(monkeypatch):
     kernel.decode_attention(q, cache, cache, torch.tensor([1024]), splits=16, block_l=64, append=append)
     (kwargs,) = launches
     assert kwargs["ONE_TILE"] and kwargs["MMA16"] and kwargs["SPLITS"] == 16
-    ptx = compile_for_arch(kernel._split_kernel, kwargs, 90).asm["ptx"]
-    first_wait = ptx.index("bar.sync")
+    ptx = compile_for_arch(kernel._split_kernel, dict(kwargs, PDL=True), 90).asm["ptx"]
+    pdl_wait = ptx.index("griddepcontrol.wait")
     loads = [(m.group(0), m.start()) for m in re.finditer(r"ld\.global[.\w]*", ptx) if ".cg" not in m.group(0)]
-    wide = sum(op == "ld.global.v4.b32" for op, _ in loads)
-    assert wide >= 2 * 64 * 128 * 2 // (16 * 128), "keys and values in 16-byte loads, 4 warps"
-    assert max(at for _, at in loads) < first_wait
+    early = [op for op, at in loads if at < pdl_wait]
+    late = [at for _, at in loads if at > pdl_wait]
+    tile = 2 * 64 * 128 * 2 // (16 * 128)  # keys and values in 16-byte loads, 4 warps
+    assert early.count("ld.global.v4.b32") >= tile and len(early) >= tile + 2, early  # the tile, cos and sin
+    assert late and max(late) < ptx.index("bar.sync", pdl_wait), "q, k and v: one wait"
 
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
