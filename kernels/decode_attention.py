@@ -36,14 +36,14 @@ positions (BLOCK_L, tl.dot's least: compiled for sm_90 at 4 warps 72 registers a
 143 at D = 256, where 32 positions take 247 and some shapes spill); the 16-bit tiles are 32 (BLOCK_L_MMA16), 64
 for a step of few heads (BLOCK_L_MMA16_FEW_HEADS).
 A chunk of one tile (such a step's, at batch 1) takes no loop: its keys and values are one [2, BLOCK_L, D] load,
-issued with q's, the RoPE rows' and the step's own k's and v's before any arithmetic, so that the program waits once
-for all of its bytes (a loop's pipelined loads issue after q's rotation, and two loads would each wait for the
-other's move into the dot's layout). On an H200, Llama 3 8B and MoE 16B dims at batch 1, that saves about 0.7
-us a layer. Under PDL (a decode step: ``mx_kernels.pdl``) such a program reads ``length``, the RoPE rows and that
-tile before its PDL wait, and moves the tile into the dots' layouts, while the kernel before it (the QKV
-projection) finishes: none of them is that kernel's output (the cache below the step's position was written by
-earlier steps), so a caller must not write the caches or ``length`` in the launch right before an appending one.
-q and the step's own k and v are read after the wait. Llama 3 8B dims, batch 1, one H200: MXFP8 step 2.72 ->
+issued with the RoPE rows', q's and the step's own k's and v's before any arithmetic, so that the program waits
+once for all of its bytes (a loop's pipelined loads issue after q's rotation, and two loads would each wait for
+the other's move into the dot's layout). On an H200, Llama 3 8B and MoE 16B dims at batch 1, that saves about 0.7
+us a layer. Appending under PDL (a decode step: ``mx_kernels.pdl``), the tile, the RoPE rows and ``length`` come
+before the PDL wait, the tile moved into the dots' layouts there too, while the kernel before (the QKV projection)
+finishes; q and the step's own k and v, that kernel's outputs, after it. None of the former is its output (the
+cache below the step's position was written by earlier steps), so a caller must not write the caches or
+``length`` in the launch right before an appending one. Llama 3 8B dims, batch 1, one H200: MXFP8 step 2.72 ->
 2.65 ms.
 The padding rows of q cost MMA work, not bytes. The partial (acc, m, l) goes to an fp32 workspace allocated per
 call (torch's caching allocator: cheap, and graph-safe). With one split (many heads, or a cache of one tile) the program
