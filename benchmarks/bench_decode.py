@@ -25,11 +25,11 @@ The kernel's configs are timed once per GEMM shape, before the graphs are captur
 (mx_recipe.infer.weight_only.set_tuning; --no-tune: its defaults by M). On sm_90 and newer a decode step launches
 its Triton kernels with programmatic dependent launch where mx_recipe.infer.decode.pdl_pays says; --pdl off: plain
 launches; --pdl both: each step captured both ways and timed interleaved, a second set of rows ("decode no-pdl").
---sweep times each small-M config of the weight-only kernel (mx_kernels.mx.weight_only.FMA_CANDIDATES) on
-each weight shape of its table (Llama 3 8B's projections, alone and fused), for each format of --weights and
-each --batch M (default 1), beside cuBLAS on the bf16 weight and the tl.dot path's default: a row per config
-with microseconds and the bytes read (codes, scales, x) over the copy bandwidth, then the fastest config per
-format and shape as ``FMA_CHOSEN`` entries to paste into the kernel's table.
+--sweep times each small-M config of the weight-only kernel (mx_kernels.mx.weight_only.FMA_CANDIDATES), its
+weight read from memory as in a model (cold_copies), on each weight shape of its table (Llama 3 8B's projections,
+alone and fused), for each format of --weights and each --batch M (default 1), beside cuBLAS on the bf16 weight and
+the tl.dot path's default: a row per config with microseconds and the bytes read (codes, scales, x) over the copy
+bandwidth, then the fastest config per format and shape as ``FMA_CHOSEN`` entries to paste into the kernel's table.
 --reference: the quantized GEMMs dequantize to bf16 first (what they did before the kernel), for comparison.
 --profile-top N: after each batch's timing, one replayed step of each format under torch.profiler: the N
 costliest kernels (ms per step) and the step's kernel time against its wall time (the rest is the
@@ -191,6 +191,14 @@ def gemms_step(model: Transformer, batch: int, device: torch.device) -> Callable
     return step
 
 
+def _gemm_runs(x: torch.Tensor, copies: list[tuple[torch.Tensor, ...]], tensor_scale: torch.Tensor | None, fmt: str,
+               config: dict) -> list[Callable[[], object]]:  # fmt: skip
+    """One call of the weight-only GEMM with ``config`` per copy of the weight (codes, scales)."""
+    from mx_kernels.mx.weight_only import weight_only_mm
+
+    return [lambda c=c: weight_only_mm(x, *c, tensor_scale, fmt, config=config) for c in copies]
+
+
 def sweep(formats: tuple[str, ...], batches: tuple[int, ...], device: torch.device, bandwidth: float,
           shapes: list[tuple[int, int]] | None = None) -> list[dict]:  # fmt: skip
     """Time every small-M config of the weight-only kernel per format, shape and M (module doc); the rows."""
@@ -211,21 +219,21 @@ def sweep(formats: tuple[str, ...], batches: tuple[int, ...], device: torch.devi
         torch.manual_seed(0)
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
         packed = {fmt: quantize(w, fmt) for fmt in formats if fmt != "bf16"}
+        w_copies = kernel.cold_copies((w,))  # each call reads its weight from memory, as in a model (cold_copies)
         for m in batches:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            us = kernel.time_us(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+            us = kernel.time_us([lambda x=x, w=w: torch.nn.functional.linear(x, w) for (w,) in w_copies])
             add(n, k, m, "bf16", "cuBLAS", us, 2 * (n * k + m * k))
             for fmt, q in packed.items():
-                args = (x, q.qdata, q.scale, getattr(q, "per_tensor_scale", None), fmt)
+                ts = getattr(q, "per_tensor_scale", None)
+                copies = kernel.cold_copies((q.qdata, q.scale))
                 nbytes = q.qdata.numel() + q.scale.numel() + 2 * m * k
                 dot = kernel.config_for(m, fmt, fma=False)
-                us = kernel.time_us(lambda args=args, dot=dot: kernel.weight_only_mm(*args, config=dot))
+                us = kernel.time_us(_gemm_runs(x, copies, ts, fmt, dot))
                 add(n, k, m, fmt, "tl.dot " + _config_name(dot), us, nbytes)
                 for config in kernel.candidates(m, fmt, n, k, fma=True):
                     try:
-                        us = kernel.time_us(
-                            lambda args=args, config=config: kernel.weight_only_mm(*args, config=config)
-                        )
+                        us = kernel.time_us(_gemm_runs(x, copies, ts, fmt, config))
                     except Exception as e:  # noqa: BLE001  (out of registers or shared memory: skip the config)
                         print(f"{n:>6} x {k:<5}{fmt:>6} {m:>3}  {_config_name(config):<58} skipped: {type(e).__name__}")
                         continue

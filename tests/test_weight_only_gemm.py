@@ -523,6 +523,30 @@ def test_gpu_tuned_configs_stay_within_the_bound():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [1024, 4096 * 6])
+def test_gpu_cold_copies_read_twice_the_l2(n):
+    """Tuning times a GEMM over copies of its weight that together hold twice the L2, the originals first, each
+    copy equal to them in its own memory: every timed call reads its weight from memory, as a model's layers do."""
+    from mx_kernels.mx import weight_only
+
+    p = packed(weights(n, 4096, CUDA) * 0.02, "mxfp4")
+    copies = weight_only.cold_copies((p.qdata, p.scale))
+    l2 = torch.cuda.get_device_properties(CUDA).L2_cache_size
+    nbytes = p.qdata.numel() + p.scale.numel()
+    assert copies[0][0] is p.qdata and copies[0][1] is p.scale
+    assert len(copies) == min(weight_only.MAX_COLD_COPIES, -(-2 * l2 // nbytes))
+    assert len(copies) * nbytes >= 2 * l2 or len(copies) == weight_only.MAX_COLD_COPIES
+    ptrs = {c[0].data_ptr() for c in copies}
+    assert len(ptrs) == len(copies)
+    for q, s in copies[1:]:
+        assert torch.equal(q.view(torch.uint8), p.qdata.view(torch.uint8))
+        assert torch.equal(s.view(torch.uint8), p.scale.view(torch.uint8))
+    x = torch.randn(1, 4096, device=CUDA).bfloat16()
+    runs = [lambda q=q, s=s: weight_only.weight_only_mm(x, q, s, None, "mxfp4") for q, s in copies]
+    assert weight_only.time_us(runs, calls=len(runs), rounds=1) > 0
+
+
+@pytest.mark.gpu
 def test_gpu_graph_capture_takes_the_tuned_config():
     """With tuning on, a call captured in a CUDA graph launches the kernels the tuned eager call launches, and gives
     its bits (the runs before capture tune; capture only looks up). At M = 32 on Llama 3 8B's fused w1/w3 shape the

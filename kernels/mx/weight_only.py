@@ -112,6 +112,8 @@ bf16 is raw uint16), and its fp32 -> bf16 output cast truncates.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -216,17 +218,17 @@ FMA_CANDIDATES: dict[tuple[int, int] | None, list[dict]] = {
 }
 # chosen on one NVIDIA H200 (torch 2.11.0+cu130, 2026-11-29) by tuning the Llama 3 8B decode step at batch 1
 FMA_CHOSEN: dict[tuple[str, int, int], dict] = {
-    ("mxfp8", 6144, 4096): _fma(8, 1024, 1, 2, unit=8),
+    ("mxfp8", 6144, 4096): _fma(8, 1024, None, 2, unit=8),
     ("mxfp8", 4096, 4096): _fma(8, 2048, None, 4, unit=8),
-    ("mxfp8", 28672, 4096): _fma(8, 512, 1, 1, unit=8),
+    ("mxfp8", 28672, 4096): _fma(8, 512, None, 1, unit=8),
     ("mxfp8", 4096, 14336): _fma(8, 2048, 1, 4, unit=8),
-    ("mxfp4", 6144, 4096): _fma(8, 1024, None, 2, unit=8),
+    ("mxfp4", 6144, 4096): _fma(4, 1024, 1, 2, unit=8),
     ("mxfp4", 4096, 4096): _fma(8, 2048, 1, 4, unit=8),
-    ("mxfp4", 28672, 4096): _fma(8, 512, None, 1, unit=8),
-    ("mxfp4", 4096, 14336): _fma(8, 1024, 1, 2, unit=8),
-    ("nvfp4", 6144, 4096): _fma(8, 1024, 1, 2, unit=8),
+    ("mxfp4", 28672, 4096): _fma(8, 512, 1, 1, unit=8),
+    ("mxfp4", 4096, 14336): _fma(8, 2048, 1, 4, unit=8),
+    ("nvfp4", 6144, 4096): _fma(4, 1024, 1, 2, unit=8),
     ("nvfp4", 4096, 4096): _fma(8, 2048, None, 4, unit=8),
-    ("nvfp4", 28672, 4096): _fma(4, 1024, None, 2, unit=8),
+    ("nvfp4", 28672, 4096): _fma(8, 512, None, 1, unit=8),
     ("nvfp4", 4096, 14336): _fma(8, 2048, 1, 4, unit=8),
 }
 # The Gluon wgmma kernel's configs (mx_kernels.gluon.weight_only_mma): dense GEMMs of 5 to GLUON_MAX_M rows
@@ -238,6 +240,7 @@ GLUON_CANDIDATES = [dict(GLUON=True, num_warps=w, SPLIT_K=s) for w in (4, 8) for
 PROGRAMS_PER_SM = 8  # split K until a GEMM has this many programs per SM: small tiles, several programs an SM
 SCALED_PROGRAMS_PER_SM = 2  # the tl.dot_scaled tiles': pipelined, large
 MAX_SPLIT_K = 16
+MAX_COLD_COPIES = 64  # weight copies a tuning run cycles through (cold_copies)
 COUNTERS = 1 << 16  # split-K tiles a launch may have
 
 
@@ -752,18 +755,21 @@ def set_tuning(enabled: bool) -> None:
     _TUNE = enabled
 
 
-def time_us(run, calls: int = 20, rounds: int = 5) -> float:
+def time_us(run: Callable[[], object] | Sequence[Callable[[], object]], calls: int = 20, rounds: int = 5) -> float:
     """Median microseconds a call of ``run()`` takes on the GPU: ``calls`` calls captured in one CUDA graph (no
-    launch overhead), replayed ``rounds`` times."""
+    launch overhead), replayed ``rounds`` times. ``run`` may be a sequence of callables, called in turn (the
+    same GEMM over ``cold_copies`` of its weight: each call then reads its weight from memory)."""
+    runs = list(run) if isinstance(run, Sequence) else [run]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        run()  # compiles, allocates
+        for r in runs:
+            r()  # compiles, allocates
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            run()
+        for i in range(calls):
+            runs[i % len(runs)]()
     graph.replay()
     times = []
     for _ in range(rounds):
@@ -776,18 +782,32 @@ def time_us(run, calls: int = 20, rounds: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _tuned(key: tuple, run) -> tuple[dict, int | None]:
-    """The fastest (config, split_k) of ``run(config, split_k)`` for ``key``, timed once and kept."""
+def cold_copies(tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+    """``tensors`` and clones of them, enough that one pass over all reads twice the GPU's L2 (at most
+    MAX_COLD_COPIES): timed in turn, each call reads its weight from memory, as each layer of a model does. Timed on
+    one copy, a weight that fits in L2 (an H200's 50 MB holds a 4-bit 4096 x 14336) is read from L2 from the second
+    call on, and tuning would rank configs by a speed that the model never sees."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    l2 = torch.cuda.get_device_properties(tensors[0].device).L2_cache_size
+    copies = min(MAX_COLD_COPIES, max(1, cdiv(2 * l2, max(nbytes, 1))))
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(copies - 1)]
+
+
+def _tuned(key: tuple, run: Callable[..., object], weights: tuple[torch.Tensor, ...]) -> tuple[dict, int | None]:
+    """The fastest (config, split_k) of ``run(config, split_k, *weights)`` for ``key``, timed once over
+    ``cold_copies`` of ``weights`` and kept."""
     if key in _TUNED:
         return _TUNED[key]
     fmt, m, n, k, _, grouped, gathered = key[:7]
     best, best_us = None, float("inf")
     gluon = gluon_ok(fmt, k, grouped, gathered, key[-1])
+    copies = cold_copies(weights)
     for cfg in candidates(m, fmt, n, k, scaled=dot_scaled_ok(key[-1]), gluon=gluon):
         splits = (None, 1, 2, 4) if cfg.get("SCALED") else (None, 1)
         for split in (None,) if fma_path(m, cfg) or cfg.get("GLUON") else splits:
+            runs = [lambda cfg=cfg, split=split, w=w: run(cfg, split, *w) for w in copies]
             try:
-                us = time_us(lambda cfg=cfg, split=split: run(cfg, split), calls=10, rounds=1)
+                us = time_us(runs, calls=max(10, len(runs)), rounds=1)
             except triton.runtime.errors.OutOfResources:  # too much shared memory or too many registers
                 continue
             if us < best_us:
@@ -904,7 +924,9 @@ def weight_only_mm(
             config, split_k = _TUNED.get(key, (None, None))
         else:
             config, split_k = _tuned(
-                key, lambda c, s: weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, c, s, rows, swiglu)
+                key,
+                lambda c, s, q, sc: weight_only_mm(x, q, sc, tensor_scale, fmt, offs, c, s, rows, swiglu),
+                (qdata, scale),
             )
     fma = fma_path(per_group, config)
     cfg = {**config_for(per_group, fmt, n, k, fma, dot_scaled_ok(x.device)), **(config or {})}
