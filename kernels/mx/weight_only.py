@@ -723,10 +723,11 @@ def candidates(m: int, fmt: str, n: int | None = None, k: int | None = None, fma
 
 
 def gluon_ok(fmt: str, k: int, grouped: bool, gathered: bool, device: torch.device) -> bool:
-    """Whether a GEMM may take the Gluon wgmma kernel: dense, K a multiple of 128, on sm_90+."""
+    """Whether a GEMM may take the Gluon wgmma kernel: dense, K a multiple of 128, on sm_90 (wgmma is Hopper's:
+    sm_100 has no such instruction)."""
     return (
         fmt in FORMATS and k % 128 == 0 and not grouped and not gathered and device.type == "cuda"
-        and not interpreting() and cuda_capability(device) >= (9, 0)
+        and not interpreting() and cuda_capability(device) == (9, 0)
     )  # fmt: skip
 
 
