@@ -112,6 +112,17 @@ def test_gpu_every_m_within_the_bound(fmt):
             assert torch.equal(mma(x, zero, warps, split), torch.zeros(m, n, dtype=torch.bfloat16, device=CUDA))
 
 
+def test_gluon_config_splits_k_to_fill_the_gpu():
+    """Untuned, the Gluon kernel takes 4 warps and splits K (powers of 2, at most 8) while the programs stay
+    within GLUON_PROGRAMS_PER_SM an SM: Llama 3 8B's projections on an H200's 132 SMs, and a GPU of 16."""
+    from mx_kernels.mx.weight_only import gluon_config
+
+    splits = {n: gluon_config(n, 132)["SPLIT_K"] for n in (28672, 6144, 4096, 1024)}
+    assert splits == {28672: 1, 6144: 4, 4096: 8, 1024: 8}
+    assert gluon_config(4096, 16) == dict(GLUON=True, num_warps=4, SPLIT_K=1)
+    assert gluon_config(1024, 16)["SPLIT_K"] == 4
+
+
 def test_weight_only_mm_offers_the_kernel_only_where_it_applies():
     """Tuning candidates past the small-M path up to GLUON_MAX_M rows; a Gluon config off the GPU is a one-line
     error."""
@@ -151,3 +162,34 @@ def test_gpu_weight_only_mm_takes_the_gluon_configs(fmt):
         y = weight_only_mm(x, p.qdata, p.scale, p.tensor_scale, fmt, config=gluon[0])
         h = weight_only_mm(x, p.qdata, p.scale, p.tensor_scale, fmt, config=gluon[0], swiglu=True)
         assert torch.equal(h, silu_mul(y[:, : n // 2], y[:, n // 2 :]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_untuned_gemm_takes_the_gluon_kernel_on_hopper(fmt):
+    """Untuned (generate.py), 5 to 128 rows of a dense GEMM on Hopper run the Gluon kernel with ``gluon_config``:
+    its bits, within the bound; 1-4 rows stay on the small-M kernel."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU (wgmma)")
+    from mx_kernels.mx.weight_only import gluon_config, weight_only_mm
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(call) -> set[str]:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+    torch.manual_seed(13)
+    n, k = 1000, 1024
+    p = packed(weights(n, k, CUDA) * 0.02, fmt)
+    sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
+    for m in (2, 8, 33, 128):
+        x = torch.randn(m, k, device=CUDA).bfloat16()
+        y = weight_only_mm(x, p.qdata, p.scale, p.tensor_scale, fmt)
+        assert_within_bound(y, x, p)
+        launched = kernels(lambda x=x: weight_only_mm(x, p.qdata, p.scale, p.tensor_scale, fmt))
+        assert any("wgmma" in name for name in launched) == (m > 4), (m, launched)
+        if m > 4:
+            tuned = weight_only_mm(x, p.qdata, p.scale, p.tensor_scale, fmt, config=gluon_config(n, sms))
+            assert torch.equal(y.view(torch.int16), tuned.view(torch.int16))

@@ -73,9 +73,10 @@ MXFP4 136 / 423 / 939 -> 70 / 73 / 102, MXFP8 116 / 131 / 217 -> 69 / 74 / 115, 
 written here, x the dot's first operand, BLOCK_M at least 16, the tile's scales multiplied in by block
 (CANDIDATES), K split to PROGRAMS_PER_SM.
 
-Hopper, 5 to GLUON_MAX_M rows, dense, K a multiple of 128: the tuner also times the Gluon kernel
-(mx_kernels.gluon.weight_only_mma, GLUON_CANDIDATES), which keeps the upcast weights in registers as wgmma's A
-operand (out^T = w x^T) instead of passing them through shared memory as both tiles above do. On an H200
+Hopper (sm_90), 5 to GLUON_MAX_M rows, dense, K a multiple of 128: the Gluon kernel
+(mx_kernels.gluon.weight_only_mma), which keeps the upcast weights in registers as wgmma's A operand
+(out^T = w x^T) instead of passing them through shared memory as both tiles above do. It is the default there
+(``gluon_config``), and the tuner times GLUON_CANDIDATES beside the tiles above. On an H200
 (2026-11-29), us per GEMM at M = 32, Gluon against the best tile above and cuBLAS on the bf16 weight: MXFP4
 fused w1/w3 43.9 / 69.7 / 59.0, w2 (4096 x 14336) 24.7 / 39.3 / 33.9; NVFP4 w1/w3 47.7 / 219.7; MXFP8 54.3 / 68.8.
 
@@ -236,6 +237,7 @@ FMA_CHOSEN: dict[tuple[str, int, int], dict] = {
 # launch takes at most 64 rows (wgmma's N), so 65-128 rows are two launches, each reading the weight: still
 # NVFP4's fastest there (us, one H200, fused w1/w3 at M = 128: register tile 949, Gluon 2 x 76).
 GLUON_MAX_M = 128
+GLUON_PROGRAMS_PER_SM = 4  # gluon_config's split K: at most this many programs an SM
 GLUON_CANDIDATES = [dict(GLUON=True, num_warps=w, SPLIT_K=s) for w in (4, 8) for s in (1, 2, 4, 8)]
 PROGRAMS_PER_SM = 8  # split K until a GEMM has this many programs per SM: small tiles, several programs an SM
 SCALED_PROGRAMS_PER_SM = 2  # the tl.dot_scaled tiles': pipelined, large
@@ -731,6 +733,17 @@ def gluon_ok(fmt: str, k: int, grouped: bool, gathered: bool, device: torch.devi
     )  # fmt: skip
 
 
+def gluon_config(n: int, sm_count: int) -> dict:
+    """The Gluon kernel's config where nothing is tuned, for N output rows on ``sm_count`` SMs: 4 warps (64 rows a
+    program), K split in powers of 2 up to 8 while the programs stay within GLUON_PROGRAMS_PER_SM an SM. On one
+    H200 (132 SMs) it gives Llama 3 8B's fused w1/w3 1 split, fused wq/wk/wv 4, wo and w2 8: what tuning picks
+    there at M = 8 and 32 (w1/w3 sometimes 8 warps or 4 splits)."""
+    tiles, split = cdiv(n, 64), 1
+    while split < 8 and tiles * split * 2 <= GLUON_PROGRAMS_PER_SM * sm_count:
+        split *= 2
+    return dict(GLUON=True, num_warps=4, SPLIT_K=split)
+
+
 def config_for(m: int, fmt: str, n: int | None = None, k: int | None = None, fma: bool | None = None,
                scaled: bool = True) -> dict:  # fmt: skip
     """The default config for M rows (per group) of ``fmt`` weights [N, K] (``fma``, ``scaled`` as
@@ -929,6 +942,9 @@ def weight_only_mm(
                 lambda c, s, q, sc: weight_only_mm(x, q, sc, tensor_scale, fmt, offs, c, s, rows, swiglu),
                 (qdata, scale),
             )
+    gluon = gluon_ok(fmt, k, grouped, rows is not None, x.device) and m <= GLUON_MAX_M
+    if config is None and gluon and not fma_path(per_group):  # untuned on Hopper: the Gluon kernel (module doc)
+        config = gluon_config(n, _sm_count(x.device))
     fma = fma_path(per_group, config)
     cfg = {**config_for(per_group, fmt, n, k, fma, dot_scaled_ok(x.device)), **(config or {})}
     if fma and per_group > 16:
@@ -940,7 +956,7 @@ def weight_only_mm(
         y = weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, config, split_k, rows)
         return silu_mul(y[:, : n // 2], y[:, n // 2 :])
     if cfg.get("GLUON"):
-        if not gluon_ok(fmt, k, grouped, rows is not None, x.device) or m > GLUON_MAX_M:
+        if not gluon:
             raise ValueError(f"{op}: the Gluon kernel takes dense GEMMs on sm_90+, K a multiple of 128 and "
                              f"at most {GLUON_MAX_M} rows; got {fmt}, M = {m}, K = {k} (config {config})")  # fmt: skip
         from mx_kernels.gluon.weight_only_mma import MAX_M, wgmma_weight_only
