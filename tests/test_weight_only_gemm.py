@@ -433,6 +433,18 @@ def test_interp_tensor_scale_per_group_and_row(config):
 # GPU
 
 CUDA = "cuda"
+
+
+def cuda_kernels(call) -> list[str]:
+    """The names of the CUDA kernels ``call()`` launches, sorted (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return sorted(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 GPU_MS = (1, 2, 7, 16, 33, 64, 128, 256)
 
 
@@ -552,13 +564,6 @@ def test_gpu_graph_capture_takes_the_tuned_config():
     its bits (the runs before capture tune; capture only looks up). At M = 32 on Llama 3 8B's fused w1/w3 shape the
     tuned config differs from the default on an H200 (the Gluon kernel at 8 warps against the default's 4)."""
     from mx_kernels.mx import weight_only
-    from torch.profiler import ProfilerActivity, profile
-
-    def kernels(call) -> list[str]:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            call()
-            torch.cuda.synchronize()
-        return sorted(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
     torch.manual_seed(4)
     p = packed(weights(28672, 4096, CUDA) * 0.02, "mxfp4")
@@ -566,11 +571,11 @@ def test_gpu_graph_capture_takes_the_tuned_config():
     weight_only.set_tuning(True)
     try:
         eager = run(x, p)
-        launched = kernels(lambda: run(x, p))
+        launched = cuda_kernels(lambda: run(x, p))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = run(x, p)
-        assert kernels(graph.replay) == launched
+        assert cuda_kernels(graph.replay) == launched
         assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
     finally:
         weight_only.set_tuning(False)

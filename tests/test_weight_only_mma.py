@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from test_weight_only_gemm import assert_within_bound, packed, weights
+from test_weight_only_gemm import assert_within_bound, cuda_kernels, packed, weights
 
 from mx_recipe.infer.weights import PackedWeight
 
@@ -172,13 +172,6 @@ def test_gpu_untuned_gemm_takes_the_gluon_kernel_on_hopper(fmt):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm_90 GPU (wgmma)")
     from mx_kernels.mx.weight_only import gluon_config, weight_only_mm
-    from torch.profiler import ProfilerActivity, profile
-
-    def kernels(call) -> set[str]:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            call()
-            torch.cuda.synchronize()
-        return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
 
     torch.manual_seed(13)
     n, k = 1000, 1024
@@ -188,7 +181,7 @@ def test_gpu_untuned_gemm_takes_the_gluon_kernel_on_hopper(fmt):
         x = torch.randn(m, k, device=CUDA).bfloat16()
         y = weight_only_mm(x, p.qdata, p.scale, p.tensor_scale, fmt)
         assert_within_bound(y, x, p)
-        launched = kernels(lambda x=x: weight_only_mm(x, p.qdata, p.scale, p.tensor_scale, fmt))
+        launched = cuda_kernels(lambda x=x: weight_only_mm(x, p.qdata, p.scale, p.tensor_scale, fmt))
         assert any("wgmma" in name for name in launched) == (m > 4), (m, launched)
         if m > 4:
             tuned = weight_only_mm(x, p.qdata, p.scale, p.tensor_scale, fmt, config=gluon_config(n, sms))
