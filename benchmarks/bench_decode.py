@@ -161,7 +161,9 @@ def decode_step(model: Transformer, cache: KVCache, batch: int, step_fn: Callabl
     if device.type != "cuda":
         return lambda: step_fn(model, tokens, position, cache)
     graph = DecodeGraph(model, cache, tokens, position, step_fn)
-    return graph.graph.replay
+    # the closure keeps the graph's tokens, position and logits alive: the replay reads and writes them in place, and
+    # freed, their memory would go to the next allocation (the replay reading another tensor's bytes as tokens)
+    return lambda: graph.graph.replay()
 
 
 def gemms_step(model: Transformer, batch: int, device: torch.device) -> Callable[[], object]:
