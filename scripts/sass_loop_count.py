@@ -3,10 +3,10 @@
 Compiles ``_weight_only_fma_kernel`` (kernels/mx/weight_only.py, the small-M kernel) or, with ``--gluon``, the
 Gluon tensor-core tile (kernels/gluon/weight_only_mma.py, 5-64 rows) for a CUDA arch without a GPU, disassembles
 the cubin with Triton's nvdisasm and counts the SASS instructions of the kernel's K loop (the longest backward
-branch), divided by the weight elements a thread upcasts an iteration (BLOCK_N * BLOCK_K / threads). The small-M
-kernel is bound by these instructions at decode, so its count is what a change to the upcast should lower; for
-the tile it is one cost among others (docs/DESIGN.md, Performance targets). Also prints registers and local
-memory (spills) from cuobjdump, and with ``--show`` the loop's instructions.
+branch), divided by the weight elements a thread upcasts an iteration (BLOCK_N * BLOCK_K / threads). For both
+kernels the count is one cost among others: neither is bound by its instruction issue at decode (docs/DESIGN.md,
+Performance targets). Also prints registers and local memory (spills) from cuobjdump, and with ``--show`` the
+loop's instructions.
 
     PYTHONPATH=$PWD:$PWD/.pypath python scripts/sass_loop_count.py [mxfp8 mxfp4 nvfp4] [--show] [--arch 90] [--unit 8]
     PYTHONPATH=$PWD:$PWD/.pypath python scripts/sass_loop_count.py --gluon [--rows 8,32] [--warps 4,8]

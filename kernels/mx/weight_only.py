@@ -41,11 +41,12 @@ K. Each thread reads a unit of UNIT (4 or 8) pairs of each row of x (16 or 32 by
 of its w rows (UNIT or 2 * UNIT bytes a row; a warp reads 32 * that contiguous bytes of a row), so that x's and w's
 tiles take one register layout (hence BLOCK_K a multiple of 64 * UNIT * num_warps) and each upcast x pair serves
 all the program's w rows.
-The loop is ALU-bound, so each pair takes few instructions to two exact fp32 values: an e4m3 pair by the
-hardware conversion to f16x2 (``cvt.rn.f16x2.e4m3x2``, sm_89+; every e4m3 value, NaN included, is an f16), then
-each f16 to fp32; e2m1 by inline PTX on a word of 4 pairs, as f16 bits ``(c & 7) << 9 | (c & 8) << 12`` (the
-value times 2**-14, all in the f16's top byte: masks and shifts build 4 such bytes at once, a byte permute
-moves each into an f16), then fp32. Under the interpreter the integer bit operations above give the same values.
+Each pair takes few instructions to two exact fp32 values (about a tenth of a batch-1 step; the loop is not bound by
+them, docs/DESIGN.md): an e4m3 pair by the hardware conversion to f16x2 (``cvt.rn.f16x2.e4m3x2``, sm_89+; every e4m3
+value, NaN included, is an f16), then each f16 to fp32; e2m1 by inline PTX on a word of 4 pairs, as f16 bits
+``(c & 7) << 9 | (c & 8) << 12`` (the value times 2**-14, all in the f16's top byte: masks and shifts build 4 such
+bytes at once, a byte permute moves each into an f16), then fp32. Under the interpreter the integer bit operations
+above give the same values.
 x's bf16 -> fp32 is done once per x element, for all the program's w rows. Per unit (8 or 16 elements, inside one
 scale block) a thread sums the products in fp32 in K order, one chain of FMAs, one instruction a product (each
 product exact: 8 by at most 4 significant bits, none below 2**-149), multiplies the sum by 2**14 for e2m1, then by
