@@ -958,7 +958,7 @@ def weight_only_mm(
         return silu_mul(y[:, : n // 2], y[:, n // 2 :])
     if cfg.get("GLUON"):
         if not gluon:
-            raise ValueError(f"{op}: the Gluon kernel takes dense GEMMs on sm_90+, K a multiple of 128 and "
+            raise ValueError(f"{op}: the Gluon kernel takes dense GEMMs on sm_90 (wgmma), K a multiple of 128 and "
                              f"at most {GLUON_MAX_M} rows; got {fmt}, M = {m}, K = {k} (config {config})")  # fmt: skip
         from mx_kernels.gluon.weight_only_mma import MAX_M, wgmma_weight_only
 
