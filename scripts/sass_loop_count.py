@@ -108,10 +108,15 @@ def gluon_report(fmt: str, warps: int, m: int, arch: int, show: bool, n: int = 1
     print_loop(f"gluon {fmt} M={m} warps={warps}", cubin, 16 * warps * BLOCK_K.value / (32 * warps), show)
 
 
+def loop_instructions(cubin: bytes) -> list[str]:
+    """The SASS instructions of a cubin's K loop (its longest backward branch)."""
+    return loop_body(_tool("nvdisasm", cubin, "-c"))
+
+
 def print_loop(label: str, cubin: bytes, elems: float, show: bool) -> None:
     """The K loop's instruction count over ``elems`` (weight elements a thread upcasts an iteration), registers,
     spills and the opcode histogram."""
-    body = loop_body(_tool("nvdisasm", cubin, "-c"))
+    body = loop_instructions(cubin)
     res = dict(re.findall(r"\b(REG|LOCAL):(\d+)", _tool("cuobjdump", cubin, "-res-usage")))
     ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", op).split()[0] for op in body)
     print(f"{label}: {len(body)} instructions, {elems:.0f} weight elements -> {len(body) / elems:.2f} an element; "

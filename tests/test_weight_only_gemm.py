@@ -142,7 +142,8 @@ def test_small_m_k_tail_loads_are_as_wide_as_whole_tiles(fmt, monkeypatch):
 
     class Capture:
         def launch(self, grid, kwargs):
-            launches.append(dict(kwargs, HW=True))  # the GPU's conversions, as a CUDA launch has them
+            # the GPU's conversions and x's 16-byte loads, as a CUDA launch of these aligned tensors has them
+            launches.append(dict(kwargs, HW=True, X_VEC=True))
 
     monkeypatch.setattr(weight_only, "_FMA_LAUNCHES", Capture())
     monkeypatch.setattr(weight_only, "interpreting", lambda: True)  # CPU tensors past the launcher's check
@@ -156,6 +157,68 @@ def test_small_m_k_tail_loads_are_as_wide_as_whole_tiles(fmt, monkeypatch):
         loads[k] = sorted(re.findall(r"\bld\.global[.\w]*", ptx))  # predicated ones too (the tail's)
     assert loads[1408] == loads[1536], fmt
     assert "ld.global.b8" not in loads[1408] and "ld.global.b16" not in loads[1408]
+
+
+def x_load_layouts(ttgir: str) -> list[tuple[list[int], list[int]]]:
+    """(sizePerThread, order) of each 16-byte inline load of x in a small-M kernel's TTGIR."""
+    blocked = {name: ([int(v) for v in size.split(",")], [int(v) for v in order.split(",")])
+               for name, size, order in re.findall(
+                   r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\][^}]*order = \[([\d, ]+)\]",
+                   ttgir, re.M)}  # fmt: skip
+    loads = re.findall(r'elementwise_inline_asm "[^"]*ld\.global\.nc\.v4[^"]*".*-> tensor<[^,]*, (#blocked\d*)>', ttgir)
+    return [blocked[name] for name in loads]
+
+
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_small_m_x_loads_skip_shared_memory(fmt, monkeypatch):
+    """Compiled for sm_90a as the launcher launches it on a GPU (e2m1 weights; e4m3 ones with X_VEC set), x's rows
+    and the weight's 16-byte aligned, every small-M tile, 1 and 3 rows, whole K steps and a tail: x is loaded 16
+    bytes at a time in the unit sums' layout (4 or 8 consecutive pairs of K a thread: what the loads' 4 packed
+    elements must be), and the K loop stores nothing to shared memory and waits at no barrier (x's tl.load took
+    both, every K step). A weight row of 2056 bytes (NVFP4 at K = 4112), which Triton knows only as 8-aligned,
+    gets one pair a thread: the tl.load there."""
+    from mx_kernels.gluon.common import compile_for_arch
+    from mx_kernels.mx import weight_only
+    from script_module import load_script
+
+    launches = []
+
+    class Capture:
+        def launch(self, grid, kwargs):
+            launches.append(kwargs)
+
+    def launch(m: int, k: int, config: dict) -> dict:
+        x = torch.empty(m, k, dtype=torch.bfloat16, device="meta")  # aligned addresses, no data
+        q = torch.empty(4096, k // weight_only.FORMATS[fmt][1], dtype=torch.uint8, device="meta")
+        s = torch.empty(4096, k // weight_only.FORMATS[fmt][0], dtype=torch.uint8, device="meta")
+        ts = torch.ones(1, device="meta") if fmt == "nvfp4" else None
+        out = torch.empty(m, 4096, dtype=torch.bfloat16, device="meta")
+        weight_only._fma_mm(x, q, s, ts, fmt, None, None, out, config, 1)
+        return dict(launches[-1], HW=True)
+
+    monkeypatch.setattr(weight_only, "_FMA_LAUNCHES", Capture())
+    tiles = {(c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["UNIT"]) for c in weight_only.FMA_CANDIDATES[None]}
+    for block_n, block_k, warps, unit in sorted(tiles):
+        config = weight_only._fma(block_n, block_k, 1, warps, unit=unit)
+        for m, k in ((1, 4096), (3, 4096 + block_k // 2)):
+            kwargs = launch(m, k, config)
+            assert kwargs["X_VEC"] == (fmt != "mxfp8") and kwargs["EVEN_K"] == (k == 4096)  # e4m3: slower (doc)
+            kwargs["X_VEC"] = True
+            layouts = x_load_layouts(compile_for_arch(weight_only._weight_only_fma_kernel, kwargs, 90).asm["ttgir"])
+            assert layouts and all(size[-1] == unit and order[0] == 2 for size, order in layouts), (config, layouts)
+    wq = weight_only._fma(4, 1024, 1, 2, unit=8)  # Llama 3 8B's wq: the K loop with and without x's 16-byte loads
+    sass = load_script("sass_loop_count")
+    for vec in (True, False):
+        cubin = compile_for_arch(weight_only._weight_only_fma_kernel, dict(launch(1, 4096, wq), X_VEC=vec), 90)
+        loop = " ".join(sass.loop_instructions(cubin.asm["cubin"]))
+        assert ("BAR.SYNC" in loop or "STS" in loop) != vec, (fmt, vec)
+        assert ("LDG.E.128.CONSTANT" in loop) == vec, (fmt, vec)
+    if fmt == "nvfp4":
+        kwargs = dict(launch(1, 4112, wq), X_VEC=True)
+        assert not launch(1, 4112, wq)["X_VEC"]
+        layouts = x_load_layouts(compile_for_arch(weight_only._weight_only_fma_kernel, kwargs, 90).asm["ttgir"])
+        assert all(size[-1] == 1 for size, _ in layouts), layouts  # why the launcher takes the tl.load there
 
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
