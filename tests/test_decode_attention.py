@@ -540,3 +540,30 @@ def test_gpu_decode_steps_take_the_kernel(monkeypatch):
     eager, _ = decode.generate(model, tokens[:, :9], 12)
     graphed, _ = decode.generate(model, tokens[:, :9], 12, cuda_graph=True)
     assert torch.equal(eager, graphed)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_graph_keeps_what_it_reads():
+    """A DecodeGraph holds the model and the cache its replays read and write: with the caller's references dropped
+    and their memory handed out again (filled with NaN), a replay still gives the logits it gave before."""
+    import gc
+
+    from mx_recipe.infer import decode
+    from mx_recipe.models import build_model, model_args
+
+    torch.manual_seed(0)
+    model = build_model(model_args("llama", "debug", 320, 64)).to(CUDA)
+    model.init_weights()
+    model.eval()
+    cache = decode.KVCache(model, 1, 16, torch.float32, torch.device(CUDA))
+    with torch.no_grad():
+        decode.forward(model, torch.randint(0, 320, (1, 8), device=CUDA), torch.arange(8, device=CUDA), cache)
+        graph = decode.DecodeGraph(model, cache, torch.tensor([[5]], device=CUDA), torch.tensor([8], device=CUDA))
+    before = graph(torch.tensor([[5]], device=CUDA), torch.tensor([8], device=CUDA)).clone()
+    sizes = [t.numel() for t in (*model.parameters(), *model.buffers(), cache.k, cache.v)]
+    del model, cache
+    gc.collect()
+    junk = [torch.full((n,), float("nan"), device=CUDA) for n in sizes for _ in range(2)]
+    after = graph(torch.tensor([[5]], device=CUDA), torch.tensor([8], device=CUDA))
+    assert torch.equal(after, before)
+    del junk

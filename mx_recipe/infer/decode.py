@@ -206,13 +206,15 @@ class DecodeGraph:
 
     Building it runs the step on (tokens, position) a few times on a side stream (compiling kernels, allocating
     their buffers, which capture must not do), then captures it: the captured step only rewrites what those runs
-    wrote (the cache at ``position``), so calling it on the same inputs next gives that step's logits."""
+    wrote (the cache at ``position``), so calling it on the same inputs next gives that step's logits. It holds the
+    model and the cache: the graph reads and writes their memory, which must not go back to the allocator first."""
 
     def __init__(self, model: Transformer, cache: KVCache, tokens: torch.Tensor, position: torch.Tensor,
                  step_fn: Callable | None = None, warmup: int = 2):  # fmt: skip
         if tokens.device.type != "cuda":
             raise ValueError(f"DecodeGraph: CUDA graphs need CUDA tensors, got {tokens.device}")
         step_fn = step_fn or forward
+        self.model, self.cache = model, cache
         self.tokens, self.position = tokens.clone(), position.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
