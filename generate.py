@@ -12,9 +12,10 @@ reads them packed and upcasts them in registers (the weight-only kernel), on the
 cache; the projections that read one input run as one GEMM (wq/wk/wv, w1/w3; --no-fuse: one each); --compile
 compiles the decode step; on CUDA each decode step replays a CUDA graph (--no-cuda-graph: each step launches
 its kernels). Greedy at --temperature 0 (the default), else sampling over the --top-k most likely
-tokens. Several --prompt give a batch (each padded on the left to the longest with the tokenizer's BOS); --batch
-N repeats one prompt N times. Prints the continuations and one line with prefill time and decode tokens/s (from
-the second decode step on: the first compiles or captures). Exit 2 for bad arguments.
+tokens. Several --prompt give a batch, each continued from its own last token as if alone (prompts of different
+lengths are right-padded, the padding never attended); --batch N repeats one prompt N times. Prints the
+continuations and one line with prefill time and decode tokens/s (from the second decode step on: the first
+compiles or captures). Exit 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -86,11 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     width = max(len(x) for x in ids)
     if width + args.max_new_tokens > model.args.max_seq_len:
         p.error(f"prompt + --max-new-tokens = {width + args.max_new_tokens} tokens, past {model.args.max_seq_len}")
-    tokens = torch.tensor([[tokenizer.bos_id] * (width - len(x)) + x for x in ids], device=device)
+    tokens = torch.tensor([x + [tokenizer.bos_id] * (width - len(x)) for x in ids], device=device)
+    lengths = torch.tensor([len(x) for x in ids], device=device) if any(len(x) < width for x in ids) else None
     step = torch.compile(forward) if args.compile else forward
     generator = torch.Generator(device).manual_seed(args.seed)
     graph = device.type == "cuda" and not args.no_cuda_graph
-    new, timing = generate(model, tokens, args.max_new_tokens, args.temperature, args.top_k, generator, step, graph)
+    new, timing = generate(model, tokens, args.max_new_tokens, args.temperature, args.top_k, generator, step, graph,
+                           lengths)  # fmt: skip
     for prompt, row in zip(prompts * args.batch, new.tolist(), strict=True):
         print(f"{prompt}{tokenizer.decode(row)}")
     print(

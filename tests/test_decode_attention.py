@@ -543,6 +543,28 @@ def test_gpu_decode_steps_take_the_kernel(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_prompts_of_different_lengths_decode_as_if_alone():
+    """On CUDA the kernel step takes each sequence's own position (a length per sequence): a batch of right-padded
+    prompts of different lengths gives each prompt's greedy tokens alone, eager and replayed from a CUDA graph."""
+    from mx_recipe.infer import decode
+    from mx_recipe.models import build_model, model_args
+
+    torch.manual_seed(0)
+    model = build_model(model_args("llama", "debug", 320, 64)).to(CUDA)
+    model.init_weights()
+    model.eval()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 320, (n,), generator=gen).to(CUDA) for n in (3, 9, 6)]
+    batch = torch.stack([torch.cat([p, torch.full((9 - len(p),), 7, device=CUDA)]) for p in prompts])
+    lengths = torch.tensor([len(p) for p in prompts], device=CUDA)
+    alone = [decode.generate(model, p[None], 12)[0][0] for p in prompts]
+    for graph in (False, True):
+        batched, _ = decode.generate(model, batch, 12, cuda_graph=graph, lengths=lengths)
+        for row, want in zip(batched, alone, strict=True):
+            assert torch.equal(row, want), (graph, row, want)
+
+
+@pytest.mark.gpu
 def test_gpu_decode_graph_keeps_what_it_reads():
     """A DecodeGraph holds the model and the cache its replays read and write: with the caller's references dropped
     and their memory handed out again (filled with NaN), a replay still gives the logits it gave before."""

@@ -49,6 +49,31 @@ def test_decoding_with_the_kv_cache_gives_the_full_forward_logits(name, flavor):
     assert torch.equal(new[:, 0], full[:, 7].argmax(-1)) and timing.decode_steps == 2  # the first step untimed
 
 
+@pytest.mark.parametrize(("name", "flavor"), [("llama", "debug"), ("moe", "debug_moe")])
+def test_prompts_of_different_lengths_decode_as_if_alone(name, flavor):
+    """Prompts of different lengths, right-padded, with their ``lengths``: each continues from its own last token.
+    A decode step at each sequence's own position gives the full forward's logits of that prompt and token, and
+    greedy generation gives each prompt's tokens alone; lengths out of range are an error."""
+    model = _model(name, flavor)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 320, (n,), generator=gen) for n in (3, 9, 6)]
+    batch = torch.stack([torch.cat([p, torch.full((9 - len(p),), 7)]) for p in prompts])
+    lengths = torch.tensor([len(p) for p in prompts])
+    nxt = torch.randint(0, 320, (3, 1), generator=gen)
+    with torch.no_grad():
+        cache = KVCache(model, 3, 12, torch.float32, CPU)
+        forward(model, batch, torch.arange(9), cache)
+        step = forward(model, nxt, lengths[:, None], cache)[:, 0]
+        for i, p in enumerate(prompts):
+            full = model(torch.cat([p, nxt[i]])[None])[0, -1]
+            torch.testing.assert_close(step[i], full, rtol=1e-5, atol=1e-5)
+    batched, _ = generate(model, batch, 5, lengths=lengths)
+    for row, p in zip(batched, prompts, strict=True):
+        assert torch.equal(row, generate(model, p[None], 5)[0][0])
+    with pytest.raises(ValueError, match="lengths must be"):
+        generate(model, batch, 2, lengths=torch.tensor([0, 9, 6]))
+
+
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4"])
 def test_quantized_weights_are_the_formats_bits_kept_packed(fmt):
     """Each linear keeps its weight packed (bytes as the format says) and multiplies by exactly its dequantized
@@ -213,6 +238,20 @@ def test_generate_continues_a_prompt_from_a_train_py_checkpoint(trained_run):
         text, summary = done.stdout.rstrip("\n").rsplit("\n", 1)
         assert text.startswith("def ") and "cpu mxfp8 weights" in summary and "decode" in summary
     assert runs[0].stdout.split("\n")[0] == runs[1].stdout.split("\n")[0]  # greedy: the same continuation
+
+
+def test_generate_py_continues_each_prompt_of_a_batch_as_alone():
+    """Several --prompt of different lengths print what each prompt alone prints (greedy, random weights)."""
+    cmd = [sys.executable, "generate.py", "--model", "llama", "--flavor", "debug", "--max-new-tokens", "16"]
+    prompts = ["x", "the quick brown fox jumps over the lazy dog"]  # left-padding the short one changed its text
+
+    def text(*args: str) -> str:
+        done = subprocess.run(cmd + list(args), cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.rstrip("\n").rsplit("\n", 1)[0]  # the continuations, without the summary line
+
+    batched = text("--prompt", prompts[0], "--prompt", prompts[1])
+    assert batched == "\n".join(text("--prompt", p) for p in prompts)
 
 
 @pytest.mark.parametrize(

@@ -72,19 +72,27 @@ class KVCache(nn.Module):
 
 def _attend(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """``attn`` on x [B, S, dim] at ``positions`` [S], writing its keys and values into the layer's cache;
-    ``visible`` [repeats * S, max_len]: the cache positions each stacked query sees."""
+    """``attn`` on x [B, S, dim] at ``positions`` ([S], or [B, S]: each sequence's own), writing its keys and
+    values into the layer's cache; ``visible`` [(B,) repeats * S, max_len]: the cache positions each stacked query
+    sees."""
     bs, seq_len, _ = x.shape
     q, k, v = project(x, attn.wq, attn.wk, attn.wv)
     q = apply_rope(q.view(bs, seq_len, attn.n_heads, attn.head_dim), cos, sin)
     k = apply_rope(k.view(bs, seq_len, attn.n_kv_heads, attn.head_dim), cos, sin)
-    k_cache[:, :, positions] = k.transpose(1, 2).to(k_cache.dtype)
-    v_cache[:, :, positions] = v.view(bs, seq_len, attn.n_kv_heads, attn.head_dim).transpose(1, 2).to(v_cache.dtype)
+    v = v.view(bs, seq_len, attn.n_kv_heads, attn.head_dim)
+    if positions.dim() == 1:
+        k_cache[:, :, positions] = k.transpose(1, 2).to(k_cache.dtype)
+        v_cache[:, :, positions] = v.transpose(1, 2).to(v_cache.dtype)
+    else:  # [B, S] indices on dims 0 and 2 around a slice: the indexed view is [B, S, kv heads, head dim]
+        rows = torch.arange(bs, device=x.device)[:, None]
+        k_cache[rows, :, positions] = k.to(k_cache.dtype)
+        v_cache[rows, :, positions] = v.to(v_cache.dtype)
     # query head h uses KV head h // repeats: each KV head's queries, [repeats * S] of them, as one head
     repeats = attn.n_heads // attn.n_kv_heads
     q = q.view(bs, seq_len, attn.n_kv_heads, repeats, attn.head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(bs, attn.n_kv_heads, repeats * seq_len, attn.head_dim)
-    out = F.scaled_dot_product_attention(q, k_cache.to(q.dtype), v_cache.to(q.dtype), attn_mask=visible)
+    mask = visible if visible.dim() == 2 else visible[:, None]  # per sequence: broadcast over the KV heads
+    out = F.scaled_dot_product_attention(q, k_cache.to(q.dtype), v_cache.to(q.dtype), attn_mask=mask)
     out = out.view(bs, attn.n_kv_heads, repeats, seq_len, attn.head_dim).permute(0, 3, 1, 2, 4)
     return attn.wo(out.reshape(bs, seq_len, -1))
 
@@ -155,7 +163,7 @@ def _kernel_step(model: Transformer, tokens: torch.Tensor, position: torch.Tenso
 def _layers_step(model: Transformer, tokens: torch.Tensor, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
     batch = tokens.shape[0]
     h = model.tok_embeddings(tokens).view(batch, -1)
-    length = position + 1
+    length = position.view(-1) + 1  # [1], or [B]: each sequence's own
     delta = None
     for i, layer in enumerate(model.layers.values()):
         norm, attn = layer.attention_norm, layer.attention
@@ -170,14 +178,19 @@ def _layers_step(model: Transformer, tokens: torch.Tensor, position: torch.Tenso
 
 
 def forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Logits [B, S, vocab] of ``tokens`` [B, S] at ``positions`` [S] (consecutive), reading and filling ``cache``."""
+    """Logits [B, S, vocab] of ``tokens`` [B, S] at ``positions``, reading and filling ``cache``: [S] (consecutive,
+    every sequence), or [B, 1] for one position a sequence, each its own (prompts of different lengths)."""
+    if positions.dim() == 2 and (positions.shape != (tokens.shape[0], 1) or tokens.shape[1] != 1):
+        raise ValueError(f"forward: per-sequence positions are [B, 1] for tokens [B, 1], got {tuple(positions.shape)} "
+                         f"for {tuple(tokens.shape)}")  # fmt: skip
     if tokens.shape[1] == 1 and use_kernel(tokens.device, model.args.head_dim):
         return _kernel_step(model, tokens, positions, cache)
     h = model.tok_embeddings(tokens)
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]
     # the cache positions each query sees, for the query heads of a KV head stacked: made once for every layer
-    visible = torch.arange(cache.max_len, device=tokens.device)[None, :] <= positions[:, None]
-    visible = visible.repeat(model.args.n_heads // model.args.n_kv_heads, 1)
+    visible = torch.arange(cache.max_len, device=tokens.device) <= positions[..., None]
+    repeats = model.args.n_heads // model.args.n_kv_heads
+    visible = visible.repeat(repeats, 1) if positions.dim() == 1 else visible.repeat(1, repeats, 1)
     for i, layer in enumerate(model.layers.values()):
         x = layer.attention_norm(h)
         h = h + _attend(layer.attention, x, cos, sin, cache.k[i], cache.v[i], positions, visible)
@@ -254,19 +267,30 @@ def generate(
     generator: torch.Generator | None = None,
     step_fn: Callable | None = None,
     cuda_graph: bool = False,
+    lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Timing]:
-    """Continue ``prompts`` [B, P] (one length for all) by ``max_new_tokens``; returns the new tokens [B, N] and the
-    timing. ``step_fn``: the decode step (``forward`` by default; e.g. its compiled form); ``cuda_graph``: replay
-    it from a CUDA graph (``DecodeGraph``, captured at the first decode step; CUDA only)."""
+    """Continue ``prompts`` [B, P] by ``max_new_tokens``; returns the new tokens [B, N] and the timing.
+    ``lengths`` [B]: prompts of different lengths, each right-padded to P (the padding's tokens are never seen:
+    attention is causal, and each sequence's decode overwrites their cache entries before reading them), each
+    continued from its own last token as if alone; None: every prompt is P tokens. ``step_fn``: the decode step
+    (``forward`` by default; e.g. its compiled form); ``cuda_graph``: replay it from a CUDA graph (``DecodeGraph``,
+    captured at the first decode step; CUDA only)."""
     batch, prompt_len = prompts.shape
     device = prompts.device
+    if lengths is not None and (lengths.shape != (batch,) or not 1 <= lengths.min() <= lengths.max() <= prompt_len):
+        raise ValueError(f"generate: lengths must be [B] = [{batch}] values in 1..{prompt_len}, got {lengths.tolist()}")
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     cache = KVCache(model, batch, prompt_len + max_new_tokens, dtype, device)
     step_fn = step_fn or forward
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     start = time.perf_counter()
     logits = forward(model, prompts, torch.arange(prompt_len, device=device), cache)
-    out = [sample(logits[:, -1], temperature, top_k, generator)]
+    if lengths is None:
+        last, next_position = logits[:, -1], torch.tensor([prompt_len], device=device)
+    else:
+        lengths = lengths.to(device)
+        last, next_position = logits[torch.arange(batch, device=device), lengths - 1], lengths[:, None]
+    out = [sample(last, temperature, top_k, generator)]
     sync()
     prefill = time.perf_counter() - start
     start = time.perf_counter()
@@ -274,7 +298,7 @@ def generate(
         if n == 2:  # the first decode step compiled the step function or captured the graph: timed after it
             sync()
             start = time.perf_counter()
-        position = torch.tensor([prompt_len + n - 1], device=device)
+        position = next_position + (n - 1)
         if cuda_graph:
             if n == 1:
                 graph = DecodeGraph(model, cache, out[-1][:, None], position, step_fn)

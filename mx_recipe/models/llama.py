@@ -58,11 +58,15 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device: torch.device 
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x[2i], x[2i+1]) of each head, as Meta's complex-number form. x: [B, S, H, D]."""
+    """Rotate consecutive pairs (x[2i], x[2i+1]) of each head, as Meta's complex-number form. x: [B, S, H, D];
+    cos, sin: [S', D / 2] (S' >= S: the first S rows, every sequence), or [B, S, D / 2] (a row per sequence)."""
     seq_len = x.shape[1]
     pairs = x.float().unflatten(-1, (-1, 2))
     real, imag = pairs[..., 0], pairs[..., 1]
-    cos, sin = cos[:seq_len, None, :], sin[:seq_len, None, :]
+    if cos.dim() == 2:
+        cos, sin = cos[:seq_len, None, :], sin[:seq_len, None, :]
+    else:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
 
