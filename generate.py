@@ -13,8 +13,9 @@ cache; the projections that read one input run as one GEMM (wq/wk/wv, w1/w3; --n
 compiles the decode step; on CUDA each decode step replays a CUDA graph (--no-cuda-graph: each step launches
 its kernels). Greedy at --temperature 0 (the default), else sampling over the --top-k most likely
 tokens. Several --prompt give a batch, each continued from its own last token as if alone (prompts of different
-lengths are right-padded, the padding never attended); --batch N repeats one prompt N times. Prints the
-continuations and one line with prefill time and decode tokens/s (from the second decode step on: the first
+lengths are right-padded, the padding never attended); --batch N repeats one prompt N times. A continuation ends
+at the tokenizer's EOS (decoding stops once every sequence has ended; --ignore-eos: --max-new-tokens each). Prints
+the continuations and one line with prefill time and decode tokens/s (from the second decode step on: the first
 compiles or captures). Exit 2 for bad arguments.
 """
 
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--no-cuda-graph", action="store_true", help="on CUDA: launch each decode step's kernels")
     p.add_argument("--no-fuse", action="store_true", help="wq/wk/wv and w1/w3 as separate GEMMs")
+    p.add_argument("--ignore-eos", action="store_true", help="decode --max-new-tokens past the tokenizer's EOS")
     p.add_argument("--device", help="default: cuda if available, else cpu")
     args = p.parse_args(argv)
     if (args.checkpoint is None) == (args.model is None):
@@ -92,10 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     step = torch.compile(forward) if args.compile else forward
     generator = torch.Generator(device).manual_seed(args.seed)
     graph = device.type == "cuda" and not args.no_cuda_graph
+    eos = None if args.ignore_eos else tokenizer.eos_id
     new, timing = generate(model, tokens, args.max_new_tokens, args.temperature, args.top_k, generator, step, graph,
-                           lengths)  # fmt: skip
+                           lengths, eos)  # fmt: skip
     for prompt, row in zip(prompts * args.batch, new.tolist(), strict=True):
-        print(f"{prompt}{tokenizer.decode(row)}")
+        print(f"{prompt}{tokenizer.decode(row[: row.index(eos)] if eos in row else row)}")
     print(
         f"{device.type} {args.weights} weights ({weight_bytes(model) / 2**20:,.1f} MiB), activations "
         f"{args.activations}, batch {tokens.shape[0]}: prefill {tokens.shape[1]} tokens in "

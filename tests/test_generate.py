@@ -11,7 +11,7 @@ from test_train import BF16_ARGS, REPO, run_in_process
 
 from mx_recipe.formats.mx import fake_quant
 from mx_recipe.formats.nvfp4 import to_nvfp4
-from mx_recipe.infer.decode import PDL_MAX_BATCH, KVCache, forward, generate, pdl_pays
+from mx_recipe.infer.decode import PDL_MAX_BATCH, STOP_CHECK, KVCache, forward, generate, pdl_pays
 from mx_recipe.infer.load import load_run, random_model, to_compute_dtype
 from mx_recipe.infer.weights import (
     FusedLinear,
@@ -72,6 +72,25 @@ def test_prompts_of_different_lengths_decode_as_if_alone(name, flavor):
         assert torch.equal(row, generate(model, p[None], 5)[0][0])
     with pytest.raises(ValueError, match="lengths must be"):
         generate(model, batch, 2, lengths=torch.tensor([0, 9, 6]))
+
+
+def test_a_sequence_ends_at_its_stop_token():
+    """A sequence that samples ``stop_token`` has ended: its later tokens are that token, the others' are as without
+    it, and decoding stops at the first check after every sequence has ended."""
+    model = _model("llama", "debug")
+    prompts = torch.randint(0, 320, (2, 5), generator=torch.Generator().manual_seed(3))
+    free, _ = generate(model, prompts, 24)
+    stop = int(free[0, 2])
+    ends = [row.index(stop) if stop in row else None for row in free.tolist()]
+    out, _ = generate(model, prompts, 24, stop_token=stop)
+    for row, want, end in zip(out.tolist(), free.tolist(), ends, strict=True):
+        if end is None:
+            assert row == want
+        else:
+            assert row[: end + 1] == want[: end + 1] and set(row[end + 1 :]) <= {stop}
+    one, timing = generate(model, prompts[:1], 24, stop_token=stop)  # ends by token 3: stops at the first check
+    assert one.shape == (1, STOP_CHECK) and one[0].tolist() == out[0, :STOP_CHECK].tolist()
+    assert timing.decode_steps == STOP_CHECK - 2
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4"])

@@ -54,6 +54,7 @@ from mx_recipe.models.moe import MoE
 from mx_recipe.ops import get_kernel_settings
 
 PDL_MAX_BATCH = 4  # the kernel step's sequences up to which quantized weights take PDL (module doc)
+STOP_CHECK = 8  # generate's decode steps between checks that every sequence has ended (each waits for the GPU)
 
 
 class KVCache(nn.Module):
@@ -268,13 +269,16 @@ def generate(
     step_fn: Callable | None = None,
     cuda_graph: bool = False,
     lengths: torch.Tensor | None = None,
+    stop_token: int | None = None,
 ) -> tuple[torch.Tensor, Timing]:
     """Continue ``prompts`` [B, P] by ``max_new_tokens``; returns the new tokens [B, N] and the timing.
     ``lengths`` [B]: prompts of different lengths, each right-padded to P (the padding's tokens are never seen:
     attention is causal, and each sequence's decode overwrites their cache entries before reading them), each
-    continued from its own last token as if alone; None: every prompt is P tokens. ``step_fn``: the decode step
-    (``forward`` by default; e.g. its compiled form); ``cuda_graph``: replay it from a CUDA graph (``DecodeGraph``,
-    captured at the first decode step; CUDA only)."""
+    continued from its own last token as if alone; None: every prompt is P tokens. ``stop_token`` (an EOS): a
+    sequence that samples it has ended, and its later tokens are that token too; decoding stops once every sequence
+    has ended (checked every STOP_CHECK steps: the check waits for the GPU), so fewer than N tokens may come back.
+    ``step_fn``: the decode step (``forward`` by default; e.g. its compiled form); ``cuda_graph``: replay it from a
+    CUDA graph (``DecodeGraph``, captured at the first decode step; CUDA only)."""
     batch, prompt_len = prompts.shape
     device = prompts.device
     if lengths is not None and (lengths.shape != (batch,) or not 1 <= lengths.min() <= lengths.max() <= prompt_len):
@@ -291,10 +295,13 @@ def generate(
         lengths = lengths.to(device)
         last, next_position = logits[torch.arange(batch, device=device), lengths - 1], lengths[:, None]
     out = [sample(last, temperature, top_k, generator)]
+    ended = None if stop_token is None else out[-1] == stop_token
     sync()
     prefill = time.perf_counter() - start
     start = time.perf_counter()
     for n in range(1, max_new_tokens):
+        if ended is not None and n % STOP_CHECK == 0 and bool(ended.all()):
+            break
         if n == 2:  # the first decode step compiled the step function or captured the graph: timed after it
             sync()
             start = time.perf_counter()
@@ -305,7 +312,11 @@ def generate(
             logits = graph(out[-1][:, None], position)
         else:
             logits = step_fn(model, out[-1][:, None], position, cache)
-        out.append(sample(logits[:, -1], temperature, top_k, generator))
+        token = sample(logits[:, -1], temperature, top_k, generator)
+        if ended is not None:
+            token = token.masked_fill(ended, stop_token)
+            ended = ended | (token == stop_token)
+        out.append(token)
     sync()
-    timed = max(max_new_tokens - 2, 0)
+    timed = max(len(out) - 2, 0)
     return torch.stack(out, dim=1), Timing(prefill, time.perf_counter() - start if timed else 0.0, timed)
