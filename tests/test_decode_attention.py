@@ -430,6 +430,16 @@ def assert_decode_steps_give_the_full_forward(name: str, flavor: str, batch: int
 CUDA = "cuda"
 
 
+def _debug_llama() -> torch.nn.Module:
+    """The Llama debug model (vocab 320, 64 positions) at random on CUDA, seed 0, in eval mode."""
+    from mx_recipe.models import build_model, model_args
+
+    torch.manual_seed(0)
+    model = build_model(model_args("llama", "debug", 320, 64)).to(CUDA)
+    model.init_weights()
+    return model.eval()
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> torch.Tensor:
     """Attention as decode.py runs it on the SDPA path: the whole cache, a mask over positions >= n."""
     visible = (torch.arange(k.shape[2], device=q.device) < n)[None, :].expand(q.shape[2], -1)
@@ -517,12 +527,8 @@ def test_gpu_decode_steps_take_the_kernel(monkeypatch):
     """On CUDA every decode step's attention is the kernel; eager and compiled steps give the full forward's logits
     (fp32), and replaying the step from a CUDA graph gives the eager steps' greedy tokens."""
     from mx_recipe.infer import decode
-    from mx_recipe.models import build_model, model_args
 
-    torch.manual_seed(0)
-    model = build_model(model_args("llama", "debug", 320, 64)).to(CUDA)
-    model.init_weights()
-    model.eval()
+    model = _debug_llama()
     tokens = torch.randint(0, 320, (2, 40), device=CUDA)
     kernel, calls = decode.decode_attention_append, []
     monkeypatch.setattr(decode, "decode_attention_append", lambda *args: calls.append(1) or kernel(*args))
@@ -547,12 +553,8 @@ def test_gpu_prompts_of_different_lengths_decode_as_if_alone():
     """On CUDA the kernel step takes each sequence's own position (a length per sequence): a batch of right-padded
     prompts of different lengths gives each prompt's greedy tokens alone, eager and replayed from a CUDA graph."""
     from mx_recipe.infer import decode
-    from mx_recipe.models import build_model, model_args
 
-    torch.manual_seed(0)
-    model = build_model(model_args("llama", "debug", 320, 64)).to(CUDA)
-    model.init_weights()
-    model.eval()
+    model = _debug_llama()
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 320, (n,), generator=gen).to(CUDA) for n in (3, 9, 6)]
     batch = torch.stack([torch.cat([p, torch.full((9 - len(p),), 7, device=CUDA)]) for p in prompts])
@@ -571,12 +573,8 @@ def test_gpu_decode_graph_keeps_what_it_reads():
     import gc
 
     from mx_recipe.infer import decode
-    from mx_recipe.models import build_model, model_args
 
-    torch.manual_seed(0)
-    model = build_model(model_args("llama", "debug", 320, 64)).to(CUDA)
-    model.init_weights()
-    model.eval()
+    model = _debug_llama()
     cache = decode.KVCache(model, 1, 16, torch.float32, torch.device(CUDA))
     with torch.no_grad():
         decode.forward(model, torch.randint(0, 320, (1, 8), device=CUDA), torch.arange(8, device=CUDA), cache)

@@ -64,6 +64,8 @@ def test_prompts_of_different_lengths_decode_as_if_alone(name, flavor):
         cache = KVCache(model, 3, 12, torch.float32, CPU)
         forward(model, batch, torch.arange(9), cache)
         step = forward(model, nxt, lengths[:, None], cache)[:, 0]
+        with pytest.raises(ValueError, match="per-sequence positions are"):
+            forward(model, batch, lengths[:, None], cache)
         for i, p in enumerate(prompts):
             full = model(torch.cat([p, nxt[i]])[None])[0, -1]
             torch.testing.assert_close(step[i], full, rtol=1e-5, atol=1e-5)
