@@ -28,7 +28,7 @@ import torch
 from mx_recipe.cli import ArgumentParser
 from mx_recipe.infer.decode import forward, generate
 from mx_recipe.infer.load import load_run, random_model, to_compute_dtype
-from mx_recipe.infer.weights import WEIGHT_FORMATS, fuse_projections, quantize_model, weight_bytes
+from mx_recipe.infer.weights import WEIGHT_FORMATS, fuse_projections, quantize_model, tile_weights, weight_bytes
 from mx_recipe.models import MODEL_FLAVORS
 from mx_recipe.train.tokenizer import ByteTokenizer
 from mx_recipe.train.trainer import padded_vocab_size
@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     model = quantize_model(to_compute_dtype(model.eval(), dtype), args.weights, activations=args.activations == "mx")
     if not args.no_fuse:
         model = fuse_projections(model)
+    model = tile_weights(model)
 
     ids = [[tokenizer.bos_id, *tokenizer.encode(text)] for text in prompts] * args.batch
     width = max(len(x) for x in ids)

@@ -60,6 +60,7 @@ from mx_recipe.infer.weights import (
     QuantizedLinear,
     fuse_projections,
     quantize_model,
+    tile_weights,
     weight_bytes,
 )
 from mx_recipe.models import MODEL_FLAVORS, build_model, model_args
@@ -86,7 +87,8 @@ BF16_BOUND_TARGET = 0.8
 def build(name: str, flavor: str, layers: int | None, fmt: str, max_len: int, device: torch.device,
           reference: bool, fuse: bool = True) -> Transformer:  # fmt: skip
     """The model at random (seed 0), in the compute dtype (bf16 on CUDA, fp32 on the CPU), weights in ``fmt``;
-    ``fuse``: the projections that read one input as one GEMM (mx_recipe.infer.weights.fuse_projections)."""
+    ``fuse``: the projections that read one input as one GEMM (mx_recipe.infer.weights.fuse_projections); 4-bit dense
+    weights tiled for Hopper's decode kernel where it runs (``tile_weights``)."""
     dims = model_args(name, flavor, SMALL_VOCAB if flavor.startswith("debug") else VOCAB[name], max_len)
     if layers is not None:
         if not 0 < layers <= dims.n_layers:
@@ -96,7 +98,7 @@ def build(name: str, flavor: str, layers: int | None, fmt: str, max_len: int, de
         model = build_model(dims)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = quantize_model(init_random(model, device, 0, dtype).eval(), fmt, kernel=not reference)
-    return fuse_projections(model) if fuse else model
+    return tile_weights(fuse_projections(model) if fuse else model)
 
 
 def active_experts(n_experts: int, top_k: int, batch: int) -> float:

@@ -11,6 +11,9 @@ from sm_89 on, a bf16 ``tl.dot`` after the kernel's own upcast for NVFP4). Past 
 rows (per group) a GEMM is compute-bound (prefill): there ``torch.ops.mx_recipe.dequantize_packed`` writes the
 bf16 weight in one kernel, bit for bit the reference's, and cuBLAS multiplies, which beats a tile that also
 upcasts.
+
+``torch.ops.mx_recipe.weight_only_tiled_mm`` is the GEMM for a 4-bit weight that ``PackedWeight.tile`` repacked
+for Hopper's decode (mx_kernels.gluon.weight_only_tiled), up to LARGE_M rows.
 """
 
 from __future__ import annotations
@@ -48,6 +51,23 @@ define(
     _launch,
     _fake,
 )
+
+
+def _tiled(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor | None, n: int, fmt: str, two_mul: bool,
+           *, swiglu: bool = False) -> Tensor:  # fmt: skip
+    from mx_kernels import pdl
+    from mx_kernels.gluon.weight_only_tiled import tiled_weight_only_mm
+
+    return tiled_weight_only_mm(x, words, scales, tensor_scale, n, fmt, two_mul, swiglu, pdl=pdl.enabled(x.device))
+
+
+def _tiled_fake(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor | None, n: int, fmt: str,
+                two_mul: bool, *, swiglu: bool = False) -> Tensor:  # fmt: skip
+    return x.new_empty((x.shape[0], n // 2 if swiglu else n), dtype=torch.bfloat16)
+
+
+define("weight_only_tiled_mm(Tensor x, Tensor words, Tensor scales, Tensor? tensor_scale, int n, str fmt,"
+       " bool two_mul, *, bool swiglu=False) -> Tensor", _tiled, _tiled_fake)  # fmt: skip
 
 
 def _dequantize(qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str) -> Tensor:
@@ -95,6 +115,16 @@ def weight_only_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor
         y = F.linear(x, torch.ops.mx_recipe.dequantize_packed(qdata, scale, tensor_scale, fmt))
         return swiglu_of(y) if swiglu else y
     out = torch.ops.mx_recipe.weight_only_mm(x2, qdata, scale, tensor_scale, fmt, swiglu=swiglu)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def tiled_weight_only_mm(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor | None, n: int, fmt: str,
+                         two_mul: bool, swiglu: bool = False) -> Tensor:  # fmt: skip
+    """``weight_only_mm`` for a weight in the tiled layout of Hopper's decode kernel (``PackedWeight.tile``: words,
+    scales and tensor scale as mx_kernels.gluon.weight_only_tiled.pack returns them, ``n`` rows), up to LARGE_M
+    rows of x; the caller dequantizes past that."""
+    x2 = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mx_recipe.weight_only_tiled_mm(x2, words, scales, tensor_scale, n, fmt, two_mul, swiglu=swiglu)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

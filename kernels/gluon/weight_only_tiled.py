@@ -1,0 +1,551 @@
+"""Weight-only GEMM for decode on Hopper's tensor cores (Gluon), over MXFP4 and NVFP4 weights packed in tiles for it.
+
+out [M, N] = x [M, K] (bf16) @ dequantize(w).T, computed transposed (out^T = w x^T): the upcast weights are the
+MMA's A operand in registers, 16 rows an instruction, x^T its B operand. Up to 4 rows of x: mma.sync m16n8k16,
+x in registers too (8 rows an instruction: one row costs what eight do), a warp of 16 rows a program and K split
+over many programs; from 5 to MAX_M rows: wgmma, a warpgroup per 64 rows, x^T through shared memory (``config``).
+K is split over programs as the other weight-only kernels split it: each split stores its fp32 partial and the last
+to arrive sums them in split order, so the result does not depend on timing.
+
+The layout (``pack``), made once when a model is loaded for decode (mx_recipe.infer.weights.tile_weights):
+
+* Tiles: rows in blocks of 16, K in steps of 128; a block's step is 1 KB of codes, contiguous, in the order the
+  lanes of its warp read it (lane 4g + q: rows g and g + 8, elements 32q to 32q + 31, 16 bytes each); its scales
+  follow in the same order (64 bytes; 128 for NVFP4's scales per 16). In the formats' own layout each lane's
+  16-byte runs sit a row (K/2 bytes) apart: one H200, fused w1/w3 at one row, 29.8 against 26.0 us.
+* K order: the MMA's k (16j + 8h + 2q + e: lane q holds 2q, 2q + 1, 2q + 8, 2q + 9 of each 16) is element
+  32q + 4j + 2h + e of the step, so that a lane's A and B registers hold its own 32 contiguous elements: x is read
+  as 64 contiguous bytes a lane, each code byte is one bf16x2 register, and nothing moves between lanes.
+* Bits: each 32-bit word of 8 codes has its bits permuted (``stored_bit``) so that each of its 4 code pairs becomes
+  a bf16x2 register in one or two integer operations and a mask (pair 0 in place, pairs 1 and 2 one rotation away,
+  pair 3 two): the codes as sign | exponent and mantissa at the bottom of a bf16 exponent, their values times
+  2**-126 (0.5 a subnormal). One bf16x2 multiply then applies the scale and 2**126: MXFP4 2**(s - 1), exact for
+  s <= 128 (a weight with larger scales takes a second multiply, ``two_mul``), NVFP4 the e4m3 scale's value times
+  2**118, the fp32 sum times 2**8 and the tensor scale at the end. Each product is rounded once, as
+  ``dequantize`` rounds it. Compiled for sm_90a, about 2.5 instructions an element on mma.sync (the small-M FMA
+  kernel on the formats' layout: 4.4) and 3.3 on wgmma (the Gluon tile's: 4.4).
+
+One H200 (2026-11-30), Llama 3 8B's projections, us per GEMM (wqkv, wo, w1/w3 with SwiGLU, w2), each weight read
+from memory, against the formats' layout's kernels (small-M FMA to 4 rows, the Gluon wgmma tile past it): MXFP4 at
+M = 1: 9.8 / 8.5 / 26.5 / 16.3 against 8.4 / 6.5 / 29.6 / 16.0; M = 8: 10.5 / 8.6 / 28.3 / 17.8 against 13.2 /
+10.1 / 41.7 / 22.6; M = 32: 14.0 / 11.6 / 36.7 / 23.6 against 15.7 / 14.4 / 47.1 / 27.1; M = 128 (one launch, 8
+warps): 32.8 / 25.5 / 95.6 / 61.1 against 52.4 / 43.6 / 151.9 / 90.9.
+
+``SWIGLU``: the weight is w1 and w3 concatenated along N, packed with each 16-row tile as 8 gate rows then the same
+8 hidden units' up rows: a lane's accumulator holds rows g and g + 8, a unit's gate and up, and the epilogue writes
+silu(gate) * up with ``silu_mul``'s roundings (mx_kernels.decode_fused.swiglu).
+
+``dequantize`` reads the tiles directly (a prefill hands its output to cuBLAS); ``unpack`` gives back the formats'
+bytes (torch ops).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.experimental.gluon.language as gl
+import triton.language as tl
+from mx_kernels.common import arrival_counters
+from mx_kernels.mx.weight_only import _e2m1, _e4m3, _e8m0
+from triton.experimental import gluon
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+BLOCK_K = gl.constexpr(128)  # elements of K a step: 32 a lane, one MXFP4 scale block
+MAX_M = 128  # rows of x a launch takes (wgmma's N); 64 on mma.sync
+COUNTERS = 1 << 14  # split-K tiles a launch may have
+FORMATS = ("mxfp4", "nvfp4")
+
+# the bf16x2 bits of a code pair (even k in the low half): mantissa, exponent bits 0 and 1, sign of each code
+_TARGETS = (6, 7, 8, 15, 22, 23, 24, 31)
+_MAG = "0x81C081C0"
+
+
+def _rotation(pair: int, bit: int) -> int:
+    """Where ``bit`` (0-7: the even code's 4 bits, then the odd code's) of word pair ``pair`` is stored, as the
+    right-rotation that brings it to its bf16x2 bit (``_TARGETS``)."""
+    if pair < 3:
+        return (0, 4, 10)[pair]
+    return 14 if bit in (0, 4) else 6
+
+
+def stored_bit(pair: int, bit: int) -> int:
+    return (_TARGETS[bit] + _rotation(pair, bit)) % 32
+
+
+# A word of 8 codes ($8) and a bf16x2 factor ($9) -> 8 bf16 (each pair: even code, odd code)
+_UPCAST = (
+    "{ .reg .b32 r, t, u;\n"
+    f"and.b32 r, $8, {_MAG}; mul.rn.bf16x2 r, r, $9; mov.b32 {{$0, $1}}, r;\n"
+    f"shf.r.wrap.b32 t, $8, $8, 4; and.b32 r, t, {_MAG}; mul.rn.bf16x2 r, r, $9; mov.b32 {{$2, $3}}, r;\n"
+    f"shf.r.wrap.b32 t, $8, $8, 10; and.b32 r, t, {_MAG}; mul.rn.bf16x2 r, r, $9; mov.b32 {{$4, $5}}, r;\n"
+    "shf.r.wrap.b32 t, $8, $8, 14; and.b32 u, t, 0x00400040; shf.r.wrap.b32 t, $8, $8, 6;\n"
+    "lop3.b32 r, t, 0x81808180, u, 0xEA; mul.rn.bf16x2 r, r, $9; mov.b32 {$6, $7}, r;\n"
+    "}"
+)
+_UPCAST_ONE = gl.constexpr(_UPCAST)
+# the same with each pair first times 2**126 (MXFP4 scales past 2**1)
+_UPCAST_TWO = gl.constexpr(
+    _UPCAST.replace(".reg .b32 r, t, u;", ".reg .b32 r, t, u, c; mov.b32 c, 0x7E807E80;").replace(
+        "mul.rn.bf16x2 r, r, $9;", "mul.rn.bf16x2 r, r, c; mul.rn.bf16x2 r, r, $9;"
+    )
+)
+# bf16x2 factors from a scale byte: e8m0 s -> 2**(s - 1) ((s + 126) << 7), NaN for 0xFF
+_F_E8M0_ONE = gl.constexpr(
+    "{ .reg .pred p; mad.lo.u32 $0, $1, 0x00800080, 0x3F003F00; setp.eq.u32 p, $1, 255; @p mov.b32 $0, 0x7FC07FC0; }"
+)
+# e8m0 s -> 2**(s - 127): s << 7, 2**-127 (a subnormal) for 0, NaN for 0xFF
+_F_E8M0_TWO = gl.constexpr(
+    "{ .reg .pred p; mul.lo.u32 $0, $1, 0x00800080; setp.eq.u32 p, $1, 0; @p mov.b32 $0, 0x00400040;"
+    " setp.eq.u32 p, $1, 255; @p mov.b32 $0, 0x7FC07FC0; }"
+)
+# e4m3 c -> its value times 2**118: ((c & 0x7F) << 4 | sign) is the value times 2**-120 (exact, subnormals too), then
+# times 2**120 and 2**118; NaN for 0x7F and 0xFF
+_F_E4M3 = gl.constexpr(
+    "{ .reg .b32 m, t, c; .reg .pred p; and.b32 m, $1, 0x7F; shl.b32 t, m, 4; and.b32 $0, $1, 0x80; shl.b32 $0, $0, 8;"
+    " or.b32 t, t, $0; prmt.b32 t, t, t, 0x1010; mov.b32 c, 0x7B807B80; mul.rn.bf16x2 t, t, c; mov.b32 c, 0x7A807A80;"
+    " mul.rn.bf16x2 $0, t, c; setp.eq.u32 p, m, 0x7F;"
+    " @p mov.b32 $0, 0x7FC07FC0; }"
+)
+NVFP4_SHIFT = gl.constexpr(256.0)  # NVFP4's products come out times 2**-8 (module doc)
+
+
+@gluon.constexpr_function
+def _word_layout(T, W):
+    """Code words [16 T W rows, q 4, b 2, v 2] of a step: lane 4g + q holds rows g and g + 8 of each tile (a warp
+    per 16 rows, its T tiles W * 16 rows apart) and the 4 words (b, v) of its 32 elements."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 1, 0], [8, 0, 0, 0]]
+        + [[16 * W << i, 0, 0, 0] for i in range(T.bit_length() - 1)],
+        lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[16 << i, 0, 0, 0] for i in range(W.bit_length() - 1)],
+        block_bases=[],
+        shape=[16 * T * W, 4, 2, 2],
+    )
+
+
+@gluon.constexpr_function
+def _x_layout(BLOCK_M, W):
+    """x as int32 pairs [BLOCK_M rows, 64]: lane 4g + q holds row g of each 8 and pairs 16q .. 16q + 15; warps
+    share it."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8]] + [[8 << i, 0] for i in range((BLOCK_M // 8).bit_length() - 1)],
+        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[0, 0] for _ in range(W.bit_length() - 1)],
+        block_bases=[],
+        shape=[BLOCK_M, 64],
+    )
+
+
+@gluon.jit
+def _logical_k(t, P: gl.constexpr):
+    """t [R, 128] with its 7 bits of K permuted as P says (over [R, 2, 2, 2, 2, 2, 2, 2], most significant first)."""
+    R: gl.constexpr = t.shape[0]
+    t = gl.reshape(t, [R, 2, 2, 2, 2, 2, 2, 2])
+    t = gl.permute(t, (P[0], P[1], P[2], P[3], P[4], P[5], P[6], P[7]))
+    return gl.reshape(t, [R, BLOCK_K])
+
+
+# Element 32q + 4j + 2h + e of a step is the MMA's k = 16j + 8h + 2q + e. The upcast pairs join to [R, q1 q0 b v e h
+# j0] (word 2b + v of lane q holds j = 2(2b + v) + j0), x to [R, q1 q0 j2 j1 j0 h e]; both go to [R, j2 j1 j0 h q1 q0
+# e], the MMA's order.
+_W_ORDER = gl.constexpr((0, 3, 4, 7, 6, 1, 2, 5))
+_X_ORDER = gl.constexpr((0, 3, 4, 5, 6, 1, 2, 7))
+
+
+@gluon.jit
+def _a_operand(w, f, A: gl.constexpr, UPCAST: gl.constexpr):
+    """The step's upcast words w (factors f, per word) as the MMA's A operand [R, 128], in its logical K order."""
+    R: gl.constexpr = w.shape[0]
+    o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+        UPCAST, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, f], dtype=[gl.bfloat16] * 8, is_pure=True, pack=1
+    )
+    pairs = gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)), gl.join(gl.join(o4, o5), gl.join(o6, o7)))
+    return gl.convert_layout(_logical_k(gl.reshape(pairs, [R, BLOCK_K]), _W_ORDER), A, assert_trivial=True)
+
+
+@gluon.jit
+def _b_operand(x, B: gl.constexpr):
+    """The step's x pairs (int32 [BLOCK_M, 64]) as mma.sync's B operand [128, BLOCK_M], in its logical K order."""
+    lo, hi = gl.inline_asm_elementwise(
+        "mov.b32 {$0, $1}, $2;", "=h,=h,r", [x], dtype=[gl.bfloat16] * 2, is_pure=True, pack=1
+    )
+    xk = _logical_k(gl.reshape(gl.join(lo, hi), [x.shape[0], BLOCK_K]), _X_ORDER)
+    return gl.convert_layout(gl.permute(xk, (1, 0)), B, assert_trivial=True)
+
+
+@gluon.jit
+def _factors(s, WL: gl.constexpr, FMT: gl.constexpr, TWO_MUL: gl.constexpr):
+    """bf16x2 factors [R, 4, 2, 2] (one per code word) from the step's scale bytes (int32)."""
+    if FMT == "nvfp4":  # [R, 4, 2]: a scale per 16 elements, two words each
+        f = gl.inline_asm_elementwise(_F_E4M3, "=r,r", [s], dtype=gl.int32, is_pure=True, pack=1)
+        f = gl.expand_dims(f, 3)
+    else:  # [R, 4]: a scale per 32 elements, four words
+        if TWO_MUL:
+            f = gl.inline_asm_elementwise(_F_E8M0_TWO, "=r,r", [s], dtype=gl.int32, is_pure=True, pack=1)
+        else:
+            f = gl.inline_asm_elementwise(_F_E8M0_ONE, "=r,r", [s], dtype=gl.int32, is_pure=True, pack=1)
+        f = gl.expand_dims(gl.expand_dims(f, 2), 3)
+    return gl.broadcast(f, gl.full([f.shape[0], 4, 2, 2], 0, gl.int32, WL))[0]
+
+
+@gluon.jit
+def tiled_weight_only_kernel(
+    x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT, SPLIT_K, stride_xm, stride_om, stride_tn,
+    FMT: gl.constexpr, BLOCK_M: gl.constexpr, T: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
+    TWO_MUL: gl.constexpr, SWIGLU: gl.constexpr, PDL: gl.constexpr, WGMMA: gl.constexpr,
+):  # fmt: skip
+    """One program: 16 T W weight rows, every row of x (M <= BLOCK_M), its split of K (K_SPLIT, a multiple of 128).
+    w_ptr: the tiled words (int32), s_ptr the tiled scale bytes (module doc); N: the weight's rows."""
+    BLOCK_N: gl.constexpr = 16 * T * W
+    SB: gl.constexpr = 2 if FMT == "nvfp4" else 1
+    if WGMMA:  # a warpgroup's wgmma per 64 rows (T = 1), x^T from shared memory
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
+                                                      instr_shape=[16, BLOCK_M, 16])  # fmt: skip
+        XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+        XS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
+    else:
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
+        XL: gl.constexpr = _x_layout(BLOCK_M, W)
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    WL: gl.constexpr = _word_layout(T, W)
+    if FMT == "nvfp4":
+        SL: gl.constexpr = gl.SliceLayout(3, WL)
+    else:
+        SL: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, WL))
+    if TWO_MUL:
+        UPCAST: gl.constexpr = _UPCAST_TWO
+    else:
+        UPCAST: gl.constexpr = _UPCAST_ONE
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    k_start = pid_k * K_SPLIT
+    k_end = gl.minimum(k_start + K_SPLIT, K)
+    # the program's words: [rows, q, b, v] -> tile (row // 16) * 2K + lane (4 (row % 8) + q) * 8 + half * 4 + 2b + v
+    L3: gl.constexpr = gl.SliceLayout(3, WL)
+    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    rows = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L2))
+    rows = gl.where(rows < N, rows, 0)  # rows past N (a partial tile) read row 0 and are not stored
+    q = gl.arange(0, 4, layout=gl.SliceLayout(0, L2))
+    tile_row = (rows // 16) * 2 * K + (rows % 8) * 32 + ((rows % 16) // 8) * 4
+    lane_row = gl.expand_dims(tile_row, 1) + gl.expand_dims(q * 8, 0)
+    wb = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    v = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WL))))
+    lane_b = gl.expand_dims(lane_row, 2) + gl.expand_dims(gl.expand_dims(wb * 2, 0), 1)
+    w_tiles = w_ptr + (gl.expand_dims(lane_b, 3) + gl.expand_dims(gl.expand_dims(gl.expand_dims(v, 0), 1), 2))
+    # scales: tile (row // 16) * K / 2 * SB + (lane * 2 + half) * SB + block
+    if SB == 2:
+        SR: gl.constexpr = gl.SliceLayout(2, SL)
+    else:
+        SR: gl.constexpr = SL
+    srow = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SR))
+    srow = gl.where(srow < N, srow, 0)
+    sq = gl.arange(0, 4, layout=gl.SliceLayout(0, SR))
+    s_lane = gl.expand_dims((srow // 16) * (K // 2) * SB + ((srow % 8) * 8 + (srow % 16) // 8) * SB, 1)
+    s_lane = s_lane + gl.expand_dims(sq * 2 * SB, 0)
+    if SB == 2:
+        blk = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
+        s_tiles = s_ptr + (gl.expand_dims(s_lane, 2) + gl.expand_dims(gl.expand_dims(blk, 0), 1))
+    else:
+        s_tiles = s_ptr + s_lane
+    xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
+    xrow = gl.expand_dims(gl.minimum(xm, M - 1) * stride_xm, 1)  # rows past M read row M - 1, never stored
+    if WGMMA:
+        xk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL))
+        x_rows = x_ptr + xrow
+        XSTEP: gl.constexpr = 1
+    else:  # int32 pairs
+        xk = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
+        x_rows = x_ptr.to(gl.pointer_type(gl.int32)) + xrow // 2
+        XSTEP: gl.constexpr = 2
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+    # the first step's weights do not depend on the kernel before (PDL): read them before waiting for it
+    w = gl.load(w_tiles + gl.multiple_of(2 * k_start, 256))
+    s = gl.load(s_tiles + gl.multiple_of(k_start // 2 * SB, 64)).to(gl.int32)
+    if PDL:
+        gdc_wait()
+    x = gl.load(x_rows + gl.expand_dims(gl.multiple_of(k_start // XSTEP, 64) + xk, 0))
+    if WGMMA:
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, BLOCK_K], XS)
+    i = 0
+    for k0 in range(k_start, k_end, BLOCK_K):
+        a = _a_operand(w, _factors(s, WL, FMT, TWO_MUL), A, UPCAST)
+        k_next = gl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)  # the last step's again after it: unmasked loads
+        w = gl.load(w_tiles + gl.multiple_of(2 * k_next, 256))
+        s = gl.load(s_tiles + gl.multiple_of(k_next // 2 * SB, 64)).to(gl.int32)
+        if WGMMA:
+            # x^T double-buffered: one warpgroup's store of the next step's x cannot overwrite a tile the other's
+            # wgmma still reads (8 warps)
+            x_buf = x_smem.index(i % 2)
+            x_buf.store(_logical_k(x, _X_ORDER))
+            hopper.fence_async_shared()
+            x = gl.load(x_rows + gl.expand_dims(gl.multiple_of(k_next, 64) + xk, 0))
+            acc = hopper.warpgroup_mma(a, x_buf.permute((1, 0)), acc, is_async=True)
+            # waited for before the next step's upcast, which may take this step's A registers
+            acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc, x_buf])[0]
+        else:
+            xb = _b_operand(x, B)
+            x = gl.load(x_rows + gl.expand_dims(gl.multiple_of(k_next // 2, 64) + xk, 0))
+            acc = mma_v2(a, xb, acc)
+        i += 1
+    if PDL:
+        gdc_launch_dependents()
+    on = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    mask = gl.expand_dims(om < M, 0) & gl.expand_dims(on < N, 1)
+    tile = gl.expand_dims(om, 0) * N + gl.expand_dims(on, 1)  # [n, m] of an [M, N] partial
+    last = True
+    if SPLIT:
+        gl.store(ws_ptr + pid_k * M * N + tile, acc, mask=mask)
+        gl.thread_barrier()
+        last = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1
+        if last:
+            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+            for k in range(SPLIT_K):
+                acc += gl.load(ws_ptr + k * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            gl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next launch
+    if last:
+        if FMT == "nvfp4":  # 2**8 and the tensor scale on the fp32 sum (one, or one per packed row)
+            acc = acc * gl.expand_dims(gl.load(ts_ptr + gl.where(on < N, on, 0) * stride_tn) * NVFP4_SHIFT, 1)
+        if SWIGLU:
+            h = acc.to(gl.bfloat16).to(gl.float32)  # each GEMM output rounded, as the unfused GEMM's
+            h = gl.permute(gl.reshape(h, [BLOCK_N // 16, 2, 8, BLOCK_M]), (0, 2, 3, 1))
+            gate, up = gl.split(h)
+            silu = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
+            y = gl.reshape((silu * up).to(gl.bfloat16), [BLOCK_N // 2, BLOCK_M])
+            YL: gl.constexpr = y.type.layout
+            un = pid * (BLOCK_N // 2) + gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, YL))
+            um = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, YL))
+            ptrs = out_ptr + gl.expand_dims(um, 0) * stride_om + gl.expand_dims(un, 1)
+            gl.store(ptrs, y, mask=gl.expand_dims(um < M, 0) & gl.expand_dims(un < N // 2, 1))
+        else:
+            ptrs = out_ptr + gl.expand_dims(om, 0) * stride_om + gl.expand_dims(on, 1)
+            gl.store(ptrs, acc.to(gl.bfloat16), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Packing (torch ops: once per weight, on its device)
+
+
+def _bit_tables(device: torch.device) -> torch.Tensor:
+    """[4, 256] int64: a word's byte p = value -> that byte's bits at their stored positions."""
+    tables = torch.zeros(4, 256, dtype=torch.int64)
+    values = torch.arange(256)
+    for p in range(4):
+        for bit in range(8):
+            tables[p] |= ((values >> bit) & 1) << stored_bit(p, bit)
+    return tables.to(device)
+
+
+def _permute_bits(codes: torch.Tensor) -> torch.Tensor:
+    """Code bytes [..., 4 j] -> int32 words [..., j] with each word's bits permuted (module doc)."""
+    tables = _bit_tables(codes.device)
+    b = codes.view(*codes.shape[:-1], -1, 4).long()
+    words = tables[0][b[..., 0]] | tables[1][b[..., 1]] | tables[2][b[..., 2]] | tables[3][b[..., 3]]
+    return (words - ((words >> 31) << 32)).to(torch.int32)
+
+
+def _unpermute_bits(words: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``_permute_bits``: int32 words [..., j] -> code bytes [..., 4 j]."""
+    natural = {stored_bit(p, bit): 8 * p + bit for p in range(4) for bit in range(8)}
+    tables = torch.zeros(4, 256, dtype=torch.int64)
+    values = torch.arange(256)
+    for i in range(4):  # stored byte i's bits at their natural positions
+        for bit in range(8):
+            tables[i] |= ((values >> bit) & 1) << natural[8 * i + bit]
+    tables = tables.to(words.device)
+    b = words.contiguous().view(torch.uint8).view(*words.shape, 4).long()
+    codes = tables[0][b[..., 0]] | tables[1][b[..., 1]] | tables[2][b[..., 2]] | tables[3][b[..., 3]]
+    return (codes - ((codes >> 31) << 32)).to(torch.int32).view(torch.uint8).view(*words.shape[:-1], -1)
+
+
+def swiglu_rows(n: int) -> torch.Tensor:
+    """The packed row order of SwiGLU's w1 and w3 concatenated along N (n rows): each 16 rows are 8 gate rows, then
+    the same 8 units' up rows."""
+    half = n // 2
+    unit = torch.arange(half).view(-1, 8)
+    return torch.cat([unit, unit + half], dim=1).flatten()
+
+
+def pack(qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: str, swiglu: bool = False
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """(codes [N, K/2] uint8, scales [N, K/32] e8m0 or [N, K/16] e4m3, NVFP4's tensor scale: one or one per row)
+    -> (words int32 [N16, K/8], scale bytes [N16, K/32 or K/16], the tensor scale: one, or one per packed row) in
+    the tiled layout (module doc), N16 = N rounded up to 16 (padding rows are zero codes)."""
+    n, half_k = qdata.shape
+    k = 2 * half_k
+    if fmt not in FORMATS or k % BLOCK_K.value or (swiglu and n % 16):
+        raise ValueError(f"pack: mxfp4 or nvfp4 codes with K a multiple of {BLOCK_K.value} (and N of 16 for "
+                         f"swiglu), got {fmt} [{n}, {k}]")  # fmt: skip
+    codes = qdata.view(torch.uint8)
+    s = scale.view(torch.uint8)
+    ts = None if tensor_scale is None else tensor_scale.float().reshape(-1)
+    if swiglu:
+        order = swiglu_rows(n).to(codes.device)
+        codes, s = codes[order], s[order]
+        ts = ts if ts is None or ts.numel() == 1 else ts[order]
+    n16 = triton.cdiv(n, 16) * 16
+    if n16 != n:
+        codes = torch.cat([codes, codes.new_zeros(n16 - n, half_k)])
+        s = torch.cat([s, s.new_zeros(n16 - n, s.shape[1])])
+    words = _permute_bits(codes)  # [n16, K/8]
+    sb = s.shape[1] * 32 // k  # scales a lane-row a step: 1 (e8m0 per 32) or 2 (e4m3 per 16)
+    # row = 16 t + 8 half + g, word = 16 step + 4 q + wv -> [t, step, g, q, half, wv]
+    words = words.view(n16 // 16, 2, 8, k // BLOCK_K.value, 4, 4).permute(0, 3, 2, 4, 1, 5)
+    s = s.view(n16 // 16, 2, 8, k // BLOCK_K.value, 4, sb).permute(0, 3, 2, 4, 1, 5)
+    return words.contiguous().view(n16, -1), s.contiguous().view(n16, -1), ts
+
+
+_TARGETS_LO = tl.constexpr(_TARGETS[:4])
+
+
+@triton.jit
+def _dequantize_tiled_kernel(w_ptr, s_ptr, ts_ptr, out_ptr, N, K, stride_tn, FMT: tl.constexpr, SWIGLU: tl.constexpr):
+    """One 16-row tile's step of a tiled weight to values [16, 128] in out's dtype, in the formats' row order: each
+    element's code from its word's permuted bits, times its scale (then the tensor scale, NVFP4) in fp32 as
+    mx_kernels.mx.weight_only's ``dequantize`` computes it, one rounding."""
+    SB: tl.constexpr = 2 if FMT == "nvfp4" else 1
+    t = tl.program_id(0)
+    step = tl.program_id(1)
+    r = tl.arange(0, 16)[:, None]  # the row in the tile: 8 half + g
+    e = tl.arange(0, 128)[None, :]  # the element in the step: 32 q + 8 v + i
+    base = t.to(tl.int64) * (K // 128) + step
+    place = ((r % 8) * 4 + e // 32) * 2 + r // 8  # the lane's row in the tile's step
+    w = tl.load(w_ptr + base * 256 + place * 4 + (e // 8) % 4)
+    pair = (e % 8) // 2
+    nibble = e % 2
+    code = tl.zeros([16, 128], tl.int32)
+    for b in tl.static_range(4):  # the code's bit b sits at stored_bit(pair, 4 nibble + b)
+        if b == 0:
+            last = 14
+        else:
+            last = 6
+        rotation = tl.where(pair == 0, 0, tl.where(pair == 1, 4, tl.where(pair == 2, 10, last)))
+        code |= ((w >> ((_TARGETS_LO[b] + 16 * nibble + rotation) % 32)) & 1) << b
+    s = tl.load(s_ptr + base * 64 * SB + place * SB + ((e % 32) // 16) * (SB - 1)).to(tl.int32)
+    if FMT == "nvfp4":
+        factor = _e4m3(s) * 1.329227995784916e36  # 2**120: the e4m3 scale's value
+    else:
+        factor = _e8m0(s)
+    value = _e2m1(code) * 8.507059173023462e37 * factor  # 2**126: the code's value
+    if SWIGLU:
+        row = 8 * t + r % 8 + (r // 8) * (N // 2)
+    else:
+        row = 16 * t + r
+    if FMT == "nvfp4":
+        value = value * tl.load(ts_ptr + row * stride_tn, mask=row < N, other=1.0)
+    col = step * 128 + e
+    tl.store(out_ptr + row.to(tl.int64) * K + col, value.to(out_ptr.dtype.element_ty), mask=row < N)
+
+
+def dequantize(words: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None, n: int, fmt: str,
+               swiglu: bool = False, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:  # fmt: skip
+    """``pack``'s weight (n rows; NVFP4's tensor scale one or one per row in the formats' row order) in ``dtype``, in
+    the formats' row order, bit for bit mx_kernels.mx.weight_only's ``dequantize`` of the unpacked weight: what a
+    prefill hands to cuBLAS, in one kernel (GPU, or the Triton interpreter)."""
+    k = 8 * words.shape[1]
+    out = torch.empty((n, k), dtype=dtype, device=words.device)
+    stride_tn = int(tensor_scale is not None and tensor_scale.numel() > 1)
+    ts = tensor_scale.float().reshape(-1) if tensor_scale is not None else out
+    _dequantize_tiled_kernel[(words.shape[0] // 16, k // BLOCK_K.value)](
+        words, scales, ts, out, n, k, stride_tn, FMT=fmt, SWIGLU=swiglu, num_warps=4
+    )
+    return out
+
+
+def unpack(words: torch.Tensor, scales: torch.Tensor, n: int, swiglu: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The inverse of ``pack``: (codes [n, K/2] uint8, scale bytes [n, K/32 or K/16]), by torch ops (the reference on
+    a CPU; ``dequantize`` reads the tiled weight directly)."""
+    n16, kw = words.shape
+    k = 8 * kw
+    sb = scales.shape[1] * 32 // k
+    s = scales.view(n16 // 16, k // BLOCK_K.value, 8, 4, 2, sb).permute(0, 4, 2, 1, 3, 5).reshape(n16, -1)[:n]
+    inverse = None
+    if swiglu:
+        inverse = torch.empty(n, dtype=torch.long)
+        inverse[swiglu_rows(n)] = torch.arange(n)
+        s = s[inverse.to(s.device)]
+    w = words.view(n16 // 16, k // BLOCK_K.value, 8, 4, 2, 4).permute(0, 4, 2, 1, 3, 5).reshape(n16, kw)
+    codes = _unpermute_bits(w)[:n]
+    return (codes if inverse is None else codes[inverse]), s
+
+
+def two_mul(scales: torch.Tensor, fmt: str) -> bool:
+    """Whether MXFP4 scale bytes need the second multiply (a scale past 2**1, other than NaN's 0xFF)."""
+    s = scales.view(torch.uint8)
+    return fmt == "mxfp4" and bool(((s > 128) & (s < 255)).any())
+
+
+def _nearest_power_of_2(v: float, most: int) -> int:
+    return min(most, 1 << max(0, round(math.log2(v))))
+
+
+def config(m: int, n: int, sm_count: int) -> dict:
+    """The launch of an M-row GEMM over n weight rows, by M: up to 4 rows mma.sync, one warp of 16 rows a program,
+    K split so that the GEMM has about 24 programs an SM (short programs, many in flight); 5 to 32 rows wgmma, 64
+    rows a program (4 warps), about 4 an SM; past that 128 rows a program (8 warps), about 1 an SM (the power of 2
+    nearest each). Chosen on one H200 (2026-11-30) against the best of T, W and the split a shape, Llama 3 8B's
+    projections at M = 1 to 128."""
+    if m <= 4:
+        return dict(t=1, w=1, split_k=_nearest_power_of_2(24 * sm_count / triton.cdiv(n, 16), 16), wgmma=False)
+    if m <= 32:
+        return dict(t=1, w=4, split_k=_nearest_power_of_2(4 * sm_count / triton.cdiv(n, 64), 8), wgmma=True)
+    return dict(t=1, w=8, split_k=_nearest_power_of_2(sm_count / triton.cdiv(n, 128), 8), wgmma=True)
+
+
+def tiled_weight_only_mm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None,
+                         n: int, fmt: str, two: bool, swiglu: bool = False, cfg: dict | None = None,
+                         pdl: bool = False) -> torch.Tensor:  # fmt: skip
+    """x [M, K] bf16 @ dequantize(w).T -> [M, n] bf16 ([M, n / 2] with ``swiglu``) from ``pack``'s output for the
+    weight's n rows (``tensor_scale``: pack's, in its row order); ``two``: ``two_mul`` of the scales. More than
+    MAX_M rows run as launches of MAX_M. ``cfg``: t, w, split_k, wgmma (default ``config``); ``pdl``: launched
+    with programmatic dependent launch (mx_kernels.pdl)."""
+    op = "tiled_weight_only_mm"
+    if fmt not in FORMATS or x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or x.stride(0) % 8:
+        raise ValueError(f"{op}: mxfp4 or nvfp4 and x bf16 [M, K] with rows 16-byte aligned, got {fmt} {x.dtype} "
+                         f"{tuple(x.shape)} strides {x.stride()}")  # fmt: skip
+    m, k = x.shape
+    n16 = triton.cdiv(n, 16) * 16
+    sb = 2 if fmt == "nvfp4" else 1
+    if k % BLOCK_K.value or words.shape != (n16, k // 8) or scales.shape != (n16, k // 32 * sb) or (swiglu and n % 16):
+        raise ValueError(f"{op}: pack's words [{n16}, {k // 8}] and scales [{n16}, {k // 32 * sb}] for n = {n}, "
+                         f"K = {k} (a multiple of {BLOCK_K.value}), got {tuple(words.shape)} and "
+                         f"{tuple(scales.shape)}")  # fmt: skip
+    if (tensor_scale is None) != (fmt != "nvfp4"):
+        raise ValueError(f"{op}: nvfp4 takes a tensor scale, mxfp4 none")
+    out = torch.empty((m, n // 2 if swiglu else n), dtype=torch.bfloat16, device=x.device)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    r0 = 0
+    while r0 < m:
+        launch = cfg or config(min(m - r0, MAX_M), n, sms)
+        rows = min(m - r0, MAX_M if launch["wgmma"] else 64)
+        _launch(x[r0 : r0 + rows], words, scales, tensor_scale, out[r0 : r0 + rows], n, fmt, two, swiglu, launch, pdl)
+        r0 += rows
+    return out
+
+
+def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None,
+            out: torch.Tensor, n: int, fmt: str, two: bool, swiglu: bool, cfg: dict, pdl: bool) -> None:  # fmt: skip
+    m, k = x.shape
+    t, w, wgmma = cfg["t"], cfg["w"], cfg["wgmma"]
+    steps = k // BLOCK_K.value
+    k_split = triton.cdiv(steps, min(cfg["split_k"], steps))
+    split_k = triton.cdiv(steps, k_split)
+    n_tiles = triton.cdiv(n, 16 * t * w)
+    split = split_k > 1
+    ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split else out
+    counters = arrival_counters("weight_only_tiled", x.device, COUNTERS) if split else out
+    if n_tiles > COUNTERS:
+        raise ValueError(f"tiled_weight_only_mm: {n_tiles} tiles, past the {COUNTERS} counters")
+    ts = tensor_scale if tensor_scale is not None else out
+    stride_tn = int(tensor_scale is not None and tensor_scale.numel() > 1)
+    tiled_weight_only_kernel[(n_tiles, split_k)](
+        x, words, scales, ts, out, ws, counters, m, n, k, k_split * BLOCK_K.value, split_k, x.stride(0),
+        out.stride(0), stride_tn, FMT=fmt, BLOCK_M=max(8, triton.next_power_of_2(m)), T=t, W=w, SPLIT=split,
+        TWO_MUL=two, SWIGLU=swiglu, PDL=pdl, WGMMA=wgmma, num_warps=w, launch_pdl=pdl,
+    )  # fmt: skip

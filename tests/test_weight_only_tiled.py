@@ -1,0 +1,322 @@
+"""The weight-only GEMM over tiled 4-bit weights (kernels/gluon/weight_only_tiled.py) and ``PackedWeight.tile``,
+against the reference, within the bound of tests/test_weight_only_gemm.py's module doc.
+
+* CPU: packing round-trips (codes, scales, SwiGLU's row order, padding rows) and leaves ``dequantize`` bit for
+  bit; every bit of a code word lands where the upcast reads it; compiled for sm_90a, the upcast weights and x
+  reach mma.sync and wgmma as register operands without moves; the launch configs; bad operands are one-line
+  errors.
+* GPU (``gpu``): MXFP4 and NVFP4, M = 1 to 128 (launches of 64), N not a multiple of 16, both MMAs, K split
+  (the same bits every call), scales past 2**1 (the second multiply), NaN, 2**-127 and 2**-126 scales, zeros,
+  NVFP4 tensor scales per row; the SwiGLU epilogue bit for bit the GEMM then ``silu_mul``; a decode step of
+  the Llama debug model with tiled weights, replayed from a CUDA graph under PDL, against the untiled one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+import pytest
+import torch
+from test_weight_only_gemm import assert_within_bound, packed, weights
+
+from mx_recipe.infer.weights import PackedWeight
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = "cuda"
+FORMATS = ("mxfp4", "nvfp4")
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="the kernel module imports Triton")
+interp_only = pytest.mark.skipif(not (INTERP and HAS_TRITON), reason="runs in the Triton interpreter child process")
+
+
+def hopper() -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU (wgmma)")
+
+
+def tiled(w: torch.Tensor, fmt: str, swiglu: bool = False) -> PackedWeight:
+    p = packed(w, fmt)
+    p.tile(swiglu)
+    return p
+
+
+def mm(x: torch.Tensor, p: PackedWeight, swiglu: bool = False, cfg: dict | None = None) -> torch.Tensor:
+    from mx_kernels.gluon.weight_only_tiled import tiled_weight_only_mm
+
+    return tiled_weight_only_mm(x, p.qdata, p.scale, p.tensor_scale_tiled, p.rows, p.fmt, p.two_mul, swiglu, cfg)
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("n", "k", "swiglu"), [(100, 256, False), (48, 512, True), (16, 128, False)])
+def test_tiling_round_trips_and_keeps_dequantize(fmt, n, k, swiglu):
+    """Codes and scales unpack to the formats' own bytes (SwiGLU's rows back in order, the padding rows of a
+    partial 16-row tile dropped), so ``dequantize`` is bit for bit the untiled weight's; NVFP4 tensor scales per row
+    follow the packed row order."""
+    torch.manual_seed(0)
+    parts = [weights(n // 2, k) * s for s in (0.02, 3.0)]
+    p = PackedWeight.cat([packed(w, fmt) for w in parts]) if fmt == "nvfp4" else packed(torch.cat(parts), fmt)
+    want_q, want_s, want = p.qdata.clone(), p.scale.clone(), p.dequantize(torch.float32)
+    p.tile(swiglu)
+    assert p.tiled and p.qdata.dtype == torch.int32 and p.qdata.shape == (-(-n // 16) * 16, k // 8)
+    q, s = p.natural_codes()
+    assert torch.equal(q, want_q) and torch.equal(s.view(torch.uint8), want_s.view(torch.uint8))
+    assert torch.equal(p.dequantize(torch.float32), want)
+    if fmt == "nvfp4":
+        from mx_kernels.gluon.weight_only_tiled import swiglu_rows
+
+        order = swiglu_rows(n) if swiglu else torch.arange(n)
+        assert torch.equal(p.tensor_scale_tiled, p.tensor_scale.reshape(-1)[order])
+
+
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
+def test_kernels_in_triton_interpreter():
+    """Run the test_interp_* tests in a child pytest with TRITON_INTERPRET=1."""
+    from test_cast_kernels import run_interpreter_tests
+
+    run_interpreter_tests(__file__)
+
+
+@interp_only
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("n", "swiglu"), [(100, False), (48, True)])
+def test_interp_dequantize_reads_the_tiles(fmt, n, swiglu):
+    """The tiled weight's dequantize (what a prefill hands to cuBLAS), in the interpreter: bit for bit the untiled
+    weight's (mx_kernels.mx.weight_only.dequantize), in the formats' row order, with a NaN, 2**-127 and 2**-126
+    scale (MXFP4) and a tensor scale per row (NVFP4)."""
+    from mx_kernels.gluon.weight_only_tiled import dequantize, pack
+    from mx_kernels.mx.weight_only import dequantize as natural
+
+    w = weights(n, 512)
+    p = PackedWeight.cat([packed(w[: n // 2] * 0.02, fmt), packed(w[n // 2 :] * 3.0, fmt)])
+    if fmt == "mxfp4":
+        scales = p.scale.view(torch.uint8)
+        scales[3, 1], scales[4, 0], scales[5, 2] = 0xFF, 0, 1
+    words, tiled_scales, _ = pack(p.qdata, p.scale, p.tensor_scale, fmt, swiglu)
+    got = dequantize(words, tiled_scales, p.tensor_scale, n, fmt, swiglu)
+    assert torch.equal(got.view(torch.int16), natural(p.qdata, p.scale, p.tensor_scale, fmt).view(torch.int16))
+
+
+@needs_triton
+def test_every_code_bit_lands_where_the_upcast_reads_it():
+    """Each word's 32 bits are a permutation (``stored_bit``), and the upcast's rotations and masks (pairs 0-2 by
+    0, 4 and 10 bits, pair 3's mantissas by 14 and the rest by 6) bring each pair of a packed word to the bf16x2
+    bits sign | exponent and mantissa << 6 of its codes: their values times 2**-126. Every byte value at every
+    place of a word."""
+    from mx_kernels.gluon.weight_only_tiled import pack, stored_bit
+
+    assert sorted(stored_bit(p, b) for p in range(4) for b in range(8)) == list(range(32))
+    codes = (torch.arange(1024) // 4 % 256).to(torch.uint8).view(16, 64)  # byte value v at each place of a word
+    words, _, _ = pack(codes, torch.zeros(16, 4, dtype=torch.uint8), None, "mxfp4")
+    full = 0xFFFFFFFF
+
+    def rot(w: int, r: int) -> int:
+        return ((w >> r) | (w << (32 - r))) & full if r else w
+
+    def bf16_bits(c: int) -> int:
+        return ((c & 8) << 12) | ((c & 7) << 6)
+
+    seen = set()
+    for w in (x & full for x in words.view(-1).tolist()):
+        natural = sum(((w >> stored_bit(p, b)) & 1) << (8 * p + b) for p in range(4) for b in range(8))
+        pairs = [w & 0x81C081C0, rot(w, 4) & 0x81C081C0, rot(w, 10) & 0x81C081C0,
+                 (rot(w, 6) & 0x81808180) | (rot(w, 14) & 0x00400040)]  # fmt: skip
+        for p, got in enumerate(pairs):
+            byte = (natural >> (8 * p)) & 0xFF
+            assert got == bf16_bits(byte & 0xF) | (bf16_bits(byte >> 4) << 16), (hex(w), p)
+            seen.add((p, byte))
+    assert len(seen) == 4 * 256
+
+
+@needs_triton
+@pytest.mark.parametrize(("m", "wgmma", "fmt"), [(1, False, "mxfp4"), (8, False, "nvfp4"), (32, True, "mxfp4"),
+                                                 (64, True, "nvfp4")])  # fmt: skip
+def test_operands_reach_the_mma_without_moves(m, wgmma, fmt):
+    """Compiled for sm_90a: the upcast weights are the MMA's register operand and x (mma.sync) its other one, each
+    layout conversion asserted trivial at compile time; mma.sync takes no shared memory, wgmma only x^T's."""
+    from mx_kernels.gluon.common import compile_for_arch
+    from mx_kernels.gluon.weight_only_tiled import tiled_weight_only_kernel
+
+    n, k, sb = 1024, 512, 2 if fmt == "nvfp4" else 1
+    meta = dict(device="meta")
+    kwargs = dict(
+        x_ptr=torch.empty(m, k, dtype=torch.bfloat16, **meta), w_ptr=torch.empty(n, k // 8, dtype=torch.int32, **meta),
+        s_ptr=torch.empty(n, k // 32 * sb, dtype=torch.uint8, **meta), ts_ptr=torch.empty(n, **meta),
+        out_ptr=torch.empty(m, n, dtype=torch.bfloat16, **meta), ws_ptr=torch.empty(2, m, n, **meta),
+        cnt_ptr=torch.empty(64, dtype=torch.int32, **meta), M=m, N=n, K=k, K_SPLIT=k // 2, SPLIT_K=2, stride_xm=k,
+        stride_om=n, stride_tn=1, FMT=fmt, BLOCK_M=max(8, m), T=1 if wgmma else 2, W=4, SPLIT=True, TWO_MUL=False,
+        SWIGLU=True, PDL=True, WGMMA=wgmma, num_warps=4,
+    )  # fmt: skip
+    ttgir = compile_for_arch(tiled_weight_only_kernel, kwargs, 90).asm["ttgir"]
+    if wgmma:
+        assert re.search(r"ttng\.warp_group_dot %\S+, %\S+, .*? : tensor<64x128xbf16, #ttg\.dot_op<\{opIdx = 0", ttgir)
+        assert ttgir.count("ttg.local_alloc") == 1 and "ttg.local_load" not in ttgir
+    else:
+        assert re.search(r"tt\.dot %\S+, %\S+, .*? : tensor<128x128xbf16, #ttg\.dot_op<\{opIdx = 0", ttgir)
+        assert "ttg.local_alloc" not in ttgir
+
+
+@needs_triton
+def test_config_splits_k_by_the_sm_count():
+    """Llama 3 8B's projections (wqkv, wo and w2, w13) on an H200's 132 SMs: mma.sync a warp a program up to 4 rows,
+    wgmma 4 warps to 32 and 8 past that, K split to about 24, 4 or 1 programs an SM."""
+    from mx_kernels.gluon.weight_only_tiled import config
+
+    assert {n: config(1, n, 132)["split_k"] for n in (6144, 4096, 28672)} == {6144: 8, 4096: 16, 28672: 2}
+    assert {n: config(8, n, 132)["split_k"] for n in (6144, 4096, 28672)} == {6144: 4, 4096: 8, 28672: 1}
+    assert not config(4, 4096, 132)["wgmma"] and config(5, 4096, 132) == dict(t=1, w=4, split_k=8, wgmma=True)
+    assert {n: config(33, n, 132)["split_k"] for n in (6144, 4096, 28672)} == {6144: 2, 4096: 4, 28672: 1}
+    assert config(128, 4096, 132)["w"] == 8 and config(32, 4096, 132)["w"] == 4
+    assert config(1, 16, 132)["split_k"] == 16 and config(64, 28672, 16)["split_k"] == 1
+
+
+@needs_triton
+def test_bad_operands_are_one_line_errors():
+    from mx_kernels.gluon.weight_only_tiled import pack, tiled_weight_only_mm
+
+    p = tiled(torch.randn(64, 256), "mxfp4")
+    x = torch.randn(4, 256).bfloat16()
+    with pytest.raises(ValueError, match="mxfp4 or nvfp4 and x bf16"):
+        tiled_weight_only_mm(x.float(), p.qdata, p.scale, None, 64, "mxfp4", False)
+    with pytest.raises(ValueError, match=r"pack's words \[64, 32\] and scales \[64, 8\] for n = 64"):
+        tiled_weight_only_mm(x, p.qdata[:, :16], p.scale, None, 64, "mxfp4", False)
+    nv = tiled(torch.randn(64, 256), "nvfp4")
+    with pytest.raises(ValueError, match="nvfp4 takes a tensor scale"):
+        tiled_weight_only_mm(x, nv.qdata, nv.scale, None, 64, "nvfp4", False)
+    q = packed(torch.randn(32, 160), "mxfp4")
+    with pytest.raises(ValueError, match="K a multiple of 128"):
+        pack(q.qdata, q.scale, None, "mxfp4")
+    with pytest.raises(ValueError, match=r"not tiled yet, got mxfp4 \(64, 32\) \(tiled\)"):
+        p.tile()
+    with pytest.raises(ValueError, match="2D MXFP4 or NVFP4"):
+        packed(torch.randn(64, 256), "mxfp8").tile()
+    with pytest.raises(ValueError, match="concatenate before tiling"):
+        PackedWeight.cat([p, p])
+    with pytest.raises(ValueError, match="a tiled weight is a dense one"):
+        p.grouped_mm(x, torch.tensor([4], dtype=torch.int32), kernel=False)
+
+
+@needs_triton
+def test_tile_weights_leaves_a_cpu_model_as_it_is():
+    """Off an sm_90 GPU nothing is tiled: the formats' layout, the reference GEMM."""
+    from mx_recipe.infer.weights import fuse_projections, quantize_model, tile_weights
+    from mx_recipe.models import build_model, model_args
+
+    model = fuse_projections(quantize_model(build_model(model_args("llama", "debug", 320, 64)), "mxfp4"))
+    tile_weights(model)
+    assert not any(m.tiled for m in model.modules() if isinstance(m, PackedWeight))
+
+
+# ---------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_every_m_within_the_bound(fmt):
+    """M = 1 to 128 on a 1000 x 2048 weight (N past a multiple of 16), the default launch and both MMAs with K split
+    3 ways (the same bits every call); scales from 2**-12 to 2**6 (MXFP4's second multiply) and below 2**1 (one), a
+    NaN scale, 2**-127 and 2**-126 scales, a zero row; NVFP4 with a tensor scale per row too."""
+    hopper()
+    torch.manual_seed(21)
+    n, k = 1000, 2048
+    w = weights(n, k, CUDA)
+    w[7] = 0.0
+    cases = [packed(w, fmt), packed(w.clamp(-2.0, 2.0) * 0.5, fmt)]
+    if fmt == "nvfp4":
+        cases.append(PackedWeight.cat([packed(w[:500] * 0.02, fmt), packed(w[500:] * 3.0, fmt)]))
+    else:
+        scales = cases[1].scale.view(torch.uint8)
+        scales[3, 5], scales[4, 0], scales[5, 2] = 0xFF, 0, 1
+    for p in cases:
+        p.tile()
+    assert cases[0].two_mul == (fmt == "mxfp4") and not cases[1].two_mul
+    configs = [None, dict(t=2, w=2, split_k=3, wgmma=False), dict(t=1, w=8, split_k=3, wgmma=True)]
+    for m in (1, 3, 4, 5, 8, 13, 32, 64, 65, 128):
+        x = torch.randn(m, k, device=CUDA).bfloat16()
+        for p in cases:
+            for cfg in configs:
+                y = mm(x, p, cfg=cfg)
+                assert_within_bound(y, x, p)
+                if cfg is not None:
+                    assert torch.equal(mm(x, p, cfg=cfg).view(torch.int16), y.view(torch.int16))
+        if fmt == "mxfp4":
+            assert mm(x, cases[1]).isnan().all(dim=0).nonzero().flatten().tolist() == [3]
+        assert not mm(x, cases[0])[:, 7].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_swiglu_epilogue_is_the_gemm_then_silu_mul(fmt):
+    """With w1 and w3 tiled in SwiGLU's row order, the epilogue's output is bit for bit ``silu_mul`` of the same
+    GEMM's output (the same launch on the weight in plain row order), on both MMAs, K split or not, and
+    ``PackedWeight.mm`` takes it; asked without the epilogue, the weight is dequantized for cuBLAS."""
+    hopper()
+    from mx_kernels.decode_fused import silu_mul
+
+    torch.manual_seed(22)
+    n, k = 512, 1024
+    w = weights(n, k, CUDA) * 0.02
+    plain, fused = tiled(w, fmt), tiled(w, fmt, swiglu=True)
+    for m, cfg in ((1, dict(t=1, w=1, split_k=4, wgmma=False)), (8, dict(t=2, w=2, split_k=1, wgmma=False)),
+                   (40, dict(t=1, w=4, split_k=2, wgmma=True))):  # fmt: skip
+        x = torch.randn(m, k, device=CUDA).bfloat16()
+        y = mm(x, plain, cfg=cfg)
+        assert torch.equal(mm(x, fused, swiglu=True, cfg=cfg), silu_mul(y[:, : n // 2], y[:, n // 2 :]))
+    x = torch.randn(2, k, device=CUDA).bfloat16()
+    assert torch.equal(fused.mm(x, kernel=True, swiglu=True), mm(x, fused, swiglu=True))
+    reference = torch.nn.functional.linear(x, packed(w, fmt).dequantize(torch.bfloat16))
+    assert torch.equal(fused.mm(x, kernel=True), reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_decode_step_with_tiled_weights(fmt):
+    """The Llama debug model in a 4-bit format: ``tile_weights`` tiles its dense projections but w2 (K = 704, not a
+    multiple of 128), w13 for the SwiGLU epilogue; its prefill (past LARGE_M rows: the formats' layout) gives the
+    untiled model's logits bit for bit, and a decode step replayed from a CUDA graph under PDL up to summation
+    order."""
+    hopper()
+    from mx_kernels import pdl
+
+    from mx_recipe.infer import decode
+    from mx_recipe.infer.weights import FusedLinear, QuantizedLinear, fuse_projections, quantize_model, tile_weights
+    from mx_recipe.models import build_model, model_args
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        m = build_model(model_args("llama", "debug", 320, 256)).to(CUDA)
+        m.init_weights()
+        return fuse_projections(quantize_model(m.eval().bfloat16(), fmt))
+
+    plain, tiled_model = model(), tile_weights(model())
+    found = {name: mod.weight_packed for name, mod in tiled_model.named_modules()
+             if isinstance(mod, QuantizedLinear | FusedLinear) and mod.weight_packed is not None}  # fmt: skip
+    assert found and all(p.tiled != name.endswith("w2") for name, p in found.items())
+    assert all(p.swiglu_rows == name.endswith("w13") for name, p in found.items() if p.tiled)
+    tokens = torch.randint(0, 320, (1, 200), device=CUDA)
+    logits = []
+    for m in (plain, tiled_model):
+        cache = decode.KVCache(m, 1, 256, torch.bfloat16, torch.device(CUDA))
+        with torch.no_grad(), pdl.launching(True):
+            first = decode.forward(m, tokens, torch.arange(200, device=CUDA), cache)
+            step = decode.DecodeGraph(m, cache, tokens[:, -1:], torch.tensor([200], device=CUDA))
+            logits.append((first, step(tokens[:, -1:], torch.tensor([200], device=CUDA)).clone()))
+    assert torch.equal(logits[0][0], logits[1][0])
+    torch.testing.assert_close(logits[1][1].float(), logits[0][1].float(), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_dequantize_is_the_untiled_weights(fmt):
+    """On the GPU a tiled weight dequantizes (one kernel) to the untiled weight's bits and unpacks to its bytes,
+    SwiGLU's row order and a partial 16-row tile too."""
+    hopper()
+    for n, swiglu in ((1000, False), (512, True)):
+        p = packed(weights(n, 1024, CUDA), fmt)
+        want, codes = p.dequantize(torch.bfloat16), p.qdata.clone()
+        p.tile(swiglu)
+        assert torch.equal(p.dequantize(torch.bfloat16).view(torch.int16), want.view(torch.int16))
+        assert torch.equal(p.natural_codes()[0], codes)
