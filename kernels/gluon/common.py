@@ -366,6 +366,35 @@ def store_scale_tile(ptr, s, tile_row, tile_col, n_rows, n_cols, EVEN: gl.conste
         gl.store(ptr + offs, gl.where(valid, s, 0))
 
 
+@gluon.jit
+def permute_k(t, PERM: gl.constexpr):
+    """t [R, 128] with the 7 bits of its K index permuted as PERM says (over [R, 2, 2, 2, 2, 2, 2, 2], most
+    significant bit first): [R, 128] in the new order, a register permutation where the bits are a thread's."""
+    R: gl.constexpr = t.shape[0]
+    t = gl.reshape(t, [R, 2, 2, 2, 2, 2, 2, 2])
+    t = gl.permute(t, (PERM[0], PERM[1], PERM[2], PERM[3], PERM[4], PERM[5], PERM[6], PERM[7]))
+    return gl.reshape(t, [R, 128])
+
+
+@gluon.jit
+def split_k_sum(acc, on, om, ws_ptr, cnt_ptr, tile, pid_k, M, N, SPLIT_K):
+    """Split K for a weight-only GEMM's tile acc [rows n ``on``, rows m ``om``] of out [M, N]: store this split's fp32
+    partial in the workspace [SPLIT_K, M, N]; the last split of the tile to arrive (its counter) sums every partial
+    in split order, so the result does not depend on timing, and resets the counter for the next launch. Returns
+    (the sum where this program holds it, whether it does)."""
+    mask = gl.expand_dims(om < M, 0) & gl.expand_dims(on < N, 1)
+    offs = gl.expand_dims(om, 0) * N + gl.expand_dims(on, 1)
+    gl.store(ws_ptr + pid_k * M * N + offs, acc, mask=mask)
+    gl.thread_barrier()  # every thread's stores, then one release by the counter's atomic
+    last = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
+    if last:
+        acc = gl.zeros_like(acc)
+        for k in range(SPLIT_K):
+            acc += gl.load(ws_ptr + k * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        gl.atomic_xchg(cnt_ptr + tile, 0)
+    return acc, last
+
+
 def require_gpu(x: torch.Tensor, op: str) -> None:
     if interpreting():
         raise NotImplementedError(f"{op}: Gluon kernels do not run in the Triton interpreter (TRITON_INTERPRET=1)")

@@ -13,7 +13,7 @@ Each thread loads, per row it owns, the codes of 32 consecutive elements of K (1
 scale block. K is a contracted dimension, so the order in which those elements meet wgmma's A layout is free,
 provided x^T's rows follow the same order: a word of 8 e2m1 codes gives its pairs (nibbles 0 and 4, 1 and 5, 2 and
 6, 3 and 7), a word of 4 e4m3 codes its pairs (bytes 0 and 2, 1 and 3), each a bf16x2 register, with no moves but a
-shift of the word; ``_k_order`` places them, and x to match. Each pair is built on both halves
+shift of the word; ``permute_k`` places them, and x to match. Each pair is built on both halves
 at once: e2m1 as sign | magnitude >> 6 (the value times 2**-126, a bf16 subnormal for 0.5) times 2**126, e4m3 as
 sign | magnitude >> 4 (times 2**-120) times 2**120, NaN for its codes 0x7F and 0xFF; then times the block's scale
 in bf16: for the MX formats 2**(s - 127) (2**-127 a bf16 subnormal; NaN for 0xFF), each product rounded once as
@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.experimental.gluon.language as gl
 from mx_kernels.common import arrival_counters
+from mx_kernels.gluon.common import permute_k, split_k_sum
 from mx_kernels.mx.weight_only import FORMATS, tensor_scales
 from triton.experimental import gluon
 from triton.experimental.gluon.language.nvidia import hopper
@@ -107,17 +108,7 @@ def _upcast_e2m1(words, scales, FMT: gl.constexpr):
     )
 
 
-@gluon.jit
-def _k_order(t, PERM: gl.constexpr):
-    """t [R, 128] (or [R, words, pair elements...] of 128 a row) with its 7 bits of K permuted as PERM says (over
-    [R, 2, 2, 2, 2, 2, 2, 2], most significant bit first): [R, 128] in the new order."""
-    R: gl.constexpr = t.shape[0]
-    t = gl.reshape(t, [R, 2, 2, 2, 2, 2, 2, 2])
-    t = gl.permute(t, (PERM[0], PERM[1], PERM[2], PERM[3], PERM[4], PERM[5], PERM[6], PERM[7]))
-    return gl.reshape(t, [R, BLOCK_K])
-
-
-# The orders along K, as _k_order permutations. e2m1: element e (nibbles 0, 4, 1, 5, 2, 6, 3, 7) of word 4q + t
+# The orders along K, as permute_k permutations. e2m1: element e (nibbles 0, 4, 1, 5, 2, 6, 3, 7) of word 4q + t
 # (q the lane's position along K) goes to logical k = e0 + 2 q + 8 e1 + 16 e2 + 32 t0 + 64 t1, wgmma's A layout
 # (lane q holds k = 2q, 2q + 1, 2q + 8, 2q + 9 of each 16) as a register permutation of the loaded words'. The
 # upcast pairs [R, 16 words, e0, e1, e2] read as q1 q0 t1 t0 e0 e1 e2, and x [R, 128] as q1 q0 t1 t0 e0 e2 e1 (its
@@ -134,8 +125,8 @@ def _operands_e2m1(w, s, x, FMT: gl.constexpr, A: gl.constexpr):
     """A step's A operand (the upcast weights, in registers) and x in its logical order along K: e2m1 codes."""
     e0, e1, e2, e3, e4, e5, e6, e7 = _upcast_e2m1(w, s, FMT)
     pairs = gl.join(gl.join(gl.join(e0, e1), gl.join(e2, e3)), gl.join(gl.join(e4, e5), gl.join(e6, e7)))
-    a = gl.convert_layout(_k_order(pairs, _E2M1_PAIRS), A, assert_trivial=True)
-    return a, _k_order(x, _E2M1_X)
+    a = gl.convert_layout(permute_k(pairs, _E2M1_PAIRS), A, assert_trivial=True)
+    return a, permute_k(x, _E2M1_X)
 
 
 @gluon.jit
@@ -144,8 +135,8 @@ def _operands_e4m3(w, s, x, A: gl.constexpr):
     e0, e1, e2, e3 = gl.inline_asm_elementwise(
         _UPCAST_MXFP8, "=h,=h,=h,=h,r,r", [w, s], dtype=[gl.bfloat16] * 4, is_pure=True, pack=1
     )
-    a = gl.convert_layout(_k_order(gl.join(gl.join(e0, e1), gl.join(e2, e3)), _E4M3_ORDER), A, assert_trivial=True)
-    return a, _k_order(x, _E4M3_ORDER)
+    a = gl.convert_layout(permute_k(gl.join(gl.join(e0, e1), gl.join(e2, e3)), _E4M3_ORDER), A, assert_trivial=True)
+    return a, permute_k(x, _E4M3_ORDER)
 
 
 @gluon.jit
@@ -213,17 +204,9 @@ def weight_only_wgmma_kernel(x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, cnt_p
     on = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OL))
     om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, OL))
     mask = gl.expand_dims(om < M, 0) & gl.expand_dims(on < N, 1)
-    tile = gl.expand_dims(om, 0) * N + gl.expand_dims(on, 1)  # [n, m] of an [M, N] partial
     last = True
     if SPLIT:
-        gl.store(ws_ptr + pid_k * M * N + tile, acc, mask=mask)
-        gl.thread_barrier()
-        last = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1
-        if last:
-            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, OL)
-            for k in range(SPLIT_K):
-                acc += gl.load(ws_ptr + k * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
-            gl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next launch
+        acc, last = split_k_sum(acc, on, om, ws_ptr, cnt_ptr, pid, pid_k, M, N, SPLIT_K)
     if last:
         if FMT == "nvfp4":  # the tensor scale on the fp32 sum, once (one, or one per row of N)
             acc = acc * gl.expand_dims(gl.load(ts_ptr + gl.where(on < N, on, 0) * stride_tn), 1)

@@ -48,6 +48,7 @@ import triton
 import triton.experimental.gluon.language as gl
 import triton.language as tl
 from mx_kernels.common import arrival_counters
+from mx_kernels.gluon.common import permute_k, split_k_sum
 from mx_kernels.mx.weight_only import _e2m1, _e4m3, _e8m0
 from triton.experimental import gluon
 from triton.experimental.gluon.language.nvidia import hopper
@@ -140,15 +141,6 @@ def _x_layout(BLOCK_M, W):
     )
 
 
-@gluon.jit
-def _logical_k(t, P: gl.constexpr):
-    """t [R, 128] with its 7 bits of K permuted as P says (over [R, 2, 2, 2, 2, 2, 2, 2], most significant first)."""
-    R: gl.constexpr = t.shape[0]
-    t = gl.reshape(t, [R, 2, 2, 2, 2, 2, 2, 2])
-    t = gl.permute(t, (P[0], P[1], P[2], P[3], P[4], P[5], P[6], P[7]))
-    return gl.reshape(t, [R, BLOCK_K])
-
-
 # Element 32q + 4j + 2h + e of a step is the MMA's k = 16j + 8h + 2q + e. The upcast pairs join to [R, q1 q0 b v e h
 # j0] (word 2b + v of lane q holds j = 2(2b + v) + j0), x to [R, q1 q0 j2 j1 j0 h e]; both go to [R, j2 j1 j0 h q1 q0
 # e], the MMA's order.
@@ -164,7 +156,7 @@ def _a_operand(w, f, A: gl.constexpr, UPCAST: gl.constexpr):
         UPCAST, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, f], dtype=[gl.bfloat16] * 8, is_pure=True, pack=1
     )
     pairs = gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)), gl.join(gl.join(o4, o5), gl.join(o6, o7)))
-    return gl.convert_layout(_logical_k(gl.reshape(pairs, [R, BLOCK_K]), _W_ORDER), A, assert_trivial=True)
+    return gl.convert_layout(permute_k(gl.reshape(pairs, [R, BLOCK_K]), _W_ORDER), A, assert_trivial=True)
 
 
 @gluon.jit
@@ -173,7 +165,7 @@ def _b_operand(x, B: gl.constexpr):
     lo, hi = gl.inline_asm_elementwise(
         "mov.b32 {$0, $1}, $2;", "=h,=h,r", [x], dtype=[gl.bfloat16] * 2, is_pure=True, pack=1
     )
-    xk = _logical_k(gl.reshape(gl.join(lo, hi), [x.shape[0], BLOCK_K]), _X_ORDER)
+    xk = permute_k(gl.reshape(gl.join(lo, hi), [x.shape[0], BLOCK_K]), _X_ORDER)
     return gl.convert_layout(gl.permute(xk, (1, 0)), B, assert_trivial=True)
 
 
@@ -281,7 +273,7 @@ def tiled_weight_only_kernel(
             # x^T double-buffered: one warpgroup's store of the next step's x cannot overwrite a tile the other's
             # wgmma still reads (8 warps)
             x_buf = x_smem.index(i % 2)
-            x_buf.store(_logical_k(x, _X_ORDER))
+            x_buf.store(permute_k(x, _X_ORDER))
             hopper.fence_async_shared()
             x = gl.load(x_rows + gl.expand_dims(gl.multiple_of(k_next, 64) + xk, 0))
             acc = hopper.warpgroup_mma(a, x_buf.permute((1, 0)), acc, is_async=True)
@@ -296,18 +288,9 @@ def tiled_weight_only_kernel(
         gdc_launch_dependents()
     on = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
-    mask = gl.expand_dims(om < M, 0) & gl.expand_dims(on < N, 1)
-    tile = gl.expand_dims(om, 0) * N + gl.expand_dims(on, 1)  # [n, m] of an [M, N] partial
     last = True
     if SPLIT:
-        gl.store(ws_ptr + pid_k * M * N + tile, acc, mask=mask)
-        gl.thread_barrier()
-        last = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1
-        if last:
-            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-            for k in range(SPLIT_K):
-                acc += gl.load(ws_ptr + k * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
-            gl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next launch
+        acc, last = split_k_sum(acc, on, om, ws_ptr, cnt_ptr, pid, pid_k, M, N, SPLIT_K)
     if last:
         if FMT == "nvfp4":  # 2**8 and the tensor scale on the fp32 sum (one, or one per packed row)
             acc = acc * gl.expand_dims(gl.load(ts_ptr + gl.where(on < N, on, 0) * stride_tn) * NVFP4_SHIFT, 1)
@@ -324,7 +307,7 @@ def tiled_weight_only_kernel(
             gl.store(ptrs, y, mask=gl.expand_dims(um < M, 0) & gl.expand_dims(un < N // 2, 1))
         else:
             ptrs = out_ptr + gl.expand_dims(om, 0) * stride_om + gl.expand_dims(on, 1)
-            gl.store(ptrs, acc.to(gl.bfloat16), mask=mask)
+            gl.store(ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(om < M, 0) & gl.expand_dims(on < N, 1))
 
 
 # ------------------------------------------------------------------------------------------------------------------
