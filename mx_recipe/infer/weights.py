@@ -25,7 +25,8 @@ bytes are the same; each shared part's output is rounded once before the sum (th
 ``tile_weights`` then repacks the dense MXFP4 and NVFP4 weights for Hopper's decode GEMM
 (mx_kernels.gluon.weight_only_tiled: 16-row, 128-element tiles a warp reads as one contiguous kilobyte, each code
 word's bits permuted so that a pair upcasts in one or two integer operations). It replaces the formats' layout: the
-weight keeps its bytes, and ``dequantize`` (the reference, prefill) unpacks it.
+weight keeps its bytes; ``dequantize`` (prefill, the reference) reads the tiles in one kernel on a GPU and unpacks
+them on a CPU.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class PackedWeight(nn.Module):
     def tile(self, swiglu: bool = False) -> None:
         """Keep the codes and scales in the tiled layout of the weight-only GEMM on Hopper's tensor cores
         (mx_kernels.gluon.weight_only_tiled, ``pack``), in place of the formats' own, for MXFP4 and NVFP4 dense
-        weights: 18-33% off its GEMMs at 8 to 64 rows, about even at one (one H200, Llama 3 8B's projections).
+        weights: 18-41% off their GEMMs at 8 to 128 rows; at one row fused w1/w3 gains and the small projections
+        lose (one H200, Llama 3 8B's projections).
         ``swiglu``: the weight is w1 and w3 concatenated along N, its rows ordered for the SwiGLU epilogue. The
         tensor scale stays per the original rows (``dequantize``); the kernel's, in the packed order, beside it."""
         from mx_kernels.gluon.weight_only_tiled import pack, two_mul
@@ -96,7 +98,6 @@ class PackedWeight(nn.Module):
                              f"{tuple(self.qdata.shape)}{' (tiled)' if self.tiled else ''}")  # fmt: skip
         words, scales, ts = pack(self.qdata, self.scale, self.tensor_scale, self.fmt, swiglu)
         self.rows, self.swiglu_rows, self.two_mul = self.qdata.shape[0], swiglu, two_mul(self.scale, self.fmt)
-        self.natural = (self.qdata.dtype, self.scale.dtype)
         self.qdata, self.scale = words, scales
         self.register_buffer("tensor_scale_tiled", ts)
         self.tiled = True
@@ -108,7 +109,7 @@ class PackedWeight(nn.Module):
         from mx_kernels.gluon.weight_only_tiled import unpack
 
         codes, scales = unpack(self.qdata, self.scale, self.rows, self.swiglu_rows)
-        return codes.view(self.natural[0]), scales.view(self.natural[1])
+        return codes, scales.view(torch.float8_e4m3fn if self.fmt == "nvfp4" else torch.float8_e8m0fnu)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         if self.tiled and self.qdata.is_cuda and dtype in (torch.bfloat16, torch.float32):
