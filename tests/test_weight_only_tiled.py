@@ -161,14 +161,15 @@ def test_operands_reach_the_mma_without_moves(m, wgmma, fmt):
 @needs_triton
 def test_config_splits_k_by_the_sm_count():
     """Llama 3 8B's projections (wqkv, wo and w2, w13) on an H200's 132 SMs: mma.sync a warp a program up to 4 rows,
-    wgmma 4 warps to 32 and 8 past that, K split to about 24, 4 or 1 programs an SM."""
+    wgmma 4 warps to 16 and 8 past that, K split to about 24, 4, 2 (to 32 rows) or 1 programs an SM."""
     from mx_kernels.gluon.weight_only_tiled import config
 
     assert {n: config(1, n, 132)["split_k"] for n in (6144, 4096, 28672)} == {6144: 8, 4096: 16, 28672: 2}
     assert {n: config(8, n, 132)["split_k"] for n in (6144, 4096, 28672)} == {6144: 4, 4096: 8, 28672: 1}
     assert not config(4, 4096, 132)["wgmma"] and config(5, 4096, 132) == dict(t=1, w=4, split_k=8, wgmma=True)
     assert {n: config(33, n, 132)["split_k"] for n in (6144, 4096, 28672)} == {6144: 2, 4096: 4, 28672: 1}
-    assert config(128, 4096, 132)["w"] == 8 and config(32, 4096, 132)["w"] == 4
+    assert {n: config(17, n, 132)["split_k"] for n in (6144, 4096, 28672)} == {6144: 4, 4096: 8, 28672: 1}
+    assert config(128, 4096, 132)["w"] == 8 and config(32, 4096, 132)["w"] == 8 and config(16, 4096, 132)["w"] == 4
     assert config(1, 16, 132)["split_k"] == 16 and config(64, 28672, 16)["split_k"] == 1
 
 

@@ -28,8 +28,8 @@ The layout (``pack``), made once when a model is loaded for decode (mx_recipe.in
 One H200 (2026-11-30), Llama 3 8B's projections, us per GEMM (wqkv, wo, w1/w3 with SwiGLU, w2), each weight read
 from memory, against the formats' layout's kernels (small-M FMA to 4 rows, the Gluon wgmma tile past it): MXFP4 at
 M = 1: 9.8 / 8.5 / 26.5 / 16.3 against 8.4 / 6.5 / 29.6 / 16.0; M = 8: 10.5 / 8.6 / 28.3 / 17.8 against 13.2 /
-10.1 / 41.7 / 22.6; M = 32: 14.0 / 11.6 / 36.7 / 23.6 against 15.7 / 14.4 / 47.1 / 27.1; M = 128 (one launch, 8
-warps): 32.8 / 25.5 / 95.6 / 61.1 against 52.4 / 43.6 / 151.9 / 90.9.
+10.1 / 41.7 / 22.6; M = 32 (8 warps): 14.2 / 11.8 / 34.7 / 22.0 against 15.7 / 14.4 / 47.1 / 27.1; M = 128 (one
+launch, 8 warps): 32.8 / 25.5 / 95.6 / 61.1 against 52.4 / 43.6 / 151.9 / 90.9.
 
 ``SWIGLU``: the weight is w1 and w3 concatenated along N, packed with each 16-row tile as 8 gate rows then the same
 8 hidden units' up rows: a lane's accumulator holds rows g and g + 8, a unit's gate and up, and the epilogue writes
@@ -470,15 +470,17 @@ def _nearest_power_of_2(v: float, most: int) -> int:
 
 def config(m: int, n: int, sm_count: int) -> dict:
     """The launch of an M-row GEMM over n weight rows, by M: up to 4 rows mma.sync, one warp of 16 rows a program,
-    K split so that the GEMM has about 24 programs an SM (short programs, many in flight); 5 to 32 rows wgmma, 64
-    rows a program (4 warps), about 4 an SM; past that 128 rows a program (8 warps), about 1 an SM (the power of 2
-    nearest each). Chosen on one H200 (2026-11-30) against the best of T, W and the split a shape, Llama 3 8B's
-    projections at M = 1 to 128."""
+    K split so that the GEMM has about 24 programs an SM (short programs, many in flight); 5 to 16 rows wgmma, 64
+    rows a program (4 warps), about 4 an SM; past that 128 rows a program (8 warps), about 2 an SM to 32 rows and 1
+    past 32 (the power of 2 nearest each). Chosen on one H200 against the best of T, W and the split a shape, Llama 3
+    8B's projections at M = 1 to 128 (2026-11-30); at 17 to 32 rows the 8 warps take a layer's four GEMMs 6-9% under
+    4 warps (MXFP4 M = 32: 82.7 against 87.8 us, NVFP4 88.1 against 96.2), at 12 and 16 rows 6-7% over."""
     if m <= 4:
         return dict(t=1, w=1, split_k=_nearest_power_of_2(24 * sm_count / triton.cdiv(n, 16), 16), wgmma=False)
-    if m <= 32:
+    if m <= 16:
         return dict(t=1, w=4, split_k=_nearest_power_of_2(4 * sm_count / triton.cdiv(n, 64), 8), wgmma=True)
-    return dict(t=1, w=8, split_k=_nearest_power_of_2(sm_count / triton.cdiv(n, 128), 8), wgmma=True)
+    per_sm = 2 if m <= 32 else 1
+    return dict(t=1, w=8, split_k=_nearest_power_of_2(per_sm * sm_count / triton.cdiv(n, 128), 8), wgmma=True)
 
 
 def tiled_weight_only_mm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None,
