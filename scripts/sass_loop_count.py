@@ -101,7 +101,7 @@ def gluon_report(fmt: str, warps: int, m: int, arch: int, show: bool, n: int = 1
         ws_ptr=torch.empty(1, dtype=torch.float32, **meta),
         cnt_ptr=torch.empty(1, dtype=torch.int32, **meta),
         M=m, N=n, K=k, K_SPLIT=k, SPLIT_K=1, stride_xm=k, stride_wn=k // pack, stride_sn=k // group, stride_tn=0,
-        stride_om=n, FMT=fmt, BLOCK_M=max(8, triton.next_power_of_2(m)), NUM_WARPS=warps, SPLIT=False,
+        stride_om=n, FMT=fmt, BLOCK_M=max(8, triton.next_power_of_2(m)), NUM_WARPS=warps, SPLIT=False, UNROLL=0,
         num_warps=warps,
     )  # fmt: skip
     cubin = compile_for_arch(weight_only_wgmma_kernel, kwargs, arch).asm["cubin"]

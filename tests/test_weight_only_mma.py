@@ -46,7 +46,7 @@ def test_upcast_weights_are_the_mma_register_operand(block_m, num_warps, fmt):
         out_ptr=torch.empty(block_m, n, dtype=torch.bfloat16, **meta), ws_ptr=torch.empty(2, block_m, n, **meta),
         cnt_ptr=torch.empty(64, dtype=torch.int32, **meta), M=block_m, N=n, K=k, K_SPLIT=k // 2, SPLIT_K=2,
         stride_xm=k, stride_wn=k, stride_sn=k // 16, stride_tn=1, stride_om=n, FMT=fmt, BLOCK_M=block_m,
-        NUM_WARPS=num_warps, SPLIT=True, num_warps=num_warps,
+        NUM_WARPS=num_warps, SPLIT=True, UNROLL=2, num_warps=num_warps,
     )  # fmt: skip
     ttgir = compile_for_arch(weight_only_mma.weight_only_wgmma_kernel, kwargs, 90).asm["ttgir"]
     a_operand = rf"ttng\.warp_group_dot %\S+, %\S+, .*? : tensor<{16 * num_warps}x128xbf16, #ttg\.dot_op<\{{opIdx = 0"

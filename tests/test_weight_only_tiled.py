@@ -147,7 +147,7 @@ def test_operands_reach_the_mma_without_moves(m, wgmma, fmt):
         out_ptr=torch.empty(m, n, dtype=torch.bfloat16, **meta), ws_ptr=torch.empty(2, m, n, **meta),
         cnt_ptr=torch.empty(64, dtype=torch.int32, **meta), M=m, N=n, K=k, K_SPLIT=k // 2, SPLIT_K=2, stride_xm=k,
         stride_om=n, stride_tn=1, FMT=fmt, BLOCK_M=max(8, m), T=1 if wgmma else 2, W=4, SPLIT=True, TWO_MUL=False,
-        SWIGLU=True, PDL=True, WGMMA=wgmma, num_warps=4,
+        SWIGLU=True, PDL=True, WGMMA=wgmma, UNROLL=2, num_warps=4,
     )  # fmt: skip
     ttgir = compile_for_arch(tiled_weight_only_kernel, kwargs, 90).asm["ttgir"]
     if wgmma:

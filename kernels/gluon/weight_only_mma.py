@@ -151,7 +151,8 @@ def _load_step(w_rows, s_rows, x_rows, words, xk, k0, GROUP: gl.constexpr, PER_W
 @gluon.jit
 def weight_only_wgmma_kernel(x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT, SPLIT_K,
                              stride_xm, stride_wn, stride_sn, stride_tn, stride_om, FMT: gl.constexpr,
-                             BLOCK_M: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
+                             BLOCK_M: gl.constexpr, NUM_WARPS: gl.constexpr, SPLIT: gl.constexpr,
+                             UNROLL: gl.constexpr):  # fmt: skip
     """One program: 16 NUM_WARPS weight rows (a warpgroup's wgmma per 64), every row of x (M <= BLOCK_M), its split
     of K (K_SPLIT, a multiple of 128). The next step's loads are issued before this step's wgmma, which runs while
     they land. The wgmma is waited for before the next step's upcast: that upcast may take the registers of this
@@ -206,7 +207,7 @@ def weight_only_wgmma_kernel(x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, cnt_p
     mask = gl.expand_dims(om < M, 0) & gl.expand_dims(on < N, 1)
     last = True
     if SPLIT:
-        acc, last = split_k_sum(acc, on, om, ws_ptr, cnt_ptr, pid, pid_k, M, N, SPLIT_K)
+        acc, last = split_k_sum(acc, on, om, ws_ptr, cnt_ptr, pid, pid_k, M, N, SPLIT_K, UNROLL)
     if last:
         if FMT == "nvfp4":  # the tensor scale on the fp32 sum, once (one, or one per row of N)
             acc = acc * gl.expand_dims(gl.load(ts_ptr + gl.where(on < N, on, 0) * stride_tn), 1)
@@ -260,6 +261,6 @@ def wgmma_weight_only(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
     weight_only_wgmma_kernel[(n_tiles, split_k)](
         x, w, s, ts, out, ws, counters, m, n, k, k_split * BLOCK_K.value, split_k, x.stride(0), w.stride(0),
         s.stride(0), stride_tn, out.stride(0), FMT=fmt, BLOCK_M=max(8, triton.next_power_of_2(m)),
-        NUM_WARPS=num_warps, SPLIT=split, num_warps=num_warps,
+        NUM_WARPS=num_warps, SPLIT=split, UNROLL=triton.next_power_of_2(split_k) if split else 0, num_warps=num_warps,
     )  # fmt: skip
     return out

@@ -188,7 +188,7 @@ def _factors(s, WL: gl.constexpr, FMT: gl.constexpr, TWO_MUL: gl.constexpr):
 def tiled_weight_only_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT, SPLIT_K, stride_xm, stride_om, stride_tn,
     FMT: gl.constexpr, BLOCK_M: gl.constexpr, T: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
-    TWO_MUL: gl.constexpr, SWIGLU: gl.constexpr, PDL: gl.constexpr, WGMMA: gl.constexpr,
+    TWO_MUL: gl.constexpr, SWIGLU: gl.constexpr, PDL: gl.constexpr, WGMMA: gl.constexpr, UNROLL: gl.constexpr,
 ):  # fmt: skip
     """One program: 16 T W weight rows, every row of x (M <= BLOCK_M), its split of K (K_SPLIT, a multiple of 128).
     w_ptr: the tiled words (int32), s_ptr the tiled scale bytes (module doc); N: the weight's rows."""
@@ -290,7 +290,7 @@ def tiled_weight_only_kernel(
     om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
     last = True
     if SPLIT:
-        acc, last = split_k_sum(acc, on, om, ws_ptr, cnt_ptr, pid, pid_k, M, N, SPLIT_K)
+        acc, last = split_k_sum(acc, on, om, ws_ptr, cnt_ptr, pid, pid_k, M, N, SPLIT_K, UNROLL)
     if last:
         if FMT == "nvfp4":  # 2**8 and the tensor scale on the fp32 sum (one, or one per packed row)
             acc = acc * gl.expand_dims(gl.load(ts_ptr + gl.where(on < N, on, 0) * stride_tn) * NVFP4_SHIFT, 1)
@@ -532,5 +532,6 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, tensor_s
     tiled_weight_only_kernel[(n_tiles, split_k)](
         x, words, scales, ts, out, ws, counters, m, n, k, k_split * BLOCK_K.value, split_k, x.stride(0),
         out.stride(0), stride_tn, FMT=fmt, BLOCK_M=max(8, triton.next_power_of_2(m)), T=t, W=w, SPLIT=split,
-        TWO_MUL=two, SWIGLU=swiglu, PDL=pdl, WGMMA=wgmma, num_warps=w, launch_pdl=pdl,
+        TWO_MUL=two, SWIGLU=swiglu, PDL=pdl, WGMMA=wgmma,
+        UNROLL=triton.next_power_of_2(split_k) if split else 0, num_warps=w, launch_pdl=pdl,
     )  # fmt: skip
