@@ -27,8 +27,8 @@ The layout (``pack``), made once when a model is loaded for decode (mx_recipe.in
 
 One H200 (2026-11-30), Llama 3 8B's projections, us per GEMM (wqkv, wo, w1/w3 with SwiGLU, w2), each weight read
 from memory, against the formats' layout's kernels (small-M FMA to 4 rows, the Gluon wgmma tile past it): MXFP4 at
-M = 1: 9.8 / 8.5 / 26.5 / 16.3 against 8.4 / 6.5 / 29.6 / 16.0; M = 8: 10.5 / 8.6 / 28.3 / 17.8 against 13.2 /
-10.1 / 41.7 / 22.6; M = 32 (8 warps): 14.2 / 11.8 / 34.7 / 22.0 against 15.7 / 14.4 / 47.1 / 27.1; M = 128 (one
+M = 1: 9.2 / 8.7 / 25.8 / 14.9 against 8.4 / 6.5 / 29.6 / 16.0; M = 8: 9.9 / 8.1 / 30.7 / 16.7 against 13.2 /
+10.1 / 41.7 / 22.6; M = 32 (8 warps): 13.8 / 11.7 / 35.2 / 22.2 against 15.7 / 14.4 / 47.1 / 27.1; M = 128 (one
 launch, 8 warps): 32.8 / 25.5 / 95.6 / 61.1 against 52.4 / 43.6 / 151.9 / 90.9.
 
 ``SWIGLU``: the weight is w1 and w3 concatenated along N, packed with each 16-row tile as 8 gate rows then the same
