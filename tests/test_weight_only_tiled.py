@@ -59,8 +59,11 @@ def test_tiling_round_trips_and_keeps_dequantize(fmt, n, k, swiglu):
     parts = [weights(n // 2, k) * s for s in (0.02, 3.0)]
     p = PackedWeight.cat([packed(w, fmt) for w in parts]) if fmt == "nvfp4" else packed(torch.cat(parts), fmt)
     want_q, want_s, want = p.qdata.clone(), p.scale.clone(), p.dequantize(torch.float32)
+    untiled_bytes = p.nbytes()
     p.tile(swiglu)
     assert p.tiled and p.qdata.dtype == torch.int32 and p.qdata.shape == (-(-n // 16) * 16, k // 8)
+    padding = (p.qdata.shape[0] - n) * (k // 2 + want_s.shape[1])  # zero rows up to the 16-row tile
+    assert p.nbytes() == untiled_bytes + padding  # the kernel's tensor scale counted once, as the untiled one
     q, s = p.natural_codes()
     assert torch.equal(q, want_q) and torch.equal(s.view(torch.uint8), want_s.view(torch.uint8))
     assert torch.equal(p.dequantize(torch.float32), want)

@@ -148,7 +148,10 @@ class PackedWeight(nn.Module):
         return swiglu_of(y) if swiglu else y
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
+        """Bytes the GEMM reads: codes, scales and tensor scale (tiled: the kernel's, not the copy in the original
+        row order that ``dequantize`` keeps)."""
+        skip = "tensor_scale" if self.tiled else None
+        return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != skip)
 
     @classmethod
     def cat(cls, parts: list[PackedWeight]) -> PackedWeight:
