@@ -33,8 +33,8 @@ p_lo = p - p_hi rounded, two MMAs into one fp32 sum: 16 significant bits of p, w
 16-bit P keeps 8. Otherwise (fp32 inputs, and under the interpreter) both dots take fp32 operands with
 ``input_precision="ieee"`` (no TF32), so fp32 inputs get fp32 attention; on CUDA cores, these tiles are 16
 positions (BLOCK_L, tl.dot's least: compiled for sm_90 at 4 warps 72 registers a thread at D = 128 and at most
-143 at D = 256, where 32 positions take 247 and some shapes spill); the 16-bit tiles are 32 (BLOCK_L_MMA16), 64
-for a step of few heads (BLOCK_L_MMA16_FEW_HEADS).
+143 at D = 256, where 32 positions take 247 and some shapes spill); the 16-bit tiles are 64 positions at D <= 128
+(BLOCK_L_MMA16), 32 past it (BLOCK_L_MMA16_WIDE).
 A chunk of one tile (such a step's, at batch 1) takes no loop: its keys and values are one [2, BLOCK_L, D] load,
 issued with the RoPE rows', q's and the step's own k's and v's before any arithmetic, so that the program waits
 once for all of its bytes (a loop's pipelined loads issue after q's rotation, and two loads would each wait for
@@ -61,8 +61,8 @@ one zeroed buffer per device, kept: two launches must not run at once on differe
 kernel for the combine, this saves its launch and the wait between the two. Scores are in base 2, scaled by
 scale * log2(e) (fp32 q once; the 16-bit path each tile's fp32 scores).
 
-SPLITS: enough chunks that B * Hkv * SPLITS makes PROGRAMS_PER_SM programs an SM, at most one a tile; a chunk
-is a whole number of tiles. ``length`` must be at least 1 (0 gives NaN); past L it reads as L.
+SPLITS: the chunks that make B * Hkv * SPLITS nearest PROGRAMS_PER_SM programs an SM (at least one), at most one a
+tile; a chunk is a whole number of tiles. ``length`` must be at least 1 (0 gives NaN); past L it reads as L.
 """
 
 from __future__ import annotations
@@ -79,12 +79,14 @@ from mx_kernels.spec import cdiv
 
 PROGRAMS_PER_SM = 2  # split programs an SM: the loads of several programs in flight hide each other's latency
 BLOCK_L = 16  # cache positions a tile of the fp32 path (module doc)
-BLOCK_L_MMA16 = 32  # and of the 16-bit path (MMAs): 200 registers a thread at D = 128, 4 warps, sm_90
-# Up to FEW_HEADS heads (B * Hkv), D <= 128, the 16-bit tiles are 64 positions: with few heads each chunk's loop
-# is short and its load latency the cost. Llama 3 8B heads, context 1024, one H100 (2026-11-28), us per layer at 32 / 64
-# positions: batch 1 7.1 / 5.8, batch 8 13.2 / 11.7, batch 32 51.3 / 53.9.
-BLOCK_L_MMA16_FEW_HEADS = 64
-FEW_HEADS = 64
+# The 16-bit path's tiles (MMAs) at D <= 128: half the loop trips of 32 positions, at 168 registers a thread (4
+# warps, sm_90: 3 programs an SM; 32 positions take 126). With the chunks rounded to the nearest of PROGRAMS_PER_SM
+# an SM (not up: 2 chunks of a head at batch 32 make 512 programs, two waves of 3 an SM), Llama 3 8B heads, context
+# 1024, one H200 (2026-11-30), us per layer against 32 positions and chunks rounded up: batch 16 23.3 -> 23.0,
+# 32 39.4 -> 37.1, 64 86.5 -> 80.9, 128 141.4 -> 134.5, 8 (4 chunks, not 5) 14.6 -> 14.6. Batch 1 and 8 took 64
+# positions already (one H100: 5.8 against 7.1 us at 32, and 11.7 against 13.2).
+BLOCK_L_MMA16 = 64
+BLOCK_L_MMA16_WIDE = 32  # past D = 128
 INTERPRET_BLOCK_L = 64  # under the interpreter, whose time goes by operation: fewer, larger tiles
 BLOCK_S = 16  # splits the combine reads at once, at most
 # and (split, query head) pairs at once: a [BLOCK_RC, D, BLOCK_S] fp32 tile, 64 registers a thread at D = 128
@@ -271,11 +273,11 @@ def _sm_count(device: torch.device) -> int:
 
 def split_count(bh: int, cache_len: int, block_l: int, sms: int, splits: int | None = None) -> tuple[int, int]:
     """(SPLITS, positions a chunk) for ``bh`` = B * Hkv heads over ``cache_len`` positions in tiles of ``block_l``:
-    ``splits`` chunks (None: PROGRAMS_PER_SM programs on each of ``sms`` SMs), at most one a tile, each a whole
-    number of tiles, none empty at full length."""
+    ``splits`` chunks (None: the nearest count to PROGRAMS_PER_SM programs on each of ``sms`` SMs, at least one),
+    at most one a tile, each a whole number of tiles, none empty at full length."""
     tiles = cdiv(cache_len, block_l)
     if splits is None:
-        splits = cdiv(PROGRAMS_PER_SM * sms, bh)
+        splits = max(1, (2 * PROGRAMS_PER_SM * sms + bh) // (2 * bh))  # the nearest, halves up
     chunk = cdiv(tiles, max(1, min(splits, tiles))) * block_l
     return cdiv(cache_len, chunk), chunk
 
@@ -363,7 +365,7 @@ def decode_attention(
         if interpreting():
             block_l = INTERPRET_BLOCK_L
         elif mma16:
-            block_l = BLOCK_L_MMA16_FEW_HEADS if bsz * heads <= FEW_HEADS and d <= 128 else BLOCK_L_MMA16
+            block_l = BLOCK_L_MMA16 if d <= 128 else BLOCK_L_MMA16_WIDE
         else:
             block_l = BLOCK_L
     if block_l < 16 or block_l & (block_l - 1):

@@ -238,6 +238,10 @@ def test_split_count_spreads_the_cache_and_leaves_no_empty_chunk():
                     assert bh * n > (PROGRAMS_PER_SM - 1) * h200
     assert split_count(8, 1024, BLOCK_L, h200) == (32, 32)  # Llama 3 8B at batch 1: 256 programs of 2 tiles
     assert split_count(264, 1024, BLOCK_L, h200) == (1, 1024)  # one split: the output straight from the split kernel
+    # the nearest count, not the next: batch 32 (256 heads) one wave of one chunk a head, batch 8 (64) four
+    assert split_count(256, 1024, BLOCK_L, h200) == (1, 1024)
+    assert split_count(64, 1024, BLOCK_L, h200) == (4, 256)
+    assert split_count(176, 1024, BLOCK_L, h200) == (2, 512)  # 1.5: halves up
 
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
