@@ -255,7 +255,7 @@ def test_generate_continues_a_prompt_from_a_train_py_checkpoint(trained_run):
     cmd += ["--max-new-tokens", "8"]
     runs = [subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300) for _ in range(2)]
     for done in runs:
-        assert done.returncode == 0, done.stderr
+        assert done.returncode == 0 and "Warning:" not in done.stderr, done.stderr  # nothing to alarm a reader
         text, summary = done.stdout.rstrip("\n").rsplit("\n", 1)
         assert text.startswith("def ") and "cpu mxfp8 weights" in summary and "decode" in summary
     assert runs[0].stdout.split("\n")[0] == runs[1].stdout.split("\n")[0]  # greedy: the same continuation
