@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -84,20 +85,43 @@ TARGETS = [
 BF16_BOUND_TARGET = 0.8
 
 
-def build(name: str, flavor: str, layers: int | None, fmt: str, max_len: int, device: torch.device,
-          reference: bool, fuse: bool = True) -> Transformer:  # fmt: skip
-    """The model at random (seed 0), in the compute dtype (bf16 on CUDA, fp32 on the CPU), weights in ``fmt``;
-    ``fuse``: the projections that read one input as one GEMM (mx_recipe.infer.weights.fuse_projections); 4-bit dense
-    weights tiled for Hopper's decode kernel where it runs (``tile_weights``)."""
+def compute_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def meta_model(name: str, flavor: str, layers: int | None, max_len: int) -> Transformer:
+    """The model's shapes without memory (the meta device): --layers keeps its first blocks."""
     dims = model_args(name, flavor, SMALL_VOCAB if flavor.startswith("debug") else VOCAB[name], max_len)
     if layers is not None:
         if not 0 < layers <= dims.n_layers:
             raise ValueError(f"--layers {layers}: the flavor has {dims.n_layers} blocks")
         dims = dataclasses.replace(dims, n_layers=layers)
     with torch.device("meta"):
-        model = build_model(dims)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = quantize_model(init_random(model, device, 0, dtype).eval(), fmt, kernel=not reference)
+        return build_model(dims)
+
+
+def check_memory(model: Transformer, device: torch.device, what: str) -> None:
+    """Raise ValueError, naming the sizes, where the bf16 model ``what`` and the one being quantized cannot both fit
+    in the device's memory (Llama 3 8B dims in fp32 on a CPU would swap for minutes before failing)."""
+    dtype = compute_dtype(device)
+    need = 2 * sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    if device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        hint = "; --flavor debug runs a smoke test" if device.type == "cpu" else ""
+        raise ValueError(f"{what} needs at least {need / 1e9:.0f} GB in {str(dtype)[6:]} (the bf16 model and one being "
+                         f"quantized), more than the {device.type}'s {have / 1e9:.0f} GB{hint}")  # fmt: skip
+
+
+def build(name: str, flavor: str, layers: int | None, fmt: str, max_len: int, device: torch.device,
+          reference: bool, fuse: bool = True) -> Transformer:  # fmt: skip
+    """The model at random (seed 0), in the compute dtype (bf16 on CUDA, fp32 on the CPU), weights in ``fmt``;
+    ``fuse``: the projections that read one input as one GEMM (mx_recipe.infer.weights.fuse_projections); 4-bit dense
+    weights tiled for Hopper's decode kernel where it runs (``tile_weights``)."""
+    model = meta_model(name, flavor, layers, max_len)
+    model = quantize_model(init_random(model, device, 0, compute_dtype(device)).eval(), fmt, kernel=not reference)
     return tile_weights(fuse_projections(model) if fuse else model)
 
 
@@ -322,6 +346,7 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     max_len = max(args.context, args.prefill)
 
     try:
+        check_memory(meta_model(args.model, flavor, args.layers, max_len), device, f"{args.model} {flavor}")
         models = {
             fmt: build(args.model, flavor, args.layers, fmt, max_len, device, args.reference, not args.no_fuse)
             for fmt in weights

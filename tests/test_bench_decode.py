@@ -54,6 +54,7 @@ def test_step_bytes_count_the_experts_a_batch_reaches():
         (["--layers", "9"], "--layers 9: the flavor has 4 blocks"),
         (["--flavor", "70"], "unknown llama flavor"),
         (["--profile-top", "3"], "--profile-top lists a decode step's GPU kernels"),
+        (["--flavor", "70B"], "--flavor debug runs a smoke test"),  # 560 GB in fp32: no CPU holds it
     ],
 )
 def test_bad_arguments_are_one_line(args, message):
