@@ -24,7 +24,7 @@ import json
 from collections.abc import Callable
 
 import torch
-from timing import kernel_us, median_ms, run_meta
+from timing import kernel_us, median_ms, require_cuda, run_meta
 
 import mx_recipe.ops.mx_cast as mx_cast
 from mx_recipe.cli import ArgumentParser, int_list, names, output_file
@@ -258,6 +258,7 @@ def main() -> None:
     p.add_argument("--no-gluon", action="store_true", help="the Triton kernels where Gluon ones would run (Hopper)")
     p.add_argument("--out", type=output_file, help="write the results as JSON here")
     args = p.parse_args()
+    require_cuda("bench_cast.py")
     set_kernel_settings(KernelSettings(gluon=not args.no_gluon))
     experts, modes = list(args.experts), list(args.modes)
 

@@ -1,9 +1,12 @@
 """benchmarks/timing.py's round logic on the CPU, with do_bench and the profiler replaced by a clock
 that drifts: the interleaving must put the drift on every variant alike."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
-from script_module import load_benchmark
+from script_module import BENCHMARKS, REPO, load_benchmark
 
 
 def _bench_timing():
@@ -62,3 +65,15 @@ def test_the_command_leaves_out_where_the_result_went(monkeypatch):
     script = str(timing.Path(timing.__file__).parent / "bench_moe.py")
     monkeypatch.setattr(timing.sys, "argv", [script, "--out", "r.json", "--experts", "1", "4", "--out=s.json"])
     assert timing.command_line() == "python benchmarks/bench_moe.py --experts 1 4"
+
+
+GPU_ONLY = ["bench_cast", "bench_fp4_cast", "bench_gemm", "bench_host", "bench_linear", "bench_moe"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without CUDA prints")
+def test_gpu_benchmarks_say_they_need_cuda_on_a_cpu():
+    """Each GPU-only benchmark, run with its defaults where there is no CUDA, ends with one line naming itself."""
+    for name in GPU_ONLY:
+        done = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py")], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 1 and done.stderr.strip() == f"{name}.py needs a CUDA GPU", (name, done.stderr)
