@@ -111,7 +111,8 @@ def check_memory(model: Transformer, device: torch.device, what: str) -> None:
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
         hint = "; --flavor debug runs a smoke test" if device.type == "cpu" else ""
-        raise ValueError(f"{what} needs at least {need / 1e9:.0f} GB in {str(dtype)[6:]} (the bf16 model and one being "
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(f"{what} needs at least {need / 1e9:.0f} GB in {name} (the bf16 model and one being "
                          f"quantized), more than the {device.type}'s {have / 1e9:.0f} GB{hint}")  # fmt: skip
 
 
