@@ -138,7 +138,8 @@ def test_every_code_bit_lands_where_the_upcast_reads_it():
                                                  (64, True, "nvfp4")])  # fmt: skip
 def test_operands_reach_the_mma_without_moves(m, wgmma, fmt):
     """Compiled for sm_90a: the upcast weights are the MMA's register operand and x (mma.sync) its other one, each
-    layout conversion asserted trivial at compile time; mma.sync takes no shared memory, wgmma only x^T's."""
+    layout conversion asserted trivial at compile time; mma.sync takes no shared memory, wgmma only x^T's. Under
+    PDL the next kernel is released right after the wait, before the first MMA."""
     from mx_kernels.gluon.common import compile_for_arch
     from mx_kernels.gluon.weight_only_tiled import tiled_weight_only_kernel
 
@@ -152,7 +153,11 @@ def test_operands_reach_the_mma_without_moves(m, wgmma, fmt):
         stride_om=n, stride_tn=1, FMT=fmt, BLOCK_M=max(8, m), T=1 if wgmma else 2, W=4, SPLIT=True, TWO_MUL=False,
         SWIGLU=True, PDL=True, WGMMA=wgmma, UNROLL=2, num_warps=4,
     )  # fmt: skip
-    ttgir = compile_for_arch(tiled_weight_only_kernel, kwargs, 90).asm["ttgir"]
+    compiled = compile_for_arch(tiled_weight_only_kernel, kwargs, 90)
+    ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
+    # PDL: the next kernel is released right after the wait, before the main loop's first MMA (mx_kernels.pdl)
+    mma = ptx.index("wgmma.mma_async" if wgmma else "mma.sync")
+    assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents") < mma
     if wgmma:
         assert re.search(r"ttng\.warp_group_dot %\S+, %\S+, .*? : tensor<64x128xbf16, #ttg\.dot_op<\{opIdx = 0", ttgir)
         assert ttgir.count("ttg.local_alloc") == 1 and "ttg.local_load" not in ttgir

@@ -260,6 +260,7 @@ def tiled_weight_only_kernel(
     s = gl.load(s_tiles + gl.multiple_of(k_start // 2 * SB, 64)).to(gl.int32)
     if PDL:
         gdc_wait()
+        gdc_launch_dependents()
     x = gl.load(x_rows + gl.expand_dims(gl.multiple_of(k_start // XSTEP, 64) + xk, 0))
     if WGMMA:
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, BLOCK_K], XS)
@@ -284,8 +285,6 @@ def tiled_weight_only_kernel(
             x = gl.load(x_rows + gl.expand_dims(gl.multiple_of(k_next // 2, 64) + xk, 0))
             acc = mma_v2(a, xb, acc)
         i += 1
-    if PDL:
-        gdc_launch_dependents()
     on = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
     last = True

@@ -508,6 +508,7 @@ def _weight_only_kernel(
     """The tensor-core path: one program's [BLOCK_M, BLOCK_N] tile over its split of K; ``SCALED``: by
     tl.dot_scaled, else the upcast written here (module doc)."""
     pdl.wait_prior(PDL)  # every program, the grouped early return's too (mx_kernels.pdl)
+    pdl.release_next(PDL)
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -529,7 +530,6 @@ def _weight_only_kernel(
         acc = _register_tile_acc(x_ptr, w_ptr, s_ptr, xm_in, rn_in, k_start, k_end, stride_xm, stride_xk,
                                  stride_wn, stride_wk, stride_sn, stride_sk, FMT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
                                  PREFETCH, DOT_BF16)  # fmt: skip
-    pdl.release_next(PDL)
     # SPLIT: SPLIT_K > 1, a runtime value: one compiled kernel for every split
     _finish(acc, rm, rm_in, rn, rn_in, row_end, pid_n * tl.num_programs(1) + slot, pid_k, M, N, ts_ptr, stride_tn,
             out_ptr, stride_om, stride_on, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT, False)  # fmt: skip
@@ -625,6 +625,7 @@ def _weight_only_fma_kernel(
     slot = tl.program_id(1)
     pid_k = tl.program_id(2)
     pdl.wait_prior(PDL)  # every program, the grouped early return's too (mx_kernels.pdl)
+    pdl.release_next(PDL)
     rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr, ts_ptr = _program_tile(
         offs_ptr, w_ptr, s_ptr, ts_ptr, stride_we, stride_se, stride_te, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M,
         BLOCK_N, SWIGLU,
@@ -675,7 +676,6 @@ def _weight_only_fma_kernel(
             # 2**(s - 127) as fp32 bits (s = 0: 2**-127, a subnormal); 0xFF: bit 22 set on inf's bits, NaN
             factor = (tl.maximum(s << 23, 0x400000) | (((s + 1) << 14) & 0x400000)).to(tl.float32, bitcast=True)
         acc += part * factor
-    pdl.release_next(PDL)
     _finish(tl.sum(acc, axis=2), rm, rm_in, rn, rn_in, row_end, pid_n * tl.num_programs(1) + slot, pid_k, M, N,
             ts_ptr, stride_tn, out_ptr, stride_om, 1, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT, SWIGLU)  # fmt: skip
 
