@@ -2,6 +2,7 @@
 formats' own bits kept packed, and generate.py continues a prompt from a train.py checkpoint."""
 
 import copy
+import dataclasses
 import subprocess
 import sys
 
@@ -11,11 +12,12 @@ from test_train import BF16_ARGS, REPO, run_in_process
 
 from mx_recipe.formats.mx import fake_quant
 from mx_recipe.formats.nvfp4 import to_nvfp4
-from mx_recipe.infer.decode import PDL_MAX_BATCH, STOP_CHECK, KVCache, forward, generate, pdl_pays
+from mx_recipe.infer.decode import PDL_MAX_BATCH, PDL_MAX_BATCH_TILED, STOP_CHECK, KVCache, forward, generate, pdl_pays
 from mx_recipe.infer.load import load_run, random_model, to_compute_dtype
 from mx_recipe.infer.weights import (
     FusedLinear,
     FusedPart,
+    PackedWeight,
     QuantizedExperts,
     QuantizedLinear,
     fuse_projections,
@@ -138,13 +140,20 @@ def test_random_model_is_init_weights_block_by_block(name, flavor):
 
 def test_pdl_is_for_quantized_steps_of_few_sequences():
     """The decode step's PDL rule (mx_recipe.infer.decode): quantized projections, at most PDL_MAX_BATCH
-    sequences, the setting on; the kernels' own gate keeps it off on the CPU."""
+    sequences, PDL_MAX_BATCH_TILED where every quantized weight is tiled, the setting on; the kernels' own gate
+    keeps it off on the CPU."""
     from mx_kernels import pdl
 
-    model = _model("llama", "debug")
+    model = build_model(dataclasses.replace(model_args("llama", "debug", 320, 64), multiple_of=128))  # tiles: K % 128
     assert not pdl_pays(model, 1)  # bf16: its GEMMs are cuBLAS's
     quantize_model(model, "mxfp4")
     assert pdl_pays(model, 1) and pdl_pays(model, PDL_MAX_BATCH) and not pdl_pays(model, PDL_MAX_BATCH + 1)
+    packed = [m for m in model.modules() if isinstance(m, PackedWeight)]
+    for p in packed[:-1]:
+        p.tile()
+    assert not pdl_pays(model, PDL_MAX_BATCH + 1)  # one weight left in the formats' layout
+    packed[-1].tile()
+    assert pdl_pays(model, PDL_MAX_BATCH_TILED) and not pdl_pays(model, PDL_MAX_BATCH_TILED + 1)
     with kernel_settings(pdl=False):
         assert not pdl_pays(model, 1)
     assert not pdl.enabled(torch.device("cuda"))  # outside a decode step: plain launches

@@ -24,15 +24,16 @@ the block's ``tokens_per_expert`` (a training statistic for the balancing bias) 
 ``DecodeGraph`` captures one decode step in a CUDA graph and replays it: a step launches a few hundred small
 kernels, whose launch time would otherwise exceed their run time at small batch.
 
-On sm_90 and newer a kernel step of up to ``PDL_MAX_BATCH`` sequences whose projections are weight-only kernels
-(quantized weights) launches its Triton kernels with programmatic dependent launch (``mx_kernels.pdl``): each
-kernel starts while the one before it finishes (its setup overlaps that kernel's tail). That pays where the
-GEMMs are the weight-only kernel's small-M (FMA) kernels, up to 4 rows; past them Hopper's tuned GEMMs are Gluon
-kernels, launched without PDL, and the Triton kernels around them gain nothing. Measured on one H200 (Llama 3 8B
-dims, context 1024, 2026-11-29), ms per step with and without: batch 1 MXFP8 2.69 / 2.84, MXFP4 2.54 / 2.63,
-NVFP4 2.53 / 2.64; MoE 16B dims, 28 layers, MXFP4 1.57 / 1.67; batch 8 it cost, MXFP4 3.81 / 3.74, NVFP4
-4.11 / 4.03; bf16 steps (cuBLAS GEMMs) gain nothing, 4.62 / 4.62 at batch 1. Nothing else launches with PDL;
-``KernelSettings.pdl`` off turns it off in the step too.
+On sm_90 and newer a kernel step whose projections are weight-only kernels (quantized weights) launches its
+Triton and Gluon kernels with programmatic dependent launch (``mx_kernels.pdl``): each kernel starts while the one
+before it drains, its setup and first weight reads overlapping that kernel's tail. It pays up to
+``PDL_MAX_BATCH`` sequences, and up to ``PDL_MAX_BATCH_TILED`` where every quantized weight is tiled 4-bit
+(``tile_weights``: Hopper's tensor-core kernel); past them the other kernels' larger tiles lose by it. One H200,
+Llama 3 8B dims, context 1024, 2026-11-30, ms a step with / without: batch 1 MXFP8 2.65 / 2.78, MXFP4 2.24 /
+2.44, NVFP4 2.41 / 2.61; batch 8 MXFP4 2.88 / 2.94, NVFP4 3.08 / 3.11, but MXFP8 4.28 / 4.19; batch 32 MXFP4
+4.16 / 4.21, NVFP4 4.24 / 4.26, MXFP8 5.72 / 5.63; batch 128 mixed (MXFP4 11.62 / 11.68, NVFP4 11.94 /
+11.81). bf16 steps (cuBLAS GEMMs) gain nothing. Nothing else launches with PDL; ``KernelSettings.pdl`` off turns
+it off in the step too.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from mx_recipe.models.moe import MoE
 from mx_recipe.ops import get_kernel_settings
 
 PDL_MAX_BATCH = 4  # the kernel step's sequences up to which quantized weights take PDL (module doc)
+PDL_MAX_BATCH_TILED = 32  # and up to which tiled 4-bit weights do (mx_recipe.infer.weights.tile_weights)
 STOP_CHECK = 8  # generate's decode steps between checks that every sequence has ended (each waits for the GPU)
 
 
@@ -147,9 +149,10 @@ def _ffn_step(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def pdl_pays(model: Transformer, batch: int) -> bool:
     """Whether a kernel step of ``batch`` sequences launches with PDL (module doc): quantized projections, at most
-    PDL_MAX_BATCH sequences, and ``KernelSettings.pdl`` on."""
-    quantized = any(isinstance(m, PackedWeight) for m in model.modules())
-    return quantized and batch <= PDL_MAX_BATCH and get_kernel_settings().pdl
+    PDL_MAX_BATCH sequences (PDL_MAX_BATCH_TILED where every one is tiled), and ``KernelSettings.pdl`` on."""
+    packed = [m for m in model.modules() if isinstance(m, PackedWeight)]
+    most = PDL_MAX_BATCH_TILED if packed and all(p.tiled for p in packed) else PDL_MAX_BATCH
+    return bool(packed) and batch <= most and get_kernel_settings().pdl
 
 
 def _kernel_step(model: Transformer, tokens: torch.Tensor, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
