@@ -29,11 +29,11 @@ Triton and Gluon kernels with programmatic dependent launch (``mx_kernels.pdl``)
 before it drains, its setup and first weight reads overlapping that kernel's tail. It pays up to
 ``PDL_MAX_BATCH`` sequences, and up to ``PDL_MAX_BATCH_TILED`` where every quantized weight is tiled 4-bit
 (``tile_weights``: Hopper's tensor-core kernel); past them the other kernels' larger tiles lose by it. One H200,
-Llama 3 8B dims, context 1024, 2026-11-30, ms a step with / without: batch 1 MXFP8 2.65 / 2.78, MXFP4 2.24 /
-2.44, NVFP4 2.41 / 2.61; batch 8 MXFP4 2.88 / 2.94, NVFP4 3.08 / 3.11, but MXFP8 4.28 / 4.19; batch 32 MXFP4
-4.16 / 4.21, NVFP4 4.24 / 4.26, MXFP8 5.72 / 5.63; batch 128 mixed (MXFP4 11.62 / 11.68, NVFP4 11.94 /
-11.81). bf16 steps (cuBLAS GEMMs) gain nothing. Nothing else launches with PDL; ``KernelSettings.pdl`` off turns
-it off in the step too.
+Llama 3 8B dims, context 1024, 2026-11-30, ms a step with / without (``bench_decode.py --pdl both``): batch 1
+MXFP8 2.63 / 2.79, MXFP4 2.20 / 2.44, NVFP4 2.37 / 2.60; batch 8 MXFP4 2.89 / 2.95, NVFP4 3.09 / 3.13; batch 32
+MXFP4 4.17 / 4.20, NVFP4 4.24 / 4.27. With the caps raised, MXFP8 lost at batch 8 (4.28 / 4.19) and 32 (5.72 /
+5.63), and 4-bit weights at 128 were mixed (MXFP4 11.62 / 11.68, NVFP4 11.94 / 11.81). bf16 steps (cuBLAS
+GEMMs) gain nothing. Nothing else launches with PDL; ``KernelSettings.pdl`` off turns it off in the step too.
 """
 
 from __future__ import annotations
