@@ -2,9 +2,17 @@
 ``one_thread``, and ``pretend_gpu`` (a compute capability for CUDA devices, on any machine)."""
 
 import contextlib
+import os
 
-import pytest
-import torch
+# Under pytest-xdist each worker takes its share of the cores for torch's CPU threads (the GPU tests' CPU
+# references), set before torch is imported: with torch's default each of 16 workers spread over all 16 cores of
+# an H200 host, and the fast GPU tier took over 8 minutes instead of 2.5.
+if "PYTEST_XDIST_WORKER" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _workers))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture
