@@ -80,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     else:
         vocab = padded_vocab_size(tokenizer.vocab_size)
-        model = random_model(args.model, args.flavor, vocab, max_len, device, args.seed, dtype)
+        try:
+            model = random_model(args.model, args.flavor, vocab, max_len, device, args.seed, dtype)
+        except ValueError as e:
+            print(f"error: --model {e}", file=sys.stderr)
+            return 2
     model = quantize_model(to_compute_dtype(model.eval(), dtype), args.weights, activations=args.activations == "mx")
     if not args.no_fuse:
         model = fuse_projections(model)

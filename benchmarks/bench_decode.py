@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -68,6 +67,7 @@ from mx_recipe.models import MODEL_FLAVORS, build_model, model_args
 from mx_recipe.models.llama import Transformer
 from mx_recipe.models.moe import GroupedExperts
 from mx_recipe.ops import kernel_settings
+from mx_recipe.ops.device import shortfall
 
 DEFAULT_FLAVOR = {"llama": "8B", "moe": "moe_16B"}
 VOCAB = {"llama": 128256, "moe": 102400}  # Llama 3's tokenizer, DeepSeek-MoE's
@@ -105,15 +105,10 @@ def check_memory(model: Transformer, device: torch.device, what: str) -> None:
     in the device's memory (Llama 3 8B dims in fp32 on a CPU would swap for minutes before failing)."""
     dtype = compute_dtype(device)
     need = 2 * sum(p.numel() for p in model.parameters()) * dtype.itemsize
-    if device.type == "cuda":
-        have = torch.cuda.get_device_properties(device).total_memory
-    else:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have:
-        hint = "; --flavor debug runs a smoke test" if device.type == "cpu" else ""
-        name = str(dtype).removeprefix("torch.")
-        raise ValueError(f"{what} needs at least {need / 1e9:.0f} GB in {name} (the bf16 model and one being "
-                         f"quantized), more than the {device.type}'s {have / 1e9:.0f} GB{hint}")  # fmt: skip
+    name = str(dtype).removeprefix("torch.")
+    problem = shortfall(need, device, f"{what} in {name} (the bf16 model and one being quantized)")
+    if problem is not None:
+        raise ValueError(problem + ("; --flavor debug runs a smoke test" if device.type == "cpu" else ""))
 
 
 def build(name: str, flavor: str, layers: int | None, fmt: str, max_len: int, device: torch.device,

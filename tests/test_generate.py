@@ -303,6 +303,28 @@ def test_bad_arguments_are_one_line_and_exit_2(args, message):
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
+def test_a_model_that_cannot_fit_is_one_line_and_exit_2(trained_run, monkeypatch, capsys):
+    """Weights that cannot fit in the device's memory are named before any is made (on a CPU the OS would kill the
+    process without a line): load_run (fp32) and random_model (its dtype) raise ValueError, generate.py exits 2
+    with one line."""
+    import importlib.util
+
+    from mx_recipe.ops import device
+
+    monkeypatch.setattr(device, "memory_bytes", lambda d: 10**6)
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match=r"^llama debug \(.*M parameters, 4 bytes each\) needs at least .* MB, more"):
+        load_run(trained_run, cpu, 64)
+    with pytest.raises(ValueError, match=r"^llama debug \(.*M parameters, 2 bytes each\) needs at least .*'s 1\.0 MB$"):
+        random_model("llama", "debug", 320, 64, cpu, dtype=torch.bfloat16)
+    spec = importlib.util.spec_from_file_location("generate_script", REPO / "generate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--model", "llama", "--flavor", "debug", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --model llama debug (") and len(err.strip().splitlines()) == 1, err
+
+
 def test_help_prints_the_examples_one_a_line():
     """--help keeps the docstring's line breaks: its example commands stay one a line, as written."""
     done = subprocess.run([sys.executable, "generate.py", "--help"], cwd=REPO, capture_output=True, text=True)

@@ -460,3 +460,18 @@ def test_an_output_dir_too_long_for_the_file_system_is_one_line(tmp_path):
         code == 2
         and err == f"error: job.output_dir: cannot create {long} (File name too long): choose another job.output_dir\n"
     )
+
+
+def test_a_model_whose_training_state_cannot_fit_stops_before_it_is_built(tmp_path, monkeypatch):
+    """fp32 weights, gradients and AdamW's moments (16 bytes a parameter) on a device offering less: the run stops
+    with one line and exit 2 before the model is built (on a CPU the OS would kill it without a line)."""
+    from mx_recipe.ops import device
+
+    monkeypatch.setattr(device, "memory_bytes", lambda d: 10**6)
+    dims = model_args("llama", "debug", 320, 64)
+    with torch.device("meta"):
+        need = 16 * sum(p.numel() for p in build_model(dims).parameters())
+    code, out, err = run_in_process([*BF16_ARGS, "--job.output_dir", str(tmp_path / "run")])
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "model llama" not in out, err
+    assert f"fp32 weights, gradients and AdamW moments, 16 bytes each) needs at least {need / 1e6:,.1f} MB" in err
+    assert re.search(r"more than this .+'s 1\.0 MB", err), err

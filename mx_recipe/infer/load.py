@@ -11,15 +11,25 @@ import torch.distributed.checkpoint as dcp
 
 from mx_recipe.models import build_model, model_args
 from mx_recipe.models.llama import Transformer
+from mx_recipe.ops.device import shortfall
 from mx_recipe.train.checkpoint import latest_checkpoint
 from mx_recipe.train.config import Config, ConfigError, load_config
 from mx_recipe.train.tokenizer import Tokenizer, build_tokenizer
 from mx_recipe.train.trainer import padded_vocab_size
 
 
-def _meta_model(name: str, flavor: str, vocab_size: int, max_len: int) -> Transformer:
+def _meta_model(name: str, flavor: str, vocab_size: int, max_len: int, device: torch.device, itemsize: int
+                ) -> Transformer:  # fmt: skip
+    """The model's shapes without memory; raises ValueError where its weights, ``itemsize`` bytes each, cannot fit
+    in ``device``'s memory (on a CPU the OS would kill the process without a line)."""
     with torch.device("meta"):
-        return build_model(model_args(name, flavor, vocab_size, max_len))
+        model = build_model(model_args(name, flavor, vocab_size, max_len))
+    params = sum(p.numel() for p in model.parameters())
+    what = f"{name} {flavor} ({params / 1e6:,.1f}M parameters, {itemsize} bytes each)"
+    problem = shortfall(params * itemsize, device, what)
+    if problem is not None:
+        raise ValueError(problem)
+    return model
 
 
 def _check_holds(checkpoint: Path, model_state: dict[str, torch.Tensor], model: str) -> None:
@@ -39,7 +49,8 @@ def _check_holds(checkpoint: Path, model_state: dict[str, torch.Tensor], model: 
 
 def load_run(output_dir: str | Path, device: torch.device, max_len: int) -> tuple[Transformer, Tokenizer, Config]:
     """The model of the newest committed checkpoint of the train.py run in ``output_dir`` (fp32), its tokenizer and
-    its config; RoPE tables for ``max_len`` positions. Raises ValueError naming what is missing."""
+    its config; RoPE tables for ``max_len`` positions. Raises ValueError naming what is missing, or where the fp32
+    model cannot fit in ``device``'s memory."""
     output_dir = Path(output_dir)
     config_file = output_dir / "config.toml"
     if not config_file.is_file():
@@ -53,7 +64,7 @@ def load_run(output_dir: str | Path, device: torch.device, max_len: int) -> tupl
         raise ValueError(f"{output_dir}: no committed checkpoint under {config.checkpoint.folder}/")
     tokenizer = build_tokenizer(config.data.tokenizer)
     vocab = padded_vocab_size(tokenizer.vocab_size)
-    model = _meta_model(config.model.name, config.model.flavor, vocab, max_len).to_empty(device=device)
+    model = _meta_model(config.model.name, config.model.flavor, vocab, max_len, device, 4).to_empty(device=device)
     state = {"model": model.state_dict()}
     _check_holds(checkpoint, state["model"], f"{config.model.name} {config.model.flavor}")
     # the model's tensors only; DCP reshards from any world size
@@ -70,8 +81,9 @@ def load_run(output_dir: str | Path, device: torch.device, max_len: int) -> tupl
 def random_model(name: str, flavor: str, vocab_size: int, max_len: int, device: torch.device, seed: int = 0,
                  dtype: torch.dtype | None = None) -> Transformer:  # fmt: skip
     """A model of ``name``/``flavor`` with its training initialization from ``seed``: for speed runs (``dtype``:
-    as ``init_random``'s)."""
-    return init_random(_meta_model(name, flavor, vocab_size, max_len), device, seed, dtype)
+    as ``init_random``'s). Raises ValueError where it cannot fit in ``device``'s memory."""
+    itemsize = (dtype or torch.float32).itemsize
+    return init_random(_meta_model(name, flavor, vocab_size, max_len, device, itemsize), device, seed, dtype)
 
 
 @torch.no_grad()

@@ -1,5 +1,6 @@
 """The one device probe: the compute capability of an NVIDIA GPU, by which the ops pick a kernel (``dispatch``), the
-NVFP4 ops their Triton kernel, and ``gemm`` a GEMM backend.
+NVFP4 ops their Triton kernel, and ``gemm`` a GEMM backend; and the memory a device offers (``memory_bytes``), by
+which train.py and generate.py refuse a model that cannot fit before building it.
 
 ``pretend_capability`` makes every CUDA device report a given capability: what would run on that GPU, on any
 machine (the tests of the rule and of backend selection, and the README's device table).
@@ -8,6 +9,7 @@ machine (the tests of the rule and of backend selection, and the README's device
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
@@ -52,3 +54,25 @@ def pretend_capability(cap: tuple[int, int] | None) -> Iterator[None]:
         yield
     finally:
         _PRETENDED.pop()
+
+
+def memory_bytes(device: torch.device) -> int:
+    """The memory ``device`` offers: a CUDA GPU's total, else the host's physical memory (what every process of the
+    host shares)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def shortfall(need: int, device: torch.device, what: str) -> str | None:
+    """None where ``need`` bytes fit in ``device``'s memory (``memory_bytes``), else one line saying ``what`` needs
+    them and how much there is."""
+    have = memory_bytes(device)
+    if need <= have:
+        return None
+    where = f"{torch.cuda.get_device_name(device)}'s" if device.type == "cuda" else "host's"
+    return f"{what} needs at least {_size(need)}, more than this {where} {_size(have)}"
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"

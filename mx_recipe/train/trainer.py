@@ -28,6 +28,7 @@ else:  # pragma: no cover
 
 from mx_recipe.models import build_model, flops_per_token, model_args, moe_layers
 from mx_recipe.nn.convert import DEFAULT_SKIP, convert_to_mx, format_conversion_table, unmatched_skip_patterns
+from mx_recipe.ops.device import shortfall
 from mx_recipe.train.checkpoint import (
     CONFIG,
     DCP_ERRORS,
@@ -233,6 +234,28 @@ def uses_fsdp(config: Config, info: DistInfo) -> bool:
     """Whether the run shards through FSDP2: shard groups of several ranks, or parallel.fsdp_on_one_device; else
     every rank holds the whole model (one process, or dp_replicate = world size)."""
     return info.world_size > config.parallel.dp_replicate or config.parallel.fsdp_on_one_device
+
+
+STATE_BYTES = 16  # a parameter's fp32 weight, gradient and AdamW's two moments
+
+
+def memory_problem(config: Config, args, info: DistInfo, local_ranks: int = 1) -> str | None:
+    """Where the run's fp32 weights, gradients and AdamW moments alone (STATE_BYTES a parameter, split over the
+    shard group) cannot fit: on a GPU in each rank's memory, on a CPU in the host's, which its ``local_ranks``
+    share. A lower bound, activations and the compute-dtype and MX copies on top: it never stops a run that would
+    fit, and stops one that cannot before its model is built (on a CPU the OS would kill it without a line)."""
+    with torch.device("meta"):
+        params = sum(p.numel() for p in build_model(args).parameters())
+    shards = info.world_size // config.parallel.dp_replicate if uses_fsdp(config, info) else 1
+    ranks = local_ranks if info.device.type == "cpu" else 1
+    split = f", split over {shards} ranks" if shards > 1 else ""
+    host = f", {ranks} ranks on this host" if ranks > 1 else ""
+    what = (f"model {config.model.name} {config.model.flavor} ({params / 1e6:,.1f}M parameters: fp32 weights, "
+            f"gradients and AdamW moments, {STATE_BYTES} bytes each{split}{host})")  # fmt: skip
+    problem = shortfall(math.ceil(STATE_BYTES * params / shards) * ranks, info.device, what)
+    if problem and info.device.type == "cpu":
+        problem += "; the debug configs train on a CPU"
+    return problem
 
 
 def uses_cast_weights_once(config: Config, info: DistInfo) -> bool:
@@ -450,8 +473,9 @@ def check_run(config: Config) -> str | None:
     """What ``train.py --check`` adds to the config's own checks, in one process, without building the model or
     starting a process group, so that a launcher can run it first (under torchrun a clean exit 2 becomes exit 1
     and a traceback): job.output_dir can be created (it is) and written, no run holds it, it holds no run that a
-    new one would overwrite or that has nothing left to train, and each mx.skip pattern matches a layer.
-    None: the run can start; else why not, in one line."""
+    new one would overwrite or that has nothing left to train, and each mx.skip pattern matches a layer. (Not
+    ``memory_problem``: the world size it needs is the launcher's.) None: the run can start; else why not, in one
+    line."""
     output_dir = Path(config.job.output_dir)
     folder = output_dir / config.checkpoint.folder
     lock = RunLock()
@@ -538,6 +562,9 @@ def _train(config: Config, info: DistInfo, lock: RunLock, signals: StopSignals) 
         raise SetupError(f"checkpoint.folder: cannot write {checkpointer.folder}")
 
     args = model_args(config.model.name, config.model.flavor, padded_vocab_size(data.tokenizer.vocab_size), t.seq_len)
+    problem = memory_problem(config, args, info, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if problem is not None:
+        raise SetupError(problem)
     model = build_training_model(config, args, info, mesh, log)
     _stop_if_signalled(signals, info)
     num_params = sum(p.numel() for p in model.parameters())  # DTensors: numel() is the global size
