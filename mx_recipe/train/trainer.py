@@ -27,6 +27,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from mx_recipe.models import build_model, flops_per_token, model_args, moe_layers
+from mx_recipe.models.llama import LlamaArgs
 from mx_recipe.nn.convert import DEFAULT_SKIP, convert_to_mx, format_conversion_table, unmatched_skip_patterns
 from mx_recipe.ops.device import shortfall
 from mx_recipe.train.checkpoint import (
@@ -239,7 +240,7 @@ def uses_fsdp(config: Config, info: DistInfo) -> bool:
 STATE_BYTES = 16  # a parameter's fp32 weight, gradient and AdamW's two moments
 
 
-def memory_problem(config: Config, args, info: DistInfo, local_ranks: int = 1) -> str | None:
+def memory_problem(config: Config, args: LlamaArgs, info: DistInfo, local_ranks: int = 1) -> str | None:
     """Where the run's fp32 weights, gradients and AdamW moments alone (STATE_BYTES a parameter, split over the
     shard group) cannot fit: on a GPU in each rank's memory, on a CPU in the host's, which its ``local_ranks``
     share. A lower bound, activations and the compute-dtype and MX copies on top: it never stops a run that would
