@@ -5,9 +5,8 @@ import contextlib
 import os
 
 # Under pytest-xdist each worker takes its share of the cores for torch's CPU threads (the GPU tests' CPU
-# references), set before torch is imported: with torch's default each of 16 workers spread over all 16 cores of
-# an H200 host, and the fast GPU tier had done 490 of its tests in 470 s, where one thread a worker ran all 539 in
-# 143 s.
+# references), set before torch is imported: with torch's default every worker spreads over all the host's cores,
+# and the workers' threads contend for them.
 if "PYTEST_XDIST_WORKER" in os.environ and "OMP_NUM_THREADS" not in os.environ:
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _workers))

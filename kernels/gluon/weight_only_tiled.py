@@ -4,11 +4,11 @@ out [M, N] = x [M, K] (bf16) @ dequantize(w).T, computed transposed (out^T = w x
 MMA's A operand in registers, 16 rows an instruction, x^T its B operand. Up to 4 rows of x: mma.sync m16n8k16,
 x in registers too (8 rows an instruction: one row costs what eight do), a warp of 16 rows a program and K split
 over many programs; from 5 to MAX_M rows: wgmma, a warpgroup per 64 rows, x^T through shared memory (``config``).
-A stays in registers, though each step then waits for its wgmma before the next upcast: through shared memory, a
-wgmma left in flight over the next step's upcast, a step's A (32 KB at 128 rows) is stored and read back where x^T
-is 8 KB at 32 rows, and every GEMM of Llama 3 8B at 8 to 128 rows was slower (one H200, MXFP4 w1/w3 at 32 rows
-54.6 against 35.1 us). K is split over programs as the other weight-only kernels split it: each split stores its
-fp32 partial and the last to arrive sums them in split order, so the result does not depend on timing.
+A stays in registers, though each step then waits for its wgmma before the next upcast: through shared memory,
+with a wgmma left in flight over the next upcast, a step's A (32 KB for 128 weight rows) would be stored and read
+back on top of x^T, which on an H200 costs more than the wait on every Llama 3 8B GEMM from 8 to 128 rows. K is
+split over programs as the other weight-only kernels split it: each split stores its fp32 partial and the last to
+arrive sums them in split order, so the result does not depend on timing.
 
 The layout (``pack``), made once when a model is loaded for decode (mx_recipe.infer.weights.tile_weights):
 
