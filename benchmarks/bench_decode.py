@@ -51,6 +51,7 @@ from timing import copy_gbs, kernel_us_by_name, run_meta
 
 from mx_recipe.cli import ArgumentParser, int_list, names, output_file
 from mx_recipe.infer.decode import DecodeGraph, KVCache, forward
+from mx_recipe.infer.gemv import apply_linear
 from mx_recipe.infer.load import init_random
 from mx_recipe.infer.weight_only import set_tuning
 from mx_recipe.infer.weights import (
@@ -196,7 +197,7 @@ def gemms_step(model: Transformer, batch: int, device: torch.device) -> Callable
     for module in model.modules():
         if isinstance(module, torch.nn.Linear | QuantizedLinear | FusedLinear):
             x = torch.randn(batch, module.in_features, device=device, dtype=dtype)
-            calls.append(lambda module=module, x=x: module(x))
+            calls.append(lambda module=module, x=x: apply_linear(module, x))  # a decode step's kernel
         elif isinstance(module, GroupedExperts | QuantizedExperts):
             args = model.args
             rows, reached = batch * args.top_k, round(active_experts(args.n_routed_experts, args.top_k, batch))

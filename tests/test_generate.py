@@ -13,6 +13,7 @@ from test_train import BF16_ARGS, REPO, run_in_process
 from mx_recipe.formats.mx import fake_quant
 from mx_recipe.formats.nvfp4 import to_nvfp4
 from mx_recipe.infer.decode import PDL_MAX_BATCH, PDL_MAX_BATCH_TILED, STOP_CHECK, KVCache, forward, generate, pdl_pays
+from mx_recipe.infer.gemv import MAX_M as GEMV_MAX_M
 from mx_recipe.infer.load import load_run, random_model, to_compute_dtype
 from mx_recipe.infer.weights import (
     FusedLinear,
@@ -138,14 +139,14 @@ def test_random_model_is_init_weights_block_by_block(name, flavor):
         assert torch.equal(got.rope_cos, want.rope_cos) and torch.equal(got.rope_sin, want.rope_sin)
 
 
-def test_pdl_is_for_quantized_steps_of_few_sequences():
-    """The decode step's PDL rule (mx_recipe.infer.decode): quantized projections, at most PDL_MAX_BATCH
-    sequences, PDL_MAX_BATCH_TILED where every quantized weight is tiled, the setting on; the kernels' own gate
-    keeps it off on the CPU."""
+def test_pdl_is_for_steps_of_few_sequences():
+    """The decode step's PDL rule (mx_recipe.infer.decode): bf16 projections up to the GEMV's rows, quantized ones
+    up to PDL_MAX_BATCH sequences, PDL_MAX_BATCH_TILED where every quantized weight is tiled, the setting on; the
+    kernels' own gate keeps it off on the CPU."""
     from mx_kernels import pdl
 
     model = build_model(dataclasses.replace(model_args("llama", "debug", 320, 64), multiple_of=128))  # tiles: K % 128
-    assert not pdl_pays(model, 1)  # bf16: its GEMMs are cuBLAS's
+    assert pdl_pays(model, GEMV_MAX_M) and not pdl_pays(model, GEMV_MAX_M + 1)  # bf16: past the GEMV's rows, cuBLAS
     quantize_model(model, "mxfp4")
     assert pdl_pays(model, 1) and pdl_pays(model, PDL_MAX_BATCH) and not pdl_pays(model, PDL_MAX_BATCH + 1)
     packed = [m for m in model.modules() if isinstance(m, PackedWeight)]
@@ -213,6 +214,7 @@ def test_fused_gate_up_swiglu_is_silu_of_gate_times_up(fmt):
     h1, h3 = w13(x)
     assert torch.equal(w13.swiglu(x), torch.nn.functional.silu(h1) * h3)
     assert w13.fuses_swiglu == (fmt != "bf16")
+    assert w13.swiglu_in_epilogue(x) == (fmt != "bf16")  # bf16: the GEMV's epilogue, on a GPU only
     experts = fused.layers["1"].moe.experts
     if fmt != "bf16":
         offs = torch.tensor([1, 1, 3] + [3] * (experts.w2_packed.qdata.shape[0] - 3 - experts.shared))

@@ -17,23 +17,27 @@ kernel of ``mx_recipe.infer.attention`` with RoPE and the cache write in it, whi
 written so far and spreads them over the SMs (at batch 1 SDPA runs one program per KV head and waits on its
 loads), and an MoE block's routing and combine by the kernels of ``mx_recipe.infer.routing`` (one launch each,
 where eager routing takes some twenty; up to ``gate_fits`` tokens the router's GEMM runs in the routing launch
-too). The position is a device tensor, so one CUDA graph serves every step.
+too). At one sequence the bf16 projections (bf16 models, and every model's output layer) are the GEMV of
+``mx_recipe.infer.gemv``, SwiGLU in its epilogue for a fused w1/w3; at more, cuBLAS. The position is a device
+tensor, so one CUDA graph serves every step.
 The prefill, and every step on the CPU, run the model's modules with SDPA and the mask. The fused MoE step leaves
 the block's ``tokens_per_expert`` (a training statistic for the balancing bias) untouched.
 
 ``DecodeGraph`` captures one decode step in a CUDA graph and replays it: a step launches a few hundred small
 kernels, whose launch time would otherwise exceed their run time at small batch.
 
-On sm_90 and newer a kernel step whose projections are weight-only kernels (quantized weights) launches its
-Triton and Gluon kernels with programmatic dependent launch (``mx_kernels.pdl``): each kernel starts while the one
-before it drains, its setup and first weight reads overlapping that kernel's tail. It pays up to
-``PDL_MAX_BATCH`` sequences, and up to ``PDL_MAX_BATCH_TILED`` where every quantized weight is tiled 4-bit
+On sm_90 and newer a kernel step whose projections are the project's kernels (the weight-only kernels of
+quantized weights, the GEMV of bf16 ones) launches its Triton and Gluon kernels with programmatic dependent launch
+(``mx_kernels.pdl``): each kernel starts while the one before it drains, its setup and first weight reads
+overlapping that kernel's tail. For quantized weights it pays up to ``PDL_MAX_BATCH`` sequences, and up to
+``PDL_MAX_BATCH_TILED`` where every quantized weight is tiled 4-bit
 (``tile_weights``: Hopper's tensor-core kernel); past them the other kernels' larger tiles lose by it. One H200,
 Llama 3 8B dims, context 1024, 2026-11-30, ms a step with / without (``bench_decode.py --pdl both``): batch 1
 MXFP8 2.63 / 2.79, MXFP4 2.20 / 2.44, NVFP4 2.37 / 2.60; batch 8 MXFP4 2.89 / 2.95, NVFP4 3.09 / 3.13; batch 32
 MXFP4 4.17 / 4.20, NVFP4 4.24 / 4.27. With the caps raised, MXFP8 lost at batch 8 (4.28 / 4.19) and 32 (5.72 /
-5.63), and 4-bit weights at 128 were mixed (MXFP4 11.62 / 11.68, NVFP4 11.94 / 11.81). bf16 steps (cuBLAS
-GEMMs) gain nothing. Nothing else launches with PDL; ``KernelSettings.pdl`` off turns it off in the step too.
+5.63), and 4-bit weights at 128 were mixed (MXFP4 11.62 / 11.68, NVFP4 11.94 / 11.81). A bf16 step takes it
+where its projections are the GEMV (one sequence); with cuBLAS's GEMMs it gains nothing. Nothing else launches
+with PDL; ``KernelSettings.pdl`` off turns it off in the step too.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ from torch import nn
 
 from mx_recipe.infer.attention import decode_attention_append, use_kernel
 from mx_recipe.infer.fused import add_rms_norm, silu_mul
+from mx_recipe.infer.gemv import MAX_M as GEMV_MAX_M
+from mx_recipe.infer.gemv import apply_linear
 from mx_recipe.infer.routing import fits, gate_fits, moe_combine, moe_gate_route, moe_route
 from mx_recipe.infer.weights import FusedPart, PackedWeight
 from mx_recipe.models.llama import Attention, FeedForward, Transformer, apply_rope, project
@@ -110,10 +116,10 @@ def _eps(norm: nn.RMSNorm, dtype: torch.dtype) -> float:
 
 def _swiglu_step(ffn: FeedForward, x: torch.Tensor) -> torch.Tensor:
     fused = ffn.w1.fused if isinstance(ffn.w1, FusedPart) else None
-    if fused is not None and getattr(ffn.w3, "fused", None) is fused and fused.fuses_swiglu:
-        return ffn.w2(fused.swiglu(x))
+    if fused is not None and getattr(ffn.w3, "fused", None) is fused and fused.swiglu_in_epilogue(x):
+        return apply_linear(ffn.w2, fused.swiglu(x))
     h1, h3 = project(x, ffn.w1, ffn.w3)
-    return ffn.w2(silu_mul(h1, h3))
+    return apply_linear(ffn.w2, silu_mul(h1, h3))
 
 
 def _moe_step(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -149,10 +155,14 @@ def _ffn_step(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def pdl_pays(model: Transformer, batch: int) -> bool:
     """Whether a kernel step of ``batch`` sequences launches with PDL (module doc): quantized projections, at most
-    PDL_MAX_BATCH sequences (PDL_MAX_BATCH_TILED where every one is tiled), and ``KernelSettings.pdl`` on."""
+    PDL_MAX_BATCH sequences (PDL_MAX_BATCH_TILED where every one is tiled); bf16 ones, at most the GEMV's rows
+    (``mx_recipe.infer.gemv.MAX_M``; cuBLAS past them); and ``KernelSettings.pdl`` on."""
     packed = [m for m in model.modules() if isinstance(m, PackedWeight)]
-    most = PDL_MAX_BATCH_TILED if packed and all(p.tiled for p in packed) else PDL_MAX_BATCH
-    return bool(packed) and batch <= most and get_kernel_settings().pdl
+    if not packed:
+        most = GEMV_MAX_M
+    else:
+        most = PDL_MAX_BATCH_TILED if all(p.tiled for p in packed) else PDL_MAX_BATCH
+    return batch <= most and get_kernel_settings().pdl
 
 
 def _kernel_step(model: Transformer, tokens: torch.Tensor, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -175,10 +185,11 @@ def _layers_step(model: Transformer, tokens: torch.Tensor, position: torch.Tenso
         q, k, v = project(x, attn.wq, attn.wk, attn.wv)
         q = q.view(batch, attn.n_kv_heads, attn.n_heads // attn.n_kv_heads, attn.head_dim)  # no copy: heads split
         out = decode_attention_append(q, k, v, model.rope_cos, model.rope_sin, cache.k[i], cache.v[i], length)
-        h, x = add_rms_norm(h, attn.wo(out.view(batch, -1)), layer.ffn_norm.weight, _eps(layer.ffn_norm, h.dtype))
+        o = apply_linear(attn.wo, out.view(batch, -1))
+        h, x = add_rms_norm(h, o, layer.ffn_norm.weight, _eps(layer.ffn_norm, h.dtype))
         delta = _ffn_step(layer, x)
     _, x = add_rms_norm(h, delta, model.norm.weight, _eps(model.norm, h.dtype))
-    return model.output(x).view(batch, 1, -1)
+    return apply_linear(model.output, x).view(batch, 1, -1)
 
 
 def forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:

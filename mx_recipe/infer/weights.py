@@ -37,6 +37,7 @@ from torch import nn
 
 from mx_recipe.formats.mx import BLOCK_SIZE, MXTensor, fake_quant, to_mx
 from mx_recipe.formats.nvfp4 import NVFP4_BLOCK, NVFP4Tensor, to_nvfp4
+from mx_recipe.infer.gemv import linear, use_gemv
 from mx_recipe.infer.weight_only import (
     LARGE_M,
     PACK,
@@ -375,7 +376,7 @@ class FusedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.weight_packed is None:
-            y = F.linear(x, self.weight)
+            y = linear(x, self.weight)
         else:
             y = self.weight_packed.mm(quantize_activation(x, self.fmt) if self.activations else x, self.kernel)
         return list(y.split(self.sizes, dim=-1))
@@ -385,14 +386,21 @@ class FusedLinear(nn.Module):
         """Whether ``swiglu`` runs in the GEMM's epilogue: packed w1 and w3 of one size, on the weight-only kernel."""
         return self.weight_packed is not None and self.kernel and len(self.sizes) == 2 and len(set(self.sizes)) == 1
 
+    def swiglu_in_epilogue(self, x: torch.Tensor) -> bool:
+        """Whether ``swiglu(x)`` runs in the GEMM's epilogue: ``fuses_swiglu``, or bf16 w1 and w3 of one size on
+        the GEMV kernel (mx_recipe.infer.gemv: a decode step's few rows on a GPU)."""
+        if self.weight_packed is not None:
+            return self.fuses_swiglu
+        return len(self.sizes) == 2 and self.sizes[0] == self.sizes[1] and use_gemv(x, self.weight)
+
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        """SwiGLU's ``F.silu(h1) * h3`` of this fused [w1; w3] (two parts of one size): for packed weights in the
-        GEMM's epilogue where the kernel runs (``weight_only_mm``'s ``swiglu``: ``silu_mul``'s roundings)."""
+        """SwiGLU's ``F.silu(h1) * h3`` of this fused [w1; w3] (two parts of one size), in the GEMM's epilogue where
+        the kernel runs (``silu_mul``'s roundings): the weight-only kernel's for packed weights, the GEMV's for bf16
+        ones (``swiglu_in_epilogue``)."""
         if len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]:
             raise ValueError(f"FusedLinear.swiglu: needs w1 and w3 of one size, got parts {self.sizes}")
         if self.weight_packed is None:
-            h1, h3 = self(x)
-            return F.silu(h1) * h3
+            return linear(x, self.weight, swiglu=True)
         x = quantize_activation(x, self.fmt) if self.activations else x
         return self.weight_packed.mm(x, self.kernel, swiglu=True)
 
