@@ -1,29 +1,34 @@
-"""A decode step's dense GEMV: out [1, N] = x [1, K] @ w [N, K].T, the weight read as it is stored (bf16 in a
-decode step; any float dtype of x's), fp32 sums, out in x's dtype. Optionally SwiGLU in the epilogue.
+"""A decode step's one-row GEMV: out [1, N] = x [1, K] @ w [N, K].T with w as it is stored, a 16-bit weight (bf16
+in a decode step; any float dtype of x's) or an MXFP8 one (e4m3 codes, e8m0 scales per 32 along K); fp32 sums,
+out in x's dtype. Optionally SwiGLU in the epilogue.
 
-Why not cuBLAS: at one row a GEMM is a read of the weight, and cuBLAS's kernels read it well (Llama 3 8B's
-projections at 3.3-4.0 TB/s on an H200), but they launch plainly: between two of them, and between them and the
-step's norm and attention kernels, the GPU drains one kernel before it starts the next. This kernel launches
-with PDL (mx_kernels.pdl) like the step's other kernels, and its SwiGLU epilogue saves the silu * mul launch.
-us per GEMM on one H200, one row, in a PDL chain of one shape, weights read from memory, cuBLAS -> this kernel:
-Llama 3 8B's fused QKV 15.2 -> 14.5, wo 13.3 -> 10.6, fused gate/up with silu * mul 58.4 -> 57.1, w2 32.1 ->
-30.2, output layer 247.1 -> 237.2; the MoE 16B's QKV 6.3 -> 5.5. At two rows and more cuBLAS is faster (the
+Why, for bf16 weights, not cuBLAS: at one row a GEMM is a read of the weight, and cuBLAS's kernels read it well
+(Llama 3 8B's projections at 3.3-4.0 TB/s on an H200), but they launch plainly: between two of them, and between
+them and the step's norm and attention kernels, the GPU drains one kernel before it starts the next. This kernel
+launches with PDL (mx_kernels.pdl) like the step's other kernels, and its SwiGLU epilogue saves the silu * mul
+launch. us per GEMM on one H200, one row, in a PDL chain of one shape, weights read from memory, cuBLAS -> this
+kernel: Llama 3 8B's fused QKV 15.2 -> 14.5, wo 13.3 -> 10.6, fused gate/up with silu * mul 58.4 -> 57.1, w2 32.1
+-> 30.2, output layer 247.1 -> 237.2; the MoE 16B's QKV 6.3 -> 5.5. At two rows and more cuBLAS is faster (the
 fused gate/up at 2 rows 59.1 against 69.5, at 4 rows 58.9 against 100.7), so the kernel takes one row (MAX_M).
+For MXFP8 weights it is faster at one row than the weight-only kernel's small-M path (mx_kernels.mx.weight_only),
+which splits K and reads each scale in its unit sums' layout: a Llama 3 8B layer's four GEMMs 65.5 -> 59.4 us.
 
-The kernel: a program owns BLOCK_N rows of w (output columns) and all of K, walking it in tiles of BLOCK_K; each
-thread loads 8 contiguous elements of a row (16 bytes of a 16-bit weight) and the same of x, multiplies in fp32
-and keeps a running fp32 sum per element of its tile, reduced over K once after the loop (in registers, then
-across the threads). No split of K: the grid is cdiv(N, BLOCK_N) programs, at least 512 at the shapes above,
-several an SM. Products of 16-bit values are exact in fp32, so the result differs from cuBLAS's only by the
-order of the fp32 sums, then one rounding.
+The kernel: a program owns BLOCK_N rows of w (output columns) and all of K, walking it in tiles of BLOCK_K, and
+each thread loads 8 (16-bit) or 16 (MXFP8) contiguous elements of a row, 16 bytes, and the same of x. A 16-bit
+weight's products go into a running fp32 sum per element of the thread's tile. An MXFP8 code becomes fp32 by the
+hardware's conversion (e4m3 pairs to f16 pairs, sm_89+; under the interpreter, integer bit operations), its
+product with x is exact, each 32-element block's products are summed (in the thread, then with the one neighbour
+that holds the block's other half) and the sum times the block's scale (exact, a power of 2) goes into a running
+sum per block. After the loop the sums are reduced over K (in registers, then across the threads). No split of K:
+the grid is cdiv(N, BLOCK_N) programs, at least 512 at the shapes above, several an SM. The result differs from
+cuBLAS's on the dequantized weight only by the order of the fp32 sums, then one rounding.
 
 SwiGLU (``swiglu``): w is w1 and w3 concatenated along N; a program takes BLOCK_N / 2 rows of each, the same
 hidden units, rounds both sums to the output dtype (as the unfused GEMM's output) and writes silu(gate) * up
 with ``silu_mul``'s roundings (mx_kernels.decode_fused.swiglu): out [1, N / 2].
 
-Configs (``config``): (BLOCK_N, BLOCK_K, num_warps) from a sweep of 36 per Llama 3 8B shape on an H200: where
-BLOCK_N 8 makes 8 programs an SM or more, short programs (the output layer, the fused gate/up), else long ones
-(wo, w2); the fused QKV its own (CHOSEN).
+Configs (``config``): (BLOCK_N, BLOCK_K, num_warps) from sweeps of 27-36 per Llama 3 8B shape on an H200 (and the
+MoE 16B's for MXFP8's default).
 """
 
 from __future__ import annotations
@@ -32,18 +37,41 @@ import torch
 import triton
 import triton.language as tl
 from mx_kernels import pdl
+from mx_kernels.common import interpreting
 from mx_kernels.decode_fused import swiglu as swiglu_of
 from mx_kernels.launch_cache import LaunchCache
 
-MAX_M = 1  # rows past which a GEMM is cuBLAS's (mx_recipe.infer.gemv; module doc)
+MAX_M = 1  # rows past which a GEMM is cuBLAS's or the weight-only kernel's (mx_recipe.infer.gemv; module doc)
+MX_BLOCK = 32  # MXFP8's elements per scale
 
-# (N, K, swiglu) -> (BLOCK_N, BLOCK_K, num_warps) at one row: Llama 3 8B's fused QKV (the others follow the rule)
-CHOSEN = {(6144, 4096, False): (4, 512, 2)}
+# (scaled, N, K, swiglu) -> (BLOCK_N, BLOCK_K, num_warps), from the sweeps of the module doc; others by ``config``
+CHOSEN = {
+    (False, 6144, 4096, False): (4, 512, 2),  # Llama 3 8B's fused QKV, bf16
+    (True, 4096, 4096, False): (4, 2048, 4),  # its wo, MXFP8
+    (True, 28672, 4096, True): (4, 1024, 2),  # its fused gate/up, MXFP8
+    (True, 4096, 14336, False): (4, 2048, 4),  # its w2, MXFP8
+}
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def _e4m3_bits(c):
+    """e4m3 bytes (int32) -> their values in fp32 by integer bit operations (exact; NaN for 0x7F and 0xFF): the
+    interpreter's path, whose fp8 conversion is wrong."""
+    v = (((c & 0x7F) << 20) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2**120
+    return tl.where((c & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def _e8m0(e):
+    """e8m0 bytes (int32) -> 2**(e - 127) in fp32 (e = 0: 2**-127, a subnormal); NaN for 0xFF."""
+    bits = tl.where(e == 0, 0x400000, e << 23)
+    return tl.where(e == 0xFF, float("nan"), bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SCALED: tl.constexpr, HW_FP8: tl.constexpr,
+                 SWIGLU: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     pdl.wait_prior(PDL)
     pdl.release_next(PDL)
     pid = tl.program_id(0)
@@ -60,16 +88,34 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, 
     k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rn_in[:, None] * stride_wn + k[None, :]
     x_ptrs = x_ptr + k
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if SCALED:  # a running sum per scale block: each block's sum times its scale
+        kb = tl.arange(0, BLOCK_K // 32)
+        s_ptrs = s_ptr + rn_in[:, None] * stride_sn + kb[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+    else:  # a running sum per element
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs)
+            x = tl.load(x_ptrs).to(tl.float32)
         else:
             in_k = k0 + k < K
-            w = tl.load(w_ptrs, mask=in_k[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=in_k, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w = tl.load(w_ptrs, mask=in_k[None, :], other=0)
+            x = tl.load(x_ptrs, mask=in_k, other=0.0).to(tl.float32)
+        if SCALED:
+            if EVEN_K:
+                s = tl.load(s_ptrs).to(tl.int32)
+            else:
+                s = tl.load(s_ptrs, mask=(k0 + 32 * kb < K)[None, :], other=127).to(tl.int32)
+            if HW_FP8:
+                wf = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                wf = _e4m3_bits(w.to(tl.int32))
+            block_sums = tl.sum(tl.reshape(wf * x[None, :], (BLOCK_N, BLOCK_K // 32, 32)), 2)
+            acc += block_sums * _e8m0(s)
+            s_ptrs += BLOCK_K // 32
+        else:
+            acc += w.to(tl.float32) * x[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     y = tl.sum(acc, 1)  # [BLOCK_N]
@@ -89,38 +135,53 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def config(n: int, k: int, swiglu: bool, sms: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for an N x K weight (module doc): CHOSEN, else BLOCK_N 8 and, where that
-    makes at least 8 programs an SM, short programs (256 elements of K, one warp; the output layer, a fused
-    gate/up), else long ones (1024, four warps; wo, w2). A thread keeps 64 running sums either way."""
-    if (n, k, swiglu) in CHOSEN:
-        return CHOSEN[(n, k, swiglu)]
+def config(scaled: bool, n: int, k: int, swiglu: bool, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for an N x K weight (module doc): CHOSEN, else for MXFP8 (``scaled``) 4 rows
+    of 1024 elements a program, four warps; for 16-bit weights BLOCK_N 8 and, where that makes at least 8 programs
+    an SM, short programs (256 elements of K, one warp: the output layer, a fused gate/up), else long ones (1024,
+    four warps: wo, w2). A thread keeps 64 running sums of 16-bit weights."""
+    if (scaled, n, k, swiglu) in CHOSEN:
+        return CHOSEN[(scaled, n, k, swiglu)]
+    if scaled:
+        return 4, 1024, 4
     return (8, 256, 1) if triton.cdiv(n, 8) >= 8 * sms else (8, 1024, 4)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
-    """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, M at most MAX_M (module doc); ``swiglu``: w is [w1; w3] and
-    the output [M, N / 2] is silu(x w1^T) * (x w3^T). Rows of w contiguous, and x's."""
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != w.dtype:
-        raise ValueError(f"gemv: x [M, K] and w [N, K] of one dtype, got x {x.dtype} {tuple(x.shape)} and w "
-                         f"{w.dtype} {tuple(w.shape)}")  # fmt: skip
+def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, M at most MAX_M (module doc). ``scale``: w is MXFP8, e4m3 codes
+    [N, K] with e8m0 scales [N, K / 32] (bytes, or torch's float8 dtypes), else w is x's dtype. ``swiglu``: w is
+    [w1; w3] and the output [M, N / 2] is silu(x w1^T) * (x w3^T). Rows of w contiguous, and x's."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"gemv: x [M, K] and w [N, K], got x {tuple(x.shape)} and w {tuple(w.shape)}")
+    if scale is None and w.dtype != x.dtype:
+        raise ValueError(f"gemv: x and w of one dtype, got {x.dtype} and {w.dtype}")
+    n, k = w.shape
+    if scale is not None and (
+        w.element_size() != 1 or scale.element_size() != 1 or scale.shape != (n, k // MX_BLOCK) or k % MX_BLOCK
+    ):
+        got = f"{w.dtype} {tuple(w.shape)} and {scale.dtype} {tuple(scale.shape)}"
+        raise ValueError(f"gemv: MXFP8 codes [N, K] and scales [N, K / {MX_BLOCK}] of bytes, K a multiple of "
+                         f"{MX_BLOCK}; got {got}")  # fmt: skip
     if x.shape[0] > MAX_M:
         raise ValueError(f"gemv: x has {x.shape[0]} rows, at most {MAX_M}")
-    if x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError("gemv: rows of x and w must be contiguous")
-    if swiglu and w.shape[0] % 2:
-        raise ValueError(f"gemv: swiglu needs w1 and w3 of one size, got {w.shape[0]} rows")
-    (m, k), n = x.shape, w.shape[0]
+    if x.stride(1) != 1 or w.stride(1) != 1 or (scale is not None and scale.stride(1) != 1):
+        raise ValueError("gemv: rows of x, w and scale must be contiguous")
+    if swiglu and n % 2:
+        raise ValueError(f"gemv: swiglu needs w1 and w3 of one size, got {n} rows")
+    m = x.shape[0]
     out = torch.empty((m, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
     if m == 0 or out.shape[1] == 0:
         return out
     if k == 0:
         return out.zero_()  # empty sums; silu(0) * 0 with swiglu
-    block_n, block_k, warps = config(n, k, swiglu, _sm_count(x.device))
+    scaled = scale is not None
+    block_n, block_k, warps = config(scaled, n, k, swiglu, _sm_count(x.device))
     grid = (triton.cdiv(n // 2, block_n // 2) if swiglu else triton.cdiv(n, block_n),)
     _GEMV.launch(
         grid,
-        dict(x_ptr=x, w_ptr=w, out_ptr=out, N=n, K=k, stride_wn=w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-             EVEN_K=k % block_k == 0, SWIGLU=swiglu, num_warps=warps, **pdl.options(x.device)),
+        dict(x_ptr=x, w_ptr=w.view(torch.uint8) if scaled else w, s_ptr=scale.view(torch.uint8) if scaled else w,
+             out_ptr=out, N=n, K=k, stride_wn=w.stride(0), stride_sn=scale.stride(0) if scaled else 0,
+             BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, SCALED=scaled, HW_FP8=not interpreting(),
+             SWIGLU=swiglu, num_warps=warps, **pdl.options(x.device)),
     )  # fmt: skip
     return out

@@ -1,18 +1,21 @@
-"""The decode step's dense GEMV (kernels/decode_gemv.py, through mx_recipe.infer.gemv) against x @ w.T in fp64.
+"""The decode step's one-row GEMV (kernels/decode_gemv.py, through mx_recipe.infer.gemv) against x @ w.T in fp64, for
+bf16 weights and MXFP8 ones (their dequantized values).
 
-* CPU, in this process: argument errors, the op's fake shape, and the rule (``use_gemv``: bf16 on a GPU, at most
-  MAX_M rows), which leaves the CPU to ``F.linear``.
+* CPU, in this process: argument errors, the op's fake shape, and the rule (``takes``: one bf16 row on a GPU),
+  which leaves the CPU to ``F.linear``.
 * CPU, Triton interpreter (``test_interp_*``), in a child pytest with TRITON_INTERPRET=1: N not a multiple of the
-  tile, K with and without a tail, fp32 and bf16, and the SwiGLU epilogue.
-* GPU (``gpu``): Llama 3 8B's shapes and the MoE 16B's, NaN and Inf, the epilogue, and the kernel launched with PDL
-  inside a captured CUDA graph replayed on new inputs.
+  tile, K with and without a tail, fp32 and bf16, MXFP8 with its edge codes and scales, and the SwiGLU epilogue.
+  (The interpreter converts MXFP8 codes by integer bit operations; the GPU tests check the hardware conversion.)
+* GPU (``gpu``): Llama 3 8B's shapes and the MoE 16B's, both weight kinds, NaN and Inf, the epilogue, the kernel
+  launched with PDL inside a captured CUDA graph replayed on new inputs, and the decode step taking it.
 
-Bound. Products of 16-bit values are exact in fp32; the kernel sums them in fp32 in its own order (cuBLAS in
-another), so |y - x w^T| <= 1.05 K 2**-23 (|x| |w|^T) before the output's one rounding, 2**-8 of |x w^T| in bf16
-(2**-7 in the interpreter, whose fp32 -> bf16 cast truncates) and 2**-24 in fp32. The epilogue rounds the gate and
-up sums to the output dtype and then computes ``silu_mul``'s two roundings: against the eager expression on the
-kernel's own unfused outputs, three roundings (a sum in another order may round to the neighbouring value); in
-fp32, 1e-6 (the kernel's exp and torch's may differ in the last bits).
+Bound. Products of 16-bit values, and of e4m3 codes with bf16 values, are exact in fp32; the kernel sums them in
+fp32 in its own order (MXFP8: each 32-element block's sum times its e8m0 scale, exact), so |y - x w^T| <= 1.05 K
+2**-23 (|x| |w|^T) before the output's one rounding, 2**-8 of |x w^T| in bf16 (2**-7 in the interpreter, whose
+fp32 -> bf16 cast truncates) and 2**-24 in fp32. The epilogue rounds the gate and up sums to the output dtype and
+then computes ``silu_mul``'s two roundings: against the eager expression on the kernel's own unfused outputs,
+three roundings (a sum in another order may round to the neighbouring value); in fp32, 1e-6 (the kernel's exp and
+torch's may differ in the last bits).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from test_cast_kernels import run_interpreter_tests
 
-from mx_recipe.infer.gemv import MAX_M, apply_linear, linear, use_gemv
+from mx_recipe.infer.gemv import MAX_M, apply_linear, linear, takes, use_gemv
+from mx_recipe.infer.weights import quantize
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -35,8 +39,14 @@ if INTERP and HAS_TRITON:
     from test_gemm_triton import _install_interpreter_shims  # noqa: F401  (installed on import)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
-    return torch.ops.mx_recipe.gemv(x, w, swiglu=swiglu)
+def gemv(x: torch.Tensor, w: torch.Tensor, swiglu: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mx_recipe.gemv(x, w, scale, swiglu=swiglu)
+
+
+def mxfp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scales, the dequantized weight in fp32) of w in MXFP8 along K."""
+    q = quantize(w.float(), "mxfp8")
+    return q.qdata, q.scale, q.dequantize(torch.float32)
 
 
 def rounding(dtype: torch.dtype) -> float:
@@ -54,10 +64,10 @@ def assert_within_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> No
     assert excess.numel() == 0 or excess.max() <= 0, f"{tuple(x.shape)} x {tuple(w.shape)}: past by {excess.max():.3g}"
 
 
-def check_swiglu(x: torch.Tensor, w: torch.Tensor) -> None:
-    h1, h3 = gemv(x, w).chunk(2, dim=-1)
+def check_swiglu(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    h1, h3 = gemv(x, w, scale=scale).chunk(2, dim=-1)
     want = (F.silu(h1.float()).to(x.dtype).float() * h3.float()).to(x.dtype)
-    got = gemv(x, w, swiglu=True)
+    got = gemv(x, w, swiglu=True, scale=scale)
     assert got.shape == want.shape and got.dtype == want.dtype
     err = (got.double() - want.double()).abs()
     rel = 1e-6 if x.dtype == torch.float32 else 3 * rounding(x.dtype)  # fp32: exp's last bits differ from torch's
@@ -71,6 +81,36 @@ def operands(m: int, n: int, k: int, dtype: torch.dtype, device: str, seed: int 
     return x, w
 
 
+def mx_operands(n: int, k: int, device: str, seed: int = 0):
+    """x [1, K] bf16 and an MXFP8 weight whose blocks span 2**-12 .. 2**6 (scales differ along K and N)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, k, generator=g).bfloat16().to(device)
+    spread = 2.0 ** torch.randint(-12, 7, (n, k // 32), generator=g).float()
+    return x, *mxfp8((torch.randn(n, k, generator=g) * spread.repeat_interleave(32, dim=1)).to(device))
+
+
+def check_mx_edges(device: str) -> None:
+    """NaN codes (0x7F, 0xFF) and a NaN scale (0xFF) make their rows NaN; scale bytes 0 (2**-127) and 254, the
+    largest code (448), subnormal codes (0x01-0x07) and zeros give the dequantized weight's products."""
+    x, codes, scales, _ = mx_operands(12, 256, "cpu")
+    c, e = codes.view(torch.uint8).clone(), scales.view(torch.uint8).clone()
+    c[0, 5], c[1, 40], e[2, 3] = 0x7F, 0xFF, 0xFF  # NaN: rows 0, 1, 2
+    e[3, :], e[4, 1] = 0, 254  # 2**-127 everywhere; one block at 2**127
+    c[4, 32:64] = torch.arange(32, dtype=torch.uint8) % 7 + 1  # subnormal codes under the large scale
+    c[5, :], c[6, :32] = 0x7E, 0  # 448 everywhere; a zero block
+    codes, scales = c.view(torch.float8_e4m3fn), e.view(torch.float8_e8m0fnu)
+    w = mxfp8_dequantized(codes, scales)
+    y = gemv(x.to(device), codes.to(device), scale=scales.to(device))
+    assert y[:, :3].isnan().all() and not y[:, 3:].isnan().any()
+    assert_within_bound(y[:, 3:].cpu(), x, w[3:])
+
+
+def mxfp8_dequantized(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    from mx_recipe.formats.mx import MXTensor
+
+    return MXTensor(codes, scales, "e4m3", 1).dequantize(torch.float32)
+
+
 # ---------------------------------------------------------------------------------------
 # CPU, in this process
 
@@ -79,11 +119,14 @@ def test_bad_arguments_are_one_line_errors():
     from mx_kernels.decode_gemv import gemv as kernel
 
     cases = [
-        ((torch.randn(1, 8), torch.randn(4, 6)), "x \\[M, K\\] and w \\[N, K\\] of one dtype"),
+        ((torch.randn(1, 8), torch.randn(4, 6)), "x \\[M, K\\] and w \\[N, K\\]"),
         ((torch.randn(1, 8), torch.randn(4, 8).double()), "of one dtype"),
+        ((torch.randn(1, 64), torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 3, dtype=torch.uint8)), "scales"),
+        ((torch.randn(1, 48), torch.zeros(4, 48, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8)), "K a mul"),
+        ((torch.randn(1, 64), torch.zeros(4, 64), torch.zeros(4, 2, dtype=torch.uint8)), "codes \\[N, K\\]"),
         ((torch.randn(MAX_M + 1, 8), torch.randn(4, 8)), f"rows, at most {MAX_M}"),
         ((torch.randn(8, 2).T[:1], torch.randn(4, 8)), "contiguous"),
-        ((torch.randn(1, 8), torch.randn(5, 8), True), "swiglu needs w1 and w3 of one size"),
+        ((torch.randn(1, 8), torch.randn(5, 8), None, True), "swiglu needs w1 and w3 of one size"),
     ]
     for args, match in cases:
         with pytest.raises(ValueError, match=match) as info:
@@ -103,7 +146,7 @@ def test_off_the_gpu_linear_is_f_linear():
     """On the CPU the rule says no, and ``linear`` is F.linear (swiglu: the eager expression), ``apply_linear`` of a
     module its call."""
     x, w = operands(2, 48, 64, torch.float32, "cpu")
-    assert not use_gemv(x, w) and not use_gemv(x.bfloat16(), w.bfloat16())
+    assert not use_gemv(x, w) and not use_gemv(x[:1].bfloat16(), w.bfloat16()) and not takes(x[:1].bfloat16())
     assert torch.equal(linear(x, w), F.linear(x, w))
     h1, h3 = F.linear(x, w).chunk(2, dim=-1)
     assert torch.equal(linear(x, w, swiglu=True), F.silu(h1) * h3)
@@ -133,6 +176,16 @@ def test_interp_rows_tails_and_swiglu(dtype):
 
 
 @interp_only
+def test_interp_mxfp8_tails_edges_and_swiglu():
+    for n, k in [(37, 992), (20, 4096), (6, 96)]:
+        x, codes, scales, w = mx_operands(n, k, "cpu", seed=n)
+        assert_within_bound(gemv(x, codes, scale=scales), x, w)
+    x, codes, scales, _ = mx_operands(40, 992, "cpu")
+    check_swiglu(x, codes, scales)
+    check_mx_edges("cpu")
+
+
+@interp_only
 def test_interp_nan_inf_and_empty():
     x, w = operands(1, 12, 512, torch.float32, "cpu")
     x[0, 3], w[5, 7], w[6, 9] = float("nan"), float("inf"), float("-inf")
@@ -156,6 +209,17 @@ def test_gpu_llama8b_and_moe16b_shapes():
         check_swiglu(*operands(1, n, k, torch.bfloat16, "cuda"))
     x, w = operands(1, 1001, 1000, torch.float16, "cuda")  # odd N, a K tail; fp16 (off the rule)
     assert_within_bound(gemv(x, w), x, w)
+
+
+@pytest.mark.gpu
+def test_gpu_mxfp8_shapes_tails_and_edges():
+    for n, k in [(6144, 4096), (4096, 4096), (4096, 14336), (2816, 2048), (2048, 1408), (1001, 992)]:
+        x, codes, scales, w = mx_operands(n, k, "cuda", seed=n)
+        assert_within_bound(gemv(x, codes, scale=scales).cpu(), x.cpu(), w.cpu())
+    for n, k in [(28672, 4096), (2816, 2048)]:
+        x, codes, scales, _ = mx_operands(n, k, "cuda", seed=n)
+        check_swiglu(x, codes, scales)
+    check_mx_edges("cuda")
 
 
 @pytest.mark.gpu
@@ -185,33 +249,32 @@ def test_gpu_captured_with_pdl_replays_on_new_inputs():
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_decode_steps_take_the_gemv():
-    """A bf16 decode step of one sequence runs every projection by the GEMV (fused QKV, gate/up with its SwiGLU, wo,
-    w2 and the output layer), with PDL; of two, none (cuBLAS), without. Both give the full forward's logits
-    within bf16 roundings."""
-    from mx_recipe.infer import decode, gemv
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+def test_gpu_decode_steps_take_the_gemv(fmt, monkeypatch):
+    """A decode step of one sequence runs every projection by the GEMV (fused QKV, gate/up with its SwiGLU, wo, w2
+    and the bf16 output layer), with PDL; of two, none. Both give the full forward's logits within bf16 roundings."""
+    from mx_recipe.infer import decode
     from mx_recipe.infer.load import to_compute_dtype
-    from mx_recipe.infer.weights import fuse_projections
+    from mx_recipe.infer.weights import fuse_projections, quantize_model
     from mx_recipe.models import build_model, model_args
 
     cuda = torch.device("cuda")
     torch.manual_seed(0)
     model = build_model(model_args("llama", "debug", 320, 64)).to(cuda)
     model.init_weights()
-    model = fuse_projections(to_compute_dtype(model.eval(), torch.bfloat16))
-    rule, taken = gemv.use_gemv, []
+    model = fuse_projections(quantize_model(to_compute_dtype(model.eval(), torch.bfloat16), fmt))
+    op, calls = torch.ops.mx_recipe.gemv, []
+    monkeypatch.setattr(torch.ops.mx_recipe, "gemv", lambda x, w, scale, swiglu: calls.append(scale is not None)
+                        or op(x, w, scale, swiglu=swiglu))  # fmt: skip
     for batch in (1, 2):
         tokens = torch.randint(0, 320, (batch, 12), device=cuda)
         cache = decode.KVCache(model, batch, 12, torch.bfloat16, cuda)
         with torch.no_grad():
             decode.forward(model, tokens[:, :11], torch.arange(11, device=cuda), cache)
-            gemv.use_gemv = lambda x, w: taken.append(rule(x, w)) or taken[-1]
-            try:
-                step = decode.forward(model, tokens[:, 11:], torch.tensor([11], device=cuda), cache)
-            finally:
-                gemv.use_gemv = rule
+            calls.clear()
+            step = decode.forward(model, tokens[:, 11:], torch.tensor([11], device=cuda), cache)
             full = model(tokens)[:, 11:]
-        assert decode.pdl_pays(model, batch) == (batch == 1)
-        assert taken == [batch == 1] * (4 * len(model.layers) + 1), taken  # wqkv, w13, wo, w2 a layer; the output
-        taken.clear()
+        assert decode.pdl_pays(model, batch) == (batch == 1 or fmt != "bf16")  # quantized: up to PDL_MAX_BATCH
+        want = ([fmt == "mxfp8"] * 4 * len(model.layers) + [False]) if batch == 1 else []  # a layer's 4; the output
+        assert calls == want, calls
         torch.testing.assert_close(step.float(), full.float(), rtol=2e-2, atol=2e-2)

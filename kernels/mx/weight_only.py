@@ -222,12 +222,9 @@ FMA_CANDIDATES: dict[tuple[int, int] | None, list[dict]] = {
     (28672, 4096): _fma_grid((None, 1)),  # w1 w3 fused
     None: _fma_grid((None,)),
 }
-# chosen on one NVIDIA H200 (torch 2.11.0+cu130, 2026-11-29) by tuning the Llama 3 8B decode step at batch 1
+# chosen on one NVIDIA H200 (torch 2.11.0+cu130, 2026-11-29) by tuning the Llama 3 8B decode step at batch 1 (MXFP8
+# at one row takes mx_kernels.decode_gemv there)
 FMA_CHOSEN: dict[tuple[str, int, int], dict] = {
-    ("mxfp8", 6144, 4096): _fma(8, 1024, None, 2, unit=8),
-    ("mxfp8", 4096, 4096): _fma(8, 2048, None, 4, unit=8),
-    ("mxfp8", 28672, 4096): _fma(8, 512, None, 1, unit=8),
-    ("mxfp8", 4096, 14336): _fma(8, 2048, 1, 4, unit=8),
     ("mxfp4", 6144, 4096): _fma(4, 1024, 1, 2, unit=8),
     ("mxfp4", 4096, 4096): _fma(8, 2048, 1, 4, unit=8),
     ("mxfp4", 28672, 4096): _fma(8, 512, 1, 1, unit=8),

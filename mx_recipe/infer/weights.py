@@ -37,7 +37,7 @@ from torch import nn
 
 from mx_recipe.formats.mx import BLOCK_SIZE, MXTensor, fake_quant, to_mx
 from mx_recipe.formats.nvfp4 import NVFP4_BLOCK, NVFP4Tensor, to_nvfp4
-from mx_recipe.infer.gemv import linear, use_gemv
+from mx_recipe.infer.gemv import gemv, linear, takes, use_gemv
 from mx_recipe.infer.weight_only import (
     LARGE_M,
     PACK,
@@ -123,11 +123,14 @@ class PackedWeight(nn.Module):
         return MXTensor(qdata, scale, FORMATS[self.fmt], qdata.dim() - 1).dequantize(dtype)
 
     def mm(self, x: torch.Tensor, kernel: bool, swiglu: bool = False) -> torch.Tensor:
-        """x [..., K] @ w.T: the weight-only kernel where ``use_kernel(x)`` (and ``kernel``), else the reference.
+        """x [..., K] @ w.T: the weight-only kernel where ``use_kernel(x)`` (and ``kernel``; an MXFP8 weight at one
+        row: the GEMV of mx_recipe.infer.gemv), else the reference.
         ``swiglu``: w is SwiGLU's w1 and w3 along N, the output silu(x w1^T) * (x w3^T) (``weight_only_mm``). A tiled
         weight past LARGE_M rows (prefill), or asked for another epilogue than its rows are ordered for, is
         dequantized for cuBLAS."""
         if kernel and use_kernel(x):
+            if self.fmt == "mxfp8" and takes(x):  # one row: the GEMV (mx_recipe.infer.gemv)
+                return gemv(x, self.qdata, self.scale, swiglu)
             if not self.tiled:
                 return weight_only_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, swiglu)
             if x.numel() // x.shape[-1] <= LARGE_M and swiglu == self.swiglu_rows:
