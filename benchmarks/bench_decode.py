@@ -27,9 +27,11 @@ its Triton kernels with programmatic dependent launch where mx_recipe.infer.deco
 launches; --pdl both: each step captured both ways and timed interleaved, a second set of rows ("decode no-pdl").
 --sweep times each small-M config of the weight-only kernel (mx_kernels.mx.weight_only.FMA_CANDIDATES), its
 weight read from memory as in a model (cold_copies), on each weight shape of its table (Llama 3 8B's projections,
-alone and fused), for each format of --weights and each --batch M (default 1), beside cuBLAS on the bf16 weight and
-the tl.dot path's default: a row per config with microseconds and the bytes read (codes, scales, x) over the copy
-bandwidth, then the fastest config per format and shape as ``FMA_CHOSEN`` entries to paste into the kernel's table.
+alone and fused), for each format of --weights and each --batch M (default 1), beside cuBLAS on the bf16 weight,
+the tl.dot path's default and, at one row, the GEMV that a decode step runs there for bf16 and MXFP8 weights
+(mx_recipe.infer.gemv): a row per config with microseconds and the bytes read (codes, scales, x) over the copy
+bandwidth, then the fastest config per format and shape (the GEMV's rows aside) as ``FMA_CHOSEN`` entries to paste
+into the kernel's table.
 --reference: the quantized GEMMs dequantize to bf16 first (what they did before the kernel), for comparison.
 --profile-top N: after each batch's timing, one replayed step of each format under torch.profiler: the N
 costliest kernels (ms per step) and the step's kernel time against its wall time (the rest is the
@@ -51,7 +53,8 @@ from timing import copy_gbs, kernel_us_by_name, run_meta
 
 from mx_recipe.cli import ArgumentParser, int_list, names, output_file
 from mx_recipe.infer.decode import DecodeGraph, KVCache, forward
-from mx_recipe.infer.gemv import apply_linear
+from mx_recipe.infer.gemv import MAX_M as GEMV_MAX_M
+from mx_recipe.infer.gemv import apply_linear, gemv
 from mx_recipe.infer.load import init_random
 from mx_recipe.infer.weight_only import set_tuning
 from mx_recipe.infer.weights import (
@@ -249,10 +252,16 @@ def sweep(formats: tuple[str, ...], batches: tuple[int, ...], device: torch.devi
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             us = kernel.time_us([lambda x=x, w=w: torch.nn.functional.linear(x, w) for (w,) in w_copies])
             add(n, k, m, "bf16", "cuBLAS", us, 2 * (n * k + m * k))
+            if m <= GEMV_MAX_M:  # what the decode step runs there (mx_recipe.infer.gemv)
+                add(n, k, m, "bf16", "GEMV", kernel.time_us([lambda x=x, w=w: gemv(x, w) for (w,) in w_copies]),
+                    2 * (n * k + m * k))  # fmt: skip
             for fmt, q in packed.items():
                 ts = getattr(q, "per_tensor_scale", None)
                 copies = kernel.cold_copies((q.qdata, q.scale))
                 nbytes = q.qdata.numel() + q.scale.numel() + 2 * m * k
+                gemv_runs = m <= GEMV_MAX_M and fmt == "mxfp8"  # the decode step's GEMV, not the configs below
+                if gemv_runs:
+                    add(n, k, m, fmt, "GEMV", kernel.time_us([lambda x=x, c=c: gemv(x, *c) for c in copies]), nbytes)
                 dot = kernel.config_for(m, fmt, fma=False)
                 us = kernel.time_us(_gemm_runs(x, copies, ts, fmt, dot))
                 add(n, k, m, fmt, "tl.dot " + _config_name(dot), us, nbytes)
@@ -263,7 +272,7 @@ def sweep(formats: tuple[str, ...], batches: tuple[int, ...], device: torch.devi
                         print(f"{n:>6} x {k:<5}{fmt:>6} {m:>3}  {_config_name(config):<58} skipped: {type(e).__name__}")
                         continue
                     add(n, k, m, fmt, _config_name(config), us, nbytes)
-                    if m == batches[0] and us < chosen.get((fmt, n, k), (float("inf"),))[0]:
+                    if m == batches[0] and not gemv_runs and us < chosen.get((fmt, n, k), (float("inf"),))[0]:
                         chosen[(fmt, n, k)] = (us, config)
     print(f"fastest small-M configs at M = {batches[0]} (FMA_CHOSEN in kernels/mx/weight_only.py):")
     for (fmt, n, k), (us, config) in chosen.items():

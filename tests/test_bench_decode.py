@@ -61,3 +61,17 @@ def test_bad_arguments_are_one_line(args, message):
     done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_decode.py"), *SMOKE, *args], cwd=REPO,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_sweep_times_the_gemv_beside_the_configs():
+    """--sweep at one row: cuBLAS and the GEMV for bf16, the GEMV and every small-M config for MXFP8, each timed;
+    the GEMV's MXFP8 rows stay out of the FMA_CHOSEN suggestion (the decode step runs the GEMV there)."""
+    import torch
+
+    bench = load_benchmark("bench_decode")
+    rows = bench.sweep(("bf16", "mxfp8"), (1, 2), torch.device("cuda"), 4e12, shapes=[(256, 1024)])
+    configs = {(r["weights"], r["m"], r["config"]) for r in rows}
+    assert {("bf16", 1, "cuBLAS"), ("bf16", 1, "GEMV"), ("mxfp8", 1, "GEMV")} <= configs
+    assert ("mxfp8", 2, "GEMV") not in configs and ("bf16", 2, "GEMV") not in configs
+    assert sum(r["weights"] == "mxfp8" and r["m"] == 1 for r in rows) > 3 and all(r["us"] > 0 for r in rows)
