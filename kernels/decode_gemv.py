@@ -16,10 +16,10 @@ which splits K and reads each scale in its unit sums' layout: a Llama 3 8B layer
 The kernel: a program owns BLOCK_N rows of w (output columns) and all of K, walking it in tiles of BLOCK_K, and
 each thread loads 8 (16-bit) or 16 (MXFP8) contiguous elements of a row, 16 bytes, and the same of x. A 16-bit
 weight's products go into a running fp32 sum per element of the thread's tile. An MXFP8 code becomes fp32 by the
-hardware's conversion (e4m3 pairs to f16 pairs, sm_89+; under the interpreter, integer bit operations), its
-product with x is exact, each 32-element block's products are summed (in the thread, then with the one neighbour
-that holds the block's other half) and the sum times the block's scale (exact, a power of 2) goes into a running
-sum per block. After the loop the sums are reduced over K (in registers, then across the threads). No split of K:
+hardware's conversion (e4m3 pairs to f16 pairs, sm_89+; before it and under the interpreter, integer bit
+operations), its product with x is exact, each 32-element block's products are summed (in the thread, then with
+the one neighbour that holds the block's other half) and the sum times the block's scale (exact, a power of 2)
+goes into a running sum per block. After the loop the sums are reduced over K (in registers, then across the threads). No split of K:
 the grid is cdiv(N, BLOCK_N) programs, at least 512 at the shapes above, several an SM. The result differs from
 cuBLAS's on the dequantized weight only by the order of the fp32 sums, then one rounding.
 
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 from mx_kernels import pdl
-from mx_kernels.common import interpreting
+from mx_kernels.common import cuda_capability, interpreting
 from mx_kernels.decode_fused import swiglu as swiglu_of
 from mx_kernels.launch_cache import LaunchCache
 
@@ -55,8 +55,8 @@ CHOSEN = {
 
 @triton.jit
 def _e4m3_bits(c):
-    """e4m3 bytes (int32) -> their values in fp32 by integer bit operations (exact; NaN for 0x7F and 0xFF): the
-    interpreter's path, whose fp8 conversion is wrong."""
+    """e4m3 bytes (int32) -> their values in fp32 by integer bit operations (exact; NaN for 0x7F and 0xFF): before
+    sm_89, and under the interpreter, whose fp8 conversion is wrong."""
     v = (((c & 0x7F) << 20) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2**120
     return tl.where((c & 0x7F) == 0x7F, float("nan"), v)
 
@@ -131,6 +131,11 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, BLOCK
 _GEMV = LaunchCache(_gemv_kernel)
 
 
+def _hw_fp8(device: torch.device) -> bool:
+    """Whether e4m3 codes convert by the hardware's instruction (sm_89+; not under the interpreter)."""
+    return not interpreting() and device.type == "cuda" and cuda_capability(device) >= (8, 9)
+
+
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
@@ -181,7 +186,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, sw
         grid,
         dict(x_ptr=x, w_ptr=w.view(torch.uint8) if scaled else w, s_ptr=scale.view(torch.uint8) if scaled else w,
              out_ptr=out, N=n, K=k, stride_wn=w.stride(0), stride_sn=scale.stride(0) if scaled else 0,
-             BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, SCALED=scaled, HW_FP8=not interpreting(),
+             BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, SCALED=scaled, HW_FP8=_hw_fp8(x.device),
              SWIGLU=swiglu, num_warps=warps, **pdl.options(x.device)),
     )  # fmt: skip
     return out

@@ -204,6 +204,8 @@ def test_gpu_llama8b_and_moe16b_shapes():
     for n, k in [(6144, 4096), (4096, 4096), (4096, 14336), (128256, 4096), (2816, 2048), (2048, 1408)]:
         x, w = operands(1, n, k, torch.bfloat16, "cuda", seed=n)
         assert use_gemv(x, w) and not use_gemv(torch.cat([x, x]), w)
+        with torch.enable_grad():  # the op has no backward: a GEMM that needs one is F.linear's
+            assert not use_gemv(x, w.clone().requires_grad_()) and use_gemv(x, w)
         assert_within_bound(gemv(x, w), x, w)
     for n, k in [(28672, 4096), (2816, 2048)]:
         check_swiglu(*operands(1, n, k, torch.bfloat16, "cuda"))

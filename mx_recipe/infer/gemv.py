@@ -57,8 +57,10 @@ def gemv(x: Tensor, w: Tensor, scale: Tensor | None = None, swiglu: bool = False
 
 
 def use_gemv(x: Tensor, w: Tensor) -> bool:
-    """Whether x @ w.T for a bf16 weight runs the GEMV: where it ``takes`` x, w bf16 with rows contiguous."""
-    return takes(x) and w.dtype == torch.bfloat16 and w.stride(-1) == 1
+    """Whether x @ w.T for a bf16 weight runs the GEMV: where it ``takes`` x, w bf16 with rows contiguous, and no
+    gradient is asked for (the op has no backward; F.linear has)."""
+    grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+    return takes(x) and w.dtype == torch.bfloat16 and w.stride(-1) == 1 and not grad
 
 
 def linear(x: Tensor, w: Tensor, swiglu: bool = False) -> Tensor:

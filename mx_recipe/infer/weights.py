@@ -4,7 +4,8 @@ fp32 tensor scale), packed as the formats define them (mx_recipe.formats), along
 ``quantize_model`` swaps each ``nn.Linear`` (but the skipped ones: the output layer and the router gates, as the
 training converter) for a ``QuantizedLinear`` and each ``GroupedExperts`` for ``QuantizedExperts``. On an NVIDIA
 GPU with bf16 activations their GEMM is the weight-only kernel (``mx_recipe.infer.weight_only``): it reads the
-packed bytes and upcasts them in registers, so it saves the bandwidth as well as the memory. Elsewhere, or with
+packed bytes and upcasts them in registers, so it saves the bandwidth as well as the memory (an MXFP8 weight at one
+row: the GEMV of ``mx_recipe.infer.gemv``, which a bf16 one takes there too). Elsewhere, or with
 ``kernel=False``, it is the reference: dequantize the packed weight to the activations' dtype, then the GEMM,
 which the kernel equals up to summation order (and, for NVFP4, one bf16 rounding per weight).
 ``activations=True`` also quantizes each GEMM's input along K to the same format, as a B200's MX GEMM would read it.
