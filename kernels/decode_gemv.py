@@ -8,8 +8,8 @@ them and the step's norm and attention kernels, the GPU drains one kernel before
 launches with PDL (mx_kernels.pdl) like the step's other kernels, and its SwiGLU epilogue saves the silu * mul
 launch. us per GEMM on one H200, one row, in a PDL chain of one shape, weights read from memory, cuBLAS -> this
 kernel: Llama 3 8B's fused QKV 15.2 -> 14.5, wo 13.3 -> 10.6, fused gate/up with silu * mul 58.4 -> 57.1, w2 32.1
--> 30.2, output layer 247.1 -> 237.2; the MoE 16B's QKV 6.3 -> 5.5. At two rows and more cuBLAS is faster (the
-fused gate/up at 2 rows 59.1 against 69.5, at 4 rows 58.9 against 100.7), so the kernel takes one row (MAX_M).
+-> 30.2, output layer 247.1 -> 237.2; the MoE 16B's QKV 6.3 -> 5.5. From two rows cuBLAS is faster, so the kernel
+takes one row (MAX_M).
 For MXFP8 weights it is faster at one row than the weight-only kernel's small-M path (mx_kernels.mx.weight_only),
 which splits K and reads each scale in its unit sums' layout: a Llama 3 8B layer's four GEMMs 65.5 -> 59.4 us.
 
@@ -19,9 +19,9 @@ weight's products go into a running fp32 sum per element of the thread's tile. A
 hardware's conversion (e4m3 pairs to f16 pairs, sm_89+; before it and under the interpreter, integer bit
 operations), its product with x is exact, each 32-element block's products are summed (in the thread, then with
 the one neighbour that holds the block's other half) and the sum times the block's scale (exact, a power of 2)
-goes into a running sum per block. After the loop the sums are reduced over K (in registers, then across the threads). No split of K:
-the grid is cdiv(N, BLOCK_N) programs, at least 512 at the shapes above, several an SM. The result differs from
-cuBLAS's on the dequantized weight only by the order of the fp32 sums, then one rounding.
+goes into a running sum per block. After the loop the sums are reduced over K (in registers, then across the
+threads). No split of K: the grid is cdiv(N, BLOCK_N) programs, at least 512 at the shapes above, several an SM.
+The result differs from cuBLAS's on the dequantized weight only by the order of the fp32 sums, then one rounding.
 
 SwiGLU (``swiglu``): w is w1 and w3 concatenated along N; a program takes BLOCK_N / 2 rows of each, the same
 hidden units, rounds both sums to the output dtype (as the unfused GEMM's output) and writes silu(gate) * up
@@ -40,6 +40,7 @@ from mx_kernels import pdl
 from mx_kernels.common import cuda_capability, interpreting
 from mx_kernels.decode_fused import swiglu as swiglu_of
 from mx_kernels.launch_cache import LaunchCache
+from mx_kernels.mx.weight_only import _e4m3, _e8m0, _sm_count
 
 MAX_M = 1  # rows past which a GEMM is cuBLAS's or the weight-only kernel's (mx_recipe.infer.gemv; module doc)
 MX_BLOCK = 32  # MXFP8's elements per scale
@@ -51,21 +52,6 @@ CHOSEN = {
     (True, 28672, 4096, True): (4, 1024, 2),  # its fused gate/up, MXFP8
     (True, 4096, 14336, False): (4, 2048, 4),  # its w2, MXFP8
 }
-
-
-@triton.jit
-def _e4m3_bits(c):
-    """e4m3 bytes (int32) -> their values in fp32 by integer bit operations (exact; NaN for 0x7F and 0xFF): before
-    sm_89, and under the interpreter, whose fp8 conversion is wrong."""
-    v = (((c & 0x7F) << 20) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2**120
-    return tl.where((c & 0x7F) == 0x7F, float("nan"), v)
-
-
-@triton.jit
-def _e8m0(e):
-    """e8m0 bytes (int32) -> 2**(e - 127) in fp32 (e = 0: 2**-127, a subnormal); NaN for 0xFF."""
-    bits = tl.where(e == 0, 0x400000, e << 23)
-    return tl.where(e == 0xFF, float("nan"), bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -110,7 +96,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, BLOCK
             if HW_FP8:
                 wf = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
-                wf = _e4m3_bits(w.to(tl.int32))
+                wf = _e4m3(w.to(tl.int32)) * 1.329227995784916e36  # integer bit operations, times 2**120
             block_sums = tl.sum(tl.reshape(wf * x[None, :], (BLOCK_N, BLOCK_K // 32, 32)), 2)
             acc += block_sums * _e8m0(s)
             s_ptrs += BLOCK_K // 32
@@ -134,10 +120,6 @@ _GEMV = LaunchCache(_gemv_kernel)
 def _hw_fp8(device: torch.device) -> bool:
     """Whether e4m3 codes convert by the hardware's instruction (sm_89+; not under the interpreter)."""
     return not interpreting() and device.type == "cuda" and cuda_capability(device) >= (8, 9)
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def config(scaled: bool, n: int, k: int, swiglu: bool, sms: int) -> tuple[int, int, int]:
