@@ -133,13 +133,9 @@ def test_every_code_bit_lands_where_the_upcast_reads_it():
     assert len(seen) == 4 * 256
 
 
-@needs_triton
-@pytest.mark.parametrize(("m", "wgmma", "fmt"), [(1, False, "mxfp4"), (8, False, "nvfp4"), (32, True, "mxfp4"),
-                                                 (64, True, "nvfp4")])  # fmt: skip
-def test_operands_reach_the_mma_without_moves(m, wgmma, fmt):
-    """Compiled for sm_90a: the upcast weights are the MMA's register operand and x (mma.sync) its other one, each
-    layout conversion asserted trivial at compile time; mma.sync takes no shared memory, wgmma only x^T's. Under
-    PDL the next kernel is released right after the wait, before the first MMA."""
+def compiled_kernel(m: int, wgmma: bool, fmt: str, **over):
+    """The kernel compiled for sm_90a on a 1024 x 512 weight, K split 2 ways, SwiGLU, PDL; ``over`` replaces
+    arguments: (TTGIR, PTX)."""
     from mx_kernels.gluon.common import compile_for_arch
     from mx_kernels.gluon.weight_only_tiled import tiled_weight_only_kernel
 
@@ -151,10 +147,20 @@ def test_operands_reach_the_mma_without_moves(m, wgmma, fmt):
         out_ptr=torch.empty(m, n, dtype=torch.bfloat16, **meta), ws_ptr=torch.empty(2, m, n, **meta),
         cnt_ptr=torch.empty(64, dtype=torch.int32, **meta), M=m, N=n, K=k, K_SPLIT=k // 2, SPLIT_K=2, stride_xm=k,
         stride_om=n, stride_tn=1, FMT=fmt, BLOCK_M=max(8, m), T=1 if wgmma else 2, W=4, SPLIT=True, TWO_MUL=False,
-        SWIGLU=True, PDL=True, WGMMA=wgmma, UNROLL=2, num_warps=4,
+        SWIGLU=True, PDL=True, WGMMA=wgmma, UNROLL=2, KW=1, num_warps=4,
     )  # fmt: skip
-    compiled = compile_for_arch(tiled_weight_only_kernel, kwargs, 90)
-    ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
+    compiled = compile_for_arch(tiled_weight_only_kernel, kwargs | over, 90)
+    return compiled.asm["ttgir"], compiled.asm["ptx"]
+
+
+@needs_triton
+@pytest.mark.parametrize(("m", "wgmma", "fmt"), [(1, False, "mxfp4"), (8, False, "nvfp4"), (32, True, "mxfp4"),
+                                                 (64, True, "nvfp4")])  # fmt: skip
+def test_operands_reach_the_mma_without_moves(m, wgmma, fmt):
+    """Compiled for sm_90a: the upcast weights are the MMA's register operand and x (mma.sync) its other one, each
+    layout conversion asserted trivial at compile time; mma.sync takes no shared memory, wgmma only x^T's. Under
+    PDL the next kernel is released right after the wait, before the first MMA."""
+    ttgir, ptx = compiled_kernel(m, wgmma, fmt)
     # PDL: the next kernel is released right after the wait, before the main loop's first MMA (mx_kernels.pdl)
     mma = ptx.index("wgmma.mma_async" if wgmma else "mma.sync")
     assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents") < mma
@@ -167,12 +173,31 @@ def test_operands_reach_the_mma_without_moves(m, wgmma, fmt):
 
 
 @needs_triton
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_warps_splitting_k_read_16_bytes_and_add_in_shared_memory(fmt):
+    """With 4 warps splitting K (KW) the weights and x still reach the MMA as registers and every global load is as
+    wide as with one warp (each warp's offset along K keeps x's 16-byte alignment); the warps' sums meet in shared
+    memory, its one allocation."""
+    ttgir, ptx = compiled_kernel(1, False, fmt, T=1, KW=4)
+    assert re.search(r"tt\.dot %\S+, %\S+, .*? : tensor<64x128xbf16, #ttg\.dot_op<\{opIdx = 0", ttgir)
+    assert ttgir.count("ttg.local_alloc") == 1
+    loads = re.compile(r"ld\.global[.\w]*")
+    assert sorted(loads.findall(ptx)) == sorted(loads.findall(compiled_kernel(1, False, fmt, T=1)[1]))
+
+
+@needs_triton
 def test_config_splits_k_by_the_sm_count():
     """Llama 3 8B's projections (wqkv, wo and w2, w13) on an H200's 132 SMs: mma.sync a warp a program up to 4 rows,
-    wgmma 4 warps to 16 and 8 past that, K split to about 24, 4, 2 (to 32 rows) or 1 programs an SM."""
+    wgmma 4 warps to 16 and 8 past that, K split to about 24, 4, 2 (to 32 rows) or 1 programs an SM; at one row the
+    split moves into the program's warps where it is 8 ways or fewer."""
     from mx_kernels.gluon.weight_only_tiled import config
 
-    assert {n: config(1, n, 132)["split_k"] for n in (6144, 4096, 28672)} == {6144: 8, 4096: 16, 28672: 2}
+    assert {n: config(2, n, 132)["split_k"] for n in (6144, 4096, 28672)} == {6144: 8, 4096: 16, 28672: 2}
+    # at one row a split of 8 ways or fewer goes to the program's warps
+    warps = dict(t=1, split_k=1, wgmma=False)
+    assert config(1, 6144, 132) == dict(w=8, kw=8, **warps) and config(1, 28672, 132) == dict(w=2, kw=2, **warps)
+    assert config(1, 4096, 132) == dict(t=1, w=1, split_k=16, wgmma=False)
+    assert config(1, 128256, 132) == dict(t=1, w=1, split_k=1, wgmma=False)
     assert {n: config(8, n, 132)["split_k"] for n in (6144, 4096, 28672)} == {6144: 4, 4096: 8, 28672: 1}
     assert not config(4, 4096, 132)["wgmma"] and config(5, 4096, 132) == dict(t=1, w=4, split_k=8, wgmma=True)
     assert {n: config(33, n, 132)["split_k"] for n in (6144, 4096, 28672)} == {6144: 2, 4096: 4, 28672: 1}
@@ -226,8 +251,9 @@ def test_tile_weights_leaves_a_cpu_model_as_it_is():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gpu_every_m_within_the_bound(fmt):
     """M = 1 to 128 on a 1000 x 2048 weight (N past a multiple of 16), the default launch and both MMAs with K split
-    3 ways (the same bits every call); scales from 2**-12 to 2**6 (MXFP4's second multiply) and below 2**1 (one), a
-    NaN scale, 2**-127 and 2**-126 scales, a zero row; NVFP4 with a tensor scale per row too."""
+    3 ways, mma.sync with 4 warps splitting each of 2 splits (the same bits every call); scales from 2**-12 to 2**6
+    (MXFP4's second multiply) and below 2**1 (one), a NaN scale, 2**-127 and 2**-126 scales, a zero row; NVFP4 with
+    a tensor scale per row too."""
     hopper()
     torch.manual_seed(21)
     n, k = 1000, 2048
@@ -242,7 +268,8 @@ def test_gpu_every_m_within_the_bound(fmt):
     for p in cases:
         p.tile()
     assert cases[0].two_mul == (fmt == "mxfp4") and not cases[1].two_mul
-    configs = [None, dict(t=2, w=2, split_k=3, wgmma=False), dict(t=1, w=8, split_k=3, wgmma=True)]
+    configs = [None, dict(t=2, w=2, split_k=3, wgmma=False), dict(t=1, w=8, split_k=3, wgmma=True),
+               dict(t=1, w=4, kw=4, split_k=2, wgmma=False)]  # fmt: skip
     for m in (1, 3, 4, 5, 8, 13, 32, 64, 65, 128):
         x = torch.randn(m, k, device=CUDA).bfloat16()
         for p in cases:
@@ -258,9 +285,31 @@ def test_gpu_every_m_within_the_bound(fmt):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_one_row_splits_k_by_warps_or_by_programs(fmt):
+    """At one row the default launch of a weight with few programs' worth of tiles splits K by a program's 8 warps
+    (K = 2048: 16 steps), and by programs where the warps cannot split K's steps evenly (K = 384: 3 steps); both
+    within the bound and the same bits every call."""
+    hopper()
+    from mx_kernels.gluon.weight_only_tiled import config
+
+    torch.manual_seed(23)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n = 16 * 3 * sms  # 3 tiles an SM: the split is 8 ways
+    assert config(1, n, sms).get("kw") == 8
+    for k in (2048, 384):
+        p = tiled(weights(n, k, CUDA), fmt)
+        x = torch.randn(1, k, device=CUDA).bfloat16()
+        y = mm(x, p)
+        assert_within_bound(y, x, p)
+        assert torch.equal(mm(x, p).view(torch.int16), y.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_gpu_swiglu_epilogue_is_the_gemm_then_silu_mul(fmt):
     """With w1 and w3 tiled in SwiGLU's row order, the epilogue's output is bit for bit ``silu_mul`` of the same
-    GEMM's output (the same launch on the weight in plain row order), on both MMAs, K split or not, and
+    GEMM's output (the same launch on the weight in plain row order), on both MMAs, K split or not (by programs or
+    by a program's warps), and
     ``PackedWeight.mm`` takes it; asked without the epilogue, the weight is dequantized for cuBLAS."""
     hopper()
     from mx_kernels.decode_fused import silu_mul
@@ -270,7 +319,8 @@ def test_gpu_swiglu_epilogue_is_the_gemm_then_silu_mul(fmt):
     w = weights(n, k, CUDA) * 0.02
     plain, fused = tiled(w, fmt), tiled(w, fmt, swiglu=True)
     for m, cfg in ((1, dict(t=1, w=1, split_k=4, wgmma=False)), (8, dict(t=2, w=2, split_k=1, wgmma=False)),
-                   (40, dict(t=1, w=4, split_k=2, wgmma=True))):  # fmt: skip
+                   (40, dict(t=1, w=4, split_k=2, wgmma=True)),
+                   (1, dict(t=1, w=2, kw=2, split_k=1, wgmma=False))):  # fmt: skip
         x = torch.randn(m, k, device=CUDA).bfloat16()
         y = mm(x, plain, cfg=cfg)
         assert torch.equal(mm(x, fused, swiglu=True, cfg=cfg), silu_mul(y[:, : n // 2], y[:, n // 2 :]))

@@ -8,7 +8,13 @@ A stays in registers, though each step then waits for its wgmma before the next 
 with a wgmma left in flight over the next upcast, a step's A (32 KB for 128 weight rows) would be stored and read
 back on top of x^T, which on an H200 costs more than the wait on every Llama 3 8B GEMM from 8 to 128 rows. K is
 split over programs as the other weight-only kernels split it: each split stores its fp32 partial and the last to
-arrive sums them in split order, so the result does not depend on timing.
+arrive sums them in split order, so the result does not depend on timing. At one row, where that split is 8 ways
+or fewer, a program's warps split K instead (``KW``: each reads the same 16 rows over its part of K, into its own
+accumulator) and add their sums through shared memory in warp order: no partials through memory, no counter, and
+the GEMM's last sum is the program's own. One H200, 2026-11-30, in the Llama 3 8B decode step (each GEMM's config
+varied with the others fixed), ms a step: wqkv (8 ways) -0.039 MXFP4 / -0.053 NVFP4, fused w1/w3 (2 ways) -0.049 /
+-0.039; for wo and w2 (16 ways) 8 warps splitting K and 2 programs lose (+0.003 to +0.007; each GEMM alone in a
+chain of its own: wo 7.36 -> 5.15 us, w2 13.51 -> 13.70).
 
 The layout (``pack``), made once when a model is loaded for decode (mx_recipe.infer.weights.tile_weights):
 
@@ -192,10 +198,13 @@ def tiled_weight_only_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT, SPLIT_K, stride_xm, stride_om, stride_tn,
     FMT: gl.constexpr, BLOCK_M: gl.constexpr, T: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
     TWO_MUL: gl.constexpr, SWIGLU: gl.constexpr, PDL: gl.constexpr, WGMMA: gl.constexpr, UNROLL: gl.constexpr,
+    KW: gl.constexpr = 1,
 ):  # fmt: skip
-    """One program: 16 T W weight rows, every row of x (M <= BLOCK_M), its split of K (K_SPLIT, a multiple of 128).
-    w_ptr: the tiled words (int32), s_ptr the tiled scale bytes (module doc); N: the weight's rows."""
+    """One program: 16 T W weight rows (16 T with KW = W warps splitting its K), every row of x (M <= BLOCK_M), its
+    split of K (K_SPLIT, a multiple of 128). w_ptr: the tiled words (int32), s_ptr the tiled scale bytes (module
+    doc); N: the weight's rows."""
     BLOCK_N: gl.constexpr = 16 * T * W
+    R: gl.constexpr = BLOCK_N // KW  # weight rows a program; KW > 1: the warps split its K (mma.sync, T = 1)
     SB: gl.constexpr = 2 if FMT == "nvfp4" else 1
     if WGMMA:  # a warpgroup's wgmma per 64 rows (T = 1), x^T from shared memory
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
@@ -219,14 +228,18 @@ def tiled_weight_only_kernel(
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
     k_start = pid_k * K_SPLIT
-    k_end = gl.minimum(k_start + K_SPLIT, K)
+    k_len = (gl.minimum(k_start + K_SPLIT, K) - k_start) // (KW * BLOCK_K) * BLOCK_K  # a warp's: whole steps
+    k_end = k_start + k_len
     # the program's words: [rows, q, b, v] -> tile (row // 16) * 2K + lane (4 (row % 8) + q) * 8 + half * 4 + 2b + v
     L3: gl.constexpr = gl.SliceLayout(3, WL)
     L2: gl.constexpr = gl.SliceLayout(2, L3)
-    rows = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L2))
+    vrows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L2))  # KW > 1: warp vrows // R reads k_len more on
+    rows = pid * R + vrows % R
     rows = gl.where(rows < N, rows, 0)  # rows past N (a partial tile) read row 0 and are not stored
     q = gl.arange(0, 4, layout=gl.SliceLayout(0, L2))
     tile_row = (rows // 16) * 2 * K + (rows % 8) * 32 + ((rows % 16) // 8) * 4
+    if KW > 1:
+        tile_row += (vrows // R) * 2 * k_len
     lane_row = gl.expand_dims(tile_row, 1) + gl.expand_dims(q * 8, 0)
     wb = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
     v = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WL))))
@@ -237,10 +250,14 @@ def tiled_weight_only_kernel(
         SR: gl.constexpr = gl.SliceLayout(2, SL)
     else:
         SR: gl.constexpr = SL
-    srow = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SR))
+    svrow = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SR))
+    srow = pid * R + svrow % R
     srow = gl.where(srow < N, srow, 0)
     sq = gl.arange(0, 4, layout=gl.SliceLayout(0, SR))
-    s_lane = gl.expand_dims((srow // 16) * (K // 2) * SB + ((srow % 8) * 8 + (srow % 16) // 8) * SB, 1)
+    s_row = (srow // 16) * (K // 2) * SB + ((srow % 8) * 8 + (srow % 16) // 8) * SB
+    if KW > 1:
+        s_row += (svrow // R) * (k_len // 2) * SB
+    s_lane = gl.expand_dims(s_row, 1)
     s_lane = s_lane + gl.expand_dims(sq * 2 * SB, 0)
     if SB == 2:
         blk = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
@@ -257,6 +274,11 @@ def tiled_weight_only_kernel(
         xk = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
         x_rows = x_ptr.to(gl.pointer_type(gl.int32)) + xrow // 2
         XSTEP: gl.constexpr = 2
+        if KW > 1:  # x's layout repeats it in every warp; each reads its own part of K (its warp index by PTX)
+            zeros = gl.full([BLOCK_M], 0, gl.int32, gl.SliceLayout(1, XL))
+            warp = gl.inline_asm_elementwise("{ .reg .u32 t; mov.u32 t, %tid.x; shr.u32 $0, t, 5; }", "=r,r", [zeros],
+                                             dtype=gl.int32, is_pure=True, pack=1)  # fmt: skip
+            x_rows = x_rows + gl.expand_dims(warp * (k_len // 2), 1)  # [BLOCK_M, 1]: x stays contiguous along K
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
     # the first step's weights do not depend on the kernel before (PDL): read them before waiting for it
     w = gl.load(w_tiles + gl.multiple_of(2 * k_start, 256))
@@ -288,7 +310,14 @@ def tiled_weight_only_kernel(
             x = gl.load(x_rows + gl.expand_dims(gl.multiple_of(k_next // 2, 64) + xk, 0))
             acc = mma_v2(a, xb, acc)
         i += 1
-    on = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    if KW > 1:  # the warps' sums of the same rows, added in warp order through shared memory
+        parts = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        parts.store(acc)
+        gl.thread_barrier()
+        acc = parts.slice(0, R, dim=0).load(MMA)  # [R, BLOCK_M]: every warp holds the sums
+        for i in gl.static_range(1, KW):
+            acc += parts.slice(i * R, R, dim=0).load(MMA)
+    on = pid * R + gl.arange(0, R, layout=gl.SliceLayout(1, MMA))
     om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
     last = True
     if SPLIT:
@@ -298,12 +327,12 @@ def tiled_weight_only_kernel(
             acc = acc * gl.expand_dims(gl.load(ts_ptr + gl.where(on < N, on, 0) * stride_tn) * NVFP4_SHIFT, 1)
         if SWIGLU:
             h = acc.to(gl.bfloat16).to(gl.float32)  # each GEMM output rounded, as the unfused GEMM's
-            h = gl.permute(gl.reshape(h, [BLOCK_N // 16, 2, 8, BLOCK_M]), (0, 2, 3, 1))
+            h = gl.permute(gl.reshape(h, [R // 16, 2, 8, BLOCK_M]), (0, 2, 3, 1))
             gate, up = gl.split(h)
             silu = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
-            y = gl.reshape((silu * up).to(gl.bfloat16), [BLOCK_N // 2, BLOCK_M])
+            y = gl.reshape((silu * up).to(gl.bfloat16), [R // 2, BLOCK_M])
             YL: gl.constexpr = y.type.layout
-            un = pid * (BLOCK_N // 2) + gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, YL))
+            un = pid * (R // 2) + gl.arange(0, R // 2, layout=gl.SliceLayout(1, YL))
             um = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, YL))
             ptrs = out_ptr + gl.expand_dims(um, 0) * stride_om + gl.expand_dims(un, 1)
             gl.store(ptrs, y, mask=gl.expand_dims(um < M, 0) & gl.expand_dims(un < N // 2, 1))
@@ -472,13 +501,17 @@ def _nearest_power_of_2(v: float, most: int) -> int:
 
 def config(m: int, n: int, sm_count: int) -> dict:
     """The launch of an M-row GEMM over n weight rows, by M: up to 4 rows mma.sync, one warp of 16 rows a program,
-    K split so that the GEMM has about 24 programs an SM (short programs, many in flight); 5 to 16 rows wgmma, 64
+    K split so that the GEMM has about 24 programs an SM (short programs, many in flight), at one row by as many
+    warps of one program (``kw``) where that is 8 or fewer (module doc); 5 to 16 rows wgmma, 64
     rows a program (4 warps), about 4 an SM; past that 128 rows a program (8 warps), about 2 an SM to 32 rows and 1
     past 32 (the power of 2 nearest each). Chosen on one H200 against the best of T, W and the split a shape, Llama 3
     8B's projections at M = 1 to 128 (2026-11-30); at 17 to 32 rows the 8 warps take a layer's four GEMMs 6-9% under
     4 warps (MXFP4 M = 32: 82.7 against 87.8 us, NVFP4 88.1 against 96.2), at 12 and 16 rows 6-7% over."""
     if m <= 4:
-        return dict(t=1, w=1, split_k=_nearest_power_of_2(24 * sm_count / triton.cdiv(n, 16), 16), wgmma=False)
+        split = _nearest_power_of_2(24 * sm_count / triton.cdiv(n, 16), 16)
+        if m == 1 and 1 < split <= 8:  # the program's warps split K (module doc)
+            return dict(t=1, w=split, kw=split, split_k=1, wgmma=False)
+        return dict(t=1, w=1, split_k=split, wgmma=False)
     if m <= 16:
         return dict(t=1, w=4, split_k=_nearest_power_of_2(4 * sm_count / triton.cdiv(n, 64), 8), wgmma=True)
     per_sm = 2 if m <= 32 else 1
@@ -490,7 +523,8 @@ def tiled_weight_only_mm(x: torch.Tensor, words: torch.Tensor, scales: torch.Ten
                          pdl: bool = False) -> torch.Tensor:  # fmt: skip
     """x [M, K] bf16 @ dequantize(w).T -> [M, n] bf16 ([M, n / 2] with ``swiglu``) from ``pack``'s output for the
     weight's n rows (``tensor_scale``: pack's, in its row order); ``two``: ``two_mul`` of the scales. More than
-    MAX_M rows run as launches of MAX_M. ``cfg``: t, w, split_k, wgmma (default ``config``); ``pdl``: launched
+    MAX_M rows run as launches of MAX_M. ``cfg``: t, w, split_k, wgmma and optionally kw (default ``config``; kw
+    warps split K on mma.sync: kw = w, t = 1, each split's steps a multiple of kw); ``pdl``: launched
     with programmatic dependent launch (mx_kernels.pdl)."""
     op = "tiled_weight_only_mm"
     if fmt not in FORMATS or x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or x.stride(0) % 8:
@@ -510,6 +544,8 @@ def tiled_weight_only_mm(x: torch.Tensor, words: torch.Tensor, scales: torch.Ten
     r0 = 0
     while r0 < m:
         launch = cfg or config(min(m - r0, MAX_M), n, sms)
+        if cfg is None and (k // BLOCK_K.value) % launch.get("kw", 1):  # K's steps do not split by the warps
+            launch = dict(launch, w=1, kw=1, split_k=launch["kw"])
         rows = min(m - r0, MAX_M if launch["wgmma"] else 64)
         _launch(x[r0 : r0 + rows], words, scales, tensor_scale, out[r0 : r0 + rows], n, fmt, two, swiglu, launch, pdl)
         r0 += rows
@@ -519,11 +555,14 @@ def tiled_weight_only_mm(x: torch.Tensor, words: torch.Tensor, scales: torch.Ten
 def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None,
             out: torch.Tensor, n: int, fmt: str, two: bool, swiglu: bool, cfg: dict, pdl: bool) -> None:  # fmt: skip
     m, k = x.shape
-    t, w, wgmma = cfg["t"], cfg["w"], cfg["wgmma"]
+    t, w, wgmma, kw = cfg["t"], cfg["w"], cfg["wgmma"], cfg.get("kw", 1)
     steps = k // BLOCK_K.value
     k_split = triton.cdiv(steps, min(cfg["split_k"], steps))
     split_k = triton.cdiv(steps, k_split)
-    n_tiles = triton.cdiv(n, 16 * t * w)
+    if kw > 1 and (wgmma or t != 1 or w != kw or k_split * split_k != steps or k_split % kw):
+        raise ValueError(f"tiled_weight_only_mm: {kw} warps split K only on mma.sync, one tile a program, and each "
+                         f"split's {k_split} steps of {steps} in whole steps a warp: {cfg}")  # fmt: skip
+    n_tiles = triton.cdiv(n, 16 * t * w // kw)
     split = split_k > 1
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split else out
     counters = arrival_counters("weight_only_tiled", x.device, COUNTERS) if split else out
@@ -535,5 +574,5 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, tensor_s
         x, words, scales, ts, out, ws, counters, m, n, k, k_split * BLOCK_K.value, split_k, x.stride(0),
         out.stride(0), stride_tn, FMT=fmt, BLOCK_M=max(8, triton.next_power_of_2(m)), T=t, W=w, SPLIT=split,
         TWO_MUL=two, SWIGLU=swiglu, PDL=pdl, WGMMA=wgmma,
-        UNROLL=triton.next_power_of_2(split_k) if split else 0, num_warps=w, launch_pdl=pdl,
+        UNROLL=triton.next_power_of_2(split_k) if split else 0, KW=kw, num_warps=w, launch_pdl=pdl,
     )  # fmt: skip
