@@ -189,15 +189,15 @@ def test_warps_splitting_k_read_16_bytes_and_add_in_shared_memory(fmt):
 def test_config_splits_k_by_the_sm_count():
     """Llama 3 8B's projections (wqkv, wo and w2, w13) on an H200's 132 SMs: mma.sync a warp a program up to 4 rows,
     wgmma 4 warps to 16 and 8 past that, K split to about 24, 4, 2 (to 32 rows) or 1 programs an SM; at one row the
-    split moves into the program's warps where it is 8 ways or fewer."""
+    split moves into the program's warps where it is 8 ways or fewer (mma.sync)."""
     from mx_kernels.gluon.weight_only_tiled import config
 
-    assert {n: config(2, n, 132)["split_k"] for n in (6144, 4096, 28672)} == {6144: 8, 4096: 16, 28672: 2}
-    # at one row a split of 8 ways or fewer goes to the program's warps
+    # up to 4 rows a split of 8 ways or fewer goes to the program's warps
     warps = dict(t=1, split_k=1, wgmma=False)
-    assert config(1, 6144, 132) == dict(w=8, kw=8, **warps) and config(1, 28672, 132) == dict(w=2, kw=2, **warps)
-    assert config(1, 4096, 132) == dict(t=1, w=1, split_k=16, wgmma=False)
-    assert config(1, 128256, 132) == dict(t=1, w=1, split_k=1, wgmma=False)
+    for m in (1, 4):
+        assert config(m, 6144, 132) == dict(w=8, kw=8, **warps) and config(m, 28672, 132) == dict(w=2, kw=2, **warps)
+        assert config(m, 4096, 132) == dict(t=1, w=1, split_k=16, wgmma=False)
+        assert config(m, 128256, 132) == dict(t=1, w=1, split_k=1, wgmma=False)
     assert {n: config(8, n, 132)["split_k"] for n in (6144, 4096, 28672)} == {6144: 4, 4096: 8, 28672: 1}
     assert not config(4, 4096, 132)["wgmma"] and config(5, 4096, 132) == dict(t=1, w=4, split_k=8, wgmma=True)
     assert {n: config(33, n, 132)["split_k"] for n in (6144, 4096, 28672)} == {6144: 2, 4096: 4, 28672: 1}
@@ -285,23 +285,24 @@ def test_gpu_every_m_within_the_bound(fmt):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gpu_one_row_splits_k_by_warps_or_by_programs(fmt):
-    """At one row the default launch of a weight with few programs' worth of tiles splits K by a program's 8 warps
-    (K = 2048: 16 steps), and by programs where the warps cannot split K's steps evenly (K = 384: 3 steps); both
-    within the bound and the same bits every call."""
+def test_gpu_few_rows_split_k_by_warps_or_by_programs(fmt):
+    """At 1 and 4 rows the default launch of a weight with few programs' worth of tiles splits K by a program's 8
+    warps (K = 2048: 16 steps), and by programs where the warps cannot split K's steps evenly (K = 384: 3 steps);
+    both within the bound and the same bits every call."""
     hopper()
     from mx_kernels.gluon.weight_only_tiled import config
 
     torch.manual_seed(23)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     n = 16 * 3 * sms  # 3 tiles an SM: the split is 8 ways
-    assert config(1, n, sms).get("kw") == 8
+    assert config(1, n, sms).get("kw") == config(4, n, sms).get("kw") == 8
     for k in (2048, 384):
         p = tiled(weights(n, k, CUDA), fmt)
-        x = torch.randn(1, k, device=CUDA).bfloat16()
-        y = mm(x, p)
-        assert_within_bound(y, x, p)
-        assert torch.equal(mm(x, p).view(torch.int16), y.view(torch.int16))
+        for m in (1, 4):
+            x = torch.randn(m, k, device=CUDA).bfloat16()
+            y = mm(x, p)
+            assert_within_bound(y, x, p)
+            assert torch.equal(mm(x, p).view(torch.int16), y.view(torch.int16))
 
 
 @pytest.mark.gpu

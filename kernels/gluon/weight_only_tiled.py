@@ -8,13 +8,14 @@ A stays in registers, though each step then waits for its wgmma before the next 
 with a wgmma left in flight over the next upcast, a step's A (32 KB for 128 weight rows) would be stored and read
 back on top of x^T, which on an H200 costs more than the wait on every Llama 3 8B GEMM from 8 to 128 rows. K is
 split over programs as the other weight-only kernels split it: each split stores its fp32 partial and the last to
-arrive sums them in split order, so the result does not depend on timing. At one row, where that split is 8 ways
+arrive sums them in split order, so the result does not depend on timing. On mma.sync, where that split is 8 ways
 or fewer, a program's warps split K instead (``KW``: each reads the same 16 rows over its part of K, into its own
 accumulator) and add their sums through shared memory in warp order: no partials through memory, no counter, and
 the GEMM's last sum is the program's own. One H200, 2026-11-30, in the Llama 3 8B decode step (each GEMM's config
 varied with the others fixed), ms a step: wqkv (8 ways) -0.039 MXFP4 / -0.053 NVFP4, fused w1/w3 (2 ways) -0.049 /
 -0.039; for wo and w2 (16 ways) 8 warps splitting K and 2 programs lose (+0.003 to +0.007; each GEMM alone in a
-chain of its own: wo 7.36 -> 5.15 us, w2 13.51 -> 13.70).
+chain of its own: wo 7.36 -> 5.15 us, w2 13.51 -> 13.70). The whole rule, step at batch 1 / 2 / 4: MXFP4 2.190 ->
+2.092 (two records) / 2.348 -> 2.267 / 2.664 -> 2.558 ms, NVFP4 2.360 -> 2.271 / 2.449 -> 2.365 / 2.703 -> 2.595.
 
 The layout (``pack``), made once when a model is loaded for decode (mx_recipe.infer.weights.tile_weights):
 
@@ -501,15 +502,15 @@ def _nearest_power_of_2(v: float, most: int) -> int:
 
 def config(m: int, n: int, sm_count: int) -> dict:
     """The launch of an M-row GEMM over n weight rows, by M: up to 4 rows mma.sync, one warp of 16 rows a program,
-    K split so that the GEMM has about 24 programs an SM (short programs, many in flight), at one row by as many
-    warps of one program (``kw``) where that is 8 or fewer (module doc); 5 to 16 rows wgmma, 64
+    K split so that the GEMM has about 24 programs an SM (short programs, many in flight), by as many warps of one
+    program (``kw``) where that is 8 or fewer (module doc); 5 to 16 rows wgmma, 64
     rows a program (4 warps), about 4 an SM; past that 128 rows a program (8 warps), about 2 an SM to 32 rows and 1
     past 32 (the power of 2 nearest each). Chosen on one H200 against the best of T, W and the split a shape, Llama 3
     8B's projections at M = 1 to 128 (2026-11-30); at 17 to 32 rows the 8 warps take a layer's four GEMMs 6-9% under
     4 warps (MXFP4 M = 32: 82.7 against 87.8 us, NVFP4 88.1 against 96.2), at 12 and 16 rows 6-7% over."""
     if m <= 4:
         split = _nearest_power_of_2(24 * sm_count / triton.cdiv(n, 16), 16)
-        if m == 1 and 1 < split <= 8:  # the program's warps split K (module doc)
+        if 1 < split <= 8:  # the program's warps split K (module doc)
             return dict(t=1, w=split, kw=split, split_k=1, wgmma=False)
         return dict(t=1, w=1, split_k=split, wgmma=False)
     if m <= 16:
