@@ -156,6 +156,28 @@ def test_off_the_gpu_linear_is_f_linear():
     assert torch.equal(apply_linear(norm, x), norm(x))
 
 
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles for sm_90a")
+@pytest.mark.parametrize("scaled", [False, True])
+def test_first_step_is_read_before_the_pdl_wait(scaled):
+    """Compiled for sm_90a under PDL: the first step's weights (and MXFP8's scales) are loaded before the wait for
+    the kernel before, and the next kernel is released right after the wait."""
+    from mx_kernels.decode_gemv import _gemv_kernel
+    from mx_kernels.gluon.common import compile_for_arch
+
+    n, k, meta = 4096, 4096, dict(device="meta")
+    w = torch.empty(n, k, dtype=torch.uint8 if scaled else torch.bfloat16, **meta)
+    kwargs = dict(x_ptr=torch.empty(1, k, dtype=torch.bfloat16, **meta), w_ptr=w,
+                  s_ptr=torch.empty(n, k // 32, dtype=torch.uint8, **meta) if scaled else w,
+                  out_ptr=torch.empty(1, n, dtype=torch.bfloat16, **meta), N=n, K=k, stride_wn=k,
+                  stride_sn=k // 32 if scaled else 0, BLOCK_N=4, BLOCK_K=1024, EVEN_K=True, SCALED=scaled, HW_FP8=True,
+                  SWIGLU=False, PDL=True, num_warps=4)  # fmt: skip
+    ptx = compile_for_arch(_gemv_kernel, kwargs, 90).asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    before, after = ptx[:wait], ptx[wait:]
+    assert "ld.global.v4.b32" in before and ("ld.global.b8" in before) == scaled  # 16-byte weight loads, scales
+    assert after.index("griddepcontrol.launch_dependents") < after.index("ld.global")
+
+
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
 def test_kernel_in_triton_interpreter():
     run_interpreter_tests(__file__)

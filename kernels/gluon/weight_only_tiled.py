@@ -501,13 +501,13 @@ def _nearest_power_of_2(v: float, most: int) -> int:
 
 
 def config(m: int, n: int, sm_count: int) -> dict:
-    """The launch of an M-row GEMM over n weight rows, by M: up to 4 rows mma.sync, one warp of 16 rows a program,
-    K split so that the GEMM has about 24 programs an SM (short programs, many in flight), by as many warps of one
-    program (``kw``) where that is 8 or fewer (module doc); 5 to 16 rows wgmma, 64
-    rows a program (4 warps), about 4 an SM; past that 128 rows a program (8 warps), about 2 an SM to 32 rows and 1
-    past 32 (the power of 2 nearest each). Chosen on one H200 against the best of T, W and the split a shape, Llama 3
-    8B's projections at M = 1 to 128 (2026-11-30); at 17 to 32 rows the 8 warps take a layer's four GEMMs 6-9% under
-    4 warps (MXFP4 M = 32: 82.7 against 87.8 us, NVFP4 88.1 against 96.2), at 12 and 16 rows 6-7% over."""
+    """The launch of an M-row GEMM over n weight rows, by M: up to 4 rows mma.sync, one warp of 16 rows a program, K
+    split so that the GEMM has about 24 programs an SM (short programs, many in flight), by as many warps of one
+    program (``kw``) where that is 8 or fewer (module doc); 5 to 16 rows wgmma, 64 rows a program (4 warps), about 4
+    an SM; past that 128 rows a program (8 warps), about 2 an SM to 32 rows and 1 past 32 (the power of 2 nearest
+    each). Chosen on one H200 against the best of T, W and the split a shape, Llama 3 8B's projections at M = 1 to
+    128 (2026-11-30); at 17 to 32 rows the 8 warps take a layer's four GEMMs 6-9% under 4 warps (MXFP4 M = 32: 82.7
+    against 87.8 us, NVFP4 88.1 against 96.2), at 12 and 16 rows 6-7% over."""
     if m <= 4:
         split = _nearest_power_of_2(24 * sm_count / triton.cdiv(n, 16), 16)
         if 1 < split <= 8:  # the program's warps split K (module doc)
