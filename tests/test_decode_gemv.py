@@ -2,7 +2,7 @@
 bf16 weights and MXFP8 ones (their dequantized values).
 
 * CPU, in this process: argument errors, the op's fake shape, and the rule (``takes``: one bf16 row on a GPU),
-  which leaves the CPU to ``F.linear``.
+  which leaves the CPU to ``F.linear``; compiled for sm_90a, the first step's weights are read before the PDL wait.
 * CPU, Triton interpreter (``test_interp_*``), in a child pytest with TRITON_INTERPRET=1: N not a multiple of the
   tile, K with and without a tail, fp32 and bf16, MXFP8 with its edge codes and scales, and the SwiGLU epilogue.
   (The interpreter converts MXFP8 codes by integer bit operations; the GPU tests check the hardware conversion.)
