@@ -386,22 +386,27 @@ class FusedLinear(nn.Module):
         return list(y.split(self.sizes, dim=-1))
 
     @property
+    def halves(self) -> bool:
+        """Whether the fused weight is two parts of one size (SwiGLU's w1 and w3)."""
+        return len(self.sizes) == 2 and self.sizes[0] == self.sizes[1]
+
+    @property
     def fuses_swiglu(self) -> bool:
         """Whether ``swiglu`` runs in the GEMM's epilogue: packed w1 and w3 of one size, on the weight-only kernel."""
-        return self.weight_packed is not None and self.kernel and len(self.sizes) == 2 and len(set(self.sizes)) == 1
+        return self.weight_packed is not None and self.kernel and self.halves
 
     def swiglu_in_epilogue(self, x: torch.Tensor) -> bool:
         """Whether ``swiglu(x)`` runs in the GEMM's epilogue: ``fuses_swiglu``, or bf16 w1 and w3 of one size on
         the GEMV kernel (mx_recipe.infer.gemv: a decode step's few rows on a GPU)."""
         if self.weight_packed is not None:
             return self.fuses_swiglu
-        return len(self.sizes) == 2 and self.sizes[0] == self.sizes[1] and use_gemv(x, self.weight)
+        return self.halves and use_gemv(x, self.weight)
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU's ``F.silu(h1) * h3`` of this fused [w1; w3] (two parts of one size), in the GEMM's epilogue where
         the kernel runs (``silu_mul``'s roundings): the weight-only kernel's for packed weights, the GEMV's for bf16
         ones (``swiglu_in_epilogue``)."""
-        if len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]:
+        if not self.halves:
             raise ValueError(f"FusedLinear.swiglu: needs w1 and w3 of one size, got parts {self.sizes}")
         if self.weight_packed is None:
             return linear(x, self.weight, swiglu=True)
