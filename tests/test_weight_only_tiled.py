@@ -187,23 +187,22 @@ def test_warps_splitting_k_read_16_bytes_and_add_in_shared_memory(fmt):
 
 @needs_triton
 def test_config_splits_k_by_the_sm_count():
-    """Llama 3 8B's projections (wqkv, wo and w2, w13) on an H200's 132 SMs: mma.sync a warp a program up to 4 rows,
-    wgmma 4 warps to 16 and 8 past that, K split to about 24, 4, 2 (to 32 rows) or 1 programs an SM; at one row the
-    split moves into the program's warps where it is 8 ways or fewer (mma.sync)."""
+    """Llama 3 8B's projections (wqkv, wo and w2, w13) on an H200's 132 SMs: mma.sync a program of 16 rows up to 4
+    rows, wgmma 4 warps to 16 and 8 past that, K split to about 24 warps, 4, 2 (to 32 rows) or 1 programs an SM; on
+    mma.sync the split is the program's warps."""
     from mx_kernels.gluon.weight_only_tiled import config
 
-    # up to 4 rows a split of 8 ways or fewer goes to the program's warps
     warps = dict(t=1, split_k=1, wgmma=False)
     for m in (1, 4):
         assert config(m, 6144, 132) == dict(w=8, kw=8, **warps) and config(m, 28672, 132) == dict(w=2, kw=2, **warps)
-        assert config(m, 4096, 132) == dict(t=1, w=1, split_k=16, wgmma=False)
-        assert config(m, 128256, 132) == dict(t=1, w=1, split_k=1, wgmma=False)
+        assert config(m, 4096, 132) == dict(w=16, kw=16, **warps)
+        assert config(m, 128256, 132) == dict(w=1, kw=1, **warps)
     assert {n: config(8, n, 132)["split_k"] for n in (6144, 4096, 28672)} == {6144: 4, 4096: 8, 28672: 1}
     assert not config(4, 4096, 132)["wgmma"] and config(5, 4096, 132) == dict(t=1, w=4, split_k=8, wgmma=True)
     assert {n: config(33, n, 132)["split_k"] for n in (6144, 4096, 28672)} == {6144: 2, 4096: 4, 28672: 1}
     assert {n: config(17, n, 132)["split_k"] for n in (6144, 4096, 28672)} == {6144: 4, 4096: 8, 28672: 1}
     assert config(128, 4096, 132)["w"] == 8 and config(32, 4096, 132)["w"] == 8 and config(16, 4096, 132)["w"] == 4
-    assert config(1, 16, 132)["split_k"] == 16 and config(64, 28672, 16)["split_k"] == 1
+    assert config(1, 16, 132)["kw"] == 16 and config(64, 28672, 16)["split_k"] == 1
 
 
 @needs_triton

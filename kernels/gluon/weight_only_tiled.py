@@ -8,14 +8,14 @@ A stays in registers, though each step then waits for its wgmma before the next 
 with a wgmma left in flight over the next upcast, a step's A (32 KB for 128 weight rows) would be stored and read
 back on top of x^T, which on an H200 costs more than the wait on every Llama 3 8B GEMM from 8 to 128 rows. K is
 split over programs as the other weight-only kernels split it: each split stores its fp32 partial and the last to
-arrive sums them in split order, so the result does not depend on timing. On mma.sync, where that split is 8 ways
-or fewer, a program's warps split K instead (``KW``: each reads the same 16 rows over its part of K, into its own
-accumulator) and add their sums through shared memory in warp order: no partials through memory, no counter, and
-the GEMM's last sum is the program's own. One H200, 2026-11-30, in the Llama 3 8B decode step (each GEMM's config
-varied with the others fixed), ms a step: wqkv (8 ways) -0.039 MXFP4 / -0.053 NVFP4, fused w1/w3 (2 ways) -0.049 /
--0.039; for wo and w2 (16 ways) 8 warps splitting K and 2 programs lose (+0.003 to +0.007; each GEMM alone in a
-chain of its own: wo 7.36 -> 5.15 us, w2 13.51 -> 13.70). The whole rule, step at batch 1 / 2 / 4: MXFP4 2.190 ->
-2.092 (two records) / 2.348 -> 2.267 / 2.664 -> 2.558 ms, NVFP4 2.360 -> 2.271 / 2.449 -> 2.365 / 2.703 -> 2.595.
+arrive sums them in split order, so the result does not depend on timing. On mma.sync a program's warps split K
+instead (``KW``, up to 16: each reads the same 16 rows over its part of K, into its own accumulator) and add their
+sums through shared memory in warp order: no partials through memory, no counter, and the GEMM's last sum is the
+program's own. One H200, 2026-11-30, in the Llama 3 8B decode step (each GEMM's config varied with the others
+fixed), ms a step against the split over programs: wqkv (8 ways) -0.039 MXFP4 / -0.053 NVFP4, fused w1/w3 (2 ways)
+-0.049 / -0.039, wo (16 ways) -0.039 / -0.027, w2 (16 ways) -0.024 / -0.039 (8 warps and 2 programs: +0.003 to
++0.007). 16 warps where the rule stopped at 8, step at batch 1 / 2 / 4: MXFP4 2.078 -> 2.015 / 2.267 -> 2.186 /
+2.562 -> 2.472 ms, NVFP4 2.250 -> 2.174 / 2.361 -> 2.281 / 2.594 -> 2.563.
 
 The layout (``pack``), made once when a model is loaded for decode (mx_recipe.infer.weights.tile_weights):
 
@@ -266,15 +266,14 @@ def tiled_weight_only_kernel(
     else:
         s_tiles = s_ptr + s_lane
     xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
-    xrow = gl.expand_dims(gl.minimum(xm, M - 1) * stride_xm, 1)  # rows past M read row M - 1, never stored
+    xrow = gl.expand_dims(gl.minimum(xm, M - 1) * stride_xm, 1)  # rows past M: never stored
     if WGMMA:
         xk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL))
         x_rows = x_ptr + xrow
-        XSTEP: gl.constexpr = 1
-    else:  # int32 pairs
+    else:  # int32 pairs; rows past M are not read (zeros): at 2-4 rows 1-5% off a step (against row M - 1 again)
         xk = gl.arange(0, 64, layout=gl.SliceLayout(0, XL))
+        x_in = gl.expand_dims(xm < M, 1)
         x_rows = x_ptr.to(gl.pointer_type(gl.int32)) + xrow // 2
-        XSTEP: gl.constexpr = 2
         if KW > 1:  # x's layout repeats it in every warp; each reads its own part of K (its warp index by PTX)
             zeros = gl.full([BLOCK_M], 0, gl.int32, gl.SliceLayout(1, XL))
             warp = gl.inline_asm_elementwise("{ .reg .u32 t; mov.u32 t, %tid.x; shr.u32 $0, t, 5; }", "=r,r", [zeros],
@@ -287,9 +286,11 @@ def tiled_weight_only_kernel(
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    x = gl.load(x_rows + gl.expand_dims(gl.multiple_of(k_start // XSTEP, 64) + xk, 0))
-    if WGMMA:
+    if WGMMA:  # rows past M read row M - 1
+        x = gl.load(x_rows + gl.expand_dims(gl.multiple_of(k_start, 64) + xk, 0))
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, BLOCK_K], XS)
+    else:
+        x = gl.load(x_rows + gl.expand_dims(gl.multiple_of(k_start // 2, 64) + xk, 0), mask=x_in, other=0)
     i = 0
     for k0 in range(k_start, k_end, BLOCK_K):
         a = _a_operand(w, _factors(s, WL, FMT, TWO_MUL), A, UPCAST)
@@ -308,7 +309,7 @@ def tiled_weight_only_kernel(
             acc = hopper.warpgroup_mma_wait(num_outstanding=0, deps=[acc, x_buf])[0]
         else:
             xb = _b_operand(x, B)
-            x = gl.load(x_rows + gl.expand_dims(gl.multiple_of(k_next // 2, 64) + xk, 0))
+            x = gl.load(x_rows + gl.expand_dims(gl.multiple_of(k_next // 2, 64) + xk, 0), mask=x_in, other=0)
             acc = mma_v2(a, xb, acc)
         i += 1
     if KW > 1:  # the warps' sums of the same rows, added in warp order through shared memory
@@ -501,18 +502,16 @@ def _nearest_power_of_2(v: float, most: int) -> int:
 
 
 def config(m: int, n: int, sm_count: int) -> dict:
-    """The launch of an M-row GEMM over n weight rows, by M: up to 4 rows mma.sync, one warp of 16 rows a program, K
-    split so that the GEMM has about 24 programs an SM (short programs, many in flight), by as many warps of one
-    program (``kw``) where that is 8 or fewer (module doc); 5 to 16 rows wgmma, 64 rows a program (4 warps), about 4
-    an SM; past that 128 rows a program (8 warps), about 2 an SM to 32 rows and 1 past 32 (the power of 2 nearest
-    each). Chosen on one H200 against the best of T, W and the split a shape, Llama 3 8B's projections at M = 1 to
-    128 (2026-11-30); at 17 to 32 rows the 8 warps take a layer's four GEMMs 6-9% under 4 warps (MXFP4 M = 32: 82.7
-    against 87.8 us, NVFP4 88.1 against 96.2), at 12 and 16 rows 6-7% over."""
+    """The launch of an M-row GEMM over n weight rows, by M: up to 4 rows mma.sync, a program per 16 rows, K split
+    by its warps (``kw``, module doc) so that the GEMM has about 24 warps an SM (short, many in flight); 5 to 16 rows
+    wgmma, 64 rows a program (4 warps), about 4 an SM; past that 128 rows a program (8 warps), about 2 an SM to 32
+    rows and 1 past 32 (the power of 2 nearest each). Chosen on one H200 against the best of T, W and the split a
+    shape, Llama 3 8B's projections at M = 1 to 128 (2026-11-30); at 17 to 32 rows the 8 warps take a layer's four
+    GEMMs 6-9% under 4 warps (MXFP4 M = 32: 82.7 against 87.8 us, NVFP4 88.1 against 96.2), at 12 and 16 rows 6-7%
+    over."""
     if m <= 4:
         split = _nearest_power_of_2(24 * sm_count / triton.cdiv(n, 16), 16)
-        if 1 < split <= 8:  # the program's warps split K (module doc)
-            return dict(t=1, w=split, kw=split, split_k=1, wgmma=False)
-        return dict(t=1, w=1, split_k=split, wgmma=False)
+        return dict(t=1, w=split, kw=split, split_k=1, wgmma=False)
     if m <= 16:
         return dict(t=1, w=4, split_k=_nearest_power_of_2(4 * sm_count / triton.cdiv(n, 64), 8), wgmma=True)
     per_sm = 2 if m <= 32 else 1
