@@ -252,17 +252,19 @@ def test_gpu_every_m_within_the_bound(fmt):
     """M = 1 to 128 on a 1000 x 2048 weight (N past a multiple of 16), the default launch and both MMAs with K split
     3 ways, mma.sync with 4 warps splitting each of 2 splits (the same bits every call); scales from 2**-12 to 2**6
     (MXFP4's second multiply) and below 2**1 (one), a NaN scale, 2**-127 and 2**-126 scales, a zero row; NVFP4 with
-    a tensor scale per row too."""
+    a NaN, zero, subnormal, largest and negative e4m3 scale, and a tensor scale per row too."""
     hopper()
     torch.manual_seed(21)
     n, k = 1000, 2048
     w = weights(n, k, CUDA)
     w[7] = 0.0
     cases = [packed(w, fmt), packed(w.clamp(-2.0, 2.0) * 0.5, fmt)]
+    scales = cases[1].scale.view(torch.uint8)
     if fmt == "nvfp4":
         cases.append(PackedWeight.cat([packed(w[:500] * 0.02, fmt), packed(w[500:] * 3.0, fmt)]))
+        # e4m3 scales: NaN, zero, the smallest subnormal and normal, the largest, a negative one
+        scales[3, 5], scales[4, 0], scales[5, 2], scales[6, 1], scales[8, 3], scales[9, 4] = 0x7F, 0, 1, 8, 0x7E, 0xB8
     else:
-        scales = cases[1].scale.view(torch.uint8)
         scales[3, 5], scales[4, 0], scales[5, 2] = 0xFF, 0, 1
     for p in cases:
         p.tile()
@@ -277,8 +279,7 @@ def test_gpu_every_m_within_the_bound(fmt):
                 assert_within_bound(y, x, p)
                 if cfg is not None:
                     assert torch.equal(mm(x, p, cfg=cfg).view(torch.int16), y.view(torch.int16))
-        if fmt == "mxfp4":
-            assert mm(x, cases[1]).isnan().all(dim=0).nonzero().flatten().tolist() == [3]
+        assert mm(x, cases[1]).isnan().all(dim=0).nonzero().flatten().tolist() == [3]
         assert not mm(x, cases[0])[:, 7].any()
 
 

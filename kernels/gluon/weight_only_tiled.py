@@ -113,13 +113,13 @@ _F_E8M0_TWO = gl.constexpr(
     "{ .reg .pred p; mul.lo.u32 $0, $1, 0x00800080; setp.eq.u32 p, $1, 0; @p mov.b32 $0, 0x00400040;"
     " setp.eq.u32 p, $1, 255; @p mov.b32 $0, 0x7FC07FC0; }"
 )
-# e4m3 c -> its value times 2**118: ((c & 0x7F) << 4 | sign) is the value times 2**-120 (exact, subnormals too), then
-# times 2**120 and 2**118; NaN for 0x7F and 0xFF
+# two e4m3 scales c0, c1 (a byte each) -> their values times 2**118, each in both halves: the hardware's e4m3 pair to
+# f16 pair (exact, subnormals and NaN too), fp32, times 2**118 (exact), back to bf16 (exact: 4 significant bits)
 _F_E4M3 = gl.constexpr(
-    "{ .reg .b32 m, t, c; .reg .pred p; and.b32 m, $1, 0x7F; shl.b32 t, m, 4; and.b32 $0, $1, 0x80; shl.b32 $0, $0, 8;"
-    " or.b32 t, t, $0; prmt.b32 t, t, t, 0x1010; mov.b32 c, 0x7B807B80; mul.rn.bf16x2 t, t, c; mov.b32 c, 0x7A807A80;"
-    " mul.rn.bf16x2 $0, t, c; setp.eq.u32 p, m, 0x7F;"
-    " @p mov.b32 $0, 0x7FC07FC0; }"
+    "{ .reg .b32 t, h; .reg .b16 p, lo, hi; .reg .f32 a, b;"
+    " prmt.b32 t, $2, $3, 0x0040; cvt.u16.u32 p, t; cvt.rn.f16x2.e4m3x2 h, p; mov.b32 {lo, hi}, h;"
+    " cvt.f32.f16 a, lo; cvt.f32.f16 b, hi; mul.rn.f32 a, a, 0f7A800000; mul.rn.f32 b, b, 0f7A800000;"
+    " cvt.rn.bf16x2.f32 $0, a, a; cvt.rn.bf16x2.f32 $1, b, b; }"
 )
 NVFP4_SHIFT = gl.constexpr(256.0)  # NVFP4's products come out times 2**-8 (module doc)
 
@@ -183,7 +183,7 @@ def _b_operand(x, B: gl.constexpr):
 def _factors(s, WL: gl.constexpr, FMT: gl.constexpr, TWO_MUL: gl.constexpr):
     """bf16x2 factors [R, 4, 2, 2] (one per code word) from the step's scale bytes (int32)."""
     if FMT == "nvfp4":  # [R, 4, 2]: a scale per 16 elements, two words each
-        f = gl.inline_asm_elementwise(_F_E4M3, "=r,r", [s], dtype=gl.int32, is_pure=True, pack=1)
+        f = gl.inline_asm_elementwise(_F_E4M3, "=r,=r,r,r", [s], dtype=gl.int32, is_pure=True, pack=2)
         f = gl.expand_dims(f, 3)
     else:  # [R, 4]: a scale per 32 elements, four words
         if TWO_MUL:
