@@ -34,8 +34,8 @@ overlapping that kernel's tail. For quantized weights it pays up to ``PDL_MAX_BA
 kernel); past them the other kernels' larger tiles lose by it. A bf16 step takes it where its projections are the
 GEMV (one sequence); with cuBLAS's GEMMs it gains nothing. One H200, Llama 3 8B dims, context 1024, 2026-11-30,
 ms a step with / without (``bench_decode.py --pdl both``): batch 1 bf16 3.88 / 4.16, MXFP8 2.42 / 2.63, MXFP4
-2.00 / 2.27, NVFP4 2.19 / 2.45; batch 8 MXFP4 2.89 / 2.95, NVFP4 3.09 / 3.12; batch 32 MXFP4 4.17 / 4.20, NVFP4
-4.24 / 4.26. With the caps raised, MXFP8 lost at batch 8 (4.28 / 4.19) and 32 (5.72 / 5.63), and 4-bit weights at
+2.01 / 2.28, NVFP4 2.11 / 2.36; batch 8 MXFP4 2.88 / 2.95, NVFP4 2.96 / 3.02; batch 32 MXFP4 4.17 / 4.21, NVFP4
+4.29 / 4.29. With the caps raised, MXFP8 lost at batch 8 (4.28 / 4.19) and 32 (5.72 / 5.63), and 4-bit weights at
 128 were mixed (MXFP4 11.62 / 11.68, NVFP4 11.94 / 11.81). Nothing else launches with PDL; ``KernelSettings.pdl``
 off turns it off in the step too.
 """
