@@ -2,8 +2,8 @@
 
 out [M, N] = x [M, K] (bf16) @ dequantize(w).T, computed transposed (out^T = w x^T): the upcast weights are the
 MMA's A operand in registers, 16 rows an instruction, x^T its B operand. Up to 4 rows of x: mma.sync m16n8k16,
-x in registers too (8 rows an instruction: one row costs what eight do), a warp of 16 rows a program and K split
-over many programs; from 5 to MAX_M rows: wgmma, a warpgroup per 64 rows, x^T through shared memory (``config``).
+x in registers too (8 rows an instruction: one row costs what eight do), 16 rows a program and K split over its
+warps (below); from 5 to MAX_M rows: wgmma, a warpgroup per 64 rows, x^T through shared memory (``config``).
 A stays in registers, though each step then waits for its wgmma before the next upcast: through shared memory,
 with a wgmma left in flight over the next upcast, a step's A (32 KB for 128 weight rows) would be stored and read
 back on top of x^T, which on an H200 costs more than the wait on every Llama 3 8B GEMM from 8 to 128 rows. K is
@@ -14,8 +14,8 @@ sums through shared memory in warp order: no partials through memory, no counter
 program's own. One H200, 2026-11-30, in the Llama 3 8B decode step (each GEMM's config varied with the others
 fixed), ms a step against the split over programs: wqkv (8 ways) -0.039 MXFP4 / -0.053 NVFP4, fused w1/w3 (2 ways)
 -0.049 / -0.039, wo (16 ways) -0.039 / -0.027, w2 (16 ways) -0.024 / -0.039 (8 warps and 2 programs: +0.003 to
-+0.007). 16 warps where the rule stopped at 8, step at batch 1 / 2 / 4: MXFP4 2.078 -> 2.015 / 2.267 -> 2.186 /
-2.562 -> 2.472 ms, NVFP4 2.250 -> 2.174 / 2.361 -> 2.281 / 2.594 -> 2.563.
++0.007). The whole step at batch 1 / 2 / 4, warps splitting only up to 8 ways -> up to 16: MXFP4 2.078 -> 2.015 /
+2.267 -> 2.186 / 2.562 -> 2.472 ms, NVFP4 2.250 -> 2.174 / 2.361 -> 2.281 / 2.594 -> 2.563.
 
 The layout (``pack``), made once when a model is loaded for decode (mx_recipe.infer.weights.tile_weights):
 
