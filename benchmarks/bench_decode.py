@@ -33,9 +33,10 @@ the tl.dot path's default and, at one row, the GEMV that a decode step runs ther
 bandwidth, then the fastest config per format and shape (the GEMV's rows aside) as ``FMA_CHOSEN`` entries to paste
 into the kernel's table.
 --reference: the quantized GEMMs dequantize to bf16 first (what they did before the kernel), for comparison.
---profile-top N: after each batch's timing, one replayed step of each format under torch.profiler: the N
-costliest kernels (ms per step) and the step's kernel time against its wall time (the rest is the
-gaps between a graph's kernels).
+--profile-top N: after each batch's timing, replayed steps of each format under torch.profiler: what each kernel
+adds to the step's end (how far its end passes every earlier kernel's; with PDL a kernel's own duration includes
+its wait for the one before), ms a step for the N that add the most, then us a layer for each kernel of a layer.
+DESIGN's decode limits read them at batch 1.
 On the CPU (fp32, no graphs, the reference GEMMs) the numbers only show that the script runs.
 """
 
@@ -49,7 +50,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from timing import copy_gbs, kernel_us_by_name, run_meta
+from timing import copy_gbs, end_increments, kernel_spans, repeated_run, run_meta
 
 from mx_recipe.cli import ArgumentParser, int_list, names, output_file
 from mx_recipe.infer.decode import DecodeGraph, KVCache, forward
@@ -280,14 +281,30 @@ def sweep(formats: tuple[str, ...], batches: tuple[int, ...], device: torch.devi
     return rows
 
 
-def print_top_kernels(label: str, step: Callable[[], object], seconds: float, top: int) -> None:
-    """The ``top`` costliest kernels of a replayed ``step`` (torch.profiler, mean of 3 replays), and its kernel time
-    against ``seconds``, the step's timed wall time."""
-    kernels = kernel_us_by_name(step, calls=3)
-    total_ms = sum(kernels.values()) / 1e3
-    print(f"{label}: kernels {total_ms:.3f} ms of a {seconds * 1e3:.3f} ms step; costliest, ms per step:")
-    for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
-        print(f"  {us / 1e3:8.3f}  {name[:110]}")
+def print_step_kernels(label: str, step: Callable[[], object], seconds: float, top: int, calls: int = 3) -> None:
+    """What the kernels of a replayed ``step`` add to its end (``timing.end_increments``, mean of ``calls`` replays
+    under torch.profiler), ms a step: the ``top`` kernels by name, then, where the step repeats one sequence of
+    kernels (its layers), what each kernel of a layer adds, us. ``seconds``: the step's timed wall time."""
+    per_call = [kernel_spans(step) for _ in range(calls)]
+    by_name: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for spans in per_call:
+        for (name, _, _), added in zip(spans, end_increments(spans), strict=True):
+            by_name[name] = by_name.get(name, 0.0) + added / calls
+            counts[name] = counts.get(name, 0) + 1
+    first_to_last = statistics.mean(spans[-1][2] - spans[0][1] for spans in per_call) / 1e3
+    print(f"{label}: kernels first start to last end {first_to_last:.3f} ms of a {seconds * 1e3:.3f} ms step; "
+          f"what each adds to the step's end, ms a step:")  # fmt: skip
+    for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {us / 1e3:8.3f}  {name[:90]} ({counts[name] // calls} a step)")
+    names = [name for name, _, _ in per_call[0]]
+    start, period, repeats = repeated_run(names)
+    if repeats < 2 or any([n for n, _, _ in spans] != names for spans in per_call):
+        return
+    print(f"  a layer: {period} kernels, {repeats} layers; what each adds to the step's end, us a layer:")
+    for i in range(period):
+        added = [end_increments(spans)[start + r * period + i] for spans in per_call for r in range(repeats)]
+        print(f"  {statistics.mean(added):8.2f}  {names[start + i][:90]}")
 
 
 def _config_name(config: dict) -> str:
@@ -313,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="programmatic dependent launch of the Triton kernels (sm_90+); both: each way")  # fmt: skip
     p.add_argument("--steps", type=int, default=20, help="decode steps per timing")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
-    p.add_argument("--profile-top", type=int, default=0, metavar="N", help="the N costliest kernels of a step")
+    p.add_argument("--profile-top", type=int, default=0, metavar="N", help="what the N costliest kernels add to a step")
     p.add_argument("--device", help="default: cuda if available, else cpu")
     p.add_argument("--out", type=output_file, help="write the rows as JSON here, with provenance")
     args = p.parse_args(argv)
@@ -411,7 +428,7 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             add_rows(label, batch, batch, seconds, nbytes)
             if args.profile_top:
                 for fmt in weights:
-                    print_top_kernels(f"{label} batch {batch} {fmt}", steps[fmt, pdl], seconds[fmt], args.profile_top)
+                    print_step_kernels(f"{label} batch {batch} {fmt}", steps[fmt, pdl], seconds[fmt], args.profile_top)
         del steps, cache
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -95,6 +95,48 @@ def kernel_us_by_name(
     return times
 
 
+def kernel_spans(step: Callable[[], object]) -> list[tuple[str, float, float]]:
+    """The CUDA kernels (and copies) of one call of ``step`` as (name, start us, end us), in start order."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    spans = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                    if e.device_type.name == "CUDA"), key=lambda span: span[1])  # fmt: skip
+    if not spans:
+        raise RuntimeError("the profiler saw no GPU work")
+    return spans
+
+
+def end_increments(spans: list[tuple[str, float, float]]) -> list[float]:
+    """What each span (start order) adds to the end of the work before it: how far its end passes every earlier
+    span's, 0 where it ends inside them. They add up to the first start to the last end. Where kernels overlap
+    (programmatic dependent launch) a kernel's own duration counts its wait for the one before; this does not."""
+    increments, end = [], None
+    for _, start, stop in spans:
+        end = start if end is None else end
+        increments.append(max(0.0, stop - end))
+        end = max(end, stop)
+    return increments
+
+
+def repeated_run(names: list[str]) -> tuple[int, int, int]:
+    """(first index, period, repeats) of the run of one sequence repeated back to back that covers the most of
+    ``names`` (the smaller period on a tie): a model's layers in the kernels of a step. Repeats 1: none found."""
+    best = (0, 1, 1)
+    for period in range(1, len(names) // 2 + 1):
+        run = start = 0
+        for i in range(len(names) - period + 1):
+            match = i + period < len(names) and names[i] == names[i + period]
+            run = run + 1 if match else 0
+            if match and run == 1:
+                start = i
+            repeats = (run + period) // period
+            if repeats > 1 and repeats * period > best[1] * best[2]:
+                best = (start, period, repeats)
+    return best
+
+
 def kernel_us(
     step: Callable[[], object],
     calls: int = 5,

@@ -67,6 +67,26 @@ def test_the_command_leaves_out_where_the_result_went(monkeypatch):
     assert timing.command_line() == "python benchmarks/bench_moe.py --experts 1 4"
 
 
+def test_end_increments_add_up_to_the_span_and_skip_overlap():
+    """A kernel that ends inside an earlier one adds nothing; one that starts early (PDL) adds only past the end
+    before it; a gap counts to the kernel after it; the sum is the first start to the last end."""
+    timing = _bench_timing()
+    spans = [("a", 10.0, 15.0), ("b", 12.0, 14.0), ("c", 13.0, 18.0), ("d", 20.0, 21.0)]
+    assert timing.end_increments(spans) == [5.0, 0.0, 3.0, 3.0]
+    assert sum(timing.end_increments(spans)) == 21.0 - 10.0
+    assert timing.end_increments([]) == []
+
+
+def test_repeated_run_finds_the_layers_of_a_step():
+    """The embedding, three layers of four kernels (one twice in a layer), the last norm and the output layer:
+    the layers are the longest run, at their own period, not at two layers' or one kernel's."""
+    timing = _bench_timing()
+    layer = ["norm", "gemv", "attention", "gemv"]
+    assert timing.repeated_run(["embedding"] + layer * 3 + ["norm", "gemv"]) == (1, 4, 3)
+    assert timing.repeated_run(["a", "b", "b", "c"]) == (1, 1, 2)
+    assert timing.repeated_run(["a", "b", "c"])[2] == 1 and timing.repeated_run([])[2] == 1
+
+
 GPU_ONLY = ["bench_cast", "bench_fp4_cast", "bench_gemm", "bench_host", "bench_linear", "bench_moe"]
 
 
