@@ -286,10 +286,11 @@ def print_step_kernels(label: str, step: Callable[[], object], seconds: float, t
     under torch.profiler), ms a step: the ``top`` kernels by name, then, where the step repeats one sequence of
     kernels (its layers), what each kernel of a layer adds, us. ``seconds``: the step's timed wall time."""
     per_call = [kernel_spans(step) for _ in range(calls)]
+    increments = [end_increments(spans) for spans in per_call]
     by_name: dict[str, float] = {}
     counts: dict[str, int] = {}
-    for spans in per_call:
-        for (name, _, _), added in zip(spans, end_increments(spans), strict=True):
+    for spans, call_increments in zip(per_call, increments, strict=True):
+        for (name, _, _), added in zip(spans, call_increments, strict=True):
             by_name[name] = by_name.get(name, 0.0) + added / calls
             counts[name] = counts.get(name, 0) + 1
     first_to_last = statistics.mean(spans[-1][2] - spans[0][1] for spans in per_call) / 1e3
@@ -303,7 +304,7 @@ def print_step_kernels(label: str, step: Callable[[], object], seconds: float, t
         return
     print(f"  a layer: {period} kernels, {repeats} layers; what each adds to the step's end, us a layer:")
     for i in range(period):
-        added = [end_increments(spans)[start + r * period + i] for spans in per_call for r in range(repeats)]
+        added = [call[start + r * period + i] for call in increments for r in range(repeats)]
         print(f"  {statistics.mean(added):8.2f}  {names[start + i][:90]}")
 
 

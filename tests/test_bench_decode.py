@@ -63,6 +63,25 @@ def test_bad_arguments_are_one_line(args, message):
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
+def test_step_kernels_report_what_each_adds_and_a_layer(monkeypatch, capsys):
+    """--profile-top's report from kernel spans (made up here, as the profiler gives them): by kernel name what each
+    adds to the step's end, ms a step, then per kernel of the repeated layer, us a layer."""
+    bench = load_benchmark("bench_decode")
+    # embedding, two layers of (norm 0-2, gemv 1-11: starts under the norm, attention 11-16), output 16-30
+    spans = [("emb", 0.0, 1.0)]
+    for t in (1.0, 16.0):
+        spans += [("norm", t, t + 2.0), ("gemv", t + 1.0, t + 11.0), ("attention", t + 10.0, t + 15.0)]
+    spans.append(("gemv", 31.0, 45.0))
+    monkeypatch.setattr(bench, "kernel_spans", lambda step: spans)
+    bench.print_step_kernels("decode batch 1 mxfp8", lambda: None, 45e-6, top=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert "first start to last end 0.045 ms of a 0.045 ms step" in lines[0]
+    # gemv: 9 + 9 in the layers and 14 (with the gap before it) at the end; norm 2 each; attention 4 each
+    assert lines[1].split()[:2] == ["0.032", "gemv"] and lines[2].split()[:2] == ["0.008", "attention"]
+    assert "3 kernels, 2 layers" in lines[3]
+    assert [line.split()[:2] for line in lines[4:]] == [["2.00", "norm"], ["9.00", "gemv"], ["4.00", "attention"]]
+
+
 @pytest.mark.gpu
 def test_gpu_sweep_times_the_gemv_beside_the_configs():
     """--sweep at one row: cuBLAS and the GEMV for bf16, the GEMV and every small-M config for MXFP8, each timed;
