@@ -88,9 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     model = quantize_model(to_compute_dtype(model.eval(), dtype), args.weights, activations=args.activations == "mx")
     if not args.no_fuse:
         model = fuse_projections(model)
-    model = tile_weights(model)
-
     ids = [[tokenizer.bos_id, *tokenizer.encode(text)] for text in prompts] * args.batch
+    model = tile_weights(model, len(ids))
     width = max(len(x) for x in ids)
     if width + args.max_new_tokens > model.args.max_seq_len:
         p.error(f"prompt + --max-new-tokens = {width + args.max_new_tokens} tokens, past {model.args.max_seq_len}")

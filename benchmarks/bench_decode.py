@@ -119,11 +119,12 @@ def check_memory(model: Transformer, device: torch.device, what: str) -> None:
 def build(name: str, flavor: str, layers: int | None, fmt: str, max_len: int, device: torch.device,
           reference: bool, fuse: bool = True) -> Transformer:  # fmt: skip
     """The model at random (seed 0), in the compute dtype (bf16 on CUDA, fp32 on the CPU), weights in ``fmt``;
-    ``fuse``: the projections that read one input as one GEMM (mx_recipe.infer.weights.fuse_projections); 4-bit dense
-    weights tiled for Hopper's decode kernel where it runs (``tile_weights``)."""
+    ``fuse``: the projections that read one input as one GEMM (mx_recipe.infer.weights.fuse_projections); dense
+    weights tiled for Hopper's decode kernel where it runs for one sequence (``tile_weights``: 4-bit ones; the
+    batch loop tiles MXFP8 ones past one)."""
     model = meta_model(name, flavor, layers, max_len)
     model = quantize_model(init_random(model, device, 0, compute_dtype(device)).eval(), fmt, kernel=not reference)
-    return tile_weights(fuse_projections(model) if fuse else model)
+    return tile_weights(fuse_projections(model) if fuse else model, 1)
 
 
 def active_experts(n_experts: int, top_k: int, batch: int) -> float:
@@ -363,7 +364,7 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             with open(args.out, "w") as f:
                 json.dump({"meta": run_meta(mode="sweep", copy_bytes_per_s=bandwidth), "rows": rows}, f, indent=1)
         return 0
-    batches = args.batch or DEFAULT_BATCH[args.model]
+    batches = sorted(args.batch or DEFAULT_BATCH[args.model])  # ascending: MXFP8 weights are tiled past one row
     if device.type == "cuda" and not args.no_tune:
         set_tuning(True)
     weights = ("bf16", *[w for w in args.weights if w != "bf16"])  # bf16 first: the ratios' base
@@ -409,6 +410,8 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     mode = "gemms" if args.gemms_only else "decode"
     pdl_ways = (True, False) if args.pdl == "both" else (args.pdl == "on",)
     for batch in batches:
+        for m in models.values():
+            tile_weights(m, batch)  # MXFP8's past one row (mx_recipe.infer.weights)
         cache = None if args.gemms_only else KVCache(models["bf16"], batch, args.context, dtype, device)
         steps = {}
         for pdl in pdl_ways:  # the kernels' launches are fixed when the graph is captured

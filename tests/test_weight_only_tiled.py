@@ -1,14 +1,15 @@
-"""The weight-only GEMM over tiled 4-bit weights (kernels/gluon/weight_only_tiled.py) and ``PackedWeight.tile``,
+"""The weight-only GEMM over tiled weights (kernels/gluon/weight_only_tiled.py) and ``PackedWeight.tile``,
 against the reference, within the bound of tests/test_weight_only_gemm.py's module doc.
 
 * CPU: packing round-trips (codes, scales, SwiGLU's row order, padding rows) and leaves ``dequantize`` bit for
-  bit; every bit of a code word lands where the upcast reads it; compiled for sm_90a, the upcast weights and x
-  reach mma.sync and wgmma as register operands without moves; the launch configs; bad operands are one-line
-  errors.
-* GPU (``gpu``): MXFP4 and NVFP4, M = 1 to 128 (launches of 64), N not a multiple of 16, both MMAs, K split
-  (the same bits every call), scales past 2**1 (the second multiply), NaN, 2**-127 and 2**-126 scales, zeros,
-  NVFP4 tensor scales per row; the SwiGLU epilogue bit for bit the GEMM then ``silu_mul``; a decode step of
-  the Llama debug model with tiled weights, replayed from a CUDA graph under PDL, against the untiled one.
+  bit; every bit of a code word lands where the upcast reads it (e2m1 and e4m3 words); compiled for sm_90a, the
+  upcast weights and x reach mma.sync and wgmma as register operands without moves; the launch configs; bad
+  operands, NaN e4m3 codes included, are one-line errors.
+* GPU (``gpu``): MXFP4, NVFP4 and MXFP8, M = 1 to 128 (launches of 64), N not a multiple of 16, both MMAs, K
+  split (the same bits every call), scales past 2**1 (MXFP4) or 2**7 (MXFP8: the second multiply), NaN, 2**-127
+  and 2**-126 scales, zeros, NVFP4 tensor scales per row; the SwiGLU epilogue bit for bit the GEMM then
+  ``silu_mul``; a decode step of the Llama debug model with tiled weights, replayed from a CUDA graph under PDL,
+  against the untiled one (MXFP8 tiled only for more than one sequence).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from mx_recipe.infer.weights import PackedWeight
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = "cuda"
-FORMATS = ("mxfp4", "nvfp4")
+FORMATS = ("mxfp4", "nvfp4", "mxfp8")
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="the kernel module imports Triton")
 interp_only = pytest.mark.skipif(not (INTERP and HAS_TRITON), reason="runs in the Triton interpreter child process")
 
@@ -61,8 +62,9 @@ def test_tiling_round_trips_and_keeps_dequantize(fmt, n, k, swiglu):
     want_q, want_s, want = p.qdata.clone(), p.scale.clone(), p.dequantize(torch.float32)
     untiled_bytes = p.nbytes()
     p.tile(swiglu)
-    assert p.tiled and p.qdata.dtype == torch.int32 and p.qdata.shape == (-(-n // 16) * 16, k // 8)
-    padding = (p.qdata.shape[0] - n) * (k // 2 + want_s.shape[1])  # zero rows up to the 16-row tile
+    per_byte = 1 if fmt == "mxfp8" else 2
+    assert p.tiled and p.qdata.dtype == torch.int32 and p.qdata.shape == (-(-n // 16) * 16, k // (4 * per_byte))
+    padding = (p.qdata.shape[0] - n) * (k // per_byte + want_s.shape[1])  # zero rows up to the 16-row tile
     assert p.nbytes() == untiled_bytes + padding  # the kernel's tensor scale counted once, as the untiled one
     q, s = p.natural_codes()
     assert torch.equal(q, want_q) and torch.equal(s.view(torch.uint8), want_s.view(torch.uint8))
@@ -88,13 +90,13 @@ def test_kernels_in_triton_interpreter():
 def test_interp_dequantize_reads_the_tiles(fmt, n, swiglu):
     """The tiled weight's dequantize (what a prefill hands to cuBLAS), in the interpreter: bit for bit the untiled
     weight's (mx_kernels.mx.weight_only.dequantize), in the formats' row order, with a NaN, 2**-127 and 2**-126
-    scale (MXFP4) and a tensor scale per row (NVFP4)."""
+    scale (MXFP4, MXFP8) and a tensor scale per row (NVFP4)."""
     from mx_kernels.gluon.weight_only_tiled import dequantize, pack
     from mx_kernels.mx.weight_only import dequantize as natural
 
     w = weights(n, 512)
     p = PackedWeight.cat([packed(w[: n // 2] * 0.02, fmt), packed(w[n // 2 :] * 3.0, fmt)])
-    if fmt == "mxfp4":
+    if fmt != "nvfp4":
         scales = p.scale.view(torch.uint8)
         scales[3, 1], scales[4, 0], scales[5, 2] = 0xFF, 0, 1
     words, tiled_scales, _ = pack(p.qdata, p.scale, p.tensor_scale, fmt, swiglu)
@@ -133,6 +135,40 @@ def test_every_code_bit_lands_where_the_upcast_reads_it():
     assert len(seen) == 4 * 256
 
 
+@needs_triton
+def test_every_e4m3_code_bit_lands_where_the_upcast_reads_it():
+    """MXFP8: each word of 4 codes is a permutation of its 32 bits (``stored_bit_e4m3``), and the upcast (pair 0
+    masked in place; pair 1's signs and mantissas' low bit rotated left by 4, the rest by 8) brings each pair to the
+    bf16x2 bits sign << 15 | magnitude << 4 of its codes: their values times 2**-120. Every byte value that is not
+    NaN at every place of a word, and NaN codes refused."""
+    from mx_kernels.gluon.weight_only_tiled import pack, stored_bit_e4m3
+
+    assert sorted(stored_bit_e4m3(c, b) for c in range(4) for b in range(8)) == list(range(32))
+    codes = (torch.arange(1024) // 4 % 256).to(torch.uint8).view(8, 128)  # byte value v at each place of a word
+    codes[(codes & 0x7F) == 0x7F] = 0
+    codes = torch.cat([codes, codes.flip(0)])
+    words, _, _ = pack(codes, torch.zeros(16, 4, dtype=torch.uint8), None, "mxfp8")
+    full = 0xFFFFFFFF
+
+    def rotl(w: int, r: int) -> int:
+        return ((w << r) | (w >> (32 - r))) & full
+
+    def bf16_bits(c: int) -> int:
+        return ((c & 0x80) << 8) | ((c & 0x7F) << 4)
+
+    seen = set()
+    for w in (x & full for x in words.view(-1).tolist()):
+        natural = sum(((w >> stored_bit_e4m3(c, b)) & 1) << (8 * c + b) for c in range(4) for b in range(8))
+        pairs = [w & 0x87F087F0, (rotl(w, 4) & 0x80808080) | (rotl(w, 8) & 0x07700770)]
+        for p, got in enumerate(pairs):
+            lo, hi = (natural >> (16 * p)) & 0xFF, (natural >> (16 * p + 8)) & 0xFF
+            assert got == bf16_bits(lo) | (bf16_bits(hi) << 16), (hex(w), p)
+            seen.update({(2 * p, lo), (2 * p + 1, hi)})
+    assert len(seen) == 4 * 254
+    with pytest.raises(ValueError, match=r"NaN \(0x7F, 0xFF\)"):
+        pack(codes.index_fill(1, torch.tensor([5]), 0xFF), torch.zeros(16, 4, dtype=torch.uint8), None, "mxfp8")
+
+
 def compiled_kernel(m: int, wgmma: bool, fmt: str, **over):
     """The kernel compiled for sm_90a on a 1024 x 512 weight, K split 2 ways, SwiGLU, PDL; ``over`` replaces
     arguments: (TTGIR, PTX)."""
@@ -140,9 +176,10 @@ def compiled_kernel(m: int, wgmma: bool, fmt: str, **over):
     from mx_kernels.gluon.weight_only_tiled import tiled_weight_only_kernel
 
     n, k, sb = 1024, 512, 2 if fmt == "nvfp4" else 1
+    words = k // (4 if fmt == "mxfp8" else 8)
     meta = dict(device="meta")
     kwargs = dict(
-        x_ptr=torch.empty(m, k, dtype=torch.bfloat16, **meta), w_ptr=torch.empty(n, k // 8, dtype=torch.int32, **meta),
+        x_ptr=torch.empty(m, k, dtype=torch.bfloat16, **meta), w_ptr=torch.empty(n, words, dtype=torch.int32, **meta),
         s_ptr=torch.empty(n, k // 32 * sb, dtype=torch.uint8, **meta), ts_ptr=torch.empty(n, **meta),
         out_ptr=torch.empty(m, n, dtype=torch.bfloat16, **meta), ws_ptr=torch.empty(2, m, n, **meta),
         cnt_ptr=torch.empty(64, dtype=torch.int32, **meta), M=m, N=n, K=k, K_SPLIT=k // 2, SPLIT_K=2, stride_xm=k,
@@ -155,7 +192,8 @@ def compiled_kernel(m: int, wgmma: bool, fmt: str, **over):
 
 @needs_triton
 @pytest.mark.parametrize(("m", "wgmma", "fmt"), [(1, False, "mxfp4"), (8, False, "nvfp4"), (32, True, "mxfp4"),
-                                                 (64, True, "nvfp4")])  # fmt: skip
+                                                 (64, True, "nvfp4"), (1, False, "mxfp8"),
+                                                 (32, True, "mxfp8")])  # fmt: skip
 def test_operands_reach_the_mma_without_moves(m, wgmma, fmt):
     """Compiled for sm_90a: the upcast weights are the MMA's register operand and x (mma.sync) its other one, each
     layout conversion asserted trivial at compile time; mma.sync takes no shared memory, wgmma only x^T's. Under
@@ -211,7 +249,7 @@ def test_bad_operands_are_one_line_errors():
 
     p = tiled(torch.randn(64, 256), "mxfp4")
     x = torch.randn(4, 256).bfloat16()
-    with pytest.raises(ValueError, match="mxfp4 or nvfp4 and x bf16"):
+    with pytest.raises(ValueError, match="mxfp4, nvfp4 or mxfp8 and x bf16"):
         tiled_weight_only_mm(x.float(), p.qdata, p.scale, None, 64, "mxfp4", False)
     with pytest.raises(ValueError, match=r"pack's words \[64, 32\] and scales \[64, 8\] for n = 64"):
         tiled_weight_only_mm(x, p.qdata[:, :16], p.scale, None, 64, "mxfp4", False)
@@ -223,8 +261,10 @@ def test_bad_operands_are_one_line_errors():
         pack(q.qdata, q.scale, None, "mxfp4")
     with pytest.raises(ValueError, match=r"not tiled yet, got mxfp4 \(64, 32\) \(tiled\)"):
         p.tile()
-    with pytest.raises(ValueError, match="2D MXFP4 or NVFP4"):
-        packed(torch.randn(64, 256), "mxfp8").tile()
+    nan = packed(torch.randn(64, 256), "mxfp8")
+    nan.qdata.view(torch.uint8)[5, 7] = 0x7F
+    with pytest.raises(ValueError, match="MXFP8 codes with NaN"):
+        nan.tile()
     with pytest.raises(ValueError, match="concatenate before tiling"):
         PackedWeight.cat([p, p])
     with pytest.raises(ValueError, match="a tiled weight is a dense one"):
@@ -238,7 +278,7 @@ def test_tile_weights_leaves_a_cpu_model_as_it_is():
     from mx_recipe.models import build_model, model_args
 
     model = fuse_projections(quantize_model(build_model(model_args("llama", "debug", 320, 64)), "mxfp4"))
-    tile_weights(model)
+    tile_weights(model, 8)
     assert not any(m.tiled for m in model.modules() if isinstance(m, PackedWeight))
 
 
@@ -251,8 +291,9 @@ def test_tile_weights_leaves_a_cpu_model_as_it_is():
 def test_gpu_every_m_within_the_bound(fmt):
     """M = 1 to 128 on a 1000 x 2048 weight (N past a multiple of 16), the default launch and both MMAs with K split
     3 ways, mma.sync with 4 warps splitting each of 2 splits (the same bits every call); scales from 2**-12 to 2**6
-    (MXFP4's second multiply) and below 2**1 (one), a NaN scale, 2**-127 and 2**-126 scales, a zero row; NVFP4 with
-    a NaN, zero, subnormal, largest and negative e4m3 scale, and a tensor scale per row too."""
+    (MXFP4's second multiply; MXFP8's with one scale of 2**23) and below 2**1 (one), a NaN scale, 2**-127 and 2**-126
+    scales, a zero row; NVFP4 with a NaN, zero, subnormal, largest and negative e4m3 scale, and a tensor scale per
+    row too."""
     hopper()
     torch.manual_seed(21)
     n, k = 1000, 2048
@@ -266,9 +307,11 @@ def test_gpu_every_m_within_the_bound(fmt):
         scales[3, 5], scales[4, 0], scales[5, 2], scales[6, 1], scales[8, 3], scales[9, 4] = 0x7F, 0, 1, 8, 0x7E, 0xB8
     else:
         scales[3, 5], scales[4, 0], scales[5, 2] = 0xFF, 0, 1
+    if fmt == "mxfp8":
+        cases[0].scale.view(torch.uint8)[10, 2] = 150
     for p in cases:
         p.tile()
-    assert cases[0].two_mul == (fmt == "mxfp4") and not cases[1].two_mul
+    assert cases[0].two_mul == (fmt != "nvfp4") and not cases[1].two_mul
     configs = [None, dict(t=2, w=2, split_k=3, wgmma=False), dict(t=1, w=8, split_k=3, wgmma=True),
                dict(t=1, w=4, kw=4, split_k=2, wgmma=False)]  # fmt: skip
     for m in (1, 3, 4, 5, 8, 13, 32, 64, 65, 128):
@@ -334,10 +377,10 @@ def test_gpu_swiglu_epilogue_is_the_gemm_then_silu_mul(fmt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gpu_decode_step_with_tiled_weights(fmt):
-    """The Llama debug model in a 4-bit format: ``tile_weights`` tiles its dense projections but w2 (K = 704, not a
-    multiple of 128), w13 for the SwiGLU epilogue; its prefill (past LARGE_M rows: the formats' layout) gives the
-    untiled model's logits bit for bit, and a decode step replayed from a CUDA graph under PDL up to summation
-    order."""
+    """The Llama debug model with quantized weights: ``tile_weights`` for two sequences tiles its dense projections
+    but w2 (K = 704, not a multiple of 128), w13 for the SwiGLU epilogue (MXFP8 ones only past one sequence); its
+    prefill (past LARGE_M rows: the formats' layout) gives the untiled model's logits bit for bit, and a decode step
+    replayed from a CUDA graph under PDL up to summation order."""
     hopper()
     from mx_kernels import pdl
 
@@ -351,7 +394,9 @@ def test_gpu_decode_step_with_tiled_weights(fmt):
         m.init_weights()
         return fuse_projections(quantize_model(m.eval().bfloat16(), fmt))
 
-    plain, tiled_model = model(), tile_weights(model())
+    plain, tiled_model = model(), tile_weights(model(), 2)
+    one = tile_weights(model(), 1)
+    assert any(m.tiled for m in one.modules() if isinstance(m, PackedWeight)) == (fmt != "mxfp8")
     found = {name: mod.weight_packed for name, mod in tiled_model.named_modules()
              if isinstance(mod, QuantizedLinear | FusedLinear) and mod.weight_packed is not None}  # fmt: skip
     assert found and all(p.tiled != name.endswith("w2") for name, p in found.items())

@@ -68,7 +68,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 BLOCK_K = gl.constexpr(128)  # elements of K a step: 32 a lane, one MXFP4 scale block
 MAX_M = 128  # rows of x a launch takes (wgmma's N); 64 on mma.sync
 COUNTERS = 1 << 14  # split-K tiles a launch may have
-FORMATS = ("mxfp4", "nvfp4")
+FORMATS = ("mxfp4", "nvfp4", "mxfp8")
 
 # the bf16x2 bits of a code pair (even k in the low half): mantissa, exponent bits 0 and 1, sign of each code
 _TARGETS = (6, 7, 8, 15, 22, 23, 24, 31)
@@ -85,6 +85,22 @@ def _rotation(pair: int, bit: int) -> int:
 
 def stored_bit(pair: int, bit: int) -> int:
     return (_TARGETS[bit] + _rotation(pair, bit)) % 32
+
+
+# e4m3 codes: a word of 4, two pairs; each code's magnitude to bits 4-10 of a bf16 (its exponent's low 4 bits and the
+# top 3 of the mantissa: the value times 2**-120), its sign to bit 15. Pair 0 is stored there, pair 1's bits where a
+# left rotation by 4 (signs) or 8 (magnitudes) brings them.
+_E4M3_TARGET = 0x87F087F0
+_E4M3_ROTATIONS = ((4, 0x80808080), (8, 0x07700770))
+
+
+def stored_bit_e4m3(code: int, bit: int) -> int:
+    """Where bit ``bit`` (0-7) of e4m3 code ``code`` (0-3, the word's byte) is stored."""
+    target = (bit + 4 if bit < 7 else 15) + 16 * (code % 2)
+    if code < 2:
+        return target
+    rotation = next(r for r, mask in _E4M3_ROTATIONS if mask >> target & 1)
+    return (target - rotation) % 32
 
 
 # A word of 8 codes ($8) and a bf16x2 factor ($9) -> 8 bf16 (each pair: even code, odd code)
@@ -121,20 +137,42 @@ _F_E4M3 = gl.constexpr(
     " cvt.f32.f16 a, lo; cvt.f32.f16 b, hi; mul.rn.f32 a, a, 0f7A800000; mul.rn.f32 b, b, 0f7A800000;"
     " cvt.rn.bf16x2.f32 $0, a, a; cvt.rn.bf16x2.f32 $1, b, b; }"
 )
+# A word of 4 e4m3 codes ($4) and a bf16x2 factor ($5) -> 4 bf16 (pair 0's codes, then pair 1's)
+_UPCAST_E4M3 = (
+    "{ .reg .b32 r, t, u;\n"
+    f"and.b32 r, $4, {_E4M3_TARGET:#010x}; mul.rn.bf16x2 r, r, $5; mov.b32 {{$0, $1}}, r;\n"
+    f"shf.l.wrap.b32 t, $4, $4, {_E4M3_ROTATIONS[0][0]}; and.b32 u, t, {_E4M3_ROTATIONS[0][1]:#010x};\n"
+    f"shf.l.wrap.b32 t, $4, $4, {_E4M3_ROTATIONS[1][0]}; lop3.b32 r, t, {_E4M3_ROTATIONS[1][1]:#010x}, u, 0xEA;\n"
+    "mul.rn.bf16x2 r, r, $5; mov.b32 {$2, $3}, r;\n"
+    "}"
+)
+_UPCAST_E4M3_ONE = gl.constexpr(_UPCAST_E4M3)
+# the same with each pair first times 2**120 (MXFP8 scales past 2**7)
+_UPCAST_E4M3_TWO = gl.constexpr(
+    _UPCAST_E4M3.replace(".reg .b32 r, t, u;", ".reg .b32 r, t, u, c; mov.b32 c, 0x7B807B80;").replace(
+        "mul.rn.bf16x2 r, r, $5;", "mul.rn.bf16x2 r, r, c; mul.rn.bf16x2 r, r, $5;"
+    )
+)
+# e8m0 s -> 2**(s - 7) ((s + 120) << 7; the e4m3 codes' 2**-120 undone), NaN for 0xFF
+_F_E8M0_E4M3 = gl.constexpr(
+    "{ .reg .pred p; mad.lo.u32 $0, $1, 0x00800080, 0x3C003C00; setp.eq.u32 p, $1, 255; @p mov.b32 $0, 0x7FC07FC0; }"
+)
 NVFP4_SHIFT = gl.constexpr(256.0)  # NVFP4's products come out times 2**-8 (module doc)
 
 
 @gluon.constexpr_function
-def _word_layout(T, W):
-    """Code words [16 T W rows, q 4, b 2, v 2] of a step: lane 4g + q holds rows g and g + 8 of each tile (a warp
-    per 16 rows, its T tiles W * 16 rows apart) and the 4 words (b, v) of its 32 elements."""
+def _word_layout(T, W, NV):
+    """Code words [16 T W rows, q 4, b 2, v NV] of a step: lane 4g + q holds rows g and g + 8 of each tile (a warp
+    per 16 rows, its T tiles W * 16 rows apart) and the 2 NV words (b, v) of its 32 elements (NV = 2 for e2m1
+    codes, 4 for e4m3)."""
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 1], [0, 0, 1, 0], [8, 0, 0, 0]]
+        reg_bases=[[0, 0, 0, 1 << i] for i in range(NV.bit_length() - 1)]
+        + [[0, 0, 1, 0], [8, 0, 0, 0]]
         + [[16 * W << i, 0, 0, 0] for i in range(T.bit_length() - 1)],
         lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
         warp_bases=[[16 << i, 0, 0, 0] for i in range(W.bit_length() - 1)],
         block_bases=[],
-        shape=[16 * T * W, 4, 2, 2],
+        shape=[16 * T * W, 4, 2, NV],
     )
 
 
@@ -156,17 +194,27 @@ def _x_layout(BLOCK_M, W):
 # e], the MMA's order.
 _W_ORDER = gl.constexpr((0, 3, 4, 7, 6, 1, 2, 5))
 _X_ORDER = gl.constexpr((0, 3, 4, 5, 6, 1, 2, 7))
+# e4m3: word 4b + v of lane q holds j = 4b + v, its pairs h = 0, 1; the upcast joins to [R, q1 q0 b v1 v0 e h]
+_W8_ORDER = gl.constexpr((0, 3, 4, 5, 7, 1, 2, 6))
 
 
 @gluon.jit
-def _a_operand(w, f, A: gl.constexpr, UPCAST: gl.constexpr):
+def _a_operand(w, f, A: gl.constexpr, UPCAST: gl.constexpr, E4M3: gl.constexpr):
     """The step's upcast words w (factors f, per word) as the MMA's A operand [R, 128], in its logical K order."""
     R: gl.constexpr = w.shape[0]
-    o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
-        UPCAST, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, f], dtype=[gl.bfloat16] * 8, is_pure=True, pack=1
-    )
-    pairs = gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)), gl.join(gl.join(o4, o5), gl.join(o6, o7)))
-    return gl.convert_layout(permute_k(gl.reshape(pairs, [R, BLOCK_K]), _W_ORDER), A, assert_trivial=True)
+    if E4M3:
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(
+            UPCAST, "=h,=h,=h,=h,r,r", [w, f], dtype=[gl.bfloat16] * 4, is_pure=True, pack=1
+        )
+        pairs = gl.join(gl.join(o0, o1), gl.join(o2, o3))
+        a = permute_k(gl.reshape(pairs, [R, BLOCK_K]), _W8_ORDER)
+    else:
+        o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+            UPCAST, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, f], dtype=[gl.bfloat16] * 8, is_pure=True, pack=1
+        )
+        pairs = gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)), gl.join(gl.join(o4, o5), gl.join(o6, o7)))
+        a = permute_k(gl.reshape(pairs, [R, BLOCK_K]), _W_ORDER)
+    return gl.convert_layout(a, A, assert_trivial=True)
 
 
 @gluon.jit
@@ -180,18 +228,20 @@ def _b_operand(x, B: gl.constexpr):
 
 
 @gluon.jit
-def _factors(s, WL: gl.constexpr, FMT: gl.constexpr, TWO_MUL: gl.constexpr):
-    """bf16x2 factors [R, 4, 2, 2] (one per code word) from the step's scale bytes (int32)."""
+def _factors(s, WL: gl.constexpr, FMT: gl.constexpr, TWO_MUL: gl.constexpr, NV: gl.constexpr):
+    """bf16x2 factors [R, 4, 2, NV] (one per code word) from the step's scale bytes (int32)."""
     if FMT == "nvfp4":  # [R, 4, 2]: a scale per 16 elements, two words each
         f = gl.inline_asm_elementwise(_F_E4M3, "=r,=r,r,r", [s], dtype=gl.int32, is_pure=True, pack=2)
         f = gl.expand_dims(f, 3)
-    else:  # [R, 4]: a scale per 32 elements, four words
+    else:  # [R, 4]: a scale per 32 elements, 2 NV words
         if TWO_MUL:
             f = gl.inline_asm_elementwise(_F_E8M0_TWO, "=r,r", [s], dtype=gl.int32, is_pure=True, pack=1)
+        elif FMT == "mxfp8":
+            f = gl.inline_asm_elementwise(_F_E8M0_E4M3, "=r,r", [s], dtype=gl.int32, is_pure=True, pack=1)
         else:
             f = gl.inline_asm_elementwise(_F_E8M0_ONE, "=r,r", [s], dtype=gl.int32, is_pure=True, pack=1)
         f = gl.expand_dims(gl.expand_dims(f, 2), 3)
-    return gl.broadcast(f, gl.full([f.shape[0], 4, 2, 2], 0, gl.int32, WL))[0]
+    return gl.broadcast(f, gl.full([f.shape[0], 4, 2, NV], 0, gl.int32, WL))[0]
 
 
 @gluon.jit
@@ -207,6 +257,9 @@ def tiled_weight_only_kernel(
     BLOCK_N: gl.constexpr = 16 * T * W
     R: gl.constexpr = BLOCK_N // KW  # weight rows a program; KW > 1: the warps split its K (mma.sync, T = 1)
     SB: gl.constexpr = 2 if FMT == "nvfp4" else 1
+    E4M3: gl.constexpr = FMT == "mxfp8"
+    NV: gl.constexpr = 4 if E4M3 else 2  # a lane-row's words of a step: 2 NV (16 or 32 bytes)
+    WK: gl.constexpr = NV  # words a tile's step holds per element of K and 16 rows (256 or 512 for 128)
     if WGMMA:  # a warpgroup's wgmma per 64 rows (T = 1), x^T from shared memory
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
                                                       instr_shape=[16, BLOCK_M, 16])  # fmt: skip
@@ -217,12 +270,17 @@ def tiled_weight_only_kernel(
         XL: gl.constexpr = _x_layout(BLOCK_M, W)
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    WL: gl.constexpr = _word_layout(T, W)
+    WL: gl.constexpr = _word_layout(T, W, NV)
     if FMT == "nvfp4":
         SL: gl.constexpr = gl.SliceLayout(3, WL)
     else:
         SL: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, WL))
-    if TWO_MUL:
+    if E4M3:
+        if TWO_MUL:
+            UPCAST: gl.constexpr = _UPCAST_E4M3_TWO
+        else:
+            UPCAST: gl.constexpr = _UPCAST_E4M3_ONE
+    elif TWO_MUL:
         UPCAST: gl.constexpr = _UPCAST_TWO
     else:
         UPCAST: gl.constexpr = _UPCAST_ONE
@@ -231,20 +289,21 @@ def tiled_weight_only_kernel(
     k_start = pid_k * K_SPLIT
     k_len = (gl.minimum(k_start + K_SPLIT, K) - k_start) // (KW * BLOCK_K) * BLOCK_K  # a warp's: whole steps
     k_end = k_start + k_len
-    # the program's words: [rows, q, b, v] -> tile (row // 16) * 2K + lane (4 (row % 8) + q) * 8 + half * 4 + 2b + v
+    # the program's words: [rows, q, b, v] -> tile (row // 16) * WK K + lane (4 (row % 8) + q) * 4 WK + half * 2 WK
+    # + NV b + v
     L3: gl.constexpr = gl.SliceLayout(3, WL)
     L2: gl.constexpr = gl.SliceLayout(2, L3)
     vrows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L2))  # KW > 1: warp vrows // R reads k_len more on
     rows = pid * R + vrows % R
     rows = gl.where(rows < N, rows, 0)  # rows past N (a partial tile) read row 0 and are not stored
     q = gl.arange(0, 4, layout=gl.SliceLayout(0, L2))
-    tile_row = (rows // 16) * 2 * K + (rows % 8) * 32 + ((rows % 16) // 8) * 4
+    tile_row = (rows // 16) * WK * K + (rows % 8) * 16 * WK + ((rows % 16) // 8) * 2 * WK
     if KW > 1:
-        tile_row += (vrows // R) * 2 * k_len
-    lane_row = gl.expand_dims(tile_row, 1) + gl.expand_dims(q * 8, 0)
+        tile_row += (vrows // R) * WK * k_len
+    lane_row = gl.expand_dims(tile_row, 1) + gl.expand_dims(q * 4 * WK, 0)
     wb = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    v = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WL))))
-    lane_b = gl.expand_dims(lane_row, 2) + gl.expand_dims(gl.expand_dims(wb * 2, 0), 1)
+    v = gl.arange(0, NV, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WL))))
+    lane_b = gl.expand_dims(lane_row, 2) + gl.expand_dims(gl.expand_dims(wb * NV, 0), 1)
     w_tiles = w_ptr + (gl.expand_dims(lane_b, 3) + gl.expand_dims(gl.expand_dims(gl.expand_dims(v, 0), 1), 2))
     # scales: tile (row // 16) * K / 2 * SB + (lane * 2 + half) * SB + block
     if SB == 2:
@@ -281,7 +340,7 @@ def tiled_weight_only_kernel(
             x_rows = x_rows + gl.expand_dims(warp * (k_len // 2), 1)  # [BLOCK_M, 1]: x stays contiguous along K
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
     # the first step's weights do not depend on the kernel before (PDL): read them before waiting for it
-    w = gl.load(w_tiles + gl.multiple_of(2 * k_start, 256))
+    w = gl.load(w_tiles + gl.multiple_of(WK * k_start, 256))
     s = gl.load(s_tiles + gl.multiple_of(k_start // 2 * SB, 64)).to(gl.int32)
     if PDL:
         gdc_wait()
@@ -293,9 +352,9 @@ def tiled_weight_only_kernel(
         x = gl.load(x_rows + gl.expand_dims(gl.multiple_of(k_start // 2, 64) + xk, 0), mask=x_in, other=0)
     i = 0
     for k0 in range(k_start, k_end, BLOCK_K):
-        a = _a_operand(w, _factors(s, WL, FMT, TWO_MUL), A, UPCAST)
+        a = _a_operand(w, _factors(s, WL, FMT, TWO_MUL, NV), A, UPCAST, E4M3)
         k_next = gl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)  # the last step's again after it: unmasked loads
-        w = gl.load(w_tiles + gl.multiple_of(2 * k_next, 256))
+        w = gl.load(w_tiles + gl.multiple_of(WK * k_next, 256))
         s = gl.load(s_tiles + gl.multiple_of(k_next // 2 * SB, 64)).to(gl.int32)
         if WGMMA:
             # x^T double-buffered: one warpgroup's store of the next step's x cannot overwrite a tile the other's
@@ -347,27 +406,35 @@ def tiled_weight_only_kernel(
 # Packing (torch ops: once per weight, on its device)
 
 
-def _bit_tables(device: torch.device) -> torch.Tensor:
+def _stored(fmt: str) -> dict[int, int]:
+    """A word's natural bit (8 byte + bit) -> where it is stored, for the format's codes (module doc)."""
+    if fmt == "mxfp8":
+        return {8 * p + bit: stored_bit_e4m3(p, bit) for p in range(4) for bit in range(8)}
+    return {8 * p + bit: stored_bit(p, bit) for p in range(4) for bit in range(8)}
+
+
+def _bit_tables(device: torch.device, fmt: str) -> torch.Tensor:
     """[4, 256] int64: a word's byte p = value -> that byte's bits at their stored positions."""
+    stored = _stored(fmt)
     tables = torch.zeros(4, 256, dtype=torch.int64)
     values = torch.arange(256)
     for p in range(4):
         for bit in range(8):
-            tables[p] |= ((values >> bit) & 1) << stored_bit(p, bit)
+            tables[p] |= ((values >> bit) & 1) << stored[8 * p + bit]
     return tables.to(device)
 
 
-def _permute_bits(codes: torch.Tensor) -> torch.Tensor:
+def _permute_bits(codes: torch.Tensor, fmt: str) -> torch.Tensor:
     """Code bytes [..., 4 j] -> int32 words [..., j] with each word's bits permuted (module doc)."""
-    tables = _bit_tables(codes.device)
+    tables = _bit_tables(codes.device, fmt)
     b = codes.view(*codes.shape[:-1], -1, 4).long()
     words = tables[0][b[..., 0]] | tables[1][b[..., 1]] | tables[2][b[..., 2]] | tables[3][b[..., 3]]
     return (words - ((words >> 31) << 32)).to(torch.int32)
 
 
-def _unpermute_bits(words: torch.Tensor) -> torch.Tensor:
+def _unpermute_bits(words: torch.Tensor, fmt: str) -> torch.Tensor:
     """The inverse of ``_permute_bits``: int32 words [..., j] -> code bytes [..., 4 j]."""
-    natural = {stored_bit(p, bit): 8 * p + bit for p in range(4) for bit in range(8)}
+    natural = {v: k for k, v in _stored(fmt).items()}
     tables = torch.zeros(4, 256, dtype=torch.int64)
     values = torch.arange(256)
     for i in range(4):  # stored byte i's bits at their natural positions
@@ -389,15 +456,19 @@ def swiglu_rows(n: int) -> torch.Tensor:
 
 def pack(qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: str, swiglu: bool = False
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """(codes [N, K/2] uint8, scales [N, K/32] e8m0 or [N, K/16] e4m3, NVFP4's tensor scale: one or one per row)
-    -> (words int32 [N16, K/8], scale bytes [N16, K/32 or K/16], the tensor scale: one, or one per packed row) in
-    the tiled layout (module doc), N16 = N rounded up to 16 (padding rows are zero codes)."""
-    n, half_k = qdata.shape
-    k = 2 * half_k
+    """(codes [N, K/2] uint8 (e2m1) or [N, K] (e4m3), scales [N, K/32] e8m0 or [N, K/16] e4m3, NVFP4's tensor scale:
+    one or one per row) -> (words int32 [N16, K/8 or K/4], scale bytes [N16, K/32 or K/16], the tensor scale: one,
+    or one per packed row) in the tiled layout (module doc), N16 = N rounded up to 16 (padding rows are zero codes).
+    MXFP8 codes must not be NaN (0x7F, 0xFF): the upcast has no NaN code."""
+    n, row_bytes = qdata.shape
+    per_byte = 1 if fmt == "mxfp8" else 2
+    k = per_byte * row_bytes
     if fmt not in FORMATS or k % BLOCK_K.value or (swiglu and n % 16):
-        raise ValueError(f"pack: mxfp4 or nvfp4 codes with K a multiple of {BLOCK_K.value} (and N of 16 for "
+        raise ValueError(f"pack: mxfp4, nvfp4 or mxfp8 codes with K a multiple of {BLOCK_K.value} (and N of 16 for "
                          f"swiglu), got {fmt} [{n}, {k}]")  # fmt: skip
     codes = qdata.view(torch.uint8)
+    if fmt == "mxfp8" and bool(((codes & 0x7F) == 0x7F).any()):
+        raise ValueError("pack: MXFP8 codes with NaN (0x7F, 0xFF) stay in the formats' layout")
     s = scale.view(torch.uint8)
     ts = None if tensor_scale is None else tensor_scale.float().reshape(-1)
     if swiglu:
@@ -406,17 +477,20 @@ def pack(qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | 
         ts = ts if ts is None or ts.numel() == 1 else ts[order]
     n16 = triton.cdiv(n, 16) * 16
     if n16 != n:
-        codes = torch.cat([codes, codes.new_zeros(n16 - n, half_k)])
+        codes = torch.cat([codes, codes.new_zeros(n16 - n, row_bytes)])
         s = torch.cat([s, s.new_zeros(n16 - n, s.shape[1])])
-    words = _permute_bits(codes)  # [n16, K/8]
+    words = _permute_bits(codes, fmt)  # [n16, K/8 or K/4]
     sb = s.shape[1] * 32 // k  # scales a lane-row a step: 1 (e8m0 per 32) or 2 (e4m3 per 16)
-    # row = 16 t + 8 half + g, word = 16 step + 4 q + wv -> [t, step, g, q, half, wv]
-    words = words.view(n16 // 16, 2, 8, k // BLOCK_K.value, 4, 4).permute(0, 3, 2, 4, 1, 5)
+    lane_words = 8 // per_byte  # a lane-row's words a step (32 elements)
+    # row = 16 t + 8 half + g, word = 4 lane_words step + lane_words q + wv -> [t, step, g, q, half, wv]
+    words = words.view(n16 // 16, 2, 8, k // BLOCK_K.value, 4, lane_words).permute(0, 3, 2, 4, 1, 5)
     s = s.view(n16 // 16, 2, 8, k // BLOCK_K.value, 4, sb).permute(0, 3, 2, 4, 1, 5)
     return words.contiguous().view(n16, -1), s.contiguous().view(n16, -1), ts
 
 
 _TARGETS_LO = tl.constexpr(_TARGETS[:4])
+_E4M3_SIGN_ROTATION = tl.constexpr(_E4M3_ROTATIONS[0][0])  # bits 3 and 7 of each code (module doc)
+_E4M3_MAGNITUDE_ROTATION = tl.constexpr(_E4M3_ROTATIONS[1][0])
 
 
 @triton.jit
@@ -428,26 +502,45 @@ def _dequantize_tiled_kernel(w_ptr, s_ptr, ts_ptr, out_ptr, N, K, stride_tn, FMT
     t = tl.program_id(0)
     step = tl.program_id(1)
     r = tl.arange(0, 16)[:, None]  # the row in the tile: 8 half + g
-    e = tl.arange(0, 128)[None, :]  # the element in the step: 32 q + 8 v + i
+    e = tl.arange(0, 128)[None, :]  # the element in the step: 32 q + its place in the lane's 32
     base = t.to(tl.int64) * (K // 128) + step
     place = ((r % 8) * 4 + e // 32) * 2 + r // 8  # the lane's row in the tile's step
-    w = tl.load(w_ptr + base * 256 + place * 4 + (e // 8) % 4)
-    pair = (e % 8) // 2
-    nibble = e % 2
     code = tl.zeros([16, 128], tl.int32)
-    for b in tl.static_range(4):  # the code's bit b sits at stored_bit(pair, 4 nibble + b)
-        if b == 0:
-            last = 14
-        else:
-            last = 6
-        rotation = tl.where(pair == 0, 0, tl.where(pair == 1, 4, tl.where(pair == 2, 10, last)))
-        code |= ((w >> ((_TARGETS_LO[b] + 16 * nibble + rotation) % 32)) & 1) << b
+    if FMT == "mxfp8":  # 8 words a lane-row, 4 codes a word
+        w = tl.load(w_ptr + base * 512 + place * 8 + (e % 32) // 4)
+        byte = e % 4
+        for b in tl.static_range(8):  # the code's bit b: its bf16 bit (the target), rotated back for pair 1
+            if b == 7:
+                target = 15
+            else:
+                target = b + 4
+            if b == 3 or b == 7:
+                rotation = _E4M3_SIGN_ROTATION
+            else:
+                rotation = _E4M3_MAGNITUDE_ROTATION
+            at = target + 16 * (byte % 2)
+            at = tl.where(byte < 2, at, (at + 32 - rotation) % 32)
+            code |= ((w >> at) & 1) << b
+    else:
+        w = tl.load(w_ptr + base * 256 + place * 4 + (e // 8) % 4)
+        pair = (e % 8) // 2
+        nibble = e % 2
+        for b in tl.static_range(4):  # the code's bit b sits at stored_bit(pair, 4 nibble + b)
+            if b == 0:
+                last = 14
+            else:
+                last = 6
+            rotation = tl.where(pair == 0, 0, tl.where(pair == 1, 4, tl.where(pair == 2, 10, last)))
+            code |= ((w >> ((_TARGETS_LO[b] + 16 * nibble + rotation) % 32)) & 1) << b
     s = tl.load(s_ptr + base * 64 * SB + place * SB + ((e % 32) // 16) * (SB - 1)).to(tl.int32)
     if FMT == "nvfp4":
         factor = _e4m3(s) * 1.329227995784916e36  # 2**120: the e4m3 scale's value
     else:
         factor = _e8m0(s)
-    value = _e2m1(code) * 8.507059173023462e37 * factor  # 2**126: the code's value
+    if FMT == "mxfp8":
+        value = _e4m3(code) * 1.329227995784916e36 * factor  # 2**120: the code's value
+    else:
+        value = _e2m1(code) * 8.507059173023462e37 * factor  # 2**126: the code's value
     if SWIGLU:
         row = 8 * t + r % 8 + (r // 8) * (N // 2)
     else:
@@ -463,7 +556,7 @@ def dequantize(words: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Te
     """``pack``'s weight (n rows; NVFP4's tensor scale one or one per row in the formats' row order) in ``dtype``, in
     the formats' row order, bit for bit mx_kernels.mx.weight_only's ``dequantize`` of the unpacked weight: what a
     prefill hands to cuBLAS, in one kernel (GPU, or the Triton interpreter)."""
-    k = 8 * words.shape[1]
+    k = words.shape[1] * (4 if fmt == "mxfp8" else 8)
     out = torch.empty((n, k), dtype=dtype, device=words.device)
     stride_tn = int(tensor_scale is not None and tensor_scale.numel() > 1)
     ts = tensor_scale.float().reshape(-1) if tensor_scale is not None else out
@@ -473,12 +566,13 @@ def dequantize(words: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Te
     return out
 
 
-def unpack(words: torch.Tensor, scales: torch.Tensor, n: int, swiglu: bool = False
+def unpack(words: torch.Tensor, scales: torch.Tensor, n: int, fmt: str, swiglu: bool = False
            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The inverse of ``pack``: (codes [n, K/2] uint8, scale bytes [n, K/32 or K/16]), by torch ops (the reference on
-    a CPU; ``dequantize`` reads the tiled weight directly)."""
+    """The inverse of ``pack``: (codes [n, K/2] or [n, K] uint8, scale bytes [n, K/32 or K/16]), by torch ops (the
+    reference on a CPU; ``dequantize`` reads the tiled weight directly)."""
     n16, kw = words.shape
-    k = 8 * kw
+    lane_words = 4 if fmt == "mxfp8" else 2  # a lane-row's words a step, halved
+    k = 8 * kw // (lane_words // 2)
     sb = scales.shape[1] * 32 // k
     s = scales.view(n16 // 16, k // BLOCK_K.value, 8, 4, 2, sb).permute(0, 4, 2, 1, 3, 5).reshape(n16, -1)[:n]
     inverse = None
@@ -486,15 +580,17 @@ def unpack(words: torch.Tensor, scales: torch.Tensor, n: int, swiglu: bool = Fal
         inverse = torch.empty(n, dtype=torch.long)
         inverse[swiglu_rows(n)] = torch.arange(n)
         s = s[inverse.to(s.device)]
-    w = words.view(n16 // 16, k // BLOCK_K.value, 8, 4, 2, 4).permute(0, 4, 2, 1, 3, 5).reshape(n16, kw)
-    codes = _unpermute_bits(w)[:n]
+    w = words.view(n16 // 16, k // BLOCK_K.value, 8, 4, 2, 2 * lane_words).permute(0, 4, 2, 1, 3, 5)
+    codes = _unpermute_bits(w.reshape(n16, kw), fmt)[:n]
     return (codes if inverse is None else codes[inverse]), s
 
 
 def two_mul(scales: torch.Tensor, fmt: str) -> bool:
-    """Whether MXFP4 scale bytes need the second multiply (a scale past 2**1, other than NaN's 0xFF)."""
+    """Whether e8m0 scale bytes need the second multiply: a scale past 2**1 (MXFP4) or 2**7 (MXFP8), other than
+    NaN's 0xFF."""
     s = scales.view(torch.uint8)
-    return fmt == "mxfp4" and bool(((s > 128) & (s < 255)).any())
+    most = {"mxfp4": 128, "mxfp8": 134}.get(fmt)
+    return most is not None and bool(((s > most) & (s < 255)).any())
 
 
 def _nearest_power_of_2(v: float, most: int) -> int:
@@ -528,13 +624,15 @@ def tiled_weight_only_mm(x: torch.Tensor, words: torch.Tensor, scales: torch.Ten
     with programmatic dependent launch (mx_kernels.pdl)."""
     op = "tiled_weight_only_mm"
     if fmt not in FORMATS or x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or x.stride(0) % 8:
-        raise ValueError(f"{op}: mxfp4 or nvfp4 and x bf16 [M, K] with rows 16-byte aligned, got {fmt} {x.dtype} "
-                         f"{tuple(x.shape)} strides {x.stride()}")  # fmt: skip
+        raise ValueError(f"{op}: mxfp4, nvfp4 or mxfp8 and x bf16 [M, K] with rows 16-byte aligned, got {fmt} "
+                         f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")  # fmt: skip
     m, k = x.shape
     n16 = triton.cdiv(n, 16) * 16
     sb = 2 if fmt == "nvfp4" else 1
-    if k % BLOCK_K.value or words.shape != (n16, k // 8) or scales.shape != (n16, k // 32 * sb) or (swiglu and n % 16):
-        raise ValueError(f"{op}: pack's words [{n16}, {k // 8}] and scales [{n16}, {k // 32 * sb}] for n = {n}, "
+    row_words = k // (4 if fmt == "mxfp8" else 8)
+    shapes = (n16, row_words), (n16, k // 32 * sb)
+    if k % BLOCK_K.value or (words.shape, scales.shape) != shapes or (swiglu and n % 16):
+        raise ValueError(f"{op}: pack's words [{n16}, {row_words}] and scales [{n16}, {k // 32 * sb}] for n = {n}, "
                          f"K = {k} (a multiple of {BLOCK_K.value}), got {tuple(words.shape)} and "
                          f"{tuple(scales.shape)}")  # fmt: skip
     if (tensor_scale is None) != (fmt != "nvfp4"):

@@ -23,11 +23,12 @@ GEMMs, each token in every shared group with weight 1, where they took a GEMM, s
 own (``QuantizedExperts.fold_shared``; ``SharedExpertGroups`` computes them for a full forward). The packed
 bytes are the same; each shared part's output is rounded once before the sum (the unfolded GEMM rounds their sum).
 
-``tile_weights`` then repacks the dense MXFP4 and NVFP4 weights for Hopper's decode GEMM
-(mx_kernels.gluon.weight_only_tiled: 16-row, 128-element tiles a warp reads as one contiguous kilobyte, each code
-word's bits permuted so that a pair upcasts in one or two integer operations). It replaces the formats' layout: the
-weight keeps its bytes; ``dequantize`` (prefill, the reference) reads the tiles in one kernel on a GPU and unpacks
-them on a CPU.
+``tile_weights`` then repacks the dense weights for Hopper's decode GEMM (mx_kernels.gluon.weight_only_tiled: 16-row,
+128-element tiles a warp reads as one contiguous run, 1 KB of 4-bit codes or 2 KB of e4m3 ones, each code word's bits
+permuted so that a pair upcasts in one to four integer operations): the 4-bit formats' always, MXFP8's where a
+decode step runs more than one sequence (at one, the GEMV over the formats' layout is the faster). It replaces the
+formats' layout: the weight keeps its bytes; ``dequantize`` (prefill, the reference) reads the tiles in one kernel on
+a GPU and unpacks them on a CPU.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch import nn
 
 from mx_recipe.formats.mx import BLOCK_SIZE, MXTensor, fake_quant, to_mx
 from mx_recipe.formats.nvfp4 import NVFP4_BLOCK, NVFP4Tensor, to_nvfp4
+from mx_recipe.infer.gemv import MAX_M as GEMV_MAX_M
 from mx_recipe.infer.gemv import gemv, linear, takes, use_gemv
 from mx_recipe.infer.weight_only import (
     LARGE_M,
@@ -88,18 +90,20 @@ class PackedWeight(nn.Module):
 
     def tile(self, swiglu: bool = False) -> None:
         """Keep the codes and scales in the tiled layout of the weight-only GEMM on Hopper's tensor cores
-        (mx_kernels.gluon.weight_only_tiled, ``pack``), in place of the formats' own, for MXFP4 and NVFP4 dense
-        weights: 18-41% off their GEMMs at 8 to 128 rows, 9-11% off the decode step at one row (one H200, Llama 3
-        8B).
+        (mx_kernels.gluon.weight_only_tiled, ``pack``), in place of the formats' own, for a dense weight: MXFP4 and
+        NVFP4 ones 18-41% off their GEMMs at 8 to 128 rows, 9-11% off the decode step at one row; MXFP8 ones 17-20%
+        off the step at 8 and 32 rows, but 7% onto it at one row (one H200, Llama 3 8B). MXFP8 codes must not be
+        NaN (``pack``).
         ``swiglu``: the weight is w1 and w3 concatenated along N, its rows ordered for the SwiGLU epilogue. The
         tensor scale stays per the original rows (``dequantize``); the kernel's, in the packed order, beside it."""
         from mx_kernels.gluon.weight_only_tiled import pack, two_mul
 
-        if self.tiled or self.fmt not in ("mxfp4", "nvfp4") or self.qdata.dim() != 2:
-            raise ValueError(f"PackedWeight.tile: a 2D MXFP4 or NVFP4 weight not tiled yet, got {self.fmt} "
+        if self.tiled or self.qdata.dim() != 2:
+            raise ValueError(f"PackedWeight.tile: a 2D weight not tiled yet, got {self.fmt} "
                              f"{tuple(self.qdata.shape)}{' (tiled)' if self.tiled else ''}")  # fmt: skip
         words, scales, ts = pack(self.qdata, self.scale, self.tensor_scale, self.fmt, swiglu)
         self.rows, self.swiglu_rows, self.two_mul = self.qdata.shape[0], swiglu, two_mul(self.scale, self.fmt)
+        self.codes_dtype = self.qdata.dtype
         self.qdata, self.scale = words, scales
         self.register_buffer("tensor_scale_tiled", ts)
         self.tiled = True
@@ -110,8 +114,9 @@ class PackedWeight(nn.Module):
             return self.qdata, self.scale
         from mx_kernels.gluon.weight_only_tiled import unpack
 
-        codes, scales = unpack(self.qdata, self.scale, self.rows, self.swiglu_rows)
-        return codes, scales.view(torch.float8_e4m3fn if self.fmt == "nvfp4" else torch.float8_e8m0fnu)
+        codes, scales = unpack(self.qdata, self.scale, self.rows, self.fmt, self.swiglu_rows)
+        scale_dtype = torch.float8_e4m3fn if self.fmt == "nvfp4" else torch.float8_e8m0fnu
+        return codes.view(self.codes_dtype), scales.view(scale_dtype)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         if self.tiled and self.qdata.is_cuda and dtype in (torch.bfloat16, torch.float32):
@@ -130,7 +135,7 @@ class PackedWeight(nn.Module):
         weight past LARGE_M rows (prefill), or asked for another epilogue than its rows are ordered for, is
         dequantized for cuBLAS."""
         if kernel and use_kernel(x):
-            if self.fmt == "mxfp8" and takes(x):  # one row: the GEMV (mx_recipe.infer.gemv)
+            if self.fmt == "mxfp8" and not self.tiled and takes(x):  # one row: the GEMV (mx_recipe.infer.gemv)
                 return gemv(x, self.qdata, self.scale, swiglu)
             if not self.tiled:
                 return weight_only_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, swiglu)
@@ -496,25 +501,33 @@ def quantize_model(
     return model
 
 
-def tile_weights(model: nn.Module) -> nn.Module:
-    """Repack ``model``'s dense MXFP4 and NVFP4 weights in the tiled layout of the weight-only GEMM on Hopper's tensor
-    cores (``PackedWeight.tile``), in place, where they live on an sm_90 GPU and take the kernel; SwiGLU's fused w1
-    and w3 with their rows ordered for its epilogue. Other weights, and other GPUs, keep the formats' layout."""
+def tile_weights(model: nn.Module, batch: int) -> nn.Module:
+    """Repack ``model``'s dense weights in the tiled layout of the weight-only GEMM on Hopper's tensor cores
+    (``PackedWeight.tile``), in place, where they live on an sm_90 GPU and take the kernel, for decoding ``batch``
+    sequences at once: MXFP4 and NVFP4 weights, and MXFP8 ones past the GEMV's one row (without NaN codes, which
+    the tile cannot hold); SwiGLU's fused w1 and w3 with their rows ordered for its epilogue. Other weights, and
+    other GPUs, keep the formats' layout; tiled weights stay tiled (a smaller batch still runs, on the tile)."""
     for module in model.modules():
         packed = getattr(module, "weight_packed", None)
         if not isinstance(module, QuantizedLinear | FusedLinear) or packed is None or not module.kernel:
             continue
+        if packed.tiled or (packed.fmt == "mxfp8" and (batch <= GEMV_MAX_M or _has_nan_codes(packed))):
+            continue
         swiglu = isinstance(module, FusedLinear) and module.fuses_swiglu
         n, k = packed.qdata.shape[0], packed.qdata.shape[1] * PACK[packed.fmt]
         if (
-            packed.fmt in ("mxfp4", "nvfp4")
-            and packed.qdata.is_cuda
+            packed.qdata.is_cuda
             and capability(packed.qdata.device) == (9, 0)
             and k % 128 == 0
             and not (swiglu and n % 16)
         ):
             packed.tile(swiglu)
     return model
+
+
+def _has_nan_codes(packed: PackedWeight) -> bool:
+    """Whether an MXFP8 weight has NaN codes (0x7F, 0xFF)."""
+    return bool(((packed.qdata.view(torch.uint8) & 0x7F) == 0x7F).any())
 
 
 def weight_bytes(model: nn.Module) -> int:
