@@ -1,4 +1,5 @@
-"""Weight-only GEMM for decode on Hopper's tensor cores (Gluon), over MXFP4 and NVFP4 weights packed in tiles for it.
+"""Weight-only GEMM for decode on Hopper's tensor cores (Gluon), over MXFP4, NVFP4 and MXFP8 weights packed in tiles
+for it.
 
 out [M, N] = x [M, K] (bf16) @ dequantize(w).T, computed transposed (out^T = w x^T): the upcast weights are the
 MMA's A operand in registers, 16 rows an instruction, x^T its B operand. Up to 4 rows of x: mma.sync m16n8k16,
@@ -34,12 +35,22 @@ The layout (``pack``), made once when a model is loaded for decode (mx_recipe.in
   2**118, the fp32 sum times 2**8 and the tensor scale at the end. Each product is rounded once, as
   ``dequantize`` rounds it. Compiled for sm_90a, about 2.5 instructions an element on mma.sync (the small-M FMA
   kernel on the formats' layout: 4.4) and 3.3 on wgmma (the Gluon tile's: 4.4).
+* MXFP8: a step is 2 KB, a lane's 32 elements 32 bytes a row, a word 4 codes (two pairs of the MMA's k). Each code
+  becomes the bf16 bits sign << 15 | magnitude << 4, its value times 2**-120: pair 0 is stored there (a mask), pair
+  1 where left rotations by 4 (signs, magnitude bit 3) and 8 bring it (``stored_bit_e4m3``); one bf16x2 multiply by
+  2**(s - 7) applies the e8m0 scale (a second, by 2**120 first, where a scale is past 2**7). A NaN code would become
+  a number, so ``pack`` refuses weights with NaN codes. 180 instructions a step on mma.sync (MXFP4: 173 a 1 KB
+  step). At one row the GEMV over the formats' layout (mx_kernels.decode_gemv) stays faster, so MXFP8 weights are
+  tiled only for decode past one row (mx_recipe.infer.weights.tile_weights).
 
 One H200 (2026-11-30), Llama 3 8B's projections, us per GEMM (wqkv, wo, w1/w3 with SwiGLU, w2), each weight read
 from memory, against the formats' layout's kernels (small-M FMA to 4 rows, the Gluon wgmma tile past it): MXFP4 at
 M = 1: 9.2 / 8.7 / 25.8 / 14.9 against 8.4 / 6.5 / 29.6 / 16.0; M = 8: 9.9 / 8.1 / 30.7 / 16.7 against 13.2 /
 10.1 / 41.7 / 22.6; M = 32 (8 warps): 13.8 / 11.7 / 35.2 / 22.2 against 15.7 / 14.4 / 47.1 / 27.1; M = 128 (one
-launch, 8 warps): 32.8 / 25.5 / 95.6 / 61.1 against 52.4 / 43.6 / 151.9 / 90.9.
+launch, 8 warps): 32.8 / 25.5 / 95.6 / 61.1 against 52.4 / 43.6 / 151.9 / 90.9. MXFP8 against its kernels on the
+formats' layout (the GEMV at one row): M = 1: 10.0 / 9.0 / 35.8 / 21.0 against 9.0 / 6.4 / 34.7 / 18.8; M = 4: 10.8 /
+9.9 / 33.4 / 20.6 against 25.5 / 17.5 / 107.9 / 53.1; M = 32: 17.0 / 13.1 / 44.0 / 26.8 against 17.5 / 17.5 / 61.3 /
+41.7; M = 128: 37.0 / 32.5 / 110.7 / 68.4 against 69.6 / 50.8 / 165.9 / 107.3.
 
 ``SWIGLU``: the weight is w1 and w3 concatenated along N, packed with each 16-row tile as 8 gate rows then the same
 8 hidden units' up rows: a lane's accumulator holds rows g and g + 8, a unit's gate and up, and the epilogue writes

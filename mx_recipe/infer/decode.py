@@ -33,11 +33,11 @@ overlapping that kernel's tail. For quantized weights it pays up to ``PDL_MAX_BA
 ``PDL_MAX_BATCH_TILED`` where every quantized weight is tiled 4-bit (``tile_weights``: Hopper's tensor-core
 kernel); past them the other kernels' larger tiles lose by it. A bf16 step takes it where its projections are the
 GEMV (one sequence); with cuBLAS's GEMMs it gains nothing. One H200, Llama 3 8B dims, context 1024, 2026-11-30,
-ms a step with / without (``bench_decode.py --pdl both``): batch 1 bf16 3.88 / 4.16, MXFP8 2.42 / 2.63, MXFP4
-2.01 / 2.28, NVFP4 2.11 / 2.36; batch 8 MXFP4 2.88 / 2.95, NVFP4 2.96 / 3.02; batch 32 MXFP4 4.17 / 4.21, NVFP4
-4.29 / 4.29. With the caps raised, MXFP8 lost at batch 8 (4.28 / 4.19) and 32 (5.72 / 5.63), and 4-bit weights at
-128 were mixed (MXFP4 11.62 / 11.68, NVFP4 11.94 / 11.81). Nothing else launches with PDL; ``KernelSettings.pdl``
-off turns it off in the step too.
+ms a step with / without (``bench_decode.py --pdl both``): batch 1 bf16 3.88 / 4.16, MXFP8 2.43 / 2.64, MXFP4
+2.01 / 2.28, NVFP4 2.11 / 2.36; batch 8 MXFP4 2.90 / 2.97, NVFP4 2.98 / 3.04; batch 32 MXFP4 4.19 / 4.22, NVFP4
+4.30 / 4.31. With the caps raised, MXFP8 weights (tiled past one sequence) lost at batch 8 (3.64 / 3.52) and were
+even at 32 (4.78 / 4.79), and 4-bit weights at 128 were mixed (MXFP4 11.74 / 11.76, NVFP4 12.06 / 12.07). Nothing
+else launches with PDL; ``KernelSettings.pdl`` off turns it off in the step too.
 """
 
 from __future__ import annotations
@@ -155,13 +155,13 @@ def _ffn_step(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def pdl_pays(model: Transformer, batch: int) -> bool:
     """Whether a kernel step of ``batch`` sequences launches with PDL (module doc): quantized projections, at most
-    PDL_MAX_BATCH sequences (PDL_MAX_BATCH_TILED where every one is tiled); bf16 ones, at most the GEMV's rows
+    PDL_MAX_BATCH sequences (PDL_MAX_BATCH_TILED where every one is tiled 4-bit); bf16 ones, at most the GEMV's rows
     (``mx_recipe.infer.gemv.MAX_M``; cuBLAS past them); and ``KernelSettings.pdl`` on."""
     packed = [m for m in model.modules() if isinstance(m, PackedWeight)]
     if not packed:
         most = GEMV_MAX_M
     else:
-        most = PDL_MAX_BATCH_TILED if all(p.tiled for p in packed) else PDL_MAX_BATCH
+        most = PDL_MAX_BATCH_TILED if all(p.tiled and p.fmt != "mxfp8" for p in packed) else PDL_MAX_BATCH
     return batch <= most and get_kernel_settings().pdl
 
 
