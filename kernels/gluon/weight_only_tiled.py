@@ -124,17 +124,28 @@ _UPCAST = (
     "lop3.b32 r, t, 0x81808180, u, 0xEA; mul.rn.bf16x2 r, r, $9; mov.b32 {$6, $7}, r;\n"
     "}"
 )
-_UPCAST_ONE = gl.constexpr(_UPCAST)
-# the same with each pair first times 2**126 (MXFP4 scales past 2**1)
-_UPCAST_TWO = gl.constexpr(
-    _UPCAST.replace(".reg .b32 r, t, u;", ".reg .b32 r, t, u, c; mov.b32 c, 0x7E807E80;").replace(
-        "mul.rn.bf16x2 r, r, $9;", "mul.rn.bf16x2 r, r, c; mul.rn.bf16x2 r, r, $9;"
+
+
+def _first_times(upcast: str, factor: str, first: int) -> str:
+    """``upcast`` with each pair first multiplied by the bf16x2 ``first``, then by its ``factor`` operand: a scale
+    past what one multiply holds."""
+    return upcast.replace(".reg .b32 r, t, u;", f".reg .b32 r, t, u, c; mov.b32 c, {first:#010x};").replace(
+        f"mul.rn.bf16x2 r, r, {factor};", f"mul.rn.bf16x2 r, r, c; mul.rn.bf16x2 r, r, {factor};"
     )
-)
-# bf16x2 factors from a scale byte: e8m0 s -> 2**(s - 1) ((s + 126) << 7), NaN for 0xFF
-_F_E8M0_ONE = gl.constexpr(
-    "{ .reg .pred p; mad.lo.u32 $0, $1, 0x00800080, 0x3F003F00; setp.eq.u32 p, $1, 255; @p mov.b32 $0, 0x7FC07FC0; }"
-)
+
+
+def _e8m0_factor(bias: int) -> str:
+    """e8m0 s -> bf16x2 2**(s - 127 + bias) in both halves ((s + bias) << 7), NaN for 0xFF."""
+    add = (bias << 7) * 0x00010001
+    return (
+        f"{{ .reg .pred p; mad.lo.u32 $0, $1, 0x00800080, {add:#010x}; setp.eq.u32 p, $1, 255;"
+        " @p mov.b32 $0, 0x7FC07FC0; }"
+    )
+
+
+_UPCAST_ONE = gl.constexpr(_UPCAST)
+_UPCAST_TWO = gl.constexpr(_first_times(_UPCAST, "$9", 0x7E807E80))  # 2**126 first: MXFP4 scales past 2**1
+_F_E8M0_ONE = gl.constexpr(_e8m0_factor(126))  # 2**(s - 1): the e2m1 codes' 2**-126 undone
 # e8m0 s -> 2**(s - 127): s << 7, 2**-127 (a subnormal) for 0, NaN for 0xFF
 _F_E8M0_TWO = gl.constexpr(
     "{ .reg .pred p; mul.lo.u32 $0, $1, 0x00800080; setp.eq.u32 p, $1, 0; @p mov.b32 $0, 0x00400040;"
@@ -158,16 +169,8 @@ _UPCAST_E4M3 = (
     "}"
 )
 _UPCAST_E4M3_ONE = gl.constexpr(_UPCAST_E4M3)
-# the same with each pair first times 2**120 (MXFP8 scales past 2**7)
-_UPCAST_E4M3_TWO = gl.constexpr(
-    _UPCAST_E4M3.replace(".reg .b32 r, t, u;", ".reg .b32 r, t, u, c; mov.b32 c, 0x7B807B80;").replace(
-        "mul.rn.bf16x2 r, r, $5;", "mul.rn.bf16x2 r, r, c; mul.rn.bf16x2 r, r, $5;"
-    )
-)
-# e8m0 s -> 2**(s - 7) ((s + 120) << 7; the e4m3 codes' 2**-120 undone), NaN for 0xFF
-_F_E8M0_E4M3 = gl.constexpr(
-    "{ .reg .pred p; mad.lo.u32 $0, $1, 0x00800080, 0x3C003C00; setp.eq.u32 p, $1, 255; @p mov.b32 $0, 0x7FC07FC0; }"
-)
+_UPCAST_E4M3_TWO = gl.constexpr(_first_times(_UPCAST_E4M3, "$5", 0x7B807B80))  # 2**120 first: scales past 2**7
+_F_E8M0_E4M3 = gl.constexpr(_e8m0_factor(120))  # 2**(s - 7): the e4m3 codes' 2**-120 undone
 NVFP4_SHIFT = gl.constexpr(256.0)  # NVFP4's products come out times 2**-8 (module doc)
 
 
