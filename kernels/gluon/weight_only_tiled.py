@@ -272,8 +272,8 @@ def tiled_weight_only_kernel(
     R: gl.constexpr = BLOCK_N // KW  # weight rows a program; KW > 1: the warps split its K (mma.sync, T = 1)
     SB: gl.constexpr = 2 if FMT == "nvfp4" else 1
     E4M3: gl.constexpr = FMT == "mxfp8"
-    NV: gl.constexpr = 4 if E4M3 else 2  # a lane-row's words of a step: 2 NV (16 or 32 bytes)
-    WK: gl.constexpr = NV  # words a tile's step holds per element of K and 16 rows (256 or 512 for 128)
+    # a lane-row's words of a step are 2 NV (16 or 32 bytes); a 16-row tile holds NV words an element of K
+    NV: gl.constexpr = 4 if E4M3 else 2
     if WGMMA:  # a warpgroup's wgmma per 64 rows (T = 1), x^T from shared memory
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
                                                       instr_shape=[16, BLOCK_M, 16])  # fmt: skip
@@ -303,7 +303,7 @@ def tiled_weight_only_kernel(
     k_start = pid_k * K_SPLIT
     k_len = (gl.minimum(k_start + K_SPLIT, K) - k_start) // (KW * BLOCK_K) * BLOCK_K  # a warp's: whole steps
     k_end = k_start + k_len
-    # the program's words: [rows, q, b, v] -> tile (row // 16) * WK K + lane (4 (row % 8) + q) * 4 WK + half * 2 WK
+    # the program's words: [rows, q, b, v] -> tile (row // 16) * NV K + lane (4 (row % 8) + q) * 4 NV + half * 2 NV
     # + NV b + v
     L3: gl.constexpr = gl.SliceLayout(3, WL)
     L2: gl.constexpr = gl.SliceLayout(2, L3)
@@ -311,10 +311,10 @@ def tiled_weight_only_kernel(
     rows = pid * R + vrows % R
     rows = gl.where(rows < N, rows, 0)  # rows past N (a partial tile) read row 0 and are not stored
     q = gl.arange(0, 4, layout=gl.SliceLayout(0, L2))
-    tile_row = (rows // 16) * WK * K + (rows % 8) * 16 * WK + ((rows % 16) // 8) * 2 * WK
+    tile_row = (rows // 16) * NV * K + (rows % 8) * 16 * NV + ((rows % 16) // 8) * 2 * NV
     if KW > 1:
-        tile_row += (vrows // R) * WK * k_len
-    lane_row = gl.expand_dims(tile_row, 1) + gl.expand_dims(q * 4 * WK, 0)
+        tile_row += (vrows // R) * NV * k_len
+    lane_row = gl.expand_dims(tile_row, 1) + gl.expand_dims(q * 4 * NV, 0)
     wb = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
     v = gl.arange(0, NV, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WL))))
     lane_b = gl.expand_dims(lane_row, 2) + gl.expand_dims(gl.expand_dims(wb * NV, 0), 1)
@@ -354,7 +354,7 @@ def tiled_weight_only_kernel(
             x_rows = x_rows + gl.expand_dims(warp * (k_len // 2), 1)  # [BLOCK_M, 1]: x stays contiguous along K
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
     # the first step's weights do not depend on the kernel before (PDL): read them before waiting for it
-    w = gl.load(w_tiles + gl.multiple_of(WK * k_start, 256))
+    w = gl.load(w_tiles + gl.multiple_of(NV * k_start, 256))
     s = gl.load(s_tiles + gl.multiple_of(k_start // 2 * SB, 64)).to(gl.int32)
     if PDL:
         gdc_wait()
@@ -368,7 +368,7 @@ def tiled_weight_only_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         a = _a_operand(w, _factors(s, WL, FMT, TWO_MUL, NV), A, UPCAST, E4M3)
         k_next = gl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)  # the last step's again after it: unmasked loads
-        w = gl.load(w_tiles + gl.multiple_of(WK * k_next, 256))
+        w = gl.load(w_tiles + gl.multiple_of(NV * k_next, 256))
         s = gl.load(s_tiles + gl.multiple_of(k_next // 2 * SB, 64)).to(gl.int32)
         if WGMMA:
             # x^T double-buffered: one warpgroup's store of the next step's x cannot overwrite a tile the other's
