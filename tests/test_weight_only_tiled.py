@@ -89,16 +89,18 @@ def test_kernels_in_triton_interpreter():
 @pytest.mark.parametrize(("n", "swiglu"), [(100, False), (48, True)])
 def test_interp_dequantize_reads_the_tiles(fmt, n, swiglu):
     """The tiled weight's dequantize (what a prefill hands to cuBLAS), in the interpreter: bit for bit the untiled
-    weight's (mx_kernels.mx.weight_only.dequantize), in the formats' row order, with a NaN, 2**-127 and 2**-126
-    scale (MXFP4, MXFP8) and a tensor scale per row (NVFP4)."""
+    weight's (mx_kernels.mx.weight_only.dequantize), in the formats' row order, with a NaN, 2**-127, 2**-126 and
+    2**113 scale (MXFP4, MXFP8), and a 448 scale and a tensor scale per row (NVFP4)."""
     from mx_kernels.gluon.weight_only_tiled import dequantize, pack
     from mx_kernels.mx.weight_only import dequantize as natural
 
     w = weights(n, 512)
     p = PackedWeight.cat([packed(w[: n // 2] * 0.02, fmt), packed(w[n // 2 :] * 3.0, fmt)])
+    scales = p.scale.view(torch.uint8)
     if fmt != "nvfp4":
-        scales = p.scale.view(torch.uint8)
-        scales[3, 1], scales[4, 0], scales[5, 2] = 0xFF, 0, 1
+        scales[3, 1], scales[4, 0], scales[5, 2], scales[6, 1] = 0xFF, 0, 1, 240
+    else:
+        scales[6, 1] = 0x7E
     words, tiled_scales, _ = pack(p.qdata, p.scale, p.tensor_scale, fmt, swiglu)
     got = dequantize(words, tiled_scales, p.tensor_scale, n, fmt, swiglu)
     assert torch.equal(got.view(torch.int16), natural(p.qdata, p.scale, p.tensor_scale, fmt).view(torch.int16))
