@@ -380,7 +380,8 @@ def test_gpu_swiglu_epilogue_is_the_gemm_then_silu_mul(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gpu_decode_step_with_tiled_weights(fmt):
     """The Llama debug model with quantized weights: ``tile_weights`` for two sequences tiles its dense projections
-    but w2 (K = 704, not a multiple of 128), w13 for the SwiGLU epilogue (MXFP8 ones only past one sequence); its
+    but w2 (K = 704, not a multiple of 128), w13 for the SwiGLU epilogue (MXFP8 ones only past one sequence and
+    without NaN codes); its
     prefill (past LARGE_M rows: the formats' layout) gives the untiled model's logits bit for bit, and a decode step
     replayed from a CUDA graph under PDL up to summation order."""
     hopper()
@@ -399,6 +400,13 @@ def test_gpu_decode_step_with_tiled_weights(fmt):
     plain, tiled_model = model(), tile_weights(model(), 2)
     one = tile_weights(model(), 1)
     assert any(m.tiled for m in one.modules() if isinstance(m, PackedWeight)) == (fmt != "mxfp8")
+    if fmt == "mxfp8":  # a weight with a NaN code keeps the formats' layout, the others are tiled
+        nan_model = model()
+        packs = {name: mod.weight_packed for name, mod in nan_model.named_modules()
+                 if isinstance(mod, QuantizedLinear | FusedLinear) and mod.weight_packed is not None}  # fmt: skip
+        packs["layers.0.attention.wo"].qdata.view(torch.uint8)[3, 5] = 0x7F
+        tile_weights(nan_model, 2)
+        assert not packs["layers.0.attention.wo"].tiled and packs["layers.1.attention.wo"].tiled
     found = {name: mod.weight_packed for name, mod in tiled_model.named_modules()
              if isinstance(mod, QuantizedLinear | FusedLinear) and mod.weight_packed is not None}  # fmt: skip
     assert found and all(p.tiled != name.endswith("w2") for name, p in found.items())

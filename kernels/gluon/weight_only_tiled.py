@@ -116,6 +116,16 @@ def stored_bit_e4m3(code: int, bit: int) -> int:
     return (target - rotation) % 32
 
 
+def codes_per_word(fmt: str) -> int:
+    """Codes in a tiled word: 4 e4m3 (MXFP8), 8 e2m1 (MXFP4, NVFP4); a lane-row's 32 elements are 32 / that words."""
+    return 4 if fmt == "mxfp8" else 8
+
+
+def has_nan_codes(codes: torch.Tensor) -> bool:
+    """Whether e4m3 codes (bytes) hold a NaN (0x7F, 0xFF): the tile's upcast has none, so such a weight is not tiled."""
+    return bool(((codes.view(torch.uint8) & 0x7F) == 0x7F).any())
+
+
 # A word of 8 codes ($8) and a bf16x2 factor ($9) -> 8 bf16 (each pair: even code, odd code)
 _UPCAST = (
     "{ .reg .b32 r, t, u;\n"
@@ -477,13 +487,13 @@ def pack(qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | 
     or one per packed row) in the tiled layout (module doc), N16 = N rounded up to 16 (padding rows are zero codes).
     MXFP8 codes must not be NaN (0x7F, 0xFF): the upcast has no NaN code."""
     n, row_bytes = qdata.shape
-    per_byte = 1 if fmt == "mxfp8" else 2
-    k = per_byte * row_bytes
+    per_word = codes_per_word(fmt)
+    k = row_bytes * per_word // 4
     if fmt not in FORMATS or k % BLOCK_K.value or (swiglu and n % 16):
         raise ValueError(f"pack: mxfp4, nvfp4 or mxfp8 codes with K a multiple of {BLOCK_K.value} (and N of 16 for "
                          f"swiglu), got {fmt} [{n}, {k}]")  # fmt: skip
     codes = qdata.view(torch.uint8)
-    if fmt == "mxfp8" and bool(((codes & 0x7F) == 0x7F).any()):
+    if fmt == "mxfp8" and has_nan_codes(codes):
         raise ValueError("pack: MXFP8 codes with NaN (0x7F, 0xFF) stay in the formats' layout")
     s = scale.view(torch.uint8)
     ts = None if tensor_scale is None else tensor_scale.float().reshape(-1)
@@ -497,7 +507,7 @@ def pack(qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | 
         s = torch.cat([s, s.new_zeros(n16 - n, s.shape[1])])
     words = _permute_bits(codes, fmt)  # [n16, K/8 or K/4]
     sb = s.shape[1] * 32 // k  # scales a lane-row a step: 1 (e8m0 per 32) or 2 (e4m3 per 16)
-    lane_words = 8 // per_byte  # a lane-row's words a step (32 elements)
+    lane_words = 32 // per_word  # a lane-row's words a step
     # row = 16 t + 8 half + g, word = 4 lane_words step + lane_words q + wv -> [t, step, g, q, half, wv]
     words = words.view(n16 // 16, 2, 8, k // BLOCK_K.value, 4, lane_words).permute(0, 3, 2, 4, 1, 5)
     s = s.view(n16 // 16, 2, 8, k // BLOCK_K.value, 4, sb).permute(0, 3, 2, 4, 1, 5)
@@ -577,7 +587,7 @@ def dequantize(words: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Te
     """``pack``'s weight (n rows; NVFP4's tensor scale one or one per row in the formats' row order) in ``dtype``, in
     the formats' row order, bit for bit mx_kernels.mx.weight_only's ``dequantize`` of the unpacked weight: what a
     prefill hands to cuBLAS, in one kernel (GPU, or the Triton interpreter)."""
-    k = words.shape[1] * (4 if fmt == "mxfp8" else 8)
+    k = words.shape[1] * codes_per_word(fmt)
     out = torch.empty((n, k), dtype=dtype, device=words.device)
     stride_tn = int(tensor_scale is not None and tensor_scale.numel() > 1)
     ts = tensor_scale.float().reshape(-1) if tensor_scale is not None else out
@@ -592,8 +602,7 @@ def unpack(words: torch.Tensor, scales: torch.Tensor, n: int, fmt: str, swiglu: 
     """The inverse of ``pack``: (codes [n, K/2] or [n, K] uint8, scale bytes [n, K/32 or K/16]), by torch ops (the
     reference on a CPU; ``dequantize`` reads the tiled weight directly)."""
     n16, kw = words.shape
-    lane_words = 4 if fmt == "mxfp8" else 2  # a lane-row's words a step, halved
-    k = 8 * kw // (lane_words // 2)
+    k = kw * codes_per_word(fmt)
     sb = scales.shape[1] * 32 // k
     s = scales.view(n16 // 16, k // BLOCK_K.value, 8, 4, 2, sb).permute(0, 4, 2, 1, 3, 5).reshape(n16, -1)[:n]
     inverse = None
@@ -601,7 +610,7 @@ def unpack(words: torch.Tensor, scales: torch.Tensor, n: int, fmt: str, swiglu: 
         inverse = torch.empty(n, dtype=torch.long)
         inverse[swiglu_rows(n)] = torch.arange(n)
         s = s[inverse.to(s.device)]
-    w = words.view(n16 // 16, k // BLOCK_K.value, 8, 4, 2, 2 * lane_words).permute(0, 4, 2, 1, 3, 5)
+    w = words.view(n16 // 16, k // BLOCK_K.value, 8, 4, 2, 32 // codes_per_word(fmt)).permute(0, 4, 2, 1, 3, 5)
     codes = _unpermute_bits(w.reshape(n16, kw), fmt)[:n]
     return (codes if inverse is None else codes[inverse]), s
 
@@ -650,7 +659,7 @@ def tiled_weight_only_mm(x: torch.Tensor, words: torch.Tensor, scales: torch.Ten
     m, k = x.shape
     n16 = triton.cdiv(n, 16) * 16
     sb = 2 if fmt == "nvfp4" else 1
-    row_words = k // (4 if fmt == "mxfp8" else 8)
+    row_words = k // codes_per_word(fmt)
     shapes = (n16, row_words), (n16, k // 32 * sb)
     if k % BLOCK_K.value or (words.shape, scales.shape) != shapes or (swiglu and n % 16):
         raise ValueError(f"{op}: pack's words [{n16}, {row_words}] and scales [{n16}, {k // 32 * sb}] for n = {n}, "

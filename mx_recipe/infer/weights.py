@@ -511,23 +511,17 @@ def tile_weights(model: nn.Module, batch: int) -> nn.Module:
         packed = getattr(module, "weight_packed", None)
         if not isinstance(module, QuantizedLinear | FusedLinear) or packed is None or not module.kernel:
             continue
-        if packed.tiled or (packed.fmt == "mxfp8" and (batch <= GEMV_MAX_M or _has_nan_codes(packed))):
+        if packed.tiled or (packed.fmt == "mxfp8" and batch <= GEMV_MAX_M):
             continue
         swiglu = isinstance(module, FusedLinear) and module.fuses_swiglu
         n, k = packed.qdata.shape[0], packed.qdata.shape[1] * PACK[packed.fmt]
-        if (
-            packed.qdata.is_cuda
-            and capability(packed.qdata.device) == (9, 0)
-            and k % 128 == 0
-            and not (swiglu and n % 16)
-        ):
+        if not packed.qdata.is_cuda or capability(packed.qdata.device) != (9, 0) or k % 128 or (swiglu and n % 16):
+            continue
+        from mx_kernels.gluon.weight_only_tiled import has_nan_codes
+
+        if packed.fmt != "mxfp8" or not has_nan_codes(packed.qdata):
             packed.tile(swiglu)
     return model
-
-
-def _has_nan_codes(packed: PackedWeight) -> bool:
-    """Whether an MXFP8 weight has NaN codes (0x7F, 0xFF)."""
-    return bool(((packed.qdata.view(torch.uint8) & 0x7F) == 0x7F).any())
 
 
 def weight_bytes(model: nn.Module) -> int:
