@@ -381,9 +381,8 @@ def test_gpu_swiglu_epilogue_is_the_gemm_then_silu_mul(fmt):
 def test_gpu_decode_step_with_tiled_weights(fmt):
     """The Llama debug model with quantized weights: ``tile_weights`` for two sequences tiles its dense projections
     but w2 (K = 704, not a multiple of 128), w13 for the SwiGLU epilogue (MXFP8 ones only past one sequence and
-    without NaN codes); its
-    prefill (past LARGE_M rows: the formats' layout) gives the untiled model's logits bit for bit, and a decode step
-    replayed from a CUDA graph under PDL up to summation order."""
+    without NaN codes); its prefill (past LARGE_M rows: the formats' layout) gives the untiled model's logits bit for
+    bit, and a decode step replayed from a CUDA graph under PDL up to summation order."""
     hopper()
     from mx_kernels import pdl
 

@@ -57,9 +57,9 @@ formats' layout (the GEMV at one row): M = 1: 10.0 / 9.0 / 35.8 / 21.0 against 9
 silu(gate) * up with ``silu_mul``'s roundings (mx_kernels.decode_fused.swiglu).
 
 ``dequantize`` reads the tiles directly (a prefill hands its output to cuBLAS), each word's pairs brought to bf16x2
-bits by the upcast's rotations and masks, then to fp32 values: on an H200 3.3-3.4 TB/s read and written, against
-1.6-1.8 when it gathered each code's bits one at a time (a Llama 3 8B prefill of 2048 tokens with tiled weights
-67-68 ms against 72-75; bf16 61); ``unpack`` gives back the formats' bytes (torch ops).
+bits by the upcast's rotations and masks, then to fp32 values: on an H200 3.3-3.4 TB/s read and written (a Llama 3
+8B prefill of 2048 tokens with tiled weights 67-68 ms; bf16 61); ``unpack`` gives back the formats' bytes (torch
+ops).
 """
 
 from __future__ import annotations
