@@ -198,9 +198,11 @@ def compiled_kernel(m: int, wgmma: bool, fmt: str, **over):
                                                  (32, True, "mxfp8")])  # fmt: skip
 def test_operands_reach_the_mma_without_moves(m, wgmma, fmt):
     """Compiled for sm_90a: the upcast weights are the MMA's register operand and x (mma.sync) its other one, each
-    layout conversion asserted trivial at compile time; mma.sync takes no shared memory, wgmma only x^T's. Under
-    PDL the next kernel is released right after the wait, before the first MMA."""
+    layout conversion asserted trivial at compile time; mma.sync takes no shared memory, wgmma only x^T's. A lane
+    reads its words and x 16 bytes a load. Under PDL the next kernel is released right after the wait, before the
+    first MMA."""
     ttgir, ptx = compiled_kernel(m, wgmma, fmt)
+    assert "ld.global.v4.b32" in ptx and "ld.global.v2" not in ptx
     # PDL: the next kernel is released right after the wait, before the main loop's first MMA (mx_kernels.pdl)
     mma = ptx.index("wgmma.mma_async" if wgmma else "mma.sync")
     assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents") < mma

@@ -203,6 +203,30 @@ def _word_layout(T, W, NV):
 
 
 @gluon.constexpr_function
+def _word_load_layout(T, W, NV):
+    """``_word_layout`` with (b, v) as one dimension of 2 NV contiguous words, the layout a lane-row's words are loaded
+    in: a load is only as wide as the last dimension's contiguous registers, and ``_word_layout``'s holds NV words,
+    8 bytes of e2m1 codes; merged, every format reads 16 bytes a load."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1 << i] for i in range((2 * NV).bit_length() - 1)]
+        + [[8, 0, 0]]
+        + [[16 * W << i, 0, 0] for i in range(T.bit_length() - 1)],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16 << i, 0, 0] for i in range(W.bit_length() - 1)],
+        block_bases=[],
+        shape=[16 * T * W, 4, 2 * NV],
+    )
+
+
+@gluon.jit
+def _load_words(ptrs, WL: gl.constexpr):
+    """A step's words [rows, q, 2 NV] (``_word_load_layout``) as [rows, q, b, v] in ``WL``: the same registers."""
+    w = gl.load(ptrs)
+    w = gl.reshape(w, [w.shape[0], 4, 2, w.shape[2] // 2])
+    return gl.convert_layout(w, WL, assert_trivial=True)
+
+
+@gluon.constexpr_function
 def _x_layout(BLOCK_M, W):
     """x as int32 pairs [BLOCK_M rows, 64]: lane 4g + q holds row g of each 8 and pairs 16q .. 16q + 15; warps
     share it."""
@@ -315,10 +339,10 @@ def tiled_weight_only_kernel(
     k_start = pid_k * K_SPLIT
     k_len = (gl.minimum(k_start + K_SPLIT, K) - k_start) // (KW * BLOCK_K) * BLOCK_K  # a warp's: whole steps
     k_end = k_start + k_len
-    # the program's words: [rows, q, b, v] -> tile (row // 16) * NV K + lane (4 (row % 8) + q) * 4 NV + half * 2 NV
+    # the program's words: [rows, q, b v] -> tile (row // 16) * NV K + lane (4 (row % 8) + q) * 4 NV + half * 2 NV
     # + NV b + v
-    L3: gl.constexpr = gl.SliceLayout(3, WL)
-    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    WF: gl.constexpr = _word_load_layout(T, W, NV)
+    L2: gl.constexpr = gl.SliceLayout(2, WF)
     vrows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L2))  # KW > 1: warp vrows // R reads k_len more on
     rows = pid * R + vrows % R
     rows = gl.where(rows < N, rows, 0)  # rows past N (a partial tile) read row 0 and are not stored
@@ -327,10 +351,8 @@ def tiled_weight_only_kernel(
     if KW > 1:
         tile_row += (vrows // R) * NV * k_len
     lane_row = gl.expand_dims(tile_row, 1) + gl.expand_dims(q * 4 * NV, 0)
-    wb = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    v = gl.arange(0, NV, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WL))))
-    lane_b = gl.expand_dims(lane_row, 2) + gl.expand_dims(gl.expand_dims(wb * NV, 0), 1)
-    w_tiles = w_ptr + (gl.expand_dims(lane_b, 3) + gl.expand_dims(gl.expand_dims(gl.expand_dims(v, 0), 1), 2))
+    bv = gl.arange(0, 2 * NV, layout=gl.SliceLayout(0, gl.SliceLayout(1, WF)))
+    w_tiles = w_ptr + (gl.expand_dims(lane_row, 2) + gl.expand_dims(gl.expand_dims(bv, 0), 1))
     # scales: tile (row // 16) * K / 2 * SB + (lane * 2 + half) * SB + block
     if SB == 2:
         SR: gl.constexpr = gl.SliceLayout(2, SL)
@@ -366,7 +388,7 @@ def tiled_weight_only_kernel(
             x_rows = x_rows + gl.expand_dims(warp * (k_len // 2), 1)  # [BLOCK_M, 1]: x stays contiguous along K
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
     # the first step's weights do not depend on the kernel before (PDL): read them before waiting for it
-    w = gl.load(w_tiles + gl.multiple_of(NV * k_start, 256))
+    w = _load_words(w_tiles + gl.multiple_of(NV * k_start, 256), WL)
     s = gl.load(s_tiles + gl.multiple_of(k_start // 2 * SB, 64)).to(gl.int32)
     if PDL:
         gdc_wait()
@@ -380,7 +402,7 @@ def tiled_weight_only_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         a = _a_operand(w, _factors(s, WL, FMT, TWO_MUL, NV), A, UPCAST, E4M3)
         k_next = gl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)  # the last step's again after it: unmasked loads
-        w = gl.load(w_tiles + gl.multiple_of(NV * k_next, 256))
+        w = _load_words(w_tiles + gl.multiple_of(NV * k_next, 256), WL)
         s = gl.load(s_tiles + gl.multiple_of(k_next // 2 * SB, 64)).to(gl.int32)
         if WGMMA:
             # x^T double-buffered: one warpgroup's store of the next step's x cannot overwrite a tile the other's
