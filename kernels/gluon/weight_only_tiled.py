@@ -20,10 +20,12 @@ fixed), ms a step against the split over programs: wqkv (8 ways) -0.039 MXFP4 / 
 
 The layout (``pack``), made once when a model is loaded for decode (mx_recipe.infer.weights.tile_weights):
 
-* Tiles: rows in blocks of 16, K in steps of 128; a block's step is 1 KB of codes, contiguous, in the order the
-  lanes of its warp read it (lane 4g + q: rows g and g + 8, elements 32q to 32q + 31, 16 bytes each); its scales
-  follow in the same order (64 bytes; 128 for NVFP4's scales per 16). In the formats' own layout each lane's
-  16-byte runs sit a row (K/2 bytes) apart: one H200, fused w1/w3 at one row, 29.8 against 26.0 us.
+* Tiles: rows in blocks of 16, K in steps of 128; a block's step is 1 KB of codes (2 KB of e4m3), contiguous, in the
+  order the lanes of its warp read it: lane 4g + q holds rows g and g + 8, elements 32q to 32q + 31 of each, and the
+  step is rows 0-7 then rows 8-15, each as 16-byte runs in lane order (an e4m3 lane-row's two runs 512 bytes apart), so
+  each of the warp's 16-byte loads reads 512 contiguous bytes and uses every sector it touches. Its scales follow in
+  lane order, a lane's rows g and g + 8 side by side (64 bytes; 128 for NVFP4's scales per 16). In the formats' own
+  layout each lane's 16-byte runs sit a row (K/2 bytes) apart: one H200, fused w1/w3 at one row, 29.8 against 26.0 us.
 * K order: the MMA's k (16j + 8h + 2q + e: lane q holds 2q, 2q + 1, 2q + 8, 2q + 9 of each 16) is element
   32q + 4j + 2h + e of the step, so that a lane's A and B registers hold its own 32 contiguous elements: x is read
   as 64 contiguous bytes a lane, each code byte is one bf16x2 register, and nothing moves between lanes.
@@ -339,19 +341,20 @@ def tiled_weight_only_kernel(
     k_start = pid_k * K_SPLIT
     k_len = (gl.minimum(k_start + K_SPLIT, K) - k_start) // (KW * BLOCK_K) * BLOCK_K  # a warp's: whole steps
     k_end = k_start + k_len
-    # the program's words: [rows, q, b v] -> tile (row // 16) * NV K + lane (4 (row % 8) + q) * 4 NV + half * 2 NV
-    # + NV b + v
+    # the program's words: [rows, q, b v] -> tile (row // 16) * NV K + half * 64 NV + 16-byte chunk (NV b + v) // 4 *
+    # 128 + lane (4 (row % 8) + q) * 4 + (NV b + v) % 4
     WF: gl.constexpr = _word_load_layout(T, W, NV)
     L2: gl.constexpr = gl.SliceLayout(2, WF)
     vrows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L2))  # KW > 1: warp vrows // R reads k_len more on
     rows = pid * R + vrows % R
     rows = gl.where(rows < N, rows, 0)  # rows past N (a partial tile) read row 0 and are not stored
     q = gl.arange(0, 4, layout=gl.SliceLayout(0, L2))
-    tile_row = (rows // 16) * NV * K + (rows % 8) * 16 * NV + ((rows % 16) // 8) * 2 * NV
+    tile_row = (rows // 16) * NV * K + ((rows % 16) // 8) * 64 * NV + (rows % 8) * 16
     if KW > 1:
         tile_row += (vrows // R) * NV * k_len
-    lane_row = gl.expand_dims(tile_row, 1) + gl.expand_dims(q * 4 * NV, 0)
+    lane_row = gl.expand_dims(tile_row, 1) + gl.expand_dims(q * 4, 0)
     bv = gl.arange(0, 2 * NV, layout=gl.SliceLayout(0, gl.SliceLayout(1, WF)))
+    bv = (bv // 4) * 128 + bv % 4
     w_tiles = w_ptr + (gl.expand_dims(lane_row, 2) + gl.expand_dims(gl.expand_dims(bv, 0), 1))
     # scales: tile (row // 16) * K / 2 * SB + (lane * 2 + half) * SB + block
     if SB == 2:
@@ -530,8 +533,10 @@ def pack(qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | 
     words = _permute_bits(codes, fmt)  # [n16, K/8 or K/4]
     sb = s.shape[1] * 32 // k  # scales a lane-row a step: 1 (e8m0 per 32) or 2 (e4m3 per 16)
     lane_words = 32 // per_word  # a lane-row's words a step
-    # row = 16 t + 8 half + g, word = 4 lane_words step + lane_words q + wv -> [t, step, g, q, half, wv]
-    words = words.view(n16 // 16, 2, 8, k // BLOCK_K.value, 4, lane_words).permute(0, 3, 2, 4, 1, 5)
+    # row = 16 t + 8 half + g, word = 4 lane_words step + lane_words q + 4 chunk + w -> [t, step, half, chunk, g, q,
+    # w]: each 16 bytes of a lane-row beside the next lane's (module doc)
+    chunks = lane_words // 4
+    words = words.view(n16 // 16, 2, 8, k // BLOCK_K.value, 4, chunks, 4).permute(0, 3, 1, 5, 2, 4, 6)
     s = s.view(n16 // 16, 2, 8, k // BLOCK_K.value, 4, sb).permute(0, 3, 2, 4, 1, 5)
     return words.contiguous().view(n16, -1), s.contiguous().view(n16, -1), ts
 
@@ -572,7 +577,8 @@ def _dequantize_tiled_kernel(w_ptr, s_ptr, ts_ptr, out_ptr, N, K, stride_tn, FMT
     c = tl.arange(0, C)[None, :]  # the word in the row's step: LW q + its word in the lane's
     base = t.to(tl.int64) * (K // 128) + step
     place = ((r % 8) * 4 + c // LW) * 2 + r // 8  # the lane-row in the tile's step
-    w = tl.load(w_ptr + base * 64 * LW + place * LW + c % LW).to(tl.uint32, bitcast=True)
+    lane_word = (r // 8) * 32 * LW + ((c % LW) // 4) * 128 + ((r % 8) * 4 + c // LW) * 4 + c % 4  # (module doc)
+    w = tl.load(w_ptr + base * 64 * LW + lane_word).to(tl.uint32, bitcast=True)
     blk = ((c % LW) * 2 // LW) * (SB - 1)  # NVFP4: the lane's first or second 16 elements
     s = tl.load(s_ptr + base * 64 * SB + place * SB + blk).to(tl.int32)
     if FMT == "nvfp4":
@@ -632,7 +638,8 @@ def unpack(words: torch.Tensor, scales: torch.Tensor, n: int, fmt: str, swiglu: 
         inverse = torch.empty(n, dtype=torch.long)
         inverse[swiglu_rows(n)] = torch.arange(n)
         s = s[inverse.to(s.device)]
-    w = words.view(n16 // 16, k // BLOCK_K.value, 8, 4, 2, 32 // codes_per_word(fmt)).permute(0, 4, 2, 1, 3, 5)
+    chunks = 8 // codes_per_word(fmt)  # 16-byte runs a lane-row
+    w = words.view(n16 // 16, k // BLOCK_K.value, 2, chunks, 8, 4, 4).permute(0, 2, 4, 1, 5, 3, 6)
     codes = _unpermute_bits(w.reshape(n16, kw), fmt)[:n]
     return (codes if inverse is None else codes[inverse]), s
 
