@@ -576,9 +576,11 @@ def _dequantize_tiled_kernel(w_ptr, s_ptr, ts_ptr, out_ptr, N, K, stride_tn, FMT
     r = tl.arange(0, 16)[:, None]  # the row in the tile: 8 half + g
     c = tl.arange(0, C)[None, :]  # the word in the row's step: LW q + its word in the lane's
     base = t.to(tl.int64) * (K // 128) + step
-    place = ((r % 8) * 4 + c // LW) * 2 + r // 8  # the lane-row in the tile's step
-    lane_word = (r // 8) * 32 * LW + ((c % LW) // 4) * 128 + ((r % 8) * 4 + c // LW) * 4 + c % 4  # (module doc)
-    w = tl.load(w_ptr + base * 64 * LW + lane_word).to(tl.uint32, bitcast=True)
+    lane = (r % 8) * 4 + c // LW
+    # words: half r // 8, then 16-byte runs in lane order (module doc); scales: lane-rows in lane order
+    w = tl.load(w_ptr + base * 64 * LW + (r // 8) * 32 * LW + ((c % LW) // 4) * 128 + lane * 4 + c % 4)
+    w = w.to(tl.uint32, bitcast=True)
+    place = lane * 2 + r // 8  # the lane-row in the tile's step
     blk = ((c % LW) * 2 // LW) * (SB - 1)  # NVFP4: the lane's first or second 16 elements
     s = tl.load(s_ptr + base * 64 * SB + place * SB + blk).to(tl.int32)
     if FMT == "nvfp4":
