@@ -12,11 +12,8 @@ split over programs as the other weight-only kernels split it: each split stores
 arrive sums them in split order, so the result does not depend on timing. On mma.sync a program's warps split K
 instead (``KW``, up to 16: each reads the same 16 rows over its part of K, into its own accumulator) and add their
 sums through shared memory in warp order: no partials through memory, no counter, and the GEMM's last sum is the
-program's own. One H200, 2026-11-30, in the Llama 3 8B decode step (each GEMM's config varied with the others
-fixed), ms a step against the split over programs: wqkv (8 ways) -0.039 MXFP4 / -0.053 NVFP4, fused w1/w3 (2 ways)
--0.049 / -0.039, wo (16 ways) -0.039 / -0.027, w2 (16 ways) -0.024 / -0.039 (8 warps and 2 programs: +0.003 to
-+0.007). The whole step at batch 1 / 2 / 4, warps splitting only up to 8 ways -> up to 16: MXFP4 2.078 -> 2.015 /
-2.267 -> 2.186 / 2.562 -> 2.472 ms, NVFP4 2.250 -> 2.174 / 2.361 -> 2.281 / 2.594 -> 2.563.
+program's own. In the Llama 3 8B decode step on an H200 (2026-11-30), each GEMM's warps splitting K took
+24-53 us off the step against the same split over programs, for MXFP4 and NVFP4 alike.
 
 The layout (``pack``), made once when a model is loaded for decode (mx_recipe.infer.weights.tile_weights):
 
