@@ -33,6 +33,9 @@ the tl.dot path's default and, at one row, the GEMV that a decode step runs ther
 bandwidth, then the fastest config per format and shape (the GEMV's rows aside) as ``FMA_CHOSEN`` entries to paste
 into the kernel's table.
 --reference: the quantized GEMMs dequantize to bf16 first (what they did before the kernel), for comparison.
+--layout: where the weights are repacked in the tiled layout of Hopper's decode GEMM (mx_recipe.infer.weights.
+tile_weights): auto as a decode step of each batch would, formats nowhere (the formats' own layout throughout),
+tiled every weight the tile takes (MXFP8's at one row too); runs of each give the layout's gain in their ratios.
 --profile-top N: after each batch's timing, replayed steps of each format under torch.profiler: what each kernel
 adds to the step's end (how far its end passes every earlier kernel's; with PDL a kernel's own duration includes
 its wait for the one before), ms a step for the N that add the most, then us a layer for each kernel of a layer.
@@ -117,14 +120,22 @@ def check_memory(model: Transformer, device: torch.device, what: str) -> None:
 
 
 def build(name: str, flavor: str, layers: int | None, fmt: str, max_len: int, device: torch.device,
-          reference: bool, fuse: bool = True) -> Transformer:  # fmt: skip
+          reference: bool, fuse: bool = True, layout: str = "auto") -> Transformer:  # fmt: skip
     """The model at random (seed 0), in the compute dtype (bf16 on CUDA, fp32 on the CPU), weights in ``fmt``;
     ``fuse``: the projections that read one input as one GEMM (mx_recipe.infer.weights.fuse_projections); dense
-    weights tiled for Hopper's decode kernel where it runs for one sequence (``tile_weights``: 4-bit ones; the
-    batch loop tiles MXFP8 ones past one)."""
+    weights tiled for Hopper's decode kernel as ``layout`` says for one sequence (``tile``)."""
     model = meta_model(name, flavor, layers, max_len)
     model = quantize_model(init_random(model, device, 0, compute_dtype(device)).eval(), fmt, kernel=not reference)
-    return tile_weights(fuse_projections(model) if fuse else model, 1)
+    return tile(fuse_projections(model) if fuse else model, 1, layout)
+
+
+def tile(model: Transformer, batch: int, layout: str) -> Transformer:
+    """``model``'s dense weights repacked for Hopper's decode kernel, in place (``tile_weights``), by ``layout``:
+    ``auto`` as a decode step of ``batch`` sequences would (4-bit ones, MXFP8 ones past the GEMV's rows),
+    ``tiled`` every weight the tile takes, ``formats`` none. Tiled weights stay tiled."""
+    if layout == "formats":
+        return model
+    return tile_weights(model, batch if layout == "auto" else GEMV_MAX_M + 1)
 
 
 def active_experts(n_experts: int, top_k: int, batch: int) -> float:
@@ -328,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step before capture")
     p.add_argument("--no-fuse", action="store_true", help="wq/wk/wv and w1/w3 as separate GEMMs")
     p.add_argument("--no-tune", action="store_true", help="the kernel's default configs, not the fastest timed")
+    p.add_argument("--layout", choices=("auto", "formats", "tiled"), default="auto",
+                   help="weights in the tiled decode layout: as a step would, none, or all it takes")  # fmt: skip
     p.add_argument("--pdl", choices=("on", "off", "both"), default="on",
                    help="programmatic dependent launch of the Triton kernels (sm_90+); both: each way")  # fmt: skip
     p.add_argument("--steps", type=int, default=20, help="decode steps per timing")
@@ -373,7 +386,9 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         check_memory(meta_model(args.model, flavor, args.layers, max_len), device, f"{args.model} {flavor}")
         models = {
-            fmt: build(args.model, flavor, args.layers, fmt, max_len, device, args.reference, not args.no_fuse)
+            fmt: build(
+                args.model, flavor, args.layers, fmt, max_len, device, args.reference, not args.no_fuse, args.layout
+            )
             for fmt in weights
         }
     except ValueError as e:
@@ -387,6 +402,7 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         f"{'reference GEMMs' if args.reference else 'weight-only kernel'}"
         f"{', default configs' if args.no_tune or args.reference else ', tuned configs'}"
         f"{', torch.compile' if args.compile else ''}{', unfused projections' if args.no_fuse else ''}"
+        f"{'' if args.layout == 'auto' else f', {args.layout} layout'}"
         f"{', no PDL' if args.pdl == 'off' else ', with and without PDL' if args.pdl == 'both' else ''}; weights "
         + ", ".join(f"{fmt} {weight_bytes(m) / 1e9:.2f} GB" for fmt, m in models.items())
     )
@@ -411,7 +427,7 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     pdl_ways = (True, False) if args.pdl == "both" else (args.pdl == "on",)
     for batch in batches:
         for m in models.values():
-            tile_weights(m, batch)  # MXFP8's past one row (mx_recipe.infer.weights)
+            tile(m, batch, args.layout)  # MXFP8's past one row where auto (mx_recipe.infer.weights)
         cache = None if args.gemms_only else KVCache(models["bf16"], batch, args.context, dtype, device)
         steps = {}
         for pdl in pdl_ways:  # the kernels' launches are fixed when the graph is captured
@@ -468,7 +484,7 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.out:
         meta = run_meta(model=args.model, flavor=flavor, layers=dims.n_layers, vocab=dims.vocab_size,
                         context=args.context, copy_bytes_per_s=bandwidth, reference=args.reference,
-                        compiled=args.compile, fused=not args.no_fuse, pdl=args.pdl,
+                        compiled=args.compile, fused=not args.no_fuse, pdl=args.pdl, layout=args.layout,
                         tuned=not args.no_tune and device.type == "cuda", mode=mode)  # fmt: skip
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows, "verdicts": verdicts}, f, indent=1)

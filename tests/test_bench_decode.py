@@ -36,6 +36,15 @@ def test_moe_gemms_only_with_fewer_layers():
     assert "2 layers" in done.stdout and "gemms batch    1  mxfp4" in done.stdout
 
 
+def test_layout_is_recorded(tmp_path):
+    out = tmp_path / "decode.json"
+    cmd = [sys.executable, str(BENCHMARKS / "bench_decode.py"), *SMOKE, "--prefill", "0", "--weights", "mxfp4"]
+    cmd += ["--layout", "formats", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "formats layout" in done.stdout and json.loads(out.read_text())["meta"]["layout"] == "formats"
+
+
 def test_step_bytes_count_the_experts_a_batch_reaches():
     bench = load_benchmark("bench_decode")
     import torch
@@ -94,3 +103,27 @@ def test_gpu_sweep_times_the_gemv_beside_the_configs():
     assert {("bf16", 1, "cuBLAS"), ("bf16", 1, "GEMV"), ("mxfp8", 1, "GEMV")} <= configs
     assert ("mxfp8", 2, "GEMV") not in configs and ("bf16", 2, "GEMV") not in configs
     assert sum(r["weights"] == "mxfp8" and r["m"] == 1 for r in rows) > 3 and all(r["us"] > 0 for r in rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("layout", "batch", "tiled"),
+    [("auto", 1, {"mxfp4"}), ("auto", 2, {"mxfp4", "mxfp8"}), ("formats", 2, set()), ("tiled", 1, {"mxfp4", "mxfp8"})],
+)
+def test_gpu_layout_tiles_what_it_says(layout, batch, tiled):
+    """--layout on an H100 or H200: auto tiles as a decode step of the batch would (MXFP8 past one row), formats
+    nothing, tiled every dense weight the tile takes."""
+    import torch
+
+    from mx_recipe.infer.weights import PackedWeight
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the tiled layout is Hopper's (sm_90)")
+    bench = load_benchmark("bench_decode")
+    got = set()
+    for fmt in ("mxfp4", "mxfp8"):
+        model = bench.build("llama", "debug", 1, fmt, 32, torch.device("cuda"), False, layout=layout)
+        packed = [m for m in bench.tile(model, batch, layout).modules() if isinstance(m, PackedWeight)]
+        if any(p.tiled for p in packed):
+            got.add(fmt)
+    assert got == tiled

@@ -22,7 +22,7 @@ The layout (``pack``), made once when a model is loaded for decode (mx_recipe.in
   step is rows 0-7 then rows 8-15, each as 16-byte runs in lane order (an e4m3 lane-row's two runs 512 bytes apart), so
   each of the warp's 16-byte loads reads 512 contiguous bytes and uses every sector it touches. Its scales follow in
   lane order, a lane's rows g and g + 8 side by side (64 bytes; 128 for NVFP4's scales per 16). In the formats' own
-  layout each lane's 16-byte runs sit a row (K/2 bytes) apart: one H200, fused w1/w3 at one row, 29.8 against 26.0 us.
+  layout each lane's 16-byte runs sit a row (K/2 bytes) apart.
 * K order: the MMA's k (16j + 8h + 2q + e: lane q holds 2q, 2q + 1, 2q + 8, 2q + 9 of each 16) is element
   32q + 4j + 2h + e of the step, so that a lane's A and B registers hold its own 32 contiguous elements: x is read
   as 64 contiguous bytes a lane, each code byte is one bf16x2 register, and nothing moves between lanes.
@@ -42,14 +42,8 @@ The layout (``pack``), made once when a model is loaded for decode (mx_recipe.in
   step). At one row the GEMV over the formats' layout (mx_kernels.decode_gemv) stays faster, so MXFP8 weights are
   tiled only for decode past one row (mx_recipe.infer.weights.tile_weights).
 
-One H200 (2026-11-30), Llama 3 8B's projections, us per GEMM (wqkv, wo, w1/w3 with SwiGLU, w2), each weight read
-from memory, against the formats' layout's kernels (small-M FMA to 4 rows, the Gluon wgmma tile past it): MXFP4 at
-M = 1: 9.2 / 8.7 / 25.8 / 14.9 against 8.4 / 6.5 / 29.6 / 16.0; M = 8: 9.9 / 8.1 / 30.7 / 16.7 against 13.2 /
-10.1 / 41.7 / 22.6; M = 32 (8 warps): 13.8 / 11.7 / 35.2 / 22.2 against 15.7 / 14.4 / 47.1 / 27.1; M = 128 (one
-launch, 8 warps): 32.8 / 25.5 / 95.6 / 61.1 against 52.4 / 43.6 / 151.9 / 90.9. MXFP8 against its kernels on the
-formats' layout (the GEMV at one row): M = 1: 10.0 / 9.0 / 35.8 / 21.0 against 9.0 / 6.4 / 34.7 / 18.8; M = 4: 10.8 /
-9.9 / 33.4 / 20.6 against 25.5 / 17.5 / 107.9 / 53.1; M = 32: 17.0 / 13.1 / 44.0 / 26.8 against 17.5 / 17.5 / 61.3 /
-41.7; M = 128: 37.0 / 32.5 / 110.7 / 68.4 against 69.6 / 50.8 / 165.9 / 107.3.
+What the layout takes off a decode step against the formats' own, per format and batch: docs/DESIGN.md
+(Architecture), from ``benchmarks/bench_decode.py --layout``.
 
 ``SWIGLU``: the weight is w1 and w3 concatenated along N, packed with each 16-row tile as 8 gate rows then the same
 8 hidden units' up rows: a lane's accumulator holds rows g and g + 8, a unit's gate and up, and the epilogue writes

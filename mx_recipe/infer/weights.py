@@ -90,10 +90,8 @@ class PackedWeight(nn.Module):
 
     def tile(self, swiglu: bool = False) -> None:
         """Keep the codes and scales in the tiled layout of the weight-only GEMM on Hopper's tensor cores
-        (mx_kernels.gluon.weight_only_tiled, ``pack``), in place of the formats' own, for a dense weight: MXFP4 and
-        NVFP4 ones 18-41% off their GEMMs at 8 to 128 rows, 9-11% off the decode step at one row; MXFP8 ones 15-20%
-        off the step at 8 and 32 rows, but 7% onto it at one row (one H200, Llama 3 8B). MXFP8 codes must not be
-        NaN (``pack``).
+        (mx_kernels.gluon.weight_only_tiled, ``pack``), in place of the formats' own, for a dense weight (what it takes
+        off a decode step: docs/DESIGN.md, Architecture). MXFP8 codes must not be NaN (``pack``).
         ``swiglu``: the weight is w1 and w3 concatenated along N, its rows ordered for the SwiGLU epilogue. The
         tensor scale stays per the original rows (``dequantize``); the kernel's, in the packed order, beside it."""
         from mx_kernels.gluon.weight_only_tiled import pack, two_mul
