@@ -6,7 +6,13 @@ and the KV-cache write are in the decode-attention kernel, mx_kernels.decode_att
 
 * ``add_rms_norm``: one program per row adds the residual branch's output to the residual stream (rounded to its
   dtype, as the eager add) and writes the stream and its RMSNorm (fp32 sum of squares, x * rsqrt(mean + eps) *
-  weight in fp32, rounded once).
+  weight in fp32, rounded once). The branch's output may come as the fp32 sums of a GEMM's splits of K
+  (mx_kernels.gluon.weight_only_tiled, ``partials``): the norm adds them in split order, times a scale per column
+  where given, and rounds, as the GEMM's own epilogue would. The GEMM then ends when its programs do: summing there
+  takes the last split of each tile to arrive an acquire-release counter and a read of every split's partial after
+  its own loop, on the step's path. Here the kernel boundary before the norm orders the partials, and each row's
+  program reads its own, every split's loads issued before the first add (unmasked: with masked loads the compiler
+  interleaved each load with its add, a few in flight at a time).
 * ``silu_mul``: SwiGLU's ``F.silu(h1) * h3`` for the gate and up projections' outputs (views of one fused GEMM's
   output, or two tensors), with the eager expression's two roundings: silu in fp32 rounded to the dtype, then
   the product in fp32 rounded again.
@@ -23,9 +29,12 @@ from mx_kernels.launch_cache import LaunchCache
 
 @triton.jit
 def _add_rms_norm_kernel(
-    h_ptr, delta_ptr, w_ptr, h_out_ptr, out_ptr, stride_h, stride_d, stride_ho, stride_o, D, eps,
-    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    h_ptr, delta_ptr, scale_ptr, w_ptr, h_out_ptr, out_ptr, stride_h, stride_d, stride_ds, stride_sc, stride_ho,
+    stride_o, D, eps, HAS_DELTA: tl.constexpr, SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    """SPLITS > 0: delta is that many fp32 partial sums (``stride_ds`` apart), added in order from 0 (then times the
+    column's scale, HAS_SCALE) and rounded to h's dtype; every split loaded before the first add (module doc)."""
     pdl.wait_prior(PDL)
     pdl.release_next(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -33,7 +42,23 @@ def _add_rms_norm_kernel(
     ok = c < D
     h = tl.load(h_ptr + row * stride_h + c, mask=ok, other=0.0)
     if HAS_DELTA:
-        delta = tl.load(delta_ptr + row * stride_d + c, mask=ok, other=0.0)
+        if SPLITS > 0:
+            parts = ()
+            for i in tl.static_range(SPLITS):
+                at = delta_ptr + i * stride_ds + row * stride_d + c
+                if BLOCK == D:
+                    part = tl.load(at)
+                else:
+                    part = tl.load(at, mask=ok, other=0.0)
+                parts = parts + (part,)
+            delta = tl.zeros([BLOCK], dtype=tl.float32)
+            for i in tl.static_range(SPLITS):
+                delta += parts[i]
+            if HAS_SCALE:
+                delta = delta * tl.load(scale_ptr + c * stride_sc, mask=ok, other=0.0)
+            delta = delta.to(h_out_ptr.dtype.element_ty)
+        else:
+            delta = tl.load(delta_ptr + row * stride_d + c, mask=ok, other=0.0)
         h = (h.to(tl.float32) + delta.to(tl.float32)).to(h_out_ptr.dtype.element_ty)
     tl.store(h_out_ptr + row * stride_ho + c, h, mask=ok)
     hf = h.to(tl.float32)
@@ -68,15 +93,30 @@ _NORM = LaunchCache(_add_rms_norm_kernel)
 _SILU_MUL = LaunchCache(_silu_mul_kernel)
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 delta_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(h + delta, RMSNorm(h + delta) * weight) for rows h, delta [T, D] (delta None: a copy of h and its norm);
-    the sum rounded to h's dtype, the norm in fp32 rounded once to h's dtype. Both outputs are new tensors."""
+    the sum rounded to h's dtype, the norm in fp32 rounded once to h's dtype. Both outputs are new tensors.
+    delta may be a GEMM's split-K partials, fp32 [splits, T, D] (module doc): their sum in split order, times
+    ``delta_scale`` (fp32, one or one per column) if given, rounded to h's dtype, is the branch's output."""
     op = "add_rms_norm"
-    if h.dim() != 2 or weight.shape != (h.shape[1],) or (delta is not None and delta.shape != h.shape):
-        raise ValueError(f"{op}: h and delta [T, D], weight [D]; got h {tuple(h.shape)}, delta "
-                         f"{None if delta is None else tuple(delta.shape)}, weight {tuple(weight.shape)}")  # fmt: skip
-    if h.stride(1) != 1 or (delta is not None and delta.stride(1) != 1) or not weight.is_contiguous():
+    splits = delta.shape[0] if delta is not None and delta.dim() == 3 else 0
+    if (
+        h.dim() != 2
+        or weight.shape != (h.shape[1],)
+        or (delta is not None and delta.shape[splits > 0 :] != h.shape)
+        or (splits and (delta.dtype != torch.float32 or delta.stride(0) != delta[0].numel()))
+    ):
+        raise ValueError(f"{op}: h [T, D], delta [T, D] or fp32 split-K partials [S, T, D], weight [D]; got h "
+                         f"{tuple(h.shape)}, delta {None if delta is None else f'{delta.dtype} {tuple(delta.shape)}'},"
+                         f" weight {tuple(weight.shape)}")  # fmt: skip
+    if delta_scale is not None and (
+        not splits or delta_scale.dtype != torch.float32 or delta_scale.numel() not in (1, h.shape[1])
+    ):
+        raise ValueError(f"{op}: delta_scale is fp32, one or one per column, for split-K partials; got "
+                         f"{delta_scale.dtype} {tuple(delta_scale.shape)} with delta "
+                         f"{None if delta is None else tuple(delta.shape)}")  # fmt: skip
+    if h.stride(1) != 1 or (delta is not None and delta.stride(-1) != 1) or not weight.is_contiguous():
         raise ValueError(f"{op}: rows must be contiguous")
     t, d = h.shape
     h_out, out = torch.empty_like(h), torch.empty_like(h)
@@ -85,10 +125,14 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     block = triton.next_power_of_2(d)
     _NORM.launch(
         (t,),
-        dict(h_ptr=h, delta_ptr=delta if delta is not None else h, w_ptr=weight, h_out_ptr=h_out, out_ptr=out,
-             stride_h=h.stride(0), stride_d=delta.stride(0) if delta is not None else 0, stride_ho=h_out.stride(0),
-             stride_o=out.stride(0), D=d, eps=eps, HAS_DELTA=delta is not None, BLOCK=block,
-             num_warps=min(16, max(1, block // 256)), **pdl.options(h.device)),
+        dict(h_ptr=h, delta_ptr=delta if delta is not None else h,
+             scale_ptr=delta_scale if delta_scale is not None else weight, w_ptr=weight, h_out_ptr=h_out, out_ptr=out,
+             stride_h=h.stride(0), stride_d=delta.stride(-2) if delta is not None else 0,
+             stride_ds=delta.stride(0) if splits else 0,
+             stride_sc=int(delta_scale is not None and delta_scale.numel() > 1), stride_ho=h_out.stride(0),
+             stride_o=out.stride(0), D=d, eps=eps, HAS_DELTA=delta is not None, SPLITS=splits,
+             HAS_SCALE=delta_scale is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+             **pdl.options(h.device)),
     )  # fmt: skip
     return h_out, out
 

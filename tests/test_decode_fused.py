@@ -7,6 +7,8 @@ own modules: ``nn.RMSNorm`` after the residual add, SwiGLU's ``F.silu(h1) * h3``
   counts and widths, with strided rows (views of one fused projection's output, as decode.py passes them).
 * GPU (``gpu``): the same comparisons in bf16 at Llama 3 8B's and the MoE 16B's shapes, and the norm inside a
   captured CUDA graph replayed on new inputs.
+* The norm of a GEMM's split-K partials is bit for bit the norm of their sum as the GEMM rounds it: fp32 rows in
+  the interpreter, bf16 on the GPU.
 
 Bounds. The kernels compute in fp32 as the reference does, but may contract a product and a sum into one FMA,
 and the norm multiplies x * rstd * weight before its one rounding where nn.RMSNorm may round between: fp32
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
 import pytest
 import torch
@@ -67,6 +70,29 @@ def check_norm(t, d, dtype, device, with_delta):
     assert_close(got, want, 0.0)
 
 
+def check_norm_partials(t, d, splits, dtype, device, per_column):
+    """A GEMM's split-K partials as the branch's output: the same outputs, bit for bit, as the norm of their sum in
+    split order from 0, times the scale, rounded to h's dtype (what the GEMM's own epilogue writes); the partials
+    span the fp32 range, zeros of both signs among them."""
+    torch.manual_seed(t + d + splits)
+    h = (torch.randn(t, d, device=device) * 3).to(dtype)
+    parts = torch.randn(splits, t, d, device=device) * torch.exp2(torch.randint(-20, 20, (splits, t, d), device=device))
+    parts[0, :, :4] = torch.tensor([0.0, -0.0, -0.0, 0.0])
+    parts[1:, :, :4] = -0.0
+    scale = (torch.rand(d if per_column else 1, device=device) + 0.5) * 256.0
+    weight = (torch.rand(d, device=device) + 0.5).to(dtype)
+    total = torch.zeros(t, d, device=device)
+    for part in parts:
+        total = total + part
+    for sc in (None, scale):
+        delta = (total if sc is None else total * sc).to(dtype)
+        got = add_rms_norm(h, parts, weight, 1e-5, sc)
+        want = add_rms_norm(h, delta, weight, 1e-5)
+        assert all(torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+                   for a, b in zip(got, want, strict=True))  # fmt: skip
+
+
 def check_silu_mul(t, h, dtype, device):
     """h1 and h3 as views of one fused GEMM's output [T, 2H] (strided rows), and as two tensors."""
     torch.manual_seed(t + h)
@@ -90,6 +116,14 @@ def test_bad_arguments_are_one_line_errors():
         norm_kernel(torch.randn(2, 8), None, torch.ones(4), 1e-5)
     with pytest.raises(ValueError, match="contiguous"):
         norm_kernel(torch.randn(8, 2).T, None, torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="fp32 split-K partials \\[S, T, D\\]"):
+        norm_kernel(torch.randn(2, 8), torch.randn(3, 2, 8).bfloat16(), torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="fp32 split-K partials \\[S, T, D\\]"):
+        norm_kernel(torch.randn(2, 8), torch.randn(3, 2, 4), torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="delta_scale is fp32, one or one per column, for split-K partials"):
+        norm_kernel(torch.randn(2, 8), torch.randn(2, 8), torch.ones(8), 1e-5, torch.ones(1))
+    with pytest.raises(ValueError, match="delta_scale is fp32, one or one per column"):
+        norm_kernel(torch.randn(2, 8), torch.randn(3, 2, 8), torch.ones(8), 1e-5, torch.ones(4))
     with pytest.raises(ValueError, match="h1 and h3 must be \\[T, H\\] alike"):
         silu_kernel(torch.randn(2, 8), torch.randn(2, 4))
     with pytest.raises(ValueError, match="contiguous"):
@@ -103,6 +137,39 @@ def test_fake_shapes_under_compile_tracing():
         h, out = torch.ops.mx_recipe.add_rms_norm(torch.empty(3, 64), None, torch.empty(64), 1e-5)
         assert h.shape == out.shape == (3, 64)
         assert torch.ops.mx_recipe.silu_mul(torch.empty(3, 64), torch.empty(3, 64)).shape == (3, 64)
+
+
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="the kernel compiled for sm_90a, offline")
+def test_norm_issues_every_splits_loads_before_adding():
+    """Compiled for sm_90a, the norm of 8 splits of a 4096-wide row (a decode step's wo or w2 at Llama 3 8B dims)
+    issues all 16 of a thread's 16-byte partial loads before its first add: in flight together, one wait."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+    from mx_kernels.decode_fused import _add_rms_norm_kernel
+    from mx_kernels.gluon.common import compile_for_arch
+
+    tool = triton.knobs.nvidia.nvdisasm.path
+    if not tool or not Path(tool).exists():
+        pytest.skip("Triton's nvdisasm is missing")
+    t, d, meta = 32, 4096, dict(device="meta")
+    rows = dict(dtype=torch.bfloat16, **meta)
+    kwargs = dict(
+        h_ptr=torch.empty(t, d, **rows), delta_ptr=torch.empty(8, t, d, **meta), scale_ptr=torch.empty(d, **meta),
+        w_ptr=torch.empty(d, **rows), h_out_ptr=torch.empty(t, d, **rows), out_ptr=torch.empty(t, d, **rows),
+        stride_h=d, stride_d=d, stride_ds=t * d, stride_sc=1, stride_ho=d, stride_o=d, D=d, eps=1e-5,
+        HAS_DELTA=True, SPLITS=8, HAS_SCALE=False, BLOCK=d, PDL=True, num_warps=16,
+    )  # fmt: skip
+    cubin = compile_for_arch(_add_rms_norm_kernel, kwargs, 90).asm["cubin"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    ops = [op.split()[0] for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][^;]*);", sass)]
+    first_add = ops.index("FADD")
+    assert ops[:first_add].count("LDG.E.128") >= 16, ops[: first_add + 1]
 
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
@@ -123,6 +190,13 @@ def test_interp_add_rms_norm(dtype):
 
 
 @interp_only
+def test_interp_add_rms_norm_sums_split_k_partials():
+    """fp32 rows: the interpreter's fp32 -> bf16 cast truncates, so the bit-for-bit bf16 check runs on the GPU."""
+    for t, d, splits in [(1, 64, 2), (3, 100, 3), (2, 512, 8)]:
+        check_norm_partials(t, d, splits, torch.float32, "cpu", per_column=t != 1)
+
+
+@interp_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_interp_silu_mul(dtype):
     for t, h in [(1, 64), (3, 100), (2, 4096)]:
@@ -138,6 +212,9 @@ def test_gpu_llama8b_shapes():
     for b in (1, 32):
         check_norm(b, 4096, torch.bfloat16, "cuda", True)
     check_norm(1, 4096, torch.bfloat16, "cuda", False)
+    for t, splits in [(5, 8), (32, 8), (32, 4), (128, 2)]:
+        check_norm_partials(t, 4096, splits, torch.bfloat16, "cuda", per_column=True)
+        check_norm_partials(t, 4096, splits, torch.bfloat16, "cuda", per_column=False)
     for t, h in [(1, 14336), (32, 14336), (6, 1408)]:
         check_silu_mul(t, h, torch.bfloat16, "cuda")
         check_silu_mul(t, h, torch.float32, "cuda")

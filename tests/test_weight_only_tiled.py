@@ -8,8 +8,9 @@ against the reference, within the bound of tests/test_weight_only_gemm.py's modu
 * GPU (``gpu``): MXFP4, NVFP4 and MXFP8, M = 1 to 128 (launches of 64), N not a multiple of 16, both MMAs, K
   split (the same bits every call), scales past 2**1 (MXFP4) or 2**7 (MXFP8: the second multiply), NaN, 2**-127
   and 2**-126 scales, zeros, NVFP4 tensor scales per row; the SwiGLU epilogue bit for bit the GEMM then
-  ``silu_mul``; a decode step of the Llama debug model with tiled weights, replayed from a CUDA graph under PDL,
-  against the untiled one (MXFP8 tiled only for more than one sequence).
+  ``silu_mul``; the split-K partials, added by ``add_rms_norm``, bit for bit its norm of the GEMM's output; a
+  decode step of the Llama debug model with tiled weights, replayed from a CUDA graph under PDL, against the
+  untiled one (MXFP8 tiled only for more than one sequence), at 2 sequences and at 8 (wo's partials).
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ def tiled(w: torch.Tensor, fmt: str, swiglu: bool = False) -> PackedWeight:
     return p
 
 
-def mm(x: torch.Tensor, p: PackedWeight, swiglu: bool = False, cfg: dict | None = None) -> torch.Tensor:
+def mm(x: torch.Tensor, p: PackedWeight, swiglu: bool = False, cfg: dict | None = None, partials: bool = False
+       ) -> torch.Tensor:  # fmt: skip
     from mx_kernels.gluon.weight_only_tiled import tiled_weight_only_mm
 
-    return tiled_weight_only_mm(x, p.qdata, p.scale, p.tensor_scale_tiled, p.rows, p.fmt, p.two_mul, swiglu, cfg)
+    return tiled_weight_only_mm(x, p.qdata, p.scale, p.tensor_scale_tiled, p.rows, p.fmt, p.two_mul, swiglu, cfg,
+                                partials=partials)  # fmt: skip
 
 
 @needs_triton
@@ -248,6 +251,25 @@ def test_config_splits_k_by_the_sm_count():
 
 
 @needs_triton
+def test_partials_where_one_launch_splits_k_over_programs():
+    """``partial_splits``: Llama 3 8B's wo/w2 and wqkv at 8 and 32 rows split over programs (the splits ``config``
+    asks, or K's steps where fewer); at 1 row a program's warps split K (no partials); past MAX_M rows or on a
+    custom launch of fewer rows than M, no partials."""
+    from mx_kernels.gluon.weight_only_tiled import MAX_M, partial_splits
+
+    assert [partial_splits(m, 4096, 4096, 132) for m in (1, 4, 8, 32)] == [1, 1, 8, 8]
+    assert partial_splits(32, 6144, 4096, 132) == 4 and partial_splits(32, 28672, 4096, 132) == 1
+    assert partial_splits(8, 4096, 512, 132) == 4  # 4 steps of K: 4 splits, not 8
+    assert partial_splits(MAX_M + 1, 4096, 4096, 132) == 1 and partial_splits(0, 4096, 4096, 132) == 1
+    assert partial_splits(65, 4096, 4096, 132, dict(t=1, w=4, split_k=2, wgmma=False)) == 1  # 64-row launches
+    assert partial_splits(8, 4096, 4096, 132, dict(t=1, w=4, split_k=2, wgmma=False)) == 2
+    # compiled for sm_90a, a launch with partials stores them and takes no arrival counter
+    _, ptx = compiled_kernel(32, True, "mxfp4", PARTIALS=True, SWIGLU=False)
+    _, summed = compiled_kernel(32, True, "mxfp4", SWIGLU=False)
+    assert "atom." not in ptx and "atom." in summed and "st.global" in ptx
+
+
+@needs_triton
 def test_bad_operands_are_one_line_errors():
     from mx_kernels.gluon.weight_only_tiled import pack, tiled_weight_only_mm
 
@@ -260,6 +282,8 @@ def test_bad_operands_are_one_line_errors():
     nv = tiled(torch.randn(64, 256), "nvfp4")
     with pytest.raises(ValueError, match="nvfp4 takes a tensor scale"):
         tiled_weight_only_mm(x, nv.qdata, nv.scale, None, 64, "nvfp4", False)
+    with pytest.raises(ValueError, match="partials are a plain GEMM's, not the SwiGLU epilogue's"):
+        tiled_weight_only_mm(x, p.qdata, p.scale, None, 64, "mxfp4", False, swiglu=True, partials=True)
     q = packed(torch.randn(32, 160), "mxfp4")
     with pytest.raises(ValueError, match="K a multiple of 128"):
         pack(q.qdata, q.scale, None, "mxfp4")
@@ -354,6 +378,50 @@ def test_gpu_few_rows_split_k_by_warps_or_by_programs(fmt):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_split_k_partials_summed_by_the_norm_are_the_gemm(fmt):
+    """A GEMM whose launch splits K over programs returns its splits' fp32 sums [splits, M, N] (``partial_splits``
+    of them) with ``partials``, and ``add_rms_norm`` of them (times ``partials_scale``) is bit for bit
+    ``add_rms_norm`` of the GEMM's output, on both MMAs, an NVFP4 tensor scale per row and edge scales (NaN, 2**-127,
+    zeros) included; ``PackedWeight.mm_partials`` takes the same path and returns the output where nothing splits."""
+    hopper()
+    from mx_kernels.gluon.weight_only_tiled import partial_splits
+
+    from mx_recipe.infer.fused import add_rms_norm
+
+    torch.manual_seed(24)
+    n, k = 1000, 2048
+    w = weights(n, k, CUDA)
+    w[7] = 0.0
+    cases = [tiled(w, fmt), tiled(w.clamp(-2.0, 2.0) * 0.5, fmt)]
+    cases[1].scale.view(torch.uint8)[100:102] = 1  # tiled scale bytes: rows of 2**-126 (NVFP4: subnormal e4m3)
+    if fmt == "nvfp4":
+        cases.append(PackedWeight.cat([packed(w[:500] * 0.02, fmt), packed(w[500:] * 3.0, fmt)]))
+        cases[-1].tile()
+    else:
+        cases[0].scale.view(torch.uint8)[3, 5] = 0xFF
+    norm_w = torch.rand(n, device=CUDA).bfloat16() + 0.5
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m, cfg in ((8, None), (32, None), (5, dict(t=1, w=8, split_k=3, wgmma=True)),
+                   (3, dict(t=2, w=2, split_k=3, wgmma=False))):  # fmt: skip
+        x = torch.randn(m, k, device=CUDA).bfloat16()
+        h = torch.randn(m, n, device=CUDA).bfloat16()
+        for p in cases:
+            parts = mm(x, p, cfg=cfg, partials=True)
+            assert parts.dtype == torch.float32 and parts.shape == (partial_splits(m, n, k, sms, cfg), m, n)
+            assert parts.shape[0] > 1
+            got = add_rms_norm(h, parts, norm_w, 1e-5, p.partials_scale)
+            want = add_rms_norm(h, mm(x, p, cfg=cfg), norm_w, 1e-5)
+            assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+            assert torch.equal(got[1].view(torch.int16), want[1].view(torch.int16))
+    x = torch.randn(32, k, device=CUDA).bfloat16()
+    out, scale = cases[0].mm_partials(x, kernel=True)
+    assert out.shape[0] == partial_splits(32, n, k, sms) and (scale is None) == (fmt != "nvfp4")
+    one, scale = cases[0].mm_partials(x[:1], kernel=True)  # a program's warps split K: the output
+    assert scale is None and torch.equal(one.view(torch.int16), mm(x[:1], cases[0]).view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_gpu_swiglu_epilogue_is_the_gemm_then_silu_mul(fmt):
     """With w1 and w3 tiled in SwiGLU's row order, the epilogue's output is bit for bit ``silu_mul`` of the same
     GEMM's output (the same launch on the weight in plain row order), on both MMAs, K split or not (by programs or
@@ -384,9 +452,11 @@ def test_gpu_decode_step_with_tiled_weights(fmt):
     """The Llama debug model with quantized weights: ``tile_weights`` for two sequences tiles its dense projections
     but w2 (K = 704, not a multiple of 128), w13 for the SwiGLU epilogue (MXFP8 ones only past one sequence and
     without NaN codes); its prefill (past LARGE_M rows: the formats' layout) gives the untiled model's logits bit for
-    bit, and a decode step replayed from a CUDA graph under PDL up to summation order."""
+    bit, and a decode step replayed from a CUDA graph under PDL up to summation order, at one sequence and at eight
+    (where wo's GEMM hands its split-K partials to the add + norm kernel)."""
     hopper()
     from mx_kernels import pdl
+    from mx_kernels.gluon.weight_only_tiled import codes_per_word, partial_splits
 
     from mx_recipe.infer import decode
     from mx_recipe.infer.weights import FusedLinear, QuantizedLinear, fuse_projections, quantize_model, tile_weights
@@ -412,16 +482,21 @@ def test_gpu_decode_step_with_tiled_weights(fmt):
              if isinstance(mod, QuantizedLinear | FusedLinear) and mod.weight_packed is not None}  # fmt: skip
     assert found and all(p.tiled != name.endswith("w2") for name, p in found.items())
     assert all(p.swiglu_rows == name.endswith("w13") for name, p in found.items() if p.tiled)
-    tokens = torch.randint(0, 320, (1, 200), device=CUDA)
-    logits = []
-    for m in (plain, tiled_model):
-        cache = decode.KVCache(m, 1, 256, torch.bfloat16, torch.device(CUDA))
-        with torch.no_grad(), pdl.launching(True):
-            first = decode.forward(m, tokens, torch.arange(200, device=CUDA), cache)
-            step = decode.DecodeGraph(m, cache, tokens[:, -1:], torch.tensor([200], device=CUDA))
-            logits.append((first, step(tokens[:, -1:], torch.tensor([200], device=CUDA)).clone()))
-    assert torch.equal(logits[0][0], logits[1][0])
-    torch.testing.assert_close(logits[1][1].float(), logits[0][1].float(), atol=0.05, rtol=0.05)
+    # at 8 sequences wo's GEMM splits K over programs: its partials go to the add + norm kernel
+    wo = found["layers.0.attention.wo"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert partial_splits(8, wo.rows, wo.qdata.shape[1] * codes_per_word(fmt), sms) > 1
+    for batch in (1, 8):
+        tokens = torch.randint(0, 320, (batch, 200), device=CUDA)
+        logits = []
+        for m in (plain, tiled_model):
+            cache = decode.KVCache(m, batch, 256, torch.bfloat16, torch.device(CUDA))
+            with torch.no_grad(), pdl.launching(True):
+                first = decode.forward(m, tokens, torch.arange(200, device=CUDA), cache)
+                step = decode.DecodeGraph(m, cache, tokens[:, -1:], torch.tensor([200], device=CUDA))
+                logits.append((first, step(tokens[:, -1:], torch.tensor([200], device=CUDA)).clone()))
+        assert torch.equal(logits[0][0], logits[1][0])
+        torch.testing.assert_close(logits[1][1].float(), logits[0][1].float(), atol=0.05, rtol=0.05)
 
 
 @pytest.mark.gpu

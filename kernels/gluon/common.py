@@ -407,8 +407,9 @@ def require_gpu(x: torch.Tensor, op: str) -> None:
 
 def compile_for_arch(kernel, kwargs: dict, arch: int):
     """Compile the Gluon (or Triton) ``kernel`` for CUDA ``arch`` without a GPU, its arguments (``kwargs``, by
-    name, ``num_warps`` and any ``maxnreg`` included) specialized as a launch would specialize them (16-divisible
-    ints, stride 1): the CompiledKernel, with ``.asm["ttgir"]``, ``["ptx"]`` and ``["cubin"]``."""
+    name, ``num_warps`` and any ``maxnreg`` included; a parameter with a default may be left out) specialized as a
+    launch would specialize them (16-divisible ints, stride 1): the CompiledKernel, with ``.asm["ttgir"]``,
+    ``["ptx"]`` and ``["cubin"]``."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource
@@ -416,7 +417,7 @@ def compile_for_arch(kernel, kwargs: dict, arch: int):
 
     signature, constexprs, attrs = {}, {}, {}
     for i, p in enumerate(kernel.params):
-        value = kwargs[p.name]
+        value = kwargs[p.name] if p.name in kwargs or not p.has_default else p.default
         ty, attr = (
             ("constexpr", None) if p.is_constexpr else native_specialize_impl(BaseBackend, value, False, True, True)
         )

@@ -9,7 +9,10 @@ A stays in registers, though each step then waits for its wgmma before the next 
 with a wgmma left in flight over the next upcast, a step's A (32 KB for 128 weight rows) would be stored and read
 back on top of x^T, which on an H200 costs more than the wait on every Llama 3 8B GEMM from 8 to 128 rows. K is
 split over programs as the other weight-only kernels split it: each split stores its fp32 partial and the last to
-arrive sums them in split order, so the result does not depend on timing. On mma.sync a program's warps split K
+arrive sums them in split order, so the result does not depend on timing. Asked for ``partials``, each split stores
+its sum and the kernel ends: its consumer adds them in split order (a decode step's wo and w2, whose output goes to
+the add + RMSNorm kernel, mx_kernels.decode_fused), the same bits without the counter and the read-back on the
+GEMM's tail. On mma.sync a program's warps split K
 instead (``KW``, up to 16: each reads the same 16 rows over its part of K, into its own accumulator) and add their
 sums through shared memory in warp order: no partials through memory, no counter, and the GEMM's last sum is the
 program's own. In the Llama 3 8B decode step on an H200 (2026-11-30), each GEMM's warps splitting K took
@@ -292,11 +295,11 @@ def tiled_weight_only_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT, SPLIT_K, stride_xm, stride_om, stride_tn,
     FMT: gl.constexpr, BLOCK_M: gl.constexpr, T: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
     TWO_MUL: gl.constexpr, SWIGLU: gl.constexpr, PDL: gl.constexpr, WGMMA: gl.constexpr, UNROLL: gl.constexpr,
-    KW: gl.constexpr = 1,
+    KW: gl.constexpr = 1, PARTIALS: gl.constexpr = False,
 ):  # fmt: skip
     """One program: 16 T W weight rows (16 T with KW = W warps splitting its K), every row of x (M <= BLOCK_M), its
     split of K (K_SPLIT, a multiple of 128). w_ptr: the tiled words (int32), s_ptr the tiled scale bytes (module
-    doc); N: the weight's rows."""
+    doc); N: the weight's rows. ``PARTIALS`` (K split): each split stores its fp32 sum and nothing sums them here."""
     BLOCK_N: gl.constexpr = 16 * T * W
     R: gl.constexpr = BLOCK_N // KW  # weight rows a program; KW > 1: the warps split its K (mma.sync, T = 1)
     SB: gl.constexpr = 2 if FMT == "nvfp4" else 1
@@ -422,6 +425,10 @@ def tiled_weight_only_kernel(
             acc += parts.slice(i * R, R, dim=0).load(MMA)
     on = pid * R + gl.arange(0, R, layout=gl.SliceLayout(1, MMA))
     om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    if PARTIALS:  # K split: the consumer sums the splits (module doc)
+        mask = gl.expand_dims(om < M, 0) & gl.expand_dims(on < N, 1)
+        gl.store(ws_ptr + pid_k * M * N + gl.expand_dims(om, 0) * N + gl.expand_dims(on, 1), acc, mask=mask)
+        return
     last = True
     if SPLIT:
         acc, last = split_k_sum(acc, on, om, ws_ptr, cnt_ptr, pid, pid_k, M, N, SPLIT_K, UNROLL)
@@ -668,12 +675,14 @@ def config(m: int, n: int, sm_count: int) -> dict:
 
 def tiled_weight_only_mm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None,
                          n: int, fmt: str, two: bool, swiglu: bool = False, cfg: dict | None = None,
-                         pdl: bool = False) -> torch.Tensor:  # fmt: skip
+                         pdl: bool = False, partials: bool = False) -> torch.Tensor:  # fmt: skip
     """x [M, K] bf16 @ dequantize(w).T -> [M, n] bf16 ([M, n / 2] with ``swiglu``) from ``pack``'s output for the
     weight's n rows (``tensor_scale``: pack's, in its row order); ``two``: ``two_mul`` of the scales. More than
     MAX_M rows run as launches of MAX_M. ``cfg``: t, w, split_k, wgmma and optionally kw (default ``config``; kw
     warps split K on mma.sync: kw = w, t = 1, each split's steps a multiple of kw); ``pdl``: launched
-    with programmatic dependent launch (mx_kernels.pdl)."""
+    with programmatic dependent launch (mx_kernels.pdl). ``partials`` (no ``swiglu``): where one launch splits K over
+    programs, its splits' fp32 sums [splits, M, n] instead, for the consumer to add in split order and round
+    (``mx_kernels.decode_fused.add_rms_norm``; NVFP4's tensor scale not applied: ``partials_scale``)."""
     op = "tiled_weight_only_mm"
     if fmt not in FORMATS or x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or x.stride(0) % 8:
         raise ValueError(f"{op}: mxfp4, nvfp4 or mxfp8 and x bf16 [M, K] with rows 16-byte aligned, got {fmt} "
@@ -689,40 +698,86 @@ def tiled_weight_only_mm(x: torch.Tensor, words: torch.Tensor, scales: torch.Ten
                          f"{tuple(scales.shape)}")  # fmt: skip
     if (tensor_scale is None) != (fmt != "nvfp4"):
         raise ValueError(f"{op}: nvfp4 takes a tensor scale, mxfp4 none")
-    out = torch.empty((m, n // 2 if swiglu else n), dtype=torch.bfloat16, device=x.device)
+    if partials and swiglu:
+        raise ValueError(f"{op}: partials are a plain GEMM's, not the SwiGLU epilogue's")
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    if partials and (splits := partial_splits(m, n, k, sms, cfg)) > 1:
+        ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+        _launch(x, words, scales, tensor_scale, ws, n, fmt, two, False, _launch_config(m, k, n, sms, cfg), pdl, True)
+        return ws
+    out = torch.empty((m, n // 2 if swiglu else n), dtype=torch.bfloat16, device=x.device)
     r0 = 0
     while r0 < m:
-        launch = cfg or config(min(m - r0, MAX_M), n, sms)
-        if cfg is None and (k // BLOCK_K.value) % launch.get("kw", 1):  # K's steps do not split by the warps
-            launch = dict(launch, w=1, kw=1, split_k=launch["kw"])
-        rows = min(m - r0, MAX_M if launch["wgmma"] else 64)
+        launch = _launch_config(min(m - r0, MAX_M), k, n, sms, cfg)
+        rows = _launch_rows(m - r0, launch)
         _launch(x[r0 : r0 + rows], words, scales, tensor_scale, out[r0 : r0 + rows], n, fmt, two, swiglu, launch, pdl)
         r0 += rows
     return out
 
 
+def _launch_config(m: int, k: int, n: int, sms: int, cfg: dict | None) -> dict:
+    """The launch of up to MAX_M rows: ``cfg``, else ``config``'s with K split over programs where its warps
+    cannot split K's steps evenly."""
+    if cfg is not None:
+        return cfg
+    launch = config(m, n, sms)
+    if (k // BLOCK_K.value) % launch.get("kw", 1):
+        launch = dict(launch, w=1, kw=1, split_k=launch["kw"])
+    return launch
+
+
+def _launch_rows(m: int, launch: dict) -> int:
+    return min(m, MAX_M if launch["wgmma"] else 64)
+
+
+def _splits(k: int, split_k: int) -> tuple[int, int]:
+    """(steps of K a split, splits) for a launch asking for ``split_k``."""
+    steps = k // BLOCK_K.value
+    k_split = triton.cdiv(steps, min(split_k, steps))
+    return k_split, triton.cdiv(steps, k_split)
+
+
+def partial_splits(m: int, n: int, k: int, sms: int, cfg: dict | None = None) -> int:
+    """The splits whose sums ``tiled_weight_only_mm(partials=True)`` returns for an M-row GEMM on ``sms`` SMs: those
+    of its one launch; 1 where it returns the output (K not split over programs, or more rows than a launch's)."""
+    if m == 0 or m > MAX_M:
+        return 1
+    launch = _launch_config(m, k, n, sms, cfg)
+    return _splits(k, launch["split_k"])[1] if _launch_rows(m, launch) == m else 1
+
+
+def partials_scale(tensor_scale: torch.Tensor | None) -> torch.Tensor | None:
+    """What a consumer multiplies the summed partials by: NVFP4's tensor scale (``pack``'s, one or one per row)
+    times 2**8 (fp32, as the kernel's epilogue computes it); None for the MX formats."""
+    return None if tensor_scale is None else tensor_scale * NVFP4_SHIFT.value
+
+
 def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None,
-            out: torch.Tensor, n: int, fmt: str, two: bool, swiglu: bool, cfg: dict, pdl: bool) -> None:  # fmt: skip
+            out: torch.Tensor, n: int, fmt: str, two: bool, swiglu: bool, cfg: dict, pdl: bool,
+            partials: bool = False) -> None:  # fmt: skip
+    """One launch; ``partials``: ``out`` is the splits' fp32 sums [splits, M, n] (K split over programs)."""
     m, k = x.shape
     t, w, wgmma, kw = cfg["t"], cfg["w"], cfg["wgmma"], cfg.get("kw", 1)
     steps = k // BLOCK_K.value
-    k_split = triton.cdiv(steps, min(cfg["split_k"], steps))
-    split_k = triton.cdiv(steps, k_split)
+    k_split, split_k = _splits(k, cfg["split_k"])
     if kw > 1 and (wgmma or t != 1 or w != kw or k_split * split_k != steps or k_split % kw):
         raise ValueError(f"tiled_weight_only_mm: {kw} warps split K only on mma.sync, one tile a program, and each "
                          f"split's {k_split} steps of {steps} in whole steps a warp: {cfg}")  # fmt: skip
     n_tiles = triton.cdiv(n, 16 * t * w // kw)
     split = split_k > 1
-    ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split else out
-    counters = arrival_counters("weight_only_tiled", x.device, COUNTERS) if split else out
+    if partials:
+        ws, counters = out, out
+    else:
+        ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split else out
+        counters = arrival_counters("weight_only_tiled", x.device, COUNTERS) if split else out
     if n_tiles > COUNTERS:
         raise ValueError(f"tiled_weight_only_mm: {n_tiles} tiles, past the {COUNTERS} counters")
     ts = tensor_scale if tensor_scale is not None else out
     stride_tn = int(tensor_scale is not None and tensor_scale.numel() > 1)
     tiled_weight_only_kernel[(n_tiles, split_k)](
         x, words, scales, ts, out, ws, counters, m, n, k, k_split * BLOCK_K.value, split_k, x.stride(0),
-        out.stride(0), stride_tn, FMT=fmt, BLOCK_M=max(8, triton.next_power_of_2(m)), T=t, W=w, SPLIT=split,
+        out.stride(-2), stride_tn, FMT=fmt, BLOCK_M=max(8, triton.next_power_of_2(m)), T=t, W=w, SPLIT=split,
         TWO_MUL=two, SWIGLU=swiglu, PDL=pdl, WGMMA=wgmma,
-        UNROLL=triton.next_power_of_2(split_k) if split else 0, KW=kw, num_warps=w, launch_pdl=pdl,
+        UNROLL=triton.next_power_of_2(split_k) if split else 0, KW=kw, PARTIALS=partials, num_warps=w,
+        launch_pdl=pdl,
     )  # fmt: skip

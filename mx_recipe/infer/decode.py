@@ -18,8 +18,10 @@ written so far and spreads them over the SMs (at batch 1 SDPA runs one program p
 loads), and an MoE block's routing and combine by the kernels of ``mx_recipe.infer.routing`` (one launch each,
 where eager routing takes some twenty; up to ``gate_fits`` tokens the router's GEMM runs in the routing launch
 too). At one sequence the bf16 projections (bf16 models, and every model's output layer) are the GEMV of
-``mx_recipe.infer.gemv``, SwiGLU in its epilogue for a fused w1/w3; at more, cuBLAS. The position is a device
-tensor, so one CUDA graph serves every step.
+``mx_recipe.infer.gemv``, SwiGLU in its epilogue for a fused w1/w3; at more, cuBLAS. A residual branch's last
+projection (wo, w2) on a tiled quantized weight whose GEMM splits K over programs hands its splits' fp32 sums to the
+add + norm kernel, which adds them (``QuantizedLinear.partials``): the GEMM ends without a sum of its own. The
+position is a device tensor, so one CUDA graph serves every step.
 The prefill, and every step on the CPU, run the model's modules with SDPA and the mask. The fused MoE step leaves
 the block's ``tokens_per_expert`` (a training statistic for the balancing bias) untouched.
 
@@ -55,7 +57,7 @@ from mx_recipe.infer.fused import add_rms_norm, silu_mul
 from mx_recipe.infer.gemv import MAX_M as GEMV_MAX_M
 from mx_recipe.infer.gemv import apply_linear
 from mx_recipe.infer.routing import fits, gate_fits, moe_combine, moe_gate_route, moe_route
-from mx_recipe.infer.weights import FusedPart, PackedWeight
+from mx_recipe.infer.weights import FusedPart, PackedWeight, QuantizedLinear
 from mx_recipe.models.llama import Attention, FeedForward, Transformer, apply_rope, project
 from mx_recipe.models.moe import MoE
 from mx_recipe.ops import get_kernel_settings
@@ -63,6 +65,8 @@ from mx_recipe.ops import get_kernel_settings
 PDL_MAX_BATCH = 4  # the kernel step's sequences up to which quantized weights take PDL (module doc)
 PDL_MAX_BATCH_TILED = 32  # and up to which tiled 4-bit weights do (mx_recipe.infer.weights.tile_weights)
 STOP_CHECK = 8  # generate's decode steps between checks that every sequence has ended (each waits for the GPU)
+# a residual branch's output for add_rms_norm: [T, D], or its GEMM's fp32 split-K partials [S, T, D] and their scale
+Branch = tuple[torch.Tensor, torch.Tensor | None]
 
 
 class KVCache(nn.Module):
@@ -114,12 +118,20 @@ def _eps(norm: nn.RMSNorm, dtype: torch.dtype) -> float:
     return norm.eps if norm.eps is not None else torch.finfo(dtype).eps  # nn.RMSNorm's default
 
 
-def _swiglu_step(ffn: FeedForward, x: torch.Tensor) -> torch.Tensor:
+def _branch(module: nn.Module, x: torch.Tensor) -> Branch:
+    """A residual branch's last projection of rows x [T, K], for ``add_rms_norm``: its output, or its GEMM's
+    split-K partials and their scale (``QuantizedLinear.partials``)."""
+    if isinstance(module, QuantizedLinear):
+        return module.partials(x)
+    return apply_linear(module, x), None
+
+
+def _swiglu_hidden(ffn: FeedForward, x: torch.Tensor) -> torch.Tensor:
+    """silu(x w1^T) * (x w3^T): in the gate/up GEMM's epilogue where it takes it, else by ``silu_mul``."""
     fused = ffn.w1.fused if isinstance(ffn.w1, FusedPart) else None
     if fused is not None and getattr(ffn.w3, "fused", None) is fused and fused.swiglu_in_epilogue(x):
-        return apply_linear(ffn.w2, fused.swiglu(x))
-    h1, h3 = project(x, ffn.w1, ffn.w3)
-    return apply_linear(ffn.w2, silu_mul(h1, h3))
+        return fused.swiglu(x)
+    return silu_mul(*project(x, ffn.w1, ffn.w3))
 
 
 def _moe_step(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -139,18 +151,20 @@ def _moe_step(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     else:
         h = silu_mul(*moe.experts.gate_up(x, offs, rows))
     y = moe.experts.down(h, offs)
-    shared = _swiglu_step(moe.shared_experts, x) if moe.shared_experts is not None and not folded else None
+    shared = None
+    if moe.shared_experts is not None and not folded:
+        shared = apply_linear(moe.shared_experts.w2, _swiglu_hidden(moe.shared_experts, x))
     return moe_combine(y, slots, weights, shared)
 
 
-def _ffn_step(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _ffn_step(layer: nn.Module, x: torch.Tensor) -> Branch:
     """The block's feed-forward or MoE on rows x [T, dim] with the fused kernels, where they take it."""
     ffn = _ffn(layer)
     if isinstance(ffn, FeedForward):
-        return _swiglu_step(ffn, x)
+        return _branch(ffn.w2, _swiglu_hidden(ffn, x))
     if isinstance(ffn, MoE) and fits(x.shape[0], ffn.n_experts):
-        return _moe_step(ffn, x)
-    return ffn(x[:, None]).view(x.shape)
+        return _moe_step(ffn, x), None
+    return ffn(x[:, None]).view(x.shape), None
 
 
 def pdl_pays(model: Transformer, batch: int) -> bool:
@@ -178,17 +192,17 @@ def _layers_step(model: Transformer, tokens: torch.Tensor, position: torch.Tenso
     batch = tokens.shape[0]
     h = model.tok_embeddings(tokens).view(batch, -1)
     length = position.view(-1) + 1  # [1], or [B]: each sequence's own
-    delta = None
+    delta, scale = None, None
     for i, layer in enumerate(model.layers.values()):
         norm, attn = layer.attention_norm, layer.attention
-        h, x = add_rms_norm(h, delta, norm.weight, _eps(norm, h.dtype))
+        h, x = add_rms_norm(h, delta, norm.weight, _eps(norm, h.dtype), scale)
         q, k, v = project(x, attn.wq, attn.wk, attn.wv)
         q = q.view(batch, attn.n_kv_heads, attn.n_heads // attn.n_kv_heads, attn.head_dim)  # no copy: heads split
         out = decode_attention_append(q, k, v, model.rope_cos, model.rope_sin, cache.k[i], cache.v[i], length)
-        o = apply_linear(attn.wo, out.view(batch, -1))
-        h, x = add_rms_norm(h, o, layer.ffn_norm.weight, _eps(layer.ffn_norm, h.dtype))
-        delta = _ffn_step(layer, x)
-    _, x = add_rms_norm(h, delta, model.norm.weight, _eps(model.norm, h.dtype))
+        o, scale = _branch(attn.wo, out.view(batch, -1))
+        h, x = add_rms_norm(h, o, layer.ffn_norm.weight, _eps(layer.ffn_norm, h.dtype), scale)
+        delta, scale = _ffn_step(layer, x)
+    _, x = add_rms_norm(h, delta, model.norm.weight, _eps(model.norm, h.dtype), scale)
     return apply_linear(model.output, x).view(batch, 1, -1)
 
 

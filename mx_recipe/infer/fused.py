@@ -15,17 +15,20 @@ from torch import Tensor
 from mx_recipe.library import define
 
 
-def _norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float, delta_scale: Tensor | None = None
+          ) -> tuple[Tensor, Tensor]:  # fmt: skip
     from mx_kernels.decode_fused import add_rms_norm
 
-    return add_rms_norm(h, delta, weight, eps)
+    return add_rms_norm(h, delta, weight, eps, delta_scale)
 
 
-def _norm_fake(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _norm_fake(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float, delta_scale: Tensor | None = None
+               ) -> tuple[Tensor, Tensor]:  # fmt: skip
     return torch.empty_like(h), torch.empty_like(h)
 
 
-define("add_rms_norm(Tensor h, Tensor? delta, Tensor weight, float eps) -> (Tensor, Tensor)", _norm, _norm_fake)
+define("add_rms_norm(Tensor h, Tensor? delta, Tensor weight, float eps, Tensor? delta_scale=None) -> (Tensor, Tensor)",
+       _norm, _norm_fake)  # fmt: skip
 
 
 def _silu_mul(h1: Tensor, h3: Tensor) -> Tensor:
@@ -41,9 +44,12 @@ def _silu_mul_fake(h1: Tensor, h3: Tensor) -> Tensor:
 define("silu_mul(Tensor h1, Tensor h3) -> Tensor", _silu_mul, _silu_mul_fake)
 
 
-def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(h + delta, RMSNorm(h + delta) * weight) for rows [T, D]; delta None: (a copy of h, RMSNorm(h) * weight)."""
-    return torch.ops.mx_recipe.add_rms_norm(h, delta, weight, eps)
+def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float, delta_scale: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(h + delta, RMSNorm(h + delta) * weight) for rows [T, D]; delta None: (a copy of h, RMSNorm(h) * weight).
+    delta may be a GEMM's fp32 split-K partials [S, T, D], summed here (``delta_scale``: times it after the sum;
+    mx_kernels.decode_fused)."""
+    return torch.ops.mx_recipe.add_rms_norm(h, delta, weight, eps, delta_scale)
 
 
 def silu_mul(h1: Tensor, h3: Tensor) -> Tensor:

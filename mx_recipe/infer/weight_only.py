@@ -54,20 +54,27 @@ define(
 
 
 def _tiled(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor | None, n: int, fmt: str, two_mul: bool,
-           *, swiglu: bool = False) -> Tensor:  # fmt: skip
+           *, swiglu: bool = False, partials: bool = False) -> Tensor:  # fmt: skip
     from mx_kernels import pdl
     from mx_kernels.gluon.weight_only_tiled import tiled_weight_only_mm
 
-    return tiled_weight_only_mm(x, words, scales, tensor_scale, n, fmt, two_mul, swiglu, pdl=pdl.enabled(x.device))
+    return tiled_weight_only_mm(x, words, scales, tensor_scale, n, fmt, two_mul, swiglu, pdl=pdl.enabled(x.device),
+                                partials=partials)  # fmt: skip
 
 
 def _tiled_fake(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor | None, n: int, fmt: str,
-                two_mul: bool, *, swiglu: bool = False) -> Tensor:  # fmt: skip
+                two_mul: bool, *, swiglu: bool = False, partials: bool = False) -> Tensor:  # fmt: skip
+    if partials:
+        from mx_kernels.gluon.weight_only_tiled import partial_splits
+
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        if (splits := partial_splits(x.shape[0], n, x.shape[1], sms)) > 1:
+            return x.new_empty((splits, x.shape[0], n), dtype=torch.float32)
     return x.new_empty((x.shape[0], n // 2 if swiglu else n), dtype=torch.bfloat16)
 
 
 define("weight_only_tiled_mm(Tensor x, Tensor words, Tensor scales, Tensor? tensor_scale, int n, str fmt,"
-       " bool two_mul, *, bool swiglu=False) -> Tensor", _tiled, _tiled_fake)  # fmt: skip
+       " bool two_mul, *, bool swiglu=False, bool partials=False) -> Tensor", _tiled, _tiled_fake)  # fmt: skip
 
 
 def _dequantize(qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str) -> Tensor:
@@ -126,6 +133,13 @@ def tiled_weight_only_mm(x: Tensor, words: Tensor, scales: Tensor, tensor_scale:
     x2 = x.reshape(-1, x.shape[-1])
     out = torch.ops.mx_recipe.weight_only_tiled_mm(x2, words, scales, tensor_scale, n, fmt, two_mul, swiglu=swiglu)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def tiled_weight_only_partials(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor | None, n: int,
+                               fmt: str, two_mul: bool) -> Tensor:  # fmt: skip
+    """``tiled_weight_only_mm`` of rows x [M, K], or where its launch splits K over programs, the splits' fp32 sums
+    [splits, M, n] for ``add_rms_norm`` to add (mx_kernels.gluon.weight_only_tiled, ``partials``)."""
+    return torch.ops.mx_recipe.weight_only_tiled_mm(x, words, scales, tensor_scale, n, fmt, two_mul, partials=True)
 
 
 def weight_only_grouped_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,

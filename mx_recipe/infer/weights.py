@@ -46,6 +46,7 @@ from mx_recipe.infer.weight_only import (
     PACK,
     swiglu_of,
     tiled_weight_only_mm,
+    tiled_weight_only_partials,
     use_kernel,
     weight_only_grouped_mm,
     weight_only_mm,
@@ -94,7 +95,7 @@ class PackedWeight(nn.Module):
         off a decode step: docs/DESIGN.md, Architecture). MXFP8 codes must not be NaN (``pack``).
         ``swiglu``: the weight is w1 and w3 concatenated along N, its rows ordered for the SwiGLU epilogue. The
         tensor scale stays per the original rows (``dequantize``); the kernel's, in the packed order, beside it."""
-        from mx_kernels.gluon.weight_only_tiled import pack, two_mul
+        from mx_kernels.gluon.weight_only_tiled import pack, partials_scale, two_mul
 
         if self.tiled or self.qdata.dim() != 2:
             raise ValueError(f"PackedWeight.tile: a 2D weight not tiled yet, got {self.fmt} "
@@ -104,6 +105,7 @@ class PackedWeight(nn.Module):
         self.codes_dtype = self.qdata.dtype
         self.qdata, self.scale = words, scales
         self.register_buffer("tensor_scale_tiled", ts)
+        self.register_buffer("partials_scale", partials_scale(ts), persistent=False)  # the norm's, for mm_partials
         self.tiled = True
 
     def natural_codes(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,6 +145,16 @@ class PackedWeight(nn.Module):
         y = F.linear(x, self.dequantize(x.dtype))
         return swiglu_of(y) if swiglu else y
 
+    def mm_partials(self, x: torch.Tensor, kernel: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``mm(x, kernel)`` for rows x [M, K], as (output, None); or, for a tiled weight whose GEMM splits K over
+        programs, (its splits' fp32 sums [splits, M, N], their scale or None) for ``add_rms_norm`` to add: the
+        GEMM then ends without summing them (mx_kernels.decode_fused)."""
+        if kernel and self.tiled and use_kernel(x) and x.shape[0] <= LARGE_M and not self.swiglu_rows:
+            y = tiled_weight_only_partials(x, self.qdata, self.scale, self.tensor_scale_tiled, self.rows, self.fmt,
+                                           self.two_mul)  # fmt: skip
+            return y, self.partials_scale if y.dim() == 3 else None
+        return self.mm(x, kernel), None
+
     def grouped_mm(self, x: torch.Tensor, offs: torch.Tensor, kernel: bool, rows: torch.Tensor | None = None,
                    swiglu: bool = False) -> torch.Tensor:  # fmt: skip
         """x [M, K] sorted by group (int32 cumulative ends ``offs``) by each group's w [N, K]: [M, N]. ``rows``:
@@ -157,9 +169,10 @@ class PackedWeight(nn.Module):
 
     def nbytes(self) -> int:
         """Bytes the GEMM reads: codes, scales and tensor scale (tiled: the kernel's, not the copy in the original
-        row order that ``dequantize`` keeps)."""
-        skip = "tensor_scale" if self.tiled else None
-        return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name != skip)
+        row order that ``dequantize`` keeps, nor its copy times 2**8 that ``mm_partials``'s consumer reads in its
+        place)."""
+        skip = ("tensor_scale", "partials_scale") if self.tiled else ()
+        return sum(b.numel() * b.element_size() for name, b in self.named_buffers() if name not in skip)
 
     @classmethod
     def cat(cls, parts: list[PackedWeight]) -> PackedWeight:
@@ -194,6 +207,13 @@ class QuantizedLinear(nn.Module):
         if self.activations:
             x = quantize_activation(x, self.fmt)
         return self.weight_packed.mm(x, self.kernel)
+
+    def partials(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward`` of rows x [M, K] and None, or its GEMM's split-K partials and their scale
+        (``PackedWeight.mm_partials``)."""
+        if self.activations:
+            x = quantize_activation(x, self.fmt)
+        return self.weight_packed.mm_partials(x, self.kernel)
 
 
 def _cat_bytes(parts: list[torch.Tensor]) -> torch.Tensor:
