@@ -314,6 +314,28 @@ def test_tile_weights_leaves_a_cpu_model_as_it_is():
 # GPU
 
 
+def edge_cases(fmt: str, n: int, k: int) -> list[PackedWeight]:
+    """Tiled n x k weights (seeded): scales from 2**-12 to 2**6 and a zero row 7; the same weight clamped to [-1, 1]
+    with a NaN scale in row 3 (NVFP4: NaN, zero, subnormal, largest and negative e4m3 scales), 2**-127 and 2**-126
+    ones; MXFP8 with one scale of 2**23; NVFP4 also with a tensor scale per row (two parts)."""
+    torch.manual_seed(21)
+    w = weights(n, k, CUDA)
+    w[7] = 0.0
+    cases = [packed(w, fmt), packed(w.clamp(-2.0, 2.0) * 0.5, fmt)]
+    scales = cases[1].scale.view(torch.uint8)
+    if fmt == "nvfp4":
+        cases.append(PackedWeight.cat([packed(w[: n // 2] * 0.02, fmt), packed(w[n // 2 :] * 3.0, fmt)]))
+        # e4m3 scales: NaN, zero, the smallest subnormal and normal, the largest, a negative one
+        scales[3, 5], scales[4, 0], scales[5, 2], scales[6, 1], scales[8, 3], scales[9, 4] = 0x7F, 0, 1, 8, 0x7E, 0xB8
+    else:
+        scales[3, 5], scales[4, 0], scales[5, 2] = 0xFF, 0, 1
+    if fmt == "mxfp8":
+        cases[0].scale.view(torch.uint8)[10, 2] = 150
+    for p in cases:
+        p.tile()
+    return cases
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gpu_every_m_within_the_bound(fmt):
@@ -323,22 +345,8 @@ def test_gpu_every_m_within_the_bound(fmt):
     scales, a zero row; NVFP4 with a NaN, zero, subnormal, largest and negative e4m3 scale, and a tensor scale per
     row too."""
     hopper()
-    torch.manual_seed(21)
     n, k = 1000, 2048
-    w = weights(n, k, CUDA)
-    w[7] = 0.0
-    cases = [packed(w, fmt), packed(w.clamp(-2.0, 2.0) * 0.5, fmt)]
-    scales = cases[1].scale.view(torch.uint8)
-    if fmt == "nvfp4":
-        cases.append(PackedWeight.cat([packed(w[:500] * 0.02, fmt), packed(w[500:] * 3.0, fmt)]))
-        # e4m3 scales: NaN, zero, the smallest subnormal and normal, the largest, a negative one
-        scales[3, 5], scales[4, 0], scales[5, 2], scales[6, 1], scales[8, 3], scales[9, 4] = 0x7F, 0, 1, 8, 0x7E, 0xB8
-    else:
-        scales[3, 5], scales[4, 0], scales[5, 2] = 0xFF, 0, 1
-    if fmt == "mxfp8":
-        cases[0].scale.view(torch.uint8)[10, 2] = 150
-    for p in cases:
-        p.tile()
+    cases = edge_cases(fmt, n, k)
     assert cases[0].two_mul == (fmt != "nvfp4") and not cases[1].two_mul
     configs = [None, dict(t=2, w=2, split_k=3, wgmma=False), dict(t=1, w=8, split_k=3, wgmma=True),
                dict(t=1, w=4, kw=4, split_k=2, wgmma=False)]  # fmt: skip
@@ -381,24 +389,16 @@ def test_gpu_few_rows_split_k_by_warps_or_by_programs(fmt):
 def test_gpu_split_k_partials_summed_by_the_norm_are_the_gemm(fmt):
     """A GEMM whose launch splits K over programs returns its splits' fp32 sums [splits, M, N] (``partial_splits``
     of them) with ``partials``, and ``add_rms_norm`` of them (times ``partials_scale``) is bit for bit
-    ``add_rms_norm`` of the GEMM's output, on both MMAs, an NVFP4 tensor scale per row and edge scales (NaN, 2**-127,
-    zeros) included; ``PackedWeight.mm_partials`` takes the same path and returns the output where nothing splits."""
+    ``add_rms_norm`` of the GEMM's output, on both MMAs, for ``edge_cases``' weights (NaN, 2**-127 and 2**-126 scales,
+    a zero row, an NVFP4 tensor scale per row); ``PackedWeight.mm_partials`` takes the same path and returns the
+    output where nothing splits."""
     hopper()
     from mx_kernels.gluon.weight_only_tiled import partial_splits
 
     from mx_recipe.infer.fused import add_rms_norm
 
-    torch.manual_seed(24)
     n, k = 1000, 2048
-    w = weights(n, k, CUDA)
-    w[7] = 0.0
-    cases = [tiled(w, fmt), tiled(w.clamp(-2.0, 2.0) * 0.5, fmt)]
-    cases[1].scale.view(torch.uint8)[100:102] = 1  # tiled scale bytes: rows of 2**-126 (NVFP4: subnormal e4m3)
-    if fmt == "nvfp4":
-        cases.append(PackedWeight.cat([packed(w[:500] * 0.02, fmt), packed(w[500:] * 3.0, fmt)]))
-        cases[-1].tile()
-    else:
-        cases[0].scale.view(torch.uint8)[3, 5] = 0xFF
+    cases = edge_cases(fmt, n, k)
     norm_w = torch.rand(n, device=CUDA).bfloat16() + 0.5
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for m, cfg in ((8, None), (32, None), (5, dict(t=1, w=8, split_k=3, wgmma=True)),
