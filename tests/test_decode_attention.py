@@ -282,6 +282,31 @@ def test_one_tile_chunk_reads_the_cache_before_the_pdl_wait(monkeypatch):
     assert pdl_wait < ptx.index("griddepcontrol.launch_dependents") < ptx.index("mma.sync")
 
 
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="imports the Triton kernel module")
+def test_pdl_only_where_a_chunk_is_one_tile(monkeypatch):
+    """Where the step launches with PDL, the attention takes it with chunks of one tile (its cache tile read before
+    the wait: batch 1 and 2 of Llama 3 8B's heads at 1024 positions) and not with chunks of several (batch 4 on)."""
+    from mx_kernels import decode_attention as kernel
+
+    launches = []
+
+    class Capture:
+        def launch_keyed(self, key, build, **kwargs):
+            launches.append(build()[1])
+
+    monkeypatch.setattr(kernel, "_SPLIT", Capture())
+    monkeypatch.setattr(kernel, "check", lambda *args: None)  # CPU tensors past the launcher's CUDA check
+    monkeypatch.setattr(kernel.pdl, "options", lambda device: dict(PDL=True, launch_pdl=True))
+    bf16 = torch.bfloat16
+    for batch in (1, 2, 4, 32):
+        q, cache = torch.empty(batch, 8, 4, 128, dtype=bf16), torch.empty(batch, 8, 1024, 128, dtype=bf16)
+        splits = kernel.split_count(batch * 8, 1024, 64, 132)[0]
+        kernel.decode_attention(q, cache, cache, torch.tensor([1024]), splits=splits, block_l=64)
+    assert [(k["ONE_TILE"], k["PDL"], k.get("launch_pdl", False)) for k in launches] == [
+        (True, True, True), (True, True, True), (False, False, False), (False, False, False)
+    ]  # fmt: skip
+
+
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
 def test_kernel_in_triton_interpreter():
     """Run the test_interp_* tests in a child pytest with TRITON_INTERPRET=1 (see module doc)."""

@@ -38,8 +38,10 @@ GEMV (one sequence); with cuBLAS's GEMMs it gains nothing. One H200, Llama 3 8B 
 ms a step with / without (``bench_decode.py --pdl both``): batch 1 bf16 3.88 / 4.16, MXFP8 2.43 / 2.64, MXFP4
 2.01 / 2.28, NVFP4 2.11 / 2.36; batch 8 MXFP4 2.90 / 2.97, NVFP4 2.98 / 3.04; batch 32 MXFP4 4.19 / 4.22, NVFP4
 4.30 / 4.31. With the caps raised, MXFP8 weights (tiled past one sequence) lost at batch 8 (3.64 / 3.52) and were
-even at 32 (4.78 / 4.79), and 4-bit weights at 128 were mixed (MXFP4 11.74 / 11.76, NVFP4 12.06 / 12.07). Nothing
-else launches with PDL; ``KernelSettings.pdl`` off turns it off in the step too.
+even at 32 (4.78 / 4.79), and 4-bit weights at 128 were mixed (MXFP4 11.74 / 11.76, NVFP4 12.06 / 12.07). In such
+a step the attention kernel takes PDL only where its chunks of the cache are one tile (mx_kernels.decode_attention:
+at Llama 3 8B dims and 1024 positions, one or two sequences). Nothing else launches with PDL; ``KernelSettings.pdl``
+off turns it off in the step too.
 """
 
 from __future__ import annotations
