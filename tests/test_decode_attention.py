@@ -244,8 +244,25 @@ def test_split_count_spreads_the_cache_and_leaves_no_empty_chunk():
     assert split_count(176, 1024, BLOCK_L, h200) == (2, 512)  # 1.5: halves up
 
 
+@pytest.fixture
+def split_launches(monkeypatch) -> list[dict]:
+    """The split kernel's launch arguments as ``decode_attention`` builds them, captured instead of launched (CPU
+    tensors pass its CUDA check)."""
+    from mx_kernels import decode_attention as kernel
+
+    launches = []
+
+    class Capture:
+        def launch_keyed(self, key, build, **kwargs):
+            launches.append(build()[1])
+
+    monkeypatch.setattr(kernel, "_SPLIT", Capture())
+    monkeypatch.setattr(kernel, "check", lambda *args: None)
+    return launches
+
+
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
-def test_one_tile_chunk_reads_the_cache_before_the_pdl_wait(monkeypatch):
+def test_one_tile_chunk_reads_the_cache_before_the_pdl_wait(split_launches):
     """What the interpreter cannot check: compiled for sm_90a with the arguments the launcher builds for a decode
     step at Llama 3 8B's heads (batch 1, 1024 positions, 16 chunks of one 64-position tile, appending), under PDL.
     The key and value tile's 16-byte loads and the RoPE rows' precede the PDL wait (none is the previous kernel's
@@ -255,14 +272,7 @@ def test_one_tile_chunk_reads_the_cache_before_the_pdl_wait(monkeypatch):
     from mx_kernels import decode_attention as kernel
     from mx_kernels.gluon.common import compile_for_arch
 
-    launches = []
-
-    class Capture:
-        def launch_keyed(self, key, build, **kwargs):
-            launches.append(build()[1])
-
-    monkeypatch.setattr(kernel, "_SPLIT", Capture())
-    monkeypatch.setattr(kernel, "check", lambda *args: None)  # CPU tensors past the launcher's CUDA check
+    launches = split_launches
     bf16 = torch.bfloat16
     q, cache = torch.empty(1, 8, 4, 128, dtype=bf16), torch.empty(1, 8, 1024, 128, dtype=bf16)
     new, table = torch.empty(1, 8 * 128, dtype=bf16), torch.empty(1024, 64)
@@ -283,19 +293,12 @@ def test_one_tile_chunk_reads_the_cache_before_the_pdl_wait(monkeypatch):
 
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="imports the Triton kernel module")
-def test_pdl_only_where_a_chunk_is_one_tile(monkeypatch):
+def test_pdl_only_where_a_chunk_is_one_tile(split_launches, monkeypatch):
     """Where the step launches with PDL, the attention takes it with chunks of one tile (its cache tile read before
     the wait: batch 1 and 2 of Llama 3 8B's heads at 1024 positions) and not with chunks of several (batch 4 on)."""
     from mx_kernels import decode_attention as kernel
 
-    launches = []
-
-    class Capture:
-        def launch_keyed(self, key, build, **kwargs):
-            launches.append(build()[1])
-
-    monkeypatch.setattr(kernel, "_SPLIT", Capture())
-    monkeypatch.setattr(kernel, "check", lambda *args: None)  # CPU tensors past the launcher's CUDA check
+    launches = split_launches
     monkeypatch.setattr(kernel.pdl, "options", lambda device: dict(PDL=True, launch_pdl=True))
     bf16 = torch.bfloat16
     for batch in (1, 2, 4, 32):

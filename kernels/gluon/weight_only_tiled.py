@@ -701,10 +701,12 @@ def tiled_weight_only_mm(x: torch.Tensor, words: torch.Tensor, scales: torch.Ten
     if partials and swiglu:
         raise ValueError(f"{op}: partials are a plain GEMM's, not the SwiGLU epilogue's")
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    if partials and (splits := partial_splits(m, n, k, sms, cfg)) > 1:
-        ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-        _launch(x, words, scales, tensor_scale, ws, n, fmt, two, False, _launch_config(m, k, n, sms, cfg), pdl, True)
-        return ws
+    if partials:
+        launch, splits = _partials_launch(m, n, k, sms, cfg)
+        if splits > 1:
+            ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+            _launch(x, words, scales, tensor_scale, ws, n, fmt, two, False, launch, pdl, True)
+            return ws
     out = torch.empty((m, n // 2 if swiglu else n), dtype=torch.bfloat16, device=x.device)
     r0 = 0
     while r0 < m:
@@ -737,13 +739,18 @@ def _splits(k: int, split_k: int) -> tuple[int, int]:
     return k_split, triton.cdiv(steps, k_split)
 
 
+def _partials_launch(m: int, n: int, k: int, sms: int, cfg: dict | None) -> tuple[dict | None, int]:
+    """The one launch of an M-row GEMM and its splits of K over programs; (None, 1) where it takes several."""
+    if m == 0 or m > MAX_M:
+        return None, 1
+    launch = _launch_config(m, k, n, sms, cfg)
+    return (launch, _splits(k, launch["split_k"])[1]) if _launch_rows(m, launch) == m else (None, 1)
+
+
 def partial_splits(m: int, n: int, k: int, sms: int, cfg: dict | None = None) -> int:
     """The splits whose sums ``tiled_weight_only_mm(partials=True)`` returns for an M-row GEMM on ``sms`` SMs: those
     of its one launch; 1 where it returns the output (K not split over programs, or more rows than a launch's)."""
-    if m == 0 or m > MAX_M:
-        return 1
-    launch = _launch_config(m, k, n, sms, cfg)
-    return _splits(k, launch["split_k"])[1] if _launch_rows(m, launch) == m else 1
+    return _partials_launch(m, n, k, sms, cfg)[1]
 
 
 def partials_scale(tensor_scale: torch.Tensor | None) -> torch.Tensor | None:
