@@ -23,6 +23,14 @@ cache below the position. The program whose chunk holds it rotates the key the s
 into the caches (rounded to their dtype), and merges that one position into its online softmax from registers
 (fp32 products): nothing it wrote is read back, so no ordering between the write and the tile loads is needed.
 A step then needs no launch of its own for RoPE and the cache write.
+q, k and v may arrive as the QKV GEMM's split-K sums, fp32 [S, ...] (mx_kernels.gluon.weight_only_tiled,
+``partials``): each program adds the splits of what it reads in split order from +0, times the scale (NVFP4's
+tensor scale x 2**8: one, or one per column of the fused [q | k | v] row) and rounds to the caches' dtype, the
+bits the GEMM's epilogue would have written, so the GEMM ends without its last split's counter and read-back. Every
+program of a head reads its q rows' splits (L2-resident, S x 4 bytes an element against 2), the one that appends
+the step's k and v theirs. One H200, Llama 3 8B dims, context 1024, ms a step with the sums in the GEMM / here:
+MXFP4 batch 8 2.806 / 2.777, 32 3.719 / 3.634, 128 10.469 / 10.243; NVFP4 batch 32 3.859 / 3.787; MXFP8 batch 32
+4.356 / 4.268.
 
 The split kernel: a program loads q [R, D], padded with zero rows to BLOCK_R = max(16, next power of 2) for
 ``tl.dot``, and walks its chunk in tiles of BLOCK_L positions up to min(chunk end, length): scores q k^T, an
@@ -132,6 +140,27 @@ def _tile(q, k, v, inside, m_i, l_i, acc, qk_scale, MMA16: tl.constexpr):
 
 
 @triton.jit
+def _projected(ptrs, mask, stride_s, ps_ptr, ps_offs, dtype, PARTS: tl.constexpr, HAS_PS: tl.constexpr):
+    """A projection's output at ``ptrs``: the values, or (PARTS > 0) the sum of PARTS fp32 split-K partials
+    ``stride_s`` apart in split order from 0, times the scale at ps_ptr + ps_offs (HAS_PS), rounded to ``dtype``:
+    what the GEMM's own epilogue writes (mx_kernels.gluon.weight_only_tiled). Every split loaded before the first
+    add."""
+    if PARTS == 0:
+        value = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        parts = ()
+        for i in tl.static_range(PARTS):
+            parts = parts + (tl.load(ptrs + i * stride_s, mask=mask, other=0.0),)
+        total = tl.zeros_like(parts[0])
+        for i in tl.static_range(PARTS):
+            total += parts[i]
+        if HAS_PS:
+            total = total * tl.load(ps_ptr + ps_offs, mask=mask, other=0.0)
+        value = total.to(dtype)
+    return value
+
+
+@triton.jit
 def _wait_then_release(PDL: tl.constexpr):
     pdl.wait_prior(PDL)
     # the next kernel (the output projection) may launch now: its programs are resident, set up and waiting when
@@ -141,16 +170,19 @@ def _wait_then_release(PDL: tl.constexpr):
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, m_ptr, l_ptr, cnt_ptr, out_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, H, R, L,
-    CHUNK, SPLITS, stride_len, qk_scale, stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_kl, stride_vb,
-    stride_vh, stride_vl, stride_ob, stride_oh, stride_or, stride_knb, stride_vnb, D: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_RC: tl.constexpr,
-    DIRECT: tl.constexpr, MMA16: tl.constexpr, APPEND: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, m_ptr, l_ptr, cnt_ptr, out_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, ps_ptr,
+    H, R, L, CHUNK, SPLITS, stride_len, qk_scale, stride_qb, stride_qh, stride_qr, stride_kb, stride_kh, stride_kl,
+    stride_vb, stride_vh, stride_vl, stride_ob, stride_oh, stride_or, stride_knb, stride_vnb, stride_qs, stride_kns,
+    stride_vns, stride_ps, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_RC: tl.constexpr, DIRECT: tl.constexpr, MMA16: tl.constexpr, APPEND: tl.constexpr, ONE_TILE: tl.constexpr,
+    PARTS: tl.constexpr, HAS_PS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One chunk of the cache for the R query heads of one (b, head): its partial (acc [R, D], m [R], l [R]), and
     the head's output from all its chunks' partials where it is the last chunk to finish; ``DIRECT`` (one split):
     the output rows acc / l. ``APPEND``: q and the step's own k (kn) unrotated, rotated here at position
-    length - 1, where the chunk holding it writes k and v (vn) into the caches (module doc)."""
+    length - 1, where the chunk holding it writes k and v (vn) into the caches (module doc). ``PARTS`` > 0: q, k
+    and v are that many fp32 split-K sums of the QKV GEMM (``stride_*s`` apart), times the scale at ps_ptr (HAS_PS;
+    one, or one per column of [q | k | v] with ``stride_ps`` 1), rounded to out's dtype."""
     EARLY: tl.constexpr = APPEND and ONE_TILE  # the cache tile read before the PDL wait (module doc)
     if not EARLY:
         _wait_then_release(PDL)
@@ -186,14 +218,19 @@ def _split_kernel(
     if EARLY:
         _wait_then_release(PDL)
     if APPEND:  # the previous kernel's outputs: after the wait
-        q_raw = tl.load(q_rows + d[None, :], mask=r[:, None] < R, other=0.0)
-        kn_row = kn_ptr + b.to(tl.int64) * stride_knb + h * D
-        k_raw = tl.load(kn_row + d[None, :], mask=holds, other=0.0)
-        v_one = tl.load(vn_ptr + b.to(tl.int64) * stride_vnb + h * D + d, mask=holds, other=0.0)
+        dtype = out_ptr.dtype.element_ty  # q's, or the QKV GEMM's where its split sums come (PARTS)
+        q_cols = (h * R + r[:, None]) * D + d[None, :]  # q's columns in [q | k | v] (the scale's)
+        q_raw = _projected(q_rows + d[None, :], r[:, None] < R, stride_qs, ps_ptr, q_cols * stride_ps, dtype, PARTS,
+                           HAS_PS)  # fmt: skip
+        kv_cols = (H * R + h) * D + d  # k's columns in [q | k | v]; v's follow k's H * D
+        k_raw = _projected(kn_ptr + b.to(tl.int64) * stride_knb + h * D + d[None, :], holds, stride_kns, ps_ptr,
+                           kv_cols[None, :] * stride_ps, dtype, PARTS, HAS_PS)  # fmt: skip
+        v_one = _projected(vn_ptr + b.to(tl.int64) * stride_vnb + h * D + d, holds, stride_vns, ps_ptr,
+                           (kv_cols + H * D) * stride_ps, dtype, PARTS, HAS_PS)  # fmt: skip
     else:
         q = tl.load(q_rows + d[None, :], mask=r[:, None] < R, other=0.0)
     if APPEND:
-        q = _rotate(q_raw, cos, sin, q_ptr.dtype.element_ty)
+        q = _rotate(q_raw, cos, sin, dtype)
         k_one = tl.reshape(_rotate(k_raw, cos, sin, k_ptr.dtype.element_ty), (D,))
         v_one = v_one.to(v_ptr.dtype.element_ty)
         tl.store(k_base + cur * stride_kl + d, k_one, mask=holds)
@@ -323,19 +360,42 @@ def check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length:
 
 def check_append(q: torch.Tensor, k_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> None:  # fmt: skip
-    """Raise a ValueError naming the argument on malformed ``append`` operands."""
+    """Raise a ValueError naming the argument on malformed ``append`` operands (q, k and v as split sums with a
+    leading split dim: ``check_split_sums`` first)."""
     op = "decode_attention"
     b, hkv, _, d = k_cache.shape
+    lead = tuple(q.shape[:-4])  # (S,) for split sums
     for name, t in (("k", k), ("v", v)):
-        if t.shape != (b, hkv * d) or t.stride(1) != 1 or t.dtype not in DTYPES or t.device != q.device:
-            raise ValueError(f"{op}: the appended {name} must be [B, Hkv * D] = [{b}, {hkv * d}] rows, the last "
-                             f"dim contiguous, on q's device; got {t.dtype} {tuple(t.shape)} {t.stride()}")  # fmt: skip
+        if t.shape != (*lead, b, hkv * d) or t.stride(-1) != 1 or t.dtype not in DTYPES or t.device != q.device:
+            raise ValueError(f"{op}: the appended {name} must be [B, Hkv * D] = [{b}, {hkv * d}] rows (with q's "
+                             f"leading split dim, if any), the last dim contiguous, on q's device; got {t.dtype} "
+                             f"{tuple(t.shape)} {t.stride()}")  # fmt: skip
     for name, t in (("cos", cos), ("sin", sin)):
         if t.dim() != 2 or t.shape[1] != d // 2 or t.dtype not in DTYPES or not t.is_contiguous():
             raise ValueError(f"{op}: the RoPE table {name} must be a contiguous float [max_len, D / 2 = {d // 2}], "
                              f"got {t.dtype} {tuple(t.shape)}")  # fmt: skip
         if t.device != q.device:
             raise ValueError(f"{op}: {name} is on {t.device}, q on {q.device}")
+
+
+def check_split_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     qkv_scale: torch.Tensor | None) -> None:  # fmt: skip
+    """Raise a ValueError naming the argument where q [S, B, Hkv, R, D], k, v [S, B, Hkv * D] are not fp32 split
+    sums of one [q | k | v] GEMM output with ``qkv_scale`` one or one per column, or the caches are fp32."""
+    op = "decode_attention"
+    if q.dim() != 5 or q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
+        raise ValueError(f"{op}: split sums are fp32 q [S, B, Hkv, R, D] and k, v [S, B, Hkv * D]; got q {q.dtype} "
+                         f"{tuple(q.shape)}, k {k.dtype}, v {v.dtype}")  # fmt: skip
+    _, _, heads, reps, d = q.shape
+    if q.stride(3) != d or q.stride(2) != reps * d:
+        raise ValueError(f"{op}: split sums' q heads must be consecutive columns of a row, got strides {q.stride()}")
+    if k_cache.dtype == torch.float32:
+        raise ValueError(f"{op}: split sums are rounded to the caches' dtype, a 16-bit one; got {k_cache.dtype}")
+    columns = heads * (reps + 2) * d
+    if qkv_scale is not None and (qkv_scale.dtype != torch.float32 or qkv_scale.numel() not in (1, columns)
+                                  or qkv_scale.device != q.device or not qkv_scale.is_contiguous()):  # fmt: skip
+        raise ValueError(f"{op}: qkv_scale is fp32, one or one per column of [q | k | v] ({columns}), on q's "
+                         f"device; got {qkv_scale.dtype} {tuple(qkv_scale.shape)}")  # fmt: skip
 
 
 def decode_attention(
@@ -347,6 +407,7 @@ def decode_attention(
     splits: int | None = None,
     block_l: int | None = None,
     append: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    qkv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k_cache^T * scale) v_cache over the cache positions below ``length`` -> [B, Hkv, R, D] in q's
     dtype (module doc). ``scale``: 1 / sqrt(D) by default, as SDPA's. ``splits`` overrides the number of chunks
@@ -354,17 +415,29 @@ def decode_attention(
     None: BLOCK_L, INTERPRET_BLOCK_L under the interpreter). ``append`` = (k, v, cos, sin): the step's own key and
     value [B, Hkv * D] and the RoPE tables [max_len, D / 2] (the model's buffers, fp32 or its dtype; the rotation
     is fp32 either way): q and k unrotated, rotated at position length - 1, where k and v are written into the
-    caches and attended over (module doc)."""
-    check(q, k_cache, v_cache, length)
+    caches and attended over (module doc).
+    With ``append``, q [S, B, Hkv, R, D] and k, v [S, B, Hkv * D] may be the fp32 sums of a QKV GEMM's S splits of
+    K (mx_kernels.gluon.weight_only_tiled, ``partials``; q's heads consecutive columns of the [q | k | v] row): the
+    kernel adds them in split order from 0, times ``qkv_scale`` (fp32, one or one per column of [q | k | v]; None:
+    none) and rounds to the caches' dtype, as the GEMM's epilogue would; the output is in that dtype."""
+    parts = q.shape[0] if q.dim() == 5 else 0
+    if parts:
+        if append is None:
+            raise ValueError("decode_attention: split sums for q come with append (a decode step's QKV GEMM)")
+        check_split_sums(q, append[0], append[1], k_cache, qkv_scale)
+    elif qkv_scale is not None:
+        raise ValueError("decode_attention: qkv_scale scales split sums; q is not one (4D)")
+    check(q[0] if parts else q, k_cache, v_cache, length)
     if append is not None:
         check_append(q, k_cache, *append)
-    bsz, heads, reps, d = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    bsz, heads, reps, d = q.shape[-4:]
+    dtype = k_cache.dtype if parts else q.dtype
+    out = torch.empty(q.shape[-4:], dtype=dtype, device=q.device)
     if out.numel() == 0:
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
-    mma16 = q.dtype == k_cache.dtype == v_cache.dtype != torch.float32 and not interpreting()
+    mma16 = dtype == k_cache.dtype == v_cache.dtype != torch.float32 and not interpreting()
     if block_l is None:
         if interpreting():
             block_l = INTERPRET_BLOCK_L
@@ -387,26 +460,31 @@ def decode_attention(
     qk_scale = (1.0 / math.sqrt(d) if scale is None else float(scale)) * LOG2E
     launch = pdl.options(q.device) if chunk == block_l else dict(PDL=False)  # PDL: one tile a chunk (module doc)
     kn, vn, cos, sin = append if append is not None else (q, q, q, q)  # unread stand-ins without ``append``
+    ps = qkv_scale if qkv_scale is not None else q  # an unread stand-in
+    stride_qs, stride_kns, stride_vns = (q.stride(0), kn.stride(0), vn.stride(0)) if parts else (0, 0, 0)
 
     def build_split() -> tuple[tuple[int, ...], dict]:
         return (bsz * heads, n_splits), dict(
             q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, len_ptr=length, acc_ptr=acc, m_ptr=m, l_ptr=lse, cnt_ptr=counters,
-            out_ptr=out, kn_ptr=kn, vn_ptr=vn, cos_ptr=cos, sin_ptr=sin, H=heads, R=reps, L=k_cache.shape[2],
-            CHUNK=chunk, SPLITS=n_splits, stride_len=int(length.numel() > 1),
-            qk_scale=qk_scale, stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qr=q.stride(2),
+            out_ptr=out, kn_ptr=kn, vn_ptr=vn, cos_ptr=cos, sin_ptr=sin, ps_ptr=ps, H=heads, R=reps,
+            L=k_cache.shape[2], CHUNK=chunk, SPLITS=n_splits, stride_len=int(length.numel() > 1), qk_scale=qk_scale,
+            stride_qb=q.stride(-4), stride_qh=q.stride(-3), stride_qr=q.stride(-2),
             stride_kb=k_cache.stride(0), stride_kh=k_cache.stride(1), stride_kl=k_cache.stride(2),
             stride_vb=v_cache.stride(0), stride_vh=v_cache.stride(1), stride_vl=v_cache.stride(2),
-            stride_ob=out.stride(0), stride_oh=out.stride(1), stride_or=out.stride(2), stride_knb=kn.stride(0),
-            stride_vnb=vn.stride(0), D=d, BLOCK_R=max(16, triton.next_power_of_2(reps)), BLOCK_L=block_l,
+            stride_ob=out.stride(0), stride_oh=out.stride(1), stride_or=out.stride(2), stride_knb=kn.stride(-2),
+            stride_vnb=vn.stride(-2), stride_qs=stride_qs, stride_kns=stride_kns, stride_vns=stride_vns,
+            stride_ps=int(qkv_scale is not None and qkv_scale.numel() > 1), D=d,
+            BLOCK_R=max(16, triton.next_power_of_2(reps)), BLOCK_L=block_l,
             BLOCK_S=min(BLOCK_S, triton.next_power_of_2(n_splits), max(1, COMBINE_TILE // block_rc)),
             BLOCK_RC=block_rc, DIRECT=direct, MMA16=mma16, APPEND=append is not None, ONE_TILE=chunk == block_l,
-            num_warps=NUM_WARPS, **launch,
+            PARTS=parts, HAS_PS=qkv_scale is not None, num_warps=NUM_WARPS, **launch,
         )  # fmt: skip
 
     key = (q.shape, q.stride(), q.dtype, k_cache.stride(), v_cache.stride(), k_cache.shape[2], k_cache.dtype,
            v_cache.dtype, length.shape, length.dtype, qk_scale, n_splits, chunk, block_l, launch["PDL"],
-           append is not None, kn.stride(), kn.dtype, vn.stride(), vn.dtype, cos.dtype, sin.dtype)  # fmt: skip
+           append is not None, kn.stride(), kn.dtype, vn.stride(), vn.dtype, cos.dtype, sin.dtype,
+           None if qkv_scale is None else qkv_scale.numel())  # fmt: skip
     _SPLIT.launch_keyed(key, build_split, q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, len_ptr=length, acc_ptr=acc,
                         m_ptr=m, l_ptr=lse, cnt_ptr=counters, out_ptr=out, kn_ptr=kn, vn_ptr=vn, cos_ptr=cos,
-                        sin_ptr=sin)  # fmt: skip
+                        sin_ptr=sin, ps_ptr=ps)  # fmt: skip
     return out

@@ -11,8 +11,9 @@ softmax attention over the visible cache positions, computed in fp64 with plain 
   under opcheck and torch.compile; decode steps through the kernel give the full forward's logits; appending
   the step's own position (RoPE, the cache write, attention over it: at 0, in the first and a later split, at the
   cache's end, per-sequence lengths, fp32 and bf16 RoPE tables) against ``apply_rope``, the caches so written
-  and the reference. Run them
-  directly with ``TRITON_INTERPRET=1 pytest tests/test_decode_attention.py -k interp_``.
+  and the reference; q, k and v as a QKV GEMM's split-K sums, bit for bit the step fed their rounded sum (the
+  GEMM's own partials: tests/test_weight_only_tiled.py). Run them directly with
+  ``TRITON_INTERPRET=1 pytest tests/test_decode_attention.py -k interp_``.
 * GPU (``gpu``): bf16 and fp32 at Llama 3 8B's head shapes against the reference and against SDPA with the mask
   decode.py builds; appending at those shapes; the ops in a captured CUDA graph replayed at new lengths; decode
   steps on CUDA (eager, compiled, CUDA graph) take the kernel and give the full forward's logits.
@@ -111,6 +112,47 @@ def round_as_kernel(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+def split_sums_case(b: int, hkv: int, reps: int, d: int, splits: int, per_column: bool | None, device: str = "cpu"
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """A QKV GEMM's fp32 split-K sums [S, B, (Hkv * R + 2 Hkv) D] (v's column 5 -0.0 in every split: the sum starts
+    from +0, and v goes to the cache as it is) and their scale (per column, one, or None)."""
+    g = torch.Generator(device).manual_seed(splits * 10 + b)
+    parts = torch.randn(splits, b, hkv * (reps + 2) * d, generator=g, device=device) * 4
+    parts[:, :, hkv * (reps + 1) * d + 5] = -0.0
+    if per_column is None:
+        return parts, None
+    n = parts.shape[-1] if per_column else 1
+    return parts, torch.rand(n, generator=g, device=device) * 0.5 + 0.01
+
+
+def summed_as_kernel(parts: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The GEMM's output from its split sums: added in split order from 0, times the scale, rounded to ``dtype``."""
+    total = torch.zeros_like(parts[0])
+    for part in parts:
+        total += part
+    return round_as_kernel(total if scale is None else total * scale.flatten(), dtype)
+
+
+def append_split_sums(parts: torch.Tensor, scale: torch.Tensor | None, hkv: int, reps: int, d: int,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``decode_attention_append`` of a QKV GEMM's split sums, and of the output they sum to (``summed_as_kernel``),
+    each on its own copy of the caches; asserts the caches come out the same and returns both outputs."""
+    from mx_recipe.infer.attention import decode_attention_append
+
+    b = parts.shape[1]
+    sizes = [hkv * reps * d, hkv * d, hkv * d]
+    q, k, v = parts.split(sizes, dim=-1)
+    caches = k_cache.clone(), v_cache.clone()
+    got = decode_attention_append(q.view(-1, b, hkv, reps, d), k, v, cos, sin, *caches, length, qkv_scale=scale,
+                                  **kw)  # fmt: skip
+    q, k, v = summed_as_kernel(parts, scale, k_cache.dtype).split(sizes, dim=-1)
+    want = decode_attention_append(q.view(b, hkv, reps, d), k, v, cos, sin, k_cache, v_cache, length, **kw)
+    assert torch.equal(caches[0].view(torch.int16), k_cache.view(torch.int16))
+    assert torch.equal(caches[1].view(torch.int16), v_cache.view(torch.int16))
+    return got, want
+
+
 def check_append(b: int, hkv: int, reps: int, d: int, cache_len: int, dtype: torch.dtype, lengths: torch.Tensor,
                  device: str = "cpu", tables: torch.dtype = torch.float32, **kw) -> None:  # fmt: skip
     """decode_attention_append at ``lengths``: the caches gain the rotated k and v at length - 1 and nothing else;
@@ -176,6 +218,29 @@ def test_bad_operands_are_one_line_errors_naming_the_argument():
     if not INTERP:
         with pytest.raises(ValueError, match="needs CUDA tensors"):
             run(q, k, v, n)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_bad_split_sums_are_one_line_errors():
+    from mx_kernels.decode_attention import check_split_sums
+
+    parts, scale = split_sums_case(2, 2, 4, 64, 3, True)
+    q, k, v = parts.split([512, 128, 128], dim=-1)
+    q = q.view(3, 2, 2, 4, 64)
+    cache = torch.empty(2, 2, 10, 64, dtype=torch.bfloat16)
+    cases = [
+        (dict(q=q[0]), r"split sums are fp32 q \[S, B, Hkv, R, D\]"),
+        (dict(k=k.bfloat16()), "split sums are fp32"),
+        (dict(q=q.transpose(2, 3)), "q heads must be consecutive columns of a row"),
+        (dict(k_cache=cache.float()), "rounded to the caches' dtype, a 16-bit one"),
+        (dict(qkv_scale=scale[:7]), r"qkv_scale is fp32, one or one per column of \[q \| k \| v\] \(768\)"),
+        (dict(qkv_scale=scale.double()), "qkv_scale is fp32"),
+    ]
+    for change, message in cases:
+        args = dict(q=q, k=k, v=v, k_cache=cache, qkv_scale=scale)
+        with pytest.raises(ValueError, match=message) as info:
+            check_split_sums(**{**args, **change})
+        assert "\n" not in str(info.value)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -406,6 +471,31 @@ def test_interp_append_op():
 
 
 @interp_only
+def test_interp_append_takes_split_sums():
+    """q, k and v as a QKV GEMM's fp32 split sums: the same output and caches, bit for bit, as the step fed the
+    output the GEMM would write from them (summed in split order from +0, times the scale, rounded to the caches'
+    dtype): one split of the cache and several, the position in the first or a later one; scales per column, one
+    and none; the op's fake output."""
+    from mx_recipe.infer.attention import decode_attention_append
+    from mx_recipe.models.llama import rope_tables
+
+    hkv, reps, d, cache_len = 2, 4, 64, 40
+    cos, sin = rope_tables(d, cache_len, 500000.0, "cpu")
+    k_cache, v_cache = torch.randn(2, 2, hkv, cache_len, d).bfloat16().unbind(0)
+    for splits, per_column, length in ((3, True, [33]), (2, False, [1]), (4, None, [40]), (3, True, [5, 38])):
+        parts, scale = split_sums_case(len(length), hkv, reps, d, splits, per_column)
+        caches = k_cache[: len(length)], v_cache[: len(length)]
+        got, want = append_split_sums(parts, scale, hkv, reps, d, *caches, torch.tensor(length), cos, sin)
+        assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    q, k, v = parts.split([hkv * reps * d, hkv * d, hkv * d], dim=-1)
+    args = (q.view(splits, 2, hkv, reps, d), k, v, cos, sin, *caches, torch.tensor(length), None, scale)
+    torch.library.opcheck(torch.ops.mx_recipe.decode_attention_append.default, args)  # the fake's dtype and shape
+    with pytest.raises(ValueError, match="qkv_scale scales split sums; q is not one"):
+        decode_attention_append(q[0].view(2, hkv, reps, d), k[0], v[0], cos, sin, *caches, torch.tensor(length),
+                                qkv_scale=scale)  # fmt: skip
+
+
+@interp_only
 def test_interp_op_opcheck_and_compile():
     import mx_recipe.infer.attention  # noqa: F401  (defines the op)
 
@@ -426,9 +516,9 @@ def test_interp_decode_steps_through_the_kernel_give_the_full_forward_logits(mon
 
     calls = []
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls.append(args[7].item())  # the length
-        return torch.ops.mx_recipe.decode_attention_append(*args)
+        return torch.ops.mx_recipe.decode_attention_append(*args, **kwargs)
 
     monkeypatch.setattr(decode, "use_kernel", lambda device, head_dim: True)
     monkeypatch.setattr(decode, "decode_attention_append", counted)
@@ -574,7 +664,7 @@ def test_gpu_decode_steps_take_the_kernel(monkeypatch):
     model = _debug_llama()
     tokens = torch.randint(0, 320, (2, 40), device=CUDA)
     kernel, calls = decode.decode_attention_append, []
-    monkeypatch.setattr(decode, "decode_attention_append", lambda *args: calls.append(1) or kernel(*args))
+    monkeypatch.setattr(decode, "decode_attention_append", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     with torch.no_grad():
         torch.testing.assert_close(_stepped_logits(model, tokens, decode.forward), model(tokens), rtol=1e-4,
                                    atol=1e-4)  # fmt: skip

@@ -10,7 +10,8 @@ against the reference, within the bound of tests/test_weight_only_gemm.py's modu
   and 2**-126 scales, zeros, NVFP4 tensor scales per row; the SwiGLU epilogue bit for bit the GEMM then
   ``silu_mul``; the split-K partials, added by ``add_rms_norm``, bit for bit its norm of the GEMM's output; a
   decode step of the Llama debug model with tiled weights, replayed from a CUDA graph under PDL, against the
-  untiled one (MXFP8 tiled only for more than one sequence), at 2 sequences and at 8 (wo's partials).
+  untiled one (MXFP8 tiled only for more than one sequence), at 2 sequences and at 8 (wqkv's and wo's partials);
+  the QKV GEMM's partials, added by the decode attention, bit for bit its attention of the GEMM's output.
 """
 
 from __future__ import annotations
@@ -420,6 +421,40 @@ def test_gpu_split_k_partials_summed_by_the_norm_are_the_gemm(fmt):
     assert scale is None and torch.equal(one.view(torch.int16), mm(x[:1], cases[0]).view(torch.int16))
 
 
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The same bits, NaNs (whose payloads a rounding may not keep) at the same places."""
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num().view(torch.int16), want.nan_to_num().view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_split_k_partials_in_the_attention_are_the_gemm(fmt):
+    """A QKV GEMM's split-K partials handed to the decode attention (times ``partials_scale``) give the output and
+    caches, bit for bit, of the attention fed the GEMM's output: their sum as the attention kernel forms it is the
+    GEMM's output, on both MMAs, for ``edge_cases``' weights (a NaN scale in q's columns, an NVFP4 tensor scale per
+    column); chunks of one tile and of several, per-sequence positions."""
+    hopper()
+    from test_decode_attention import append_split_sums, summed_as_kernel
+
+    from mx_recipe.models.llama import rope_tables
+
+    hkv, reps, d, k = 2, 4, 128, 2048
+    cases = edge_cases(fmt, hkv * (reps + 2) * d, k)
+    for m, cfg, cache_len in ((32, None, 1024), (5, dict(t=1, w=8, split_k=3, wgmma=True), 256),
+                              (3, dict(t=2, w=2, split_k=3, wgmma=False), 256)):  # fmt: skip
+        cos, sin = rope_tables(d, cache_len, 500000.0, CUDA)
+        x = torch.randn(m, k, device=CUDA).bfloat16()
+        caches = torch.randn(2, m, hkv, cache_len, d, device=CUDA).bfloat16().unbind(0)
+        length = torch.randint(1, cache_len + 1, (m,), device=CUDA)
+        for p in cases:
+            parts = mm(x, p, cfg=cfg, partials=True)
+            assert parts.shape[0] > 1
+            assert_same_bits(summed_as_kernel(parts, p.partials_scale, torch.bfloat16), mm(x, p, cfg=cfg))
+            got, want = append_split_sums(parts, p.partials_scale, hkv, reps, d, *caches, length, cos, sin)
+            assert_same_bits(got, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gpu_swiglu_epilogue_is_the_gemm_then_silu_mul(fmt):
@@ -453,7 +488,7 @@ def test_gpu_decode_step_with_tiled_weights(fmt):
     but w2 (K = 704, not a multiple of 128), w13 for the SwiGLU epilogue (MXFP8 ones only past one sequence and
     without NaN codes); its prefill (past LARGE_M rows: the formats' layout) gives the untiled model's logits bit for
     bit, and a decode step replayed from a CUDA graph under PDL up to summation order, at one sequence and at eight
-    (where wo's GEMM hands its split-K partials to the add + norm kernel)."""
+    (where the QKV and wo GEMMs hand their split-K partials to the attention and the add + norm kernels)."""
     hopper()
     from mx_kernels import pdl
     from mx_kernels.gluon.weight_only_tiled import codes_per_word, partial_splits
@@ -482,10 +517,11 @@ def test_gpu_decode_step_with_tiled_weights(fmt):
              if isinstance(mod, QuantizedLinear | FusedLinear) and mod.weight_packed is not None}  # fmt: skip
     assert found and all(p.tiled != name.endswith("w2") for name, p in found.items())
     assert all(p.swiglu_rows == name.endswith("w13") for name, p in found.items() if p.tiled)
-    # at 8 sequences wo's GEMM splits K over programs: its partials go to the add + norm kernel
-    wo = found["layers.0.attention.wo"]
+    # at 8 sequences the QKV and wo GEMMs split K over programs: their partials go to the attention and the norm
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert partial_splits(8, wo.rows, wo.qdata.shape[1] * codes_per_word(fmt), sms) > 1
+    for name in ("wqkv", "wo"):
+        p = found[f"layers.0.attention.{name}"]
+        assert partial_splits(8, p.rows, p.qdata.shape[1] * codes_per_word(fmt), sms) > 1
     for batch in (1, 8):
         tokens = torch.randint(0, 320, (batch, 200), device=CUDA)
         logits = []

@@ -39,20 +39,20 @@ define(
 
 
 def _launch_append(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                   length: Tensor, scale: float | None = None) -> Tensor:  # fmt: skip
+                   length: Tensor, scale: float | None = None, qkv_scale: Tensor | None = None) -> Tensor:  # fmt: skip
     from mx_kernels.decode_attention import decode_attention as launch
 
-    return launch(q, k_cache, v_cache, length, scale, append=(k, v, cos, sin))
+    return launch(q, k_cache, v_cache, length, scale, append=(k, v, cos, sin), qkv_scale=qkv_scale)
 
 
 def _fake_append(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                 length: Tensor, scale: float | None = None) -> Tensor:  # fmt: skip
-    return q.new_empty(q.shape)
+                 length: Tensor, scale: float | None = None, qkv_scale: Tensor | None = None) -> Tensor:  # fmt: skip
+    return q.new_empty(q.shape[-4:], dtype=k_cache.dtype if q.dim() == 5 else q.dtype)
 
 
 define(
     "decode_attention_append(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
-    "Tensor(b!) v_cache, Tensor length, float? scale=None) -> Tensor",
+    "Tensor(b!) v_cache, Tensor length, float? scale=None, Tensor? qkv_scale=None) -> Tensor",
     _launch_append,
     _fake_append,
 )
@@ -73,9 +73,13 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, length: Tensor
 
 
 def decode_attention_append(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
-                            v_cache: Tensor, length: Tensor, scale: float | None = None) -> Tensor:  # fmt: skip
+                            v_cache: Tensor, length: Tensor, scale: float | None = None,
+                            qkv_scale: Tensor | None = None) -> Tensor:  # fmt: skip
     """A decode step's attention with its own position appended: q [B, Hkv, R, D] and k, v [B, Hkv * D] of the
     step, unrotated; cos, sin the model's RoPE tables [max_len, D / 2]. Rotates q and k at position
     length - 1 (as ``apply_rope``), writes k and v into k_cache, v_cache [B, Hkv, L, D] there and returns the
-    attention over positions 0 .. length - 1, [B, Hkv, R, D] in q's dtype."""
-    return torch.ops.mx_recipe.decode_attention_append(q, k, v, cos, sin, k_cache, v_cache, length, scale)
+    attention over positions 0 .. length - 1, [B, Hkv, R, D] in q's dtype. q, k and v may instead be the fp32
+    sums of the QKV GEMM's splits of K, [S, B, Hkv, R, D] and [S, B, Hkv * D], with their scale ``qkv_scale``
+    (one or one per column of [q | k | v], or None): summed in split order and rounded to the caches' dtype in the
+    kernel, as the GEMM would (mx_kernels.decode_attention)."""
+    return torch.ops.mx_recipe.decode_attention_append(q, k, v, cos, sin, k_cache, v_cache, length, scale, qkv_scale)

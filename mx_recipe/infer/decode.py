@@ -20,7 +20,8 @@ where eager routing takes some twenty; up to ``gate_fits`` tokens the router's G
 too). At one sequence the bf16 projections (bf16 models, and every model's output layer) are the GEMV of
 ``mx_recipe.infer.gemv``, SwiGLU in its epilogue for a fused w1/w3; at more, cuBLAS. A residual branch's last
 projection (wo, w2) on a tiled quantized weight whose GEMM splits K over programs hands its splits' fp32 sums to the
-add + norm kernel, which adds them (``QuantizedLinear.partials``): the GEMM ends without a sum of its own. The
+add + norm kernel, which adds them (``QuantizedLinear.partials``): the GEMM ends without a sum of its own. The fused
+QKV GEMM hands its sums to the attention kernel the same way (``FusedLinear.partials``). The
 position is a device tensor, so one CUDA graph serves every step.
 The prefill, and every step on the CPU, run the model's modules with SDPA and the mask. The fused MoE step leaves
 the block's ``tokens_per_expert`` (a training statistic for the balancing bias) untouched.
@@ -128,6 +129,20 @@ def _branch(module: nn.Module, x: torch.Tensor) -> Branch:
     return apply_linear(module, x), None
 
 
+def _qkv(attn: Attention, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """q, k and v of rows x [T, dim] and None; or, where wq, wk and wv are one fused GEMM that splits K over
+    programs, each one's slice of its split-K partials [S, T, N] and their scale (``FusedLinear.partials``), for the
+    attention kernel to add."""
+    fused = getattr(attn.wq, "fused", None)
+    parts = (attn.wq, attn.wk, attn.wv)
+    if fused is not None and len(fused.sizes) == 3 and all(getattr(p, "fused", None) is fused for p in parts):
+        if [p.index for p in parts] == [0, 1, 2]:
+            y, scale = fused.partials(x)
+            if y.dim() == 3:
+                return list(y.split(fused.sizes, dim=-1)), scale
+    return project(x, *parts), None
+
+
 def _swiglu_hidden(ffn: FeedForward, x: torch.Tensor) -> torch.Tensor:
     """silu(x w1^T) * (x w3^T): in the gate/up GEMM's epilogue where it takes it, else by ``silu_mul``."""
     fused = ffn.w1.fused if isinstance(ffn.w1, FusedPart) else None
@@ -198,9 +213,11 @@ def _layers_step(model: Transformer, tokens: torch.Tensor, position: torch.Tenso
     for i, layer in enumerate(model.layers.values()):
         norm, attn = layer.attention_norm, layer.attention
         h, x = add_rms_norm(h, delta, norm.weight, _eps(norm, h.dtype), scale)
-        q, k, v = project(x, attn.wq, attn.wk, attn.wv)
-        q = q.view(batch, attn.n_kv_heads, attn.n_heads // attn.n_kv_heads, attn.head_dim)  # no copy: heads split
-        out = decode_attention_append(q, k, v, model.rope_cos, model.rope_sin, cache.k[i], cache.v[i], length)
+        (q, k, v), qkv_scale = _qkv(attn, x)
+        heads = (attn.n_kv_heads, attn.n_heads // attn.n_kv_heads, attn.head_dim)
+        q = q.view(*q.shape[:-2], batch, *heads)  # no copy: heads split (after the splits of K, if any)
+        out = decode_attention_append(q, k, v, model.rope_cos, model.rope_sin, cache.k[i], cache.v[i], length,
+                                      qkv_scale=qkv_scale)  # fmt: skip
         o, scale = _branch(attn.wo, out.view(batch, -1))
         h, x = add_rms_norm(h, o, layer.ffn_norm.weight, _eps(layer.ffn_norm, h.dtype), scale)
         delta, scale = _ffn_step(layer, x)

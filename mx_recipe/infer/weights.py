@@ -408,6 +408,14 @@ class FusedLinear(nn.Module):
             y = self.weight_packed.mm(quantize_activation(x, self.fmt) if self.activations else x, self.kernel)
         return list(y.split(self.sizes, dim=-1))
 
+    def partials(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The one GEMM of rows x [M, K] as (output [M, N], None), or as its split-K partials [S, M, N] and their
+        scale (``PackedWeight.mm_partials``): each part's columns are its slice of N, as ``forward`` splits them."""
+        if self.weight_packed is None:
+            return linear(x, self.weight), None
+        x = quantize_activation(x, self.fmt) if self.activations else x
+        return self.weight_packed.mm_partials(x, self.kernel)
+
     @property
     def halves(self) -> bool:
         """Whether the fused weight is two parts of one size (SwiGLU's w1 and w3)."""
