@@ -135,12 +135,11 @@ def _qkv(attn: Attention, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Te
     attention kernel to add."""
     fused = getattr(attn.wq, "fused", None)
     parts = (attn.wq, attn.wk, attn.wv)
-    if fused is not None and len(fused.sizes) == 3 and all(getattr(p, "fused", None) is fused for p in parts):
-        if [p.index for p in parts] == [0, 1, 2]:
-            y, scale = fused.partials(x)
-            if y.dim() == 3:
-                return list(y.split(fused.sizes, dim=-1)), scale
-    return project(x, *parts), None
+    whole = [(fused, i) for i in range(3)]  # wq, wk and wv are parts 0, 1 and 2 of one fused GEMM
+    if fused is None or [(getattr(p, "fused", None), getattr(p, "index", None)) for p in parts] != whole:
+        return project(x, *parts), None
+    y, scale = fused.partials(x)  # the output [T, N] (scale None) where the GEMM does not split K over programs
+    return list(y.split(fused.sizes, dim=-1)), scale
 
 
 def _swiglu_hidden(ffn: FeedForward, x: torch.Tensor) -> torch.Tensor:
