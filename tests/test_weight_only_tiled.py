@@ -49,7 +49,7 @@ def mm(x: torch.Tensor, p: PackedWeight, swiglu: bool = False, cfg: dict | None 
        ) -> torch.Tensor:  # fmt: skip
     from mx_kernels.gluon.weight_only_tiled import tiled_weight_only_mm
 
-    return tiled_weight_only_mm(x, p.qdata, p.scale, p.tensor_scale_tiled, p.rows, p.fmt, p.two_mul, swiglu, cfg,
+    return tiled_weight_only_mm(x, p.qdata, p.scale, p.tensor_scale_tiled, p.rows, p.fmt, p.wide_scales, swiglu, cfg,
                                 partials=partials)  # fmt: skip
 
 
@@ -189,7 +189,7 @@ def compiled_kernel(m: int, wgmma: bool, fmt: str, **over):
         s_ptr=torch.empty(n, k // 32 * sb, dtype=torch.uint8, **meta), ts_ptr=torch.empty(n, **meta),
         out_ptr=torch.empty(m, n, dtype=torch.bfloat16, **meta), ws_ptr=torch.empty(2, m, n, **meta),
         cnt_ptr=torch.empty(64, dtype=torch.int32, **meta), M=m, N=n, K=k, K_SPLIT=k // 2, SPLIT_K=2, stride_xm=k,
-        stride_om=n, stride_tn=1, FMT=fmt, BLOCK_M=max(8, m), T=1 if wgmma else 2, W=4, SPLIT=True, TWO_MUL=False,
+        stride_om=n, stride_tn=1, FMT=fmt, BLOCK_M=max(8, m), T=1 if wgmma else 2, W=4, SPLIT=True, WIDE=False,
         SWIGLU=True, PDL=True, WGMMA=wgmma, UNROLL=2, KW=1, num_warps=4,
     )  # fmt: skip
     compiled = compile_for_arch(tiled_weight_only_kernel, kwargs | over, 90)
@@ -197,16 +197,19 @@ def compiled_kernel(m: int, wgmma: bool, fmt: str, **over):
 
 
 @needs_triton
-@pytest.mark.parametrize(("m", "wgmma", "fmt"), [(1, False, "mxfp4"), (8, False, "nvfp4"), (32, True, "mxfp4"),
-                                                 (64, True, "nvfp4"), (1, False, "mxfp8"),
-                                                 (32, True, "mxfp8")])  # fmt: skip
-def test_operands_reach_the_mma_without_moves(m, wgmma, fmt):
+@pytest.mark.parametrize(("m", "wgmma", "fmt", "wide"), [(1, False, "mxfp4", False), (8, False, "nvfp4", False),
+                                                         (32, True, "mxfp4", True), (64, True, "nvfp4", True),
+                                                         (1, False, "mxfp8", False),
+                                                         (32, True, "mxfp8", True)])  # fmt: skip
+def test_operands_reach_the_mma_without_moves(m, wgmma, fmt, wide):
     """Compiled for sm_90a: the upcast weights are the MMA's register operand and x (mma.sync) its other one, each
     layout conversion asserted trivial at compile time; mma.sync takes no shared memory, wgmma only x^T's. A lane
     reads its words and x 16 bytes a load. Under PDL the next kernel is released right after the wait, before the
-    first MMA."""
-    ttgir, ptx = compiled_kernel(m, wgmma, fmt)
+    first MMA. NVFP4's factor: one multiply-add a scale unless ``wide``."""
+    ttgir, ptx = compiled_kernel(m, wgmma, fmt, WIDE=wide)
     assert "ld.global.v4.b32" in ptx and "ld.global.v2" not in ptx
+    if fmt == "nvfp4":  # positive normal e4m3 scales: one multiply-add each, not the hardware's conversion
+        assert ("cvt.rn.f16x2.e4m3x2" in ptx) == wide and ("0x00100010" in ptx) != wide
     # PDL: the next kernel is released right after the wait, before the main loop's first MMA (mx_kernels.pdl)
     mma = ptx.index("wgmma.mma_async" if wgmma else "mma.sync")
     assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents") < mma
@@ -229,6 +232,22 @@ def test_warps_splitting_k_read_16_bytes_and_add_in_shared_memory(fmt):
     assert ttgir.count("ttg.local_alloc") == 1
     loads = re.compile(r"ld\.global[.\w]*")
     assert sorted(loads.findall(ptx)) == sorted(loads.findall(compiled_kernel(1, False, fmt, T=1)[1]))
+
+
+@needs_triton
+def test_wide_scales_take_the_longer_factor():
+    """e8m0 scales past 2**1 (MXFP4) or 2**7 (MXFP8), NaN's 0xFF aside, and e4m3 scales other than positive normal
+    ones (zero, subnormal, negative, NaN) take the kernel's longer factor."""
+    from mx_kernels.gluon.weight_only_tiled import wide_scales
+
+    def wide(values: list[int], fmt: str) -> bool:
+        return wide_scales(torch.tensor(values, dtype=torch.uint8), fmt)
+
+    assert not wide([0, 1, 127, 128, 255], "mxfp4") and wide([129], "mxfp4")
+    assert not wide([0, 134, 255], "mxfp8") and wide([135], "mxfp8")
+    assert not wide([0x08, 0x38, 0x7E], "nvfp4")
+    for odd in (0x00, 0x01, 0x07, 0x80, 0xB8, 0x7F, 0xFF):
+        assert wide([0x38, odd], "nvfp4"), hex(odd)
 
 
 @needs_triton
@@ -318,7 +337,8 @@ def test_tile_weights_leaves_a_cpu_model_as_it_is():
 def edge_cases(fmt: str, n: int, k: int) -> list[PackedWeight]:
     """Tiled n x k weights (seeded): scales from 2**-12 to 2**6 and a zero row 7; the same weight clamped to [-1, 1]
     with a NaN scale in row 3 (NVFP4: NaN, zero, subnormal, largest and negative e4m3 scales), 2**-127 and 2**-126
-    ones; MXFP8 with one scale of 2**23; NVFP4 also with a tensor scale per row (two parts)."""
+    ones; MXFP8 with one scale of 2**23; NVFP4 also with a tensor scale per row (two parts), and with positive normal
+    scales only (the one-instruction factor: not ``wide_scales``), the smallest and the largest among them."""
     torch.manual_seed(21)
     w = weights(n, k, CUDA)
     w[7] = 0.0
@@ -328,6 +348,9 @@ def edge_cases(fmt: str, n: int, k: int) -> list[PackedWeight]:
         cases.append(PackedWeight.cat([packed(w[: n // 2] * 0.02, fmt), packed(w[n // 2 :] * 3.0, fmt)]))
         # e4m3 scales: NaN, zero, the smallest subnormal and normal, the largest, a negative one
         scales[3, 5], scales[4, 0], scales[5, 2], scales[6, 1], scales[8, 3], scales[9, 4] = 0x7F, 0, 1, 8, 0x7E, 0xB8
+        normal = torch.randn(n, k, device=CUDA) * (1 + torch.arange(n, device=CUDA)[:, None] % 5)
+        cases.append(PackedWeight.cat([packed(normal[: n // 2] * 0.02, fmt), packed(normal[n // 2 :] * 3.0, fmt)]))
+        cases[-1].scale.view(torch.uint8)[3, 5], cases[-1].scale.view(torch.uint8)[4, 0] = 0x08, 0x7E
     else:
         scales[3, 5], scales[4, 0], scales[5, 2] = 0xFF, 0, 1
     if fmt == "mxfp8":
@@ -344,11 +367,11 @@ def test_gpu_every_m_within_the_bound(fmt):
     3 ways, mma.sync with 4 warps splitting each of 2 splits (the same bits every call); scales from 2**-12 to 2**6
     (MXFP4's second multiply; MXFP8's with one scale of 2**23) and below 2**1 (one), a NaN scale, 2**-127 and 2**-126
     scales, a zero row; NVFP4 with a NaN, zero, subnormal, largest and negative e4m3 scale, and a tensor scale per
-    row too."""
+    row too, each on the hardware's e4m3 conversion, and positive normal scales on the one-instruction factor."""
     hopper()
     n, k = 1000, 2048
     cases = edge_cases(fmt, n, k)
-    assert cases[0].two_mul == (fmt != "nvfp4") and not cases[1].two_mul
+    assert [p.wide_scales for p in cases] == ([True, True, True, False] if fmt == "nvfp4" else [True, False])
     configs = [None, dict(t=2, w=2, split_k=3, wgmma=False), dict(t=1, w=8, split_k=3, wgmma=True),
                dict(t=1, w=4, kw=4, split_k=2, wgmma=False)]  # fmt: skip
     for m in (1, 3, 4, 5, 8, 13, 32, 64, 65, 128):

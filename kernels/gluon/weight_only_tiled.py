@@ -33,10 +33,13 @@ The layout (``pack``), made once when a model is loaded for decode (mx_recipe.in
   a bf16x2 register in one or two integer operations and a mask (pair 0 in place, pairs 1 and 2 one rotation away,
   pair 3 two): the codes as sign | exponent and mantissa at the bottom of a bf16 exponent, their values times
   2**-126 (0.5 a subnormal). One bf16x2 multiply then applies the scale and 2**126: MXFP4 2**(s - 1), exact for
-  s <= 128 (a weight with larger scales takes a second multiply, ``two_mul``), NVFP4 the e4m3 scale's value times
-  2**118, the fp32 sum times 2**8 and the tensor scale at the end. Each product is rounded once, as
-  ``dequantize`` rounds it. Compiled for sm_90a, about 2.5 instructions an element on mma.sync (the small-M FMA
-  kernel on the formats' layout: 4.4) and 3.3 on wgmma (the Gluon tile's: 4.4).
+  s <= 128 (a weight with larger scales takes a second multiply, ``wide_scales``), NVFP4 the e4m3 scale's value
+  times 2**118, the fp32 sum times 2**8 and the tensor scale at the end. That NVFP4 factor is one integer
+  multiply-add of the scale's bits where every scale of the weight is positive and normal (what a quantizer writes
+  for blocks that are not all zero), else the hardware's e4m3 pair to f16 pair conversion, two fp32 multiplies and
+  two packs: about 8 instructions a pair of scales, where an e8m0 factor takes 3 a scale. Each product is rounded
+  once, as ``dequantize`` rounds it. Compiled for sm_90a, about 2.5 instructions an element on mma.sync (the small-M
+  FMA kernel on the formats' layout: 4.4) and 3.3 on wgmma (the Gluon tile's: 4.4).
 * MXFP8: a step is 2 KB, a lane's 32 elements 32 bytes a row, a word 4 codes (two pairs of the MMA's k). Each code
   becomes the bf16 bits sign << 15 | magnitude << 4, its value times 2**-120: pair 0 is stored there (a mask), pair
   1 where left rotations by 4 (signs, magnitude bit 3) and 8 bring it (``stored_bit_e4m3``); one bf16x2 multiply by
@@ -167,6 +170,9 @@ _F_E4M3 = gl.constexpr(
     " cvt.f32.f16 a, lo; cvt.f32.f16 b, hi; mul.rn.f32 a, a, 0f7A800000; mul.rn.f32 b, b, 0f7A800000;"
     " cvt.rn.bf16x2.f32 $0, a, a; cvt.rn.bf16x2.f32 $1, b, b; }"
 )
+# a positive normal e4m3 scale c -> its value times 2**118 in both halves, one instruction: the bf16 bits of
+# 2**(e - 7) (1 + m / 8) 2**118 are (e + 238) << 7 | m << 4, c << 4 plus 238 << 7 (no carry out of a half: c < 0x7F)
+_F_E4M3_NORMAL = gl.constexpr("mad.lo.u32 $0, $1, 0x00100010, 0x77007700;")
 # A word of 4 e4m3 codes ($4) and a bf16x2 factor ($5) -> 4 bf16 (pair 0's codes, then pair 1's)
 _UPCAST_E4M3 = (
     "{ .reg .b32 r, t, u;\n"
@@ -274,13 +280,16 @@ def _b_operand(x, B: gl.constexpr):
 
 
 @gluon.jit
-def _factors(s, WL: gl.constexpr, FMT: gl.constexpr, TWO_MUL: gl.constexpr, NV: gl.constexpr):
+def _factors(s, WL: gl.constexpr, FMT: gl.constexpr, WIDE: gl.constexpr, NV: gl.constexpr):
     """bf16x2 factors [R, 4, 2, NV] (one per code word) from the step's scale bytes (int32)."""
     if FMT == "nvfp4":  # [R, 4, 2]: a scale per 16 elements, two words each
-        f = gl.inline_asm_elementwise(_F_E4M3, "=r,=r,r,r", [s], dtype=gl.int32, is_pure=True, pack=2)
+        if WIDE:
+            f = gl.inline_asm_elementwise(_F_E4M3, "=r,=r,r,r", [s], dtype=gl.int32, is_pure=True, pack=2)
+        else:
+            f = gl.inline_asm_elementwise(_F_E4M3_NORMAL, "=r,r", [s], dtype=gl.int32, is_pure=True, pack=1)
         f = gl.expand_dims(f, 3)
     else:  # [R, 4]: a scale per 32 elements, 2 NV words
-        if TWO_MUL:
+        if WIDE:
             f = gl.inline_asm_elementwise(_F_E8M0_TWO, "=r,r", [s], dtype=gl.int32, is_pure=True, pack=1)
         elif FMT == "mxfp8":
             f = gl.inline_asm_elementwise(_F_E8M0_E4M3, "=r,r", [s], dtype=gl.int32, is_pure=True, pack=1)
@@ -294,7 +303,7 @@ def _factors(s, WL: gl.constexpr, FMT: gl.constexpr, TWO_MUL: gl.constexpr, NV: 
 def tiled_weight_only_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT, SPLIT_K, stride_xm, stride_om, stride_tn,
     FMT: gl.constexpr, BLOCK_M: gl.constexpr, T: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
-    TWO_MUL: gl.constexpr, SWIGLU: gl.constexpr, PDL: gl.constexpr, WGMMA: gl.constexpr, UNROLL: gl.constexpr,
+    WIDE: gl.constexpr, SWIGLU: gl.constexpr, PDL: gl.constexpr, WGMMA: gl.constexpr, UNROLL: gl.constexpr,
     KW: gl.constexpr = 1, PARTIALS: gl.constexpr = False,
 ):  # fmt: skip
     """One program: 16 T W weight rows (16 T with KW = W warps splitting its K), every row of x (M <= BLOCK_M), its
@@ -322,11 +331,11 @@ def tiled_weight_only_kernel(
     else:
         SL: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, WL))
     if E4M3:
-        if TWO_MUL:
+        if WIDE:
             UPCAST: gl.constexpr = _UPCAST_E4M3_TWO
         else:
             UPCAST: gl.constexpr = _UPCAST_E4M3_ONE
-    elif TWO_MUL:
+    elif WIDE and FMT == "mxfp4":  # NVFP4's wide scales take the longer factor, not a second multiply
         UPCAST: gl.constexpr = _UPCAST_TWO
     else:
         UPCAST: gl.constexpr = _UPCAST_ONE
@@ -397,7 +406,7 @@ def tiled_weight_only_kernel(
         x = gl.load(x_rows + gl.expand_dims(gl.multiple_of(k_start // 2, 64) + xk, 0), mask=x_in, other=0)
     i = 0
     for k0 in range(k_start, k_end, BLOCK_K):
-        a = _a_operand(w, _factors(s, WL, FMT, TWO_MUL, NV), A, UPCAST, E4M3)
+        a = _a_operand(w, _factors(s, WL, FMT, WIDE, NV), A, UPCAST, E4M3)
         k_next = gl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)  # the last step's again after it: unmasked loads
         w = _load_words(w_tiles + gl.multiple_of(NV * k_next, 256), WL)
         s = gl.load(s_tiles + gl.multiple_of(k_next // 2 * SB, 64)).to(gl.int32)
@@ -644,10 +653,13 @@ def unpack(words: torch.Tensor, scales: torch.Tensor, n: int, fmt: str, swiglu: 
     return (codes if inverse is None else codes[inverse]), s
 
 
-def two_mul(scales: torch.Tensor, fmt: str) -> bool:
-    """Whether e8m0 scale bytes need the second multiply: a scale past 2**1 (MXFP4) or 2**7 (MXFP8), other than
-    NaN's 0xFF."""
+def wide_scales(scales: torch.Tensor, fmt: str) -> bool:
+    """Whether a weight's scale bytes need the kernel's longer factor (module doc): e8m0 scales past 2**1 (MXFP4) or
+    2**7 (MXFP8), other than NaN's 0xFF, take a second multiply; e4m3 scales other than positive normal ones (zero,
+    subnormal, negative, NaN) the hardware's conversion."""
     s = scales.view(torch.uint8)
+    if fmt == "nvfp4":
+        return bool(((s & 0x78) == 0).any() | (s >= 0x80).any() | (s == 0x7F).any())
     most = {"mxfp4": 128, "mxfp8": 134}.get(fmt)
     return most is not None and bool(((s > most) & (s < 255)).any())
 
@@ -674,10 +686,10 @@ def config(m: int, n: int, sm_count: int) -> dict:
 
 
 def tiled_weight_only_mm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None,
-                         n: int, fmt: str, two: bool, swiglu: bool = False, cfg: dict | None = None,
+                         n: int, fmt: str, wide: bool, swiglu: bool = False, cfg: dict | None = None,
                          pdl: bool = False, partials: bool = False) -> torch.Tensor:  # fmt: skip
     """x [M, K] bf16 @ dequantize(w).T -> [M, n] bf16 ([M, n / 2] with ``swiglu``) from ``pack``'s output for the
-    weight's n rows (``tensor_scale``: pack's, in its row order); ``two``: ``two_mul`` of the scales. More than
+    weight's n rows (``tensor_scale``: pack's, in its row order); ``wide``: ``wide_scales`` of the scales. More than
     MAX_M rows run as launches of MAX_M. ``cfg``: t, w, split_k, wgmma and optionally kw (default ``config``; kw
     warps split K on mma.sync: kw = w, t = 1, each split's steps a multiple of kw); ``pdl``: launched
     with programmatic dependent launch (mx_kernels.pdl). ``partials`` (no ``swiglu``): where one launch splits K over
@@ -705,14 +717,14 @@ def tiled_weight_only_mm(x: torch.Tensor, words: torch.Tensor, scales: torch.Ten
         launch, splits = _partials_launch(m, n, k, sms, cfg)
         if splits > 1:
             ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-            _launch(x, words, scales, tensor_scale, ws, n, fmt, two, False, launch, pdl, True)
+            _launch(x, words, scales, tensor_scale, ws, n, fmt, wide, False, launch, pdl, True)
             return ws
     out = torch.empty((m, n // 2 if swiglu else n), dtype=torch.bfloat16, device=x.device)
     r0 = 0
     while r0 < m:
         launch = _launch_config(min(m - r0, MAX_M), k, n, sms, cfg)
         rows = _launch_rows(m - r0, launch)
-        _launch(x[r0 : r0 + rows], words, scales, tensor_scale, out[r0 : r0 + rows], n, fmt, two, swiglu, launch, pdl)
+        _launch(x[r0 : r0 + rows], words, scales, tensor_scale, out[r0 : r0 + rows], n, fmt, wide, swiglu, launch, pdl)
         r0 += rows
     return out
 
@@ -760,7 +772,7 @@ def partials_scale(tensor_scale: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None,
-            out: torch.Tensor, n: int, fmt: str, two: bool, swiglu: bool, cfg: dict, pdl: bool,
+            out: torch.Tensor, n: int, fmt: str, wide: bool, swiglu: bool, cfg: dict, pdl: bool,
             partials: bool = False) -> None:  # fmt: skip
     """One launch; ``partials``: ``out`` is the splits' fp32 sums [splits, M, n] (K split over programs)."""
     m, k = x.shape
@@ -784,7 +796,7 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, tensor_s
     tiled_weight_only_kernel[(n_tiles, split_k)](
         x, words, scales, ts, out, ws, counters, m, n, k, k_split * BLOCK_K.value, split_k, x.stride(0),
         out.stride(-2), stride_tn, FMT=fmt, BLOCK_M=max(8, triton.next_power_of_2(m)), T=t, W=w, SPLIT=split,
-        TWO_MUL=two, SWIGLU=swiglu, PDL=pdl, WGMMA=wgmma,
+        WIDE=wide, SWIGLU=swiglu, PDL=pdl, WGMMA=wgmma,
         UNROLL=triton.next_power_of_2(split_k) if split else 0, KW=kw, PARTIALS=partials, num_warps=w,
         launch_pdl=pdl,
     )  # fmt: skip

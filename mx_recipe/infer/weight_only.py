@@ -53,17 +53,17 @@ define(
 )
 
 
-def _tiled(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor | None, n: int, fmt: str, two_mul: bool,
+def _tiled(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor | None, n: int, fmt: str, wide_scales: bool,
            *, swiglu: bool = False, partials: bool = False) -> Tensor:  # fmt: skip
     from mx_kernels import pdl
     from mx_kernels.gluon.weight_only_tiled import tiled_weight_only_mm
 
-    return tiled_weight_only_mm(x, words, scales, tensor_scale, n, fmt, two_mul, swiglu, pdl=pdl.enabled(x.device),
+    return tiled_weight_only_mm(x, words, scales, tensor_scale, n, fmt, wide_scales, swiglu, pdl=pdl.enabled(x.device),
                                 partials=partials)  # fmt: skip
 
 
 def _tiled_fake(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor | None, n: int, fmt: str,
-                two_mul: bool, *, swiglu: bool = False, partials: bool = False) -> Tensor:  # fmt: skip
+                wide_scales: bool, *, swiglu: bool = False, partials: bool = False) -> Tensor:  # fmt: skip
     if partials:
         from mx_kernels.gluon.weight_only_tiled import partial_splits
 
@@ -74,7 +74,7 @@ def _tiled_fake(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor |
 
 
 define("weight_only_tiled_mm(Tensor x, Tensor words, Tensor scales, Tensor? tensor_scale, int n, str fmt,"
-       " bool two_mul, *, bool swiglu=False, bool partials=False) -> Tensor", _tiled, _tiled_fake)  # fmt: skip
+       " bool wide_scales, *, bool swiglu=False, bool partials=False) -> Tensor", _tiled, _tiled_fake)  # fmt: skip
 
 
 def _dequantize(qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str) -> Tensor:
@@ -126,20 +126,20 @@ def weight_only_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor
 
 
 def tiled_weight_only_mm(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor | None, n: int, fmt: str,
-                         two_mul: bool, swiglu: bool = False) -> Tensor:  # fmt: skip
+                         wide_scales: bool, swiglu: bool = False) -> Tensor:  # fmt: skip
     """``weight_only_mm`` for a weight in the tiled layout of Hopper's decode kernel (``PackedWeight.tile``: words,
     scales and tensor scale as mx_kernels.gluon.weight_only_tiled.pack returns them, ``n`` rows), up to LARGE_M
     rows of x; the caller dequantizes past that."""
     x2 = x.reshape(-1, x.shape[-1])
-    out = torch.ops.mx_recipe.weight_only_tiled_mm(x2, words, scales, tensor_scale, n, fmt, two_mul, swiglu=swiglu)
+    out = torch.ops.mx_recipe.weight_only_tiled_mm(x2, words, scales, tensor_scale, n, fmt, wide_scales, swiglu=swiglu)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def tiled_weight_only_partials(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor | None, n: int,
-                               fmt: str, two_mul: bool) -> Tensor:  # fmt: skip
+                               fmt: str, wide_scales: bool) -> Tensor:  # fmt: skip
     """``tiled_weight_only_mm`` of rows x [M, K], or where its launch splits K over programs, the splits' fp32 sums
     [splits, M, n] for ``add_rms_norm`` to add (mx_kernels.gluon.weight_only_tiled, ``partials``)."""
-    return torch.ops.mx_recipe.weight_only_tiled_mm(x, words, scales, tensor_scale, n, fmt, two_mul, partials=True)
+    return torch.ops.mx_recipe.weight_only_tiled_mm(x, words, scales, tensor_scale, n, fmt, wide_scales, partials=True)
 
 
 def weight_only_grouped_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,

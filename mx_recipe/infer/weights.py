@@ -95,13 +95,13 @@ class PackedWeight(nn.Module):
         off a decode step: docs/DESIGN.md, Architecture). MXFP8 codes must not be NaN (``pack``).
         ``swiglu``: the weight is w1 and w3 concatenated along N, its rows ordered for the SwiGLU epilogue. The
         tensor scale stays per the original rows (``dequantize``); the kernel's, in the packed order, beside it."""
-        from mx_kernels.gluon.weight_only_tiled import pack, partials_scale, two_mul
+        from mx_kernels.gluon.weight_only_tiled import pack, partials_scale, wide_scales
 
         if self.tiled or self.qdata.dim() != 2:
             raise ValueError(f"PackedWeight.tile: a 2D weight not tiled yet, got {self.fmt} "
                              f"{tuple(self.qdata.shape)}{' (tiled)' if self.tiled else ''}")  # fmt: skip
         words, scales, ts = pack(self.qdata, self.scale, self.tensor_scale, self.fmt, swiglu)
-        self.rows, self.swiglu_rows, self.two_mul = self.qdata.shape[0], swiglu, two_mul(self.scale, self.fmt)
+        self.rows, self.swiglu_rows, self.wide_scales = self.qdata.shape[0], swiglu, wide_scales(self.scale, self.fmt)
         self.codes_dtype = self.qdata.dtype
         self.qdata, self.scale = words, scales
         self.register_buffer("tensor_scale_tiled", ts)
@@ -141,7 +141,7 @@ class PackedWeight(nn.Module):
                 return weight_only_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, swiglu)
             if x.numel() // x.shape[-1] <= LARGE_M and swiglu == self.swiglu_rows:
                 return tiled_weight_only_mm(x, self.qdata, self.scale, self.tensor_scale_tiled, self.rows, self.fmt,
-                                            self.two_mul, swiglu)  # fmt: skip
+                                            self.wide_scales, swiglu)  # fmt: skip
         y = F.linear(x, self.dequantize(x.dtype))
         return swiglu_of(y) if swiglu else y
 
@@ -151,7 +151,7 @@ class PackedWeight(nn.Module):
         GEMM then ends without summing them (mx_kernels.decode_fused)."""
         if kernel and self.tiled and use_kernel(x) and x.shape[0] <= LARGE_M and not self.swiglu_rows:
             y = tiled_weight_only_partials(x, self.qdata, self.scale, self.tensor_scale_tiled, self.rows, self.fmt,
-                                           self.two_mul)  # fmt: skip
+                                           self.wide_scales)  # fmt: skip
             return y, self.partials_scale if y.dim() == 3 else None
         return self.mm(x, kernel), None
 
