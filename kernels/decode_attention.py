@@ -86,6 +86,7 @@ import triton
 import triton.language as tl
 from mx_kernels import pdl
 from mx_kernels.common import arrival_counters, interpreting
+from mx_kernels.decode_fused import split_sum
 from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.spec import cdiv
 
@@ -142,18 +143,12 @@ def _tile(q, k, v, inside, m_i, l_i, acc, qk_scale, MMA16: tl.constexpr):
 @triton.jit
 def _projected(ptrs, mask, stride_s, ps_ptr, ps_offs, dtype, PARTS: tl.constexpr, HAS_PS: tl.constexpr):
     """A projection's output at ``ptrs``: the values, or (PARTS > 0) the sum of PARTS fp32 split-K partials
-    ``stride_s`` apart in split order from 0, times the scale at ps_ptr + ps_offs (HAS_PS), rounded to ``dtype``:
-    what the GEMM's own epilogue writes (mx_kernels.gluon.weight_only_tiled). Every split loaded before the first
-    add."""
+    ``stride_s`` apart (``split_sum``), times the scale at ps_ptr + ps_offs (HAS_PS), rounded to ``dtype``: what the
+    GEMM's own epilogue writes (mx_kernels.gluon.weight_only_tiled)."""
     if PARTS == 0:
         value = tl.load(ptrs, mask=mask, other=0.0)
     else:
-        parts = ()
-        for i in tl.static_range(PARTS):
-            parts = parts + (tl.load(ptrs + i * stride_s, mask=mask, other=0.0),)
-        total = tl.zeros_like(parts[0])
-        for i in tl.static_range(PARTS):
-            total += parts[i]
+        total = split_sum(ptrs, mask, stride_s, PARTS, True)
         if HAS_PS:
             total = total * tl.load(ps_ptr + ps_offs, mask=mask, other=0.0)
         value = total.to(dtype)

@@ -43,17 +43,7 @@ def _add_rms_norm_kernel(
     h = tl.load(h_ptr + row * stride_h + c, mask=ok, other=0.0)
     if HAS_DELTA:
         if SPLITS > 0:
-            parts = ()
-            for i in tl.static_range(SPLITS):
-                at = delta_ptr + i * stride_ds + row * stride_d + c
-                if BLOCK == D:
-                    part = tl.load(at)
-                else:
-                    part = tl.load(at, mask=ok, other=0.0)
-                parts = parts + (part,)
-            delta = tl.zeros([BLOCK], dtype=tl.float32)
-            for i in tl.static_range(SPLITS):
-                delta += parts[i]
+            delta = split_sum(delta_ptr + row * stride_d + c, ok, stride_ds, SPLITS, BLOCK != D)
             if HAS_SCALE:
                 delta = delta * tl.load(scale_ptr + c * stride_sc, mask=ok, other=0.0)
             delta = delta.to(h_out_ptr.dtype.element_ty)
@@ -65,6 +55,24 @@ def _add_rms_norm_kernel(
     rstd = tl.rsqrt(tl.sum(hf * hf, 0) / D + eps)
     w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + c, (hf * rstd * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def split_sum(ptrs, mask, stride_s, SPLITS: tl.constexpr, MASKED: tl.constexpr):
+    """The sum of SPLITS fp32 split-K partials at ``ptrs`` (``stride_s`` apart), added in split order from +0 as a
+    split-K GEMM's own sum adds them (mx_kernels.gluon.common.split_k_sum), every split loaded before the first add;
+    ``MASKED`` False: unmasked loads, which the compiler issues together (module doc)."""
+    parts = ()
+    for i in tl.static_range(SPLITS):
+        if MASKED:
+            part = tl.load(ptrs + i * stride_s, mask=mask, other=0.0)
+        else:
+            part = tl.load(ptrs + i * stride_s)
+        parts = parts + (part,)
+    total = tl.zeros_like(parts[0])
+    for i in tl.static_range(SPLITS):
+        total += parts[i]
+    return total
 
 
 @triton.jit
