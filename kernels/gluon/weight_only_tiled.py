@@ -694,7 +694,8 @@ def tiled_weight_only_mm(x: torch.Tensor, words: torch.Tensor, scales: torch.Ten
     warps split K on mma.sync: kw = w, t = 1, each split's steps a multiple of kw); ``pdl``: launched
     with programmatic dependent launch (mx_kernels.pdl). ``partials`` (no ``swiglu``): where one launch splits K over
     programs, its splits' fp32 sums [splits, M, n] instead, for the consumer to add in split order and round
-    (``mx_kernels.decode_fused.add_rms_norm``; NVFP4's tensor scale not applied: ``partials_scale``)."""
+    (``mx_kernels.decode_fused.add_rms_norm``, ``mx_kernels.decode_attention``; NVFP4's tensor scale not applied:
+    ``partials_scale``)."""
     op = "tiled_weight_only_mm"
     if fmt not in FORMATS or x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or x.stride(0) % 8:
         raise ValueError(f"{op}: mxfp4, nvfp4 or mxfp8 and x bf16 [M, K] with rows 16-byte aligned, got {fmt} "

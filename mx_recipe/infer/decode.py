@@ -21,8 +21,8 @@ too). At one sequence the bf16 projections (bf16 models, and every model's outpu
 ``mx_recipe.infer.gemv``, SwiGLU in its epilogue for a fused w1/w3; at more, cuBLAS. A residual branch's last
 projection (wo, w2) on a tiled quantized weight whose GEMM splits K over programs hands its splits' fp32 sums to the
 add + norm kernel, which adds them (``QuantizedLinear.partials``): the GEMM ends without a sum of its own. The fused
-QKV GEMM hands its sums to the attention kernel the same way (``FusedLinear.partials``). The
-position is a device tensor, so one CUDA graph serves every step.
+QKV GEMM hands its sums to the attention kernel the same way (``FusedLinear.partials``). The position is a device
+tensor, so one CUDA graph serves every step.
 The prefill, and every step on the CPU, run the model's modules with SDPA and the mask. The fused MoE step leaves
 the block's ``tokens_per_expert`` (a training statistic for the balancing bias) untouched.
 

@@ -138,7 +138,7 @@ def tiled_weight_only_mm(x: Tensor, words: Tensor, scales: Tensor, tensor_scale:
 def tiled_weight_only_partials(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor | None, n: int,
                                fmt: str, wide_scales: bool) -> Tensor:  # fmt: skip
     """``tiled_weight_only_mm`` of rows x [M, K], or where its launch splits K over programs, the splits' fp32 sums
-    [splits, M, n] for ``add_rms_norm`` to add (mx_kernels.gluon.weight_only_tiled, ``partials``)."""
+    [splits, M, n] for the consumer to add (mx_kernels.gluon.weight_only_tiled, ``partials``)."""
     return torch.ops.mx_recipe.weight_only_tiled_mm(x, words, scales, tensor_scale, n, fmt, wide_scales, partials=True)
 
 

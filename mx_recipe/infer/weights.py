@@ -105,7 +105,7 @@ class PackedWeight(nn.Module):
         self.codes_dtype = self.qdata.dtype
         self.qdata, self.scale = words, scales
         self.register_buffer("tensor_scale_tiled", ts)
-        self.register_buffer("partials_scale", partials_scale(ts), persistent=False)  # the norm's, for mm_partials
+        self.register_buffer("partials_scale", partials_scale(ts), persistent=False)  # mm_partials' consumer's
         self.tiled = True
 
     def natural_codes(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,8 +147,8 @@ class PackedWeight(nn.Module):
 
     def mm_partials(self, x: torch.Tensor, kernel: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``mm(x, kernel)`` for rows x [M, K], as (output, None); or, for a tiled weight whose GEMM splits K over
-        programs, (its splits' fp32 sums [splits, M, N], their scale or None) for ``add_rms_norm`` to add: the
-        GEMM then ends without summing them (mx_kernels.decode_fused)."""
+        programs, (its splits' fp32 sums [splits, M, N], their scale or None) for its consumer to add (the add +
+        norm kernel, mx_kernels.decode_fused; the decode attention for q, k and v): the GEMM ends without summing."""
         if kernel and self.tiled and use_kernel(x) and x.shape[0] <= LARGE_M and not self.swiglu_rows:
             y = tiled_weight_only_partials(x, self.qdata, self.scale, self.tensor_scale_tiled, self.rows, self.fmt,
                                            self.wide_scales)  # fmt: skip
