@@ -10,10 +10,8 @@ with a wgmma left in flight over the next upcast, a step's A (32 KB for 128 weig
 back on top of x^T, which on an H200 costs more than the wait on every Llama 3 8B GEMM from 8 to 128 rows. The loop
 takes two K steps an iteration, the second step's loads issued before the first's upcast and the next iteration's
 first step's before the second's: with one step an iteration ptxas sinks the next step's loads, carried round the
-loop, to the end of the body behind the MMA, and the upcast at the loop's head waits on them uncovered. On an H200
-(2026-12-01) the pairs took 1.3-5.4% off a Llama 3 8B decode step with MXFP4 weights from 1 to 128 rows (3% at one),
-0.5-3% with MXFP8 from 4 rows. K is
-split over programs as the other weight-only kernels split it: each split stores its fp32 partial and the last to
+loop, to the end of the body behind the MMA, and the upcast at the loop's head waits on them uncovered. K is split
+over programs as the other weight-only kernels split it: each split stores its fp32 partial and the last to
 arrive sums them in split order, so the result does not depend on timing. Asked for ``partials``, each split stores
 its sum and the kernel ends: its consumer adds them in split order (a decode step's wo and w2, whose output goes to
 the add + RMSNorm kernel, mx_kernels.decode_fused), the same bits without the counter and the read-back on the
@@ -305,6 +303,12 @@ def _factors(s, WL: gl.constexpr, FMT: gl.constexpr, WIDE: gl.constexpr, NV: gl.
 
 
 @gluon.jit
+def _x_at(x_rows, xk, k, XD: gl.constexpr):
+    """Pointers to x's step at element ``k`` of K (``XD``: x's elements a loaded element, 2 for int32 pairs)."""
+    return x_rows + gl.expand_dims(gl.multiple_of(k // XD, 64) + xk, 0)
+
+
+@gluon.jit
 def _mma_step(a, x, acc, x_next, x_in, x_buf, B: gl.constexpr, WGMMA: gl.constexpr):
     """acc + a x^T (a: the step's upcast weights, x: its rows of x), and the next step's x loaded from ``x_next``
     while the MMA runs. wgmma: x^T through ``x_buf``, one of two buffers taken in turn, so that one warpgroup's store
@@ -425,18 +429,16 @@ def tiled_weight_only_kernel(
         gdc_wait()
         gdc_launch_dependents()
     if WGMMA:  # rows past M read row M - 1
-        XD: gl.constexpr = 1  # x's elements an element of K
-        x = gl.load(x_rows + gl.expand_dims(gl.multiple_of(k_start, 64) + xk, 0))
+        XD: gl.constexpr = 1
+        x = gl.load(_x_at(x_rows, xk, k_start, XD))
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, BLOCK_K], XS)
         bufs = (x_smem.index(0), x_smem.index(1))
         x_in = 0  # unread
     else:
         XD: gl.constexpr = 2  # int32 pairs
-        x = gl.load(x_rows + gl.expand_dims(gl.multiple_of(k_start // 2, 64) + xk, 0), mask=x_in, other=0)
+        x = gl.load(_x_at(x_rows, xk, k_start, XD), mask=x_in, other=0)
         bufs = (0, 0)  # unread
-    # Two steps an iteration, the second's loads issued before the first's upcast: with one step an iteration,
-    # ptxas sinks the next step's loads (loop-carried) to the end of the body, and the upcast at the loop's head
-    # waits on them uncovered (module doc)
+    # two steps an iteration, each step's loads issued before the step ahead of it is upcast (module doc)
     n_steps = (k_end - k_start) // BLOCK_K
     for p in range(n_steps // 2):
         k1 = k_start + (2 * p + 1) * BLOCK_K
@@ -444,17 +446,14 @@ def tiled_weight_only_kernel(
         w1 = _load_words(w_tiles + gl.multiple_of(NV * k1, 256), WL)
         s1 = gl.load(s_tiles + gl.multiple_of(k1 // 2 * SB, 64))
         a = _a_operand(w, _factors(s.to(gl.int32), WL, FMT, WIDE, NV), A, UPCAST, E4M3)
-        acc, x = _mma_step(a, x, acc, x_rows + gl.expand_dims(gl.multiple_of(k1 // XD, 64) + xk, 0), x_in, bufs[0],
-                           B, WGMMA)  # fmt: skip
+        acc, x = _mma_step(a, x, acc, _x_at(x_rows, xk, k1, XD), x_in, bufs[0], B, WGMMA)
         w = _load_words(w_tiles + gl.multiple_of(NV * k2, 256), WL)
         s = gl.load(s_tiles + gl.multiple_of(k2 // 2 * SB, 64))
         a = _a_operand(w1, _factors(s1.to(gl.int32), WL, FMT, WIDE, NV), A, UPCAST, E4M3)
-        acc, x = _mma_step(a, x, acc, x_rows + gl.expand_dims(gl.multiple_of(k2 // XD, 64) + xk, 0), x_in, bufs[1],
-                           B, WGMMA)  # fmt: skip
+        acc, x = _mma_step(a, x, acc, _x_at(x_rows, xk, k2, XD), x_in, bufs[1], B, WGMMA)
     if n_steps % 2 == 1:  # an odd count's last step, loaded by the last pair (or before the loop)
         a = _a_operand(w, _factors(s.to(gl.int32), WL, FMT, WIDE, NV), A, UPCAST, E4M3)
-        acc, x = _mma_step(a, x, acc, x_rows + gl.expand_dims(gl.multiple_of((k_end - BLOCK_K) // XD, 64) + xk, 0),
-                           x_in, bufs[0], B, WGMMA)  # fmt: skip
+        acc, x = _mma_step(a, x, acc, _x_at(x_rows, xk, k_end - BLOCK_K, XD), x_in, bufs[0], B, WGMMA)
     if KW > 1:  # the warps' sums of the same rows, added in warp order through shared memory
         parts = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         parts.store(acc)
