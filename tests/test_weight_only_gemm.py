@@ -367,7 +367,7 @@ def test_interp_grouped_rows_read_in_place(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_interp_dequantize_is_the_references_bits(fmt):
     """The large-M path's dequantize kernel gives ``dequantize``'s values bit for bit (fp32 here: the interpreter's
-    bf16 cast truncates), 2D and 3D, with a K tail past its 128-element tiles."""
+    bf16 cast truncates), 2D and 3D, K short of its power-of-2 tile."""
     from mx_kernels.mx.weight_only import dequantize
 
     torch.manual_seed(3)
@@ -560,6 +560,22 @@ def test_gpu_large_m_dequantizes_then_cublas(fmt):
     assert torch.equal(dequantize(w.qdata, w.scale, w.tensor_scale, fmt), w.dequantize(torch.bfloat16))
     x = torch.randn(2, (LARGE_M + 64) // 2, 4096, device=CUDA).bfloat16()
     assert torch.equal(lin(x), torch.nn.functional.linear(x, w.dequantize(torch.bfloat16)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_dequantize_is_the_references_bits(fmt):
+    """The dequantize kernel on a stack of experts (K short of its tile) and a 2D weight with a K tail past 2048,
+    NaN scales included: the reference's bf16 bits."""
+    from mx_kernels.mx.weight_only import dequantize
+
+    torch.manual_seed(5)
+    for shape in [(3, 256, 1408), (40, 2080)]:
+        p = packed(weights(shape[-2], shape[-1], CUDA, lead=shape[:-2]), fmt)
+        p.scale.view(torch.uint8)[..., 0, 0] = 0x7F if fmt == "nvfp4" else 0xFF
+        got, want = dequantize(p.qdata, p.scale, p.tensor_scale, fmt), p.dequantize(torch.bfloat16)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
 @pytest.mark.gpu
