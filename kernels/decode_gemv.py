@@ -24,16 +24,7 @@ threads). No split of K: the grid is cdiv(N, BLOCK_N) programs, at least 512 at 
 The result differs from cuBLAS's on the dequantized weight only by the order of the fp32 sums, then one rounding.
 A program reads its first step's weights before it waits for the kernel before it (PDL): they do not depend on
 it, and the read overlaps that kernel's tail. One H200, Llama 3 8B's decode step at one sequence, without -> with:
-bf16 4.00 -> 3.96-3.97 ms, MXFP8 2.47 -> 2.42-2.43. It asks for nothing more there: bulk prefetches of the rest of
-each row into L2 (``cp.async.bulk.prefetch.L2``) before the wait made the step slower, the more so the more they
-asked for (one H200: bf16 3.84 -> 3.98 ms at 16 MB in flight, 4.21 at 32; MXFP8 2.38 -> 2.58, 2.70; wo's alone,
-behind the attention kernel, 2.38 -> 2.40).
-For MXFP8, Triton gives the codes (16 a thread) and x (8 a thread) different layouts and moves x and the block sums
-through shared memory each step, behind CTA barriers; a Gluon kernel with the layouts stated (each thread a block's
-16 codes, their 16 elements of x and the scale, no barrier) was no faster on one H200, alone (one row, weights read
-from memory, us: wo 6.7 -> 7.7, w2 17.3 -> 17.8, w1 18.8 -> 18.6) or in the step (2.38 -> 2.52 ms). Nor does the
-loop pipeline its loads (``tl.range(num_stages=2 or 3)``: cp.async through shared memory, fewer programs an SM):
-bf16 3.87 -> 3.94, 4.10 ms, MXFP8 2.43 -> 2.64, 2.66.
+bf16 4.00 -> 3.96-3.97 ms, MXFP8 2.47 -> 2.42-2.43.
 
 SwiGLU (``swiglu``): w is w1 and w3 concatenated along N; a program takes BLOCK_N / 2 rows of each, the same
 hidden units, rounds both sums to the output dtype (as the unfused GEMM's output) and writes silu(gate) * up
