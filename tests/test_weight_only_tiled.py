@@ -205,11 +205,13 @@ def test_operands_reach_the_mma_without_moves(m, wgmma, fmt, wide):
     """Compiled for sm_90a: the upcast weights are the MMA's register operand and x (mma.sync) its other one, each
     layout conversion asserted trivial at compile time; mma.sync takes no shared memory, wgmma only x^T's. A lane
     reads its words and x 16 bytes a load. Under PDL the next kernel is released right after the wait, before the
-    first MMA. NVFP4's factor: one multiply-add a scale unless ``wide``."""
+    first MMA. A scale's factor: one multiply-add unless ``wide``."""
     ttgir, ptx = compiled_kernel(m, wgmma, fmt, WIDE=wide)
     assert "ld.global.v4.b32" in ptx and "ld.global.v2" not in ptx
     if fmt == "nvfp4":  # positive normal e4m3 scales: one multiply-add each, not the hardware's conversion
         assert ("cvt.rn.f16x2.e4m3x2" in ptx) == wide and ("0x00100010" in ptx) != wide
+    else:  # e8m0 scales: no test for NaN's 0xFF unless wide (a NaN scale is a wide one)
+        assert ("0x7FC07FC0" in ptx) == wide and "0x00800080" in ptx
     # PDL: the next kernel is released right after the wait, before the main loop's first MMA (mx_kernels.pdl)
     mma = ptx.index("wgmma.mma_async" if wgmma else "mma.sync")
     assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents") < mma
@@ -236,15 +238,15 @@ def test_warps_splitting_k_read_16_bytes_and_add_in_shared_memory(fmt):
 
 @needs_triton
 def test_wide_scales_take_the_longer_factor():
-    """e8m0 scales past 2**1 (MXFP4) or 2**7 (MXFP8), NaN's 0xFF aside, and e4m3 scales other than positive normal
-    ones (zero, subnormal, negative, NaN) take the kernel's longer factor."""
+    """e8m0 scales past 2**1 (MXFP4) or 2**7 (MXFP8), NaN's 0xFF among them, and e4m3 scales other than positive
+    normal ones (zero, subnormal, negative, NaN) take the kernel's longer factor."""
     from mx_kernels.gluon.weight_only_tiled import wide_scales
 
     def wide(values: list[int], fmt: str) -> bool:
         return wide_scales(torch.tensor(values, dtype=torch.uint8), fmt)
 
-    assert not wide([0, 1, 127, 128, 255], "mxfp4") and wide([129], "mxfp4")
-    assert not wide([0, 134, 255], "mxfp8") and wide([135], "mxfp8")
+    assert not wide([0, 1, 127, 128], "mxfp4") and wide([129], "mxfp4") and wide([0, 255], "mxfp4")
+    assert not wide([0, 134], "mxfp8") and wide([135], "mxfp8") and wide([0, 255], "mxfp8")
     assert not wide([0x08, 0x38, 0x7E], "nvfp4")
     for odd in (0x00, 0x01, 0x07, 0x80, 0xB8, 0x7F, 0xFF):
         assert wide([0x38, odd], "nvfp4"), hex(odd)
@@ -337,8 +339,9 @@ def test_tile_weights_leaves_a_cpu_model_as_it_is():
 def edge_cases(fmt: str, n: int, k: int) -> list[PackedWeight]:
     """Tiled n x k weights (seeded): scales from 2**-12 to 2**6 and a zero row 7; the same weight clamped to [-1, 1]
     with a NaN scale in row 3 (NVFP4: NaN, zero, subnormal, largest and negative e4m3 scales), 2**-127 and 2**-126
-    ones; MXFP8 with one scale of 2**23; NVFP4 also with a tensor scale per row (two parts), and with positive normal
-    scales only (the one-instruction factor: not ``wide_scales``), the smallest and the largest among them."""
+    ones; MXFP8 with one scale of 2**23; NVFP4 also with a tensor scale per row (two parts); and one with none of
+    the wide scales (the one-instruction factor: not ``wide_scales``): MXFP4 and MXFP8 the clamped weight without its
+    NaN, NVFP4 positive normal scales only, the smallest and the largest among them."""
     torch.manual_seed(21)
     w = weights(n, k, CUDA)
     w[7] = 0.0
@@ -352,6 +355,8 @@ def edge_cases(fmt: str, n: int, k: int) -> list[PackedWeight]:
         cases.append(PackedWeight.cat([packed(normal[: n // 2] * 0.02, fmt), packed(normal[n // 2 :] * 3.0, fmt)]))
         cases[-1].scale.view(torch.uint8)[3, 5], cases[-1].scale.view(torch.uint8)[4, 0] = 0x08, 0x7E
     else:
+        cases.append(packed(w.clamp(-2.0, 2.0) * 0.5, fmt))
+        cases[-1].scale.view(torch.uint8)[4, 0], cases[-1].scale.view(torch.uint8)[5, 2] = 0, 1
         scales[3, 5], scales[4, 0], scales[5, 2] = 0xFF, 0, 1
     if fmt == "mxfp8":
         cases[0].scale.view(torch.uint8)[10, 2] = 150
@@ -371,7 +376,7 @@ def test_gpu_every_m_within_the_bound(fmt):
     hopper()
     n, k = 1000, 2048
     cases = edge_cases(fmt, n, k)
-    assert [p.wide_scales for p in cases] == ([True, True, True, False] if fmt == "nvfp4" else [True, False])
+    assert [p.wide_scales for p in cases] == ([True, True, True, False] if fmt == "nvfp4" else [True, True, False])
     configs = [None, dict(t=2, w=2, split_k=3, wgmma=False), dict(t=1, w=8, split_k=3, wgmma=True),
                dict(t=1, w=4, kw=4, split_k=2, wgmma=False)]  # fmt: skip
     for m in (1, 3, 4, 5, 8, 13, 32, 64, 65, 128):

@@ -36,13 +36,13 @@ The layout (``pack``), made once when a model is loaded for decode (mx_recipe.in
   a bf16x2 register in one or two integer operations and a mask (pair 0 in place, pairs 1 and 2 one rotation away,
   pair 3 two): the codes as sign | exponent and mantissa at the bottom of a bf16 exponent, their values times
   2**-126 (0.5 a subnormal). One bf16x2 multiply then applies the scale and 2**126: MXFP4 2**(s - 1), exact for
-  s <= 128 (a weight with larger scales takes a second multiply, ``wide_scales``), NVFP4 the e4m3 scale's value
-  times 2**118, the fp32 sum times 2**8 and the tensor scale at the end. That NVFP4 factor is one integer
-  multiply-add of the scale's bits where every scale of the weight is positive and normal (what a quantizer writes
-  for blocks that are not all zero), else the hardware's e4m3 pair to f16 pair conversion, two fp32 multiplies and
-  two packs: about 8 instructions a pair of scales, where an e8m0 factor takes 3 a scale. Each product is rounded
-  once, as ``dequantize`` rounds it. Compiled for sm_90a, about 2.5 instructions an element on mma.sync (the small-M
-  FMA kernel on the formats' layout: 4.4) and 3.3 on wgmma (the Gluon tile's: 4.4).
+  s <= 128 (a weight with larger scales or a NaN one takes a second multiply, ``wide_scales``), NVFP4 the e4m3
+  scale's value times 2**118, the fp32 sum times 2**8 and the tensor scale at the end. Each factor is one integer
+  multiply-add of the scale's bits: the e8m0 ones where no scale is wide, NVFP4's where every scale of the weight is
+  positive and normal (what a quantizer writes for blocks that are not all zero), else the hardware's e4m3 pair to
+  f16 pair conversion, two fp32 multiplies and two packs: about 8 instructions a pair of scales. Each product is
+  rounded once, as ``dequantize`` rounds it. Compiled for sm_90a, about 2.5 instructions an element on mma.sync (the
+  small-M FMA kernel on the formats' layout: 4.4) and 3.3 on wgmma (the Gluon tile's: 4.4).
 * MXFP8: a step is 2 KB, a lane's 32 elements 32 bytes a row, a word 4 codes (two pairs of the MMA's k). Each code
   becomes the bf16 bits sign << 15 | magnitude << 4, its value times 2**-120: pair 0 is stored there (a mask), pair
   1 where left rotations by 4 (signs, magnitude bit 3) and 8 bring it (``stored_bit_e4m3``); one bf16x2 multiply by
@@ -149,12 +149,10 @@ def _first_times(upcast: str, factor: str, first: int) -> str:
 
 
 def _e8m0_factor(bias: int) -> str:
-    """e8m0 s -> bf16x2 2**(s - 127 + bias) in both halves ((s + bias) << 7), NaN for 0xFF."""
+    """e8m0 s -> bf16x2 2**(s - 127 + bias) in both halves ((s + bias) << 7), one multiply-add: for a weight whose
+    scales are not ``wide_scales`` (s + bias < 255; NaN's 0xFF is a wide scale)."""
     add = (bias << 7) * 0x00010001
-    return (
-        f"{{ .reg .pred p; mad.lo.u32 $0, $1, 0x00800080, {add:#010x}; setp.eq.u32 p, $1, 255;"
-        " @p mov.b32 $0, 0x7FC07FC0; }"
-    )
+    return f"mad.lo.u32 $0, $1, 0x00800080, {add:#010x};"
 
 
 _UPCAST_ONE = gl.constexpr(_UPCAST)
@@ -684,13 +682,13 @@ def unpack(words: torch.Tensor, scales: torch.Tensor, n: int, fmt: str, swiglu: 
 
 def wide_scales(scales: torch.Tensor, fmt: str) -> bool:
     """Whether a weight's scale bytes need the kernel's longer factor (module doc): e8m0 scales past 2**1 (MXFP4) or
-    2**7 (MXFP8), other than NaN's 0xFF, take a second multiply; e4m3 scales other than positive normal ones (zero,
+    2**7 (MXFP8), NaN's 0xFF among them, take a second multiply; e4m3 scales other than positive normal ones (zero,
     subnormal, negative, NaN) the hardware's conversion."""
     s = scales.view(torch.uint8)
     if fmt == "nvfp4":
         return bool(((s & 0x78) == 0).any() | (s >= 0x80).any() | (s == 0x7F).any())
     most = {"mxfp4": 128, "mxfp8": 134}.get(fmt)
-    return most is not None and bool(((s > most) & (s < 255)).any())
+    return most is not None and bool((s > most).any())
 
 
 def _nearest_power_of_2(v: float, most: int) -> int:
