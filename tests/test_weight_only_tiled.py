@@ -345,7 +345,8 @@ def edge_cases(fmt: str, n: int, k: int) -> list[PackedWeight]:
     torch.manual_seed(21)
     w = weights(n, k, CUDA)
     w[7] = 0.0
-    cases = [packed(w, fmt), packed(w.clamp(-2.0, 2.0) * 0.5, fmt)]
+    clamped = w.clamp(-2.0, 2.0) * 0.5
+    cases = [packed(w, fmt), packed(clamped, fmt)]
     scales = cases[1].scale.view(torch.uint8)
     if fmt == "nvfp4":
         cases.append(PackedWeight.cat([packed(w[: n // 2] * 0.02, fmt), packed(w[n // 2 :] * 3.0, fmt)]))
@@ -355,9 +356,10 @@ def edge_cases(fmt: str, n: int, k: int) -> list[PackedWeight]:
         cases.append(PackedWeight.cat([packed(normal[: n // 2] * 0.02, fmt), packed(normal[n // 2 :] * 3.0, fmt)]))
         cases[-1].scale.view(torch.uint8)[3, 5], cases[-1].scale.view(torch.uint8)[4, 0] = 0x08, 0x7E
     else:
-        cases.append(packed(w.clamp(-2.0, 2.0) * 0.5, fmt))
-        cases[-1].scale.view(torch.uint8)[4, 0], cases[-1].scale.view(torch.uint8)[5, 2] = 0, 1
-        scales[3, 5], scales[4, 0], scales[5, 2] = 0xFF, 0, 1
+        cases.append(packed(clamped, fmt))  # the clamped weight again, without the NaN
+        for p in cases[1:]:
+            p.scale.view(torch.uint8)[4, 0], p.scale.view(torch.uint8)[5, 2] = 0, 1
+        scales[3, 5] = 0xFF
     if fmt == "mxfp8":
         cases[0].scale.view(torch.uint8)[10, 2] = 150
     for p in cases:
