@@ -12,7 +12,9 @@ and the KV-cache write are in the decode-attention kernel, mx_kernels.decode_att
   takes the last split of each tile to arrive an acquire-release counter and a read of every split's partial after
   its own loop, on the step's path. Here the kernel boundary before the norm orders the partials, and each row's
   program reads its own, every split's loads issued before the first add (unmasked: with masked loads the compiler
-  interleaved each load with its add, a few in flight at a time).
+  interleaved each load with its add, a few in flight at a time). Under PDL the norm's weight is loaded before the
+  wait for the kernel before (no kernel of a step writes it), so that only the rows' loads follow the wait: Llama 3
+  8B dims, batch 1, one H200, ms a step: MXFP8 2.427 -> 2.395, MXFP4 1.798 -> 1.784, bf16 3.879 -> 3.870.
 * ``silu_mul``: SwiGLU's ``F.silu(h1) * h3`` for the gate and up projections' outputs (views of one fused GEMM's
   output, or two tensors), with the eager expression's two roundings: silu in fp32 rounded to the dtype, then
   the product in fp32 rounded again.
@@ -35,11 +37,13 @@ def _add_rms_norm_kernel(
 ):  # fmt: skip
     """SPLITS > 0: delta is that many fp32 partial sums (``stride_ds`` apart), added in order from 0 (then times the
     column's scale, HAS_SCALE) and rounded to h's dtype; every split loaded before the first add (module doc)."""
-    pdl.wait_prior(PDL)
-    pdl.release_next(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < D
+    # the norm's weight before the wait: no kernel of a step writes it (module doc)
+    w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
+    pdl.wait_prior(PDL)
+    pdl.release_next(PDL)
     h = tl.load(h_ptr + row * stride_h + c, mask=ok, other=0.0)
     if HAS_DELTA:
         if SPLITS > 0:
@@ -53,7 +57,6 @@ def _add_rms_norm_kernel(
     tl.store(h_out_ptr + row * stride_ho + c, h, mask=ok)
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, 0) / D + eps)
-    w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + c, (hf * rstd * w).to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -104,7 +107,8 @@ _SILU_MUL = LaunchCache(_silu_mul_kernel)
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  delta_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(h + delta, RMSNorm(h + delta) * weight) for rows h, delta [T, D] (delta None: a copy of h and its norm);
-    the sum rounded to h's dtype, the norm in fp32 rounded once to h's dtype. Both outputs are new tensors.
+    the sum rounded to h's dtype, the norm in fp32 rounded once to h's dtype. Both outputs are new tensors. Under
+    PDL ``weight`` is read before the wait for the kernel before: that kernel must not write it.
     delta may be a GEMM's split-K partials, fp32 [splits, T, D] (module doc): their sum in split order, times
     ``delta_scale`` (fp32, one or one per column) if given, rounded to h's dtype, is the branch's output."""
     op = "add_rms_norm"

@@ -172,6 +172,29 @@ def test_norm_issues_every_splits_loads_before_adding():
     assert ops[:first_add].count("LDG.E.128") >= 16, ops[: first_add + 1]
 
 
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="the kernel compiled for sm_90a, offline")
+def test_norm_reads_its_weight_before_the_pdl_wait():
+    """Compiled for sm_90a under PDL, the norm loads its weight before it waits for the kernel before (no kernel of
+    a step writes it) and the rows after, and releases the next kernel right after the wait."""
+    from mx_kernels.decode_fused import _add_rms_norm_kernel
+    from mx_kernels.gluon.common import compile_for_arch
+
+    d, meta = 4096, dict(device="meta")
+    rows = dict(dtype=torch.bfloat16, **meta)
+    kwargs = dict(
+        h_ptr=torch.empty(1, d, **rows), delta_ptr=torch.empty(1, d, **rows), scale_ptr=torch.empty(d, **rows),
+        w_ptr=torch.empty(d, **rows), h_out_ptr=torch.empty(1, d, **rows), out_ptr=torch.empty(1, d, **rows),
+        stride_h=d, stride_d=d, stride_ds=0, stride_sc=0, stride_ho=d, stride_o=d, D=d, eps=1e-5, HAS_DELTA=True,
+        SPLITS=0, HAS_SCALE=False, BLOCK=d, PDL=True, num_warps=16,
+    )  # fmt: skip
+    ptx = compile_for_arch(_add_rms_norm_kernel, kwargs, 90).asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    before, after = ptx[:wait], ptx[wait:]
+    assert before.count("ld.global") == 1  # the weight
+    assert after.count("ld.global") == 2  # h and delta
+    assert after.index("griddepcontrol.launch_dependents") < after.index("ld.global")
+
+
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
 def test_kernels_in_triton_interpreter():
     run_interpreter_tests(__file__)
