@@ -139,6 +139,24 @@ def test_fake_shapes_under_compile_tracing():
         assert torch.ops.mx_recipe.silu_mul(torch.empty(3, 64), torch.empty(3, 64)).shape == (3, 64)
 
 
+def compiled_norm(rows: int, splits: int):
+    """The add + RMSNorm kernel compiled for sm_90a under PDL, offline: ``rows`` rows 4096 wide (Llama 3 8B's) and a
+    bf16 delta, or (``splits`` > 0) that many fp32 split-K partials."""
+    from mx_kernels.decode_fused import _add_rms_norm_kernel
+    from mx_kernels.gluon.common import compile_for_arch
+
+    d, meta = 4096, dict(device="meta")
+    bf16 = dict(dtype=torch.bfloat16, **meta)
+    delta = torch.empty(splits, rows, d, **meta) if splits else torch.empty(rows, d, **bf16)
+    kwargs = dict(
+        h_ptr=torch.empty(rows, d, **bf16), delta_ptr=delta, scale_ptr=torch.empty(d, **meta),
+        w_ptr=torch.empty(d, **bf16), h_out_ptr=torch.empty(rows, d, **bf16), out_ptr=torch.empty(rows, d, **bf16),
+        stride_h=d, stride_d=d, stride_ds=rows * d if splits else 0, stride_sc=int(splits > 0), stride_ho=d,
+        stride_o=d, D=d, eps=1e-5, HAS_DELTA=True, SPLITS=splits, HAS_SCALE=False, BLOCK=d, PDL=True, num_warps=16,
+    )  # fmt: skip
+    return compile_for_arch(_add_rms_norm_kernel, kwargs, 90)
+
+
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="the kernel compiled for sm_90a, offline")
 def test_norm_issues_every_splits_loads_before_adding():
     """Compiled for sm_90a, the norm of 8 splits of a 4096-wide row (a decode step's wo or w2 at Llama 3 8B dims)
@@ -148,21 +166,11 @@ def test_norm_issues_every_splits_loads_before_adding():
     from pathlib import Path
 
     import triton
-    from mx_kernels.decode_fused import _add_rms_norm_kernel
-    from mx_kernels.gluon.common import compile_for_arch
 
     tool = triton.knobs.nvidia.nvdisasm.path
     if not tool or not Path(tool).exists():
         pytest.skip("Triton's nvdisasm is missing")
-    t, d, meta = 32, 4096, dict(device="meta")
-    rows = dict(dtype=torch.bfloat16, **meta)
-    kwargs = dict(
-        h_ptr=torch.empty(t, d, **rows), delta_ptr=torch.empty(8, t, d, **meta), scale_ptr=torch.empty(d, **meta),
-        w_ptr=torch.empty(d, **rows), h_out_ptr=torch.empty(t, d, **rows), out_ptr=torch.empty(t, d, **rows),
-        stride_h=d, stride_d=d, stride_ds=t * d, stride_sc=1, stride_ho=d, stride_o=d, D=d, eps=1e-5,
-        HAS_DELTA=True, SPLITS=8, HAS_SCALE=False, BLOCK=d, PDL=True, num_warps=16,
-    )  # fmt: skip
-    cubin = compile_for_arch(_add_rms_norm_kernel, kwargs, 90).asm["cubin"]
+    cubin = compiled_norm(rows=32, splits=8).asm["cubin"]
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -176,18 +184,7 @@ def test_norm_issues_every_splits_loads_before_adding():
 def test_norm_reads_its_weight_before_the_pdl_wait():
     """Compiled for sm_90a under PDL, the norm loads its weight before it waits for the kernel before (no kernel of
     a step writes it) and the rows after, and releases the next kernel right after the wait."""
-    from mx_kernels.decode_fused import _add_rms_norm_kernel
-    from mx_kernels.gluon.common import compile_for_arch
-
-    d, meta = 4096, dict(device="meta")
-    rows = dict(dtype=torch.bfloat16, **meta)
-    kwargs = dict(
-        h_ptr=torch.empty(1, d, **rows), delta_ptr=torch.empty(1, d, **rows), scale_ptr=torch.empty(d, **rows),
-        w_ptr=torch.empty(d, **rows), h_out_ptr=torch.empty(1, d, **rows), out_ptr=torch.empty(1, d, **rows),
-        stride_h=d, stride_d=d, stride_ds=0, stride_sc=0, stride_ho=d, stride_o=d, D=d, eps=1e-5, HAS_DELTA=True,
-        SPLITS=0, HAS_SCALE=False, BLOCK=d, PDL=True, num_warps=16,
-    )  # fmt: skip
-    ptx = compile_for_arch(_add_rms_norm_kernel, kwargs, 90).asm["ptx"]
+    ptx = compiled_norm(rows=1, splits=0).asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
     before, after = ptx[:wait], ptx[wait:]
     assert before.count("ld.global") == 1  # the weight
