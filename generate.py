@@ -8,7 +8,9 @@
 it, with the run's tokenizer. Without it, --model and --flavor build a model at random for speed runs (byte
 tokenizer). The weights are quantized along K and kept packed (mx_recipe.infer.weights); on a GPU each GEMM
 reads them packed and upcasts them in registers (the weight-only kernel), on the CPU it dequantizes them first;
---activations mx quantizes each GEMM's input too, as a B200's MX GEMM reads it. Decoding keeps a static KV
+--activations mx quantizes each GEMM's input too, as a B200's MX GEMM reads it. The output layer stays in bf16
+as it trained (--quantize-output: in the --weights format too, its cost in loss measured in docs/RESULTS.md;
+at one sequence of Llama 3 8B it is a seventh of the bf16 bytes a step reads). Decoding keeps a static KV
 cache; the projections that read one input run as one GEMM (wq/wk/wv, w1/w3; --no-fuse: one each); --compile
 compiles the decode step; on CUDA each decode step replays a CUDA graph (--no-cuda-graph: each step launches
 its kernels). Greedy at --temperature 0 (the default), else sampling over the --top-k most likely
@@ -41,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flavor", help="with --model: its size")
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16", help="the format the weights are kept in")
     p.add_argument("--activations", choices=("bf16", "mx"), default="bf16", help="mx: quantize GEMM inputs too")
+    p.add_argument("--quantize-output", action="store_true", help="the output layer in --weights too (not bf16)")
     p.add_argument("--prompt", action="append", help="a prompt; several make a batch")
     p.add_argument("--batch", type=int, default=1, help="with one prompt: decode it this many times at once")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -61,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--max-new-tokens, --batch and --top-k must be >= 1 and --temperature >= 0")
     if args.activations == "mx" and args.weights == "bf16":
         p.error("--activations mx needs --weights mxfp8, mxfp4 or nvfp4")
+    if args.quantize_output and args.weights == "bf16":
+        p.error("--quantize-output needs --weights mxfp8, mxfp4 or nvfp4")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.compile and device.type == "cpu" and args.weights in ("mxfp8", "mxfp4"):
         p.error("--compile: Inductor's CPU code has no float8_e8m0fnu, the MX scales' type: decode MX weights eagerly")
@@ -85,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"error: --model {e}", file=sys.stderr)
             return 2
-    model = quantize_model(to_compute_dtype(model.eval(), dtype), args.weights, activations=args.activations == "mx")
+    model = to_compute_dtype(model.eval(), dtype)
+    model = quantize_model(model, args.weights, activations=args.activations == "mx", output=args.quantize_output)
     if not args.no_fuse:
         model = fuse_projections(model)
     ids = [[tokenizer.bos_id, *tokenizer.encode(text)] for text in prompts] * args.batch
@@ -104,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     for prompt, row in zip(prompts * args.batch, new.tolist(), strict=True):
         print(f"{prompt}{tokenizer.decode(row[: row.index(eos)] if eos in row else row)}")
     print(
-        f"{device.type} {args.weights} weights ({weight_bytes(model) / 2**20:,.1f} MiB), activations "
+        f"{device.type} {args.weights} weights{' and output layer' if args.quantize_output else ''} "
+        f"({weight_bytes(model) / 2**20:,.1f} MiB), activations "
         f"{args.activations}, batch {tokens.shape[0]}: prefill {tokens.shape[1]} tokens in "
         f"{timing.prefill_s * 1e3:,.1f} ms, decode {timing.tokens_per_second(tokens.shape[0]):,.1f} tokens/s"
     )

@@ -120,12 +120,13 @@ def check_memory(model: Transformer, device: torch.device, what: str) -> None:
 
 
 def build(name: str, flavor: str, layers: int | None, fmt: str, max_len: int, device: torch.device,
-          reference: bool, fuse: bool = True, layout: str = "auto") -> Transformer:  # fmt: skip
+          reference: bool, fuse: bool = True, layout: str = "auto", output: bool = False) -> Transformer:  # fmt: skip
     """The model at random (seed 0), in the compute dtype (bf16 on CUDA, fp32 on the CPU), weights in ``fmt``;
     ``fuse``: the projections that read one input as one GEMM (mx_recipe.infer.weights.fuse_projections); dense
     weights tiled for Hopper's decode kernel as ``layout`` says for one sequence (``tile``)."""
     model = meta_model(name, flavor, layers, max_len)
-    model = quantize_model(init_random(model, device, 0, compute_dtype(device)).eval(), fmt, kernel=not reference)
+    model = init_random(model, device, 0, compute_dtype(device)).eval()
+    model = quantize_model(model, fmt, kernel=not reference, output=output)
     return tile(fuse_projections(model) if fuse else model, 1, layout)
 
 
@@ -338,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference", action="store_true", help="quantized GEMMs dequantize first (no kernel)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step before capture")
     p.add_argument("--no-fuse", action="store_true", help="wq/wk/wv and w1/w3 as separate GEMMs")
+    p.add_argument("--quantize-output", action="store_true", help="the output layer in each format too (not bf16)")
     p.add_argument("--no-tune", action="store_true", help="the kernel's default configs, not the fastest timed")
     p.add_argument("--layout", choices=("auto", "formats", "tiled"), default="auto",
                    help="weights in the tiled decode layout: as a step would, none, or all it takes")  # fmt: skip
@@ -387,7 +389,16 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         check_memory(meta_model(args.model, flavor, args.layers, max_len), device, f"{args.model} {flavor}")
         models = {
             fmt: build(
-                args.model, flavor, args.layers, fmt, max_len, device, args.reference, not args.no_fuse, args.layout
+                args.model,
+                flavor,
+                args.layers,
+                fmt,
+                max_len,
+                device,
+                args.reference,
+                not args.no_fuse,
+                args.layout,
+                args.quantize_output,
             )
             for fmt in weights
         }
@@ -402,6 +413,7 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         f"{'reference GEMMs' if args.reference else 'weight-only kernel'}"
         f"{', default configs' if args.no_tune or args.reference else ', tuned configs'}"
         f"{', torch.compile' if args.compile else ''}{', unfused projections' if args.no_fuse else ''}"
+        f"{', output layer quantized' if args.quantize_output else ''}"
         f"{'' if args.layout == 'auto' else f', {args.layout} layout'}"
         f"{', no PDL' if args.pdl == 'off' else ', with and without PDL' if args.pdl == 'both' else ''}; weights "
         + ", ".join(f"{fmt} {weight_bytes(m) / 1e9:.2f} GB" for fmt, m in models.items())
@@ -485,7 +497,8 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         meta = run_meta(model=args.model, flavor=flavor, layers=dims.n_layers, vocab=dims.vocab_size,
                         context=args.context, copy_bytes_per_s=bandwidth, reference=args.reference,
                         compiled=args.compile, fused=not args.no_fuse, pdl=args.pdl, layout=args.layout,
-                        tuned=not args.no_tune and device.type == "cuda", mode=mode)  # fmt: skip
+                        tuned=not args.no_tune and device.type == "cuda", mode=mode,
+                        quantized_output=args.quantize_output)  # fmt: skip
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows, "verdicts": verdicts}, f, indent=1)
     return 0

@@ -125,12 +125,13 @@ def quality_meta(folder: Path) -> dict:
 
 
 def quality_section(folder: Path, root: Path = ROOT) -> list[str]:
-    """A serving-quality set's part of the doc: where it comes from, then a row per weight format and GEMM
-    input (bf16, or quantized as the weights are), a loss and a difference to bf16 weights per checkpoint."""
+    """A serving-quality set's part of the doc: where it comes from, then a row per weight format, output layer
+    (bf16, or in the weights' format) and GEMM input (bf16, or quantized as the weights are), a loss and a
+    difference to bf16 weights per checkpoint."""
     runs, meta = quality_runs(folder), quality_meta(folder)
-    by_run = [{(r["weights"], r["activations"]): r for r in run["rows"]} for run in runs]
+    by_run = [{(r["weights"], r["activations"], r.get("output_layer", "bf16")): r for r in run["rows"]} for run in runs]
     keys = dict.fromkeys(key for rows in by_run for key in rows)
-    header = ["weights", "GEMM inputs"]
+    header = ["weights", "output layer", "GEMM inputs"]
     for run in runs:
         header += [f"{trained_as(run)}-trained loss", "to bf16 weights"]
     lines = [
@@ -139,13 +140,14 @@ def quality_section(folder: Path, root: Path = ROOT) -> list[str]:
         f"`{meta['command']}`.",
         "",
         "| " + " | ".join(header) + " |",
-        "| --- | --- |" + " ---: | ---: |" * len(runs),
+        "| --- | --- | --- |" + " ---: | ---: |" * len(runs),
     ]
-    for weights, activations in keys:
+    for weights, activations, output in keys:
         cells = [f"{weights} (baseline)" if weights == "bf16" else weights]
+        cells.append(weights if output == "quantized" else output)
         cells.append(weights if activations == "mx" else activations)
         for rows in by_run:
-            r = rows.get((weights, activations))
+            r = rows.get((weights, activations, output))
             delta = "" if r is None or weights == "bf16" or r["vs_bf16"] is None else f"{r['vs_bf16']:+.3%}"
             cells += ["" if r is None else f"{r['loss']:.4f}", delta]
         lines.append("| " + " | ".join(cells) + " |")

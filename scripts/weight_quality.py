@@ -2,13 +2,15 @@
 weights kept in bf16 and in each quantized form.
 
     python scripts/weight_quality.py --checkpoint outputs/parity_llama1b/none_seed0 [--weights bf16,mxfp8,mxfp4,nvfp4]
-        [--activations] [--steps N] [--out FILE]
+        [--activations] [--quantize-output] [--steps N] [--out FILE]
 
 Loads the run's newest checkpoint (any world size; ``mx_recipe.infer.load``) and builds the run's own held-out
 split from its config.toml: the batches its validation read, in the same order. For each format the weights are
 kept in that form as generate.py keeps them (``infer.weights.quantize_model``: packed codes and scales, the
 output layer and router gates in bf16); with ``--activations`` each quantized GEMM also reads its input
-quantized, as a B200's MX GEMM would (a second row per format). Each row is the mean loss per token over
+quantized, as a B200's MX GEMM would (a second row per format); with ``--quantize-output`` the output layer is
+also kept in the format (``quantize_model(output=True)``: generate.py's --quantize-output), a row for each row
+above. Each row is the mean loss per token over
 ``--steps`` batches (default: the run's ``validation.steps``) and its difference to the bf16 weights' loss.
 The weights are computed in the run's compute dtype (``training.compute_dtype``, resolved for the device), so
 the bf16 row is the loss the run's own validation reports for that checkpoint. ``--out`` writes the rows as
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", required=True, help="a train.py job.output_dir")
     p.add_argument("--weights", type=names(WEIGHT_FORMATS), default=WEIGHT_FORMATS, help="comma-separated")
     p.add_argument("--activations", action="store_true", help="also each format with the GEMM inputs quantized")
+    p.add_argument("--quantize-output", action="store_true", help="also each with the output layer in the format")
     p.add_argument("--steps", type=int, help="held-out batches (default: the run's validation.steps)")
     p.add_argument("--device", help="default: cuda if available, else cpu")
     p.add_argument("--out", type=output_file, help="write the rows as JSON here, with provenance")
@@ -74,27 +77,31 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or config.validation.steps
     batches = list(data.validation.batches(steps))
     dtype = COMPUTE_DTYPES[resolve_compute_dtype(config.training.compute_dtype, device)]
-    variants = [(fmt, False) for fmt in args.weights]
-    variants += [(fmt, True) for fmt in args.weights if args.activations and fmt != "bf16"]
+    variants = [(fmt, False, False) for fmt in args.weights]
+    variants += [(fmt, True, False) for fmt in args.weights if args.activations and fmt != "bf16"]
+    if args.quantize_output:
+        variants += [(fmt, activations, True) for fmt, activations, _ in variants if fmt != "bf16"]
     try:
         trained, _, _ = load_run(args.checkpoint, device, max_len=config.training.seq_len)
     except ValueError as e:
         print(f"error: --checkpoint {e}", file=sys.stderr)
         return 2
     rows, base = [], None
-    for fmt, activations in variants:  # each from a copy of the fp32 weights: read from disk once
-        model = quantize_model(to_compute_dtype(copy.deepcopy(trained).eval(), dtype), fmt, activations=activations)
+    for fmt, activations, output in variants:  # each from a copy of the fp32 weights: read from disk once
+        model = to_compute_dtype(copy.deepcopy(trained).eval(), dtype)
+        model = quantize_model(model, fmt, activations=activations, output=output)
         loss = held_out_loss(model, batches, device)
         base = loss if fmt == "bf16" else base
-        rows.append(dict(weights=fmt, activations="mx" if activations else "bf16", loss=loss))
+        rows.append(dict(weights=fmt, activations="mx" if activations else "bf16",
+                         output_layer="quantized" if output else "bf16", loss=loss))  # fmt: skip
         del model
     print(f"{args.checkpoint}: held-out loss over {steps} batches of {config.training.local_batch_size} x "
           f"{config.training.seq_len} tokens, {device.type}, compute {dtype}")  # fmt: skip
-    print(f"{'weights':>8} {'activations':>12} {'loss':>10} {'to bf16':>9}")
+    print(f"{'weights':>8} {'activations':>12} {'output layer':>13} {'loss':>10} {'to bf16':>9}")
     for r in rows:
         r["vs_bf16"] = None if base is None else r["loss"] / base - 1
         delta = "" if r["vs_bf16"] is None else f"{r['vs_bf16']:+.2%}"
-        print(f"{r['weights']:>8} {r['activations']:>12} {r['loss']:>10.4f} {delta:>9}")
+        print(f"{r['weights']:>8} {r['activations']:>12} {r['output_layer']:>13} {r['loss']:>10.4f} {delta:>9}")
     if args.out:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
         from timing import run_meta

@@ -123,6 +123,20 @@ def test_quantized_weights_are_the_formats_bits_kept_packed(fmt):
     assert weight_bytes(model) < before / 2
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_the_output_layer_is_quantized_on_request(fmt):
+    """``output=True`` keeps the output layer in the format too (its logits: the dequantized weight's), the router
+    gates still in bf16; the default leaves it as it trained."""
+    model = _model("moe", "debug_moe")
+    w = model.output.weight.detach().clone()
+    quantize_model(model, fmt, output=True)
+    assert isinstance(model.output, QuantizedLinear) and type(model.layers["1"].moe.router.gate) is torch.nn.Linear
+    expected = to_nvfp4(w, dim=-1).dequantize(w.dtype) if fmt == "nvfp4" else fake_quant(w, "e4m3", "floor", dim=-1)
+    assert torch.equal(model.output.weight_packed.dequantize(torch.float32), expected)
+    h = torch.randn(2, w.shape[1])
+    assert torch.equal(model.output(h), torch.nn.functional.linear(h, expected))
+
+
 @pytest.mark.parametrize(("name", "flavor"), [("llama", "debug"), ("moe", "debug_moe")])
 def test_random_model_is_init_weights_block_by_block(name, flavor):
     """random_model materializes and initializes one block at a time (the fp32 model is never whole): the values
@@ -292,6 +306,7 @@ def test_generate_py_continues_each_prompt_of_a_batch_as_alone():
         (["--model", "llama"], "--flavor: unknown llama flavor None"),
         (["--checkpoint", "/no/such/run"], "error: --checkpoint /no/such/run: no config.toml"),
         (["--model", "llama", "--flavor", "debug", "--activations", "mx"], "--activations mx needs --weights"),
+        (["--model", "llama", "--flavor", "debug", "--quantize-output"], "--quantize-output needs --weights"),
         (["--model", "llama", "--flavor", "debug", "--weights", "fp6"], "argument --weights: invalid choice"),
         ([], "give --checkpoint DIR, or --model and --flavor"),
         (
@@ -370,12 +385,15 @@ def test_weight_quality_reports_the_runs_own_validation_loss_for_bf16(tmp_path):
     val_loss = next(r["val_loss"] for r in logged if r.get("step") == 4 and "val_loss" in r)
     out = tmp_path / "quality.json"
     cmd = [sys.executable, "scripts/weight_quality.py", "--checkpoint", str(run), "--weights", "bf16,mxfp8"]
-    done = subprocess.run([*cmd, "--activations", "--out", str(out)], cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run([*cmd, "--activations", "--quantize-output", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["weights"], r["activations"]) for r in rows] == [("bf16", "bf16"), ("mxfp8", "bf16"), ("mxfp8", "mx")]
+    variants = [("bf16", "bf16", "bf16"), ("mxfp8", "bf16", "bf16"), ("mxfp8", "mx", "bf16")]
+    variants += [("mxfp8", "bf16", "quantized"), ("mxfp8", "mx", "quantized")]
+    assert [(r["weights"], r["activations"], r["output_layer"]) for r in rows] == variants
     assert rows[0]["loss"] == pytest.approx(val_loss, rel=1e-6) and rows[0]["vs_bf16"] == 0
-    assert len({r["loss"] for r in rows}) == 3 and all(abs(r["vs_bf16"]) < 0.05 for r in rows)
-    assert "mxfp8           mx" in done.stdout
+    assert len({r["loss"] for r in rows}) == 5 and all(abs(r["vs_bf16"]) < 0.05 for r in rows)
+    assert "mxfp8           mx          bf16" in done.stdout and "mxfp8         bf16     quantized" in done.stdout
     bad = subprocess.run([*cmd[:3], str(tmp_path / "nothing")], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --checkpoint") and "no config.toml" in bad.stderr

@@ -108,13 +108,17 @@ def test_results_doc_serving_quality_matches_its_sets():
 
 
 def _quality_output(path: Path, recipe: str, losses: dict, commit: str = "abc1234") -> None:
-    """A scripts/weight_quality.py --out file of made-up losses, keyed (weights, activations)."""
+    """A scripts/weight_quality.py --out file of made-up losses, keyed (weights, activations[, output layer])."""
     checkpoint = f"/tmp/q_{recipe}"
     meta = dict(device="NVIDIA H100", torch="2.11.0", date="2026-12-01T10:00:00+00:00", commit=commit)
     meta |= dict(command=f"python scripts/weight_quality.py --checkpoint {checkpoint} --activations --steps 5")
     meta |= dict(checkpoint=checkpoint, recipe=recipe, steps=5)
     base = losses["bf16", "bf16"]
-    rows = [dict(weights=w, activations=a, loss=loss, vs_bf16=loss / base - 1) for (w, a), loss in losses.items()]
+    rows = []
+    for key, loss in losses.items():
+        rows.append(dict(weights=key[0], activations=key[1], loss=loss, vs_bf16=loss / base - 1))
+        if len(key) == 3:  # sets written before --quantize-output hold no output_layer
+            rows[-1]["output_layer"] = key[2]
     path.write_text(json.dumps(dict(meta=meta, rows=rows)))
 
 
@@ -123,6 +127,7 @@ def test_a_serving_quality_set_is_one_table_a_column_pair_per_checkpoint(tmp_pat
     folder = tmp_path / "repo" / "docs" / "results" / "2026-12-01_h100_weight_quality"
     folder.mkdir(parents=True)
     losses = {("bf16", "bf16"): 2.0, ("mxfp4", "bf16"): 2.002, ("mxfp4", "mx"): 2.01}
+    losses |= {("mxfp4", "bf16", "quantized"): 2.003}
     _quality_output(folder / "mxfp8_trained.json", "mxfp8", losses | {("bf16", "bf16"): 2.1})
     _quality_output(folder / "bf16_trained.json", "none", losses)
     assert report.quality_folders(folder.parent) == [folder]
@@ -134,11 +139,13 @@ def test_a_serving_quality_set_is_one_table_a_column_pair_per_checkpoint(tmp_pat
     command = "`python scripts/weight_quality.py --checkpoint RUN --activations --steps 5`"
     assert rendered[0].endswith(f"Command on each checkpoint (RUN: its run's output folder): {command}.")
     assert rendered[2:] == [
-        "| weights | GEMM inputs | bf16-trained loss | to bf16 weights | mxfp8-trained loss | to bf16 weights |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
-        "| bf16 (baseline) | bf16 | 2.0000 |  | 2.1000 |  |",
-        "| mxfp4 | bf16 | 2.0020 | +0.100% | 2.0020 | -4.667% |",
-        "| mxfp4 | mxfp4 | 2.0100 | +0.500% | 2.0100 | -4.286% |",
+        "| weights | output layer | GEMM inputs | bf16-trained loss | to bf16 weights | mxfp8-trained loss | to bf16 "
+        "weights |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: |",
+        "| bf16 (baseline) | bf16 | bf16 | 2.0000 |  | 2.1000 |  |",
+        "| mxfp4 | bf16 | bf16 | 2.0020 | +0.100% | 2.0020 | -4.667% |",
+        "| mxfp4 | bf16 | mxfp4 | 2.0100 | +0.500% | 2.0100 | -4.286% |",
+        "| mxfp4 | mxfp4 | bf16 | 2.0030 | +0.150% | 2.0030 | -4.619% |",
     ]
     doc = tmp_path / "RESULTS.md"
     doc.write_text(f"{report.QUALITY_BEGIN}\nold\n{report.QUALITY_END}\n{report.BEGIN}\nkept\n{report.END}\n")

@@ -506,14 +506,19 @@ def quantize_model(
     activations: bool = False,
     skip: tuple[str, ...] | list[str] = DEFAULT_SKIP,
     kernel: bool = True,
+    output: bool = False,
 ) -> nn.Module:
     """Swap ``model``'s linears and expert groups for quantized ones in place (``fmt`` "bf16": nothing). What stays
     as it is follows the training converter's rule (``skip_reason``): the ``skip`` patterns, and layers whose
-    features are not multiples of 32. ``kernel=False``: the reference GEMM even where the kernel runs."""
+    features are not multiples of 32. ``output``: the output layer too, though ``skip`` names it (it trained in
+    high precision, but at one decode row its bf16 weight is a seventh of an 8B model's bytes).
+    ``kernel=False``: the reference GEMM even where the kernel runs."""
     if fmt == "bf16":
         return model
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(WEIGHT_FORMATS)}")
+    if output:
+        skip = tuple(pattern for pattern in skip if pattern != "output")
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
             quantized, features = QuantizedLinear, (module.out_features, module.in_features)
