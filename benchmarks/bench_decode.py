@@ -490,7 +490,7 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if model == args.model and (fmt, batch) in decode:
             ratio = decode[(fmt, batch)]["vs_bf16"]
             verdict = "meets" if ratio >= target else "misses"
-            verdicts.append(f"{fmt} batch {batch}: {ratio:.2f}x bf16 tokens/s ({verdict} the target >= {target}x)")
+            verdicts.append(f"{fmt} batch {batch}: {ratio:.3f}x bf16 tokens/s ({verdict} the target >= {target}x)")
     for line in verdicts:
         print(line)
     if args.out:

@@ -164,7 +164,8 @@ def _cases(dev: Device) -> list[tuple[str, bool]]:
 
 
 def latest_decode_result(model: str, flavor: str, device: str = "H200") -> tuple[Path, dict] | None:
-    """The newest docs/results/*_bench_decode.json of ``model``/``flavor`` measured on ``device`` (its name)."""
+    """The newest docs/results/*_bench_decode.json of ``model``/``flavor`` measured on ``device`` (its name), of the
+    runs with the output layer in bf16, as this roofline counts it."""
     import json
 
     found = None
@@ -172,7 +173,8 @@ def latest_decode_result(model: str, flavor: str, device: str = "H200") -> tuple
         data = json.loads(path.read_text())
         meta = data["meta"]
         gpu = meta.get("device", "").split(" (")[0]  # the GPU, without the note on the run
-        if (meta.get("model"), meta.get("flavor")) == (model, flavor) and device in gpu:
+        plain = not meta.get("quantized_output")
+        if (meta.get("model"), meta.get("flavor")) == (model, flavor) and device in gpu and plain:
             found = path, data
     return found
 

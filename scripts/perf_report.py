@@ -163,9 +163,10 @@ def targets_section(results: dict[str, list[Path]]) -> list[str]:
         cells.setdefault("host time of one MX cast or fake-quant call <= 20 us", {})[device_of(path)] = host_targets(
             path
         )
-    for path in results["bench_decode"]:
+    for path in results["bench_decode"]:  # by name: a run with the output layer quantized after its plain one
         for target, cell in decode_targets(path).items():
-            cells.setdefault(target, {})[device_of(path)] = cell
+            by_device, device = cells.setdefault(target, {}), device_of(path)
+            by_device[device] = "; ".join(filter(None, [by_device.get(device), cell]))
     rows = [[target, *(by_device.get(d, "") for d in devices)] for target, by_device in cells.items()]
     lines = ["## Where each target stands", ""]
     return lines + table(["target", *devices], rows) + [""]
@@ -496,21 +497,26 @@ def torchtitan_section(folders: list[Path]) -> list[str]:
 
 def decode_targets(path: Path) -> dict[str, str]:
     """The inference targets of the decode: for Llama 3 8B, bf16 against the HBM bound and the MX weights against
-    bf16; for the MoE, its MXFP4 experts against bf16 at batch 1."""
+    bf16; for the MoE, its MXFP4 experts against bf16 at batch 1. A run with the output layer in each format too
+    (``--quantize-output``) gives the MX ratios alone, each cell saying so."""
     data = load(path)
     rows = [r for r in data["rows"] if r["mode"] == "decode"]
     at = {(r["weights"], r["batch"]): r for r in rows}
+    variant = "output layer quantized: " if data["meta"].get("quantized_output") else ""
     if data["meta"]["model"] == "moe":
         got = at.get(("mxfp4", 1))
-        return {"MoE decode batch 1: mxfp4 experts >= 2x bf16 tokens/s": f"{got['vs_bf16']:.2f}x"} if got else {}
+        target = "MoE decode batch 1: mxfp4 experts >= 2x bf16 tokens/s"
+        return {target: f"{variant}{got['vs_bf16']:.3f}x"} if got else {}
     cells = {}
-    if ("bf16", 1) in at:
+    if ("bf16", 1) in at and not variant:
         cells["decode batch 1: bf16 >= 80% of the HBM bound"] = f"{at['bf16', 1]['pct_of_bound']:.1f}%"
     goals = ((("mxfp8",), 1, "1.7x"), (("mxfp4", "nvfp4"), 1, "2.8x"), (("mxfp4", "nvfp4"), 32, "1.5x"))
     for fmts, batch, goal in goals:
-        got = [f"{f} {at[f, batch]['vs_bf16']:.2f}x" for f in fmts if (f, batch) in at]
+        got = [f"{f} {at[f, batch]['vs_bf16']:.3f}x" for f in fmts if (f, batch) in at]  # 1.695 is not 1.7
         if got:
-            cells[f"decode batch {batch}: {' and '.join(fmts)} weights >= {goal} bf16 tokens/s"] = ", ".join(got)
+            cells[f"decode batch {batch}: {' and '.join(fmts)} weights >= {goal} bf16 tokens/s"] = variant + ", ".join(
+                got
+            )
     return cells
 
 
@@ -522,32 +528,38 @@ def quality_source(folder: Path) -> str:
 
 def decode_section(paths: list[Path], quality: list[Path] = ()) -> list[str]:
     """benchmarks/bench_decode.py: a row per model, GPU and batch, bf16 and each MX format of the same run in its
-    columns; the serving-quality sets' (``quality``) source lines under it."""
+    columns, a run with the output layer quantized too (``--quantize-output``) after the plain one's in a format's
+    cell; the serving-quality sets' (``quality``) source lines under it."""
     serving = [quality_source(folder) for folder in quality]
     if not paths:
         return ["## Held-out loss with MX weights (`scripts/weight_quality.py`)", "", *serving, ""] if serving else []
     formats = ("mxfp8", "mxfp4", "nvfp4")
-    rows = []
+    rows: dict[tuple[str, str, int], list[str]] = {}
     runs = [(path, load(path)) for path in paths]
-    for _, data in runs:
+    for _, data in sorted(runs, key=lambda run: bool(run[1]["meta"].get("quantized_output"))):  # plain runs first
         meta = data["meta"]
+        variant = "output layer too: " if meta.get("quantized_output") else ""
         model = f"{meta['model']} {meta['flavor']} ({meta['layers']} layers)"
         at = {(r["batch"], r["weights"]): r for r in data["rows"] if r["mode"] == "decode"}
         for batch in sorted({b for b, _ in at}):
+            cells = rows.setdefault((model, device_name(meta), batch), [""] * (1 + len(formats)))
             base = at.get((batch, "bf16"))
-            cells = [f"{base['ms']:.3f} ms, {base['pct_of_bound']:.1f}%" if base else ""]
-            cells += [f"{at[batch, f]['vs_bf16']:.2f}x, {at[batch, f]['pct_of_bound']:.1f}%" if (batch, f) in at else ""
-                      for f in formats]  # fmt: skip
-            rows.append([model, device_name(meta), str(batch), *cells])
+            if base and not variant:
+                cells[0] = f"{base['ms']:.3f} ms, {base['pct_of_bound']:.1f}%"
+            for i, f in enumerate(formats, 1):
+                if (batch, f) in at:
+                    got = f"{variant}{at[batch, f]['vs_bf16']:.2f}x, {at[batch, f]['pct_of_bound']:.1f}%"
+                    cells[i] = "; ".join(filter(None, [cells[i], got]))
     devices = ", ".join(dict.fromkeys(device_name(data["meta"]) for _, data in runs))
     lines = [f"## Decode with MX weights (`benchmarks/bench_decode.py`), {devices}", ""]
     lines += [
         "One decode step of the whole model from a CUDA graph: bf16's time, and each format's tokens/s against bf16",
         "in the same run; each with its share of the HBM-bandwidth bound (the bytes a step must read: weights, the",
-        "whole KV cache, at the copy bandwidth measured in the run).",
+        "whole KV cache, at the copy bandwidth measured in the run). The output layer is bf16 but where a cell says.",
         "",
     ]
-    lines += table(["model", "GPU", "batch", "bf16", *formats], rows)
+    body = [[model, device, str(batch), *cells] for (model, device, batch), cells in rows.items()]
+    lines += table(["model", "GPU", "batch", "bf16", *formats], body)
     return lines + sources([(data["meta"], path.name) for path, data in runs])[:-1] + serving + [""]
 
 

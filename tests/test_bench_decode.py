@@ -36,13 +36,15 @@ def test_moe_gemms_only_with_fewer_layers():
     assert "2 layers" in done.stdout and "gemms batch    1  mxfp4" in done.stdout
 
 
-def test_layout_is_recorded(tmp_path):
+def test_layout_and_output_layer_are_recorded(tmp_path):
     out = tmp_path / "decode.json"
     cmd = [sys.executable, str(BENCHMARKS / "bench_decode.py"), *SMOKE, "--prefill", "0", "--weights", "mxfp4"]
-    cmd += ["--layout", "formats", "--out", str(out)]
+    cmd += ["--layout", "formats", "--quantize-output", "--out", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "formats layout" in done.stdout and json.loads(out.read_text())["meta"]["layout"] == "formats"
+    assert "formats layout" in done.stdout and "output layer quantized" in done.stdout
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["layout"] == "formats" and meta["quantized_output"] is True
 
 
 def test_step_bytes_count_the_experts_a_batch_reaches():

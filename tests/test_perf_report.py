@@ -183,12 +183,26 @@ def test_decode_targets_and_section(tmp_path):
     report = _perf_report()
     assert report.decode_targets(path) == {
         "decode batch 1: bf16 >= 80% of the HBM bound": "45.0%",
-        "decode batch 1: mxfp4 and nvfp4 weights >= 2.8x bf16 tokens/s": "mxfp4 2.00x",
-        "decode batch 32: mxfp4 and nvfp4 weights >= 1.5x bf16 tokens/s": "mxfp4 1.00x",
+        "decode batch 1: mxfp4 and nvfp4 weights >= 2.8x bf16 tokens/s": "mxfp4 2.000x",
+        "decode batch 32: mxfp4 and nvfp4 weights >= 1.5x bf16 tokens/s": "mxfp4 1.000x",
     }
     lines = report.decode_section([path])
     assert "| llama 8B (32 layers) | GPU | 1 | 8.000 ms, 45.0% |  | 2.00x, 40.0% |  |" in lines
     assert "| llama 8B (32 layers) | GPU | 32 |  |  | 1.00x, 20.0% |  |" in lines
+    # a run with the output layer quantized too: its ratios after the plain run's, in its cells and targets
+    meta |= dict(quantized_output=True, date="2026-11-28")
+    variant = tmp_path / "2026-11-28_gpu_bench_decode_output.json"
+    variant.write_text(json.dumps(dict(meta=meta, rows=rows[1:])))
+    assert report.decode_targets(variant) == {
+        "decode batch 1: mxfp4 and nvfp4 weights >= 2.8x bf16 tokens/s": "output layer quantized: mxfp4 2.000x",
+        "decode batch 32: mxfp4 and nvfp4 weights >= 1.5x bf16 tokens/s": "output layer quantized: mxfp4 1.000x",
+    }
+    lines = report.decode_section([variant, path])
+    row = "| llama 8B (32 layers) | GPU | 1 | 8.000 ms, 45.0% |  | 2.00x, 40.0%; output layer too: 2.00x, 40.0% |  |"
+    assert row in lines and sum(line.startswith("| llama") for line in lines) == 2
+    results = {kind: [] for kind in report.SECTIONS} | {"bench_decode": [path, variant]}
+    target = "| decode batch 1: mxfp4 and nvfp4 weights >= 2.8x bf16 tokens/s | mxfp4 2.000x; output layer quantized: "
+    assert any(line.startswith(target + "mxfp4 2.000x |") for line in report.targets_section(results))
 
 
 def test_a_serving_quality_set_is_a_source_line_under_the_decode_table(tmp_path):
