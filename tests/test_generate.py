@@ -23,6 +23,7 @@ from mx_recipe.infer.weights import (
     QuantizedLinear,
     fuse_projections,
     quantize_model,
+    tile_weights,
     weight_bytes,
 )
 from mx_recipe.models import build_model, model_args
@@ -135,6 +136,25 @@ def test_the_output_layer_is_quantized_on_request(fmt):
     assert torch.equal(model.output.weight_packed.dequantize(torch.float32), expected)
     h = torch.randn(2, w.shape[1])
     assert torch.equal(model.output(h), torch.nn.functional.linear(h, expected))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4"])
+def test_gpu_quantized_output_layer_of_llama3_8b_dims(fmt):
+    """``output=True`` at Llama 3 8B's output layer (128256 x 4096) on CUDA, tiled as a one-sequence decode tiles it:
+    a decode row takes the kernel (MXFP8's GEMV on the formats' layout, the tiled GEMM for 4-bit) on the packed
+    weight, within the weight-only GEMM's bound of the dequantized weight's product (summation order)."""
+    from test_weight_only_gemm import assert_within_bound
+
+    cuda = torch.device("cuda")
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.output = torch.nn.Linear(4096, 128256, bias=False, device=cuda, dtype=torch.bfloat16)
+    tile_weights(quantize_model(holder, fmt, output=True), 1)
+    packed = holder.output.weight_packed
+    assert isinstance(holder.output, QuantizedLinear) and packed.tiled == (fmt != "mxfp8")
+    x = torch.randn(1, 4096, device=cuda, dtype=torch.bfloat16)
+    assert_within_bound(holder.output(x), x, packed)
 
 
 @pytest.mark.parametrize(("name", "flavor"), [("llama", "debug"), ("moe", "debug_moe")])
