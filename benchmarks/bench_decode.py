@@ -387,21 +387,9 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     try:
         check_memory(meta_model(args.model, flavor, args.layers, max_len), device, f"{args.model} {flavor}")
-        models = {
-            fmt: build(
-                args.model,
-                flavor,
-                args.layers,
-                fmt,
-                max_len,
-                device,
-                args.reference,
-                not args.no_fuse,
-                args.layout,
-                args.quantize_output,
-            )
-            for fmt in weights
-        }
+        options = dict(max_len=max_len, device=device, reference=args.reference, fuse=not args.no_fuse,
+                       layout=args.layout, output=args.quantize_output)  # fmt: skip
+        models = {fmt: build(args.model, flavor, args.layers, fmt, **options) for fmt in weights}
     except ValueError as e:
         p.error(str(e))
     dims, dtype = models["bf16"].args, models["bf16"].output.weight.dtype

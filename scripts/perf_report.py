@@ -136,6 +136,12 @@ def targets_section(results: dict[str, list[Path]]) -> list[str]:
     """Where each Hopper target stands, per device, computed from the latest result files below."""
     devices = sorted({device_of(p) for kind, paths in results.items() if kind != "weight_quality" for p in paths})
     cells: dict[str, dict[str, str]] = {}
+
+    def append(target: str, device: str, cell: str) -> None:
+        """``cell`` after what ``target`` already holds for ``device`` (several files of one benchmark, by name)."""
+        by_device = cells.setdefault(target, {})
+        by_device[device] = "; ".join(filter(None, [by_device.get(device), cell]))
+
     for path in results["bench_cast"]:
         for target, cell in cast_targets(path).items():
             cells.setdefault(target, {})[device_of(path)] = cell
@@ -156,17 +162,16 @@ def targets_section(results: dict[str, list[Path]]) -> list[str]:
     for device, runs in training_targets(results["train"]).items():
         cells.setdefault("training step MXFP8 >= 0.90x bf16 tokens/s", {})[device] = "; ".join(runs)
     for path in results["bench_train"]:
-        target = "bench_train: Llama MXFP8 >= 0.97x, MoE >= 0.90x bf16 tokens/s"
-        by_device, device = cells.setdefault(target, {}), device_of(path)
-        by_device[device] = "; ".join(filter(None, [by_device.get(device), bench_train_targets(path)]))
+        append(
+            "bench_train: Llama MXFP8 >= 0.97x, MoE >= 0.90x bf16 tokens/s", device_of(path), bench_train_targets(path)
+        )
     for path in results["bench_host"]:
         cells.setdefault("host time of one MX cast or fake-quant call <= 20 us", {})[device_of(path)] = host_targets(
             path
         )
     for path in results["bench_decode"]:  # by name: a run with the output layer quantized after its plain one
         for target, cell in decode_targets(path).items():
-            by_device, device = cells.setdefault(target, {}), device_of(path)
-            by_device[device] = "; ".join(filter(None, [by_device.get(device), cell]))
+            append(target, device_of(path), cell)
     rows = [[target, *(by_device.get(d, "") for d in devices)] for target, by_device in cells.items()]
     lines = ["## Where each target stands", ""]
     return lines + table(["target", *devices], rows) + [""]
