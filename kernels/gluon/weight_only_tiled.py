@@ -74,6 +74,7 @@ import triton.experimental.gluon.language as gl
 import triton.language as tl
 from mx_kernels.common import arrival_counters
 from mx_kernels.gluon.common import permute_k, split_k_sum
+from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.mx.weight_only import _e4m3, _e8m0
 from triton.experimental import gluon
 from triton.experimental.gluon.language.nvidia import hopper
@@ -646,6 +647,9 @@ def _dequantize_tiled_kernel(w_ptr, s_ptr, ts_ptr, out_ptr, N, K, stride_tn, FMT
     tl.store(out_ptr + row.to(tl.int64) * K + col, value.to(out_ptr.dtype.element_ty), mask=row < N)
 
 
+_DEQUANTIZE = LaunchCache(_dequantize_tiled_kernel)  # a prefill's launches recur (host time: mx_kernels.launch_cache)
+
+
 def dequantize(words: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None, n: int, fmt: str,
                swiglu: bool = False, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:  # fmt: skip
     """``pack``'s weight (n rows; NVFP4's tensor scale one or one per row in the formats' row order) in ``dtype``, in
@@ -655,9 +659,11 @@ def dequantize(words: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Te
     out = torch.empty((n, k), dtype=dtype, device=words.device)
     stride_tn = int(tensor_scale is not None and tensor_scale.numel() > 1)
     ts = tensor_scale.float().reshape(-1) if tensor_scale is not None else out
-    _dequantize_tiled_kernel[(words.shape[0] // 16, k // BLOCK_K.value)](
-        words, scales, ts, out, n, k, stride_tn, FMT=fmt, SWIGLU=swiglu, num_warps=4
-    )
+    _DEQUANTIZE.launch(
+        (words.shape[0] // 16, k // BLOCK_K.value),
+        dict(w_ptr=words, s_ptr=scales, ts_ptr=ts, out_ptr=out, N=n, K=k, stride_tn=stride_tn, FMT=fmt, SWIGLU=swiglu,
+             num_warps=4),
+    )  # fmt: skip
     return out
 
 
