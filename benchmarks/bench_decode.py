@@ -13,7 +13,8 @@ replayed from a CUDA graph (mx_recipe.infer.decode.DecodeGraph) --steps times pe
 interleaved in --rounds rounds; tokens/s = batch / median step time. --gemms-only replays only the GEMMs of the
 linear layers and experts of one step (inputs at random; the MoE's tokens go to the first experts, as many as
 a decode step of that batch reaches on average). Prefill: one --prefill-token prompt through the cache,
-eager (its kernels are long), median of --rounds, the formats interleaved.
+eager (its kernels are long), median of --rounds, the formats interleaved. Token ids are drawn at random (seed 0),
+so that an MoE routes them over its experts as text would: tokens all alike would all pick the same experts.
 
 Each row gives tokens/s, the ratio to bf16, and the HBM bound: the bytes a step must read (the weights it
 uses, the MoE's routed experts in the expected share a batch reaches, E * (1 - (1 - k / E) ** batch) of E, and
@@ -194,9 +195,15 @@ def replayable(step: Callable[[], object], device: torch.device) -> Callable[[],
     return graph.replay
 
 
+def token_ids(model: Transformer, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Token ids at random (seed 0, the same for every format) of ``shape`` (module doc)."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, model.args.vocab_size, shape, generator=generator).to(device)
+
+
 def decode_step(model: Transformer, cache: KVCache, batch: int, step_fn: Callable, device: torch.device
                 ) -> Callable[[], object]:  # fmt: skip
-    tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    tokens = token_ids(model, (batch, 1), device)
     position = torch.tensor([cache.max_len - 1], device=device)
     if device.type != "cuda":
         return lambda: step_fn(model, tokens, position, cache)
@@ -455,7 +462,7 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     if args.prefill and not args.gemms_only:
         cache = KVCache(models["bf16"], 1, args.prefill, dtype, device)
-        tokens = torch.zeros(1, args.prefill, dtype=torch.long, device=device)
+        tokens = token_ids(models["bf16"], (1, args.prefill), device)
         positions = torch.arange(args.prefill, device=device)
         for m in models.values():
             forward(m, tokens, positions, cache)  # warm-up: kernels compile
