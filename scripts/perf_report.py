@@ -169,7 +169,8 @@ def targets_section(results: dict[str, list[Path]]) -> list[str]:
         cells.setdefault("host time of one MX cast or fake-quant call <= 20 us", {})[device_of(path)] = host_targets(
             path
         )
-    for path in results["bench_decode"]:  # by name: a run with the output layer quantized after its plain one
+    plain_first = sorted(results["bench_decode"], key=lambda path: bool(load(path)["meta"].get("quantized_output")))
+    for path in plain_first:  # a run with the output layer quantized after the plain one, whichever ran first
         for target, cell in decode_targets(path).items():
             append(target, device_of(path), cell)
     rows = [[target, *(by_device.get(d, "") for d in devices)] for target, by_device in cells.items()]
