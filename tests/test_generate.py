@@ -16,6 +16,7 @@ from mx_recipe.infer.decode import PDL_MAX_BATCH, PDL_MAX_BATCH_TILED, STOP_CHEC
 from mx_recipe.infer.gemv import MAX_M as GEMV_MAX_M
 from mx_recipe.infer.load import load_run, random_model, to_compute_dtype
 from mx_recipe.infer.weights import (
+    FusedExperts,
     FusedLinear,
     FusedPart,
     PackedWeight,
@@ -224,6 +225,9 @@ def test_fused_projections_give_the_unfused_logits(name, flavor, fmt):
     if fmt != "bf16" and name == "moe":
         assert hasattr(fused.layers["1"].moe.experts, "w13_packed")
         assert fused.layers["1"].moe.experts.shared == 1  # the shared expert folded in
+    elif name == "moe":  # one grouped GEMM for w1 and w3
+        experts = fused.layers["1"].moe.experts
+        assert isinstance(experts, FusedExperts) and not hasattr(experts, "w1")
     extra = 0  # NVFP4: one fp32 tensor scale per fused row in place of one per part
     if fmt == "nvfp4":
         extra = sum(4 * (m.out_features - len(m.sizes)) for m in fused.modules() if isinstance(m, FusedLinear))

@@ -11,7 +11,7 @@ which the kernel equals up to summation order (and, for NVFP4, one bf16 rounding
 ``activations=True`` also quantizes each GEMM's input along K to the same format, as a B200's MX GEMM would read it.
 
 ``fuse_projections`` concatenates the linears that read one input along N -- wq, wk, wv of each attention, w1 and
-w3 of each feed-forward and of each ``QuantizedExperts`` -- in every format, bf16 too: a decode step then runs
+w3 of each feed-forward and of each MoE block's experts -- in every format, bf16 too: a decode step then runs
 4 GEMMs a layer, not 7, each reading more bytes at once. The linears' places hold ``FusedPart``s, which
 ``mx_recipe.models.llama.project`` runs as their ``FusedLinear``'s one GEMM; each output is a view of it. Per
 output row the math is the unfused linear's: packed weights keep their scales, NVFP4 each part's tensor scale
@@ -323,6 +323,23 @@ class QuantizedExperts(nn.Module):
         return self.down(F.silu(h1) * h3, offs)
 
 
+class FusedExperts(GroupedExperts):
+    """bf16 ``GroupedExperts`` with w1 and w3 as one weight ``w13`` [E, 2 * hidden, dim] (``fuse_projections``): one
+    grouped GEMM for both, as ``QuantizedExperts.fuse`` makes for packed experts; w2 as it is."""
+
+    def __init__(self, experts: GroupedExperts):
+        nn.Module.__init__(self)  # not GroupedExperts': it would allocate a w1 and a w3 only to drop them
+        self.w13 = nn.Parameter(torch.cat([experts.w1, experts.w3], dim=1).detach(), requires_grad=False)
+        self.w2 = experts.w2
+
+    def gate_up(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """w1's and w3's outputs, views of the one GEMM's."""
+        (h,) = self.grouped_mm_on_one_input(x, (self.w13,), offs, routed)
+        h1, h3 = h.chunk(2, dim=-1)
+        return h1, h3
+
+
 class SharedExpertGroups(nn.Module):
     """An MoE block's shared feed-forward once folded into its ``QuantizedExperts`` (``fold_shared``), in its place:
     the same function of x [..., dim], by the experts' grouped GEMMs over the shared groups, each part's output
@@ -484,12 +501,15 @@ def _fuse(parent: nn.Module, names: tuple[str, ...], fused_name: str) -> None:
 
 def fuse_projections(model: nn.Module) -> nn.Module:
     """Fuse the linears of ``model`` that read one input, in place (module doc): each attention's wq, wk, wv as
-    ``wqkv``, each feed-forward's w1, w3 as ``w13``, and each ``QuantizedExperts``' w1, w3, with an MoE block's
-    shared experts folded into its quantized experts where ``shared_parts`` allows."""
+    ``wqkv``, each feed-forward's w1, w3 as ``w13``, and each MoE block's experts' w1, w3 (``QuantizedExperts.fuse``,
+    bf16 ones as ``FusedExperts``), with an MoE block's shared experts folded into its quantized experts where
+    ``shared_parts`` allows. After ``quantize_model``, which reads the experts' w1."""
     for module in list(model.modules()):
         if isinstance(module, MoE) and (parts := shared_parts(module)):
             module.experts.fold_shared(module.shared_experts, parts)
             module.shared_experts = SharedExpertGroups(module.experts)
+        elif isinstance(module, MoE) and type(module.experts) is GroupedExperts:
+            module.experts = FusedExperts(module.experts)
     for module in list(model.modules()):
         if isinstance(module, Attention):
             _fuse(module, ("wq", "wk", "wv"), "wqkv")

@@ -35,7 +35,7 @@ def flops_per_token(args: LlamaArgs, model: nn.Module, seq_len: int) -> float:
     params = sum(p.numel() for p in model.parameters()) - args.vocab_size * args.dim
     for module in model.modules():
         if isinstance(module, GroupedExperts):
-            n_experts = module.w1.shape[0]
+            n_experts = module.w2.shape[0]  # w1 and w3 may be fused (mx_recipe.infer.weights)
             routed = sum(p.numel() for p in module.parameters())
             params -= routed * (1 - args.top_k / n_experts)
     return 6 * params + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
