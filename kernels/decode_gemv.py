@@ -30,6 +30,16 @@ SwiGLU (``swiglu``): w is w1 and w3 concatenated along N; a program takes BLOCK_
 hidden units, rounds both sums to the output dtype (as the unfused GEMM's output) and writes silu(gate) * up
 with ``silu_mul``'s roundings (mx_kernels.decode_fused.swiglu): out [1, N / 2].
 
+Grouped (``grouped_gemv``): an MoE decode step's experts, w [E, N, K], the rows sorted by expert with the groups'
+cumulative ends ``offs`` (as ``torch._grouped_mm`` takes them), read from the tokens in place through ``rows`` where
+the router hands them over. The grid's second axis is the rows, at most GROUPED_MAX_M (a token's top-k): each
+program finds its row's expert in ``offs`` and reads that expert's rows of w, so only the chosen experts' weights
+are read, once a row. Past a few rows experts share rows and a grouped GEMM, which reads each expert once for all
+of them, takes over. The expert comes from the routing kernel before, so a grouped program waits for it before its
+first read. At one token of the MoE 16B (6 of 64 experts), us per GEMM on one H200 in a PDL chain over cold copies:
+bf16 fused w1/w3 with SwiGLU 42.0 (the rows' gather, ``torch._grouped_mm``, ``silu_mul``) -> 22.7, w2 26.7 -> 14.5;
+MXFP8 experts against the weight-only kernel's grouped small-M path 16.6 -> 14.7 and 12.9 -> 9.9.
+
 Configs (``config``): (BLOCK_N, BLOCK_K, num_warps) per Llama 3 8B shape from sweeps on an H200 of 27-36 configs
 in a chain of one shape, then of 4-7 in the decode step (each shape's with the others fixed: the bf16 fused gate/up
 at (4, 256, 1) takes 0.047 ms off a step against the chain's choice); the MoE 16B's for MXFP8's default.
@@ -47,6 +57,7 @@ from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.mx.weight_only import _e4m3, _e8m0, _sm_count
 
 MAX_M = 1  # rows past which a GEMM is cuBLAS's or the weight-only kernel's (mx_recipe.infer.gemv; module doc)
+GROUPED_MAX_M = 8  # grouped rows past which experts' GEMMs are grouped GEMMs (module doc, Grouped)
 MX_BLOCK = 32  # MXFP8's elements per scale
 
 # (scaled, N, K, swiglu) -> (BLOCK_N, BLOCK_K, num_warps), from the sweeps of the module doc; others by ``config``
@@ -59,6 +70,11 @@ CHOSEN = {
     (True, 4096, 4096, False): (4, 2048, 4),  # its wo, MXFP8
     (True, 28672, 4096, True): (4, 1024, 2),  # its fused gate/up, MXFP8
     (True, 4096, 14336, False): (4, 2048, 4),  # its w2, MXFP8
+}
+# the same for experts [E, N, K], from a sweep of 7 configs at 6 rows (one token's) on an H200
+GROUPED_CHOSEN = {
+    (True, 2816, 2048, True): (4, 1024, 2),  # the MoE 16B's fused w1/w3, MXFP8
+    (True, 2048, 1408, False): (8, 512, 2),  # its w2, MXFP8
 }
 
 
@@ -99,10 +115,12 @@ def _accumulate(acc, w, s, x_ptrs, k0, K, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SCALED: tl.constexpr, HW_FP8: tl.constexpr,
-                 SWIGLU: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, offs_ptr, rows_ptr, N, K, E, stride_xm, stride_om, stride_we, stride_wn,
+                 stride_se, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 SCALED: tl.constexpr, HW_FP8: tl.constexpr, SWIGLU: tl.constexpr, GROUPED: tl.constexpr,
+                 GATHER: tl.constexpr, E_POW2: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
+    row = tl.program_id(1)  # the output row: 0 but for grouped rows
     j = tl.arange(0, BLOCK_N)
     if SWIGLU:  # the first half of the program's rows are gate rows (w1), the second the same rows of w3
         HALF: tl.constexpr = BLOCK_N // 2
@@ -113,6 +131,22 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, BLOCK
     else:
         rn = pid * BLOCK_N + j
         rn_in = (rn % N).to(tl.int64)  # rows past N read a real row; their outputs are not stored
+    in_group = row >= 0
+    if GROUPED:  # the row's expert and x row come from the routing kernel before: wait for it first
+        pdl.wait_prior(PDL)
+        pdl.release_next(PDL)
+        g = tl.arange(0, E_POW2)
+        ends = tl.load(offs_ptr + g, mask=g < E, other=0x7FFFFFFF)
+        expert = tl.sum((ends <= row).to(tl.int32))
+        in_group = expert < E  # rows past the last group's end are written as zeros
+        expert = tl.minimum(expert, E - 1).to(tl.int64)
+        w_ptr += expert * stride_we
+        s_ptr += expert * stride_se
+        x_row = row
+        if GATHER:
+            x_row = tl.load(rows_ptr + row)
+        x_ptr += x_row.to(tl.int64) * stride_xm
+        out_ptr += row.to(tl.int64) * stride_om
     k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rn_in[:, None] * stride_wn + k[None, :]
     x_ptrs = x_ptr + k
@@ -122,10 +156,10 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, BLOCK
         acc = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
     else:  # a running sum per element
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    # the first step's weights do not depend on the kernel before: read them before waiting for it
     w, s = _load_tile(w_ptrs, s_ptrs, 0, K, k, kb, EVEN_K, SCALED)
-    pdl.wait_prior(PDL)
-    pdl.release_next(PDL)
+    if not GROUPED:  # the first step's weights do not depend on the kernel before: read them before waiting for it
+        pdl.wait_prior(PDL)
+        pdl.release_next(PDL)
     acc = _accumulate(acc, w, s, x_ptrs, 0, K, k, BLOCK_N, BLOCK_K, EVEN_K, SCALED, HW_FP8)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
@@ -133,7 +167,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, BLOCK
         s_ptrs += BLOCK_K // 32
         w, s = _load_tile(w_ptrs, s_ptrs, k0, K, k, kb, EVEN_K, SCALED)
         acc = _accumulate(acc, w, s, x_ptrs, k0, K, k, BLOCK_N, BLOCK_K, EVEN_K, SCALED, HW_FP8)
-    y = tl.sum(acc, 1)  # [BLOCK_N]
+    y = tl.where(in_group, tl.sum(acc, 1), 0.0)  # [BLOCK_N]
     if SWIGLU:
         h = y.to(out_ptr.dtype.element_ty).to(tl.float32)
         gate, up_h = tl.split(tl.permute(tl.reshape(h, (2, HALF)), (1, 0)))
@@ -151,16 +185,65 @@ def _hw_fp8(device: torch.device) -> bool:
     return not interpreting() and device.type == "cuda" and cuda_capability(device) >= (8, 9)
 
 
-def config(scaled: bool, n: int, k: int, swiglu: bool, sms: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for an N x K weight (module doc): CHOSEN, else for MXFP8 (``scaled``) 4 rows
-    of 1024 elements a program, four warps; for 16-bit weights BLOCK_N 8 and, where that makes at least 8 programs
-    an SM, short programs (256 elements of K, one warp: the output layer, a fused gate/up), else long ones (1024,
-    four warps: wo, w2). A thread keeps 64 running sums of 16-bit weights."""
-    if (scaled, n, k, swiglu) in CHOSEN:
-        return CHOSEN[(scaled, n, k, swiglu)]
+def config(scaled: bool, n: int, k: int, swiglu: bool, sms: int, rows: int = 1, grouped: bool = False
+           ) -> tuple[int, int, int]:  # fmt: skip
+    """(BLOCK_N, BLOCK_K, num_warps) for an N x K weight read for ``rows`` rows (module doc): CHOSEN (GROUPED_CHOSEN
+    for an expert's), else for MXFP8 (``scaled``) 4 rows of 1024 elements a program, four warps; for 16-bit weights
+    BLOCK_N 8 and, where that makes at least 8 programs an SM, short programs (256 elements of K, one warp: the
+    output layer, a fused gate/up), else long ones (1024, four warps: wo, w2). A thread keeps 64 running sums of
+    16-bit weights."""
+    chosen = GROUPED_CHOSEN if grouped else CHOSEN
+    if (scaled, n, k, swiglu) in chosen:
+        return chosen[(scaled, n, k, swiglu)]
     if scaled:
         return 4, 1024, 4
-    return (8, 256, 1) if triton.cdiv(n, 8) >= 8 * sms else (8, 1024, 4)
+    return (8, 256, 1) if triton.cdiv(n, 8) * rows >= 8 * sms else (8, 1024, 4)
+
+
+def _check_weight(name: str, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, swiglu: bool) -> None:
+    """One-line errors for a weight w [..., N, K] (and MXFP8 scales [..., N, K / 32]) that x [M, K] cannot take."""
+    n, k = w.shape[-2:]
+    if scale is None and w.dtype != x.dtype:
+        raise ValueError(f"{name}: x and w of one dtype, got {x.dtype} and {w.dtype}")
+    if scale is not None and (
+        w.element_size() != 1
+        or scale.element_size() != 1
+        or scale.shape != (*w.shape[:-1], k // MX_BLOCK)
+        or k % MX_BLOCK
+    ):
+        got = f"{w.dtype} {tuple(w.shape)} and {scale.dtype} {tuple(scale.shape)}"
+        raise ValueError(f"{name}: MXFP8 codes [N, K] and scales [N, K / {MX_BLOCK}] of bytes, K a multiple of "
+                         f"{MX_BLOCK}; got {got}")  # fmt: skip
+    if x.stride(1) != 1 or w.stride(-1) != 1 or (scale is not None and scale.stride(-1) != 1):
+        raise ValueError(f"{name}: rows of x, w and scale must be contiguous")
+    if swiglu and n % 2:
+        raise ValueError(f"{name}: swiglu needs w1 and w3 of one size, got {n} rows")
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, swiglu: bool, m: int,
+            offs: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """out [m, N (N / 2 with swiglu)]: the GEMV of each of x's m rows, or with ``offs`` of each grouped row."""
+    n, k = w.shape[-2:]
+    out = torch.empty((m, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
+    if m == 0 or out.shape[1] == 0:
+        return out
+    if k == 0:
+        return out.zero_()  # empty sums; silu(0) * 0 with swiglu
+    scaled, grouped = scale is not None, offs is not None
+    block_n, block_k, warps = config(scaled, n, k, swiglu, _sm_count(x.device), m if grouped else 1, grouped)
+    grid = (triton.cdiv(n // 2, block_n // 2) if swiglu else triton.cdiv(n, block_n), m)
+    experts = w.shape[0] if grouped else 1
+    _GEMV.launch(
+        grid,
+        dict(x_ptr=x, w_ptr=w.view(torch.uint8) if scaled else w, s_ptr=scale.view(torch.uint8) if scaled else w,
+             out_ptr=out, offs_ptr=offs if grouped else out, rows_ptr=rows if rows is not None else out, N=n, K=k,
+             E=experts, stride_xm=x.stride(0), stride_om=out.stride(0), stride_we=w.stride(0) if grouped else 0,
+             stride_wn=w.stride(-2), stride_se=scale.stride(0) if scaled and grouped else 0,
+             stride_sn=scale.stride(-2) if scaled else 0, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+             SCALED=scaled, HW_FP8=_hw_fp8(x.device), SWIGLU=swiglu, GROUPED=grouped, GATHER=rows is not None,
+             E_POW2=triton.next_power_of_2(experts), num_warps=warps, **pdl.options(x.device)),
+    )  # fmt: skip
+    return out
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
@@ -169,35 +252,25 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, sw
     [w1; w3] and the output [M, N / 2] is silu(x w1^T) * (x w3^T). Rows of w contiguous, and x's."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemv: x [M, K] and w [N, K], got x {tuple(x.shape)} and w {tuple(w.shape)}")
-    if scale is None and w.dtype != x.dtype:
-        raise ValueError(f"gemv: x and w of one dtype, got {x.dtype} and {w.dtype}")
-    n, k = w.shape
-    if scale is not None and (
-        w.element_size() != 1 or scale.element_size() != 1 or scale.shape != (n, k // MX_BLOCK) or k % MX_BLOCK
-    ):
-        got = f"{w.dtype} {tuple(w.shape)} and {scale.dtype} {tuple(scale.shape)}"
-        raise ValueError(f"gemv: MXFP8 codes [N, K] and scales [N, K / {MX_BLOCK}] of bytes, K a multiple of "
-                         f"{MX_BLOCK}; got {got}")  # fmt: skip
+    _check_weight("gemv", x, w, scale, swiglu)
     if x.shape[0] > MAX_M:
         raise ValueError(f"gemv: x has {x.shape[0]} rows, at most {MAX_M}")
-    if x.stride(1) != 1 or w.stride(1) != 1 or (scale is not None and scale.stride(1) != 1):
-        raise ValueError("gemv: rows of x, w and scale must be contiguous")
-    if swiglu and n % 2:
-        raise ValueError(f"gemv: swiglu needs w1 and w3 of one size, got {n} rows")
-    m = x.shape[0]
-    out = torch.empty((m, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
-    if m == 0 or out.shape[1] == 0:
-        return out
-    if k == 0:
-        return out.zero_()  # empty sums; silu(0) * 0 with swiglu
-    scaled = scale is not None
-    block_n, block_k, warps = config(scaled, n, k, swiglu, _sm_count(x.device))
-    grid = (triton.cdiv(n // 2, block_n // 2) if swiglu else triton.cdiv(n, block_n),)
-    _GEMV.launch(
-        grid,
-        dict(x_ptr=x, w_ptr=w.view(torch.uint8) if scaled else w, s_ptr=scale.view(torch.uint8) if scaled else w,
-             out_ptr=out, N=n, K=k, stride_wn=w.stride(0), stride_sn=scale.stride(0) if scaled else 0,
-             BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, SCALED=scaled, HW_FP8=_hw_fp8(x.device),
-             SWIGLU=swiglu, num_warps=warps, **pdl.options(x.device)),
-    )  # fmt: skip
-    return out
+    return _launch(x, w, scale, swiglu, x.shape[0])
+
+
+def grouped_gemv(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor | None = None,
+                 scale: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:  # fmt: skip
+    """Per group, its rows of x @ w[e].T -> [M, N] (module doc, Grouped): w [E, N, K] (MXFP8 with ``scale`` [E, N,
+    K / 32]), ``offs`` [E] int32 the groups' cumulative row ends, M at most GROUPED_MAX_M; the rows are x [M, K], or
+    with ``rows`` [M] int32 x[rows] of the tokens x [T, K]. Rows past ``offs[-1]`` are zeros. ``swiglu`` as
+    ``gemv``'s."""
+    m = x.shape[0] if rows is None else rows.shape[0]
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"grouped_gemv: x [M, K] and w [E, N, K], got x {tuple(x.shape)} and w {tuple(w.shape)}")
+    if offs.shape != (w.shape[0],) or offs.dtype != torch.int32 or (rows is not None and rows.dtype != torch.int32):
+        got = f"offs {offs.dtype} {tuple(offs.shape)}" + ("" if rows is None else f" and rows {rows.dtype}")
+        raise ValueError(f"grouped_gemv: offs int32 [E] (E = {w.shape[0]}) and rows int32; got {got}")
+    _check_weight("grouped_gemv", x, w, scale, swiglu)
+    if m > GROUPED_MAX_M:
+        raise ValueError(f"grouped_gemv: {m} rows, at most {GROUPED_MAX_M}")
+    return _launch(x, w, scale, swiglu, m, offs.contiguous(), None if rows is None else rows.contiguous())

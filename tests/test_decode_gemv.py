@@ -8,6 +8,10 @@ bf16 weights and MXFP8 ones (their dequantized values).
   (The interpreter converts MXFP8 codes by integer bit operations; the GPU tests check the hardware conversion.)
 * GPU (``gpu``): Llama 3 8B's shapes and the MoE 16B's, both weight kinds, NaN and Inf, the epilogue, the kernel
   launched with PDL inside a captured CUDA graph replayed on new inputs, and the decode step taking it.
+* Grouped (``grouped_gemv``): each row against its expert's GEMV in fp64, ragged groups with empty ones, rows read
+  in place through ``rows`` or not, rows past the last group's end zero, both weight kinds and the epilogue, in the
+  interpreter and at the MoE 16B's shapes on the GPU; in a CUDA graph with PDL, new routing on replay; the MoE
+  decode step of one token running its bf16 or MXFP8 experts by it (two launches a layer), of five tokens not.
 
 Bound. Products of 16-bit values, and of e4m3 codes with bf16 values, are exact in fp32; the kernel sums them in
 fp32 in its own order (MXFP8: each 32-element block's sum times its e8m0 scale, exact), so |y - x w^T| <= 1.05 K
@@ -28,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from test_cast_kernels import run_interpreter_tests
 
-from mx_recipe.infer.gemv import MAX_M, apply_linear, linear, takes, use_gemv
+from mx_recipe.infer.gemv import GROUPED_MAX_M, MAX_M, apply_linear, linear, takes, use_gemv, use_grouped_gemv
 from mx_recipe.infer.weights import quantize
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -41,6 +45,11 @@ if INTERP and HAS_TRITON:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, swiglu: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.mx_recipe.gemv(x, w, scale, swiglu=swiglu)
+
+
+def grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor | None = None,
+            swiglu: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    return torch.ops.mx_recipe.grouped_gemv(x, w, offs, rows, scale, swiglu=swiglu)
 
 
 def mxfp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,6 +80,35 @@ def check_swiglu(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = 
     assert got.shape == want.shape and got.dtype == want.dtype
     err = (got.double() - want.double()).abs()
     rel = 1e-6 if x.dtype == torch.float32 else 3 * rounding(x.dtype)  # fp32: exp's last bits differ from torch's
+    assert (err <= rel * want.double().abs() + 1e-30).all(), f"past by {err.max():.3g}"
+
+
+def check_grouped(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    counts: list[int],
+    rows: torch.Tensor | None = None,
+    extra: int = 0,
+    scale: torch.Tensor | None = None,
+    dequantized: torch.Tensor | None = None,
+) -> None:
+    """``grouped`` of groups of ``counts`` rows (x, or x[rows]) and ``extra`` rows past the last group: each row
+    within the bound of its expert's product, the extra rows zero; and the epilogue against the unfused outputs."""
+    offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    m = sum(counts) + extra
+    ix = torch.arange(m, device=x.device) if rows is None else rows.long()
+    y = grouped(x, w, offs, None if rows is None else rows, scale=scale)
+    assert y.shape == (m, w.shape[1])
+    ref = w if dequantized is None else dequantized
+    expert = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    for r, e in enumerate(expert.tolist()):
+        assert_within_bound(y[r : r + 1].cpu(), x[ix[r]][None].cpu(), ref[e].cpu())
+    assert y[len(expert) :].eq(0).all()
+    h1, h3 = y[: len(expert)].chunk(2, dim=-1)
+    want = (F.silu(h1.float()).to(x.dtype).float() * h3.float()).to(x.dtype)
+    got = grouped(x, w, offs, None if rows is None else rows, swiglu=True, scale=scale)[: len(expert)]
+    err = (got.double() - want.double()).abs()
+    rel = 1e-6 if x.dtype == torch.float32 else 3 * rounding(x.dtype)
     assert (err <= rel * want.double().abs() + 1e-30).all(), f"past by {err.max():.3g}"
 
 
@@ -134,12 +172,36 @@ def test_bad_arguments_are_one_line_errors():
         assert "\n" not in str(info.value)
 
 
+def test_grouped_bad_arguments_are_one_line_errors():
+    from mx_kernels.decode_gemv import grouped_gemv as kernel
+
+    x, w, offs = torch.randn(3, 64), torch.randn(4, 6, 64), torch.tensor([1, 1, 2, 3], dtype=torch.int32)
+    cases = [
+        ((x, w[0], offs), "w \\[E, N, K\\]"),
+        ((x, w[..., :32], offs), "x \\[M, K\\]"),
+        ((x, w, offs.long()), "offs int32"),
+        ((x, w, offs[:3]), "offs int32 \\[E\\] \\(E = 4\\)"),
+        ((x, w, offs, torch.zeros(2, dtype=torch.int64)), "rows int32"),
+        ((x, w, offs, torch.zeros(GROUPED_MAX_M + 1, dtype=torch.int32)), f"at most {GROUPED_MAX_M}"),
+        ((x, w.double(), offs), "of one dtype"),
+        ((x, torch.zeros(4, 6, 64, dtype=torch.uint8), offs, None, torch.zeros(4, 6, 3, dtype=torch.uint8)), "scales"),
+        ((x, w[:, :5], offs, None, None, True), "swiglu needs"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match) as info:
+            kernel(*args)
+        assert "\n" not in str(info.value)
+
+
 def test_fake_shape_under_compile_tracing():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         assert gemv(torch.empty(3, 64), torch.empty(96, 64)).shape == (3, 96)
         assert gemv(torch.empty(1, 64), torch.empty(96, 64), swiglu=True).shape == (1, 48)
+        offs, rows = torch.empty(4, dtype=torch.int32), torch.empty(6, dtype=torch.int32)
+        assert grouped(torch.empty(5, 64), torch.empty(4, 96, 64), offs).shape == (5, 96)
+        assert grouped(torch.empty(2, 64), torch.empty(4, 96, 64), offs, rows, swiglu=True).shape == (6, 48)
 
 
 def test_off_the_gpu_linear_is_f_linear():
@@ -147,6 +209,7 @@ def test_off_the_gpu_linear_is_f_linear():
     module its call."""
     x, w = operands(2, 48, 64, torch.float32, "cpu")
     assert not use_gemv(x, w) and not use_gemv(x[:1].bfloat16(), w.bfloat16()) and not takes(x[:1].bfloat16())
+    assert not use_grouped_gemv(x.bfloat16(), w.bfloat16()[None], 2)
     assert torch.equal(linear(x, w), F.linear(x, w))
     h1, h3 = F.linear(x, w).chunk(2, dim=-1)
     assert torch.equal(linear(x, w, swiglu=True), F.silu(h1) * h3)
@@ -158,24 +221,32 @@ def test_off_the_gpu_linear_is_f_linear():
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles for sm_90a")
 @pytest.mark.parametrize("scaled", [False, True])
-def test_first_step_is_read_before_the_pdl_wait(scaled):
+@pytest.mark.parametrize("grouped", [False, True])
+def test_first_step_is_read_before_the_pdl_wait(scaled, grouped):
     """Compiled for sm_90a under PDL: the first step's weights (and MXFP8's scales) are loaded before the wait for
-    the kernel before, and the next kernel is released right after the wait."""
+    the kernel before, and the next kernel is released right after the wait; grouped, whose expert the kernel
+    before chooses, every load comes after the wait."""
     from mx_kernels.decode_gemv import _gemv_kernel
     from mx_kernels.gluon.common import compile_for_arch
 
     n, k, meta = 4096, 4096, dict(device="meta")
     w = torch.empty(n, k, dtype=torch.uint8 if scaled else torch.bfloat16, **meta)
+    out = torch.empty(1, n, dtype=torch.bfloat16, **meta)
+    ints = torch.empty(8, dtype=torch.int32, **meta)
     kwargs = dict(x_ptr=torch.empty(1, k, dtype=torch.bfloat16, **meta), w_ptr=w,
-                  s_ptr=torch.empty(n, k // 32, dtype=torch.uint8, **meta) if scaled else w,
-                  out_ptr=torch.empty(1, n, dtype=torch.bfloat16, **meta), N=n, K=k, stride_wn=k,
-                  stride_sn=k // 32 if scaled else 0, BLOCK_N=4, BLOCK_K=1024, EVEN_K=True, SCALED=scaled, HW_FP8=True,
-                  SWIGLU=False, PDL=True, num_warps=4)  # fmt: skip
+                  s_ptr=torch.empty(n, k // 32, dtype=torch.uint8, **meta) if scaled else w, out_ptr=out,
+                  offs_ptr=ints, rows_ptr=ints, N=n, K=k, E=8, stride_xm=k, stride_om=n, stride_we=n * k,
+                  stride_wn=k, stride_se=n * k // 32, stride_sn=k // 32 if scaled else 0, BLOCK_N=4, BLOCK_K=1024,
+                  EVEN_K=True, SCALED=scaled, HW_FP8=True, SWIGLU=False, GROUPED=grouped, GATHER=grouped, E_POW2=8,
+                  PDL=True, num_warps=4)  # fmt: skip
     ptx = compile_for_arch(_gemv_kernel, kwargs, 90).asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
     before, after = ptx[:wait], ptx[wait:]
-    assert "ld.global.v4.b32" in before and ("ld.global.b8" in before) == scaled  # 16-byte weight loads, scales
     assert after.index("griddepcontrol.launch_dependents") < after.index("ld.global")
+    if grouped:
+        assert "ld.global" not in before
+    else:
+        assert "ld.global.v4.b32" in before and ("ld.global.b8" in before) == scaled  # 16-byte weight loads, scales
 
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
@@ -205,6 +276,25 @@ def test_interp_mxfp8_tails_edges_and_swiglu():
     x, codes, scales, _ = mx_operands(40, 992, "cpu")
     check_swiglu(x, codes, scales)
     check_mx_edges("cpu")
+
+
+@interp_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interp_grouped_ragged_gathered_and_past_the_end(dtype):
+    x, w = operands(7, 5 * 40, 1000, dtype, "cpu", seed=4)
+    w = w.view(5, 40, 1000)
+    check_grouped(x, w, [2, 0, 3, 0, 1], extra=1)  # x's rows by expert, the last past the groups' end
+    check_grouped(x, w, [0, 0, 0, 0, 7])  # every row the last expert's
+    check_grouped(x[:3], w, [1, 2, 0, 2, 1], rows=torch.tensor([2, 0, 1, 2, 0, 1], dtype=torch.int32))
+
+
+@interp_only
+def test_interp_grouped_mxfp8():
+    x, codes, scales, w = mx_operands(3 * 40, 992, "cpu", seed=5)
+    x = torch.cat([x, -x, 2 * x])
+    view = (3, 40, 992)
+    check_grouped(x, codes.view(view), [1, 0, 2], rows=torch.tensor([0, 2, 1], dtype=torch.int32),
+                  scale=scales.view(3, 40, 31), dequantized=w.view(view))  # fmt: skip
 
 
 @interp_only
@@ -244,6 +334,48 @@ def test_gpu_mxfp8_shapes_tails_and_edges():
         x, codes, scales, _ = mx_operands(n, k, "cuda", seed=n)
         check_swiglu(x, codes, scales)
     check_mx_edges("cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_moe16b_shapes():
+    """The MoE 16B's experts at one token: 6 of 64 (its fused w1/w3 and w2), read from the token in place, and the
+    shared experts' 2 groups of every row after them; MXFP8 codes too."""
+    g = torch.Generator().manual_seed(6)
+    chosen = torch.randperm(64, generator=g)[:6].sort().values
+    counts = torch.zeros(64, dtype=torch.int64).index_fill_(0, chosen, 1).tolist()
+    for n, k in [(2816, 2048), (2048, 1408)]:
+        x, w = operands(1, 64 * n, k, torch.bfloat16, "cuda", seed=n)
+        w = w.view(64, n, k)
+        check_grouped(x, w, counts, rows=torch.zeros(6, dtype=torch.int32, device="cuda"))
+        check_grouped(torch.cat([x, -x]), w[:2], [1, 1])
+    x, codes, scales, w = mx_operands(8 * 2816, 2048, "cuda", seed=7)
+    view = (8, 2816, 2048)
+    check_grouped(x, codes.view(view), [1, 0, 1, 1, 0, 1, 1, 1], rows=torch.zeros(6, dtype=torch.int32, device="cuda"),
+                  scale=scales.view(8, 2816, 64), dequantized=w.view(view))  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_captured_with_pdl_follows_new_routing():
+    """A GEMV then the grouped GEMV on its output, with PDL, in a CUDA graph: replayed with other experts and rows
+    (written between replays), the grouped GEMV reads the new routing and the GEMV's new output."""
+    from mx_kernels import pdl
+
+    x, w1 = operands(1, 2048, 2048, torch.bfloat16, "cuda")
+    _, w = operands(1, 8 * 512, 2048, torch.bfloat16, "cuda", seed=1)
+    w = w.view(8, 512, 2048)
+    offs = torch.tensor([0, 1, 1, 1, 2, 2, 2, 2], dtype=torch.int32, device="cuda")
+    rows = torch.zeros(2, dtype=torch.int32, device="cuda")
+    with pdl.launching(True):
+        grouped(gemv(x, w1), w, offs, rows)  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = grouped(gemv(x, w1), w, offs, rows)
+    x.copy_(torch.randn_like(x))
+    offs.copy_(torch.tensor([0, 0, 0, 0, 0, 1, 1, 2], dtype=torch.int32))
+    graph.replay()
+    h = gemv(x, w1)
+    torch.testing.assert_close(y, grouped(h, w, offs, rows), rtol=0, atol=0)
+    assert_within_bound(y[1:].cpu(), h.cpu(), w[7].cpu())
 
 
 @pytest.mark.gpu
@@ -301,4 +433,41 @@ def test_gpu_decode_steps_take_the_gemv(fmt, monkeypatch):
         assert decode.pdl_pays(model, batch) == (batch == 1 or fmt != "bf16")  # quantized: up to PDL_MAX_BATCH
         want = ([fmt == "mxfp8"] * 4 * len(model.layers) + [False]) if batch == 1 else []  # a layer's 4; the output
         assert calls == want, calls
+        torch.testing.assert_close(step.float(), full.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+def test_gpu_moe_decode_step_takes_the_grouped_gemv(fmt, monkeypatch):
+    """An MoE decode step of one token runs each MoE block's experts by the grouped GEMV, w1/w3 with SwiGLU in its
+    epilogue and w2: bf16 experts over their 2 rows (top-2), MXFP8 ones over 3 (the shared expert folded in); of
+    five tokens (10 or 15 rows) by the grouped GEMMs. Both give the full forward's logits within bf16 roundings."""
+    from mx_recipe.infer import decode
+    from mx_recipe.infer.load import to_compute_dtype
+    from mx_recipe.infer.weights import fuse_projections, quantize_model
+    from mx_recipe.models import build_model, model_args
+
+    cuda = torch.device("cuda")
+    torch.manual_seed(0)
+    model = build_model(model_args("moe", "debug_moe", 320, 64)).to(cuda)
+    model.init_weights()
+    model = fuse_projections(quantize_model(to_compute_dtype(model.eval(), torch.bfloat16), fmt))
+    op, calls = torch.ops.mx_recipe.grouped_gemv, []
+
+    def recorded(x, w, offs, rows=None, scale=None, swiglu=False):
+        calls.append((rows is not None, swiglu, scale is not None))
+        return op(x, w, offs, rows, scale, swiglu=swiglu)
+
+    monkeypatch.setattr(torch.ops.mx_recipe, "grouped_gemv", recorded)
+    moe_layers = sum(getattr(layer, "moe_enabled", False) for layer in model.layers.values())
+    scaled = fmt == "mxfp8"
+    for batch in (1, 5):
+        tokens = torch.randint(0, 320, (batch, 12), device=cuda)
+        cache = decode.KVCache(model, batch, 12, torch.bfloat16, cuda)
+        with torch.no_grad():
+            decode.forward(model, tokens[:, :11], torch.arange(11, device=cuda), cache)
+            calls.clear()
+            step = decode.forward(model, tokens[:, 11:], torch.tensor([11], device=cuda), cache)
+            full = model(tokens)[:, 11:]
+        assert calls == ([(True, True, scaled), (False, False, scaled)] * moe_layers if batch == 1 else []), calls
         torch.testing.assert_close(step.float(), full.float(), rtol=2e-2, atol=2e-2)

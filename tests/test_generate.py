@@ -244,7 +244,8 @@ def test_fused_projections_give_the_unfused_logits(name, flavor, fmt):
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "nvfp4"])
 def test_fused_gate_up_swiglu_is_silu_of_gate_times_up(fmt):
     """``swiglu`` of a fused w1/w3 (dense, and the grouped experts) is ``F.silu(h1) * h3`` of its two outputs;
-    the decode step runs it in the GEMM's epilogue for packed weights on the kernel (``fuses_swiglu``). A
+    the decode step runs it in the GEMM's epilogue for packed weights on the kernel and for bf16 experts on the
+    grouped GEMV (``fuses_swiglu``). A
     FusedLinear of other parts refuses it in one line."""
     fused = fuse_projections(quantize_model(_model("moe", "debug_moe"), fmt))
     x = torch.randn(3, fused.args.dim)
@@ -254,12 +255,11 @@ def test_fused_gate_up_swiglu_is_silu_of_gate_times_up(fmt):
     assert w13.fuses_swiglu == (fmt != "bf16")
     assert w13.swiglu_in_epilogue(x) == (fmt != "bf16")  # bf16: the GEMV's epilogue, on a GPU only
     experts = fused.layers["1"].moe.experts
-    if fmt != "bf16":
-        offs = torch.tensor([1, 1, 3] + [3] * (experts.w2_packed.qdata.shape[0] - 3 - experts.shared))
-        offs = offs.to(torch.int32)
-        h1, h3 = experts.gate_up(x, offs)
-        assert torch.equal(experts.swiglu(x, offs), torch.nn.functional.silu(h1) * h3)
-        assert experts.fuses_swiglu
+    groups = experts.w2.shape[0] if fmt == "bf16" else experts.w2_packed.qdata.shape[0] - experts.shared
+    offs = torch.tensor([1, 1, 3] + [3] * (groups - 3), dtype=torch.int32)
+    h1, h3 = experts.gate_up(x, offs)
+    assert torch.equal(experts.swiglu(x, offs), torch.nn.functional.silu(h1) * h3)
+    assert experts.fuses_swiglu
     with pytest.raises(ValueError, match="w1 and w3 of one size") as info:
         fused.layers["0"].attention.wqkv.swiglu(x)
     assert "\n" not in str(info.value)

@@ -1,12 +1,17 @@
 """A decode step's one-row GEMMs as a custom op: ``torch.ops.mx_recipe.gemv``, the Triton GEMV of
 mx_kernels.decode_gemv (its docstring gives why and the figures) for bf16 weights and MXFP8 ones, launched with PDL in
-a decode step and with SwiGLU in its epilogue for a fused w1/w3. The fake implementation gives the shape, so
-torch.compile and CUDA-graph capture take the kernel as one opaque node; Triton is imported on the first call only.
+a decode step and with SwiGLU in its epilogue for a fused w1/w3; and ``torch.ops.mx_recipe.grouped_gemv``, the same
+kernel over an MoE step's rows sorted by expert, each row's expert's weight. The fake implementations give the
+shapes, so torch.compile and CUDA-graph capture take the kernel as one opaque node; Triton is imported on the first
+call only.
 
 ``takes(x)`` is the rule: one row of bf16 activations on an NVIDIA GPU of compute capability 8.0 or newer (rows
 contiguous). Where it holds, ``linear`` runs a bf16 weight by the GEMV (elsewhere ``F.linear``: cuBLAS) and
 ``PackedWeight.mm`` (mx_recipe.infer.weights) an MXFP8 one (elsewhere the weight-only kernel); ``apply_linear``
 is ``linear`` for a module that is a plain ``nn.Linear`` without bias, and calls any other module.
+``takes_grouped(x, m)`` is the grouped one's: m grouped rows, at most GROUPED_MAX_M (a token's experts), of bf16
+activations on such a GPU; where it holds, bf16 experts (``FusedExperts``) and MXFP8 ones (``PackedWeight.grouped_mm``)
+run by ``grouped_gemv``, elsewhere by ``torch._grouped_mm`` and the weight-only kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from mx_recipe.library import define
 from mx_recipe.ops.device import capability
 
 MAX_M = 1  # mx_kernels.decode_gemv.MAX_M (one row: past it cuBLAS is faster), without importing Triton
+GROUPED_MAX_M = 8  # mx_kernels.decode_gemv.GROUPED_MAX_M
 
 
 def _launch(x: Tensor, w: Tensor, scale: Tensor | None = None, *, swiglu: bool = False) -> Tensor:
@@ -35,17 +41,38 @@ def _fake(x: Tensor, w: Tensor, scale: Tensor | None = None, *, swiglu: bool = F
 define("gemv(Tensor x, Tensor w, Tensor? scale=None, *, bool swiglu=False) -> Tensor", _launch, _fake)
 
 
+def _launch_grouped(x: Tensor, w: Tensor, offs: Tensor, rows: Tensor | None = None, scale: Tensor | None = None, *,
+                    swiglu: bool = False) -> Tensor:  # fmt: skip
+    from mx_kernels.decode_gemv import grouped_gemv as launch
+
+    return launch(x, w, offs, rows, scale, swiglu)
+
+
+def _fake_grouped(x: Tensor, w: Tensor, offs: Tensor, rows: Tensor | None = None, scale: Tensor | None = None, *,
+                  swiglu: bool = False) -> Tensor:  # fmt: skip
+    m = x.shape[0] if rows is None else rows.shape[0]
+    return x.new_empty((m, w.shape[1] // 2 if swiglu else w.shape[1]))
+
+
+define("grouped_gemv(Tensor x, Tensor w, Tensor offs, Tensor? rows=None, Tensor? scale=None, *, bool swiglu=False) "
+       "-> Tensor", _launch_grouped, _fake_grouped)  # fmt: skip
+
+
 def takes(x: Tensor) -> bool:
     """Whether activations x [..., K] run the GEMV (module doc)."""
+    return x.dim() >= 1 and 1 <= x.numel() // max(x.shape[-1], 1) <= MAX_M and _on_kernel(x)
+
+
+def takes_grouped(x: Tensor, m: int) -> bool:
+    """Whether ``m`` grouped rows of activations x [T, K] (the rows, or the tokens they index) run the grouped GEMV
+    (module doc)."""
+    return x.dim() == 2 and 1 <= m <= GROUPED_MAX_M and _on_kernel(x)
+
+
+def _on_kernel(x: Tensor) -> bool:
+    """bf16 activations, rows contiguous, on an NVIDIA GPU of compute capability 8.0 or newer."""
     cap = capability(x.device)
-    return (
-        x.dim() >= 1
-        and 1 <= x.numel() // max(x.shape[-1], 1) <= MAX_M
-        and x.dtype == torch.bfloat16
-        and cap is not None
-        and cap >= (8, 0)
-        and x.stride(-1) == 1
-    )
+    return x.dtype == torch.bfloat16 and cap is not None and cap >= (8, 0) and x.stride(-1) == 1
 
 
 def gemv(x: Tensor, w: Tensor, scale: Tensor | None = None, swiglu: bool = False) -> Tensor:
@@ -56,11 +83,29 @@ def gemv(x: Tensor, w: Tensor, scale: Tensor | None = None, swiglu: bool = False
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def grouped_gemv(x: Tensor, w: Tensor, offs: Tensor, rows: Tensor | None = None, scale: Tensor | None = None,
+                 swiglu: bool = False) -> Tensor:  # fmt: skip
+    """Per group, its rows of x (or x[rows]) @ w[e].T by the kernel: w [E, N, K] bf16, or MXFP8 codes with their
+    ``scale`` [E, N, K / 32]; ``offs`` [E] int32 the groups' cumulative row ends, ``rows`` int32; ``swiglu`` as
+    ``gemv``'s."""
+    return torch.ops.mx_recipe.grouped_gemv(x, w, offs, rows, scale, swiglu=swiglu)
+
+
 def use_gemv(x: Tensor, w: Tensor) -> bool:
     """Whether x @ w.T for a bf16 weight runs the GEMV: where it ``takes`` x, w bf16 with rows contiguous, and no
     gradient is asked for (the op has no backward; F.linear has)."""
+    return takes(x) and _weight_fits(x, w)
+
+
+def use_grouped_gemv(x: Tensor, w: Tensor, m: int) -> bool:
+    """Whether ``m`` grouped rows of x by bf16 experts w [E, N, K] run the grouped GEMV: ``takes_grouped`` and w as
+    ``use_gemv`` asks."""
+    return takes_grouped(x, m) and w.dim() == 3 and _weight_fits(x, w)
+
+
+def _weight_fits(x: Tensor, w: Tensor) -> bool:
     grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
-    return takes(x) and w.dtype == torch.bfloat16 and w.stride(-1) == 1 and not grad
+    return w.dtype == torch.bfloat16 and w.stride(-1) == 1 and not grad
 
 
 def linear(x: Tensor, w: Tensor, swiglu: bool = False) -> Tensor:

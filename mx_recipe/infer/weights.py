@@ -39,8 +39,9 @@ from torch import nn
 
 from mx_recipe.formats.mx import BLOCK_SIZE, MXTensor, fake_quant, to_mx
 from mx_recipe.formats.nvfp4 import NVFP4_BLOCK, NVFP4Tensor, to_nvfp4
+from mx_recipe.infer.fused import silu_mul
 from mx_recipe.infer.gemv import MAX_M as GEMV_MAX_M
-from mx_recipe.infer.gemv import gemv, linear, takes, use_gemv
+from mx_recipe.infer.gemv import gemv, grouped_gemv, linear, takes, takes_grouped, use_gemv, use_grouped_gemv
 from mx_recipe.infer.weight_only import (
     LARGE_M,
     PACK,
@@ -158,10 +159,14 @@ class PackedWeight(nn.Module):
     def grouped_mm(self, x: torch.Tensor, offs: torch.Tensor, kernel: bool, rows: torch.Tensor | None = None,
                    swiglu: bool = False) -> torch.Tensor:  # fmt: skip
         """x [M, K] sorted by group (int32 cumulative ends ``offs``) by each group's w [N, K]: [M, N]. ``rows``:
-        int32 [M], the groups' rows are x[rows] (the kernel reads them in place). ``swiglu``: as ``mm``'s."""
+        int32 [M], the groups' rows are x[rows] (the kernel reads them in place). ``swiglu``: as ``mm``'s. The
+        weight-only kernel where ``use_kernel(x)`` (and ``kernel``; MXFP8 experts at a token's rows: the grouped
+        GEMV of mx_recipe.infer.gemv), else the reference."""
         if self.tiled:
             raise ValueError("PackedWeight.grouped_mm: a tiled weight is a dense one")
         if kernel and use_kernel(x):
+            if self.fmt == "mxfp8" and takes_grouped(x, x.shape[0] if rows is None else rows.shape[0]):
+                return grouped_gemv(x, self.qdata, offs, rows, self.scale, swiglu)  # a token's rows: the GEMV's
             return weight_only_grouped_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, offs, rows, swiglu)
         x = x if rows is None else x[rows]
         y = torch._grouped_mm(x, self.dequantize(x.dtype).transpose(-2, -1), offs=offs)
@@ -325,19 +330,48 @@ class QuantizedExperts(nn.Module):
 
 class FusedExperts(GroupedExperts):
     """bf16 ``GroupedExperts`` with w1 and w3 as one weight ``w13`` [E, 2 * hidden, dim] (``fuse_projections``): one
-    grouped GEMM for both, as ``QuantizedExperts.fuse`` makes for packed experts; w2 as it is."""
+    grouped GEMM for both, as ``QuantizedExperts.fuse`` makes for packed experts; w2 as it is. At a token's rows on
+    a GPU (``use_grouped_gemv``) the grouped GEMMs are the grouped GEMV (mx_recipe.infer.gemv), which reads the
+    routed rows from x in place and takes SwiGLU in its epilogue, as the quantized experts' kernel does; elsewhere
+    ``torch._grouped_mm``."""
+
+    fuses_swiglu = True
 
     def __init__(self, experts: GroupedExperts):
         nn.Module.__init__(self)  # not GroupedExperts': it would allocate a w1 and a w3 only to drop them
         self.w13 = nn.Parameter(torch.cat([experts.w1, experts.w3], dim=1).detach(), requires_grad=False)
         self.w2 = experts.w2
 
+    def grouped_mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        if use_grouped_gemv(x, w, x.shape[0]):
+            return grouped_gemv(x, w, offs)
+        return super().grouped_mm(x, w, offs)
+
+    def _gemv_rows(self, x: torch.Tensor, routed: torch.Tensor | None) -> torch.Tensor | None | bool:
+        """``routed`` as the grouped GEMV's int32 rows where it takes them (None: the rows are x), else False."""
+        if not use_grouped_gemv(x, self.w13, x.shape[0] if routed is None else routed.shape[0]):
+            return False
+        return routed if routed is None or routed.dtype == torch.int32 else routed.to(torch.int32)
+
     def gate_up(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """w1's and w3's outputs, views of the one GEMM's."""
-        (h,) = self.grouped_mm_on_one_input(x, (self.w13,), offs, routed)
+        rows = self._gemv_rows(x, routed)
+        if rows is False:
+            (h,) = self.grouped_mm_on_one_input(x, (self.w13,), offs, routed)
+        else:
+            h = grouped_gemv(x, self.w13, offs, rows)
         h1, h3 = h.chunk(2, dim=-1)
         return h1, h3
+
+    def swiglu(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
+        """SwiGLU's ``F.silu(h1) * h3`` of ``gate_up``'s outputs: in the grouped GEMV's epilogue where it runs, else
+        by the ``silu_mul`` kernel on a GPU (the same roundings), the eager expression elsewhere."""
+        rows = self._gemv_rows(x, routed)
+        if rows is not False:
+            return grouped_gemv(x, self.w13, offs, rows, swiglu=True)
+        h1, h3 = self.gate_up(x, offs, routed)
+        return silu_mul(h1, h3) if use_kernel(x) else F.silu(h1) * h3
 
 
 class SharedExpertGroups(nn.Module):
