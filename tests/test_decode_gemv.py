@@ -404,36 +404,50 @@ def test_gpu_captured_with_pdl_replays_on_new_inputs():
     torch.testing.assert_close(y, gemv(gemv(x, w1), w2), rtol=0, atol=0)
 
 
+def decode_model(name: str, flavor: str, fmt: str) -> torch.nn.Module:
+    """A debug model on the GPU, bf16, its weights in ``fmt`` and its projections fused, as a decode step takes it."""
+    from mx_recipe.infer.load import to_compute_dtype
+    from mx_recipe.infer.weights import fuse_projections, quantize_model
+    from mx_recipe.models import build_model, model_args
+
+    torch.manual_seed(0)
+    model = build_model(model_args(name, flavor, 320, 64)).to("cuda")
+    model.init_weights()
+    return fuse_projections(quantize_model(to_compute_dtype(model.eval(), torch.bfloat16), fmt))
+
+
+def decode_step(model: torch.nn.Module, batch: int, calls: list) -> None:
+    """One decode step of ``batch`` sequences after an 11-token prefill, ``calls`` cleared before it: its logits
+    against the full forward's within bf16 roundings."""
+    from mx_recipe.infer import decode
+
+    cuda = torch.device("cuda")
+    tokens = torch.randint(0, 320, (batch, 12), device=cuda)
+    cache = decode.KVCache(model, batch, 12, torch.bfloat16, cuda)
+    with torch.no_grad():
+        decode.forward(model, tokens[:, :11], torch.arange(11, device=cuda), cache)
+        calls.clear()
+        step = decode.forward(model, tokens[:, 11:], torch.tensor([11], device=cuda), cache)
+        full = model(tokens)[:, 11:]
+    torch.testing.assert_close(step.float(), full.float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
 def test_gpu_decode_steps_take_the_gemv(fmt, monkeypatch):
     """A decode step of one sequence runs every projection by the GEMV (fused QKV, gate/up with its SwiGLU, wo, w2
     and the bf16 output layer), with PDL; of two, none. Both give the full forward's logits within bf16 roundings."""
     from mx_recipe.infer import decode
-    from mx_recipe.infer.load import to_compute_dtype
-    from mx_recipe.infer.weights import fuse_projections, quantize_model
-    from mx_recipe.models import build_model, model_args
 
-    cuda = torch.device("cuda")
-    torch.manual_seed(0)
-    model = build_model(model_args("llama", "debug", 320, 64)).to(cuda)
-    model.init_weights()
-    model = fuse_projections(quantize_model(to_compute_dtype(model.eval(), torch.bfloat16), fmt))
+    model = decode_model("llama", "debug", fmt)
     op, calls = torch.ops.mx_recipe.gemv, []
     monkeypatch.setattr(torch.ops.mx_recipe, "gemv", lambda x, w, scale, swiglu: calls.append(scale is not None)
                         or op(x, w, scale, swiglu=swiglu))  # fmt: skip
     for batch in (1, 2):
-        tokens = torch.randint(0, 320, (batch, 12), device=cuda)
-        cache = decode.KVCache(model, batch, 12, torch.bfloat16, cuda)
-        with torch.no_grad():
-            decode.forward(model, tokens[:, :11], torch.arange(11, device=cuda), cache)
-            calls.clear()
-            step = decode.forward(model, tokens[:, 11:], torch.tensor([11], device=cuda), cache)
-            full = model(tokens)[:, 11:]
+        decode_step(model, batch, calls)
         assert decode.pdl_pays(model, batch) == (batch == 1 or fmt != "bf16")  # quantized: up to PDL_MAX_BATCH
         want = ([fmt == "mxfp8"] * 4 * len(model.layers) + [False]) if batch == 1 else []  # a layer's 4; the output
         assert calls == want, calls
-        torch.testing.assert_close(step.float(), full.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu
@@ -442,16 +456,7 @@ def test_gpu_moe_decode_step_takes_the_grouped_gemv(fmt, monkeypatch):
     """An MoE decode step of one token runs each MoE block's experts by the grouped GEMV, w1/w3 with SwiGLU in its
     epilogue and w2: bf16 experts over their 2 rows (top-2), MXFP8 ones over 3 (the shared expert folded in); of
     five tokens (10 or 15 rows) by the grouped GEMMs. Both give the full forward's logits within bf16 roundings."""
-    from mx_recipe.infer import decode
-    from mx_recipe.infer.load import to_compute_dtype
-    from mx_recipe.infer.weights import fuse_projections, quantize_model
-    from mx_recipe.models import build_model, model_args
-
-    cuda = torch.device("cuda")
-    torch.manual_seed(0)
-    model = build_model(model_args("moe", "debug_moe", 320, 64)).to(cuda)
-    model.init_weights()
-    model = fuse_projections(quantize_model(to_compute_dtype(model.eval(), torch.bfloat16), fmt))
+    model = decode_model("moe", "debug_moe", fmt)
     op, calls = torch.ops.mx_recipe.grouped_gemv, []
 
     def recorded(x, w, offs, rows=None, scale=None, swiglu=False):
@@ -462,12 +467,5 @@ def test_gpu_moe_decode_step_takes_the_grouped_gemv(fmt, monkeypatch):
     moe_layers = sum(getattr(layer, "moe_enabled", False) for layer in model.layers.values())
     scaled = fmt == "mxfp8"
     for batch in (1, 5):
-        tokens = torch.randint(0, 320, (batch, 12), device=cuda)
-        cache = decode.KVCache(model, batch, 12, torch.bfloat16, cuda)
-        with torch.no_grad():
-            decode.forward(model, tokens[:, :11], torch.arange(11, device=cuda), cache)
-            calls.clear()
-            step = decode.forward(model, tokens[:, 11:], torch.tensor([11], device=cuda), cache)
-            full = model(tokens)[:, 11:]
+        decode_step(model, batch, calls)
         assert calls == ([(True, True, scaled), (False, False, scaled)] * moe_layers if batch == 1 else []), calls
-        torch.testing.assert_close(step.float(), full.float(), rtol=2e-2, atol=2e-2)
