@@ -132,12 +132,14 @@ def build(name: str, flavor: str, layers: int | None, fmt: str, max_len: int, de
 
 
 def tile(model: Transformer, batch: int, layout: str) -> Transformer:
-    """``model``'s dense weights repacked for Hopper's decode kernel, in place (``tile_weights``), by ``layout``:
-    ``auto`` as a decode step of ``batch`` sequences would (4-bit ones, MXFP8 ones past the GEMV's rows),
-    ``tiled`` every weight the tile takes, ``formats`` none. Tiled weights stay tiled."""
+    """``model``'s weights repacked for Hopper's decode kernel, in place (``tile_weights``), by ``layout``:
+    ``auto`` as a decode step of ``batch`` sequences would (4-bit ones, MXFP8 ones past the GEMV's rows, 4-bit
+    experts at one sequence), ``tiled`` every weight the tile takes, ``formats`` none. Tiled weights stay tiled."""
     if layout == "formats":
         return model
-    return tile_weights(model, batch if layout == "auto" else GEMV_MAX_M + 1)
+    if layout == "tiled":  # MXFP8's dense weights tile past one row, the experts at one
+        return tile_weights(tile_weights(model, GEMV_MAX_M + 1), 1)
+    return tile_weights(model, batch)
 
 
 def active_experts(n_experts: int, top_k: int, batch: int) -> float:

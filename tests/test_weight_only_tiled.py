@@ -16,6 +16,7 @@ against the reference, within the bound of tests/test_weight_only_gemm.py's modu
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import re
@@ -24,6 +25,8 @@ import pytest
 import torch
 from test_weight_only_gemm import assert_within_bound, packed, weights
 
+from mx_recipe.formats.mx import MXTensor
+from mx_recipe.formats.nvfp4 import NVFP4Tensor
 from mx_recipe.infer.weights import PackedWeight
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -42,6 +45,24 @@ def hopper() -> None:
 def tiled(w: torch.Tensor, fmt: str, swiglu: bool = False) -> PackedWeight:
     p = packed(w, fmt)
     p.tile(swiglu)
+    return p
+
+
+def grouped(x: torch.Tensor, p: PackedWeight, offs: torch.Tensor, rows: torch.Tensor | None = None,
+            swiglu: bool = False, kw: int | None = None) -> torch.Tensor:  # fmt: skip
+    from mx_kernels.gluon.weight_only_tiled import tiled_weight_only_grouped_mm
+
+    return tiled_weight_only_grouped_mm(x, p.qdata, p.scale, p.tensor_scale_tiled, p.fmt, p.wide_scales, offs, rows,
+                                        swiglu, kw)  # fmt: skip
+
+
+def experts(w: torch.Tensor, fmt: str, row_scales: bool = False) -> PackedWeight:
+    """Experts w [E, N, K] in ``fmt``; NVFP4 with ``row_scales``: a tensor scale per expert and row (0.5 to 1.5), as
+    experts with shared ones folded in."""
+    p = packed(w, fmt)
+    if fmt == "nvfp4" and row_scales:
+        ts = torch.rand(*w.shape[:2], 1, device=w.device) + 0.5
+        p = PackedWeight(NVFP4Tensor(p.qdata, p.scale, ts, 2), fmt)
     return p
 
 
@@ -78,6 +99,73 @@ def test_tiling_round_trips_and_keeps_dequantize(fmt, n, k, swiglu):
 
         order = swiglu_rows(n) if swiglu else torch.arange(n)
         assert torch.equal(p.tensor_scale_tiled, p.tensor_scale.reshape(-1)[order])
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_experts_tile_each_as_its_own_weight(fmt, swiglu):
+    """Experts [E, N, K] tile as E weights stacked, each ``pack``'s own (SwiGLU's row order per expert, NVFP4's
+    tensor scale per expert and row in that order); codes and scales unpack to the formats' bytes and
+    ``dequantize`` is bit for bit the untiled one's; the last groups (folded shared experts) stay tiled views."""
+    from mx_kernels.gluon.weight_only_tiled import pack
+
+    torch.manual_seed(3)
+    e, n, k = 3, 32, 256
+    p = experts(weights(n, k, lead=(e,)), fmt, row_scales=True)
+    want_q, want_s, want = p.qdata.clone(), p.scale.clone(), p.dequantize(torch.float32)
+    p.tile(swiglu)
+    assert p.qdata.shape == (e, n, k // (4 if fmt == "mxfp8" else 8)) and p.in_features == k
+    for i in range(e):
+        words, scales, ts = pack(want_q[i], want_s[i], None if fmt != "nvfp4" else p.tensor_scale[i], fmt, swiglu)
+        assert torch.equal(p.qdata[i], words) and torch.equal(p.scale[i], scales)
+        if fmt == "nvfp4":
+            assert torch.equal(p.tensor_scale_tiled.view(e, n)[i], ts)
+    q, s = p.natural_codes()
+    assert torch.equal(q, want_q) and torch.equal(s.view(torch.uint8), want_s.view(torch.uint8))
+    assert torch.equal(p.dequantize(torch.float32), want)
+    last = p.last_groups(2)
+    assert last.tiled and torch.equal(last.dequantize(torch.float32), want[-2:])
+    with pytest.raises(ValueError, match="whole 16-row tiles"):
+        packed(weights(24, k, lead=(2,)), fmt).tile()
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_grouped_programs_wait_for_the_routing_before_any_read(fmt):
+    """Compiled for sm_90a, the grouped kernel (a token's rows read in place, 4 warps splitting K's 3 steps, the
+    last warp's masked) waits for the kernel before it (PDL), which wrote its rows' experts, before its first
+    global load, and still reads words and x 16 bytes a load."""
+    over = dict(GROUPED=True, GATHER=True, RAGGED=True, E=8, E_POW2=8, T=1, W=4, KW=4, SPLIT=False, K=384,
+                K_SPLIT=384, SPLIT_K=1, UNROLL=0)  # fmt: skip
+    _, ptx = compiled_kernel(1, False, fmt, **over)
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    assert "ld.global.v4.b32" in ptx and "ld.global.v2" not in ptx
+
+
+@needs_triton
+def test_grouped_bad_operands_are_one_line_errors():
+    from mx_kernels.gluon.weight_only_tiled import tiled_weight_only_grouped_mm as launch
+
+    p = experts(weights(32, 256, lead=(2,)), "mxfp4")
+    p.tile()
+    x = torch.randn(3, 256).bfloat16()
+    offs = torch.tensor([1, 3], dtype=torch.int32)
+    args = dict(x=x, words=p.qdata, scales=p.scale, tensor_scale=None, fmt="mxfp4", wide=False, offs=offs)
+    cases = [
+        (dict(x=x.float()), "x bf16"),
+        (dict(fmt="int4"), "mxfp4, nvfp4 or mxfp8"),
+        (dict(words=p.qdata[0]), r"pack's words \[E, N, 32\]"),
+        (dict(x=torch.randn(3, 128).bfloat16()), "K = 128"),
+        (dict(offs=offs.long()), "offs must be int32"),
+        (dict(offs=offs[:1]), "for E = 2 experts"),
+        (dict(rows=torch.tensor([0, 1])), "rows must be an int32"),
+        (dict(tensor_scale=torch.ones(1)), "nvfp4 takes a tensor scale"),
+        (dict(kw=3), "a power of 2 up to 16"),
+    ]
+    for over, match in cases:
+        with pytest.raises(ValueError, match=match):
+            launch(**{**args, **over})
 
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
@@ -188,9 +276,11 @@ def compiled_kernel(m: int, wgmma: bool, fmt: str, **over):
         x_ptr=torch.empty(m, k, dtype=torch.bfloat16, **meta), w_ptr=torch.empty(n, words, dtype=torch.int32, **meta),
         s_ptr=torch.empty(n, k // 32 * sb, dtype=torch.uint8, **meta), ts_ptr=torch.empty(n, **meta),
         out_ptr=torch.empty(m, n, dtype=torch.bfloat16, **meta), ws_ptr=torch.empty(2, m, n, **meta),
-        cnt_ptr=torch.empty(64, dtype=torch.int32, **meta), M=m, N=n, K=k, K_SPLIT=k // 2, SPLIT_K=2, stride_xm=k,
-        stride_om=n, stride_tn=1, FMT=fmt, BLOCK_M=max(8, m), T=1 if wgmma else 2, W=4, SPLIT=True, WIDE=False,
-        SWIGLU=True, PDL=True, WGMMA=wgmma, UNROLL=2, KW=1, num_warps=4,
+        cnt_ptr=torch.empty(64, dtype=torch.int32, **meta), offs_ptr=torch.empty(8, dtype=torch.int32, **meta),
+        rows_ptr=torch.empty(m, dtype=torch.int32, **meta), M=m, N=n, K=k, K_SPLIT=k // 2, SPLIT_K=2, stride_xm=k,
+        stride_om=n, stride_tn=1, E=1, stride_we=0, stride_se=0, stride_te=0, FMT=fmt, BLOCK_M=max(8, m),
+        T=1 if wgmma else 2, W=4, SPLIT=True, WIDE=False, SWIGLU=True, PDL=True, WGMMA=wgmma, UNROLL=2, KW=1,
+        num_warps=4,
     )  # fmt: skip
     compiled = compile_for_arch(tiled_weight_only_kernel, kwargs | over, 90)
     return compiled.asm["ttgir"], compiled.asm["ptx"]
@@ -273,6 +363,17 @@ def test_config_splits_k_by_the_sm_count():
 
 
 @needs_triton
+def test_grouped_warps_by_the_sm_count():
+    """A token's rows of the MoE 16B's experts (8 groups of 66) on an H200's 132 SMs: 2 warps split K, for w1/w3
+    and w2 alike; never more warps than K's steps."""
+    from mx_kernels.gluon.weight_only_tiled import grouped_kw
+
+    assert grouped_kw(8, 2816, 2048, 66, 132) == grouped_kw(8, 2048, 1408, 66, 132) == 2
+    assert grouped_kw(1, 16, 256, 4, 132) == 2 and grouped_kw(3, 256, 128, 9, 132) == 1
+    assert grouped_kw(64, 2816, 2048, 66, 132) == 1
+
+
+@needs_triton
 def test_partials_where_one_launch_splits_k_over_programs():
     """``partial_splits``: Llama 3 8B's wo/w2 and wqkv at 8 and 32 rows split over programs (the splits ``config``
     asks, or K's steps where fewer); at 1 row a program's warps split K (no partials); past MAX_M rows or on a
@@ -317,7 +418,7 @@ def test_bad_operands_are_one_line_errors():
         nan.tile()
     with pytest.raises(ValueError, match="concatenate before tiling"):
         PackedWeight.cat([p, p])
-    with pytest.raises(ValueError, match="a tiled weight is a dense one"):
+    with pytest.raises(ValueError, match="a tiled 2D weight is a dense one"):
         p.grouped_mm(x, torch.tensor([4], dtype=torch.int32), kernel=False)
 
 
@@ -449,6 +550,146 @@ def test_gpu_split_k_partials_summed_by_the_norm_are_the_gemm(fmt):
     assert out.shape[0] == partial_splits(32, n, k, sms) and (scale is None) == (fmt != "nvfp4")
     one, scale = cases[0].mm_partials(x[:1], kernel=True)  # a program's warps split K: the output
     assert scale is None and torch.equal(one.view(torch.int16), mm(x[:1], cases[0]).view(torch.int16))
+
+
+def group_bounds(sizes: list[int]) -> list[tuple[int, int]]:
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    return [(end - size, end) for size, end in zip(sizes, ends, strict=True)]
+
+
+def expert(p: PackedWeight, i: int) -> PackedWeight:
+    """Expert ``i`` of untiled experts ``p`` as a dense tiled weight."""
+    q, s = p.qdata[i], p.scale[i]
+    if p.fmt == "nvfp4":
+        ts = p.tensor_scale if p.tensor_scale.numel() == 1 else p.tensor_scale[i]
+        one = PackedWeight(NVFP4Tensor(q, s, ts, 1), p.fmt)
+    else:
+        one = PackedWeight(MXTensor(q, s, "e4m3" if p.fmt == "mxfp8" else "e2m1", 1), p.fmt)
+    one.tile()
+    return one
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_grouped_experts_within_the_bound(fmt):
+    """Tiled experts by the grouped kernel: ragged and empty groups, groups past a row tile (8 rows); K of 16 steps
+    (the warps split it evenly: bit for bit the dense kernel on each expert with as many warps) and of 11 (the last
+    warps' steps masked); a NaN, 2**-127 and 2**-126 scale and a zero row in one expert (NVFP4: NaN, zero,
+    subnormal, largest and negative e4m3 scales, and a tensor scale per expert and row); within the bound of the
+    reference, the same bits every call; a token's rows read in place, the copy's bits."""
+    hopper()
+    torch.manual_seed(31)
+    sizes = [0, 1, 7, 0, 9, 20, 2, 0, 1, 1]
+    e, bounds = len(sizes), group_bounds(sizes)
+    offs = torch.tensor(sizes, device=CUDA).cumsum(0).to(torch.int32)
+    for n, k in ((256, 2048), (160, 1408)):
+        w = weights(n, k, CUDA, lead=(e,)) * 0.02
+        w[4, 7] = 0.0
+        plain = experts(w, fmt, row_scales=True)
+        s = plain.scale.view(torch.uint8)
+        if fmt == "nvfp4":
+            s[5, 3, 5], s[5, 4, 0], s[5, 5, 2], s[5, 6, 1], s[5, 8, 3], s[5, 9, 4] = 0x7F, 0, 1, 8, 0x7E, 0xB8
+        else:
+            s[5, 3, 5], s[5, 4, 0], s[5, 5, 2] = 0xFF, 0, 1
+        t = copy.deepcopy(plain)
+        t.tile()
+        x = torch.randn(sum(sizes), k, device=CUDA).bfloat16()
+        for kw in (None, 1, 4, 8):
+            y = grouped(x, t, offs, kw=kw)
+            assert_within_bound(y, x, plain, offs)
+            assert torch.equal(grouped(x, t, offs, kw=kw).view(torch.int16), y.view(torch.int16))
+            if kw is not None and (k // 128) % kw == 0:
+                cfg = dict(t=1, w=kw, kw=kw, split_k=1, wgmma=False)
+                for i, (a, b) in enumerate(bounds):
+                    if b > a:
+                        assert torch.equal(mm(x[a:b], expert(plain, i), cfg=cfg).view(torch.int16),
+                                           y[a:b].view(torch.int16))  # fmt: skip
+        rows = torch.randint(0, 5, (x.shape[0],), device=CUDA, dtype=torch.int32)
+        in_place, copied = grouped(x[:5], t, offs, rows), grouped(x[:5][rows], t, offs)
+        assert torch.equal(in_place.view(torch.int16), copied.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_grouped_swiglu_epilogue_and_prefill(fmt):
+    """Experts' w1 and w3 tiled in SwiGLU's row order: the grouped kernel's epilogue is bit for bit ``silu_mul`` of
+    the same launch on the experts in plain row order, and ``PackedWeight.grouped_mm`` takes it; past LARGE_M rows
+    (prefill) the experts dequantize in their packed order for cuBLAS, bit for bit the untiled experts' GEMM and
+    SwiGLU; asked without the epilogue, the reference."""
+    hopper()
+    from mx_kernels.decode_fused import silu_mul
+
+    from mx_recipe.infer.weight_only import swiglu_of
+
+    torch.manual_seed(32)
+    sizes, n, k = [1, 0, 3, 9, 1, 2], 256, 1408
+    offs = torch.tensor(sizes, device=CUDA).cumsum(0).to(torch.int32)
+    untiled = experts(weights(n, k, CUDA, lead=(len(sizes),)) * 0.02, fmt, row_scales=True)
+    plain, fused = copy.deepcopy(untiled), copy.deepcopy(untiled)
+    plain.tile()
+    fused.tile(swiglu=True)
+    x = torch.randn(sum(sizes), k, device=CUDA).bfloat16()
+    for kw in (None, 2, 8):
+        y = grouped(x, plain, offs, kw=kw)
+        assert torch.equal(grouped(x, fused, offs, swiglu=True, kw=kw), silu_mul(y[:, : n // 2], y[:, n // 2 :]))
+    assert torch.equal(fused.grouped_mm(x, offs, kernel=True, swiglu=True), grouped(x, fused, offs, swiglu=True))
+    reference = torch._grouped_mm(x, untiled.dequantize(torch.bfloat16).transpose(-2, -1), offs=offs)
+    assert torch.equal(fused.grouped_mm(x, offs, kernel=True), reference)
+    big = torch.randn(300, k, device=CUDA).bfloat16()
+    big_offs = torch.tensor([40, 40, 100, 250, 260, 300], device=CUDA, dtype=torch.int32)
+    want = swiglu_of(torch._grouped_mm(big, untiled.dequantize(torch.bfloat16).transpose(-2, -1), offs=big_offs))
+    assert torch.equal(fused.grouped_mm(big, big_offs, kernel=True, swiglu=True), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gpu_moe_decode_step_takes_the_tiled_experts(fmt, monkeypatch):
+    """``tile_weights`` for one sequence tiles an MoE's 4-bit experts, the shared expert folded in (w1/w3 in SwiGLU's
+    row order, w2), for two it leaves them; a decode step of one token (3 rows) and of five (15) runs each MoE
+    block's experts by the tiled grouped kernel, w1/w3 with SwiGLU then w2, and gives the full forward's logits within
+    bf16 roundings; replayed from a CUDA graph under PDL, the untiled model's step up to summation order."""
+    hopper()
+    from mx_kernels import pdl
+    from test_decode_gemv import decode_model
+
+    from mx_recipe.infer import decode
+    from mx_recipe.infer.weights import tile_weights
+
+    model = tile_weights(decode_model("moe", "debug_moe", fmt), 1)
+    blocks = [layer.moe.experts for layer in model.layers.values() if getattr(layer, "moe_enabled", False)]
+    assert blocks and all(b.shared and b.w13_packed.tiled and b.w13_packed.swiglu_rows and b.w2_packed.tiled
+                          for b in blocks)  # fmt: skip
+    two = tile_weights(decode_model("moe", "debug_moe", fmt), 2)
+    assert not any(layer.moe.experts.w13_packed.tiled for layer in two.layers.values() if layer.moe_enabled)
+    op, calls = torch.ops.mx_recipe.weight_only_tiled_grouped_mm, []
+
+    def recorded(x, words, scales, tensor_scale, fmt, wide_scales, offs, rows=None, swiglu=False):
+        calls.append((rows is not None, swiglu))
+        return op(x, words, scales, tensor_scale, fmt, wide_scales, offs, rows, swiglu=swiglu)
+
+    monkeypatch.setattr(torch.ops.mx_recipe, "weight_only_tiled_grouped_mm", recorded)
+    cuda = torch.device(CUDA)
+    for batch in (1, 5):
+        tokens = torch.randint(0, 320, (batch, 12), device=cuda)
+        cache = decode.KVCache(model, batch, 12, torch.bfloat16, cuda)
+        with torch.no_grad():
+            decode.forward(model, tokens[:, :11], torch.arange(11, device=cuda), cache)
+            calls.clear()
+            step = decode.forward(model, tokens[:, 11:], torch.tensor([11], device=cuda), cache)
+            assert calls == [(True, True), (False, False)] * len(blocks), calls
+            full = model(tokens)[:, 11:]
+        torch.testing.assert_close(step.float(), full.float(), rtol=2e-2, atol=2e-2)
+    monkeypatch.undo()
+    plain = decode_model("moe", "debug_moe", fmt)
+    tokens = torch.randint(0, 320, (1, 12), device=cuda)
+    logits = []
+    for m in (plain, model):
+        cache = decode.KVCache(m, 1, 16, torch.bfloat16, cuda)
+        with torch.no_grad(), pdl.launching(True):
+            decode.forward(m, tokens[:, :11], torch.arange(11, device=cuda), cache)
+            step = decode.DecodeGraph(m, cache, tokens[:, 11:], torch.tensor([11], device=cuda))
+            logits.append(step(tokens[:, 11:], torch.tensor([11], device=cuda)).clone())
+    torch.testing.assert_close(logits[1].float(), logits[0].float(), atol=0.05, rtol=0.05)
 
 
 def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:

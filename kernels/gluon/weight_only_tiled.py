@@ -58,6 +58,15 @@ What the layout takes off a decode step against the formats' own, per format and
 8 hidden units' up rows: a lane's accumulator holds rows g and g + 8, a unit's gate and up, and the epilogue writes
 silu(gate) * up with ``silu_mul``'s roundings (mx_kernels.decode_fused.swiglu).
 
+Grouped (``tiled_weight_only_grouped_mm``: an MoE's experts at decode): E experts, each packed as its own weight
+(N a multiple of 16, w1/w3 in SwiGLU's order per expert), stacked. The grid's third axis is row-tile slots of
+GROUPED_BLOCK_M rows over the groups, as mx_kernels.mx.weight_only's grouped slots: each program waits for the
+routing kernel (PDL), finds its expert and rows in ``offs`` (or reads them in place through ``rows``), and runs the
+mma.sync path with its warps splitting K; where they do not divide K's steps (the MoE 16B's w2: 11) each warp takes
+ceil(steps / KW) and the steps past K read zero words and x. A token's rows of the MoE 16B's experts on an H200
+(8 of 66 groups, 2026-12-02): w1/w3 with SwiGLU 11.2 us MXFP4, 12.2 NVFP4, against 16.0 and 16.9 in the weight-only
+kernel's grouped FMA path; w2 7.9 and 8.0 against 12.8 (bf16's grouped GEMV: 26.9 and 13.8).
+
 ``dequantize`` reads the tiles directly (a prefill hands its output to cuBLAS), each word's pairs brought to bf16x2
 bits by the upcast's rotations and masks, then to fp32 values: on an H200 3.3-3.4 TB/s read and written (a Llama 3
 8B prefill of 2048 tokens with tiled weights 67-68 ms; bf16 61); ``unpack`` gives back the formats' bytes (torch
@@ -75,7 +84,7 @@ import triton.language as tl
 from mx_kernels.common import arrival_counters
 from mx_kernels.gluon.common import permute_k, split_k_sum
 from mx_kernels.launch_cache import LaunchCache
-from mx_kernels.mx.weight_only import _e4m3, _e8m0
+from mx_kernels.mx.weight_only import _e4m3, _e8m0, row_slots, tensor_scales
 from triton.experimental import gluon
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -223,9 +232,13 @@ def _word_load_layout(T, W, NV):
 
 
 @gluon.jit
-def _load_words(ptrs, WL: gl.constexpr):
-    """A step's words [rows, q, 2 NV] (``_word_load_layout``) as [rows, q, b, v] in ``WL``: the same registers."""
-    w = gl.load(ptrs)
+def _load_words(ptrs, WL: gl.constexpr, mask=None):
+    """A step's words [rows, q, 2 NV] (``_word_load_layout``) as [rows, q, b, v] in ``WL``: the same registers.
+    ``mask``: the rows' warps whose part of K holds the step (ragged K; zero words elsewhere)."""
+    if mask is None:
+        w = gl.load(ptrs)
+    else:
+        w = gl.load(ptrs, mask=mask, other=0)
     w = gl.reshape(w, [w.shape[0], 4, 2, w.shape[2] // 2])
     return gl.convert_layout(w, WL, assert_trivial=True)
 
@@ -308,6 +321,50 @@ def _x_at(x_rows, xk, k, XD: gl.constexpr):
 
 
 @gluon.jit
+def _load_step(w_tiles, s_tiles, k, k_rel, w_left, s_left, WL: gl.constexpr, NV: gl.constexpr, SB: gl.constexpr,
+               RAGGED: gl.constexpr):  # fmt: skip
+    """A step's words and scale bytes at element ``k`` of K (``k_rel`` past the warps' start): ``RAGGED``, zeros
+    for the rows whose warp's part of K (``w_left``, ``s_left`` elements) ends before it."""
+    w_at = w_tiles + gl.multiple_of(NV * k, 256)
+    s_at = s_tiles + gl.multiple_of(k // 2 * SB, 64)
+    if RAGGED:
+        return _load_words(w_at, WL, k_rel < w_left), gl.load(s_at, mask=k_rel < s_left, other=0)
+    return _load_words(w_at, WL), gl.load(s_at)
+
+
+@gluon.jit
+def _x_mask(x_in, k_rel, x_left, RAGGED: gl.constexpr):
+    """x's load mask at a step ``k_rel`` past the warps' start: its rows (``x_in``), and ``RAGGED``, the step
+    within the warp's part of K (``x_left`` elements)."""
+    if RAGGED:
+        return x_in & (k_rel < x_left)
+    return x_in
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _group_tile(offs_ptr, slot, E, E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, W: gl.constexpr):
+    """Row-tile slot ``slot`` of a grouped GEMM: (its first row, its rows (at most BLOCK_M), its expert; -1 for a
+    slot without rows). The slots are the groups' tiles in order, each group cut in BLOCK_M rows, as
+    mx_kernels.mx.weight_only's grouped slots."""
+    L: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+    e = gl.arange(0, E_POW2, layout=L)
+    ends = gl.load(offs_ptr + e, mask=e < E, other=0)
+    starts = gl.load(offs_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
+    tiles = gl.where(e < E, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    after = gl.associative_scan(tiles, 0, _add)
+    hit = (slot >= after - tiles) & (slot < after)
+    expert = gl.max(gl.where(hit, e, -1), 0)
+    row0 = gl.sum(gl.where(hit, starts + (slot - (after - tiles)) * BLOCK_M, 0), 0)
+    row_end = gl.sum(gl.where(hit, ends, 0), 0)
+    return row0, gl.minimum(row_end - row0, BLOCK_M), expert
+
+
+@gluon.jit
 def _mma_step(a, x, acc, x_next, x_in, x_buf, B: gl.constexpr, WGMMA: gl.constexpr):
     """acc + a x^T (a: the step's upcast weights, x: its rows of x), and the next step's x loaded from ``x_next``
     while the MMA runs. wgmma: x^T through ``x_buf``, one of two buffers taken in turn, so that one warpgroup's store
@@ -329,14 +386,20 @@ def _mma_step(a, x, acc, x_next, x_in, x_buf, B: gl.constexpr, WGMMA: gl.constex
 
 @gluon.jit
 def tiled_weight_only_kernel(
-    x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT, SPLIT_K, stride_xm, stride_om, stride_tn,
+    x_ptr, w_ptr, s_ptr, ts_ptr, out_ptr, ws_ptr, cnt_ptr, offs_ptr, rows_ptr, M, N, K, K_SPLIT, SPLIT_K, stride_xm,
+    stride_om, stride_tn, E, stride_we, stride_se, stride_te,
     FMT: gl.constexpr, BLOCK_M: gl.constexpr, T: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
     WIDE: gl.constexpr, SWIGLU: gl.constexpr, PDL: gl.constexpr, WGMMA: gl.constexpr, UNROLL: gl.constexpr,
-    KW: gl.constexpr = 1, PARTIALS: gl.constexpr = False,
+    KW: gl.constexpr = 1, PARTIALS: gl.constexpr = False, GROUPED: gl.constexpr = False,
+    GATHER: gl.constexpr = False, E_POW2: gl.constexpr = 2, RAGGED: gl.constexpr = False,
 ):  # fmt: skip
     """One program: 16 T W weight rows (16 T with KW = W warps splitting its K), every row of x (M <= BLOCK_M), its
     split of K (K_SPLIT, a multiple of 128). w_ptr: the tiled words (int32), s_ptr the tiled scale bytes (module
-    doc); N: the weight's rows. ``PARTIALS`` (K split): each split stores its fp32 sum and nothing sums them here."""
+    doc); N: the weight's rows. ``PARTIALS`` (K split): each split stores its fp32 sum and nothing sums them here.
+    ``GROUPED`` (mma.sync, K not split over programs): the grid's third axis is row-tile slots over the groups
+    (``offs``: int32 [E] cumulative row ends), each program its slot's expert's weight (E stacked tiled weights,
+    ``stride_we`` words and ``stride_se`` scale bytes apart) and rows; ``GATHER``: those rows are x[rows].
+    ``RAGGED``: the KW warps take ceil(steps / KW) steps each, the steps past K masked (zero words and x)."""
     BLOCK_N: gl.constexpr = 16 * T * W
     R: gl.constexpr = BLOCK_N // KW  # weight rows a program; KW > 1: the warps split its K (mma.sync, T = 1)
     SB: gl.constexpr = 2 if FMT == "nvfp4" else 1
@@ -369,9 +432,28 @@ def tiled_weight_only_kernel(
         UPCAST: gl.constexpr = _UPCAST_ONE
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
+    if GROUPED:  # the rows' experts come from the kernel before: wait for it before any read (PDL)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        row0, M, expert = _group_tile(offs_ptr, gl.program_id(2), E, E_POW2, BLOCK_M, W)
+        if expert < 0:
+            return
+        w_ptr += expert.to(gl.int64) * stride_we
+        s_ptr += expert.to(gl.int64) * stride_se
+        ts_ptr += expert * stride_te
+        out_ptr += row0.to(gl.int64) * stride_om
+        rows_ptr += row0
+        if not GATHER:
+            x_ptr += row0.to(gl.int64) * stride_xm
     k_start = pid_k * K_SPLIT
-    k_len = (gl.minimum(k_start + K_SPLIT, K) - k_start) // (KW * BLOCK_K) * BLOCK_K  # a warp's: whole steps
+    k_total = gl.minimum(k_start + K_SPLIT, K) - k_start
+    if RAGGED:  # a warp's steps: ceil(steps / KW), those past k_total masked
+        k_len = gl.cdiv(k_total, KW * BLOCK_K) * BLOCK_K
+    else:
+        k_len = k_total // (KW * BLOCK_K) * BLOCK_K  # a warp's: whole steps
     k_end = k_start + k_len
+    w_left, s_left, x_left = 0, 0, 0  # RAGGED's masks (below)
     # the program's words: [rows, q, b v] -> tile (row // 16) * NV K + half * 64 NV + 16-byte chunk (NV b + v) // 4 *
     # 128 + lane (4 (row % 8) + q) * 4 + (NV b + v) % 4
     WF: gl.constexpr = _word_load_layout(T, W, NV)
@@ -383,6 +465,8 @@ def tiled_weight_only_kernel(
     tile_row = (rows // 16) * NV * K + ((rows % 16) // 8) * 64 * NV + (rows % 8) * 16
     if KW > 1:
         tile_row += (vrows // R) * NV * k_len
+    if RAGGED:  # the elements of K past each row's warp's start that the step may reach
+        w_left = gl.expand_dims(gl.expand_dims(k_total - (vrows // R) * k_len, 1), 2)
     lane_row = gl.expand_dims(tile_row, 1) + gl.expand_dims(q * 4, 0)
     bv = gl.arange(0, 2 * NV, layout=gl.SliceLayout(0, gl.SliceLayout(1, WF)))
     bv = (bv // 4) * 128 + bv % 4
@@ -399,6 +483,10 @@ def tiled_weight_only_kernel(
     s_row = (srow // 16) * (K // 2) * SB + ((srow % 8) * 8 + (srow % 16) // 8) * SB
     if KW > 1:
         s_row += (svrow // R) * (k_len // 2) * SB
+    if RAGGED:
+        s_left = gl.expand_dims(k_total - (svrow // R) * k_len, 1)
+        if SB == 2:
+            s_left = gl.expand_dims(s_left, 2)
     s_lane = gl.expand_dims(s_row, 1)
     s_lane = s_lane + gl.expand_dims(sq * 2 * SB, 0)
     if SB == 2:
@@ -407,7 +495,10 @@ def tiled_weight_only_kernel(
     else:
         s_tiles = s_ptr + s_lane
     xm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
-    xrow = gl.expand_dims(gl.minimum(xm, M - 1) * stride_xm, 1)  # rows past M: never stored
+    xrow = gl.minimum(xm, M - 1)  # rows past M: never stored
+    if GATHER:
+        xrow = gl.load(rows_ptr + xrow)
+    xrow = gl.expand_dims(xrow * stride_xm, 1)
     if WGMMA:
         xk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, XL))
         x_rows = x_ptr + xrow
@@ -420,13 +511,15 @@ def tiled_weight_only_kernel(
             warp = gl.inline_asm_elementwise("{ .reg .u32 t; mov.u32 t, %tid.x; shr.u32 $0, t, 5; }", "=r,r", [zeros],
                                              dtype=gl.int32, is_pure=True, pack=1)  # fmt: skip
             x_rows = x_rows + gl.expand_dims(warp * (k_len // 2), 1)  # [BLOCK_M, 1]: x stays contiguous along K
+            if RAGGED:
+                x_left = gl.expand_dims(k_total - warp * k_len, 1)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-    # the first step's weights do not depend on the kernel before (PDL): read them before waiting for it
-    w = _load_words(w_tiles + gl.multiple_of(NV * k_start, 256), WL)
-    s = gl.load(s_tiles + gl.multiple_of(k_start // 2 * SB, 64))
+    # the first step's weights do not depend on the kernel before (PDL): read them before waiting for it (dense)
+    w, s = _load_step(w_tiles, s_tiles, k_start, 0, w_left, s_left, WL, NV, SB, RAGGED)
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        if not GROUPED:
+            gdc_wait()
+            gdc_launch_dependents()
     if WGMMA:  # rows past M read row M - 1
         XD: gl.constexpr = 1
         x = gl.load(_x_at(x_rows, xk, k_start, XD))
@@ -435,24 +528,25 @@ def tiled_weight_only_kernel(
         x_in = 0  # unread
     else:
         XD: gl.constexpr = 2  # int32 pairs
-        x = gl.load(_x_at(x_rows, xk, k_start, XD), mask=x_in, other=0)
+        x = gl.load(_x_at(x_rows, xk, k_start, XD), mask=_x_mask(x_in, 0, x_left, RAGGED), other=0)
         bufs = (0, 0)  # unread
     # two steps an iteration, each step's loads issued before the step ahead of it is upcast (module doc)
     n_steps = (k_end - k_start) // BLOCK_K
     for p in range(n_steps // 2):
         k1 = k_start + (2 * p + 1) * BLOCK_K
         k2 = gl.minimum(k1 + BLOCK_K, k_end - BLOCK_K)  # the last step's again after it: unmasked loads
-        w1 = _load_words(w_tiles + gl.multiple_of(NV * k1, 256), WL)
-        s1 = gl.load(s_tiles + gl.multiple_of(k1 // 2 * SB, 64))
+        w1, s1 = _load_step(w_tiles, s_tiles, k1, k1 - k_start, w_left, s_left, WL, NV, SB, RAGGED)
         a = _a_operand(w, _factors(s.to(gl.int32), WL, FMT, WIDE, NV), A, UPCAST, E4M3)
-        acc, x = _mma_step(a, x, acc, _x_at(x_rows, xk, k1, XD), x_in, bufs[0], B, WGMMA)
-        w = _load_words(w_tiles + gl.multiple_of(NV * k2, 256), WL)
-        s = gl.load(s_tiles + gl.multiple_of(k2 // 2 * SB, 64))
+        x_next = _x_at(x_rows, xk, k1, XD)
+        acc, x = _mma_step(a, x, acc, x_next, _x_mask(x_in, k1 - k_start, x_left, RAGGED), bufs[0], B, WGMMA)
+        w, s = _load_step(w_tiles, s_tiles, k2, k2 - k_start, w_left, s_left, WL, NV, SB, RAGGED)
         a = _a_operand(w1, _factors(s1.to(gl.int32), WL, FMT, WIDE, NV), A, UPCAST, E4M3)
-        acc, x = _mma_step(a, x, acc, _x_at(x_rows, xk, k2, XD), x_in, bufs[1], B, WGMMA)
+        x_next = _x_at(x_rows, xk, k2, XD)
+        acc, x = _mma_step(a, x, acc, x_next, _x_mask(x_in, k2 - k_start, x_left, RAGGED), bufs[1], B, WGMMA)
     if n_steps % 2 == 1:  # an odd count's last step, loaded by the last pair (or before the loop)
         a = _a_operand(w, _factors(s.to(gl.int32), WL, FMT, WIDE, NV), A, UPCAST, E4M3)
-        acc, x = _mma_step(a, x, acc, _x_at(x_rows, xk, k_end - BLOCK_K, XD), x_in, bufs[0], B, WGMMA)
+        x_mask = _x_mask(x_in, k_len - BLOCK_K, x_left, RAGGED)
+        acc, x = _mma_step(a, x, acc, _x_at(x_rows, xk, k_end - BLOCK_K, XD), x_mask, bufs[0], B, WGMMA)
     if KW > 1:  # the warps' sums of the same rows, added in warp order through shared memory
         parts = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         parts.store(acc)
@@ -545,7 +639,11 @@ def pack(qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | 
     """(codes [N, K/2] uint8 (e2m1) or [N, K] (e4m3), scales [N, K/32] e8m0 or [N, K/16] e4m3, NVFP4's tensor scale:
     one or one per row) -> (words int32 [N16, K/8 or K/4], scale bytes [N16, K/32 or K/16], the tensor scale: one,
     or one per packed row) in the tiled layout (module doc), N16 = N rounded up to 16 (padding rows are zero codes).
-    MXFP8 codes must not be NaN (0x7F, 0xFF): the upcast has no NaN code."""
+    MXFP8 codes must not be NaN (0x7F, 0xFF): the upcast has no NaN code. Experts (codes [E, N, K/2 or K], N a
+    multiple of 16; NVFP4's tensor scale one, or one per expert and row): each packed as its own weight, stacked
+    (words [E, N, ...], scales [E, N, ...], the tensor scale flat, in each expert's packed row order)."""
+    if qdata.dim() == 3:
+        return _pack_experts(qdata, scale, tensor_scale, fmt, swiglu)
     n, row_bytes = qdata.shape
     per_word = codes_per_word(fmt)
     k = row_bytes * per_word // 4
@@ -574,6 +672,24 @@ def pack(qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | 
     words = words.view(n16 // 16, 2, 8, k // BLOCK_K.value, 4, chunks, 4).permute(0, 3, 1, 5, 2, 4, 6)
     s = s.view(n16 // 16, 2, 8, k // BLOCK_K.value, 4, sb).permute(0, 3, 2, 4, 1, 5)
     return words.contiguous().view(n16, -1), s.contiguous().view(n16, -1), ts
+
+
+def _pack_experts(qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: str,
+                  swiglu: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """``pack`` of E experts [E, N, ...]: each expert's rows in SwiGLU's order, then all of them as one weight of
+    E N rows, whose 16-row tiles are each expert's."""
+    e, n = qdata.shape[:2]
+    if n % 16:
+        raise ValueError(f"pack: experts' rows in whole 16-row tiles, got N = {n}")
+    ts = None if tensor_scale is None else tensor_scale.float().reshape(-1)
+    if ts is not None and ts.numel() not in (1, e * n):
+        raise ValueError(f"pack: an NVFP4 tensor scale of one, or one per expert and row ({e} x {n}); got {ts.numel()}")
+    if swiglu:
+        order = swiglu_rows(n).to(qdata.device)
+        qdata, scale = qdata[:, order], scale[:, order]
+        ts = ts if ts is None or ts.numel() == 1 else ts.view(e, n)[:, order.to(ts.device)].reshape(-1)
+    words, scales, _ = pack(qdata.reshape(e * n, -1), scale.reshape(e * n, -1), None, fmt)
+    return words.view(e, n, -1), scales.view(e, n, -1), ts
 
 
 _E4M3_TARGET_BITS = tl.constexpr(_E4M3_TARGET)
@@ -828,9 +944,80 @@ def _launch(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, tensor_s
     ts = tensor_scale if tensor_scale is not None else out
     stride_tn = int(tensor_scale is not None and tensor_scale.numel() > 1)
     tiled_weight_only_kernel[(n_tiles, split_k)](
-        x, words, scales, ts, out, ws, counters, m, n, k, k_split * BLOCK_K.value, split_k, x.stride(0),
-        out.stride(-2), stride_tn, FMT=fmt, BLOCK_M=max(8, triton.next_power_of_2(m)), T=t, W=w, SPLIT=split,
-        WIDE=wide, SWIGLU=swiglu, PDL=pdl, WGMMA=wgmma,
+        x, words, scales, ts, out, ws, counters, out, out, m, n, k, k_split * BLOCK_K.value, split_k, x.stride(0),
+        out.stride(-2), stride_tn, 1, 0, 0, 0, FMT=fmt, BLOCK_M=max(8, triton.next_power_of_2(m)), T=t, W=w,
+        SPLIT=split, WIDE=wide, SWIGLU=swiglu, PDL=pdl, WGMMA=wgmma,
         UNROLL=triton.next_power_of_2(split_k) if split else 0, KW=kw, PARTIALS=partials, num_warps=w,
         launch_pdl=pdl,
     )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Grouped (MoE experts at decode)
+
+GROUPED_BLOCK_M = 8  # a grouped program's rows (mma.sync's 8): a token's top-k rows make one tile a group
+
+
+def grouped_kw(m: int, n: int, k: int, n_groups: int, sms: int) -> int:
+    """The warps splitting K in a grouped launch of m rows over ``n_groups`` experts of n x k: about 16 warps an SM
+    over the programs with rows (at most min(m, groups) row tiles, n / 16 weight tiles each), at most K's steps.
+    On one H200, a token's rows of the MoE 16B's experts (8 groups, 2026-12-02), 2 warps: w1/w3 with SwiGLU (N =
+    2816, K = 2048) 11.2 us MXFP4 and 12.2 NVFP4, w2 (2048, 1408) 7.9 and 8.0; 4 warps 12.2, 13.3, 8.8 and 9.0; 1
+    warp 12.9, 13.6, 9.0 and 9.3; 8 warps 12-17 us."""
+    busy = n // 16 * min(m, n_groups)
+    kw = _nearest_power_of_2(16 * sms / max(busy, 1), 16)
+    while kw > 1 and kw > k // BLOCK_K.value:
+        kw //= 2
+    return kw
+
+
+def tiled_weight_only_grouped_mm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
+                                 tensor_scale: torch.Tensor | None, fmt: str, wide: bool, offs: torch.Tensor,
+                                 rows: torch.Tensor | None = None, swiglu: bool = False, kw: int | None = None,
+                                 pdl: bool = False) -> torch.Tensor:  # fmt: skip
+    """The grouped GEMM over E experts tiled by ``pack`` (words [E, N, K/8 or K/4], scales [E, N, K/32 or K/16],
+    N a multiple of 16; NVFP4's tensor scale one, or one per expert and packed row): x [M, K] bf16 sorted by
+    expert, ``offs`` [E] int32 the groups' cumulative row ends, each group's rows @ dequantize(w[e]).T -> [M, N]
+    ([M, N / 2] with ``swiglu``, each expert's rows packed in SwiGLU's order). ``rows``: int32 [M], the groups' rows
+    are x[rows] (x the tokens), read in place. A program per 16 weight rows and row tile of a group
+    (GROUPED_BLOCK_M rows), its ``kw`` warps splitting K (default ``grouped_kw``; the last ones' steps masked where
+    they do not divide K's); slots without rows return at once, so only the experts with rows are read. Under
+    ``pdl`` a program waits for the kernel before it (which wrote ``offs``) before any read. Rows past ``offs[-1]``
+    are not written."""
+    op = "tiled_weight_only_grouped_mm"
+    if fmt not in FORMATS or x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or x.stride(0) % 8:
+        raise ValueError(f"{op}: mxfp4, nvfp4 or mxfp8 and x bf16 [M, K] with rows 16-byte aligned, got {fmt} "
+                         f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")  # fmt: skip
+    e, n = words.shape[:2] if words.dim() == 3 else (0, 0)
+    k, sb = x.shape[1], 2 if fmt == "nvfp4" else 1
+    shapes = (e, n, k // codes_per_word(fmt)), (e, n, k // 32 * sb)
+    if words.dim() != 3 or n % 16 or k % BLOCK_K.value or (tuple(words.shape), tuple(scales.shape)) != shapes:
+        raise ValueError(f"{op}: pack's words [E, N, {k // codes_per_word(fmt)}] and scales [E, N, {k // 32 * sb}], "
+                         f"N a multiple of 16 and K = {k} of {BLOCK_K.value}; got {tuple(words.shape)} and "
+                         f"{tuple(scales.shape)}")  # fmt: skip
+    if offs.dim() != 1 or offs.dtype != torch.int32 or offs.shape[0] != e:
+        raise ValueError(f"{op}: offs must be int32 [E] for E = {e} experts, got {offs.dtype} {tuple(offs.shape)}")
+    if rows is not None and (rows.dim() != 1 or rows.dtype != torch.int32 or rows.device != x.device):
+        raise ValueError(f"{op}: rows must be an int32 [M] tensor on x's device, got {rows.dtype} "
+                         f"{tuple(rows.shape)} on {rows.device}")  # fmt: skip
+    if (tensor_scale is None) != (fmt != "nvfp4"):
+        raise ValueError(f"{op}: nvfp4 takes a tensor scale, mxfp4 and mxfp8 none")
+    m = x.shape[0] if rows is None else rows.shape[0]
+    out = torch.empty((m, n // 2 if swiglu else n), dtype=torch.bfloat16, device=x.device)
+    if m == 0:
+        return out
+    steps = k // BLOCK_K.value
+    if kw is None:
+        kw = grouped_kw(m, n, k, e, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    if kw not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{op}: kw is the warps splitting K, a power of 2 up to 16; got {kw}")
+    ts, stride_te, stride_tn = tensor_scales(tensor_scale, n, out)
+    offs, rows = offs.contiguous(), None if rows is None else rows.contiguous()
+    tiled_weight_only_kernel[(n // 16, 1, row_slots(m, GROUPED_BLOCK_M, e))](
+        x, words, scales, ts, out, out, out, offs, rows if rows is not None else out, m, n, k, k, 1, x.stride(0),
+        out.stride(0), stride_tn, e, words.stride(0), scales.stride(0), stride_te, FMT=fmt,
+        BLOCK_M=GROUPED_BLOCK_M, T=1, W=kw, SPLIT=False, WIDE=wide, SWIGLU=swiglu, PDL=pdl, WGMMA=False, UNROLL=0,
+        KW=kw, GROUPED=True, GATHER=rows is not None, E_POW2=max(2, triton.next_power_of_2(e)),
+        RAGGED=steps % kw != 0, num_warps=kw, launch_pdl=pdl,
+    )  # fmt: skip
+    return out

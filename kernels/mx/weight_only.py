@@ -103,7 +103,7 @@ row ([E, N, 1]): experts with shared experts of their own scale folded in after 
 
 Grouped (MoE): x [M_total, K] sorted by expert, ``offs`` [E] int32 cumulative row ends, w [E, N, K]. The grid
 has as many row-tile slots as any ``offs`` can need, (M_total + min(E, M_total) * (BLOCK_M - 1)) // BLOCK_M
-(``_row_slots``: M_total at decode, not M_total + E); each program finds its expert and rows from ``offs`` and a
+(``row_slots``: M_total at decode, not M_total + E); each program finds its expert and rows from ``offs`` and a
 program without rows returns at once, so an expert without tokens costs no weight bytes (decode: only the top-k
 experts' weights are read). With ``rows`` (int32 [M_total]) the groups' rows are x[rows], x the tokens [T, K]:
 each program reads its rows' indices, then the rows in place, where an MoE would first copy x[rows] (two
@@ -894,7 +894,7 @@ def tensor_scales(tensor_scale: torch.Tensor | None, n: int, like: torch.Tensor)
     return ts, n if ts.numel() > n else 0, int(ts.numel() > 1)
 
 
-def _row_slots(m: int, block_m: int, n_groups: int) -> int:
+def row_slots(m: int, block_m: int, n_groups: int) -> int:
     """Row-tile slots of the grid: as many tiles of ``block_m`` rows as M rows cut per group can make. A group
     of r rows makes cdiv(r, block_m) <= (r + block_m - 1) / block_m tiles, and at most min(E, M) groups have
     rows: at decode (M = batch * top-k rows over E experts) the grid has M slots, not M + E, so the programs
@@ -998,7 +998,7 @@ def weight_only_mm(
     if scaled and (fmt == "nvfp4" or block_k % 64):
         raise ValueError(f"{op}: the tl.dot_scaled path takes the MX formats (not {fmt}) and BLOCK_K a multiple of "
                          f"64; got {cfg}")  # fmt: skip
-    slots = _row_slots(m, block_m, n_groups)
+    slots = row_slots(m, block_m, n_groups)
     n_tiles = cdiv(n, block_n)
     tiles = n_tiles * slots
     k_tiles = cdiv(k, block_k)
@@ -1058,7 +1058,7 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
     s = scale.view(torch.uint8)
     if not grouped:
         w, s = w[None], s[None]
-    slots = _row_slots(m, block_m, n_groups)
+    slots = row_slots(m, block_m, n_groups)
     n_tiles = _n_tiles(n, block_n, swiglu)
     tiles = n_tiles * slots
     k_tiles = cdiv(k, block_k)

@@ -13,7 +13,8 @@ bf16 weight in one kernel, bit for bit the reference's, and cuBLAS multiplies, w
 upcasts.
 
 ``torch.ops.mx_recipe.weight_only_tiled_mm`` is the GEMM for a 4-bit weight that ``PackedWeight.tile`` repacked
-for Hopper's decode (mx_kernels.gluon.weight_only_tiled), up to LARGE_M rows.
+for Hopper's decode (mx_kernels.gluon.weight_only_tiled), up to LARGE_M rows; ``weight_only_tiled_grouped_mm`` the
+grouped one for tiled experts (a token's rows at decode).
 """
 
 from __future__ import annotations
@@ -75,6 +76,27 @@ def _tiled_fake(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor |
 
 define("weight_only_tiled_mm(Tensor x, Tensor words, Tensor scales, Tensor? tensor_scale, int n, str fmt,"
        " bool wide_scales, *, bool swiglu=False, bool partials=False) -> Tensor", _tiled, _tiled_fake)  # fmt: skip
+
+
+def _tiled_grouped(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor | None, fmt: str, wide_scales: bool,
+                   offs: Tensor, rows: Tensor | None = None, *, swiglu: bool = False) -> Tensor:  # fmt: skip
+    from mx_kernels import pdl
+    from mx_kernels.gluon.weight_only_tiled import tiled_weight_only_grouped_mm
+
+    return tiled_weight_only_grouped_mm(x, words, scales, tensor_scale, fmt, wide_scales, offs, rows, swiglu,
+                                        pdl=pdl.enabled(x.device))  # fmt: skip
+
+
+def _tiled_grouped_fake(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor | None, fmt: str,
+                        wide_scales: bool, offs: Tensor, rows: Tensor | None = None, *,
+                        swiglu: bool = False) -> Tensor:  # fmt: skip
+    m = x.shape[0] if rows is None else rows.shape[0]
+    return x.new_empty((m, words.shape[1] // 2 if swiglu else words.shape[1]), dtype=torch.bfloat16)
+
+
+define("weight_only_tiled_grouped_mm(Tensor x, Tensor words, Tensor scales, Tensor? tensor_scale, str fmt,"
+       " bool wide_scales, Tensor offs, Tensor? rows=None, *, bool swiglu=False) -> Tensor", _tiled_grouped,
+       _tiled_grouped_fake)  # fmt: skip
 
 
 def _dequantize(qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str) -> Tensor:
@@ -153,3 +175,13 @@ def weight_only_grouped_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale
         y = torch._grouped_mm(x if rows is None else x[rows], w.transpose(-2, -1), offs=offs)
         return swiglu_of(y) if swiglu else y
     return torch.ops.mx_recipe.weight_only_grouped_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, swiglu=swiglu)
+
+
+def tiled_weight_only_grouped_mm(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor | None, fmt: str,
+                                 wide_scales: bool, offs: Tensor, rows: Tensor | None = None,
+                                 swiglu: bool = False) -> Tensor:  # fmt: skip
+    """``weight_only_grouped_mm`` for experts tiled by ``PackedWeight.tile`` (words [E, N, ...], scales and tensor
+    scale as mx_kernels.gluon.weight_only_tiled.pack returns them), up to LARGE_M rows; ``swiglu`` for w1 and w3
+    packed in SwiGLU's row order."""
+    op = torch.ops.mx_recipe.weight_only_tiled_grouped_mm
+    return op(x, words, scales, tensor_scale, fmt, wide_scales, offs, rows, swiglu=swiglu)

@@ -28,10 +28,14 @@ bytes are the same; each shared part's output is rounded once before the sum (th
 permuted so that a pair upcasts in one to four integer operations): the 4-bit formats' always, MXFP8's where a
 decode step runs more than one sequence (at one, the GEMV over the formats' layout is the faster). It replaces the
 formats' layout: the weight keeps its bytes; ``dequantize`` (prefill, the reference) reads the tiles in one kernel on
-a GPU and unpacks them on a CPU.
+a GPU and unpacks them on a CPU. An MoE's 4-bit experts are tiled too where the step decodes one sequence, each
+expert its own tiles: a token's rows run the tiled grouped kernel, a prompt's dequantize each expert (w1/w3 in their
+packed row order, SwiGLU taken over it) for cuBLAS's grouped GEMM.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +50,7 @@ from mx_recipe.infer.weight_only import (
     LARGE_M,
     PACK,
     swiglu_of,
+    tiled_weight_only_grouped_mm,
     tiled_weight_only_mm,
     tiled_weight_only_partials,
     use_kernel,
@@ -92,22 +97,29 @@ class PackedWeight(nn.Module):
 
     def tile(self, swiglu: bool = False) -> None:
         """Keep the codes and scales in the tiled layout of the weight-only GEMM on Hopper's tensor cores
-        (mx_kernels.gluon.weight_only_tiled, ``pack``), in place of the formats' own, for a dense weight (what it takes
-        off a decode step: docs/DESIGN.md, Architecture). MXFP8 codes must not be NaN (``pack``).
-        ``swiglu``: the weight is w1 and w3 concatenated along N, its rows ordered for the SwiGLU epilogue. The
-        tensor scale stays per the original rows (``dequantize``); the kernel's, in the packed order, beside it."""
+        (mx_kernels.gluon.weight_only_tiled, ``pack``), in place of the formats' own, for a dense weight or experts
+        [E, N, K] (N a multiple of 16: each expert its own tiles; what it takes off a decode step: docs/DESIGN.md,
+        Architecture). MXFP8 codes must not be NaN (``pack``).
+        ``swiglu``: the weight is w1 and w3 concatenated along N, its rows (each expert's) ordered for the SwiGLU
+        epilogue. The tensor scale stays per the original rows (``dequantize``); the kernel's, in the packed order,
+        beside it."""
         from mx_kernels.gluon.weight_only_tiled import pack, partials_scale, wide_scales
 
-        if self.tiled or self.qdata.dim() != 2:
-            raise ValueError(f"PackedWeight.tile: a 2D weight not tiled yet, got {self.fmt} "
+        if self.tiled or self.qdata.dim() not in (2, 3):
+            raise ValueError(f"PackedWeight.tile: a 2D weight or 3D experts not tiled yet, got {self.fmt} "
                              f"{tuple(self.qdata.shape)}{' (tiled)' if self.tiled else ''}")  # fmt: skip
         words, scales, ts = pack(self.qdata, self.scale, self.tensor_scale, self.fmt, swiglu)
-        self.rows, self.swiglu_rows, self.wide_scales = self.qdata.shape[0], swiglu, wide_scales(self.scale, self.fmt)
+        self.rows, self.swiglu_rows, self.wide_scales = self.qdata.shape[-2], swiglu, wide_scales(self.scale, self.fmt)
         self.codes_dtype = self.qdata.dtype
         self.qdata, self.scale = words, scales
         self.register_buffer("tensor_scale_tiled", ts)
         self.register_buffer("partials_scale", partials_scale(ts), persistent=False)  # mm_partials' consumer's
         self.tiled = True
+
+    @property
+    def in_features(self) -> int:
+        """K: the elements a row of the weight holds."""
+        return self.qdata.shape[-1] * PACK[self.fmt] * (4 if self.tiled else 1)  # tiled: int32 words
 
     def natural_codes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(qdata, scale) in the formats' own layout (unpacked if ``tiled``)."""
@@ -115,15 +127,40 @@ class PackedWeight(nn.Module):
             return self.qdata, self.scale
         from mx_kernels.gluon.weight_only_tiled import unpack
 
-        codes, scales = unpack(self.qdata, self.scale, self.rows, self.fmt, self.swiglu_rows)
         scale_dtype = torch.float8_e4m3fn if self.fmt == "nvfp4" else torch.float8_e8m0fnu
+        if self.qdata.dim() == 2:
+            codes, scales = unpack(self.qdata, self.scale, self.rows, self.fmt, self.swiglu_rows)
+            return codes.view(self.codes_dtype), scales.view(scale_dtype)
+        e, n = self.qdata.shape[:2]  # experts: unpacked as one weight in the packed row order, then each's rows
+        codes, scales = unpack(self.qdata.reshape(e * n, -1), self.scale.reshape(e * n, -1), e * n, self.fmt)
+        codes, scales = self._natural_rows(codes.view(e, n, -1)), self._natural_rows(scales.view(e, n, -1))
         return codes.view(self.codes_dtype), scales.view(scale_dtype)
+
+    def _natural_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Tiled experts' rows [E, N, ...] from the packed order (SwiGLU's, for w1 and w3) back to the formats'."""
+        if not self.swiglu_rows:
+            return t
+        from mx_kernels.gluon.weight_only_tiled import swiglu_rows
+
+        order = swiglu_rows(self.rows).to(t.device)
+        return t[:, torch.empty_like(order).scatter_(0, order, torch.arange(self.rows, device=t.device))]
+
+    def _dequantize_tiled(self, dtype: torch.dtype) -> torch.Tensor:
+        """A tiled weight on the GPU dequantized in one kernel (mx_kernels.gluon.weight_only_tiled.dequantize);
+        experts in each one's packed row order (SwiGLU's: ``_swiglu_packed`` of the GEMM's output)."""
+        from mx_kernels.gluon.weight_only_tiled import dequantize
+
+        if self.qdata.dim() == 2:
+            return dequantize(self.qdata, self.scale, self.tensor_scale, self.rows, self.fmt, self.swiglu_rows, dtype)
+        e, n = self.qdata.shape[:2]
+        w = dequantize(self.qdata.reshape(e * n, -1), self.scale.reshape(e * n, -1), self.tensor_scale_tiled, e * n,
+                       self.fmt, dtype=dtype)  # fmt: skip
+        return w.view(e, n, -1)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         if self.tiled and self.qdata.is_cuda and dtype in (torch.bfloat16, torch.float32):
-            from mx_kernels.gluon.weight_only_tiled import dequantize
-
-            return dequantize(self.qdata, self.scale, self.tensor_scale, self.rows, self.fmt, self.swiglu_rows, dtype)
+            w = self._dequantize_tiled(dtype)
+            return w if w.dim() == 2 else self._natural_rows(w)
         qdata, scale = self.natural_codes()
         if self.fmt == "nvfp4":
             return NVFP4Tensor(qdata, scale, self.tensor_scale, qdata.dim() - 1).dequantize(dtype)
@@ -163,7 +200,7 @@ class PackedWeight(nn.Module):
         weight-only kernel where ``use_kernel(x)`` (and ``kernel``; MXFP8 experts at a token's rows: the grouped
         GEMV of mx_recipe.infer.gemv), else the reference."""
         if self.tiled:
-            raise ValueError("PackedWeight.grouped_mm: a tiled weight is a dense one")
+            return self._tiled_grouped_mm(x, offs, kernel, rows, swiglu)
         if kernel and use_kernel(x):
             if self.fmt == "mxfp8" and takes_grouped(x, x.shape[0] if rows is None else rows.shape[0]):
                 return grouped_gemv(x, self.qdata, offs, rows, self.scale, swiglu)  # a token's rows: the GEMV's
@@ -171,6 +208,30 @@ class PackedWeight(nn.Module):
         x = x if rows is None else x[rows]
         y = torch._grouped_mm(x, self.dequantize(x.dtype).transpose(-2, -1), offs=offs)
         return swiglu_of(y) if swiglu else y
+
+    def _tiled_grouped_mm(self, x: torch.Tensor, offs: torch.Tensor, kernel: bool, rows: torch.Tensor | None,
+                          swiglu: bool) -> torch.Tensor:  # fmt: skip
+        """``grouped_mm`` for tiled experts: the tiled grouped kernel up to LARGE_M rows (decode), else (prefill)
+        the experts dequantized in their packed row order for cuBLAS's grouped GEMM."""
+        if self.qdata.dim() != 3:
+            raise ValueError("PackedWeight.grouped_mm: a tiled 2D weight is a dense one")
+        m = x.shape[0] if rows is None else rows.shape[0]
+        if kernel and use_kernel(x) and m <= LARGE_M and swiglu == self.swiglu_rows:
+            return tiled_weight_only_grouped_mm(x, self.qdata, self.scale, self.tensor_scale_tiled, self.fmt,
+                                                self.wide_scales, offs, rows, swiglu)  # fmt: skip
+        x = x if rows is None else x[rows]
+        if swiglu and self.swiglu_rows:
+            return _swiglu_packed(torch._grouped_mm(x, self._dequantize_tiled(x.dtype).transpose(-2, -1), offs=offs))
+        y = torch._grouped_mm(x, self.dequantize(x.dtype).transpose(-2, -1), offs=offs)
+        return swiglu_of(y) if swiglu else y
+
+    def last_groups(self, n: int) -> PackedWeight:
+        """The last ``n`` groups of experts [E, N, K] (views; tiled ones stay tiled), NVFP4 with their tensor
+        scales."""
+        e = self.qdata.shape[0]
+        part = copy.copy(self)
+        part._buffers = {name: None if b is None else _last_groups(b, e, n) for name, b in self._buffers.items()}
+        return part
 
     def nbytes(self) -> int:
         """Bytes the GEMM reads: codes, scales and tensor scale (tiled: the kernel's, not the copy in the original
@@ -235,7 +296,7 @@ class QuantizedExperts(nn.Module):
     @property
     def hidden(self) -> int:
         """Each expert's hidden size (w2's K)."""
-        return self.w2_packed.qdata.shape[-1] * PACK[self.fmt]
+        return self.w2_packed.in_features
 
     def __init__(self, experts: GroupedExperts, fmt: str, activations: bool = False, kernel: bool = True):
         super().__init__()
@@ -389,7 +450,7 @@ class SharedExpertGroups(nn.Module):
         tokens, parts = x2.shape[0], experts.shared
         # the shared groups alone: counted over all the groups, a prompt's rows (every token in each shared group)
         # looked few per group and ran the weight-only kernel, where past LARGE_M rows dequantize + cuBLAS wins
-        w13, w2 = (_last_groups(p, parts) for p in (experts.w13_packed, experts.w2_packed))
+        w13, w2 = (p.last_groups(parts) for p in (experts.w13_packed, experts.w2_packed))
         offs = (torch.arange(1, parts + 1, device=x.device) * tokens).to(torch.int32)
         rows = torch.arange(tokens, device=x.device, dtype=torch.int32).repeat(parts)
         h1, h3 = experts._mm(x2, w13, offs, rows).chunk(2, dim=-1)
@@ -407,12 +468,19 @@ def _row_scales(packed: PackedWeight, rows: int) -> torch.Tensor | None:
     return None if ts is None else ts.reshape(-1, 1).expand(rows, 1)
 
 
-def _last_groups(packed: PackedWeight, n: int) -> PackedWeight:
-    """The last ``n`` groups of a folded ``packed`` [E, N, K] (views), NVFP4 with their tensor scales."""
-    q, s = packed.qdata[-n:], packed.scale[-n:]
-    if packed.fmt == "nvfp4":
-        return PackedWeight(NVFP4Tensor(q, s, packed.tensor_scale[-n:], 2), packed.fmt)
-    return PackedWeight(MXTensor(q, s, FORMATS[packed.fmt], 2), packed.fmt)
+def _last_groups(t: torch.Tensor, e: int, n: int) -> torch.Tensor:
+    """The last ``n`` of ``e`` groups of a buffer: its last n along dim 0, or of a flat one per group and row (a
+    tiled tensor scale); one value for all stays."""
+    if t.numel() == 1:
+        return t
+    return t[-n:] if t.shape[0] == e else t.view(e, -1)[-n:].reshape(-1)
+
+
+def _swiglu_packed(h: torch.Tensor) -> torch.Tensor:
+    """``swiglu_of`` for a GEMM output whose columns are in SwiGLU's packed row order (each 16: 8 units' gate, then
+    their up): the same expression, so the same bits, in the units' order."""
+    gate, up = h.view(*h.shape[:-1], -1, 2, 8).unbind(-2)
+    return (F.silu(gate) * up).reshape(*h.shape[:-1], -1)
 
 
 def shared_parts(moe: MoE) -> int:
@@ -587,26 +655,38 @@ def quantize_model(
 
 
 def tile_weights(model: nn.Module, batch: int) -> nn.Module:
-    """Repack ``model``'s dense weights in the tiled layout of the weight-only GEMM on Hopper's tensor cores
+    """Repack ``model``'s weights in the tiled layout of the weight-only GEMM on Hopper's tensor cores
     (``PackedWeight.tile``), in place, where they live on an sm_90 GPU and take the kernel, for decoding ``batch``
     sequences at once: MXFP4 and NVFP4 weights, and MXFP8 ones past the GEMV's one row (without NaN codes, which
-    the tile cannot hold); SwiGLU's fused w1 and w3 with their rows ordered for its epilogue. Other weights, and
-    other GPUs, keep the formats' layout; tiled weights stay tiled (a smaller batch still runs, on the tile)."""
+    the tile cannot hold); SwiGLU's fused w1 and w3 with their rows ordered for its epilogue. An MoE's 4-bit experts
+    (fused w1 and w3, w2: the tiled grouped kernel) are tiled for one sequence, a token's rows; past it their
+    grouped GEMMs read the formats' layout. Other weights, and other GPUs, keep the formats' layout; tiled weights
+    stay tiled (a smaller batch still runs, on the tile)."""
     for module in model.modules():
+        if isinstance(module, QuantizedExperts) and module.kernel and batch == 1 and hasattr(module, "w13_packed"):
+            for packed, swiglu in ((module.w13_packed, True), (module.w2_packed, False)):
+                if packed.fmt != "mxfp8" and not packed.tiled and _takes_tiles(packed, packed.qdata.shape[1] % 16 == 0):
+                    packed.tile(swiglu)
+            continue
         packed = getattr(module, "weight_packed", None)
         if not isinstance(module, QuantizedLinear | FusedLinear) or packed is None or not module.kernel:
             continue
         if packed.tiled or (packed.fmt == "mxfp8" and batch <= GEMV_MAX_M):
             continue
         swiglu = isinstance(module, FusedLinear) and module.fuses_swiglu
-        n, k = packed.qdata.shape[0], packed.qdata.shape[1] * PACK[packed.fmt]
-        if not packed.qdata.is_cuda or capability(packed.qdata.device) != (9, 0) or k % 128 or (swiglu and n % 16):
+        if not _takes_tiles(packed, not swiglu or packed.qdata.shape[0] % 16 == 0):
             continue
         from mx_kernels.gluon.weight_only_tiled import has_nan_codes
 
         if packed.fmt != "mxfp8" or not has_nan_codes(packed.qdata):
             packed.tile(swiglu)
     return model
+
+
+def _takes_tiles(packed: PackedWeight, rows_fit: bool) -> bool:
+    """Whether ``packed`` can be tiled: on an sm_90 GPU, K a multiple of 128, its rows as the tile asks."""
+    on_hopper = packed.qdata.is_cuda and capability(packed.qdata.device) == (9, 0)
+    return on_hopper and packed.in_features % 128 == 0 and rows_fit
 
 
 def weight_bytes(model: nn.Module) -> int:
