@@ -35,11 +35,15 @@ Grouped (``grouped_gemv``): an MoE decode step's experts, w [E, N, K], the rows 
 cumulative ends ``offs`` (as ``torch._grouped_mm`` takes them), read from the tokens in place through ``rows`` where
 the router hands them over. The grid's second axis is the rows, at most GROUPED_MAX_M (a token's top-k): each
 program finds its row's expert in ``offs`` and reads that expert's rows of w, so only the chosen experts' weights
-are read, once a row. Past a few rows experts share rows and a grouped GEMM, which reads each expert once for all
-of them, takes over. The expert comes from the routing kernel before, so a grouped program waits for it before its
-first read. At one token of the MoE 16B (6 of 64 experts), us per GEMM on one H200 in a PDL chain over cold copies:
-bf16 fused w1/w3 with SwiGLU 42.0 (the rows' gather, ``torch._grouped_mm``, ``silu_mul``) -> 22.7, w2 26.7 -> 14.5;
-MXFP8 experts against the weight-only kernel's grouped small-M path 16.6 -> 14.7 and 12.9 -> 9.9.
+are read, once a row. Past a few rows experts share rows and a grouped GEMM, which reads each expert once for all of
+them, takes over. The expert comes from the routing kernel, so where that is the kernel before, a grouped program
+waits for it before its first read. Where it ran earlier (``offs_ready``: an MoE's w2, after w1/w3 on the same
+rows), it has completed by the time this kernel's programs start, since the kernel before released them only after
+its own wait (mx_kernels.pdl): the programs then read ``offs``, ``rows`` and their first weights before the wait, as
+a dense GEMV does, and only x after it. At one token of the MoE 16B (6 of 64 experts), us per GEMM on one H200 in a
+PDL chain over cold copies: bf16 fused w1/w3 with SwiGLU 42.0 (the rows' gather, ``torch._grouped_mm``,
+``silu_mul``) -> 22.7, w2 26.7 -> 14.5; MXFP8 experts against the weight-only kernel's grouped small-M path 16.6 ->
+14.7 and 12.9 -> 9.9.
 
 Configs (``config``): (BLOCK_N, BLOCK_K, num_warps) per Llama 3 8B shape from sweeps on an H200 of 27-36 configs
 in a chain of one shape, then of 4-7 in the decode step (each shape's with the others fixed: the bf16 fused gate/up
@@ -121,7 +125,8 @@ def _accumulate(acc, w, s, x_ptrs, k0, K, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, offs_ptr, rows_ptr, N, K, E, stride_xm, stride_om, stride_we, stride_wn,
                  stride_se, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  SCALED: tl.constexpr, HW_FP8: tl.constexpr, SWIGLU: tl.constexpr, GROUPED: tl.constexpr,
-                 GATHER: tl.constexpr, E_POW2: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                 GATHER: tl.constexpr, E_POW2: tl.constexpr, OFFS_READY: tl.constexpr,
+                 PDL: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     row = tl.program_id(1)  # the output row: 0 but for grouped rows
     j = tl.arange(0, BLOCK_N)
@@ -135,11 +140,12 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, offs_ptr, rows_ptr, N, K, E, stri
         rn = pid * BLOCK_N + j
         rn_in = (rn % N).to(tl.int64)  # rows past N read a real row; their outputs are not stored
     in_group = row >= 0
-    if GROUPED:  # the row's expert and x row come from the routing kernel before: wait for it first
-        pdl.wait_prior(PDL)
-        pdl.release_next(PDL)
+    if GROUPED:  # the row's expert and x row come from the routing kernel: wait for it first unless it ran earlier
+        if not OFFS_READY:
+            pdl.wait_prior(PDL)
+            pdl.release_next(PDL)
         g = tl.arange(0, E_POW2)
-        ends = tl.load(offs_ptr + g, mask=g < E, other=0x7FFFFFFF)
+        ends = tl.load(offs_ptr + g, mask=g < E, other=0x7FFFFFFF, cache_modifier=".cg")
         expert = tl.sum((ends <= row).to(tl.int32))
         in_group = expert < E  # rows past the last group's end are written as zeros
         expert = tl.minimum(expert, E - 1).to(tl.int64)
@@ -147,7 +153,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, offs_ptr, rows_ptr, N, K, E, stri
         s_ptr += expert * stride_se
         x_row = row
         if GATHER:
-            x_row = tl.load(rows_ptr + row)
+            x_row = tl.load(rows_ptr + row, cache_modifier=".cg")
         x_ptr += x_row.to(tl.int64) * stride_xm
         out_ptr += row.to(tl.int64) * stride_om
     k = tl.arange(0, BLOCK_K)
@@ -160,7 +166,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, offs_ptr, rows_ptr, N, K, E, stri
     else:  # a running sum per element
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     w, s = _load_tile(w_ptrs, s_ptrs, 0, K, k, kb, EVEN_K, SCALED)
-    if not GROUPED:  # the first step's weights do not depend on the kernel before: read them before waiting for it
+    if not GROUPED or OFFS_READY:  # the first step's weights do not depend on the kernel before: read them first
         pdl.wait_prior(PDL)
         pdl.release_next(PDL)
     acc = _accumulate(acc, w, s, x_ptrs, 0, K, k, BLOCK_N, BLOCK_K, EVEN_K, SCALED, HW_FP8)
@@ -224,7 +230,8 @@ def _check_weight(name: str, x: torch.Tensor, w: torch.Tensor, scale: torch.Tens
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, swiglu: bool, m: int,
-            offs: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+            offs: torch.Tensor | None = None, rows: torch.Tensor | None = None, offs_ready: bool = False
+            ) -> torch.Tensor:  # fmt: skip
     """out [m, N (N / 2 with swiglu)]: the GEMV of each of x's m rows, or with ``offs`` of each grouped row."""
     n, k = w.shape[-2:]
     out = torch.empty((m, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
@@ -244,7 +251,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, swiglu
              stride_wn=w.stride(-2), stride_se=scale.stride(0) if scaled and grouped else 0,
              stride_sn=scale.stride(-2) if scaled else 0, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
              SCALED=scaled, HW_FP8=_hw_fp8(x.device), SWIGLU=swiglu, GROUPED=grouped, GATHER=rows is not None,
-             E_POW2=triton.next_power_of_2(experts), num_warps=warps, **pdl.options(x.device)),
+             E_POW2=triton.next_power_of_2(experts), OFFS_READY=offs_ready, num_warps=warps,
+             **pdl.options(x.device)),
     )  # fmt: skip
     return out
 
@@ -262,11 +270,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, sw
 
 
 def grouped_gemv(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor | None = None,
-                 scale: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:  # fmt: skip
+                 scale: torch.Tensor | None = None, swiglu: bool = False, offs_ready: bool = False
+                 ) -> torch.Tensor:  # fmt: skip
     """Per group, its rows of x @ w[e].T -> [M, N] (module doc, Grouped): w [E, N, K] (MXFP8 with ``scale`` [E, N,
     K / 32]), ``offs`` [E] int32 the groups' cumulative row ends, M at most GROUPED_MAX_M; the rows are x [M, K], or
     with ``rows`` [M] int32 x[rows] of the tokens x [T, K]. Rows past ``offs[-1]`` are zeros. ``swiglu`` as
-    ``gemv``'s."""
+    ``gemv``'s. ``offs_ready``: ``offs`` and ``rows`` were written before the launch right before this one (module
+    doc, Grouped)."""
     m = x.shape[0] if rows is None else rows.shape[0]
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
         raise ValueError(f"grouped_gemv: x [M, K] and w [E, N, K], got x {tuple(x.shape)} and w {tuple(w.shape)}")
@@ -276,4 +286,4 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: tor
     _check_weight("grouped_gemv", x, w, scale, swiglu)
     if m > GROUPED_MAX_M:
         raise ValueError(f"grouped_gemv: {m} rows, at most {GROUPED_MAX_M}")
-    return _launch(x, w, scale, swiglu, m, offs.contiguous(), None if rows is None else rows.contiguous())
+    return _launch(x, w, scale, swiglu, m, offs.contiguous(), None if rows is None else rows.contiguous(), offs_ready)

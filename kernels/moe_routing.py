@@ -57,15 +57,20 @@ def _gate_route_kernel(
     NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program e: expert e's logits of the T tokens, x [T, D] @ gate[e] in fp32 rounded to x's dtype (the router
-    linear's output), into the workspace [T, E]; the last program to arrive routes them all (``_route``)."""
-    pdl.wait_prior(PDL)
-    pdl.release_next(PDL)
+    linear's output), into the workspace [T, E]; the last program to arrive routes them all (``_route``). The
+    first tile of the router's weight, which no kernel writes, is read before the PDL wait."""
     e = tl.program_id(0)
     t = tl.arange(0, BLOCK_T)
+    d = tl.arange(0, BLOCK_D)
+    gate_row = gate_ptr + e.to(tl.int64) * stride_g
+    w = tl.load(gate_row + d, mask=d < D, other=0.0).to(tl.float32)
+    pdl.wait_prior(PDL)
+    pdl.release_next(PDL)
     acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
-        w = tl.load(gate_ptr + e.to(tl.int64) * stride_g + d, mask=d < D, other=0.0).to(tl.float32)
+        if d0 > 0:
+            w = tl.load(gate_row + d, mask=d < D, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + t[:, None] * stride_x + d[None, :], mask=(t[:, None] < T) & (d[None, :] < D), other=0.0)
         acc += tl.sum(x.to(tl.float32) * w[None, :], 1)
     logit = acc.to(x_ptr.dtype.element_ty).to(tl.float32)

@@ -221,11 +221,11 @@ def test_off_the_gpu_linear_is_f_linear():
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles for sm_90a")
 @pytest.mark.parametrize("scaled", [False, True])
-@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("grouped", [False, True, "offs_ready"])
 def test_first_step_is_read_before_the_pdl_wait(scaled, grouped):
     """Compiled for sm_90a under PDL: the first step's weights (and MXFP8's scales) are loaded before the wait for
     the kernel before, and the next kernel is released right after the wait; grouped, whose expert the kernel
-    before chooses, every load comes after the wait."""
+    before chooses, every load comes after the wait, but where an earlier kernel wrote ``offs`` (w2's)."""
     from mx_kernels.decode_gemv import _gemv_kernel
     from mx_kernels.gluon.common import compile_for_arch
 
@@ -237,16 +237,17 @@ def test_first_step_is_read_before_the_pdl_wait(scaled, grouped):
                   s_ptr=torch.empty(n, k // 32, dtype=torch.uint8, **meta) if scaled else w, out_ptr=out,
                   offs_ptr=ints, rows_ptr=ints, N=n, K=k, E=8, stride_xm=k, stride_om=n, stride_we=n * k,
                   stride_wn=k, stride_se=n * k // 32, stride_sn=k // 32 if scaled else 0, BLOCK_N=4, BLOCK_K=1024,
-                  EVEN_K=True, SCALED=scaled, HW_FP8=True, SWIGLU=False, GROUPED=grouped, GATHER=grouped, E_POW2=8,
-                  PDL=True, num_warps=4)  # fmt: skip
+                  EVEN_K=True, SCALED=scaled, HW_FP8=True, SWIGLU=False, GROUPED=bool(grouped), GATHER=bool(grouped),
+                  E_POW2=8, OFFS_READY=grouped == "offs_ready", PDL=True, num_warps=4)  # fmt: skip
     ptx = compile_for_arch(_gemv_kernel, kwargs, 90).asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
     before, after = ptx[:wait], ptx[wait:]
     assert after.index("griddepcontrol.launch_dependents") < after.index("ld.global")
-    if grouped:
+    if grouped is True:
         assert "ld.global" not in before
     else:
         assert "ld.global.v4.b32" in before and ("ld.global.b8" in before) == scaled  # 16-byte weight loads, scales
+        assert ("ld.global.cg" in before) == bool(grouped)  # offs and rows, from L2 (another kernel wrote them)
 
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")

@@ -159,6 +159,44 @@ def test_small_m_k_tail_loads_are_as_wide_as_whole_tiles(fmt, monkeypatch):
     assert "ld.global.b8" not in loads[1408] and "ld.global.b16" not in loads[1408]
 
 
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles with Triton's CUDA backend")
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+@pytest.mark.parametrize("grouped", [False, True, "offs_ready"])
+def test_small_m_first_weights_before_the_pdl_wait(fmt, grouped, monkeypatch):
+    """Compiled for sm_90a under PDL as the launcher builds it (a decode step's 8 rows, MoE 16B's down projection):
+    dense, and grouped where an earlier kernel wrote ``offs`` and ``rows`` (an MoE's w2 after w1/w3), the first K
+    step's weights are loaded before the wait for the kernel before, offs from L2; grouped right after the routing
+    kernel, nothing is loaded before it. The next kernel is released right after the wait."""
+    from mx_kernels.gluon.common import compile_for_arch
+    from mx_kernels.mx import weight_only
+
+    launches = []
+
+    class Capture:
+        def launch(self, grid, kwargs):
+            launches.append(dict(kwargs, HW=True, X_VEC=fmt != "mxfp8", PDL=True))
+
+    monkeypatch.setattr(weight_only, "_FMA_LAUNCHES", Capture())
+    monkeypatch.setattr(weight_only, "interpreting", lambda: True)  # CPU tensors past the launcher's check
+    config = dict(BLOCK_N=8, BLOCK_K=512, SPLIT_K=1, num_warps=1, UNIT=8)
+    if grouped:
+        p = packed(torch.randn(8, 256, 1408), fmt)
+        offs, rows = torch.arange(1, 9, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+        run(torch.randn(1, 1408).bfloat16(), p, offs, config=config, rows=rows, offs_ready=grouped == "offs_ready")
+    else:
+        run(torch.randn(2, 1408).bfloat16(), packed(torch.randn(256, 1408), fmt), config=config)
+    ptx = compile_for_arch(weight_only._weight_only_fma_kernel, launches[-1], 90).asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    before, after = ptx[:wait], ptx[wait:]
+    assert after.index("griddepcontrol.launch_dependents") < after.index("ld.global")
+    if grouped is True:
+        assert "ld.global" not in before
+    else:
+        assert re.search(r"ld\.global(\.nc)?\.v\d\.b32", before)  # the codes, 8-16 bytes a load
+        assert ("ld.global.cg" in before) == bool(grouped)
+        assert "ld.global.nc.v4" not in before  # x's 16-byte loads (e2m1 weights): x is the kernel before's output
+
+
 def x_load_layouts(ttgir: str) -> list[tuple[list[int], list[int]]]:
     """(sizePerThread, order) of each 16-byte inline load of x in a small-M kernel's TTGIR."""
     blocked = {name: ([int(v) for v in size.split(",")], [int(v) for v in order.split(",")])

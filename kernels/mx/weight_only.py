@@ -107,7 +107,10 @@ has as many row-tile slots as any ``offs`` can need, (M_total + min(E, M_total) 
 program without rows returns at once, so an expert without tokens costs no weight bytes (decode: only the top-k
 experts' weights are read). With ``rows`` (int32 [M_total]) the groups' rows are x[rows], x the tokens [T, K]:
 each program reads its rows' indices, then the rows in place, where an MoE would first copy x[rows] (two
-launches a step).
+launches a step). Under PDL (mx_kernels.pdl) a small-M program reads its first K step's weights before it waits
+for the kernel before: always when dense; grouped, where ``offs`` and ``rows`` come from an earlier kernel than
+that one (``offs_ready``: an MoE's w2, after w1/w3 on the same rows), which is then complete, since the kernel
+before released this one only after its own wait. Else a grouped program waits before any read.
 
 Large M (prefill) is compute-bound: ``dequantize`` writes the bf16 weight in one pass, bit for bit the
 reference's, for cuBLAS (mx_recipe.infer.weight_only decides).
@@ -292,8 +295,8 @@ def _row_tile(offs_ptr, slot, M, E, GROUPED: tl.constexpr, E_POW2: tl.constexpr,
     Grouped, the slot-th tile over the groups in order, each group cut in BLOCK_M rows."""
     if GROUPED:
         e_idx = tl.arange(0, E_POW2)
-        ends = tl.load(offs_ptr + e_idx, mask=e_idx < E, other=0)
-        starts = tl.load(offs_ptr + e_idx - 1, mask=(e_idx > 0) & (e_idx < E), other=0)
+        ends = tl.load(offs_ptr + e_idx, mask=e_idx < E, other=0, cache_modifier=".cg")
+        starts = tl.load(offs_ptr + e_idx - 1, mask=(e_idx > 0) & (e_idx < E), other=0, cache_modifier=".cg")
         tiles = tl.where(e_idx < E, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
         after = tl.cumsum(tiles, 0)
         hit = (slot >= after - tiles) & (slot < after)
@@ -339,7 +342,7 @@ def _x_rows(rows_ptr, rm_in, GATHER: tl.constexpr):
     """The rows of x that a program's rows ``rm_in`` read: the same, or ``rows_ptr[rm_in]`` (GATHER: the grouped
     GEMM's rows taken from the tokens by index, an MoE's x[routed] without the copy)."""
     if GATHER:
-        return tl.load(rows_ptr + rm_in).to(tl.int64)
+        return tl.load(rows_ptr + rm_in, cache_modifier=".cg").to(tl.int64)
     return rm_in
 
 
@@ -604,32 +607,84 @@ def _load_x(ptrs, mask, X_VEC: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _fma_weights(w_ptrs, s_ptrs, dk, k_unit, left, EVEN_K: tl.constexpr, PAIRS: tl.constexpr, UNIT: tl.constexpr,
+                 GROUP: tl.constexpr, HW: tl.constexpr):  # fmt: skip
+    """A K step's code pairs and unit scales, ``dk`` pairs in; with a K tail (``left`` elements of the split
+    left) whole units, zeros past it."""
+    if EVEN_K:
+        w = tl.load(w_ptrs + dk)
+        s = _load_scales(s_ptrs + dk // (GROUP // 2), None, HW, False)
+    else:
+        in_k = _whole_blocks(PAIRS, UNIT, 2 * UNIT, left)[None, None, :]  # by unit: loads a unit wide
+        w = tl.load(w_ptrs + dk, mask=in_k, other=0)
+        s = _load_scales(s_ptrs + dk // (GROUP // 2), k_unit < left, HW, True)
+    return w, s
+
+
+@triton.jit
+def _fma_x(x_ptrs, dk, left, EVEN_K: tl.constexpr, PAIRS: tl.constexpr, UNIT: tl.constexpr, X_VEC: tl.constexpr):
+    """A K step's pairs of x, as ``_fma_weights`` reads the weight's."""
+    if EVEN_K:
+        return _load_x(x_ptrs + dk, None, X_VEC, False)
+    in_k = _whole_blocks(PAIRS, UNIT, 2 * UNIT, left)[None, None, :]
+    return _load_x(x_ptrs + dk, tl.broadcast_to(in_k, x_ptrs.shape), X_VEC, True)
+
+
+@triton.jit
+def _fma_step(acc, xw, w, s, FMT: tl.constexpr, HW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              NU: tl.constexpr, UNIT: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_M, BLOCK_N, NU] plus a K step's unit sums times their scales (module doc)."""
+    # bf16 -> fp32 once per element of x, shared by the program's w rows; products exact (module doc)
+    x0 = (xw << 16).to(tl.float32, bitcast=True)
+    x1 = (xw & -65536).to(tl.float32, bitcast=True)
+    w0, w1 = _pair_values(w, FMT, HW)
+    # the unit's products in K order, summed in a thread: one FMA chain, an instruction a product
+    part = tl.sum(tl.reshape(tl.join(x0 * w0, x1 * w1), (BLOCK_M, BLOCK_N, NU, 2 * UNIT)), axis=3)
+    if FMT != "mxfp8":
+        part = part * 16384.0  # 2**14: back to the e2m1 values, exact
+    if FMT == "nvfp4":
+        if HW:
+            factor = s.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)  # exact, NaN included
+        else:
+            factor = _e4m3(s) * 1.329227995784916e36  # 2**120: the e4m3 scale's value
+    else:
+        # 2**(s - 127) as fp32 bits (s = 0: 2**-127, a subnormal); 0xFF: bit 22 set on inf's bits, NaN
+        factor = (tl.maximum(s << 23, 0x400000) | (((s + 1) << 14) & 0x400000)).to(tl.float32, bitcast=True)
+    return acc + part * factor
+
+
+@triton.jit
 def _weight_only_fma_kernel(
     x_ptr, w_ptr, s_ptr, ts_ptr, offs_ptr, rows_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, E, K_SPLIT, SPLIT_K,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_te, stride_tn, stride_om,
     FMT: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HW: tl.constexpr,
-    UNIT: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr, X_VEC: tl.constexpr,
+    UNIT: tl.constexpr, SWIGLU: tl.constexpr, OFFS_READY: tl.constexpr, PDL: tl.constexpr, X_VEC: tl.constexpr,
 ):  # fmt: skip
     """The small-M path (module doc): x [M, K/2] as int32 pairs of bf16, w [N, K/2] as pairs of codes (a byte of
     two e2m1 codes, or a uint16 of two e4m3 codes), K contiguous in both. HW: upcast w with the GPU's conversions
-    (else integer bit operations, for the interpreter)."""
+    (else integer bit operations, for the interpreter). The first K step's weights are read before the PDL wait
+    where they do not depend on the kernel before: dense, or grouped with ``offs`` from an earlier one
+    (OFFS_READY)."""
     GROUP: tl.constexpr = 16 if FMT == "nvfp4" else 32
     PAIRS: tl.constexpr = BLOCK_K // 2
     NU: tl.constexpr = PAIRS // UNIT
+    EARLY: tl.constexpr = OFFS_READY or not GROUPED
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     pid_k = tl.program_id(2)
-    pdl.wait_prior(PDL)  # every program, the grouped early return's too (mx_kernels.pdl)
-    pdl.release_next(PDL)
+    if not EARLY:  # the rows' experts come from the kernel before: wait for it before any read
+        pdl.wait_prior(PDL)  # every program, the grouped early return's too (mx_kernels.pdl)
+        pdl.release_next(PDL)
     rm, rm_in, row_end, expert, rn, rn_in, w_ptr, s_ptr, ts_ptr = _program_tile(
         offs_ptr, w_ptr, s_ptr, ts_ptr, stride_we, stride_se, stride_te, slot, pid_n, M, N, E, GROUPED, E_POW2, BLOCK_M,
         BLOCK_N, SWIGLU,
     )  # fmt: skip
     if GROUPED:
-        if expert < 0:
-            return
+        if not EARLY:
+            if expert < 0:
+                return
     kp = tl.max_contiguous(tl.arange(0, PAIRS), UNIT)  # UNIT-pair runs: x's and w's loads take one layout
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
@@ -642,37 +697,23 @@ def _weight_only_fma_kernel(
     k_pairs = tl.broadcast_to((2 * kp)[None, None, :], (BLOCK_M, BLOCK_N, PAIRS))
     k_unit = tl.min(tl.reshape(k_pairs, (BLOCK_M, BLOCK_N, NU, UNIT)), axis=3)  # a unit's first k in the tile
     s_ptrs = s_ptr + rn_in[None, :, None] * stride_sn + (k_start + k_unit) // GROUP
+    # the first step (every split has one), then the rest; the tile's pointers are loop-invariant ones plus a
+    # scalar step (fewer 64-bit adds than advancing them)
+    w, s = _fma_weights(w_ptrs, s_ptrs, 0, k_unit, k_end - k_start, EVEN_K, PAIRS, UNIT, GROUP, HW)
+    if EARLY:
+        pdl.wait_prior(PDL)  # every program, the grouped early return's too (mx_kernels.pdl)
+        pdl.release_next(PDL)
+        if GROUPED:
+            if expert < 0:
+                return
     acc = tl.zeros((BLOCK_M, BLOCK_N, NU), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        # the tile's pointers: loop-invariant ones plus a scalar step (fewer 64-bit adds than advancing them)
+    xw = _fma_x(x_ptrs, 0, k_end - k_start, EVEN_K, PAIRS, UNIT, X_VEC)
+    acc = _fma_step(acc, xw, w, s, FMT, HW, BLOCK_M, BLOCK_N, NU, UNIT)
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         dk = (k0 - k_start) // 2
-        if EVEN_K:
-            xw = _load_x(x_ptrs + dk, None, X_VEC, False)
-            w = tl.load(w_ptrs + dk)
-            s = _load_scales(s_ptrs + dk // (GROUP // 2), None, HW, False)
-        else:  # a K tail: whole units (K is a multiple of 16), loaded as zeros past it
-            left = k_end - k0
-            in_k = _whole_blocks(PAIRS, UNIT, 2 * UNIT, left)[None, None, :]  # by unit: loads a unit wide
-            xw = _load_x(x_ptrs + dk, tl.broadcast_to(in_k, x_ptrs.shape), X_VEC, True)
-            w = tl.load(w_ptrs + dk, mask=in_k, other=0)
-            s = _load_scales(s_ptrs + dk // (GROUP // 2), k_unit < left, HW, True)
-        # bf16 -> fp32 once per element of x, shared by the program's w rows; products exact (module doc)
-        x0 = (xw << 16).to(tl.float32, bitcast=True)
-        x1 = (xw & -65536).to(tl.float32, bitcast=True)
-        w0, w1 = _pair_values(w, FMT, HW)
-        # the unit's products in K order, summed in a thread: one FMA chain, an instruction a product
-        part = tl.sum(tl.reshape(tl.join(x0 * w0, x1 * w1), (BLOCK_M, BLOCK_N, NU, 2 * UNIT)), axis=3)
-        if FMT != "mxfp8":
-            part = part * 16384.0  # 2**14: back to the e2m1 values, exact
-        if FMT == "nvfp4":
-            if HW:
-                factor = s.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)  # exact, NaN included
-            else:
-                factor = _e4m3(s) * 1.329227995784916e36  # 2**120: the e4m3 scale's value
-        else:
-            # 2**(s - 127) as fp32 bits (s = 0: 2**-127, a subnormal); 0xFF: bit 22 set on inf's bits, NaN
-            factor = (tl.maximum(s << 23, 0x400000) | (((s + 1) << 14) & 0x400000)).to(tl.float32, bitcast=True)
-        acc += part * factor
+        w, s = _fma_weights(w_ptrs, s_ptrs, dk, k_unit, k_end - k0, EVEN_K, PAIRS, UNIT, GROUP, HW)
+        xw = _fma_x(x_ptrs, dk, k_end - k0, EVEN_K, PAIRS, UNIT, X_VEC)
+        acc = _fma_step(acc, xw, w, s, FMT, HW, BLOCK_M, BLOCK_N, NU, UNIT)
     _finish(tl.sum(acc, axis=2), rm, rm_in, rn, rn_in, row_end, pid_n * tl.num_programs(1) + slot, pid_k, M, N,
             ts_ptr, stride_tn, out_ptr, stride_om, 1, ws_ptr, cnt_ptr, SPLIT_K, FMT, SPLIT, SWIGLU)  # fmt: skip
 
@@ -926,6 +967,7 @@ def weight_only_mm(
     split_k: int | None = None,
     rows: torch.Tensor | None = None,
     swiglu: bool = False,
+    offs_ready: bool = False,
 ) -> torch.Tensor:
     """x [M, K] bf16 @ dequantize(qdata, scale, tensor_scale).T -> [M, N] bf16 (module doc). ``offs``: the
     grouped GEMM (qdata [E, N, K/pack], scale [E, N, K/group], x sorted by group, int32 cumulative row ends).
@@ -934,6 +976,8 @@ def weight_only_mm(
     SwiGLU's w1 and w3 concatenated along N; out [M, N / 2] = silu(x w1^T) * (x w3^T), each GEMM output rounded
     to bf16 and the product as ``silu_mul`` rounds it (mx_kernels.decode_fused.swiglu): in the small-M path's
     epilogue, after the tensor-core path's GEMM (module doc).
+    ``offs_ready`` (grouped): ``offs`` and ``rows`` were written before the launch right before this one, so under
+    PDL the small-M path reads them and its first weights before its wait (module doc, Grouped).
     ``config`` overrides the tiles (one with BLOCK_M takes the tl.dot path, one without the small-M path) and
     ``split_k`` the split (None: the config's SPLIT_K, else from the SM count)."""
     grouped = offs is not None
@@ -962,7 +1006,7 @@ def weight_only_mm(
         else:
             config, split_k = _tuned(
                 key,
-                lambda c, s, q, sc: weight_only_mm(x, q, sc, tensor_scale, fmt, offs, c, s, rows, swiglu),
+                lambda c, s, q, sc: weight_only_mm(x, q, sc, tensor_scale, fmt, offs, c, s, rows, swiglu, offs_ready),
                 (qdata, scale),
             )
     gluon = gluon_ok(fmt, k, grouped, rows is not None, x.device) and m <= GLUON_MAX_M
@@ -974,7 +1018,7 @@ def weight_only_mm(
         raise ValueError(f"{op}: the small-M path takes at most 16 rows per group, got {per_group} (config {config})")
     if fma:
         out = torch.empty(out_shape, dtype=torch.bfloat16, device=x.device)
-        return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, out, cfg, split_k, swiglu)
+        return _fma_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, out, cfg, split_k, swiglu, offs_ready)
     if swiglu:  # the tensor-core tile's epilogue does not pay (module doc): the GEMM, then silu_mul
         y = weight_only_mm(x, qdata, scale, tensor_scale, fmt, offs, config, split_k, rows)
         return silu_mul(y[:, : n // 2], y[:, n // 2 :])
@@ -1035,7 +1079,7 @@ def weight_only_mm(
 
 def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_scale: torch.Tensor | None, fmt: str,
             offs: torch.Tensor | None, rows: torch.Tensor | None, out: torch.Tensor, cfg: dict, split_k: int | None,
-            swiglu: bool = False) -> torch.Tensor:  # fmt: skip
+            swiglu: bool = False, offs_ready: bool = False) -> torch.Tensor:  # fmt: skip
     """The small-M path of ``weight_only_mm`` into ``out`` (module doc)."""
     grouped = offs is not None
     m, n, k = out.shape[0], qdata.shape[-2], x.shape[1]
@@ -1086,7 +1130,7 @@ def _fma_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, tensor_sc
             GROUPED=grouped, GATHER=rows is not None, E_POW2=max(2, triton.next_power_of_2(n_groups)),
             SPLIT=split_k > 1,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, HW=not interpreting(),
-            UNIT=unit, SWIGLU=swiglu, X_VEC=x_vec and not interpreting(), num_warps=warps,
+            UNIT=unit, SWIGLU=swiglu, OFFS_READY=offs_ready, X_VEC=x_vec and not interpreting(), num_warps=warps,
             num_stages=cfg.get("num_stages", 1), **pdl.options(x.device),
         ),
     )  # fmt: skip

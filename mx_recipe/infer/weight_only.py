@@ -31,14 +31,16 @@ LARGE_M = 128  # rows (per group) past which dequantize_packed + cuBLAS runs ins
 
 
 def _launch(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
-            offs: Tensor | None = None, rows: Tensor | None = None, *, swiglu: bool = False) -> Tensor:  # fmt: skip
+            offs: Tensor | None = None, rows: Tensor | None = None, *, swiglu: bool = False,
+            offs_ready: bool = False) -> Tensor:  # fmt: skip
     from mx_kernels.mx.weight_only import weight_only_mm as launch
 
-    return launch(x, qdata, scale, tensor_scale, fmt, offs, rows=rows, swiglu=swiglu)
+    return launch(x, qdata, scale, tensor_scale, fmt, offs, rows=rows, swiglu=swiglu, offs_ready=offs_ready)
 
 
 def _fake(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
-          offs: Tensor | None = None, rows: Tensor | None = None, *, swiglu: bool = False) -> Tensor:  # fmt: skip
+          offs: Tensor | None = None, rows: Tensor | None = None, *, swiglu: bool = False,
+          offs_ready: bool = False) -> Tensor:  # fmt: skip
     m = x.shape[0] if rows is None else rows.shape[0]
     n = qdata.shape[-2]
     return x.new_empty((m, n // 2 if swiglu else n), dtype=torch.bfloat16)
@@ -48,7 +50,7 @@ define("weight_only_mm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scal
        " -> Tensor", _launch, _fake)  # fmt: skip
 define(
     "weight_only_grouped_mm(Tensor x, Tensor qdata, Tensor scale, Tensor? tensor_scale, str fmt, Tensor offs,"
-    " Tensor? rows=None, *, bool swiglu=False) -> Tensor",
+    " Tensor? rows=None, *, bool swiglu=False, bool offs_ready=False) -> Tensor",
     _launch,
     _fake,
 )
@@ -165,16 +167,19 @@ def tiled_weight_only_partials(x: Tensor, words: Tensor, scales: Tensor, tensor_
 
 
 def weight_only_grouped_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str,
-                           offs: Tensor, rows: Tensor | None = None, swiglu: bool = False) -> Tensor:  # fmt: skip
+                           offs: Tensor, rows: Tensor | None = None, swiglu: bool = False,
+                           offs_ready: bool = False) -> Tensor:  # fmt: skip
     """x [M, K] bf16, sorted by group with int32 cumulative row ends ``offs`` [E], by w [E, N, K] packed along K:
     group e's rows @ dequantize(w[e]).T -> [M, N] bf16. Only the groups with rows read their weights. ``rows``:
     int32 [M], the groups' rows are x[rows] (x [T, K], the tokens), which the kernel reads in place.
-    ``swiglu``: as ``weight_only_mm``'s, per group."""
+    ``swiglu``: as ``weight_only_mm``'s, per group. ``offs_ready``: ``offs`` and ``rows`` were written before the
+    launch right before this one (the kernel reads them and its first weights before its PDL wait)."""
     if (x.shape[0] if rows is None else rows.shape[0]) > LARGE_M * qdata.shape[0]:
         w = torch.ops.mx_recipe.dequantize_packed(qdata, scale, tensor_scale, fmt)
         y = torch._grouped_mm(x if rows is None else x[rows], w.transpose(-2, -1), offs=offs)
         return swiglu_of(y) if swiglu else y
-    return torch.ops.mx_recipe.weight_only_grouped_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, swiglu=swiglu)
+    return torch.ops.mx_recipe.weight_only_grouped_mm(x, qdata, scale, tensor_scale, fmt, offs, rows, swiglu=swiglu,
+                                                      offs_ready=offs_ready)  # fmt: skip
 
 
 def tiled_weight_only_grouped_mm(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor | None, fmt: str,

@@ -194,17 +194,19 @@ class PackedWeight(nn.Module):
         return self.mm(x, kernel), None
 
     def grouped_mm(self, x: torch.Tensor, offs: torch.Tensor, kernel: bool, rows: torch.Tensor | None = None,
-                   swiglu: bool = False) -> torch.Tensor:  # fmt: skip
+                   swiglu: bool = False, offs_ready: bool = False) -> torch.Tensor:  # fmt: skip
         """x [M, K] sorted by group (int32 cumulative ends ``offs``) by each group's w [N, K]: [M, N]. ``rows``:
         int32 [M], the groups' rows are x[rows] (the kernel reads them in place). ``swiglu``: as ``mm``'s. The
         weight-only kernel where ``use_kernel(x)`` (and ``kernel``; MXFP8 experts at a token's rows: the grouped
-        GEMV of mx_recipe.infer.gemv), else the reference."""
+        GEMV of mx_recipe.infer.gemv), else the reference. ``offs_ready``: ``offs`` and ``rows`` were written
+        before the launch right before this one (the untiled kernels then read them before their PDL wait)."""
         if self.tiled:
             return self._tiled_grouped_mm(x, offs, kernel, rows, swiglu)
         if kernel and use_kernel(x):
             if self.fmt == "mxfp8" and takes_grouped(x, x.shape[0] if rows is None else rows.shape[0]):
-                return grouped_gemv(x, self.qdata, offs, rows, self.scale, swiglu)  # a token's rows: the GEMV's
-            return weight_only_grouped_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, offs, rows, swiglu)
+                return grouped_gemv(x, self.qdata, offs, rows, self.scale, swiglu, offs_ready)  # a token's rows
+            return weight_only_grouped_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, offs, rows, swiglu,
+                                          offs_ready)  # fmt: skip
         x = x if rows is None else x[rows]
         y = torch._grouped_mm(x, self.dequantize(x.dtype).transpose(-2, -1), offs=offs)
         return swiglu_of(y) if swiglu else y
@@ -305,12 +307,12 @@ class QuantizedExperts(nn.Module):
         self.fmt, self.activations, self.kernel = fmt, activations, kernel
 
     def _mm(self, x: torch.Tensor, packed: PackedWeight, offs: torch.Tensor, rows: torch.Tensor | None = None,
-            swiglu: bool = False) -> torch.Tensor:  # fmt: skip
+            swiglu: bool = False, offs_ready: bool = False) -> torch.Tensor:  # fmt: skip
         if offs.shape[0] < packed.qdata.shape[0]:  # the routed groups' ends: the folded shared groups get no rows
             offs = torch.cat([offs, offs[-1:].expand(self.shared)])
         if self.activations:
             x = quantize_activation(x, self.fmt)  # per row along K: the same rows whether gathered before or after
-        return packed.grouped_mm(x, offs, self.kernel, rows, swiglu)
+        return packed.grouped_mm(x, offs, self.kernel, rows, swiglu, offs_ready)
 
     def fuse(self) -> None:
         """Keep w1 and w3 as one weight [E, 2 * hidden, K] (``w13_packed``): one grouped GEMM for both."""
@@ -381,7 +383,8 @@ class QuantizedExperts(nn.Module):
         return F.silu(h1) * h3
 
     def down(self, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        return self._mm(h, self.w2_packed, offs)
+        """w2 of ``swiglu``'s (or ``gate_up``'s) output h on the same ``offs``, which a launch before h's wrote."""
+        return self._mm(h, self.w2_packed, offs, offs_ready=True)
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
         """As ``models.moe.GroupedExperts``: the groups are x, or x[routed] where the router hands the tokens over.
@@ -410,6 +413,12 @@ class FusedExperts(GroupedExperts):
         if use_grouped_gemv(x, w, x.shape[0]):
             return grouped_gemv(x, w, offs)
         return super().grouped_mm(x, w, offs)
+
+    def down(self, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """w2 of ``swiglu``'s (or ``gate_up``'s) output h on the same ``offs``, which a launch before h's wrote."""
+        if use_grouped_gemv(h, self.w2, h.shape[0]):
+            return grouped_gemv(h, self.w2, offs, offs_ready=True)
+        return super().down(h, offs)
 
     def _gemv_rows(self, x: torch.Tensor, routed: torch.Tensor | None) -> torch.Tensor | None | bool:
         """``routed`` as the grouped GEMV's int32 rows where it takes them (None: the rows are x), else False."""
@@ -461,7 +470,7 @@ class SharedExpertGroups(nn.Module):
         else:
             h1, h3 = experts._mm(x2, w13, offs, rows).chunk(2, dim=-1)
             h = F.silu(h1) * h3
-        y = experts._mm(h, w2, offs)
+        y = experts._mm(h, w2, offs, offs_ready=True)
         return y.view(parts, tokens, -1).float().sum(0).to(x.dtype).view(*x.shape[:-1], -1)
 
 
