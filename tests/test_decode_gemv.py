@@ -460,13 +460,15 @@ def test_gpu_moe_decode_step_takes_the_grouped_gemv(fmt, monkeypatch):
     model = decode_model("moe", "debug_moe", fmt)
     op, calls = torch.ops.mx_recipe.grouped_gemv, []
 
-    def recorded(x, w, offs, rows=None, scale=None, swiglu=False):
-        calls.append((rows is not None, swiglu, scale is not None))
-        return op(x, w, offs, rows, scale, swiglu=swiglu)
+    def recorded(x, w, offs, rows=None, scale=None, swiglu=False, offs_ready=False):
+        calls.append((rows is not None, swiglu, scale is not None, offs_ready))
+        return op(x, w, offs, rows, scale, swiglu=swiglu, offs_ready=offs_ready)
 
     monkeypatch.setattr(torch.ops.mx_recipe, "grouped_gemv", recorded)
     moe_layers = sum(getattr(layer, "moe_enabled", False) for layer in model.layers.values())
     scaled = fmt == "mxfp8"
     for batch in (1, 5):
         decode_step(model, batch, calls)
-        assert calls == ([(True, True, scaled), (False, False, scaled)] * moe_layers if batch == 1 else []), calls
+        # w2 after w1/w3 on the same offs: it reads them and its first weights before its PDL wait
+        expected = [(True, True, scaled, False), (False, False, scaled, True)] * moe_layers
+        assert calls == (expected if batch == 1 else []), calls
