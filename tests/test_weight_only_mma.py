@@ -78,10 +78,12 @@ def test_bad_operands_are_one_line_errors():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gpu_every_m_within_the_bound(fmt):
-    """M = 1 to 64 on a 1056 x 4096 weight (N: 16 rows past a multiple of 64), 4 and 8 warps, K split 1, 3 and 32
-    ways (the same bits every call), a NaN scale in one row, zeros; nvfp4 with one tensor scale and with one per
-    row (weights concatenated along N)."""
+@pytest.mark.parametrize("ms", [(1, 17), pytest.param((3, 8, 9, 16, 32, 33, 64), marks=pytest.mark.slow)],
+                         ids=["one_and_17_rows", "more_rows"])  # fmt: skip
+def test_gpu_every_m_within_the_bound(fmt, ms):
+    """M = 1 to 64 (the fast tier 1 and 17: a padded row tile, then whole and ragged ones) on a 1056 x 4096 weight (N:
+    16 rows past a multiple of 64), 4 and 8 warps, K split 1, 3 and 32 ways (the same bits every call), a NaN scale in
+    one row, zeros; nvfp4 with one tensor scale and with one per row (weights concatenated along N)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs an sm_90 GPU (wgmma)")
     torch.manual_seed(11)
@@ -97,7 +99,7 @@ def test_gpu_every_m_within_the_bound(fmt):
     if fmt == "nvfp4":  # two weights concatenated along N, each its own tensor scale
         halves = [packed(weights(n // 2, k, CUDA) * scale, fmt) for scale in (0.02, 3.0)]
         weights_.append(PackedWeight.cat(halves))
-    for m in (1, 3, 8, 9, 16, 17, 32, 33, 64):
+    for m in ms:
         x = torch.randn(m, k, device=CUDA).bfloat16()
         for warps, split in ((4, 1), (8, 1), (4, 3), (8, 32)):
             for w in weights_:
@@ -142,9 +144,11 @@ def test_weight_only_mm_offers_the_kernel_only_where_it_applies():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gpu_weight_only_mm_takes_the_gluon_configs(fmt):
-    """Through the weight-only GEMM's public entry: every Gluon candidate at M = 5, 8, 32 and 100 (two launches, the
-    second of 36 rows) within the bound; with SwiGLU, the GEMM then ``silu_mul`` as the tensor-core path does."""
+@pytest.mark.parametrize("ms", [(100,), pytest.param((5, 8, 32), marks=pytest.mark.slow)], ids=["100_rows", "fewer"])
+def test_gpu_weight_only_mm_takes_the_gluon_configs(fmt, ms):
+    """Through the weight-only GEMM's public entry: every Gluon candidate at M = 5, 8, 32 and 100 (the fast tier
+    100: two launches, the second of 36 rows) within the bound; with SwiGLU, the GEMM then ``silu_mul`` as the
+    tensor-core path does."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs an sm_90 GPU (wgmma)")
     from mx_kernels.decode_fused import silu_mul
@@ -153,7 +157,7 @@ def test_gpu_weight_only_mm_takes_the_gluon_configs(fmt):
     torch.manual_seed(12)
     n, k = 512, 2048
     p = packed(weights(n, k, CUDA) * 0.02, fmt)
-    for m in (5, 8, 32, 100):
+    for m in ms:
         x = torch.randn(m, k, device=CUDA).bfloat16()
         gluon = [c for c in candidates(m, fmt, n, k, gluon=True) if c.get("GLUON")]
         assert gluon

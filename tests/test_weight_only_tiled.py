@@ -470,19 +470,22 @@ def edge_cases(fmt: str, n: int, k: int) -> list[PackedWeight]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gpu_every_m_within_the_bound(fmt):
-    """M = 1 to 128 on a 1000 x 2048 weight (N past a multiple of 16), the default launch and both MMAs with K split
-    3 ways, mma.sync with 4 warps splitting each of 2 splits (the same bits every call); scales from 2**-12 to 2**6
-    (MXFP4's second multiply; MXFP8's with one scale of 2**23) and below 2**1 (one), a NaN scale, 2**-127 and 2**-126
-    scales, a zero row; NVFP4 with a NaN, zero, subnormal, largest and negative e4m3 scale, and a tensor scale per
-    row too, each on the hardware's e4m3 conversion, and positive normal scales on the one-instruction factor."""
+@pytest.mark.parametrize("ms", [(1, 13), pytest.param((3, 4, 5, 8, 32, 64, 65, 128), marks=pytest.mark.slow)],
+                         ids=["one_and_13_rows", "more_rows"])  # fmt: skip
+def test_gpu_every_m_within_the_bound(fmt, ms):
+    """M = 1 to 128 on a 1000 x 2048 weight (N past a multiple of 16; the fast tier takes 1 and 13 rows, both MMAs
+    padding rows), the default launch and both MMAs with K split 3 ways, mma.sync with 4 warps splitting each of 2
+    splits (the same bits every call); scales from 2**-12 to 2**6 (MXFP4's second multiply; MXFP8's with one scale of
+    2**23) and below 2**1 (one), a NaN scale, 2**-127 and 2**-126 scales, a zero row; NVFP4 with a NaN, zero, subnormal,
+    largest and negative e4m3 scale, and a tensor scale per row too, each on the hardware's e4m3 conversion, and
+    positive normal scales on the one-instruction factor."""
     hopper()
     n, k = 1000, 2048
     cases = edge_cases(fmt, n, k)
     assert [p.wide_scales for p in cases] == ([True, True, True, False] if fmt == "nvfp4" else [True, True, False])
     configs = [None, dict(t=2, w=2, split_k=3, wgmma=False), dict(t=1, w=8, split_k=3, wgmma=True),
                dict(t=1, w=4, kw=4, split_k=2, wgmma=False)]  # fmt: skip
-    for m in (1, 3, 4, 5, 8, 13, 32, 64, 65, 128):
+    for m in ms:
         x = torch.randn(m, k, device=CUDA).bfloat16()
         for p in cases:
             for cfg in configs:
@@ -642,7 +645,7 @@ def test_gpu_grouped_swiglu_epilogue_and_prefill(fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["mxfp4", pytest.param("nvfp4", marks=pytest.mark.slow)])
 def test_gpu_moe_decode_step_takes_the_tiled_experts(fmt, monkeypatch):
     """``tile_weights`` for one sequence tiles an MoE's 4-bit w1/w3 experts in SwiGLU's row order, the shared expert
     folded in (w2 stays in the formats' layout), for two it leaves them; a decode step of one token (3 rows) and of
