@@ -111,8 +111,9 @@ launches a step). Under PDL (mx_kernels.pdl) a dense small-M program reads its f
 waits for the kernel before. A grouped one waits before any read, but where ``offs`` and ``rows`` come from an
 earlier kernel than that one (``offs_ready``: an MoE's w2, after w1/w3 on the same rows): that kernel is then
 complete, since the kernel before released this one only after its own wait, and the program finds its rows and
-expert before the wait. Its weights it still reads after: at one token of the MoE 16B on an H200, w2's 12 MB read
-before the wait ran alongside w1/w3's 25 MB, and the MXFP4 step took 1.305 ms against 1.256.
+expert before the wait: at one token of the MoE 16B on one H200, in one run, the MXFP4 step 1.338 -> 1.299-1.304
+ms. Its weights it still reads after the wait: read before it, w2's 12 MB runs alongside w1/w3's 25 MB, and the
+step was no faster (1.305 ms in another run).
 
 Large M (prefill) is compute-bound: ``dequantize`` writes the bf16 weight in one pass, bit for bit the
 reference's, for cuBLAS (mx_recipe.infer.weight_only decides).
