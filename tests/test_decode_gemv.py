@@ -417,9 +417,10 @@ def decode_model(name: str, flavor: str, fmt: str) -> torch.nn.Module:
     return fuse_projections(quantize_model(to_compute_dtype(model.eval(), torch.bfloat16), fmt))
 
 
-def decode_step(model: torch.nn.Module, batch: int, calls: list) -> None:
+def decode_step(model: torch.nn.Module, batch: int, calls: list) -> list:
     """One decode step of ``batch`` sequences after an 11-token prefill, ``calls`` cleared before it: its logits
-    against the full forward's within bf16 roundings."""
+    against the full forward's within bf16 roundings. Returns what ``calls`` held after the step (the full forward
+    may add to it)."""
     from mx_recipe.infer import decode
 
     cuda = torch.device("cuda")
@@ -429,8 +430,10 @@ def decode_step(model: torch.nn.Module, batch: int, calls: list) -> None:
         decode.forward(model, tokens[:, :11], torch.arange(11, device=cuda), cache)
         calls.clear()
         step = decode.forward(model, tokens[:, 11:], torch.tensor([11], device=cuda), cache)
+        step_calls = list(calls)
         full = model(tokens)[:, 11:]
     torch.testing.assert_close(step.float(), full.float(), rtol=2e-2, atol=2e-2)
+    return step_calls
 
 
 @pytest.mark.gpu
