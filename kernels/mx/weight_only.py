@@ -111,9 +111,8 @@ launches a step). Under PDL (mx_kernels.pdl) a dense small-M program reads its f
 waits for the kernel before. A grouped one waits before any read, but where ``offs`` and ``rows`` come from an
 earlier kernel than that one (``offs_ready``: an MoE's w2, after w1/w3 on the same rows): that kernel is then
 complete, since the kernel before released this one only after its own wait, and the program finds its rows and
-expert before the wait: at one token of the MoE 16B on one H200, in one run, the MXFP4 step 1.338 -> 1.299-1.304
-ms. Its weights it still reads after the wait: read before it, w2's 12 MB runs alongside w1/w3's 25 MB, and the
-step was no faster (1.305 ms in another run).
+expert before the wait. Its weights it reads after the wait, where they do not take the bandwidth of the kernel
+before (an MoE's w1/w3).
 
 Large M (prefill) is compute-bound: ``dequantize`` writes the bf16 weight in one pass, bit for bit the
 reference's, for cuBLAS (mx_recipe.infer.weight_only decides).
@@ -979,7 +978,7 @@ def weight_only_mm(
     to bf16 and the product as ``silu_mul`` rounds it (mx_kernels.decode_fused.swiglu): in the small-M path's
     epilogue, after the tensor-core path's GEMM (module doc).
     ``offs_ready`` (grouped): ``offs`` and ``rows`` were written before the launch right before this one, so under
-    PDL the small-M path reads them and its first weights before its wait (module doc, Grouped).
+    PDL the small-M path reads them before its wait (module doc, Grouped).
     ``config`` overrides the tiles (one with BLOCK_M takes the tl.dot path, one without the small-M path) and
     ``split_k`` the split (None: the config's SPLIT_K, else from the SM count)."""
     grouped = offs is not None

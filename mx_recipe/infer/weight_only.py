@@ -173,7 +173,7 @@ def weight_only_grouped_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale
     group e's rows @ dequantize(w[e]).T -> [M, N] bf16. Only the groups with rows read their weights. ``rows``:
     int32 [M], the groups' rows are x[rows] (x [T, K], the tokens), which the kernel reads in place.
     ``swiglu``: as ``weight_only_mm``'s, per group. ``offs_ready``: ``offs`` and ``rows`` were written before the
-    launch right before this one (the kernel reads them and its first weights before its PDL wait)."""
+    launch right before this one (the small-M kernel reads them before its PDL wait)."""
     if (x.shape[0] if rows is None else rows.shape[0]) > LARGE_M * qdata.shape[0]:
         w = torch.ops.mx_recipe.dequantize_packed(qdata, scale, tensor_scale, fmt)
         y = torch._grouped_mm(x if rows is None else x[rows], w.transpose(-2, -1), offs=offs)
