@@ -54,10 +54,17 @@ def _add_rms_norm_kernel(
         else:
             delta = tl.load(delta_ptr + row * stride_d + c, mask=ok, other=0.0)
         h = (h.to(tl.float32) + delta.to(tl.float32)).to(h_out_ptr.dtype.element_ty)
-    tl.store(h_out_ptr + row * stride_ho + c, h, mask=ok)
+    store_norm(h, w, h_out_ptr + row * stride_ho + c, out_ptr + row * stride_o + c, ok, D, eps)
+
+
+@triton.jit
+def store_norm(h, w, h_out_ptrs, out_ptrs, mask, D, eps):
+    """Store a row of the residual stream h and its RMSNorm times the norm's weight w (fp32): the sum of squares in
+    fp32, h * rsqrt(mean + eps) * w in fp32, rounded once to the output's dtype."""
+    tl.store(h_out_ptrs, h, mask=mask)
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, 0) / D + eps)
-    tl.store(out_ptr + row * stride_o + c, (hf * rstd * w).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptrs, (hf * rstd * w).to(out_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -134,7 +141,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     h_out, out = torch.empty_like(h), torch.empty_like(h)
     if t == 0:
         return h_out, out
-    block = triton.next_power_of_2(d)
+    block, warps = norm_block(d)
     _NORM.launch(
         (t,),
         dict(h_ptr=h, delta_ptr=delta if delta is not None else h,
@@ -143,10 +150,16 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
              stride_ds=delta.stride(0) if splits else 0,
              stride_sc=int(delta_scale is not None and delta_scale.numel() > 1), stride_ho=h_out.stride(0),
              stride_o=out.stride(0), D=d, eps=eps, HAS_DELTA=delta is not None, SPLITS=splits,
-             HAS_SCALE=delta_scale is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+             HAS_SCALE=delta_scale is not None, BLOCK=block, num_warps=warps,
              **pdl.options(h.device)),
     )  # fmt: skip
     return h_out, out
+
+
+def norm_block(width: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of a norm's one program a row: the whole row, 8 columns a thread (up to 16 warps)."""
+    block = triton.next_power_of_2(width)
+    return block, min(16, max(1, block // 256))
 
 
 def row_block(width: int) -> tuple[int, int]:

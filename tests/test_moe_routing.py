@@ -1,12 +1,13 @@
 """An MoE block's decode-step routing kernels (kernels/moe_routing.py, through mx_recipe.infer.routing) against
 the ``MoE`` module's own routing: ``TokenChoiceRouter`` for the choice and the scores, the stable argsort of the
-choices by expert for the rows, ``index_add_`` for the combine.
+choices by expert for the rows, an fp64 weighted sum for the combine and ``add_rms_norm`` for the norm after it.
 
-* CPU, in this process: argument errors and the ops' fake shapes.
+* CPU, in this process: argument errors, the ops' fake shapes, and the combine's loads around the PDL wait
+  (compiled for sm_90a).
 * CPU, Triton interpreter (``test_interp_*``), in a child pytest with TRITON_INTERPRET=1: softmax and sigmoid
   scores, with and without the balancing bias and the renormalization, over token counts and expert counts
   that pad; the router's GEMM in the routing launch (``moe_gate_route``) against ``moe_route`` of its logits; the
-  combine with and without shared experts; and decode steps of an MoE model through every fused kernel against
+  combine and norm with and without shared experts; and decode steps of an MoE model through every fused kernel against
   its full forward.
 * GPU (``gpu``): the MoE 16B dims' routing (64 experts, top 6) at batch 1 to 128 (the router's GEMM in it at 1 to
   16 tokens), and the decode steps of an MoE model, eager and replayed from a CUDA graph.
@@ -14,7 +15,8 @@ choices by expert for the rows, ``index_add_`` for the combine.
 Bounds. The choice and the rows are exact (the logits are continuous random values: no ties; ``moe_gate_route``'s
 inputs are integers and quarters, whose sums are exact in any order). The weights are
 the module's scores within fp32 roundings (the kernel's exp and sum may round differently): 1e-6 relative.
-The combine sums in fp32 and rounds once, where the module rounds each product and each add to the dtype.
+The combine sums in fp32 and rounds once, where the module rounds each product and each add to the dtype; the add
+and the norm after it are ``add_rms_norm``'s, bit for bit.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import pytest
 import torch
 from test_cast_kernels import run_interpreter_tests
 
-from mx_recipe.infer.routing import moe_combine, moe_gate_route, moe_route
+from mx_recipe.infer.fused import add_rms_norm
+from mx_recipe.infer.routing import moe_combine_add_rms_norm, moe_gate_route, moe_route
 from mx_recipe.models.moe import MoEArgs, TokenChoiceRouter
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -97,19 +100,29 @@ def check_gate_route(t: int, e: int, d: int, k: int, dtype: torch.dtype, device:
         torch.testing.assert_close(got[3], want[3], rtol=1e-6, atol=1e-7)
 
 
-def check_combine(t: int, k: int, d: int, dtype: torch.dtype, with_shared: bool, device: str) -> None:
+def check_combine_norm(t: int, k: int, d: int, dtype: torch.dtype, with_shared: bool, device: str) -> None:
+    """On a zero residual stream the sum is the block's output alone (adding it to zeros is exact): within one
+    rounding of the fp64 combine. On another stream, the stream plus that output and the norm are ``add_rms_norm``'s
+    bit for bit, with the slots read before the PDL wait or after it."""
     torch.manual_seed(t + k + d)
     slots = torch.randperm(t * k, device=device).to(torch.int32).view(t, k)  # each row of y is one token's
     weights = torch.rand(t, k, device=device)
     y = torch.randn(t * k, d, device=device).to(dtype)
     shared = torch.randn(t, d, device=device).to(dtype) if with_shared else None
-    got = moe_combine(y, slots, weights, shared)
+    norm_weight = (torch.rand(d, device=device) + 0.5).to(dtype)
+    zeros = torch.zeros(t, d, device=device, dtype=dtype)
+    block_out, _ = moe_combine_add_rms_norm(zeros, y, slots, weights, shared, norm_weight, 1e-5)
     terms = weights.double()[:, :, None] * y.double()[slots.long()]
     want = terms.sum(1) + (shared.double() if with_shared else 0)
     magnitude = terms.abs().sum(1) + (shared.double().abs() if with_shared else 0)
     one_rounding = 2.0**-7 if INTERP and dtype == torch.bfloat16 else 2.0**-8 if dtype == torch.bfloat16 else 2.0**-24
-    assert got.dtype == dtype and got.shape == (t, d)
-    assert ((got.double() - want).abs() <= one_rounding * want.abs() + 1e-6 * magnitude).all()
+    assert block_out.dtype == dtype and block_out.shape == (t, d)
+    assert ((block_out.double() - want).abs() <= one_rounding * want.abs() + 1e-6 * magnitude).all()
+    h = torch.randn(t, d, device=device).to(dtype)
+    want_h, want_x = add_rms_norm(h, block_out, norm_weight, 1e-5)
+    for routed_early in (False, True):
+        got_h, got_x = moe_combine_add_rms_norm(h, y, slots, weights, shared, norm_weight, 1e-5, routed_early)
+        assert torch.equal(got_h, want_h) and torch.equal(got_x, want_x)
 
 
 # ---------------------------------------------------------------------------------------
@@ -117,7 +130,7 @@ def check_combine(t: int, k: int, d: int, dtype: torch.dtype, with_shared: bool,
 
 
 def test_bad_arguments_are_one_line_errors():
-    from mx_kernels.moe_routing import moe_combine as combine_kernel
+    from mx_kernels.moe_routing import moe_combine_add_rms_norm as combine_kernel
     from mx_kernels.moe_routing import moe_gate_route as gate_route_kernel
     from mx_kernels.moe_routing import moe_route as route_kernel
 
@@ -134,12 +147,15 @@ def test_bad_arguments_are_one_line_errors():
     with pytest.raises(ValueError, match="at most 16 tokens"):
         gate_route_kernel(torch.randn(17, 16), torch.randn(8, 16), None, 2, True, False)
     slots, weights = torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2)
+    h, norm_weight = torch.zeros(2, 8), torch.ones(8)
     with pytest.raises(ValueError, match="slots int32 and weights fp32"):
-        combine_kernel(torch.randn(4, 8), slots.long(), weights, None)
+        combine_kernel(h, torch.randn(4, 8), slots.long(), weights, None, norm_weight, 1e-5)
     with pytest.raises(ValueError, match="y must be \\[T \\* k, D\\] = \\[4, D\\]"):
-        combine_kernel(torch.randn(3, 8), slots, weights, None)
+        combine_kernel(h, torch.randn(3, 8), slots, weights, None, norm_weight, 1e-5)
     with pytest.raises(ValueError, match="shared must be \\[T, D\\] = \\[2, 8\\]"):
-        combine_kernel(torch.randn(4, 8), slots, weights, torch.randn(2, 4))
+        combine_kernel(h, torch.randn(4, 8), slots, weights, torch.randn(2, 4), norm_weight, 1e-5)
+    with pytest.raises(ValueError, match="h \\[T, D\\] = \\[2, 8\\] with contiguous rows and norm_weight \\[8\\]"):
+        combine_kernel(torch.zeros(3, 8), torch.randn(4, 8), slots, weights, None, norm_weight, 1e-5)
 
 
 def test_fake_shapes_under_compile_tracing():
@@ -150,10 +166,42 @@ def test_fake_shapes_under_compile_tracing():
         assert (offs.shape, rows.shape, slots.shape, weights.shape) == ((64,), (18,), (3, 6), (3, 6))
         assert offs.dtype == rows.dtype == slots.dtype == torch.int32 and weights.dtype == torch.float32
         y = torch.empty(18, 32, dtype=torch.bfloat16)
-        assert torch.ops.mx_recipe.moe_combine(y, slots, weights, None).shape == (3, 32)
+        h = torch.empty(3, 32, dtype=torch.bfloat16)
+        h_out, x = torch.ops.mx_recipe.moe_combine_add_rms_norm(h, y, slots, weights, None, h[0], 1e-5, True)
+        assert h_out.shape == x.shape == (3, 32) and x.dtype == torch.bfloat16
         routed = torch.ops.mx_recipe.moe_gate_route(y[:3], torch.empty(64, 32, dtype=torch.bfloat16), None, 6, True,
                                                     False, 2)  # fmt: skip
         assert [r.shape for r in routed] == [(66,), (24,), (3, 8), (3, 8)]
+
+
+@pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles for sm_90a")
+@pytest.mark.parametrize("routed_early", [False, True])
+def test_combine_reads_the_slots_before_the_pdl_wait_if_routed_early(routed_early):
+    """Compiled for sm_90a under PDL (MoE 16B dims: 8 slots, 2048 wide), the combine reads the norm's weight before
+    it waits for the kernel before, with ``routed_early`` the slots and weights too (from L2), and the experts' rows
+    and the stream after it, right after releasing the next kernel: every row's lines requested (prefetch) before
+    the first row's load."""
+    from mx_kernels.gluon.common import compile_for_arch
+    from mx_kernels.moe_routing import _combine_norm_kernel
+
+    t, k, d = 1, 8, 2048
+    bf16 = dict(dtype=torch.bfloat16, device="meta")
+    kwargs = dict(h_ptr=torch.empty(t, d, **bf16), y_ptr=torch.empty(t * k, d, **bf16),
+                  slots_ptr=torch.empty(t, k, dtype=torch.int32, device="meta"),
+                  weights_ptr=torch.empty(t, k, device="meta"), shared_ptr=torch.empty(t * k, d, **bf16),
+                  w_ptr=torch.empty(d, **bf16), h_out_ptr=torch.empty(t, d, **bf16), out_ptr=torch.empty(t, d, **bf16),
+                  D=d, eps=1e-5, stride_h=d, stride_y=d, stride_s=0, stride_ho=d, stride_o=d, K=k, HAS_SHARED=False,
+                  ROUTED_EARLY=routed_early, PREFETCH=True, BLOCK=d, PDL=True, num_warps=8)  # fmt: skip
+    ptx = compile_for_arch(_combine_norm_kernel, kwargs, 90).asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    before, after = ptx[:wait], ptx[wait:]
+    assert before.count("ld.global.cg") == (2 * k if routed_early else 0)
+    assert after.count("ld.global.cg") == (0 if routed_early else 2 * k)
+    assert before.count("ld.global") - before.count("ld.global.cg") == 1  # the norm's weight
+    assert after.count("ld.global.v4") >= k + 1  # the experts' rows and the stream
+    assert after.index("griddepcontrol.launch_dependents") < after.index("ld.global")
+    first_row = after.index("ld.global.v4")
+    assert after[:first_row].count("prefetch.global.L1") == k and "prefetch" not in after[first_row:]
 
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="this is the parent of the interpreter run")
@@ -184,10 +232,10 @@ def test_interp_gate_route_is_route_of_the_gates_logits(dtype):
 
 @interp_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_interp_combine(dtype):
+def test_interp_combine_norm(dtype):
     for t, k, d in [(1, 1, 16), (1, 6, 100), (5, 2, 64), (3, 3, 2500)]:
-        check_combine(t, k, d, dtype, True, "cpu")
-        check_combine(t, k, d, dtype, False, "cpu")
+        check_combine_norm(t, k, d, dtype, True, "cpu")
+        check_combine_norm(t, k, d, dtype, False, "cpu")
 
 
 @interp_only
@@ -253,7 +301,8 @@ def test_gpu_route_moe16b_dims():
         check_route(t, 64, 6, True, False, False, "cuda", shared=2)
         check_route(t, 64, 6, False, True, True, "cuda")
     for t, d in [(1, 2048), (32, 2048)]:
-        check_combine(t, 6, d, torch.bfloat16, True, "cuda")
+        check_combine_norm(t, 8, d, torch.bfloat16, True, "cuda")
+        check_combine_norm(t, 8, d, torch.bfloat16, False, "cuda")
     for t in (1, 8, 16):
         check_gate_route(t, 64, 2048, 6, torch.bfloat16, "cuda", shared=2)
 

@@ -17,8 +17,9 @@ kernel of ``mx_recipe.infer.attention`` with RoPE and the cache write in it, whi
 written so far and spreads them over the SMs (at batch 1 SDPA runs one program per KV head and waits on its
 loads), and an MoE block's routing and combine by the kernels of ``mx_recipe.infer.routing`` (one launch each,
 where eager routing takes some twenty; up to ``gate_fits`` tokens the router's GEMM runs in the routing launch
-too). At one sequence the bf16 projections (bf16 models, and every model's output layer) are the GEMV of
-``mx_recipe.infer.gemv``, SwiGLU in its epilogue for a fused w1/w3; at more, cuBLAS. A residual branch's last
+too; the combine runs in the next add + norm launch, ``ExpertRows``). At one sequence the bf16 projections (bf16
+models, and every model's output layer) are the GEMV of ``mx_recipe.infer.gemv``, SwiGLU in its epilogue for a
+fused w1/w3; at more, cuBLAS. A residual branch's last
 projection (wo, w2) on a tiled quantized weight whose GEMM splits K over programs hands its splits' fp32 sums to the
 add + norm kernel, which adds them (``QuantizedLinear.partials``): the GEMM ends without a sum of its own. The fused
 QKV GEMM hands its sums to the attention kernel the same way (``FusedLinear.partials``). The position is a device
@@ -59,7 +60,7 @@ from mx_recipe.infer.attention import decode_attention_append, use_kernel
 from mx_recipe.infer.fused import add_rms_norm, silu_mul
 from mx_recipe.infer.gemv import MAX_M as GEMV_MAX_M
 from mx_recipe.infer.gemv import apply_linear
-from mx_recipe.infer.routing import fits, gate_fits, moe_combine, moe_gate_route, moe_route
+from mx_recipe.infer.routing import fits, gate_fits, moe_combine_add_rms_norm, moe_gate_route, moe_route
 from mx_recipe.infer.weights import FusedPart, PackedWeight, QuantizedLinear
 from mx_recipe.models.llama import Attention, FeedForward, Transformer, apply_rope, project
 from mx_recipe.models.moe import MoE
@@ -68,8 +69,23 @@ from mx_recipe.ops import get_kernel_settings
 PDL_MAX_BATCH = 4  # the kernel step's sequences up to which quantized weights take PDL (module doc)
 PDL_MAX_BATCH_TILED = 32  # and up to which tiled 4-bit weights do (mx_recipe.infer.weights.tile_weights)
 STOP_CHECK = 8  # generate's decode steps between checks that every sequence has ended (each waits for the GPU)
-# a residual branch's output for add_rms_norm: [T, D], or its GEMM's fp32 split-K partials [S, T, D] and their scale
-Branch = tuple[torch.Tensor, torch.Tensor | None]
+
+
+@dataclass
+class ExpertRows:
+    """An MoE block's output before its combine: the experts' rows y [T * k, D], each token's ``slots`` [T, k] and
+    ``weights``, and the unfolded shared experts' output (or None). The next add + RMSNorm sums them per token
+    (``moe_combine_add_rms_norm``), one launch for both."""
+
+    y: torch.Tensor
+    slots: torch.Tensor
+    weights: torch.Tensor
+    shared: torch.Tensor | None
+
+
+# a residual branch's output for the next add + RMSNorm: [T, D], or its GEMM's fp32 split-K partials [S, T, D] and
+# their scale; or an MoE block's expert rows
+Branch = tuple[torch.Tensor | None, torch.Tensor | None] | ExpertRows
 
 
 class KVCache(nn.Module):
@@ -121,6 +137,17 @@ def _eps(norm: nn.RMSNorm, dtype: torch.dtype) -> float:
     return norm.eps if norm.eps is not None else torch.finfo(dtype).eps  # nn.RMSNorm's default
 
 
+def _add_norm(h: torch.Tensor, branch: Branch, norm: nn.RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + the branch's output, its RMSNorm): ``add_rms_norm``, or for an MoE block's expert rows the combine in
+    the same launch, which reads their slots before its PDL wait (the routing kernel ran three launches back)."""
+    eps = _eps(norm, h.dtype)
+    if isinstance(branch, ExpertRows):
+        rows = branch
+        return moe_combine_add_rms_norm(h, rows.y, rows.slots, rows.weights, rows.shared, norm.weight, eps, True)
+    delta, scale = branch
+    return add_rms_norm(h, delta, norm.weight, eps, scale)
+
+
 def _branch(module: nn.Module, x: torch.Tensor) -> Branch:
     """A residual branch's last projection of rows x [T, K], for ``add_rms_norm``: its output, or its GEMM's
     split-K partials and their scale (``QuantizedLinear.partials``)."""
@@ -150,7 +177,7 @@ def _swiglu_hidden(ffn: FeedForward, x: torch.Tensor) -> torch.Tensor:
     return silu_mul(*project(x, ffn.w1, ffn.w3))
 
 
-def _moe_step(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+def _moe_step(moe: MoE, x: torch.Tensor) -> ExpertRows:
     """``moe`` on a decode step's tokens x [T, dim], routed and combined by the fused kernels; shared experts
     folded into the quantized experts (mx_recipe.infer.weights.fuse_projections) run as groups of every token."""
     router = moe.router
@@ -170,7 +197,7 @@ def _moe_step(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     shared = None
     if moe.shared_experts is not None and not folded:
         shared = apply_linear(moe.shared_experts.w2, _swiglu_hidden(moe.shared_experts, x))
-    return moe_combine(y, slots, weights, shared)
+    return ExpertRows(y, slots, weights, shared)
 
 
 def _ffn_step(layer: nn.Module, x: torch.Tensor) -> Branch:
@@ -179,7 +206,7 @@ def _ffn_step(layer: nn.Module, x: torch.Tensor) -> Branch:
     if isinstance(ffn, FeedForward):
         return _branch(ffn.w2, _swiglu_hidden(ffn, x))
     if isinstance(ffn, MoE) and fits(x.shape[0], ffn.n_experts):
-        return _moe_step(ffn, x), None
+        return _moe_step(ffn, x)
     return ffn(x[:, None]).view(x.shape), None
 
 
@@ -208,19 +235,18 @@ def _layers_step(model: Transformer, tokens: torch.Tensor, position: torch.Tenso
     batch = tokens.shape[0]
     h = model.tok_embeddings(tokens).view(batch, -1)
     length = position.view(-1) + 1  # [1], or [B]: each sequence's own
-    delta, scale = None, None
+    branch: Branch = (None, None)
     for i, layer in enumerate(model.layers.values()):
-        norm, attn = layer.attention_norm, layer.attention
-        h, x = add_rms_norm(h, delta, norm.weight, _eps(norm, h.dtype), scale)
+        attn = layer.attention
+        h, x = _add_norm(h, branch, layer.attention_norm)
         (q, k, v), qkv_scale = _qkv(attn, x)
         heads = (attn.n_kv_heads, attn.n_heads // attn.n_kv_heads, attn.head_dim)
         q = q.view(*q.shape[:-2], batch, *heads)  # no copy: heads split (after the splits of K, if any)
         out = decode_attention_append(q, k, v, model.rope_cos, model.rope_sin, cache.k[i], cache.v[i], length,
                                       qkv_scale=qkv_scale)  # fmt: skip
-        o, scale = _branch(attn.wo, out.view(batch, -1))
-        h, x = add_rms_norm(h, o, layer.ffn_norm.weight, _eps(layer.ffn_norm, h.dtype), scale)
-        delta, scale = _ffn_step(layer, x)
-    _, x = add_rms_norm(h, delta, model.norm.weight, _eps(model.norm, h.dtype), scale)
+        h, x = _add_norm(h, _branch(attn.wo, out.view(batch, -1)), layer.ffn_norm)
+        branch = _ffn_step(layer, x)
+    _, x = _add_norm(h, branch, model.norm)
     return apply_linear(model.output, x).view(batch, 1, -1)
 
 

@@ -1,7 +1,8 @@
 """An MoE block's decode-step routing as custom ops (mx_kernels.moe_routing, whose docstring gives the layout and
 the numerics): ``torch.ops.mx_recipe.moe_route`` turns the router's logits into the grouped GEMM's rows sorted by
-expert (``moe_gate_route``: from the router's input and weight, its GEMM in the same launch), and ``moe_combine``
-weighs and sums each token's expert rows with its shared experts' output. Fake implementations give the shapes,
+expert (``moe_gate_route``: from the router's input and weight, its GEMM in the same launch), and
+``moe_combine_add_rms_norm`` weighs and sums each token's expert rows with its shared experts' output and adds the
+sum to the residual stream and norms it for the next block. Fake implementations give the shapes,
 so torch.compile and CUDA-graph capture take each kernel as one opaque node; Triton is imported on the first call
 only.
 
@@ -51,21 +52,25 @@ def _gate_route_fake(x: Tensor, gate: Tensor, bias: Tensor | None, top_k: int, s
     return _route_fake(x.new_empty((x.shape[0], gate.shape[0])), bias, top_k, softmax, norm, shared)
 
 
-def _combine(y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | None) -> Tensor:
-    from mx_kernels.moe_routing import moe_combine
+def _combine_norm(h: Tensor, y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | None, norm_weight: Tensor,
+                  eps: float, routed_early: bool = False) -> tuple[Tensor, Tensor]:  # fmt: skip
+    from mx_kernels.moe_routing import moe_combine_add_rms_norm
 
-    return moe_combine(y, slots, weights, shared)
+    return moe_combine_add_rms_norm(h, y, slots, weights, shared, norm_weight, eps, routed_early)
 
 
-def _combine_fake(y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | None) -> Tensor:
-    return y.new_empty((slots.shape[0], y.shape[1]))
+def _combine_norm_fake(h: Tensor, y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | None,
+                       norm_weight: Tensor, eps: float, routed_early: bool = False
+                       ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    return torch.empty_like(h), torch.empty_like(h)
 
 
 define("moe_route(Tensor logits, Tensor? bias, int top_k, bool softmax, bool norm, int shared=0) -> (Tensor, Tensor, "
        "Tensor, Tensor)", _route, _route_fake)  # fmt: skip
 define("moe_gate_route(Tensor x, Tensor gate, Tensor? bias, int top_k, bool softmax, bool norm, int shared=0) -> "
        "(Tensor, Tensor, Tensor, Tensor)", _gate_route, _gate_route_fake)  # fmt: skip
-define("moe_combine(Tensor y, Tensor slots, Tensor weights, Tensor? shared) -> Tensor", _combine, _combine_fake)
+define("moe_combine_add_rms_norm(Tensor h, Tensor y, Tensor slots, Tensor weights, Tensor? shared, Tensor norm_weight, "
+       "float eps, bool routed_early=False) -> (Tensor, Tensor)", _combine_norm, _combine_norm_fake)  # fmt: skip
 
 
 def moe_route(logits: Tensor, bias: Tensor | None, top_k: int, softmax: bool, norm: bool, shared: int = 0
@@ -92,7 +97,12 @@ def moe_gate_route(x: Tensor, gate: Tensor, bias: Tensor | None, top_k: int, sof
     return torch.ops.mx_recipe.moe_gate_route(x, gate, bias, top_k, softmax, norm, shared)
 
 
-def moe_combine(y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | None) -> Tensor:
-    """[T, D]: each token's rows of the experts' output y [T * k, D] times their weights, summed, plus its row of
-    ``shared`` (the shared experts' output; None: none), in fp32, rounded once to y's dtype."""
-    return torch.ops.mx_recipe.moe_combine(y, slots, weights, shared)
+def moe_combine_add_rms_norm(h: Tensor, y: Tensor, slots: Tensor, weights: Tensor, shared: Tensor | None,
+                             norm_weight: Tensor, eps: float, routed_early: bool = False
+                             ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(h + out, RMSNorm(h + out) * norm_weight) as ``mx_recipe.infer.fused.add_rms_norm`` gives them, for the
+    residual rows h [T, D] and the MoE block's output out [T, D]: each token's rows of the experts' output y
+    [T * k, D] (``slots`` [T, k] int32) times their ``weights`` [T, k] fp32, summed, plus its row of ``shared`` (the
+    shared experts' output; None: none), in fp32, rounded once to y's dtype. ``routed_early``: slots and weights were
+    written at least two PDL launches before this one (a decode step's routing), so they are read before the wait."""
+    return torch.ops.mx_recipe.moe_combine_add_rms_norm(h, y, slots, weights, shared, norm_weight, eps, routed_early)
