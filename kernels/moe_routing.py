@@ -147,10 +147,8 @@ def _combine_norm_kernel(
     PREFETCH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program t: token t's k expert rows times their weights (+ its shared row), summed in slot order and rounded,
-    added to its residual row and normed (module doc). The compiler issues each row's load after the sum of the row
-    before it (whatever the order of the loads in the source), so each would wait out its own trip to L2: with
-    PREFETCH (compiled for a GPU, not the interpreter) every row's lines are requested first, right after the wait,
-    and the loads find them in L1 or in flight."""
+    added to its residual row and normed (module doc). PREFETCH: a GPU's compile, not the interpreter's
+    (``_prefetch``)."""
     tok = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < D

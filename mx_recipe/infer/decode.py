@@ -10,20 +10,19 @@ The cache is laid out per KV head, [batch, kv heads, max_len, head dim], and the
 attend as one head with their queries stacked (grouped-query attention): SDPA reads each layer's cache once, in
 place, where repeating it per query head would copy it n_heads / n_kv_heads times a step.
 
-A decode step (one position) on a GPU runs the same computation in few launches (``_kernel_step``): the residual
-add with RMSNorm and SwiGLU's silu * mul as fused kernels (``mx_recipe.infer.fused``; silu * mul in the gate/up
-GEMM's epilogue where w1 and w3 are packed, fused and on the weight-only kernel), attention by the split-KV
-kernel of ``mx_recipe.infer.attention`` with RoPE and the cache write in it, which reads only the positions
-written so far and spreads them over the SMs (at batch 1 SDPA runs one program per KV head and waits on its
-loads), and an MoE block's routing and combine by the kernels of ``mx_recipe.infer.routing`` (one launch each,
-where eager routing takes some twenty; up to ``gate_fits`` tokens the router's GEMM runs in the routing launch
-too; the combine runs in the next add + norm launch, ``ExpertRows``). At one sequence the bf16 projections (bf16
-models, and every model's output layer) are the GEMV of ``mx_recipe.infer.gemv``, SwiGLU in its epilogue for a
-fused w1/w3; at more, cuBLAS. A residual branch's last
-projection (wo, w2) on a tiled quantized weight whose GEMM splits K over programs hands its splits' fp32 sums to the
-add + norm kernel, which adds them (``QuantizedLinear.partials``): the GEMM ends without a sum of its own. The fused
-QKV GEMM hands its sums to the attention kernel the same way (``FusedLinear.partials``). The position is a device
-tensor, so one CUDA graph serves every step.
+A decode step (one position) on a GPU runs the same computation in few launches (``_kernel_step``): the residual add
+with RMSNorm and SwiGLU's silu * mul as fused kernels (``mx_recipe.infer.fused``; silu * mul in the gate/up GEMM's
+epilogue where w1 and w3 are packed, fused and on the weight-only kernel), attention by the split-KV kernel of
+``mx_recipe.infer.attention`` with RoPE and the cache write in it, which reads only the positions written so far and
+spreads them over the SMs (at batch 1 SDPA runs one program per KV head and waits on its loads), and an MoE block's
+routing and combine by the kernels of ``mx_recipe.infer.routing`` (one launch each, where eager routing takes some
+twenty; up to ``gate_fits`` tokens the router's GEMM runs in the routing launch too; the combine runs in the next
+add + norm launch, ``ExpertRows``). At one sequence the bf16 projections (bf16 models, and every model's output
+layer) are the GEMV of ``mx_recipe.infer.gemv``, SwiGLU in its epilogue for a fused w1/w3; at more, cuBLAS. A
+residual branch's last projection (wo, w2) on a tiled quantized weight whose GEMM splits K over programs hands its
+splits' fp32 sums to the add + norm kernel, which adds them (``QuantizedLinear.partials``): the GEMM ends without a
+sum of its own. The fused QKV GEMM hands its sums to the attention kernel the same way (``FusedLinear.partials``).
+The position is a device tensor, so one CUDA graph serves every step.
 The prefill, and every step on the CPU, run the model's modules with SDPA and the mask. The fused MoE step leaves
 the block's ``tokens_per_expert`` (a training statistic for the balancing bias) untouched.
 
@@ -139,11 +138,12 @@ def _eps(norm: nn.RMSNorm, dtype: torch.dtype) -> float:
 
 def _add_norm(h: torch.Tensor, branch: Branch, norm: nn.RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + the branch's output, its RMSNorm): ``add_rms_norm``, or for an MoE block's expert rows the combine in
-    the same launch, which reads their slots before its PDL wait (the routing kernel ran three launches back)."""
+    the same launch, which reads their slots before its PDL wait (``routed_early``: the routing kernel ran before
+    the experts' GEMMs)."""
     eps = _eps(norm, h.dtype)
     if isinstance(branch, ExpertRows):
-        rows = branch
-        return moe_combine_add_rms_norm(h, rows.y, rows.slots, rows.weights, rows.shared, norm.weight, eps, True)
+        b = branch
+        return moe_combine_add_rms_norm(h, b.y, b.slots, b.weights, b.shared, norm.weight, eps, routed_early=True)
     delta, scale = branch
     return add_rms_norm(h, delta, norm.weight, eps, scale)
 
