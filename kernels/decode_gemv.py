@@ -40,7 +40,9 @@ them, takes over. The expert comes from the routing kernel, so where that is the
 waits for it before its first read. Where it ran earlier (``offs_ready``: an MoE's w2, after w1/w3 on the same
 rows), it has completed by the time this kernel's programs start, since the kernel before released them only after
 its own wait (mx_kernels.pdl): the programs then read ``offs``, ``rows`` and their first weights before the wait, as
-a dense GEMV does, and only x after it. At one token of the MoE 16B (6 of 64 experts), us per GEMM on one H200 in a
+a dense GEMV does, and only x after it. Shared experts folded in as groups of every token (``early``) need nothing
+from the routing: where x came before the routing's launch (a decode step's w1/w3), their rows take the grid's
+first programs and run without the wait, while the routing kernel still runs. At one token of the MoE 16B (6 of 64 experts), us per GEMM on one H200 in a
 PDL chain over cold copies: bf16 fused w1/w3 with SwiGLU 42.0 (the rows' gather, ``torch._grouped_mm``,
 ``silu_mul``) -> 22.7, w2 26.7 -> 14.5; MXFP8 experts against the weight-only kernel's grouped small-M path 16.6 ->
 14.7 and 12.9 -> 9.9.
@@ -122,13 +124,19 @@ def _accumulate(acc, w, s, x_ptrs, k0, K, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, offs_ptr, rows_ptr, N, K, E, stride_xm, stride_om, stride_we, stride_wn,
-                 stride_se, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, offs_ptr, rows_ptr, N, K, E, TOKENS, stride_xm, stride_om, stride_we,
+                 stride_wn, stride_se, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  SCALED: tl.constexpr, HW_FP8: tl.constexpr, SWIGLU: tl.constexpr, GROUPED: tl.constexpr,
-                 GATHER: tl.constexpr, E_POW2: tl.constexpr, OFFS_READY: tl.constexpr,
+                 GATHER: tl.constexpr, E_POW2: tl.constexpr, OFFS_READY: tl.constexpr, EARLY: tl.constexpr,
                  PDL: tl.constexpr):  # fmt: skip
+    """``EARLY`` (grouped, gathered): the last EARLY groups are every one of the TOKENS rows of x in order (folded
+    shared experts): their rows take the grid's first programs and run without the PDL wait (module doc)."""
     pid = tl.program_id(0)
     row = tl.program_id(1)  # the output row: 0 but for grouped rows
+    if EARLY > 0:  # the shared groups' rows (the last EARLY * TOKENS) first
+        first_shared = tl.num_programs(1) - EARLY * TOKENS
+        row = (row + first_shared) % tl.num_programs(1)
+        shared = row >= first_shared
     j = tl.arange(0, BLOCK_N)
     if SWIGLU:  # the first half of the program's rows are gate rows (w1), the second the same rows of w3
         HALF: tl.constexpr = BLOCK_N // 2
@@ -141,19 +149,30 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, offs_ptr, rows_ptr, N, K, E, stri
         rn_in = (rn % N).to(tl.int64)  # rows past N read a real row; their outputs are not stored
     in_group = row >= 0
     if GROUPED:  # the row's expert and x row come from the routing kernel: wait for it first unless it ran earlier
-        if not OFFS_READY:
+        routed = True
+        if EARLY > 0:
+            routed = not shared
+            if shared:  # a shared group's row: its expert and token need nothing from the kernel before
+                pdl.release_next(PDL)
+            else:
+                pdl.wait_prior(PDL)
+                pdl.release_next(PDL)
+        elif not OFFS_READY:
             pdl.wait_prior(PDL)
             pdl.release_next(PDL)
         g = tl.arange(0, E_POW2)
-        ends = tl.load(offs_ptr + g, mask=g < E, other=0x7FFFFFFF, cache_modifier=".cg")
+        ends = tl.load(offs_ptr + g, mask=(g < E) & routed, other=0x7FFFFFFF, cache_modifier=".cg")
         expert = tl.sum((ends <= row).to(tl.int32))
         in_group = expert < E  # rows past the last group's end are written as zeros
         expert = tl.minimum(expert, E - 1).to(tl.int64)
-        w_ptr += expert * stride_we
-        s_ptr += expert * stride_se
         x_row = row
         if GATHER:
-            x_row = tl.load(rows_ptr + row, cache_modifier=".cg")
+            x_row = tl.load(rows_ptr + row, mask=routed, other=0, cache_modifier=".cg")
+        if EARLY > 0:
+            expert = tl.where(shared, E - EARLY + (row - first_shared) // TOKENS, expert).to(tl.int64)
+            x_row = tl.where(shared, (row - first_shared) % TOKENS, x_row)
+        w_ptr += expert * stride_we
+        s_ptr += expert * stride_se
         x_ptr += x_row.to(tl.int64) * stride_xm
         out_ptr += row.to(tl.int64) * stride_om
     k = tl.arange(0, BLOCK_K)
@@ -230,8 +249,8 @@ def _check_weight(name: str, x: torch.Tensor, w: torch.Tensor, scale: torch.Tens
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, swiglu: bool, m: int,
-            offs: torch.Tensor | None = None, rows: torch.Tensor | None = None, offs_ready: bool = False
-            ) -> torch.Tensor:  # fmt: skip
+            offs: torch.Tensor | None = None, rows: torch.Tensor | None = None, offs_ready: bool = False,
+            early: int = 0) -> torch.Tensor:  # fmt: skip
     """out [m, N (N / 2 with swiglu)]: the GEMV of each of x's m rows, or with ``offs`` of each grouped row."""
     n, k = w.shape[-2:]
     out = torch.empty((m, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
@@ -247,11 +266,12 @@ def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, swiglu
         grid,
         dict(x_ptr=x, w_ptr=w.view(torch.uint8) if scaled else w, s_ptr=scale.view(torch.uint8) if scaled else w,
              out_ptr=out, offs_ptr=offs if grouped else out, rows_ptr=rows if rows is not None else out, N=n, K=k,
-             E=experts, stride_xm=x.stride(0), stride_om=out.stride(0), stride_we=w.stride(0) if grouped else 0,
-             stride_wn=w.stride(-2), stride_se=scale.stride(0) if scaled and grouped else 0,
-             stride_sn=scale.stride(-2) if scaled else 0, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+             E=experts, TOKENS=x.shape[0] if early else 0, stride_xm=x.stride(0), stride_om=out.stride(0),
+             stride_we=w.stride(0) if grouped else 0, stride_wn=w.stride(-2),
+             stride_se=scale.stride(0) if scaled and grouped else 0, stride_sn=scale.stride(-2) if scaled else 0,
+             BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
              SCALED=scaled, HW_FP8=_hw_fp8(x.device), SWIGLU=swiglu, GROUPED=grouped, GATHER=rows is not None,
-             E_POW2=triton.next_power_of_2(experts), OFFS_READY=offs_ready, num_warps=warps,
+             E_POW2=triton.next_power_of_2(experts), OFFS_READY=offs_ready, EARLY=early, num_warps=warps,
              **pdl.options(x.device)),
     )  # fmt: skip
     return out
@@ -270,13 +290,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, sw
 
 
 def grouped_gemv(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor | None = None,
-                 scale: torch.Tensor | None = None, swiglu: bool = False, offs_ready: bool = False
+                 scale: torch.Tensor | None = None, swiglu: bool = False, offs_ready: bool = False, early: int = 0
                  ) -> torch.Tensor:  # fmt: skip
     """Per group, its rows of x @ w[e].T -> [M, N] (module doc, Grouped): w [E, N, K] (MXFP8 with ``scale`` [E, N,
     K / 32]), ``offs`` [E] int32 the groups' cumulative row ends, M at most GROUPED_MAX_M; the rows are x [M, K], or
     with ``rows`` [M] int32 x[rows] of the tokens x [T, K]. Rows past ``offs[-1]`` are zeros. ``swiglu`` as
     ``gemv``'s. ``offs_ready``: ``offs`` and ``rows`` were written before the launch right before this one (module
-    doc, Grouped)."""
+    doc, Grouped). ``early`` (with ``rows``): the last ``early`` groups are every token of x in order (folded
+    shared experts), and x was written before the launch right before this one: their rows run without the wait."""
     m = x.shape[0] if rows is None else rows.shape[0]
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
         raise ValueError(f"grouped_gemv: x [M, K] and w [E, N, K], got x {tuple(x.shape)} and w {tuple(w.shape)}")
@@ -286,4 +307,9 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: tor
     _check_weight("grouped_gemv", x, w, scale, swiglu)
     if m > GROUPED_MAX_M:
         raise ValueError(f"grouped_gemv: {m} rows, at most {GROUPED_MAX_M}")
-    return _launch(x, w, scale, swiglu, m, offs.contiguous(), None if rows is None else rows.contiguous(), offs_ready)
+    if early and (rows is None or offs_ready or not 0 < early < w.shape[0] or m < early * x.shape[0]):
+        raise ValueError(f"grouped_gemv: early groups are shared experts over every token of x (rows given, offs "
+                         f"not ready), fewer than the {w.shape[0]} groups and within the {m} rows; got {early} "
+                         f"groups of {x.shape[0]} tokens")  # fmt: skip
+    rows = None if rows is None else rows.contiguous()
+    return _launch(x, w, scale, swiglu, m, offs.contiguous(), rows, offs_ready, early)

@@ -48,8 +48,23 @@ def gemv(x: torch.Tensor, w: torch.Tensor, swiglu: bool = False, scale: torch.Te
 
 
 def grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor | None = None,
-            swiglu: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    return torch.ops.mx_recipe.grouped_gemv(x, w, offs, rows, scale, swiglu=swiglu)
+            swiglu: bool = False, scale: torch.Tensor | None = None, early: int = 0) -> torch.Tensor:  # fmt: skip
+    return torch.ops.mx_recipe.grouped_gemv(x, w, offs, rows, scale, swiglu=swiglu, early=early)
+
+
+def check_early(x: torch.Tensor, w: torch.Tensor, routed: list[list[int]], shared: int,
+                scale: torch.Tensor | None = None) -> None:  # fmt: skip
+    """Tokens x [T, K] routed to ``routed[t]`` of the first groups of w, the last ``shared`` groups every token in
+    order (as ``moe_route`` lays them out): with those groups early, the same bits as without, SwiGLU too."""
+    e = w.shape[0] - shared
+    rows = [t for g in range(e) for t in range(x.shape[0]) if g in routed[t]] + list(range(x.shape[0])) * shared
+    counts = [sum(g in r for r in routed) for g in range(e)] + [x.shape[0]] * shared
+    offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    rows = torch.tensor(rows, dtype=torch.int32, device=x.device)
+    for swiglu in (False, True):
+        want = grouped(x, w, offs, rows, swiglu, scale)
+        got = grouped(x, w, offs, rows, swiglu, scale, early=shared)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), swiglu
 
 
 def mxfp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -186,6 +201,8 @@ def test_grouped_bad_arguments_are_one_line_errors():
         ((x, w.double(), offs), "of one dtype"),
         ((x, torch.zeros(4, 6, 64, dtype=torch.uint8), offs, None, torch.zeros(4, 6, 3, dtype=torch.uint8)), "scales"),
         ((x, w[:, :5], offs, None, None, True), "swiglu needs"),
+        ((x, w, offs, None, None, False, False, 1), "early groups are shared experts"),
+        ((x, w, offs, torch.zeros(4, dtype=torch.int32), None, False, False, 4), "early groups are shared experts"),
     ]
     for args, match in cases:
         with pytest.raises(ValueError, match=match) as info:
@@ -221,11 +238,12 @@ def test_off_the_gpu_linear_is_f_linear():
 
 @pytest.mark.skipif(INTERP or not HAS_TRITON, reason="compiles for sm_90a")
 @pytest.mark.parametrize("scaled", [False, True])
-@pytest.mark.parametrize("grouped", [False, True, "offs_ready"])
+@pytest.mark.parametrize("grouped", [False, True, "offs_ready", "early"])
 def test_first_step_is_read_before_the_pdl_wait(scaled, grouped):
     """Compiled for sm_90a under PDL: the first step's weights (and MXFP8's scales) are loaded before the wait for
     the kernel before, and the next kernel is released right after the wait; grouped, whose expert the kernel
-    before chooses, every load comes after the wait, but where an earlier kernel wrote ``offs`` (w2's)."""
+    before chooses, every load comes after the wait, but where an earlier kernel wrote ``offs`` (w2's). With early
+    groups (folded shared experts) their rows' path releases the next kernel and waits for none."""
     from mx_kernels.decode_gemv import _gemv_kernel
     from mx_kernels.gluon.common import compile_for_arch
 
@@ -235,15 +253,23 @@ def test_first_step_is_read_before_the_pdl_wait(scaled, grouped):
     ints = torch.empty(8, dtype=torch.int32, **meta)
     kwargs = dict(x_ptr=torch.empty(1, k, dtype=torch.bfloat16, **meta), w_ptr=w,
                   s_ptr=torch.empty(n, k // 32, dtype=torch.uint8, **meta) if scaled else w, out_ptr=out,
-                  offs_ptr=ints, rows_ptr=ints, N=n, K=k, E=8, stride_xm=k, stride_om=n, stride_we=n * k,
+                  offs_ptr=ints, rows_ptr=ints, N=n, K=k, E=8, TOKENS=1, stride_xm=k, stride_om=n, stride_we=n * k,
                   stride_wn=k, stride_se=n * k // 32, stride_sn=k // 32 if scaled else 0, BLOCK_N=4, BLOCK_K=1024,
                   EVEN_K=True, SCALED=scaled, HW_FP8=True, SWIGLU=False, GROUPED=bool(grouped), GATHER=bool(grouped),
-                  E_POW2=8, OFFS_READY=grouped == "offs_ready", PDL=True, num_warps=4)  # fmt: skip
+                  E_POW2=8, OFFS_READY=grouped == "offs_ready", EARLY=2 if grouped == "early" else 0, PDL=True,
+                  num_warps=4)  # fmt: skip
     ptx = compile_for_arch(_gemv_kernel, kwargs, 90).asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
     before, after = ptx[:wait], ptx[wait:]
     assert after.index("griddepcontrol.launch_dependents") < after.index("ld.global")
-    if grouped is True:
+    assert ptx.count("griddepcontrol.wait") == 1
+    assert ptx.count("griddepcontrol.launch_dependents") == 1 + (grouped == "early")
+    if grouped == "early":  # two paths, the shared rows' without the wait, joined before any load; the routing's
+        # offs and rows read on the routed rows' only
+        assert ptx.rindex("griddepcontrol") < ptx.index("ld.global")
+        scalar = [line.strip() for line in ptx.splitlines() if "ld.global.cg.b32" in line]
+        assert len(scalar) == 2 and all(line.startswith("@%p") for line in scalar)
+    elif grouped is True:
         assert "ld.global" not in before
     else:
         assert "ld.global.v4.b32" in before and ("ld.global.b8" in before) == scaled  # 16-byte weight loads, scales
@@ -287,6 +313,8 @@ def test_interp_grouped_ragged_gathered_and_past_the_end(dtype):
     check_grouped(x, w, [2, 0, 3, 0, 1], extra=1)  # x's rows by expert, the last past the groups' end
     check_grouped(x, w, [0, 0, 0, 0, 7])  # every row the last expert's
     check_grouped(x[:3], w, [1, 2, 0, 2, 1], rows=torch.tensor([2, 0, 1, 2, 0, 1], dtype=torch.int32))
+    check_early(x[:3], w, [[1], [0], [1]], shared=1)  # 3 tokens top-1, one shared group
+    check_early(x[:2], w, [[0, 2], [2, 1]], shared=2)  # 2 tokens top-2, two shared groups
 
 
 @interp_only
@@ -296,6 +324,7 @@ def test_interp_grouped_mxfp8():
     view = (3, 40, 992)
     check_grouped(x, codes.view(view), [1, 0, 2], rows=torch.tensor([0, 2, 1], dtype=torch.int32),
                   scale=scales.view(3, 40, 31), dequantized=w.view(view))  # fmt: skip
+    check_early(x[:2], codes.view(view), [[1], [0]], shared=1, scale=scales.view(3, 40, 31))
 
 
 @interp_only
@@ -353,6 +382,12 @@ def test_gpu_grouped_moe16b_shapes():
     view = (8, 2816, 2048)
     check_grouped(x, codes.view(view), [1, 0, 1, 1, 0, 1, 1, 1], rows=torch.zeros(6, dtype=torch.int32, device="cuda"),
                   scale=scales.view(8, 2816, 64), dequantized=w.view(view))  # fmt: skip
+    from mx_kernels import pdl
+
+    for on in (False, True):  # the shared groups early, with and without PDL: one token (top-4 of 6), and two
+        with pdl.launching(on):
+            check_early(x[:1], codes.view(view), [[0, 2, 3, 5]], shared=2, scale=scales.view(8, 2816, 64))
+            check_early(x[:2], codes.view(view), [[0, 5], [1, 5]], shared=2, scale=scales.view(8, 2816, 64))
 
 
 @pytest.mark.gpu
@@ -463,15 +498,16 @@ def test_gpu_moe_decode_step_takes_the_grouped_gemv(fmt, monkeypatch):
     model = decode_model("moe", "debug_moe", fmt)
     op, calls = torch.ops.mx_recipe.grouped_gemv, []
 
-    def recorded(x, w, offs, rows=None, scale=None, swiglu=False, offs_ready=False):
-        calls.append((rows is not None, swiglu, scale is not None, offs_ready))
-        return op(x, w, offs, rows, scale, swiglu=swiglu, offs_ready=offs_ready)
+    def recorded(x, w, offs, rows=None, scale=None, swiglu=False, offs_ready=False, early=0):
+        calls.append((rows is not None, swiglu, scale is not None, offs_ready, early))
+        return op(x, w, offs, rows, scale, swiglu=swiglu, offs_ready=offs_ready, early=early)
 
     monkeypatch.setattr(torch.ops.mx_recipe, "grouped_gemv", recorded)
     moe_layers = sum(getattr(layer, "moe_enabled", False) for layer in model.layers.values())
     scaled = fmt == "mxfp8"
     for batch in (1, 5):
         decode_step(model, batch, calls)
-        # w2 after w1/w3 on the same offs: it reads them and its first weights before its PDL wait
-        expected = [(True, True, scaled, False), (False, False, scaled, True)] * moe_layers
+        # w1/w3's folded shared group (MXFP8) runs early; w2 after w1/w3 on the same offs reads them and its first
+        # weights before its PDL wait
+        expected = [(True, True, scaled, False, int(scaled)), (False, False, scaled, True, 0)] * moe_layers
         assert calls == (expected if batch == 1 else []), calls

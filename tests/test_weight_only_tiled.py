@@ -144,6 +144,22 @@ def test_grouped_programs_wait_for_the_routing_before_any_read(fmt):
 
 
 @needs_triton
+def test_grouped_early_shared_tiles_release_without_waiting():
+    """Compiled for sm_90a with two early groups (folded shared experts over 3 tokens): the shared tiles' path
+    releases the next kernel and reads nothing before the one wait, which the routed tiles' path takes before
+    reading ``offs``; the rows' load (written by the routing) is predicated: the shared tiles skip it."""
+    over = dict(GROUPED=True, GATHER=True, RAGGED=False, E=8, E_POW2=8, T=1, W=2, KW=2, SPLIT=False, K=2048,
+                K_SPLIT=2048, SPLIT_K=1, UNROLL=0, EARLY=2, TOKENS=3, M=24, BLOCK_M=8, PARTIALS=False,
+                num_warps=2)  # fmt: skip
+    _, ptx = compiled_kernel(1, False, "mxfp4", **over)
+    before_wait = ptx[: ptx.index("griddepcontrol.wait")]
+    assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 2
+    assert "griddepcontrol.launch_dependents" in before_wait and "ld.global" not in before_wait
+    scalar_loads = [line.strip() for line in ptx.splitlines() if "ld.global.b32 {" in line]
+    assert len(scalar_loads) == 3 and all(line.startswith("@%p") for line in scalar_loads)
+
+
+@needs_triton
 def test_grouped_bad_operands_are_one_line_errors():
     from mx_kernels.gluon.weight_only_tiled import tiled_weight_only_grouped_mm as launch
 
@@ -158,6 +174,7 @@ def test_grouped_bad_operands_are_one_line_errors():
         (dict(words=p.qdata[0]), r"pack's words \[E, N, 32\]"),
         (dict(x=torch.randn(3, 128).bfloat16()), "K = 128"),
         (dict(offs=offs.long()), "offs must be int32"),
+        (dict(early=1), "early groups are shared experts"),
         (dict(offs=offs[:1]), "for E = 2 experts"),
         (dict(rows=torch.tensor([0, 1])), "rows must be an int32"),
         (dict(tensor_scale=torch.ones(1)), "nvfp4 takes a tensor scale"),
@@ -278,7 +295,7 @@ def compiled_kernel(m: int, wgmma: bool, fmt: str, **over):
         out_ptr=torch.empty(m, n, dtype=torch.bfloat16, **meta), ws_ptr=torch.empty(2, m, n, **meta),
         cnt_ptr=torch.empty(64, dtype=torch.int32, **meta), offs_ptr=torch.empty(8, dtype=torch.int32, **meta),
         rows_ptr=torch.empty(m, dtype=torch.int32, **meta), M=m, N=n, K=k, K_SPLIT=k // 2, SPLIT_K=2, stride_xm=k,
-        stride_om=n, stride_tn=1, E=1, stride_we=0, stride_se=0, stride_te=0, FMT=fmt, BLOCK_M=max(8, m),
+        stride_om=n, stride_tn=1, E=1, stride_we=0, stride_se=0, stride_te=0, TOKENS=0, FMT=fmt, BLOCK_M=max(8, m),
         T=1 if wgmma else 2, W=4, SPLIT=True, WIDE=False, SWIGLU=True, PDL=True, WGMMA=wgmma, UNROLL=2, KW=1,
         num_warps=4,
     )  # fmt: skip
@@ -613,6 +630,34 @@ def test_gpu_grouped_experts_within_the_bound(fmt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gpu_grouped_early_shared_groups_are_the_same_bits(fmt):
+    """The last groups as shared experts over every token, laid out as ``moe_route`` lays them (``early``: their
+    tiles first, run without the PDL wait): the same bits as the same launch without ``early``, with and without
+    SwiGLU and PDL, for 1, 3 and 11 tokens (a shared group past one row tile), K of 16 and of 11 steps."""
+    hopper()
+    from mx_kernels.gluon.weight_only_tiled import tiled_weight_only_grouped_mm as launch
+
+    torch.manual_seed(34)
+    routed, shared, top_k = 6, 2, 2
+    for n, k, swiglu in ((64, 2048, True), (32, 1408, False)):
+        p = experts(weights(n, k, CUDA, lead=(routed + shared,)) * 0.02, fmt, row_scales=True)
+        p.tile(swiglu)
+        for tokens in (1, 3, 11):
+            picks = [torch.randperm(routed)[:top_k].tolist() for _ in range(tokens)]
+            rows = [t for e in range(routed) for t in range(tokens) if e in picks[t]] + list(range(tokens)) * shared
+            counts = [sum(e in c for c in picks) for e in range(routed)] + [tokens] * shared
+            offs = torch.tensor(counts, device=CUDA).cumsum(0).to(torch.int32)
+            rows = torch.tensor(rows, device=CUDA, dtype=torch.int32)
+            x = torch.randn(tokens, k, device=CUDA).bfloat16()
+            args = (x, p.qdata, p.scale, p.tensor_scale_tiled, fmt, p.wide_scales, offs, rows, swiglu)
+            want = launch(*args)
+            for pdl in (False, True):
+                got = launch(*args, pdl=pdl, early=shared)
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (n, tokens, pdl)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gpu_grouped_swiglu_epilogue_and_prefill(fmt):
     """Experts' w1 and w3 tiled in SwiGLU's row order: the grouped kernel's epilogue is bit for bit ``silu_mul`` of
@@ -666,14 +711,14 @@ def test_gpu_moe_decode_step_takes_the_tiled_experts(fmt, monkeypatch):
     assert not any(layer.moe.experts.w13_packed.tiled for layer in two.layers.values() if layer.moe_enabled)
     op, calls = torch.ops.mx_recipe.weight_only_tiled_grouped_mm, []
 
-    def recorded(x, words, scales, tensor_scale, fmt, wide_scales, offs, rows=None, swiglu=False):
-        calls.append((rows is not None, swiglu))
-        return op(x, words, scales, tensor_scale, fmt, wide_scales, offs, rows, swiglu=swiglu)
+    def recorded(x, words, scales, tensor_scale, fmt, wide_scales, offs, rows=None, swiglu=False, early=0):
+        calls.append((rows is not None, swiglu, early))
+        return op(x, words, scales, tensor_scale, fmt, wide_scales, offs, rows, swiglu=swiglu, early=early)
 
     monkeypatch.setattr(torch.ops.mx_recipe, "weight_only_tiled_grouped_mm", recorded)
     cuda = torch.device(CUDA)
-    for batch in (1, 5):
-        assert decode_step(model, batch, calls) == [(True, True)] * len(blocks), (batch, calls)
+    for batch in (1, 5):  # the shared groups run early: x came before the routing's launch
+        assert decode_step(model, batch, calls) == [(True, True, b.shared) for b in blocks], (batch, calls)
     monkeypatch.undo()
     plain = decode_model("moe", "debug_moe", fmt)
     tokens = torch.randint(0, 320, (1, 12), device=cuda)

@@ -190,7 +190,7 @@ def _moe_step(moe: MoE, x: torch.Tensor) -> ExpertRows:
         route = moe_route(gate(x), bias, moe.top_k, softmax, router.route_norm, folded)
     offs, rows, slots, weights = route
     if getattr(moe.experts, "fuses_swiglu", False):
-        h = moe.experts.swiglu(x, offs, rows)
+        h = moe.experts.swiglu(x, offs, rows, x_ready=True)  # x came before the routing's launch
     else:
         h = silu_mul(*moe.experts.gate_up(x, offs, rows))
     y = moe.experts.down(h, offs)

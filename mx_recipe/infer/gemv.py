@@ -42,20 +42,20 @@ define("gemv(Tensor x, Tensor w, Tensor? scale=None, *, bool swiglu=False) -> Te
 
 
 def _launch_grouped(x: Tensor, w: Tensor, offs: Tensor, rows: Tensor | None = None, scale: Tensor | None = None, *,
-                    swiglu: bool = False, offs_ready: bool = False) -> Tensor:  # fmt: skip
+                    swiglu: bool = False, offs_ready: bool = False, early: int = 0) -> Tensor:  # fmt: skip
     from mx_kernels.decode_gemv import grouped_gemv as launch
 
-    return launch(x, w, offs, rows, scale, swiglu, offs_ready)
+    return launch(x, w, offs, rows, scale, swiglu, offs_ready, early)
 
 
 def _fake_grouped(x: Tensor, w: Tensor, offs: Tensor, rows: Tensor | None = None, scale: Tensor | None = None, *,
-                  swiglu: bool = False, offs_ready: bool = False) -> Tensor:  # fmt: skip
+                  swiglu: bool = False, offs_ready: bool = False, early: int = 0) -> Tensor:  # fmt: skip
     m = x.shape[0] if rows is None else rows.shape[0]
     return x.new_empty((m, w.shape[1] // 2 if swiglu else w.shape[1]))
 
 
 define("grouped_gemv(Tensor x, Tensor w, Tensor offs, Tensor? rows=None, Tensor? scale=None, *, bool swiglu=False, "
-       "bool offs_ready=False) -> Tensor", _launch_grouped, _fake_grouped)  # fmt: skip
+       "bool offs_ready=False, int early=0) -> Tensor", _launch_grouped, _fake_grouped)  # fmt: skip
 
 
 def takes(x: Tensor) -> bool:
@@ -84,12 +84,14 @@ def gemv(x: Tensor, w: Tensor, scale: Tensor | None = None, swiglu: bool = False
 
 
 def grouped_gemv(x: Tensor, w: Tensor, offs: Tensor, rows: Tensor | None = None, scale: Tensor | None = None,
-                 swiglu: bool = False, offs_ready: bool = False) -> Tensor:  # fmt: skip
+                 swiglu: bool = False, offs_ready: bool = False, early: int = 0) -> Tensor:  # fmt: skip
     """Per group, its rows of x (or x[rows]) @ w[e].T by the kernel: w [E, N, K] bf16, or MXFP8 codes with their
     ``scale`` [E, N, K / 32]; ``offs`` [E] int32 the groups' cumulative row ends, ``rows`` int32; ``swiglu`` as
     ``gemv``'s; ``offs_ready``: ``offs`` and ``rows`` were written before the launch right before this one (the
-    kernel reads them before its PDL wait: mx_kernels.decode_gemv)."""
-    return torch.ops.mx_recipe.grouped_gemv(x, w, offs, rows, scale, swiglu=swiglu, offs_ready=offs_ready)
+    kernel reads them before its PDL wait: mx_kernels.decode_gemv); ``early``: the last groups, every token of x
+    in order (folded shared experts), run without that wait, x written before that launch."""
+    return torch.ops.mx_recipe.grouped_gemv(x, w, offs, rows, scale, swiglu=swiglu, offs_ready=offs_ready,
+                                            early=early)  # fmt: skip
 
 
 def use_gemv(x: Tensor, w: Tensor) -> bool:

@@ -81,24 +81,25 @@ define("weight_only_tiled_mm(Tensor x, Tensor words, Tensor scales, Tensor? tens
 
 
 def _tiled_grouped(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor | None, fmt: str, wide_scales: bool,
-                   offs: Tensor, rows: Tensor | None = None, *, swiglu: bool = False) -> Tensor:  # fmt: skip
+                   offs: Tensor, rows: Tensor | None = None, *, swiglu: bool = False,
+                   early: int = 0) -> Tensor:  # fmt: skip
     from mx_kernels import pdl
     from mx_kernels.gluon.weight_only_tiled import tiled_weight_only_grouped_mm
 
     return tiled_weight_only_grouped_mm(x, words, scales, tensor_scale, fmt, wide_scales, offs, rows, swiglu,
-                                        pdl=pdl.enabled(x.device))  # fmt: skip
+                                        pdl=pdl.enabled(x.device), early=early)  # fmt: skip
 
 
 def _tiled_grouped_fake(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor | None, fmt: str,
                         wide_scales: bool, offs: Tensor, rows: Tensor | None = None, *,
-                        swiglu: bool = False) -> Tensor:  # fmt: skip
+                        swiglu: bool = False, early: int = 0) -> Tensor:  # fmt: skip
     m = x.shape[0] if rows is None else rows.shape[0]
     return x.new_empty((m, words.shape[1] // 2 if swiglu else words.shape[1]), dtype=torch.bfloat16)
 
 
 define("weight_only_tiled_grouped_mm(Tensor x, Tensor words, Tensor scales, Tensor? tensor_scale, str fmt,"
-       " bool wide_scales, Tensor offs, Tensor? rows=None, *, bool swiglu=False) -> Tensor", _tiled_grouped,
-       _tiled_grouped_fake)  # fmt: skip
+       " bool wide_scales, Tensor offs, Tensor? rows=None, *, bool swiglu=False, int early=0) -> Tensor",
+       _tiled_grouped, _tiled_grouped_fake)  # fmt: skip
 
 
 def _dequantize(qdata: Tensor, scale: Tensor, tensor_scale: Tensor | None, fmt: str) -> Tensor:
@@ -184,9 +185,10 @@ def weight_only_grouped_mm(x: Tensor, qdata: Tensor, scale: Tensor, tensor_scale
 
 def tiled_weight_only_grouped_mm(x: Tensor, words: Tensor, scales: Tensor, tensor_scale: Tensor | None, fmt: str,
                                  wide_scales: bool, offs: Tensor, rows: Tensor | None = None,
-                                 swiglu: bool = False) -> Tensor:  # fmt: skip
+                                 swiglu: bool = False, early: int = 0) -> Tensor:  # fmt: skip
     """``weight_only_grouped_mm`` for experts tiled by ``PackedWeight.tile`` (words [E, N, ...], scales and tensor
     scale as mx_kernels.gluon.weight_only_tiled.pack returns them), up to LARGE_M rows; ``swiglu`` for w1 and w3
-    packed in SwiGLU's row order."""
+    packed in SwiGLU's row order. ``early``: the last groups that hold every token of x in order (folded shared
+    experts) and run without waiting for the launch before (the kernel's ``early``)."""
     op = torch.ops.mx_recipe.weight_only_tiled_grouped_mm
-    return op(x, words, scales, tensor_scale, fmt, wide_scales, offs, rows, swiglu=swiglu)
+    return op(x, words, scales, tensor_scale, fmt, wide_scales, offs, rows, swiglu=swiglu, early=early)

@@ -194,17 +194,21 @@ class PackedWeight(nn.Module):
         return self.mm(x, kernel), None
 
     def grouped_mm(self, x: torch.Tensor, offs: torch.Tensor, kernel: bool, rows: torch.Tensor | None = None,
-                   swiglu: bool = False, offs_ready: bool = False) -> torch.Tensor:  # fmt: skip
+                   swiglu: bool = False, offs_ready: bool = False, early: int = 0) -> torch.Tensor:  # fmt: skip
         """x [M, K] sorted by group (int32 cumulative ends ``offs``) by each group's w [N, K]: [M, N]. ``rows``:
         int32 [M], the groups' rows are x[rows] (the kernel reads them in place). ``swiglu``: as ``mm``'s. The
         weight-only kernel where ``use_kernel(x)`` (and ``kernel``; MXFP8 experts at a token's rows: the grouped
         GEMV of mx_recipe.infer.gemv), else the reference. ``offs_ready``: ``offs`` and ``rows`` were written
-        before the launch right before this one (the untiled kernels then read them before their PDL wait)."""
+        before the launch right before this one (the untiled kernels then read them before their PDL wait).
+        ``early``: the last groups hold every token of x in order (folded shared experts), and x was written before
+        the launch right before this one: the tiled kernel and the grouped GEMV run them without waiting for it."""
         if self.tiled:
-            return self._tiled_grouped_mm(x, offs, kernel, rows, swiglu)
+            return self._tiled_grouped_mm(x, offs, kernel, rows, swiglu, early)
         if kernel and use_kernel(x):
             if self.fmt == "mxfp8" and takes_grouped(x, x.shape[0] if rows is None else rows.shape[0]):
-                return grouped_gemv(x, self.qdata, offs, rows, self.scale, swiglu, offs_ready)  # a token's rows
+                return grouped_gemv(
+                    x, self.qdata, offs, rows, self.scale, swiglu, offs_ready, early if rows is not None else 0
+                )  # a token's rows
             return weight_only_grouped_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, offs, rows, swiglu,
                                           offs_ready)  # fmt: skip
         x = x if rows is None else x[rows]
@@ -212,7 +216,7 @@ class PackedWeight(nn.Module):
         return swiglu_of(y) if swiglu else y
 
     def _tiled_grouped_mm(self, x: torch.Tensor, offs: torch.Tensor, kernel: bool, rows: torch.Tensor | None,
-                          swiglu: bool) -> torch.Tensor:  # fmt: skip
+                          swiglu: bool, early: int = 0) -> torch.Tensor:  # fmt: skip
         """``grouped_mm`` for tiled experts: the tiled grouped kernel up to LARGE_M rows (decode), else (prefill)
         the experts dequantized in their packed row order for cuBLAS's grouped GEMM."""
         if self.qdata.dim() != 3:
@@ -220,7 +224,8 @@ class PackedWeight(nn.Module):
         m = x.shape[0] if rows is None else rows.shape[0]
         if kernel and use_kernel(x) and m <= LARGE_M and swiglu == self.swiglu_rows:
             return tiled_weight_only_grouped_mm(x, self.qdata, self.scale, self.tensor_scale_tiled, self.fmt,
-                                                self.wide_scales, offs, rows, swiglu)  # fmt: skip
+                                                self.wide_scales, offs, rows, swiglu,
+                                                early if rows is not None else 0)  # fmt: skip
         x = x if rows is None else x[rows]
         if swiglu and self.swiglu_rows:
             return _swiglu_packed(torch._grouped_mm(x, self._dequantize_tiled(x.dtype).transpose(-2, -1), offs=offs))
@@ -307,12 +312,15 @@ class QuantizedExperts(nn.Module):
         self.fmt, self.activations, self.kernel = fmt, activations, kernel
 
     def _mm(self, x: torch.Tensor, packed: PackedWeight, offs: torch.Tensor, rows: torch.Tensor | None = None,
-            swiglu: bool = False, offs_ready: bool = False) -> torch.Tensor:  # fmt: skip
+            swiglu: bool = False, offs_ready: bool = False, x_ready: bool = False) -> torch.Tensor:  # fmt: skip
         if offs.shape[0] < packed.qdata.shape[0]:  # the routed groups' ends: the folded shared groups get no rows
             offs = torch.cat([offs, offs[-1:].expand(self.shared)])
+            x_ready = False  # the routing's offs, then the cat: the launch before writes none of the shared rows
         if self.activations:
             x = quantize_activation(x, self.fmt)  # per row along K: the same rows whether gathered before or after
-        return packed.grouped_mm(x, offs, self.kernel, rows, swiglu, offs_ready)
+            x_ready = False  # the launch right before wrote the quantized x
+        early = self.shared if x_ready else 0
+        return packed.grouped_mm(x, offs, self.kernel, rows, swiglu, offs_ready, early)
 
     def fuse(self) -> None:
         """Keep w1 and w3 as one weight [E, 2 * hidden, K] (``w13_packed``): one grouped GEMM for both."""
@@ -373,12 +381,15 @@ class QuantizedExperts(nn.Module):
         """Whether ``swiglu`` runs in the grouped GEMM's epilogue: w1 and w3 fused, on the weight-only kernel."""
         return hasattr(self, "w13_packed") and self.kernel
 
-    def swiglu(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
+    def swiglu(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None,
+               x_ready: bool = False) -> torch.Tensor:  # fmt: skip
         """SwiGLU's ``F.silu(h1) * h3`` of ``gate_up``'s outputs; with w1 and w3 fused and the kernel, in the
-        grouped GEMM's epilogue (``weight_only_grouped_mm``'s ``swiglu``: ``silu_mul``'s roundings)."""
+        grouped GEMM's epilogue (``weight_only_grouped_mm``'s ``swiglu``: ``silu_mul``'s roundings). ``x_ready``:
+        x was written before the launch right before this one (a decode step's routing), so the folded shared
+        experts, whose rows are every token, start without waiting for it (tiled experts)."""
         rows = routed if routed is None or routed.dtype == torch.int32 else routed.to(torch.int32)
         if hasattr(self, "w13_packed"):
-            return self._mm(x, self.w13_packed, offs, rows, swiglu=True)
+            return self._mm(x, self.w13_packed, offs, rows, swiglu=True, x_ready=x_ready)
         h1, h3 = self.gate_up(x, offs, routed)
         return F.silu(h1) * h3
 
@@ -437,9 +448,11 @@ class FusedExperts(GroupedExperts):
         h1, h3 = h.chunk(2, dim=-1)
         return h1, h3
 
-    def swiglu(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
+    def swiglu(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None,
+               x_ready: bool = False) -> torch.Tensor:  # fmt: skip
         """SwiGLU's ``F.silu(h1) * h3`` of ``gate_up``'s outputs: in the grouped GEMV's epilogue where it runs, else
-        by the ``silu_mul`` kernel on a GPU (the same roundings), the eager expression elsewhere."""
+        by the ``silu_mul`` kernel on a GPU (the same roundings), the eager expression elsewhere. ``x_ready``:
+        ``QuantizedExperts.swiglu``'s (no shared experts folded here: unused)."""
         rows = self._gemv_rows(x, routed)
         if rows is not False:
             return grouped_gemv(x, self.w13, offs, rows, swiglu=True)
