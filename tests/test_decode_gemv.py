@@ -56,6 +56,7 @@ def check_early(x: torch.Tensor, w: torch.Tensor, routed: list[list[int]], share
                 scale: torch.Tensor | None = None) -> None:  # fmt: skip
     """Tokens x [T, K] routed to ``routed[t]`` of the first groups of w, the last ``shared`` groups every token in
     order (as ``moe_route`` lays them out): with those groups early, the same bits as without, SwiGLU too."""
+    assert len(routed) == x.shape[0]
     e = w.shape[0] - shared
     rows = [t for g in range(e) for t in range(x.shape[0]) if g in routed[t]] + list(range(x.shape[0])) * shared
     counts = [sum(g in r for r in routed) for g in range(e)] + [x.shape[0]] * shared
@@ -387,7 +388,8 @@ def test_gpu_grouped_moe16b_shapes():
     for on in (False, True):  # the shared groups early, with and without PDL: one token (top-4 of 6), and two
         with pdl.launching(on):
             check_early(x[:1], codes.view(view), [[0, 2, 3, 5]], shared=2, scale=scales.view(8, 2816, 64))
-            check_early(x[:2], codes.view(view), [[0, 5], [1, 5]], shared=2, scale=scales.view(8, 2816, 64))
+            check_early(torch.cat([x, -x]), codes.view(view), [[0, 5], [1, 5]], shared=2,
+                        scale=scales.view(8, 2816, 64))  # fmt: skip
 
 
 @pytest.mark.gpu
