@@ -257,3 +257,13 @@ def check_offs(offs: torch.Tensor, m_total: int, check_values: bool) -> None:
         raise ValueError(f"every token group must be a multiple of {BLOCK_SIZE} rows, got group sizes {sizes.tolist()}")
     if ends[-1].item() != m_total:
         raise ValueError(f"offs must end at M_total = {m_total} (the groups cover every row), got {ends[-1].item()}")
+
+
+def check_early(op: str, early: int, rows: torch.Tensor | None, groups: int, m: int, tokens: int) -> None:
+    """A one-line error unless the last ``early`` of ``groups`` grouped groups can be an MoE's folded shared experts
+    over every one of the ``tokens`` rows of x, as ``moe_route`` lays them out after the routed rows (a grouped
+    kernel's ``early``): rows gathered from the tokens, fewer than all the groups, within the ``m`` rows."""
+    if early and (rows is None or not 0 < early < groups or m < early * tokens):
+        raise ValueError(f"{op}: early groups are shared experts over every token of x (rows given), fewer than the "
+                         f"{groups} groups and within the {m} rows; got {early} groups of {tokens} tokens, rows "
+                         f"{'given' if rows is not None else 'None'}")  # fmt: skip

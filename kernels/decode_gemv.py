@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 from mx_kernels import pdl
-from mx_kernels.common import cuda_capability, interpreting
+from mx_kernels.common import check_early, cuda_capability, interpreting
 from mx_kernels.decode_fused import swiglu as swiglu_of
 from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.mx.weight_only import _e4m3, _e8m0, _sm_count
@@ -308,9 +308,8 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, rows: tor
     _check_weight("grouped_gemv", x, w, scale, swiglu)
     if m > GROUPED_MAX_M:
         raise ValueError(f"grouped_gemv: {m} rows, at most {GROUPED_MAX_M}")
-    if early and (rows is None or offs_ready or not 0 < early < w.shape[0] or m < early * x.shape[0]):
-        raise ValueError(f"grouped_gemv: early groups are shared experts over every token of x (rows given, offs "
-                         f"not ready), fewer than the {w.shape[0]} groups and within the {m} rows; got {early} "
-                         f"groups of {x.shape[0]} tokens")  # fmt: skip
+    check_early("grouped_gemv", early, rows, w.shape[0], m, x.shape[0])
+    if early and offs_ready:
+        raise ValueError("grouped_gemv: early groups run before the routing's outputs, offs_ready after: not both")
     rows = None if rows is None else rows.contiguous()
     return _launch(x, w, scale, swiglu, m, offs.contiguous(), rows, offs_ready, early)

@@ -204,6 +204,7 @@ def test_grouped_bad_arguments_are_one_line_errors():
         ((x, w[:, :5], offs, None, None, True), "swiglu needs"),
         ((x, w, offs, None, None, False, False, 1), "early groups are shared experts"),
         ((x, w, offs, torch.zeros(4, dtype=torch.int32), None, False, False, 4), "early groups are shared experts"),
+        ((x[:1], w, offs, torch.zeros(4, dtype=torch.int32), None, False, True, 1), "not both"),
     ]
     for args, match in cases:
         with pytest.raises(ValueError, match=match) as info:

@@ -86,7 +86,7 @@ import torch
 import triton
 import triton.experimental.gluon.language as gl
 import triton.language as tl
-from mx_kernels.common import arrival_counters
+from mx_kernels.common import arrival_counters, check_early
 from mx_kernels.gluon.common import permute_k, split_k_sum
 from mx_kernels.launch_cache import LaunchCache
 from mx_kernels.mx.weight_only import _e4m3, _e8m0, row_slots, tensor_scales
@@ -1038,10 +1038,7 @@ def tiled_weight_only_grouped_mm(x: torch.Tensor, words: torch.Tensor, scales: t
         raise ValueError(f"{op}: nvfp4 takes a tensor scale, mxfp4 and mxfp8 none")
     m = x.shape[0] if rows is None else rows.shape[0]
     tokens = x.shape[0]
-    if early and (rows is None or not 0 < early < e or m < early * tokens):
-        raise ValueError(f"{op}: early groups are shared experts over every token of x (rows given), fewer than the "
-                         f"{e} groups and within the {m} rows; got {early} groups of {tokens} tokens, rows "
-                         f"{'given' if rows is not None else 'None'}")  # fmt: skip
+    check_early(op, early, rows, e, m, tokens)
     out = torch.empty((m, n // 2 if swiglu else n), dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return out

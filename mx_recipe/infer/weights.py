@@ -206,9 +206,7 @@ class PackedWeight(nn.Module):
             return self._tiled_grouped_mm(x, offs, kernel, rows, swiglu, early)
         if kernel and use_kernel(x):
             if self.fmt == "mxfp8" and takes_grouped(x, x.shape[0] if rows is None else rows.shape[0]):
-                return grouped_gemv(
-                    x, self.qdata, offs, rows, self.scale, swiglu, offs_ready, early if rows is not None else 0
-                )  # a token's rows
+                return grouped_gemv(x, self.qdata, offs, rows, self.scale, swiglu, offs_ready, early)  # a token's rows
             return weight_only_grouped_mm(x, self.qdata, self.scale, self.tensor_scale, self.fmt, offs, rows, swiglu,
                                           offs_ready)  # fmt: skip
         x = x if rows is None else x[rows]
@@ -224,8 +222,7 @@ class PackedWeight(nn.Module):
         m = x.shape[0] if rows is None else rows.shape[0]
         if kernel and use_kernel(x) and m <= LARGE_M and swiglu == self.swiglu_rows:
             return tiled_weight_only_grouped_mm(x, self.qdata, self.scale, self.tensor_scale_tiled, self.fmt,
-                                                self.wide_scales, offs, rows, swiglu,
-                                                early if rows is not None else 0)  # fmt: skip
+                                                self.wide_scales, offs, rows, swiglu, early)  # fmt: skip
         x = x if rows is None else x[rows]
         if swiglu and self.swiglu_rows:
             return _swiglu_packed(torch._grouped_mm(x, self._dequantize_tiled(x.dtype).transpose(-2, -1), offs=offs))
@@ -319,7 +316,7 @@ class QuantizedExperts(nn.Module):
         if self.activations:
             x = quantize_activation(x, self.fmt)  # per row along K: the same rows whether gathered before or after
             x_ready = False  # the launch right before wrote the quantized x
-        early = self.shared if x_ready else 0
+        early = self.shared if x_ready and rows is not None else 0  # the shared groups' rows are the tokens x
         return packed.grouped_mm(x, offs, self.kernel, rows, swiglu, offs_ready, early)
 
     def fuse(self) -> None:
