@@ -25,7 +25,9 @@ threads). No split of K: the grid is cdiv(N, BLOCK_N) programs, at least 512 at 
 The result differs from cuBLAS's on the dequantized weight only by the order of the fp32 sums, then one rounding.
 A program reads its first step's weights before it waits for the kernel before it (PDL): they do not depend on
 it, and the read overlaps that kernel's tail. One H200, Llama 3 8B's decode step at one sequence, without -> with:
-bf16 4.00 -> 3.96-3.97 ms, MXFP8 2.47 -> 2.42-2.43.
+bf16 4.00 -> 3.96-3.97 ms, MXFP8 2.47 -> 2.42-2.43. MXFP8 codes are loaded evict-first (in L1 and L2), as data
+read once a step: one H200, that step 2.375 -> 2.333 ms, the MoE 16B's 1.373 -> 1.363. Not bf16 weights: loaded so,
+they made bf16's step slower (3.80 -> 4.07 ms).
 
 SwiGLU (``swiglu``): w is w1 and w3 concatenated along N; a program takes BLOCK_N / 2 rows of each, the same
 hidden units, rounds both sums to the output dtype (as the unfused GEMM's output) and writes silu(gate) * up
@@ -90,11 +92,13 @@ GROUPED_CHOSEN = {
 
 @triton.jit
 def _load_tile(w_ptrs, s_ptrs, k0, K, k, kb, EVEN_K: tl.constexpr, SCALED: tl.constexpr):
-    """A step's weight tile and, for MXFP8, its scale bytes (else w again); zeros past K (scales 127: 1)."""
+    """A step's weight tile and, for MXFP8, its scale bytes (else w again); zeros past K (scales 127: 1). MXFP8
+    codes are read evict-first (module doc)."""
+    EVICT: tl.constexpr = "evict_first" if SCALED else ""
     if EVEN_K:
-        w = tl.load(w_ptrs)
+        w = tl.load(w_ptrs, eviction_policy=EVICT)
     else:
-        w = tl.load(w_ptrs, mask=(k0 + k < K)[None, :], other=0)
+        w = tl.load(w_ptrs, mask=(k0 + k < K)[None, :], other=0, eviction_policy=EVICT)
     s = w
     if SCALED:
         if EVEN_K:

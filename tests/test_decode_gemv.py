@@ -243,9 +243,10 @@ def test_off_the_gpu_linear_is_f_linear():
 @pytest.mark.parametrize("grouped", [False, True, "offs_ready", "early"])
 def test_first_step_is_read_before_the_pdl_wait(scaled, grouped):
     """Compiled for sm_90a under PDL: the first step's weights (and MXFP8's scales) are loaded before the wait for
-    the kernel before, and the next kernel is released right after the wait; grouped, whose expert the kernel
-    before chooses, every load comes after the wait, but where an earlier kernel wrote ``offs`` (w2's). With early
-    groups (folded shared experts) their rows' path releases the next kernel and waits for none."""
+    the kernel before, MXFP8's codes evict-first, and the next kernel is released right after the wait; grouped,
+    whose expert the kernel before chooses, every load comes after the wait, but where an earlier kernel wrote
+    ``offs`` (w2's). With early groups (folded shared experts) their rows' path releases the next kernel and waits
+    for none."""
     from mx_kernels.decode_gemv import _gemv_kernel
     from mx_kernels.gluon.common import compile_for_arch
 
@@ -273,8 +274,10 @@ def test_first_step_is_read_before_the_pdl_wait(scaled, grouped):
         assert len(scalar) == 2 and all(line.startswith("@%p") for line in scalar)
     elif grouped is True:
         assert "ld.global" not in before
-    else:
-        assert "ld.global.v4.b32" in before and ("ld.global.b8" in before) == scaled  # 16-byte weight loads, scales
+    else:  # 16-byte weight loads, evict-first for MXFP8 codes (module doc), and the scales
+        evict_first = "ld.global.L1::evict_first.L2::cache_hint.v4.b32"
+        assert (evict_first if scaled else "ld.global.v4.b32") in before and (evict_first in ptx) == scaled
+        assert ("ld.global.b8" in before) == scaled
         assert ("ld.global.cg" in before) == bool(grouped)  # offs and rows, from L2 (another kernel wrote them)
 
 
