@@ -26,8 +26,7 @@ The result differs from cuBLAS's on the dequantized weight only by the order of 
 A program reads its first step's weights before it waits for the kernel before it (PDL): they do not depend on
 it, and the read overlaps that kernel's tail. One H200, Llama 3 8B's decode step at one sequence, without -> with:
 bf16 4.00 -> 3.96-3.97 ms, MXFP8 2.47 -> 2.42-2.43. MXFP8 codes are loaded evict-first (in L1 and L2), as data
-read once a step: one H200, that step 2.375 -> 2.333 ms, the MoE 16B's 1.373 -> 1.363. Not bf16 weights: loaded so,
-they made bf16's step slower (3.80 -> 4.07 ms).
+read once a step (that step on one H200: 2.375 -> 2.333 ms); bf16 weights load plainly, which is faster for them.
 
 SwiGLU (``swiglu``): w is w1 and w3 concatenated along N; a program takes BLOCK_N / 2 rows of each, the same
 hidden units, rounds both sums to the output dtype (as the unfused GEMM's output) and writes silu(gate) * up
