@@ -311,10 +311,13 @@ def compiled_kernel(m: int, wgmma: bool, fmt: str, **over):
 def test_operands_reach_the_mma_without_moves(m, wgmma, fmt, wide):
     """Compiled for sm_90a: the upcast weights are the MMA's register operand and x (mma.sync) its other one, each
     layout conversion asserted trivial at compile time; mma.sync takes no shared memory, wgmma only x^T's. A lane
-    reads its words and x 16 bytes a load. Under PDL the next kernel is released right after the wait, before the
-    first MMA. A scale's factor: one multiply-add unless ``wide``."""
+    reads its words and x 16 bytes a load, MXFP8's words evict-first and 4-bit ones plainly. Under PDL the next
+    kernel is released right after the wait, before the first MMA. A scale's factor: one multiply-add unless
+    ``wide``."""
     ttgir, ptx = compiled_kernel(m, wgmma, fmt, WIDE=wide)
     assert "ld.global.v4.b32" in ptx and "ld.global.v2" not in ptx
+    evict_first = re.findall(r"ld\.global\.L1::evict_first\.L2::cache_hint\.v4\.b32", ptx)
+    assert bool(evict_first) == (fmt == "mxfp8")
     if fmt == "nvfp4":  # positive normal e4m3 scales: one multiply-add each, not the hardware's conversion
         assert ("cvt.rn.f16x2.e4m3x2" in ptx) == wide and ("0x00100010" in ptx) != wide
     else:  # e8m0 scales: no test for NaN's 0xFF unless wide (a NaN scale is a wide one)
