@@ -12,9 +12,10 @@ Decode: one step of every sequence of --batch at the last of --context KV positi
 replayed from a CUDA graph (mx_recipe.infer.decode.DecodeGraph) --steps times per timing, the formats
 interleaved in --rounds rounds; tokens/s = batch / median step time. --gemms-only replays only the GEMMs of the
 linear layers and experts of one step (inputs at random; the MoE's tokens go to the first experts, as many as
-a decode step of that batch reaches on average). Prefill: one --prefill-token prompt through the cache,
-eager (its kernels are long), median of --rounds, the formats interleaved. Token ids are drawn at random (seed 0),
-so that an MoE routes them over its experts as text would: tokens all alike would all pick the same experts.
+a decode step of that batch reaches on average). Prefill: one --prefill-token prompt into the cache
+(mx_recipe.infer.decode.prefill), eager (its kernels are long), median of --rounds, the formats interleaved.
+Token ids are drawn at random (seed 0), so that an MoE routes them over its experts as text would: tokens all
+alike would all pick the same experts.
 
 Each row gives tokens/s, the ratio to bf16, and the HBM bound: the bytes a step must read (the weights it
 uses, the MoE's routed experts in the expected share a batch reaches, E * (1 - (1 - k / E) ** batch) of E, and
@@ -57,7 +58,7 @@ import torch
 from timing import copy_gbs, end_increments, kernel_spans, repeated_run, run_meta
 
 from mx_recipe.cli import ArgumentParser, int_list, names, output_file
-from mx_recipe.infer.decode import DecodeGraph, KVCache, forward
+from mx_recipe.infer.decode import DecodeGraph, KVCache, forward, prefill
 from mx_recipe.infer.gemv import MAX_M as GEMV_MAX_M
 from mx_recipe.infer.gemv import apply_linear, gemv
 from mx_recipe.infer.load import init_random
@@ -465,16 +466,15 @@ def _run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.prefill and not args.gemms_only:
         cache = KVCache(models["bf16"], 1, args.prefill, dtype, device)
         tokens = token_ids(models["bf16"], (1, args.prefill), device)
-        positions = torch.arange(args.prefill, device=device)
         for m in models.values():
-            forward(m, tokens, positions, cache)  # warm-up: kernels compile
+            prefill(m, tokens, cache)  # warm-up: kernels compile
         # the formats interleaved in rounds, as decode's: an eager prefill waits on the host, whose speed drifts
         # over a run (MoE 16B MXFP4 on one H200: 18 to 28 ms for the same 8 layers), and a format timed in a
         # slow stretch would carry it into its ratio
         samples = {fmt: [] for fmt in weights}
         for _ in range(args.rounds):
             for fmt, m in models.items():
-                samples[fmt].append(timed(lambda m=m: forward(m, tokens, positions, cache), device, 1))
+                samples[fmt].append(timed(lambda m=m: prefill(m, tokens, cache), device, 1))
         seconds = {fmt: statistics.median(samples[fmt]) for fmt in weights}
         add_rows("prefill", 1, args.prefill, seconds, {fmt: 0.0 for fmt in weights})
 

@@ -88,6 +88,7 @@ from mx_kernels import pdl
 from mx_kernels.common import arrival_counters, interpreting
 from mx_kernels.decode_fused import split_sum
 from mx_kernels.launch_cache import LaunchCache
+from mx_kernels.rope import rotate
 from mx_kernels.spec import cdiv
 
 PROGRAMS_PER_SM = 2  # split programs an SM: the loads of several programs in flight hide each other's latency
@@ -108,15 +109,6 @@ COUNTERS = 1 << 16  # heads (B * Hkv) a split launch may have: one arrival count
 NUM_WARPS = 4
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _rotate(x, cos, sin, dtype):
-    """Heads x [R, D] with pairs (x[2i], x[2i+1]) rotated by (cos_i, sin_i) [1, D / 2] as the model's
-    ``apply_rope``: in fp32, rounded once to ``dtype``; [R, D]."""
-    even, odd = tl.split(tl.reshape(x.to(tl.float32), (x.shape[0], x.shape[1] // 2, 2)))
-    pairs = tl.join((even * cos - odd * sin).to(dtype), (even * sin + odd * cos).to(dtype))
-    return tl.reshape(pairs, (x.shape[0], x.shape[1]))
 
 
 @triton.jit
@@ -225,8 +217,8 @@ def _split_kernel(
     else:
         q = tl.load(q_rows + d[None, :], mask=r[:, None] < R, other=0.0)
     if APPEND:
-        q = _rotate(q_raw, cos, sin, dtype)
-        k_one = tl.reshape(_rotate(k_raw, cos, sin, k_ptr.dtype.element_ty), (D,))
+        q = rotate(q_raw, cos, sin, dtype)
+        k_one = tl.reshape(rotate(k_raw, cos, sin, k_ptr.dtype.element_ty), (D,))
         v_one = v_one.to(v_ptr.dtype.element_ty)
         tl.store(k_base + cur * stride_kl + d, k_one, mask=holds)
         tl.store(v_base + cur * stride_vl + d, v_one, mask=holds)

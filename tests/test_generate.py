@@ -12,7 +12,16 @@ from test_train import BF16_ARGS, REPO, run_in_process
 
 from mx_recipe.formats.mx import fake_quant
 from mx_recipe.formats.nvfp4 import to_nvfp4
-from mx_recipe.infer.decode import PDL_MAX_BATCH, PDL_MAX_BATCH_TILED, STOP_CHECK, KVCache, forward, generate, pdl_pays
+from mx_recipe.infer.decode import (
+    PDL_MAX_BATCH,
+    PDL_MAX_BATCH_TILED,
+    STOP_CHECK,
+    KVCache,
+    forward,
+    generate,
+    pdl_pays,
+    prefill,
+)
 from mx_recipe.infer.gemv import MAX_M as GEMV_MAX_M
 from mx_recipe.infer.load import load_run, random_model, to_compute_dtype
 from mx_recipe.infer.weights import (
@@ -79,6 +88,46 @@ def test_prompts_of_different_lengths_decode_as_if_alone(name, flavor):
         assert torch.equal(row, generate(model, p[None], 5)[0][0])
     with pytest.raises(ValueError, match="lengths must be"):
         generate(model, batch, 2, lengths=torch.tensor([0, 9, 6]))
+
+
+@pytest.mark.parametrize(("name", "flavor"), [("llama", "debug"), ("moe", "debug_moe")])
+def test_prefill_gives_each_prompts_last_logits(name, flavor):
+    """A prefill's logits are the full forward's at each prompt's last token (its own length), the output layer
+    applied to those rows only; the cache holds what the full forward writes."""
+    model = _model(name, flavor)
+    tokens = torch.randint(0, 320, (3, 10), generator=torch.Generator().manual_seed(4))
+    lengths = torch.tensor([10, 4, 7])
+    with torch.no_grad():
+        full_cache, cache = KVCache(model, 3, 12, torch.float32, CPU), KVCache(model, 3, 12, torch.float32, CPU)
+        full = forward(model, tokens, torch.arange(10), full_cache)
+        got = prefill(model, tokens, cache, lengths)
+        torch.testing.assert_close(got, full[torch.arange(3), lengths - 1], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(prefill(model, tokens, cache), full[:, -1], rtol=1e-6, atol=1e-6)
+    assert torch.equal(cache.k, full_cache.k) and torch.equal(cache.v, full_cache.v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("name", "flavor"), [("llama", "debug"), ("moe", "debug_moe")])
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_gpu_prefill_through_the_kernels_gives_the_forward_logits(name, flavor, fmt):
+    """On CUDA a prefill runs the decode step's fused kernels over the prompt's rows (RoPE and the cache write in
+    one kernel, causal SDPA): each prompt's last logits and the caches as ``forward``'s within bf16 rounding, at few
+    rows (the weight-only kernels, the fused MoE routing) and at more than the kernels' LARGE_M (cuBLAS)."""
+    cuda = torch.device("cuda")
+    model = fuse_projections(quantize_model(to_compute_dtype(_model(name, flavor).to(cuda), torch.bfloat16), fmt))
+    tile_weights(model, 1)
+    gen = torch.Generator().manual_seed(5)
+    for lengths in ([9, 6], [60, 57, 31]):  # 18 and 180 rows
+        b, s = len(lengths), lengths[0]
+        tokens = torch.randint(0, 320, (b, s), generator=gen).to(cuda)
+        lengths = torch.tensor(lengths, device=cuda)
+        with torch.no_grad():
+            want_cache, cache = (KVCache(model, b, s + 4, torch.bfloat16, cuda) for _ in range(2))
+            want = forward(model, tokens, torch.arange(s, device=cuda), want_cache)[torch.arange(b), lengths - 1]
+            got = prefill(model, tokens, cache, lengths)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(cache.k, want_cache.k, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(cache.v, want_cache.v, rtol=2e-2, atol=2e-2)
 
 
 def test_a_sequence_ends_at_its_stop_token():

@@ -7,6 +7,12 @@ key unrotated: the kernel applies RoPE at the step's position, writes the key an
 implementations give the shape, so torch.compile and CUDA-graph capture take the kernel as one opaque node;
 Triton is imported on the first call only.
 
+``prefill_attention`` is a prompt's causal attention from position 0: ``torch.ops.mx_recipe.rope_cache_write``
+(mx_kernels.rope: q and k rotated and k and v written into the caches in one launch, where eager RoPE and the cache
+write take about a dozen kernels) then SDPA, causal over the prompt's own positions with the grouped-query heads
+taken by ``enable_gqa``: the caches are read in place, and a causal kernel skips the half of the scores a mask over
+the whole cache would compute.
+
 ``use_kernel`` is the rule for a decode step (one position a sequence): this kernel, and the fused ones of
 ``mx_recipe.infer.fused``, on an NVIDIA GPU of compute capability 8.0 or newer, for the head dims it takes
 (powers of 2 from 16 to 256); elsewhere SDPA with a mask over the cache and the model's modules.
@@ -15,6 +21,7 @@ Triton is imported on the first call only.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from mx_recipe.library import define
@@ -58,6 +65,25 @@ define(
 )
 
 
+def _launch_rope(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor
+                 ) -> Tensor:  # fmt: skip
+    from mx_kernels.rope import rope_cache_write
+
+    return rope_cache_write(q, k, v, cos, sin, k_cache, v_cache)
+
+
+def _fake_rope(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+    return q.new_empty(q.shape)
+
+
+define(
+    "rope_cache_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache)"
+    " -> Tensor",
+    _launch_rope,
+    _fake_rope,
+)
+
+
 def use_kernel(device: torch.device, head_dim: int) -> bool:
     """Whether a decode step on ``device`` with heads of ``head_dim`` runs the kernel (module doc)."""
     cap = capability(device)
@@ -83,3 +109,16 @@ def decode_attention_append(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: T
     (one or one per column of [q | k | v], or None): summed in split order and rounded to the caches' dtype in the
     kernel, as the GEMM would (mx_kernels.decode_attention)."""
     return torch.ops.mx_recipe.decode_attention_append(q, k, v, cos, sin, k_cache, v_cache, length, scale, qkv_scale)
+
+
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor
+                      ) -> Tensor:  # fmt: skip
+    """A prompt's attention from position 0 (module doc): q [B, S, H, D] and k, v [B, S, Hkv, D] unrotated (the QKV
+    projection's outputs, as views); cos, sin the model's RoPE tables [max_len, D / 2]. Rotates q and k at positions
+    0 .. S - 1 (as ``apply_rope``), writes k and v into k_cache, v_cache [B, Hkv, L, D] there and returns causal
+    attention over those positions, [B, S, H * D] in q's dtype."""
+    b, s = q.shape[:2]
+    q = torch.ops.mx_recipe.rope_cache_write(q, k, v, cos, sin, k_cache, v_cache)
+    keys, values = k_cache[:, :, :s].to(q.dtype), v_cache[:, :, :s].to(q.dtype)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=True, enable_gqa=True)
+    return out.transpose(1, 2).reshape(b, s, -1)

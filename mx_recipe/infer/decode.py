@@ -23,8 +23,12 @@ residual branch's last projection (wo, w2) on a tiled quantized weight whose GEM
 splits' fp32 sums to the add + norm kernel, which adds them (``QuantizedLinear.partials``): the GEMM ends without a
 sum of its own. The fused QKV GEMM hands its sums to the attention kernel the same way (``FusedLinear.partials``).
 The position is a device tensor, so one CUDA graph serves every step.
-The prefill, and every step on the CPU, run the model's modules with SDPA and the mask. The fused MoE step leaves
-the block's ``tokens_per_expert`` (a training statistic for the balancing bias) untouched.
+A prefill (``prefill``: prompts into an empty cache from position 0) on such a GPU runs the same fused kernels with
+the prompt's positions as rows, its attention by ``prefill_attention`` of ``mx_recipe.infer.attention`` (RoPE and
+the cache write in one kernel, then causal SDPA over the prompt's own positions), and the output layer on each
+prompt's last row only, the one sampled. ``forward`` (any positions), and every step on the CPU, run the model's
+modules with SDPA and the mask. The fused MoE step leaves the block's ``tokens_per_expert`` (a training statistic
+for the balancing bias) untouched.
 
 ``DecodeGraph`` captures one decode step in a CUDA graph and replays it: a step launches a few hundred small
 kernels, whose launch time would otherwise exceed their run time at small batch.
@@ -55,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mx_recipe.infer.attention import decode_attention_append, use_kernel
+from mx_recipe.infer.attention import decode_attention_append, prefill_attention, use_kernel
 from mx_recipe.infer.fused import add_rms_norm, silu_mul
 from mx_recipe.infer.gemv import MAX_M as GEMV_MAX_M
 from mx_recipe.infer.gemv import apply_linear
@@ -250,14 +254,16 @@ def _layers_step(model: Transformer, tokens: torch.Tensor, position: torch.Tenso
     return apply_linear(model.output, x).view(batch, 1, -1)
 
 
-def forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+            last: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Logits [B, S, vocab] of ``tokens`` [B, S] at ``positions``, reading and filling ``cache``: [S] (consecutive,
-    every sequence), or [B, 1] for one position a sequence, each its own (prompts of different lengths)."""
+    every sequence), or [B, 1] for one position a sequence, each its own (prompts of different lengths). ``last``
+    [B]: only each sequence's row ``last[b]`` of S takes the output layer, [B, 1, vocab] (what sampling reads)."""
     if positions.dim() == 2 and (positions.shape != (tokens.shape[0], 1) or tokens.shape[1] != 1):
         raise ValueError(f"forward: per-sequence positions are [B, 1] for tokens [B, 1], got {tuple(positions.shape)} "
                          f"for {tuple(tokens.shape)}")  # fmt: skip
     if tokens.shape[1] == 1 and use_kernel(tokens.device, model.args.head_dim):
-        return _kernel_step(model, tokens, positions, cache)
+        return _kernel_step(model, tokens, positions, cache)  # its one row a sequence is every ``last``
     h = model.tok_embeddings(tokens)
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]
     # the cache positions each query sees, for the query heads of a KV head stacked: made once for every layer
@@ -268,7 +274,41 @@ def forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, c
         x = layer.attention_norm(h)
         h = h + _attend(layer.attention, x, cos, sin, cache.k[i], cache.v[i], positions, visible)
         h = h + _ffn(layer)(layer.ffn_norm(h))
+    if last is not None:
+        h = h[torch.arange(h.shape[0], device=h.device), last][:, None]
     return model.output(model.norm(h))
+
+
+def prefill(model: Transformer, prompts: torch.Tensor, cache: KVCache, lengths: torch.Tensor | None = None
+            ) -> torch.Tensor:  # fmt: skip
+    """Prompts [B, P] into an empty ``cache`` from position 0; the logits [B, vocab] of each one's last token
+    (``lengths`` [B]: prompts right-padded to P, each its own length; None: P). Where the decode step takes its
+    kernels (``use_kernel``), the prompt's rows go through the step's fused kernels (module doc), its attention
+    through ``prefill_attention``; elsewhere ``forward``."""
+    batch, length = prompts.shape
+    last = torch.full((batch,), length - 1, device=prompts.device) if lengths is None else lengths - 1
+    if not use_kernel(prompts.device, model.args.head_dim):
+        return forward(model, prompts, torch.arange(length, device=prompts.device), cache, last)[:, 0]
+    x = _prefill_rows(model, prompts, cache).view(batch, length, -1)
+    return apply_linear(model.output, x[torch.arange(batch, device=x.device), last])
+
+
+def _prefill_rows(model: Transformer, prompts: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """The final norm's output [B * P, dim] of every prompt position, the caches filled: ``_layers_step``'s
+    kernels over every position of the prompts, attention by ``prefill_attention``."""
+    batch, length = prompts.shape
+    h = model.tok_embeddings(prompts).view(batch * length, -1)
+    branch: Branch = (None, None)
+    for i, layer in enumerate(model.layers.values()):
+        attn = layer.attention
+        h, x = _add_norm(h, branch, layer.attention_norm)
+        q, k, v = project(x, attn.wq, attn.wk, attn.wv)
+        q = q.view(batch, length, attn.n_heads, attn.head_dim)
+        k, v = (t.view(batch, length, attn.n_kv_heads, attn.head_dim) for t in (k, v))
+        out = prefill_attention(q, k, v, model.rope_cos, model.rope_sin, cache.k[i], cache.v[i])
+        h, x = _add_norm(h, _branch(attn.wo, out.view(batch * length, -1)), layer.ffn_norm)
+        branch = _ffn_step(layer, x)
+    return _add_norm(h, branch, model.norm)[1]
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
@@ -360,16 +400,15 @@ def generate(
     step_fn = step_fn or forward
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     start = time.perf_counter()
-    logits = forward(model, prompts, torch.arange(prompt_len, device=device), cache)
     if lengths is None:
-        last, next_position = logits[:, -1], torch.tensor([prompt_len], device=device)
+        next_position = torch.tensor([prompt_len], device=device)
     else:
         lengths = lengths.to(device)
-        last, next_position = logits[torch.arange(batch, device=device), lengths - 1], lengths[:, None]
-    out = [sample(last, temperature, top_k, generator)]
+        next_position = lengths[:, None]
+    out = [sample(prefill(model, prompts, cache, lengths), temperature, top_k, generator)]
     ended = None if stop_token is None else out[-1] == stop_token
     sync()
-    prefill = time.perf_counter() - start
+    prefill_s = time.perf_counter() - start
     start = time.perf_counter()
     for n in range(1, max_new_tokens):
         if ended is not None and n % STOP_CHECK == 0 and bool(ended.all()):
@@ -391,4 +430,4 @@ def generate(
         out.append(token)
     sync()
     timed = max(len(out) - 2, 0)
-    return torch.stack(out, dim=1), Timing(prefill, time.perf_counter() - start if timed else 0.0, timed)
+    return torch.stack(out, dim=1), Timing(prefill_s, time.perf_counter() - start if timed else 0.0, timed)
