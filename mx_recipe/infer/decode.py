@@ -263,7 +263,7 @@ def forward(model: Transformer, tokens: torch.Tensor, positions: torch.Tensor, c
         raise ValueError(f"forward: per-sequence positions are [B, 1] for tokens [B, 1], got {tuple(positions.shape)} "
                          f"for {tuple(tokens.shape)}")  # fmt: skip
     if tokens.shape[1] == 1 and use_kernel(tokens.device, model.args.head_dim):
-        return _kernel_step(model, tokens, positions, cache)  # its one row a sequence is every ``last``
+        return _kernel_step(model, tokens, positions, cache)  # S = 1: each sequence's one row is its ``last``
     h = model.tok_embeddings(tokens)
     cos, sin = model.rope_cos[positions], model.rope_sin[positions]
     # the cache positions each query sees, for the query heads of a KV head stacked: made once for every layer
