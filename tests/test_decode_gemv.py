@@ -499,8 +499,8 @@ def test_gpu_decode_steps_take_the_gemv(fmt, monkeypatch):
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
 def test_gpu_moe_decode_step_takes_the_grouped_gemv(fmt, monkeypatch):
     """An MoE decode step of one token runs each MoE block's experts by the grouped GEMV, w1/w3 with SwiGLU in its
-    epilogue and w2: bf16 experts over their 2 rows (top-2), MXFP8 ones over 3 (the shared expert folded in); of
-    five tokens (10 or 15 rows) by the grouped GEMMs. Both give the full forward's logits within bf16 roundings."""
+    epilogue and w2, over its 3 rows (top-2, and the shared expert folded in, bf16 and MXFP8 alike); of five tokens
+    (15 rows) by the grouped GEMMs. Both give the full forward's logits within bf16 roundings."""
     model = decode_model("moe", "debug_moe", fmt)
     op, calls = torch.ops.mx_recipe.grouped_gemv, []
 
@@ -513,7 +513,7 @@ def test_gpu_moe_decode_step_takes_the_grouped_gemv(fmt, monkeypatch):
     scaled = fmt == "mxfp8"
     for batch in (1, 5):
         decode_step(model, batch, calls)
-        # w1/w3's folded shared group (MXFP8) runs early; w2 after w1/w3 on the same offs reads them and its first
-        # weights before its PDL wait
-        expected = [(True, True, scaled, False, int(scaled)), (False, False, scaled, True, 0)] * moe_layers
+        # w1/w3's folded shared group runs early; w2 after w1/w3 on the same offs reads them and its first weights
+        # before its PDL wait
+        expected = [(True, True, scaled, False, 1), (False, False, scaled, True, 0)] * moe_layers
         assert calls == (expected if batch == 1 else []), calls

@@ -277,6 +277,7 @@ def test_fused_projections_give_the_unfused_logits(name, flavor, fmt):
     elif name == "moe":  # one grouped GEMM for w1 and w3
         experts = fused.layers["1"].moe.experts
         assert isinstance(experts, FusedExperts) and not hasattr(experts, "w1")
+        assert experts.shared == 1 and experts.w13.shape[0] == 9  # the shared expert folded in after the 8 routed
     extra = 0  # NVFP4: one fp32 tensor scale per fused row in place of one per part
     if fmt == "nvfp4":
         extra = sum(4 * (m.out_features - len(m.sizes)) for m in fused.modules() if isinstance(m, FusedLinear))
@@ -304,7 +305,7 @@ def test_fused_gate_up_swiglu_is_silu_of_gate_times_up(fmt):
     assert w13.fuses_swiglu == (fmt != "bf16")
     assert w13.swiglu_in_epilogue(x) == (fmt != "bf16")  # bf16: the GEMV's epilogue, on a GPU only
     experts = fused.layers["1"].moe.experts
-    groups = experts.w2.shape[0] if fmt == "bf16" else experts.w2_packed.qdata.shape[0] - experts.shared
+    groups = (experts.w2.shape[0] if fmt == "bf16" else experts.w2_packed.qdata.shape[0]) - experts.shared
     offs = torch.tensor([1, 1, 3] + [3] * (groups - 3), dtype=torch.int32)
     h1, h3 = experts.gate_up(x, offs)
     assert torch.equal(experts.swiglu(x, offs), torch.nn.functional.silu(h1) * h3)

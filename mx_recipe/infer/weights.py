@@ -17,11 +17,12 @@ w3 of each feed-forward and of each MoE block's experts -- in every format, bf16
 output row the math is the unfused linear's: packed weights keep their scales, NVFP4 each part's tensor scale
 (one per row). The outputs equal the unfused ones bit for bit where the GEMM takes the same summation order for
 both shapes (the weight-only kernel with the same split of K); otherwise they differ by summation order only.
-It also folds an MoE block's shared feed-forward into its quantized experts (``shared_parts``), as
+It also folds an MoE block's shared feed-forward into its experts (``shared_parts``), quantized or bf16, as
 groups after the routed ones: a decode step then runs the shared experts inside the routed experts' two grouped
 GEMMs, each token in every shared group with weight 1, where they took a GEMM, silu * mul and a GEMM of their
-own (``QuantizedExperts.fold_shared``; ``SharedExpertGroups`` computes them for a full forward). The packed
-bytes are the same; each shared part's output is rounded once before the sum (the unfolded GEMM rounds their sum).
+own (``QuantizedExperts.fold_shared``, ``FusedExperts.fold_shared``; ``SharedExpertGroups`` computes them for a
+full forward). The bytes are the same; each shared part's output is rounded once before the sum (the unfolded GEMM
+rounds their sum).
 
 ``tile_weights`` then repacks the dense weights for Hopper's decode GEMM (mx_kernels.gluon.weight_only_tiled: 16-row,
 128-element tiles a warp reads as one contiguous run, 1 KB of 4-bit codes or 2 KB of e4m3 ones, each code word's bits
@@ -402,30 +403,76 @@ class QuantizedExperts(nn.Module):
         h1, h3 = self.gate_up(x, offs, routed)
         return self.down(F.silu(h1) * h3, offs)
 
+    def shared_groups(self, x: torch.Tensor) -> torch.Tensor:
+        """The folded shared groups alone on tokens x [T, dim] (every token in each): [shared * T, dim]. Counted
+        over all the groups, a prompt's rows looked few per group and ran the weight-only kernel, where past
+        LARGE_M rows dequantize + cuBLAS wins."""
+        tokens, parts = x.shape[0], self.shared
+        w13, w2 = (p.last_groups(parts) for p in (self.w13_packed, self.w2_packed))
+        offs = _shared_offs(parts, tokens, x.device)
+        rows = torch.arange(tokens, device=x.device, dtype=torch.int32).repeat(parts)
+        if self.fuses_swiglu:
+            h = self._mm(x, w13, offs, rows, swiglu=True)
+        else:
+            h1, h3 = self._mm(x, w13, offs, rows).chunk(2, dim=-1)
+            h = F.silu(h1) * h3
+        return self._mm(h, w2, offs, offs_ready=True)
+
 
 class FusedExperts(GroupedExperts):
     """bf16 ``GroupedExperts`` with w1 and w3 as one weight ``w13`` [E, 2 * hidden, dim] (``fuse_projections``): one
     grouped GEMM for both, as ``QuantizedExperts.fuse`` makes for packed experts; w2 as it is. At a token's rows on
     a GPU (``use_grouped_gemv``) the grouped GEMMs are the grouped GEMV (mx_recipe.infer.gemv), which reads the
     routed rows from x in place and takes SwiGLU in its epilogue, as the quantized experts' kernel does; elsewhere
-    ``torch._grouped_mm``."""
+    ``torch._grouped_mm``. The shared experts fold in as groups after the routed ones (``fold_shared``)."""
 
     fuses_swiglu = True
+    shared = 0  # shared experts folded in after the routed ones (``fold_shared``)
 
     def __init__(self, experts: GroupedExperts):
         nn.Module.__init__(self)  # not GroupedExperts': it would allocate a w1 and a w3 only to drop them
         self.w13 = nn.Parameter(torch.cat([experts.w1, experts.w3], dim=1).detach(), requires_grad=False)
         self.w2 = experts.w2
 
+    def fold_shared(self, ffn: FeedForward, parts: int) -> None:
+        """Append the shared feed-forward ``ffn`` (bias-free ``nn.Linear``s in the experts' dtype, hidden =
+        ``parts`` * the experts' hidden) as ``parts`` groups after the routed ones, in place, as
+        ``QuantizedExperts.fold_shared`` does for packed experts: its hidden units cut in ``parts`` experts (w1 and
+        w3 by rows, w2 along K), the same weights."""
+        hidden = self.w2.shape[-1]
+        w1, w3, w2 = (getattr(ffn, name).weight.detach() for name in ("w1", "w3", "w2"))
+        cuts = [slice(i * hidden, (i + 1) * hidden) for i in range(parts)]
+        w13, w2 = torch.stack([torch.cat([w1[c], w3[c]]) for c in cuts]), torch.stack([w2[:, c] for c in cuts])
+        self.w13 = nn.Parameter(torch.cat([self.w13.detach(), w13]), requires_grad=False)
+        self.w2 = nn.Parameter(torch.cat([self.w2.detach(), w2]), requires_grad=False)
+        self.shared = parts
+
+    def _all_groups(self, offs: torch.Tensor) -> torch.Tensor:
+        """``offs`` of the routed groups, the folded shared ones appended with no rows (a full forward's routing,
+        which runs the shared experts on their own: ``SharedExpertGroups``)."""
+        if offs.shape[0] == self.w13.shape[0]:
+            return offs
+        return torch.cat([offs, offs[-1:].expand(self.shared)])
+
     def grouped_mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        offs = self._all_groups(offs)
         if use_grouped_gemv(x, w, x.shape[0]):
             return grouped_gemv(x, w, offs)
         return super().grouped_mm(x, w, offs)
 
+    def shared_groups(self, x: torch.Tensor) -> torch.Tensor:
+        """The folded shared groups alone on tokens x [T, dim] (every token in each): [shared * T, dim]."""
+        parts = self.shared
+        offs = _shared_offs(parts, x.shape[0], x.device)
+        xs = x.repeat(parts, 1)
+        h1, h3 = super().grouped_mm(xs, self.w13[-parts:], offs).chunk(2, dim=-1)
+        h = silu_mul(h1, h3) if use_kernel(x) else F.silu(h1) * h3
+        return super().grouped_mm(h, self.w2[-parts:], offs)
+
     def down(self, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """w2 of ``swiglu``'s (or ``gate_up``'s) output h on the same ``offs``, which a launch before h's wrote."""
         if use_grouped_gemv(h, self.w2, h.shape[0]):
-            return grouped_gemv(h, self.w2, offs, offs_ready=True)
+            return grouped_gemv(h, self.w2, self._all_groups(offs), offs_ready=offs.shape[0] == self.w2.shape[0])
         return super().down(h, offs)
 
     def _gemv_rows(self, x: torch.Tensor, routed: torch.Tensor | None) -> torch.Tensor | None | bool:
@@ -441,47 +488,43 @@ class FusedExperts(GroupedExperts):
         if rows is False:
             (h,) = self.grouped_mm_on_one_input(x, (self.w13,), offs, routed)
         else:
-            h = grouped_gemv(x, self.w13, offs, rows)
+            h = grouped_gemv(x, self.w13, self._all_groups(offs), rows)
         h1, h3 = h.chunk(2, dim=-1)
         return h1, h3
 
     def swiglu(self, x: torch.Tensor, offs: torch.Tensor, routed: torch.Tensor | None = None,
                x_ready: bool = False) -> torch.Tensor:  # fmt: skip
         """SwiGLU's ``F.silu(h1) * h3`` of ``gate_up``'s outputs: in the grouped GEMV's epilogue where it runs, else
-        by the ``silu_mul`` kernel on a GPU (the same roundings), the eager expression elsewhere. ``x_ready``:
-        ``QuantizedExperts.swiglu``'s (no shared experts folded here: unused)."""
+        by the ``silu_mul`` kernel on a GPU (the same roundings), the eager expression elsewhere. ``x_ready``: x was
+        written before the launch right before this one (a decode step's routing), so the folded shared experts'
+        rows, every token, start without waiting for it (``grouped_gemv``'s ``early``)."""
         rows = self._gemv_rows(x, routed)
         if rows is not False:
-            return grouped_gemv(x, self.w13, offs, rows, swiglu=True)
+            early = self.shared if x_ready and rows is not None and offs.shape[0] == self.w13.shape[0] else 0
+            return grouped_gemv(x, self.w13, self._all_groups(offs), rows, swiglu=True, early=early)
         h1, h3 = self.gate_up(x, offs, routed)
         return silu_mul(h1, h3) if use_kernel(x) else F.silu(h1) * h3
 
 
 class SharedExpertGroups(nn.Module):
-    """An MoE block's shared feed-forward once folded into its ``QuantizedExperts`` (``fold_shared``), in its place:
-    the same function of x [..., dim], by the experts' grouped GEMMs over the shared groups, each part's output
-    summed in fp32 and rounded once."""
+    """An MoE block's shared feed-forward once folded into its experts (``fold_shared``: ``QuantizedExperts``,
+    ``FusedExperts``), in its place: the same function of x [..., dim], by the experts' grouped GEMMs over the
+    shared groups, each part's output summed in fp32 and rounded once."""
 
-    def __init__(self, experts: QuantizedExperts):
+    def __init__(self, experts: QuantizedExperts | FusedExperts):
         super().__init__()
         self._experts = (experts,)  # not a submodule: the block registers the experts once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts = self._experts[0]
         x2 = x.reshape(-1, x.shape[-1])
-        tokens, parts = x2.shape[0], experts.shared
-        # the shared groups alone: counted over all the groups, a prompt's rows (every token in each shared group)
-        # looked few per group and ran the weight-only kernel, where past LARGE_M rows dequantize + cuBLAS wins
-        w13, w2 = (p.last_groups(parts) for p in (experts.w13_packed, experts.w2_packed))
-        offs = (torch.arange(1, parts + 1, device=x.device) * tokens).to(torch.int32)
-        rows = torch.arange(tokens, device=x.device, dtype=torch.int32).repeat(parts)
-        if experts.fuses_swiglu:
-            h = experts._mm(x2, w13, offs, rows, swiglu=True)
-        else:
-            h1, h3 = experts._mm(x2, w13, offs, rows).chunk(2, dim=-1)
-            h = F.silu(h1) * h3
-        y = experts._mm(h, w2, offs, offs_ready=True)
-        return y.view(parts, tokens, -1).float().sum(0).to(x.dtype).view(*x.shape[:-1], -1)
+        y = experts.shared_groups(x2)  # [parts * tokens, dim]: each part's output, rounded
+        return y.view(experts.shared, x2.shape[0], -1).float().sum(0).to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def _shared_offs(parts: int, tokens: int, device: torch.device) -> torch.Tensor:
+    """The cumulative ends of ``parts`` groups of every one of ``tokens`` tokens (folded shared experts)."""
+    return (torch.arange(1, parts + 1, device=device) * tokens).to(torch.int32)
 
 
 def _cat_rows(scales: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -511,16 +554,24 @@ def _swiglu_packed(h: torch.Tensor) -> torch.Tensor:
 
 def shared_parts(moe: MoE) -> int:
     """The parts ``fold_shared`` cuts ``moe``'s shared feed-forward in (0: it stays as it is): quantized experts
-    and shared linears of one MX format alike (``activations``, ``kernel``), and a shared hidden size a whole
-    number of the experts' (scale blocks whole)."""
+    and shared linears of one MX format alike (``activations``, ``kernel``), or bf16 experts (``FusedExperts``) and
+    bias-free ``nn.Linear``s of their dtype; and a shared hidden size a whole number of the experts' (scale blocks
+    whole)."""
     experts, ffn = moe.experts, moe.shared_experts
-    if not isinstance(experts, QuantizedExperts) or experts.shared or not isinstance(ffn, FeedForward):
+    if not isinstance(experts, QuantizedExperts | FusedExperts) or experts.shared or not isinstance(ffn, FeedForward):
         return 0
     linears = [getattr(ffn, name) for name in ("w1", "w3", "w2")]
-    alike = (experts.fmt, experts.activations, experts.kernel)
-    if any(type(lin) is not QuantizedLinear or (lin.fmt, lin.activations, lin.kernel) != alike for lin in linears):
-        return 0
-    hidden, shared_hidden = experts.hidden, ffn.w1.out_features
+    if isinstance(experts, FusedExperts):
+        hidden = experts.w2.shape[-1]
+        dtype = experts.w13.dtype
+        if any(type(lin) is not nn.Linear or lin.bias is not None or lin.weight.dtype != dtype for lin in linears):
+            return 0
+    else:
+        hidden = experts.hidden
+        alike = (experts.fmt, experts.activations, experts.kernel)
+        if any(type(lin) is not QuantizedLinear or (lin.fmt, lin.activations, lin.kernel) != alike for lin in linears):
+            return 0
+    shared_hidden = ffn.w1.out_features
     return shared_hidden // hidden if shared_hidden % hidden == 0 and hidden % BLOCK_SIZE == 0 else 0
 
 
@@ -630,14 +681,14 @@ def _fuse(parent: nn.Module, names: tuple[str, ...], fused_name: str) -> None:
 def fuse_projections(model: nn.Module) -> nn.Module:
     """Fuse the linears of ``model`` that read one input, in place (module doc): each attention's wq, wk, wv as
     ``wqkv``, each feed-forward's w1, w3 as ``w13``, and each MoE block's experts' w1, w3 (``QuantizedExperts.fuse``,
-    bf16 ones as ``FusedExperts``), with an MoE block's shared experts folded into its quantized experts where
+    bf16 ones as ``FusedExperts``), with an MoE block's shared experts folded into its experts where
     ``shared_parts`` allows. After ``quantize_model``, which reads the experts' w1."""
     for module in list(model.modules()):
+        if isinstance(module, MoE) and type(module.experts) is GroupedExperts:
+            module.experts = FusedExperts(module.experts)
         if isinstance(module, MoE) and (parts := shared_parts(module)):
             module.experts.fold_shared(module.shared_experts, parts)
             module.shared_experts = SharedExpertGroups(module.experts)
-        elif isinstance(module, MoE) and type(module.experts) is GroupedExperts:
-            module.experts = FusedExperts(module.experts)
     for module in list(model.modules()):
         if isinstance(module, Attention):
             _fuse(module, ("wq", "wk", "wv"), "wqkv")
