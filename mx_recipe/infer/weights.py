@@ -311,9 +311,8 @@ class QuantizedExperts(nn.Module):
 
     def _mm(self, x: torch.Tensor, packed: PackedWeight, offs: torch.Tensor, rows: torch.Tensor | None = None,
             swiglu: bool = False, offs_ready: bool = False, x_ready: bool = False) -> torch.Tensor:  # fmt: skip
-        if offs.shape[0] < packed.qdata.shape[0]:  # the routed groups' ends: the folded shared groups get no rows
-            offs = torch.cat([offs, offs[-1:].expand(self.shared)])
-            x_ready = False  # the routing's offs, then the cat: the launch before writes none of the shared rows
+        offs, complete = _all_groups(offs, packed.qdata.shape[0])
+        x_ready = x_ready and complete  # else the cat is the launch before, and it writes none of the shared rows
         if self.activations:
             x = quantize_activation(x, self.fmt)  # per row along K: the same rows whether gathered before or after
             x_ready = False  # the launch right before wrote the quantized x
@@ -447,15 +446,8 @@ class FusedExperts(GroupedExperts):
         self.w2 = nn.Parameter(torch.cat([self.w2.detach(), w2]), requires_grad=False)
         self.shared = parts
 
-    def _all_groups(self, offs: torch.Tensor) -> torch.Tensor:
-        """``offs`` of the routed groups, the folded shared ones appended with no rows (a full forward's routing,
-        which runs the shared experts on their own: ``SharedExpertGroups``)."""
-        if offs.shape[0] == self.w13.shape[0]:
-            return offs
-        return torch.cat([offs, offs[-1:].expand(self.shared)])
-
     def grouped_mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        offs = self._all_groups(offs)
+        offs, _ = _all_groups(offs, w.shape[0])
         if use_grouped_gemv(x, w, x.shape[0]):
             return grouped_gemv(x, w, offs)
         return super().grouped_mm(x, w, offs)
@@ -472,7 +464,8 @@ class FusedExperts(GroupedExperts):
     def down(self, h: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """w2 of ``swiglu``'s (or ``gate_up``'s) output h on the same ``offs``, which a launch before h's wrote."""
         if use_grouped_gemv(h, self.w2, h.shape[0]):
-            return grouped_gemv(h, self.w2, self._all_groups(offs), offs_ready=offs.shape[0] == self.w2.shape[0])
+            offs, complete = _all_groups(offs, self.w2.shape[0])
+            return grouped_gemv(h, self.w2, offs, offs_ready=complete)
         return super().down(h, offs)
 
     def _gemv_rows(self, x: torch.Tensor, routed: torch.Tensor | None) -> torch.Tensor | None | bool:
@@ -488,7 +481,7 @@ class FusedExperts(GroupedExperts):
         if rows is False:
             (h,) = self.grouped_mm_on_one_input(x, (self.w13,), offs, routed)
         else:
-            h = grouped_gemv(x, self.w13, self._all_groups(offs), rows)
+            h = grouped_gemv(x, self.w13, _all_groups(offs, self.w13.shape[0])[0], rows)
         h1, h3 = h.chunk(2, dim=-1)
         return h1, h3
 
@@ -500,8 +493,9 @@ class FusedExperts(GroupedExperts):
         rows, every token, start without waiting for it (``grouped_gemv``'s ``early``)."""
         rows = self._gemv_rows(x, routed)
         if rows is not False:
-            early = self.shared if x_ready and rows is not None and offs.shape[0] == self.w13.shape[0] else 0
-            return grouped_gemv(x, self.w13, self._all_groups(offs), rows, swiglu=True, early=early)
+            offs, complete = _all_groups(offs, self.w13.shape[0])
+            early = self.shared if x_ready and complete and rows is not None else 0
+            return grouped_gemv(x, self.w13, offs, rows, swiglu=True, early=early)
         h1, h3 = self.gate_up(x, offs, routed)
         return silu_mul(h1, h3) if use_kernel(x) else F.silu(h1) * h3
 
@@ -520,6 +514,14 @@ class SharedExpertGroups(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         y = experts.shared_groups(x2)  # [parts * tokens, dim]: each part's output, rounded
         return y.view(experts.shared, x2.shape[0], -1).float().sum(0).to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def _all_groups(offs: torch.Tensor, groups: int) -> tuple[torch.Tensor, bool]:
+    """``offs`` over all ``groups`` groups, and whether it already was: a full forward's routing ends the routed
+    groups only, and the folded shared groups after them get no rows (``SharedExpertGroups`` runs them)."""
+    if offs.shape[0] == groups:
+        return offs, True
+    return torch.cat([offs, offs[-1:].expand(groups - offs.shape[0])]), False
 
 
 def _shared_offs(parts: int, tokens: int, device: torch.device) -> torch.Tensor:
